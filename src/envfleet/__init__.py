@@ -1,0 +1,45 @@
+"""envfleet: run many copies of a reinforcement-learning environment in parallel.
+
+``envfleet.make(env, num_envs, backend=...)`` returns a ``gymnasium.vector.VectorEnv`` whose
+results are bit-identical to ``gymnasium.vector.SyncVectorEnv`` for the same seeds and actions.
+See DESIGN.md §5 for the public contract.
+"""
+
+from envfleet.errors import (
+    AlreadyPendingCallError,
+    ClosedEnvironmentError,
+    ConfigError,
+    EnvCrashedError,
+    EnvError,
+    EnvfleetError,
+    InvalidActionError,
+    InvalidArgumentError,
+    NoAsyncCallError,
+    RemoteTraceback,
+    ResetNeededError,
+    SpaceMismatchError,
+    StepTimeoutError,
+)
+from envfleet.front import BACKENDS, FleetVectorEnv, make
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BACKENDS",
+    "AlreadyPendingCallError",
+    "ClosedEnvironmentError",
+    "ConfigError",
+    "EnvCrashedError",
+    "EnvError",
+    "EnvfleetError",
+    "FleetVectorEnv",
+    "InvalidActionError",
+    "InvalidArgumentError",
+    "NoAsyncCallError",
+    "RemoteTraceback",
+    "ResetNeededError",
+    "SpaceMismatchError",
+    "StepTimeoutError",
+    "__version__",
+    "make",
+]

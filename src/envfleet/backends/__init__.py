@@ -1,0 +1,5 @@
+"""Transports: move "run envs [a, b)" to where the EnvGroups live and bring completion back."""
+
+from envfleet.backends.base import Backend, WorkerLayout, worker_ranges
+
+__all__ = ["Backend", "WorkerLayout", "worker_ranges"]

@@ -1,0 +1,124 @@
+"""What every backend implements, and the pieces they share."""
+
+from __future__ import annotations
+
+import abc
+import functools
+import inspect
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import gymnasium
+from gymnasium.vector import AutoresetMode
+
+from envfleet.buffers import Batch
+from envfleet.errors import EnvError
+from envfleet.protocol import Command
+
+__all__ = ["Backend", "WorkerLayout", "accepts_env_index", "bind_env_index", "worker_ranges"]
+
+EnvFn = Callable[..., gymnasium.Env[Any, Any]]
+
+
+def worker_ranges(num_envs: int, num_workers: int) -> list[tuple[int, int]]:
+    """Contiguous blocks ``[start, stop)`` of envs per worker, sizes differing by at most one.
+
+    The first ``num_envs % num_workers`` workers hold one env more. When ``num_workers``
+    divides ``num_envs`` every worker holds ``num_envs // num_workers`` envs.
+    """
+    base, extra = divmod(num_envs, num_workers)
+    ranges = []
+    start = 0
+    for w in range(num_workers):
+        stop = start + base + (1 if w < extra else 0)
+        ranges.append((start, stop))
+        start = stop
+    return ranges
+
+
+def accepts_env_index(fn: Callable[..., Any]) -> bool:
+    """Whether ``fn`` takes a keyword argument named ``env_index``."""
+    try:
+        parameters = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+    param = parameters.get("env_index")
+    return param is not None and param.kind in (
+        inspect.Parameter.POSITIONAL_OR_KEYWORD,
+        inspect.Parameter.KEYWORD_ONLY,
+    )
+
+
+def bind_env_index(fn: EnvFn, env_index: int, accepts: bool) -> Callable[[], gymnasium.Env[Any, Any]]:
+    """A zero-argument factory: ``fn(env_index=env_index)`` when ``fn`` accepts it, else ``fn``."""
+    return functools.partial(fn, env_index=env_index) if accepts else fn
+
+
+@dataclass
+class WorkerLayout:
+    """Everything a backend needs to build its EnvGroups.
+
+    Attributes:
+        env_fns: one factory per env (may repeat the same object); not yet bound to env_index.
+        accepts_index: per env, whether its factory takes ``env_index``.
+        single_observation_space, single_action_space: spaces of one sub-environment.
+        autoreset_mode: as gymnasium's.
+        ranges: ``[start, stop)`` per worker, contiguous, in order.
+    """
+
+    env_fns: Sequence[EnvFn]
+    accepts_index: Sequence[bool]
+    single_observation_space: gymnasium.Space[Any]
+    single_action_space: gymnasium.Space[Any]
+    autoreset_mode: AutoresetMode
+    ranges: Sequence[tuple[int, int]]
+
+    @property
+    def num_envs(self) -> int:
+        return len(self.env_fns)
+
+    def bound_fns(self, start: int, stop: int) -> list[Callable[[], gymnasium.Env[Any, Any]]]:
+        return [bind_env_index(self.env_fns[i], i, self.accepts_index[i]) for i in range(start, stop)]
+
+
+def env_error(env_index: int, worker_index: int | None, method: str, cause_text: str) -> EnvError:
+    where = f"sub-environment {env_index}" + (
+        f" (worker {worker_index})" if worker_index is not None else ""
+    )
+    return EnvError(f"{where} raised in {method}: {cause_text}", env_index, worker_index, method)
+
+
+class Backend(abc.ABC):
+    """A transport between the front and its EnvGroups.
+
+    The front writes actions into ``batch.actions``, calls :meth:`submit` with one payload per
+    worker that must act, then :meth:`collect` for their results, in worker order. Results
+    carry only what does not live in ``batch`` (infos, call results).
+    """
+
+    batch: Batch
+    ranges: Sequence[tuple[int, int]]
+
+    @property
+    def num_workers(self) -> int:
+        return len(self.ranges)
+
+    @abc.abstractmethod
+    def submit(self, command: Command, payloads: Mapping[int, Any]) -> None:
+        """Start ``command`` on the workers named in ``payloads`` (worker index -> payload)."""
+
+    @abc.abstractmethod
+    def collect(self, timeout: float | None, step: int) -> dict[int, Any]:
+        """Wait for every submitted worker and return worker index -> result, in worker order.
+
+        Raises:
+            EnvError: an env raised; every other worker's reply has been read first, so the
+                backend stays usable.
+            EnvCrashedError: a worker died; the backend is shut down.
+            StepTimeoutError: ``timeout`` (seconds) expired; the backend is shut down.
+        """
+
+    @abc.abstractmethod
+    def close(self, timeout: float | None, terminate: bool) -> None:
+        """Close every env and release every process and buffer; bounded by ``timeout``."""

@@ -1,0 +1,220 @@
+"""EnvGroup: K sub-environments over their slice of the batch buffers (DESIGN §2, layer 2).
+
+This is the one step loop and the one autoreset implementation of envfleet. Every backend
+runs it: in-process for ``serial``, inside each worker for ``processes``. It mirrors
+``gymnasium.vector.SyncVectorEnv.step``/``reset`` env by env, so that the same seeds and actions
+give bit-identical observations, rewards, terminations, truncations and infos.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import gymnasium
+import numpy as np
+from gymnasium.vector import AutoresetMode
+from gymnasium.vector.utils import batch_space, concatenate, iterate
+
+from envfleet.buffers import Batch
+from envfleet.protocol import CallRequest, Command, InfoEvent, ResetRequest, SetAttrRequest
+
+__all__ = ["EnvFailure", "EnvGroup", "spaces_mismatch"]
+
+logger = logging.getLogger("envfleet")
+
+
+class EnvFailure(Exception):
+    """Raised by an EnvGroup when one of its envs raised; the env's exception is ``__cause__``."""
+
+    def __init__(self, env_index: int, method: str):
+        super().__init__(f"sub-environment {env_index} raised in {method}")
+        self.env_index = env_index
+        self.method = method
+
+
+def spaces_mismatch(
+    env: gymnasium.Env[Any, Any],
+    observation_space: gymnasium.Space[Any],
+    action_space: gymnasium.Space[Any],
+) -> str | None:
+    """Describe how ``env``'s spaces differ from the expected ones, or ``None`` when equal."""
+    if env.observation_space != observation_space:
+        return f"observation space {env.observation_space} != {observation_space}"
+    if env.action_space != action_space:
+        return f"action space {env.action_space} != {action_space}"
+    return None
+
+
+class EnvGroup:
+    """Sub-environments ``[start, start + K)`` of a vector env and their buffer slices.
+
+    Args:
+        env_fns: K zero-argument factories, already bound to their ``env_index``.
+        start: global index of the first env.
+        batch: the whole vector env's :class:`Batch`; the group uses rows ``[start, start+K)``.
+        single_observation_space, single_action_space: the spaces of one sub-environment.
+        autoreset_mode: as ``gymnasium.vector.AutoresetMode``.
+    """
+
+    def __init__(
+        self,
+        env_fns: Sequence[Callable[[], gymnasium.Env[Any, Any]]],
+        start: int,
+        batch: Batch,
+        single_observation_space: gymnasium.Space[Any],
+        single_action_space: gymnasium.Space[Any],
+        autoreset_mode: AutoresetMode,
+    ):
+        self.start = start
+        self.size = len(env_fns)
+        self.stop = start + self.size
+        self.autoreset_mode = autoreset_mode
+        self.single_observation_space = single_observation_space
+        self.single_action_space = single_action_space
+        self._action_space = batch_space(single_action_space, self.size)
+        self.buffers = batch.slice(self.start, self.stop)
+        self.envs: list[gymnasium.Env[Any, Any]] = []
+        for j, fn in enumerate(env_fns):
+            try:
+                self.envs.append(fn())
+            except Exception as exc:
+                self.close()
+                raise EnvFailure(start + j, "make") from exc
+        self._env_obs: list[Any] = [None] * self.size
+        self._autoreset_envs = np.zeros(self.size, dtype=np.bool_)
+
+    def check_spaces(self) -> tuple[int, str] | None:
+        """(env_index, description) of the first env whose spaces differ, or ``None``."""
+        for j, env in enumerate(self.envs):
+            problem = spaces_mismatch(env, self.single_observation_space, self.single_action_space)
+            if problem is not None:
+                return self.start + j, problem
+        return None
+
+    # -- commands -------------------------------------------------------------------------
+
+    def run(self, command: Command, payload: Any) -> Any:
+        """Execute one command; the result travels back to the front."""
+        if command is Command.STEP:
+            return self.step()
+        if command is Command.RESET:
+            return self.reset(payload)
+        if command is Command.CALL:
+            return self.call(payload)
+        if command is Command.SET_ATTR:
+            return self.set_attr(payload)
+        if command is Command.RENDER:
+            return self.render()
+        raise ValueError(f"unknown command {command!r}")
+
+    def step(self) -> list[InfoEvent]:
+        """Step every env with its action from the action buffer, autoresetting per mode.
+
+        Writes observations, rewards, terminations and truncations into the group's buffer
+        slices and returns the non-empty infos in order (gymnasium's SyncVectorEnv.step).
+        """
+        buf = self.buffers
+        # A private copy: an env may keep a reference to its action past this step.
+        actions = iterate(self._action_space, _tree_copy(buf.actions))
+        rewards, terminations, truncations = buf.rewards, buf.terminations, buf.truncations
+        mode = self.autoreset_mode
+        events: list[InfoEvent] = []
+        for j, action in enumerate(actions):
+            env = self.envs[j]
+            index = self.start + j
+            try:
+                if mode is AutoresetMode.NEXT_STEP and self._autoreset_envs[j]:
+                    self._env_obs[j], env_info = env.reset()
+                    rewards[j] = 0.0
+                    terminations[j] = False
+                    truncations[j] = False
+                else:
+                    (
+                        self._env_obs[j],
+                        rewards[j],
+                        terminations[j],
+                        truncations[j],
+                        env_info,
+                    ) = env.step(action)
+                    if mode is AutoresetMode.SAME_STEP and (terminations[j] or truncations[j]):
+                        events.append(
+                            (index, {"final_obs": self._env_obs[j], "final_info": env_info})
+                        )
+                        self._env_obs[j], env_info = env.reset()
+            except Exception as exc:
+                raise EnvFailure(index, "step") from exc
+            if env_info:
+                events.append((index, env_info))
+        concatenate(self.single_observation_space, self._env_obs, buf.observations)
+        np.logical_or(terminations, truncations, out=self._autoreset_envs)
+        return events
+
+    def reset(self, request: ResetRequest) -> list[InfoEvent]:
+        """Reset the envs (all, or those in ``request.mask``) with their seeds and options."""
+        mask = request.mask
+        if mask is None:
+            self._autoreset_envs[:] = False
+        else:
+            self._autoreset_envs[mask] = False
+        events: list[InfoEvent] = []
+        for j, env in enumerate(self.envs):
+            if mask is not None and not mask[j]:
+                continue
+            try:
+                self._env_obs[j], env_info = env.reset(
+                    seed=request.seeds[j], options=request.options
+                )
+            except Exception as exc:
+                raise EnvFailure(self.start + j, "reset") from exc
+            if env_info:
+                events.append((self.start + j, env_info))
+        concatenate(self.single_observation_space, self._env_obs, self.buffers.observations)
+        return events
+
+    def call(self, request: CallRequest) -> list[Any]:
+        """gymnasium's ``SyncVectorEnv.call`` on each env: call the attribute if callable."""
+        results = []
+        for j, env in enumerate(self.envs):
+            try:
+                attr = env.get_wrapper_attr(request.name)
+                results.append(attr(*request.args, **request.kwargs) if callable(attr) else attr)
+            except Exception as exc:
+                raise EnvFailure(self.start + j, f"call({request.name!r})") from exc
+        return results
+
+    def set_attr(self, request: SetAttrRequest) -> None:
+        """``env.set_wrapper_attr(name, value)`` on each env with its own value."""
+        for j, (env, value) in enumerate(zip(self.envs, request.values, strict=True)):
+            try:
+                env.set_wrapper_attr(request.name, value)
+            except Exception as exc:
+                raise EnvFailure(self.start + j, f"set_attr({request.name!r})") from exc
+
+    def render(self) -> list[Any]:
+        """``env.render()`` of each env."""
+        frames = []
+        for j, env in enumerate(self.envs):
+            try:
+                frames.append(env.render())
+            except Exception as exc:
+                raise EnvFailure(self.start + j, "render") from exc
+        return frames
+
+    def close(self) -> None:
+        """Close every env; an env that raises while closing does not stop the others."""
+        for env in self.envs:
+            try:
+                env.close()
+            except Exception:  # closing must reach every env
+                logger.warning("a sub-environment raised in close()", exc_info=True)
+        self.envs = []
+
+
+def _tree_copy(tree: Any) -> Any:
+    if isinstance(tree, np.ndarray):
+        return tree.copy()
+    if isinstance(tree, dict):
+        return {key: _tree_copy(value) for key, value in tree.items()}
+    return tuple(_tree_copy(value) for value in tree)

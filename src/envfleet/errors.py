@@ -1,0 +1,183 @@
+"""Typed errors of envfleet.
+
+Every error derives from :class:`EnvfleetError`. The call-state errors also derive from
+gymnasium's own classes (``gymnasium.error.AlreadyPendingCallError`` and friends), so code
+written against ``gymnasium.vector.AsyncVectorEnv`` keeps catching them.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import signal as _signal
+from collections.abc import Sequence
+
+import gymnasium.error
+
+__all__ = [
+    "AlreadyPendingCallError",
+    "ClosedEnvironmentError",
+    "ConfigError",
+    "EnvCrashedError",
+    "EnvError",
+    "EnvfleetError",
+    "InvalidActionError",
+    "InvalidArgumentError",
+    "NoAsyncCallError",
+    "RemoteTraceback",
+    "ResetNeededError",
+    "SpaceMismatchError",
+    "StepTimeoutError",
+]
+
+
+class EnvfleetError(Exception):
+    """Base class of every error envfleet raises."""
+
+
+class ConfigError(EnvfleetError, ValueError):
+    """Bad arguments to :func:`envfleet.make`, found before any worker starts.
+
+    Raised for: ``num_envs < 1``, ``num_workers`` out of ``[1, num_envs]``, an unknown backend,
+    an unknown gymnasium id, a factory that cannot be pickled for the worker processes, a
+    space the backend cannot hold in shared memory.
+    """
+
+
+class SpaceMismatchError(ConfigError):
+    """The sub-environments do not share one observation space and one action space."""
+
+
+class InvalidArgumentError(EnvfleetError, ValueError, TypeError):
+    """A bad argument to a call on a running vector env (seeds, reset mask, set_attr values).
+
+    It derives from both ``ValueError`` and ``TypeError`` because gymnasium raises one or the
+    other for the same checks. Raised before anything is sent to a worker.
+    """
+
+
+class InvalidActionError(InvalidArgumentError):
+    """Actions whose structure, shape or dtype do not fit the batched action space.
+
+    Raised by ``step``/``step_async`` before anything is sent to a worker; the vector env is
+    left exactly as it was.
+    """
+
+
+class ResetNeededError(EnvfleetError, gymnasium.error.ResetNeeded):
+    """``step`` in ``AutoresetMode.DISABLED`` while some sub-environment has ended its episode.
+
+    gymnasium's SyncVectorEnv asserts the same condition; envfleet checks it before sending the
+    actions. ``env_indices`` lists the sub-environments that must be reset first (for example
+    with ``reset(options={"reset_mask": mask})``).
+    """
+
+    def __init__(self, message: str, env_indices: Sequence[int]):
+        super().__init__(message)
+        self.env_indices = list(env_indices)
+
+
+class RemoteTraceback(Exception):
+    """Carries the formatted traceback of an exception raised in another process.
+
+    It is set as the ``__cause__`` of the re-raised remote exception, the way
+    ``concurrent.futures.ProcessPoolExecutor`` does, so that printing the error shows both
+    tracebacks.
+    """
+
+    def __init__(self, tb: str):
+        super().__init__(tb)
+        self.tb = tb
+
+    def __str__(self) -> str:
+        return self.tb
+
+
+class EnvError(EnvfleetError):
+    """An exception raised inside a sub-environment (step, reset, call, get_attr, set_attr, render).
+
+    Attributes:
+        env_index: global index of the sub-environment that raised (``0 <= env_index < num_envs``).
+        worker_index: index of the worker that holds it (``None`` for in-process backends).
+        method: the environment method that raised, e.g. ``"step"`` or ``"reset"``.
+
+    The original exception is chained as ``__cause__``; for a process backend its own
+    ``__cause__`` is a :class:`RemoteTraceback` with the worker-side traceback text.
+    """
+
+    def __init__(self, message: str, env_index: int, worker_index: int | None, method: str):
+        super().__init__(message)
+        self.env_index = env_index
+        self.worker_index = worker_index
+        self.method = method
+
+
+def describe_exitcode(exitcode: int | None) -> str:
+    """'exit code 3', 'signal SIGSEGV' or 'still running' for a process exit code."""
+    if exitcode is None:
+        return "still running"
+    if exitcode < 0:
+        try:
+            return f"signal {_signal.Signals(-exitcode).name}"
+        except ValueError:
+            return f"signal {-exitcode}"
+    return f"exit code {exitcode}"
+
+
+class EnvCrashedError(EnvfleetError):
+    """A worker process died (segfault, ``os._exit``, SIGKILL, out-of-memory kill, ...).
+
+    Attributes:
+        env_index: the first sub-environment the dead worker held.
+        env_indices: every sub-environment the dead worker held.
+        worker_index: the dead worker.
+        exitcode: the process exit code (negative: killed by signal ``-exitcode``).
+        signal: the signal number that killed it, or ``None``.
+        step: how many ``step`` calls the vector env had completed when the crash was seen.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        env_indices: Sequence[int],
+        worker_index: int,
+        exitcode: int | None,
+        step: int,
+    ):
+        super().__init__(message)
+        self.env_indices = list(env_indices)
+        self.env_index = self.env_indices[0] if self.env_indices else -1
+        self.worker_index = worker_index
+        self.exitcode = exitcode
+        self.signal = -exitcode if exitcode is not None and exitcode < 0 else None
+        self.step = step
+
+
+class StepTimeoutError(EnvfleetError, multiprocessing.TimeoutError):
+    """A wait ran past its timeout (``step_timeout`` or ``step_wait(timeout=)``), in seconds.
+
+    It also derives from ``multiprocessing.TimeoutError``, the error gymnasium's AsyncVectorEnv
+    raises on a timed-out wait. Unlike gymnasium, the workers still running are killed and the
+    vector env is closed: their late results could otherwise be mistaken for the next call's.
+
+    Attributes:
+        env_indices: the sub-environments whose workers had not answered.
+        timeout: the timeout that expired, in seconds.
+    """
+
+    def __init__(self, message: str, env_indices: Sequence[int], timeout: float):
+        super().__init__(message)
+        self.env_indices = list(env_indices)
+        self.timeout = timeout
+
+
+class AlreadyPendingCallError(EnvfleetError, gymnasium.error.AlreadyPendingCallError):
+    """An asynchronous call was started while another one is pending (gymnasium's semantics)."""
+
+
+class NoAsyncCallError(EnvfleetError, gymnasium.error.NoAsyncCallError):
+    """A ``*_wait`` call without its matching ``*_async`` call (gymnasium's semantics)."""
+
+
+class ClosedEnvironmentError(EnvfleetError, gymnasium.error.ClosedEnvironmentError):
+    """A call on a vector env that was closed (gymnasium's semantics)."""

@@ -1,0 +1,674 @@
+"""The front (DESIGN §2, layer 1): :func:`make` and :class:`FleetVectorEnv`.
+
+One vector env class for every backend. It validates input before anything reaches a worker,
+owns the call state machine (idle / waiting-reset / waiting-step / waiting-call, with
+gymnasium's AsyncVectorEnv errors) and assembles infos in gymnasium's convention by replaying
+each env's info through ``gymnasium.vector.VectorEnv._add_info`` in env order.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import numbers
+import os
+from collections.abc import Callable, Sequence
+from copy import deepcopy
+from typing import Any
+
+import cloudpickle
+import gymnasium
+import numpy as np
+import psutil
+from gymnasium.vector import AutoresetMode, VectorEnv
+from gymnasium.vector.async_vector_env import AsyncState
+from gymnasium.vector.utils import batch_space
+
+from envfleet.backends.base import (
+    Backend,
+    WorkerLayout,
+    accepts_env_index,
+    bind_env_index,
+    env_error,
+    worker_ranges,
+)
+from envfleet.buffers import Block, batch_nbytes, check_fixed_size
+from envfleet.errors import (
+    AlreadyPendingCallError,
+    ClosedEnvironmentError,
+    ConfigError,
+    EnvCrashedError,
+    InvalidActionError,
+    InvalidArgumentError,
+    NoAsyncCallError,
+    ResetNeededError,
+    StepTimeoutError,
+)
+from envfleet.protocol import CallRequest, Command, InfoEvent, ResetRequest, SetAttrRequest
+
+__all__ = ["BACKENDS", "FleetVectorEnv", "make"]
+
+logger = logging.getLogger("envfleet")
+
+BACKENDS = ("serial", "processes")
+_LATER_BACKENDS = {
+    "threads": "the threads backend",
+    "ray": "the Ray backend",
+    "envpool": "the EnvPool backend",
+}
+
+EnvFactory = Callable[..., gymnasium.Env[Any, Any]]
+
+
+class GymMake:
+    """Picklable factory ``gymnasium.make(env_id, **env_kwargs)``.
+
+    Ids in the ``ALE/`` namespace import ``ale_py`` first, which registers the Atari envs.
+    """
+
+    def __init__(self, env_id: str, env_kwargs: dict[str, Any] | None = None):
+        self.env_id = env_id
+        self.env_kwargs = dict(env_kwargs or {})
+
+    def __call__(self) -> gymnasium.Env[Any, Any]:
+        register_namespace(self.env_id)
+        return gymnasium.make(self.env_id, **self.env_kwargs)
+
+    def __repr__(self) -> str:
+        return f"GymMake({self.env_id!r}, {self.env_kwargs!r})"
+
+
+def register_namespace(env_id: str) -> None:
+    """Import the package that registers ``env_id``'s namespace, where one is known (ALE)."""
+    if env_id.startswith("ALE/"):
+        try:
+            import ale_py
+        except ImportError as exc:
+            raise ConfigError(
+                f"{env_id!r} needs ale-py: pip install 'envfleet[atari]'"
+            ) from exc
+        gymnasium.register_envs(ale_py)
+
+
+def usable_cores() -> int:
+    """Cores this process may run on (its CPU affinity), at least 1."""
+    try:
+        return max(1, len(psutil.Process().cpu_affinity() or []))
+    except (AttributeError, psutil.Error):
+        return max(1, os.cpu_count() or 1)
+
+
+def make(
+    env: str | EnvFactory | Sequence[EnvFactory],
+    num_envs: int | None = None,
+    *,
+    backend: str = "processes",
+    num_workers: int | None = None,
+    batch_size: int | None = None,
+    autoreset_mode: AutoresetMode | str = AutoresetMode.NEXT_STEP,
+    env_kwargs: dict[str, Any] | None = None,
+    step_timeout: float | None = None,
+    restart_policy: Any = None,
+    context: str | None = None,
+    copy: bool = True,
+) -> FleetVectorEnv:
+    """Create a vector env of ``num_envs`` sub-environments on ``backend``.
+
+    Args:
+        env: a gymnasium id (``"CartPole-v1"``, ``"ALE/Pong-v5"``), a zero-argument callable
+            returning a ``gymnasium.Env``, or a list of such callables (one per env). A factory
+            that accepts a keyword ``env_index`` is called with the env's global index.
+        num_envs: number of sub-environments; default 1, or ``len(env)`` for a list.
+        backend: ``"serial"`` (in this process) or ``"processes"`` (worker processes over
+            shared memory).
+        num_workers: worker count, ``1 <= num_workers <= num_envs``; envs go to workers in
+            contiguous blocks whose sizes differ by at most one. Default: ``min(num_envs,
+            usable cores)`` for ``processes``, 1 for ``serial``.
+        batch_size: ``None`` or ``num_envs`` (synchronous). The first-ready pool
+            (``batch_size < num_envs``) is not available yet.
+        autoreset_mode: a ``gymnasium.vector.AutoresetMode`` (or its string value).
+        env_kwargs: keyword arguments for ``gymnasium.make``; only with a gymnasium id.
+        step_timeout: seconds any step, reset or call may take before the workers still busy
+            are killed and :class:`envfleet.StepTimeoutError` is raised; ``None``: no bound.
+        restart_policy: must be ``None`` for now (fail-fast).
+        context: ``multiprocessing`` start method (``"fork"``, ``"spawn"``, ``"forkserver"``);
+            default: the platform's.
+        copy: ``True``: step/reset return copies, like gymnasium. ``False``: views of the
+            shared buffers, valid until the next call.
+
+    Returns:
+        A :class:`FleetVectorEnv`, a ``gymnasium.vector.VectorEnv``.
+
+    Raises:
+        ConfigError: any bad argument above, an unknown gymnasium id, an unpicklable factory
+            for ``processes``, an observation or action space without a fixed size.
+        SpaceMismatchError: the sub-environments' spaces differ.
+        EnvError: a factory raised (``method == "make"``).
+        EnvCrashedError: a worker died while building its envs.
+    """
+    backend = _check_backend(backend)
+    env_fns, default_num_envs = _factories(env, env_kwargs)
+    if num_envs is None:
+        num_envs = default_num_envs
+    if isinstance(num_envs, bool) or not isinstance(num_envs, numbers.Integral) or num_envs < 1:
+        raise ConfigError(f"num_envs must be an integer >= 1, got {num_envs!r}")
+    num_envs = int(num_envs)
+    if len(env_fns) == 1:
+        env_fns = env_fns * num_envs
+    elif len(env_fns) != num_envs:
+        raise ConfigError(f"got {len(env_fns)} env factories for num_envs={num_envs}")
+    if num_workers is None:
+        num_workers = min(num_envs, usable_cores()) if backend == "processes" else 1
+    if (
+        isinstance(num_workers, bool)
+        or not isinstance(num_workers, numbers.Integral)
+        or not 1 <= num_workers <= num_envs
+    ):
+        raise ConfigError(f"num_workers must be an integer in [1, {num_envs}], got {num_workers!r}")
+    if batch_size is not None and batch_size != num_envs:
+        raise ConfigError(
+            f"batch_size={batch_size!r}: only None or num_envs ({num_envs}) is supported so far; "
+            "the first-ready pool (batch_size < num_envs) is not available yet"
+        )
+    try:
+        mode = autoreset_mode if isinstance(autoreset_mode, AutoresetMode) else AutoresetMode(autoreset_mode)
+    except ValueError as exc:
+        raise ConfigError(f"unknown autoreset_mode {autoreset_mode!r}") from exc
+    if step_timeout is not None and not (
+        isinstance(step_timeout, numbers.Real) and step_timeout > 0
+    ):
+        raise ConfigError(f"step_timeout must be None or seconds > 0, got {step_timeout!r}")
+    if restart_policy is not None:
+        raise ConfigError("restart_policy is not available yet; envfleet fails fast")
+    if context is not None and context not in multiprocessing.get_all_start_methods():
+        raise ConfigError(
+            f"context={context!r} is not a start method here; "
+            f"choose from {multiprocessing.get_all_start_methods()}"
+        )
+
+    accepts = [accepts_env_index(fn) for fn in env_fns]
+    if backend == "processes":
+        blobs = _pickle_factories(env_fns)
+        # Like gymnasium's AsyncVectorEnv, build one env in the driver to learn the spaces.
+        dummy = _build(bind_env_index(env_fns[0], 0, accepts[0]), 0)
+        try:
+            obs_space, act_space = dummy.observation_space, dummy.action_space
+            metadata, render_mode = dict(dummy.metadata), dummy.render_mode
+        finally:
+            dummy.close()
+        check_fixed_size(obs_space, "observation")
+        check_fixed_size(act_space, "action")
+        layout = WorkerLayout(env_fns, accepts, obs_space, act_space, mode, worker_ranges(num_envs, num_workers))
+        from envfleet.backends.processes import ProcessesBackend
+
+        block = Block(batch_nbytes(obs_space, act_space, num_envs), shared=True)
+        backend_obj: Backend = ProcessesBackend(layout, block, blobs, context, step_timeout)
+    else:
+        from envfleet.backends.serial import SerialBackend
+
+        # Like gymnasium's SyncVectorEnv, env 0 gives the spaces; it is kept as env 0.
+        first = _build(bind_env_index(env_fns[0], 0, accepts[0]), 0)
+        obs_space, act_space = first.observation_space, first.action_space
+        metadata, render_mode = dict(first.metadata), first.render_mode
+        try:
+            check_fixed_size(obs_space, "observation")
+            check_fixed_size(act_space, "action")
+        except ConfigError:
+            first.close()
+            raise
+        layout = WorkerLayout(env_fns, accepts, obs_space, act_space, mode, worker_ranges(num_envs, num_workers))
+        block = Block(batch_nbytes(obs_space, act_space, num_envs), shared=False)
+        backend_obj = SerialBackend(layout, block, first_env=first)
+    return FleetVectorEnv(
+        backend_obj,
+        backend_name=backend,
+        single_observation_space=obs_space,
+        single_action_space=act_space,
+        metadata=metadata,
+        render_mode=render_mode,
+        autoreset_mode=mode,
+        step_timeout=None if step_timeout is None else float(step_timeout),
+        copy=copy,
+    )
+
+
+def _check_backend(backend: str) -> str:
+    if backend in BACKENDS:
+        return backend
+    if backend in _LATER_BACKENDS:
+        raise ConfigError(
+            f"backend={backend!r}: {_LATER_BACKENDS[backend]} is not available yet; "
+            f"available backends: {', '.join(BACKENDS)}"
+        )
+    raise ConfigError(f"unknown backend {backend!r}; available backends: {', '.join(BACKENDS)}")
+
+
+def _factories(
+    env: str | EnvFactory | Sequence[EnvFactory], env_kwargs: dict[str, Any] | None
+) -> tuple[list[EnvFactory], int]:
+    if isinstance(env, str):
+        register_namespace(env)
+        try:
+            gymnasium.spec(env)
+        except gymnasium.error.Error as exc:
+            raise ConfigError(f"unknown environment id {env!r}: {exc}") from exc
+        return [GymMake(env, env_kwargs)], 1
+    if env_kwargs is not None:
+        raise ConfigError("env_kwargs is only for a gymnasium id; bind arguments in your factory")
+    if callable(env):
+        return [env], 1
+    if isinstance(env, Sequence) and len(env) > 0 and all(callable(fn) for fn in env):
+        return list(env), len(env)
+    raise ConfigError(
+        "env must be a gymnasium id, a callable returning a gymnasium.Env, or a non-empty list "
+        f"of such callables; got {type(env).__name__}"
+    )
+
+
+def _pickle_factories(env_fns: Sequence[EnvFactory]) -> list[bytes]:
+    blobs: dict[int, bytes] = {}
+    out = []
+    for i, fn in enumerate(env_fns):
+        if id(fn) not in blobs:
+            try:
+                blobs[id(fn)] = cloudpickle.dumps(fn)
+            except Exception as exc:
+                raise ConfigError(
+                    f"the factory of sub-environment {i} cannot be pickled for the worker "
+                    f"processes ({type(exc).__name__}: {exc}); use backend='serial' or make it "
+                    "picklable"
+                ) from exc
+        out.append(blobs[id(fn)])
+    return out
+
+
+def _build(fn: Callable[[], gymnasium.Env[Any, Any]], env_index: int) -> gymnasium.Env[Any, Any]:
+    try:
+        env = fn()
+    except ConfigError:
+        raise
+    except Exception as exc:
+        raise env_error(env_index, None, "make", f"{type(exc).__name__}: {exc}") from exc
+    if not isinstance(env, gymnasium.Env):
+        raise ConfigError(f"the factory returned {type(env).__name__}, not a gymnasium.Env")
+    return env
+
+
+class FleetVectorEnv(VectorEnv[Any, Any, np.ndarray]):
+    """A ``gymnasium.vector.VectorEnv`` over an envfleet backend; build it with :func:`make`.
+
+    Results follow ``gymnasium.vector.SyncVectorEnv`` exactly: observations batched as
+    ``create_empty_array`` lays them out (``[num_envs, *shape]`` of the space's dtype, or
+    dict/tuple of those), ``reward: float64[num_envs]``, ``terminated: bool[num_envs]``,
+    ``truncated: bool[num_envs]``, infos as ``info[key]`` arrays with ``info["_key"]`` masks.
+    The asynchronous calls and their errors follow ``gymnasium.vector.AsyncVectorEnv``.
+    """
+
+    def __init__(
+        self,
+        backend: Backend,
+        *,
+        backend_name: str,
+        single_observation_space: gymnasium.Space[Any],
+        single_action_space: gymnasium.Space[Any],
+        metadata: dict[str, Any],
+        render_mode: str | None,
+        autoreset_mode: AutoresetMode,
+        step_timeout: float | None,
+        copy: bool,
+    ):
+        self._backend = backend
+        self.backend = backend_name
+        self.num_envs = backend.batch.rewards.shape[0]
+        self.num_workers = backend.num_workers
+        self.single_observation_space = single_observation_space
+        self.single_action_space = single_action_space
+        self.observation_space = batch_space(single_observation_space, self.num_envs)
+        self.action_space = batch_space(single_action_space, self.num_envs)
+        self.autoreset_mode = autoreset_mode
+        self.metadata = metadata
+        self.metadata["autoreset_mode"] = autoreset_mode
+        self.render_mode = render_mode
+        self.step_timeout = step_timeout
+        self.copy = copy
+        self._state = AsyncState.DEFAULT
+        self._needs_reset = np.zeros(self.num_envs, dtype=np.bool_)
+        self._steps = 0
+        self.closed = False
+
+    # -- reset -----------------------------------------------------------------------------
+
+    def reset(
+        self, *, seed: int | Sequence[int | None] | None = None, options: dict[str, Any] | None = None
+    ) -> tuple[Any, dict[str, Any]]:
+        """Reset the sub-environments (all, or those in ``options["reset_mask"]``).
+
+        Args:
+            seed: ``None`` (random), an int (env i gets ``seed + i``) or one seed per env.
+            options: passed to each env's ``reset``; the key ``"reset_mask"`` (``bool[num_envs]``
+                ndarray with at least one True) resets only those envs, as in gymnasium.
+
+        Returns:
+            (observations, infos) as gymnasium's SyncVectorEnv.reset.
+
+        Raises:
+            InvalidArgumentError: bad seeds or reset mask (nothing is sent).
+            EnvError, EnvCrashedError, StepTimeoutError: see :meth:`reset_wait`.
+        """
+        self.reset_async(seed=seed, options=options)
+        return self.reset_wait()
+
+    def reset_async(
+        self, seed: int | Sequence[int | None] | None = None, options: dict[str, Any] | None = None
+    ) -> None:
+        """Start a reset; collect it with :meth:`reset_wait` (gymnasium's AsyncVectorEnv API)."""
+        self._assert_idle("reset_async")
+        seeds = self._seeds(seed)
+        mask = None
+        if options is not None and "reset_mask" in options:
+            options = dict(options)
+            mask = self._reset_mask(options.pop("reset_mask"))
+        payloads = {}
+        for w, (start, stop) in enumerate(self._backend.ranges):
+            local_mask = None if mask is None else mask[start:stop]
+            if local_mask is not None and not local_mask.any():
+                continue
+            payloads[w] = ResetRequest(seeds[start:stop], options, local_mask)
+        if mask is None:
+            self._needs_reset[:] = False
+        else:
+            self._needs_reset[mask] = False
+        self._backend.submit(Command.RESET, payloads)
+        self._state = AsyncState.WAITING_RESET
+
+    def reset_wait(self, timeout: float | None = None) -> tuple[Any, dict[str, Any]]:
+        """Wait for :meth:`reset_async`; ``timeout`` in seconds (default ``step_timeout``).
+
+        Raises:
+            NoAsyncCallError: no reset is pending.
+            EnvError: an env raised in reset (its exception chained as ``__cause__``).
+            EnvCrashedError: a worker died; the vector env is closed.
+            StepTimeoutError: the timeout expired; the vector env is closed.
+        """
+        results = self._wait(AsyncState.WAITING_RESET, "reset_wait", timeout)
+        infos = self._infos(results)
+        return self._observations(), infos
+
+    # -- step ------------------------------------------------------------------------------
+
+    def step(self, actions: Any) -> tuple[Any, np.ndarray, np.ndarray, np.ndarray, dict[str, Any]]:
+        """Step every sub-environment with its action; autoreset per ``autoreset_mode``.
+
+        Args:
+            actions: batched actions fitting ``action_space`` (``[num_envs, *shape]`` per leaf);
+                converted to the action space's dtype (same-kind casting).
+
+        Returns:
+            (observations, rewards ``float64[num_envs]``, terminations ``bool[num_envs]``,
+            truncations ``bool[num_envs]``, infos), as gymnasium's SyncVectorEnv.step.
+
+        Raises:
+            InvalidActionError: actions of the wrong structure, shape or dtype (nothing is sent).
+            ResetNeededError: ``AutoresetMode.DISABLED`` and some env needs a reset first.
+            EnvError, EnvCrashedError, StepTimeoutError: see :meth:`step_wait`.
+        """
+        self.step_async(actions)
+        return self.step_wait()
+
+    def step_async(self, actions: Any) -> None:
+        """Start a step; collect it with :meth:`step_wait` (gymnasium's AsyncVectorEnv API)."""
+        self._assert_idle("step_async")
+        if self.autoreset_mode is AutoresetMode.DISABLED and self._needs_reset.any():
+            pending = np.flatnonzero(self._needs_reset).tolist()
+            raise ResetNeededError(
+                f"autoreset_mode=DISABLED and sub-environments {pending} ended their episodes; "
+                "reset them first, e.g. reset(options={'reset_mask': mask})",
+                pending,
+            )
+        writes: list[tuple[np.ndarray, np.ndarray]] = []
+        _check_actions(self.single_action_space, self._backend.batch.actions, actions, "actions", writes)
+        for out, value in writes:
+            out[...] = value
+        self._backend.submit(Command.STEP, dict.fromkeys(range(self.num_workers)))
+        self._state = AsyncState.WAITING_STEP
+
+    def step_wait(
+        self, timeout: float | None = None
+    ) -> tuple[Any, np.ndarray, np.ndarray, np.ndarray, dict[str, Any]]:
+        """Wait for :meth:`step_async`; ``timeout`` in seconds (default ``step_timeout``).
+
+        Raises:
+            NoAsyncCallError: no step is pending.
+            EnvError: an env raised in step or its autoreset; this batch is lost, the others
+                envs did step, and the vector env stays usable.
+            EnvCrashedError: a worker died; the vector env is closed.
+            StepTimeoutError: the timeout expired; the vector env is closed.
+        """
+        results = self._wait(AsyncState.WAITING_STEP, "step_wait", timeout)
+        self._steps += 1
+        infos = self._infos(results)
+        batch = self._backend.batch
+        if self.autoreset_mode is AutoresetMode.DISABLED:
+            np.logical_or(batch.terminations, batch.truncations, out=self._needs_reset)
+        if self.copy:
+            return (
+                self._observations(),
+                batch.rewards.copy(),
+                batch.terminations.copy(),
+                batch.truncations.copy(),
+                infos,
+            )
+        return batch.observations, batch.rewards, batch.terminations, batch.truncations, infos
+
+    # -- call, attributes, render ----------------------------------------------------------
+
+    def call(self, name: str, *args: Any, **kwargs: Any) -> tuple[Any, ...]:
+        """Call ``name`` on every sub-environment (its value when not callable).
+
+        Follows gymnasium's ``SyncVectorEnv.call``: ``env.get_wrapper_attr(name)``, called
+        with ``args``/``kwargs`` when callable. Returns a tuple with one result per env.
+
+        Raises:
+            EnvError: an env raised (e.g. ``AttributeError`` for a missing attribute).
+        """
+        self.call_async(name, *args, **kwargs)
+        return self.call_wait()
+
+    def call_async(self, name: str, *args: Any, **kwargs: Any) -> None:
+        """Start :meth:`call`; collect it with :meth:`call_wait`."""
+        self._assert_idle("call_async")
+        request = CallRequest(name, args, kwargs)
+        self._backend.submit(Command.CALL, dict.fromkeys(range(self.num_workers), request))
+        self._state = AsyncState.WAITING_CALL
+
+    def call_wait(self, timeout: float | None = None) -> tuple[Any, ...]:
+        """Wait for :meth:`call_async`; returns one result per env, in env order."""
+        results = self._wait(AsyncState.WAITING_CALL, "call_wait", timeout)
+        return tuple(value for w in sorted(results) for value in results[w])
+
+    def get_attr(self, name: str) -> tuple[Any, ...]:
+        """The attribute ``name`` of every sub-environment (gymnasium's ``get_attr``)."""
+        return self.call(name)
+
+    def set_attr(self, name: str, values: Any) -> None:
+        """Set attribute ``name`` on every sub-environment.
+
+        Args:
+            values: a list or tuple with one value per env, or one value for all envs.
+
+        Raises:
+            InvalidArgumentError: a list or tuple whose length is not ``num_envs``.
+            EnvError: an env raised while setting it.
+        """
+        self._assert_idle("set_attr")
+        if not isinstance(values, (list, tuple)):
+            values = [values] * self.num_envs
+        if len(values) != self.num_envs:
+            raise InvalidArgumentError(
+                "values must be a list or tuple with length equal to the number of environments. "
+                f"Got `{len(values)}` values for {self.num_envs} environments."
+            )
+        payloads = {
+            w: SetAttrRequest(name, list(values[start:stop]))
+            for w, (start, stop) in enumerate(self._backend.ranges)
+        }
+        self._backend.submit(Command.SET_ATTR, payloads)
+        self._state = AsyncState.WAITING_CALL
+        self._wait(AsyncState.WAITING_CALL, "set_attr", None)
+
+    def render(self) -> tuple[Any, ...]:
+        """``env.render()`` of every sub-environment, in env order (gymnasium's SyncVectorEnv)."""
+        self._assert_idle("render")
+        self._backend.submit(Command.RENDER, dict.fromkeys(range(self.num_workers)))
+        self._state = AsyncState.WAITING_CALL
+        results = self._wait(AsyncState.WAITING_CALL, "render", None)
+        return tuple(frame for w in sorted(results) for frame in results[w])
+
+    @property
+    def np_random_seed(self) -> tuple[int, ...]:  # type: ignore[override]
+        """The ``np_random_seed`` of every sub-environment (as gymnasium's SyncVectorEnv)."""
+        return self.get_attr("np_random_seed")
+
+    @property
+    def np_random(self) -> tuple[np.random.Generator, ...]:  # type: ignore[override]
+        """The ``np_random`` generator of every sub-environment (as gymnasium's SyncVectorEnv)."""
+        return self.get_attr("np_random")
+
+    # -- close -----------------------------------------------------------------------------
+
+    def close_extras(self, timeout: float | None = None, terminate: bool = False) -> None:
+        """Close the sub-environments and release workers and shared memory.
+
+        Args:
+            timeout: seconds the envs get to close before their workers are terminated, then
+                killed; ``None``: a default of a few seconds. Always bounded.
+            terminate: ``True``: terminate the workers at once without closing the envs.
+        """
+        if self._state is not AsyncState.DEFAULT and not terminate:
+            logger.warning("closing while a call to `%s` is pending", self._state.value)
+            try:
+                self._wait(self._state, "close", timeout if timeout is not None else 5.0)
+            except Exception:  # the vector env is going away; the pending result is dropped
+                terminate = True
+        self._state = AsyncState.DEFAULT
+        self._backend.close(timeout, terminate)
+
+    def __del__(self) -> None:
+        if not getattr(self, "closed", True) and hasattr(self, "_backend"):
+            try:
+                self.close(terminate=True)
+            except Exception:
+                pass
+
+    def __repr__(self) -> str:
+        return f"FleetVectorEnv(backend={self.backend!r}, num_envs={self.num_envs}, num_workers={self.num_workers})"
+
+    # -- helpers ---------------------------------------------------------------------------
+
+    def _assert_running(self) -> None:
+        if self.closed:
+            raise ClosedEnvironmentError(
+                f"Trying to operate on `{type(self).__name__}`, after a call to `close()`."
+            )
+
+    def _assert_idle(self, name: str) -> None:
+        self._assert_running()
+        if self._state is not AsyncState.DEFAULT:
+            raise AlreadyPendingCallError(
+                f"Calling `{name}` while waiting for a pending call to `{self._state.value}` to complete",
+                str(self._state.value),
+            )
+
+    def _wait(self, expected: AsyncState, name: str, timeout: float | None) -> dict[int, Any]:
+        self._assert_running()
+        if self._state is not expected:
+            raise NoAsyncCallError(
+                f"Calling `{name}` without any prior call to `{expected.value}_async`.",
+                expected.value,
+            )
+        if timeout is None:
+            timeout = self.step_timeout
+        try:
+            return self._backend.collect(timeout, self._steps)
+        except (EnvCrashedError, StepTimeoutError):
+            self.closed = True  # the backend has shut itself down
+            raise
+        finally:
+            self._state = AsyncState.DEFAULT
+
+    def _infos(self, results: dict[int, Any]) -> dict[str, Any]:
+        infos: dict[str, Any] = {}
+        for w in sorted(results):
+            events: list[InfoEvent] | None = results[w]
+            for index, info in events or ():
+                infos = self._add_info(infos, info, index)
+        return infos
+
+    def _observations(self) -> Any:
+        obs = self._backend.batch.observations
+        return deepcopy(obs) if self.copy else obs
+
+    def _seeds(self, seed: int | Sequence[int | None] | None) -> list[int | None]:
+        if seed is None:
+            return [None] * self.num_envs
+        if isinstance(seed, (int, np.integer)) and not isinstance(seed, bool):
+            return [int(seed) + i for i in range(self.num_envs)]
+        if not isinstance(seed, Sequence) or isinstance(seed, str):
+            raise InvalidArgumentError(f"seed must be None, an int or a list of seeds, got {seed!r}")
+        if len(seed) != self.num_envs:
+            raise InvalidArgumentError(
+                f"If seeds are passed as a list the length must match num_envs={self.num_envs} "
+                f"but got length={len(seed)}."
+            )
+        return list(seed)
+
+    def _reset_mask(self, mask: Any) -> np.ndarray:
+        if not isinstance(mask, np.ndarray):
+            raise InvalidArgumentError(f"`options['reset_mask']` must be a numpy array, got {type(mask)}")
+        if mask.shape != (self.num_envs,):
+            raise InvalidArgumentError(
+                f"`options['reset_mask']` must have shape `({self.num_envs},)`, got {mask.shape}"
+            )
+        if mask.dtype != np.bool_:
+            raise InvalidArgumentError(f"`options['reset_mask']` must have `dtype=np.bool_`, got {mask.dtype}")
+        if not mask.any():
+            raise InvalidArgumentError(
+                "`options['reset_mask']` must contain a boolean array with at least one True value, "
+                f"got reset_mask={mask}"
+            )
+        return mask.copy()
+
+
+def _check_actions(
+    space: gymnasium.Space[Any],
+    out: Any,
+    actions: Any,
+    where: str,
+    writes: list[tuple[np.ndarray, np.ndarray]],
+) -> None:
+    """Check ``actions`` against the batched buffer ``out``; queue (out, value) writes."""
+    if isinstance(space, gymnasium.spaces.Dict):
+        if not isinstance(actions, dict) or set(actions) != set(space.spaces):
+            got = sorted(actions) if isinstance(actions, dict) else type(actions).__name__
+            raise InvalidActionError(f"{where}: expected a dict with keys {sorted(space.spaces)}, got {got}")
+        for key, sub in space.spaces.items():
+            _check_actions(sub, out[key], actions[key], f"{where}[{key!r}]", writes)
+        return
+    if isinstance(space, gymnasium.spaces.Tuple):
+        if not isinstance(actions, tuple) or len(actions) != len(space.spaces):
+            raise InvalidActionError(f"{where}: expected a tuple of {len(space.spaces)} batched actions")
+        for k, sub in enumerate(space.spaces):
+            _check_actions(sub, out[k], actions[k], f"{where}[{k}]", writes)
+        return
+    try:
+        value = np.asarray(actions)
+    except Exception as exc:
+        raise InvalidActionError(f"{where}: cannot convert to an array ({exc})") from exc
+    if value.shape != out.shape:
+        raise InvalidActionError(f"{where}: expected shape {out.shape}, got {value.shape}")
+    if not np.can_cast(value.dtype, out.dtype, casting="same_kind"):
+        raise InvalidActionError(
+            f"{where}: dtype {value.dtype} cannot be converted to the action space's {out.dtype}"
+        )
+    writes.append((out, value))
+

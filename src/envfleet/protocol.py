@@ -1,0 +1,87 @@
+"""Typed control messages between the front and the EnvGroups (DESIGN §1, §6).
+
+Control is tiny: a one-byte :class:`Command` and, off the hot path, a small pickled dataclass.
+Data never travels here; it lives in the shared :class:`envfleet.buffers.Batch`.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+__all__ = [
+    "CallRequest",
+    "Command",
+    "InfoEvent",
+    "RemoteError",
+    "ResetRequest",
+    "SetAttrRequest",
+    "Status",
+]
+
+# (global env index, that env's info dict), replayed in order through VectorEnv._add_info.
+InfoEvent = tuple[int, dict[str, Any]]
+
+
+class Command(enum.IntEnum):
+    """What an EnvGroup is asked to do."""
+
+    STEP = 1
+    RESET = 2
+    CALL = 3
+    SET_ATTR = 4
+    RENDER = 5
+    CLOSE = 6
+
+
+class Status(enum.IntEnum):
+    """First byte of every reply from a worker."""
+
+    READY = 1  # the worker built its envs and is waiting for commands
+    OK = 2
+    ERROR = 3
+
+
+@dataclass
+class ResetRequest:
+    """Reset the group's envs; ``seeds`` and ``mask`` are local to the group (length K)."""
+
+    seeds: list[int | None]
+    options: dict[str, Any] | None
+    mask: np.ndarray | None = None
+
+
+@dataclass
+class CallRequest:
+    """``env.get_wrapper_attr(name)``, called with the arguments when callable (gymnasium's call)."""
+
+    name: str
+    args: tuple[Any, ...] = ()
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class SetAttrRequest:
+    """``env.set_wrapper_attr(name, value)`` with one value per env of the group."""
+
+    name: str
+    values: list[Any]
+
+
+@dataclass
+class RemoteError:
+    """An exception raised in a worker, as it travels back to the front.
+
+    ``exception`` is the pickled exception when it pickles, else ``None`` (the front then
+    rebuilds a ``RuntimeError`` from ``type_name`` and ``message``).
+    """
+
+    env_index: int
+    method: str
+    type_name: str
+    message: str
+    traceback: str
+    exception: bytes | None
