@@ -25,7 +25,15 @@ from gymnasium.vector.utils import create_empty_array
 
 from envfleet.errors import ConfigError
 
-__all__ = ["ALIGN", "Batch", "Block", "allocate_batch", "batch_nbytes", "check_fixed_size", "tree_slice"]
+__all__ = [
+    "ALIGN",
+    "Batch",
+    "Block",
+    "allocate_batch",
+    "batch_nbytes",
+    "check_fixed_size",
+    "tree_slice",
+]
 
 ALIGN = 64  # bytes; one cache line, so workers never share a line at a block boundary
 _FIXED_LEAVES = (spaces.Box, spaces.Discrete, spaces.MultiDiscrete, spaces.MultiBinary)
@@ -131,7 +139,9 @@ class Block:
     def __init__(self, nbytes: int, shared: bool):
         self.nbytes = nbytes
         self.shared = shared
-        self.raw: Any = multiprocessing.sharedctypes.RawArray(ctypes.c_uint8, nbytes) if shared else None
+        self.raw: Any = (
+            multiprocessing.sharedctypes.RawArray(ctypes.c_uint8, nbytes) if shared else None
+        )
         self.array = self._view()
 
     def _view(self) -> np.ndarray:

@@ -8,6 +8,7 @@ each env's info through ``gymnasium.vector.VectorEnv._add_info`` in env order.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing
 import numbers
@@ -84,9 +85,7 @@ def register_namespace(env_id: str) -> None:
         try:
             import ale_py
         except ImportError as exc:
-            raise ConfigError(
-                f"{env_id!r} needs ale-py: pip install 'envfleet[atari]'"
-            ) from exc
+            raise ConfigError(f"{env_id!r} needs ale-py: pip install 'envfleet[atari]'") from exc
         gymnasium.register_envs(ale_py)
 
 
@@ -130,6 +129,8 @@ def make(
         env_kwargs: keyword arguments for ``gymnasium.make``; only with a gymnasium id.
         step_timeout: seconds any step, reset or call may take before the workers still busy
             are killed and :class:`envfleet.StepTimeoutError` is raised; ``None``: no bound.
+            Building the envs at start is not bounded by it (a worker that dies while
+            starting is still reported at once).
         restart_policy: must be ``None`` for now (fail-fast).
         context: ``multiprocessing`` start method (``"fork"``, ``"spawn"``, ``"forkserver"``);
             default: the platform's.
@@ -171,7 +172,11 @@ def make(
             "the first-ready pool (batch_size < num_envs) is not available yet"
         )
     try:
-        mode = autoreset_mode if isinstance(autoreset_mode, AutoresetMode) else AutoresetMode(autoreset_mode)
+        mode = (
+            autoreset_mode
+            if isinstance(autoreset_mode, AutoresetMode)
+            else AutoresetMode(autoreset_mode)
+        )
     except ValueError as exc:
         raise ConfigError(f"unknown autoreset_mode {autoreset_mode!r}") from exc
     if step_timeout is not None and not (
@@ -198,11 +203,13 @@ def make(
             dummy.close()
         check_fixed_size(obs_space, "observation")
         check_fixed_size(act_space, "action")
-        layout = WorkerLayout(env_fns, accepts, obs_space, act_space, mode, worker_ranges(num_envs, num_workers))
+        layout = WorkerLayout(
+            env_fns, accepts, obs_space, act_space, mode, worker_ranges(num_envs, num_workers)
+        )
         from envfleet.backends.processes import ProcessesBackend
 
         block = Block(batch_nbytes(obs_space, act_space, num_envs), shared=True)
-        backend_obj: Backend = ProcessesBackend(layout, block, blobs, context, step_timeout)
+        backend_obj: Backend = ProcessesBackend(layout, block, blobs, context)
     else:
         from envfleet.backends.serial import SerialBackend
 
@@ -216,7 +223,9 @@ def make(
         except ConfigError:
             first.close()
             raise
-        layout = WorkerLayout(env_fns, accepts, obs_space, act_space, mode, worker_ranges(num_envs, num_workers))
+        layout = WorkerLayout(
+            env_fns, accepts, obs_space, act_space, mode, worker_ranges(num_envs, num_workers)
+        )
         block = Block(batch_nbytes(obs_space, act_space, num_envs), shared=False)
         backend_obj = SerialBackend(layout, block, first_env=first)
     return FleetVectorEnv(
@@ -258,7 +267,8 @@ def _factories(
     if callable(env):
         return [env], 1
     if isinstance(env, Sequence) and len(env) > 0 and all(callable(fn) for fn in env):
-        return list(env), len(env)
+        fns: list[EnvFactory] = [fn for fn in env if callable(fn)]
+        return fns, len(fns)
     raise ConfigError(
         "env must be a gymnasium id, a callable returning a gymnasium.Env, or a non-empty list "
         f"of such callables; got {type(env).__name__}"
@@ -339,7 +349,10 @@ class FleetVectorEnv(VectorEnv[Any, Any, np.ndarray]):
     # -- reset -----------------------------------------------------------------------------
 
     def reset(
-        self, *, seed: int | Sequence[int | None] | None = None, options: dict[str, Any] | None = None
+        self,
+        *,
+        seed: int | Sequence[int | None] | None = None,
+        options: dict[str, Any] | None = None,
     ) -> tuple[Any, dict[str, Any]]:
         """Reset the sub-environments (all, or those in ``options["reset_mask"]``).
 
@@ -426,7 +439,9 @@ class FleetVectorEnv(VectorEnv[Any, Any, np.ndarray]):
                 pending,
             )
         writes: list[tuple[np.ndarray, np.ndarray]] = []
-        _check_actions(self.single_action_space, self._backend.batch.actions, actions, "actions", writes)
+        _check_actions(
+            self.single_action_space, self._backend.batch.actions, actions, "actions", writes
+        )
         for out, value in writes:
             out[...] = value
         self._backend.submit(Command.STEP, dict.fromkeys(range(self.num_workers)))
@@ -529,7 +544,7 @@ class FleetVectorEnv(VectorEnv[Any, Any, np.ndarray]):
         """The ``np_random_seed`` of every sub-environment (as gymnasium's SyncVectorEnv)."""
         return self.get_attr("np_random_seed")
 
-    @property
+    @property  # type: ignore[misc]
     def np_random(self) -> tuple[np.random.Generator, ...]:  # type: ignore[override]
         """The ``np_random`` generator of every sub-environment (as gymnasium's SyncVectorEnv)."""
         return self.get_attr("np_random")
@@ -555,13 +570,14 @@ class FleetVectorEnv(VectorEnv[Any, Any, np.ndarray]):
 
     def __del__(self) -> None:
         if not getattr(self, "closed", True) and hasattr(self, "_backend"):
-            try:
+            with contextlib.suppress(Exception):
                 self.close(terminate=True)
-            except Exception:
-                pass
 
     def __repr__(self) -> str:
-        return f"FleetVectorEnv(backend={self.backend!r}, num_envs={self.num_envs}, num_workers={self.num_workers})"
+        return (
+            f"FleetVectorEnv(backend={self.backend!r}, num_envs={self.num_envs}, "
+            f"num_workers={self.num_workers})"
+        )
 
     # -- helpers ---------------------------------------------------------------------------
 
@@ -575,7 +591,8 @@ class FleetVectorEnv(VectorEnv[Any, Any, np.ndarray]):
         self._assert_running()
         if self._state is not AsyncState.DEFAULT:
             raise AlreadyPendingCallError(
-                f"Calling `{name}` while waiting for a pending call to `{self._state.value}` to complete",
+                f"Calling `{name}` while waiting for a pending call to "
+                f"`{self._state.value}` to complete",
                 str(self._state.value),
             )
 
@@ -614,7 +631,9 @@ class FleetVectorEnv(VectorEnv[Any, Any, np.ndarray]):
         if isinstance(seed, (int, np.integer)) and not isinstance(seed, bool):
             return [int(seed) + i for i in range(self.num_envs)]
         if not isinstance(seed, Sequence) or isinstance(seed, str):
-            raise InvalidArgumentError(f"seed must be None, an int or a list of seeds, got {seed!r}")
+            raise InvalidArgumentError(
+                f"seed must be None, an int or a list of seeds, got {seed!r}"
+            )
         if len(seed) != self.num_envs:
             raise InvalidArgumentError(
                 f"If seeds are passed as a list the length must match num_envs={self.num_envs} "
@@ -624,17 +643,21 @@ class FleetVectorEnv(VectorEnv[Any, Any, np.ndarray]):
 
     def _reset_mask(self, mask: Any) -> np.ndarray:
         if not isinstance(mask, np.ndarray):
-            raise InvalidArgumentError(f"`options['reset_mask']` must be a numpy array, got {type(mask)}")
+            raise InvalidArgumentError(
+                f"`options['reset_mask']` must be a numpy array, got {type(mask)}"
+            )
         if mask.shape != (self.num_envs,):
             raise InvalidArgumentError(
                 f"`options['reset_mask']` must have shape `({self.num_envs},)`, got {mask.shape}"
             )
         if mask.dtype != np.bool_:
-            raise InvalidArgumentError(f"`options['reset_mask']` must have `dtype=np.bool_`, got {mask.dtype}")
+            raise InvalidArgumentError(
+                f"`options['reset_mask']` must have `dtype=np.bool_`, got {mask.dtype}"
+            )
         if not mask.any():
             raise InvalidArgumentError(
-                "`options['reset_mask']` must contain a boolean array with at least one True value, "
-                f"got reset_mask={mask}"
+                "`options['reset_mask']` must contain a boolean array with at least one True "
+                f"value, got reset_mask={mask}"
             )
         return mask.copy()
 
@@ -650,13 +673,17 @@ def _check_actions(
     if isinstance(space, gymnasium.spaces.Dict):
         if not isinstance(actions, dict) or set(actions) != set(space.spaces):
             got = sorted(actions) if isinstance(actions, dict) else type(actions).__name__
-            raise InvalidActionError(f"{where}: expected a dict with keys {sorted(space.spaces)}, got {got}")
+            raise InvalidActionError(
+                f"{where}: expected a dict with keys {sorted(space.spaces)}, got {got}"
+            )
         for key, sub in space.spaces.items():
             _check_actions(sub, out[key], actions[key], f"{where}[{key!r}]", writes)
         return
     if isinstance(space, gymnasium.spaces.Tuple):
         if not isinstance(actions, tuple) or len(actions) != len(space.spaces):
-            raise InvalidActionError(f"{where}: expected a tuple of {len(space.spaces)} batched actions")
+            raise InvalidActionError(
+                f"{where}: expected a tuple of {len(space.spaces)} batched actions"
+            )
         for k, sub in enumerate(space.spaces):
             _check_actions(sub, out[k], actions[k], f"{where}[{k}]", writes)
         return
@@ -671,4 +698,3 @@ def _check_actions(
             f"{where}: dtype {value.dtype} cannot be converted to the action space's {out.dtype}"
         )
     writes.append((out, value))
-

@@ -56,7 +56,7 @@ class ResetRequest:
 
 @dataclass
 class CallRequest:
-    """``env.get_wrapper_attr(name)``, called with the arguments when callable (gymnasium's call)."""
+    """``env.get_wrapper_attr(name)``, called with the arguments when callable (gymnasium)."""
 
     name: str
     args: tuple[Any, ...] = ()

@@ -50,7 +50,9 @@ def accepts_env_index(fn: Callable[..., Any]) -> bool:
     )
 
 
-def bind_env_index(fn: EnvFn, env_index: int, accepts: bool) -> Callable[[], gymnasium.Env[Any, Any]]:
+def bind_env_index(
+    fn: EnvFn, env_index: int, accepts: bool
+) -> Callable[[], gymnasium.Env[Any, Any]]:
     """A zero-argument factory: ``fn(env_index=env_index)`` when ``fn`` accepts it, else ``fn``."""
     return functools.partial(fn, env_index=env_index) if accepts else fn
 
@@ -79,7 +81,9 @@ class WorkerLayout:
         return len(self.env_fns)
 
     def bound_fns(self, start: int, stop: int) -> list[Callable[[], gymnasium.Env[Any, Any]]]:
-        return [bind_env_index(self.env_fns[i], i, self.accepts_index[i]) for i in range(start, stop)]
+        return [
+            bind_env_index(self.env_fns[i], i, self.accepts_index[i]) for i in range(start, stop)
+        ]
 
 
 def env_error(env_index: int, worker_index: int | None, method: str, cause_text: str) -> EnvError:

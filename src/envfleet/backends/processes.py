@@ -27,7 +27,7 @@ import traceback
 from collections.abc import Mapping
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, cast
 
 import cloudpickle
 import gymnasium
@@ -82,7 +82,8 @@ class ProcessesBackend(Backend):
         block: a shared :class:`Block` sized by :func:`envfleet.buffers.batch_nbytes`.
         env_fn_blobs: per env, its factory cloudpickled (equal factories share one bytes object).
         context: a ``multiprocessing`` start method name or ``None`` for the platform default.
-        start_timeout: seconds to wait for the workers to build their envs (``None``: no bound).
+        start_timeout: seconds to wait for the workers to build their envs (``None``: no
+            bound; a worker that dies while starting is still seen at once).
 
     Raises:
         EnvError: a factory raised while building an env (``method == "make"``).
@@ -103,11 +104,16 @@ class ProcessesBackend(Backend):
         self.batch = allocate_batch(
             layout.single_observation_space, layout.single_action_space, layout.num_envs, block
         )
-        self._ctx = multiprocessing.get_context(context)
+        self._ctx: Any = cast(Any, multiprocessing.get_context(context))
         self._conns: list[Connection] = []
         self._procs: list[Any] = []
         self._pending: list[int] = []
         self._closed = False
+        # A forked worker flushes the stdio buffers it inherits when it exits: flush them
+        # here so nothing the driver printed is printed again.
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
         try:
             for w, (start, stop) in enumerate(self.ranges):
                 spec = _WorkerSpec(
@@ -212,7 +218,9 @@ class ProcessesBackend(Backend):
                 with contextlib.suppress(OSError):
                     self._conns[w].send_bytes(bytes([Command.CLOSE]))
         elif self._pending:
-            logger.warning("closing while workers %s are still busy; terminating them", self._pending)
+            logger.warning(
+                "closing while workers %s are still busy; terminating them", self._pending
+            )
         for w in alive:
             proc = self._procs[w]
             if terminate or self._pending:
@@ -258,7 +266,9 @@ def _as_env_error(error: RemoteError, worker_index: int) -> EnvError:
     if not isinstance(cause, BaseException):
         cause = RuntimeError(f"{error.type_name}: {error.message}")
     cause.__cause__ = RemoteTraceback(error.traceback)
-    exc = env_error(error.env_index, worker_index, error.method, f"{error.type_name}: {error.message}")
+    exc = env_error(
+        error.env_index, worker_index, error.method, f"{error.type_name}: {error.message}"
+    )
     exc.__cause__ = cause
     return exc
 
@@ -287,9 +297,10 @@ def _remote_error(failure: BaseException, env_index: int, method: str) -> bytes:
     cause = failure.__cause__ if isinstance(failure, EnvFailure) else failure
     assert cause is not None
     tb = "".join(traceback.format_exception(type(cause), cause, cause.__traceback__))
+    blob: bytes | None
     try:
-        blob: bytes | None = pickle.dumps(cause, pickle.HIGHEST_PROTOCOL)
-        pickle.loads(blob)
+        blob = pickle.dumps(cause, pickle.HIGHEST_PROTOCOL)
+        pickle.loads(blob)  # some exceptions pickle but do not unpickle
     except Exception:
         blob = None
     error = RemoteError(env_index, method, type(cause).__qualname__, str(cause), tb, blob)
