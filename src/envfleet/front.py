@@ -89,6 +89,20 @@ def register_namespace(env_id: str) -> None:
         gymnasium.register_envs(ale_py)
 
 
+def check_env_id(env_id: str) -> None:
+    """Check that ``env_id`` is a registered gymnasium id, importing its namespace (ALE) first.
+
+    Raises:
+        ConfigError: the id is unknown, or it needs a package that is missing (``ALE/`` ids
+            need ale-py: ``pip install 'envfleet[atari]'``).
+    """
+    register_namespace(env_id)
+    try:
+        gymnasium.spec(env_id)
+    except gymnasium.error.Error as exc:
+        raise ConfigError(f"unknown environment id {env_id!r}: {exc}") from exc
+
+
 def usable_cores() -> int:
     """Cores this process may run on (its CPU affinity), at least 1."""
     try:
@@ -256,11 +270,7 @@ def _factories(
     env: str | EnvFactory | Sequence[EnvFactory], env_kwargs: dict[str, Any] | None
 ) -> tuple[list[EnvFactory], int]:
     if isinstance(env, str):
-        register_namespace(env)
-        try:
-            gymnasium.spec(env)
-        except gymnasium.error.Error as exc:
-            raise ConfigError(f"unknown environment id {env!r}: {exc}") from exc
+        check_env_id(env)
         return [GymMake(env, env_kwargs)], 1
     if env_kwargs is not None:
         raise ConfigError("env_kwargs is only for a gymnasium id; bind arguments in your factory")

@@ -1,0 +1,3 @@
+from envfleet.cli import main
+
+raise SystemExit(main())
