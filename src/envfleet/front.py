@@ -401,7 +401,7 @@ class FleetVectorEnv(VectorEnv[Any, Any, np.ndarray]):
             self._needs_reset[:] = False
         else:
             self._needs_reset[mask] = False
-        self._backend.submit(Command.RESET, payloads)
+        self._submit(Command.RESET, payloads)
         self._state = AsyncState.WAITING_RESET
 
     def reset_wait(self, timeout: float | None = None) -> tuple[Any, dict[str, Any]]:
@@ -454,7 +454,7 @@ class FleetVectorEnv(VectorEnv[Any, Any, np.ndarray]):
         )
         for out, value in writes:
             out[...] = value
-        self._backend.submit(Command.STEP, dict.fromkeys(range(self.num_workers)))
+        self._submit(Command.STEP, dict.fromkeys(range(self.num_workers)))
         self._state = AsyncState.WAITING_STEP
 
     def step_wait(
@@ -503,7 +503,7 @@ class FleetVectorEnv(VectorEnv[Any, Any, np.ndarray]):
         """Start :meth:`call`; collect it with :meth:`call_wait`."""
         self._assert_idle("call_async")
         request = CallRequest(name, args, kwargs)
-        self._backend.submit(Command.CALL, dict.fromkeys(range(self.num_workers), request))
+        self._submit(Command.CALL, dict.fromkeys(range(self.num_workers), request))
         self._state = AsyncState.WAITING_CALL
 
     def call_wait(self, timeout: float | None = None) -> tuple[Any, ...]:
@@ -537,14 +537,14 @@ class FleetVectorEnv(VectorEnv[Any, Any, np.ndarray]):
             w: SetAttrRequest(name, list(values[start:stop]))
             for w, (start, stop) in enumerate(self._backend.ranges)
         }
-        self._backend.submit(Command.SET_ATTR, payloads)
+        self._submit(Command.SET_ATTR, payloads)
         self._state = AsyncState.WAITING_CALL
         self._wait(AsyncState.WAITING_CALL, "set_attr", None)
 
     def render(self) -> tuple[Any, ...]:
         """``env.render()`` of every sub-environment, in env order (gymnasium's SyncVectorEnv)."""
         self._assert_idle("render")
-        self._backend.submit(Command.RENDER, dict.fromkeys(range(self.num_workers)))
+        self._submit(Command.RENDER, dict.fromkeys(range(self.num_workers)))
         self._state = AsyncState.WAITING_CALL
         results = self._wait(AsyncState.WAITING_CALL, "render", None)
         return tuple(frame for w in sorted(results) for frame in results[w])
@@ -605,6 +605,13 @@ class FleetVectorEnv(VectorEnv[Any, Any, np.ndarray]):
                 f"`{self._state.value}` to complete",
                 str(self._state.value),
             )
+
+    def _submit(self, command: Command, payloads: dict[int, Any]) -> None:
+        try:
+            self._backend.submit(command, payloads, self._steps)
+        except EnvCrashedError:
+            self.closed = True  # the backend has shut itself down
+            raise
 
     def _wait(self, expected: AsyncState, name: str, timeout: float | None) -> dict[int, Any]:
         self._assert_running()

@@ -109,8 +109,14 @@ class Backend(abc.ABC):
         return len(self.ranges)
 
     @abc.abstractmethod
-    def submit(self, command: Command, payloads: Mapping[int, Any]) -> None:
-        """Start ``command`` on the workers named in ``payloads`` (worker index -> payload)."""
+    def submit(self, command: Command, payloads: Mapping[int, Any], step: int) -> None:
+        """Start ``command`` on the workers named in ``payloads`` (worker index -> payload).
+
+        ``step`` is the number of completed steps, for error reports.
+
+        Raises:
+            EnvCrashedError: a worker died since its last reply; the backend is shut down.
+        """
 
     @abc.abstractmethod
     def collect(self, timeout: float | None, step: int) -> dict[int, Any]:

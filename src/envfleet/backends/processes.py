@@ -155,14 +155,20 @@ class ProcessesBackend(Backend):
 
     # -- Backend --------------------------------------------------------------------------
 
-    def submit(self, command: Command, payloads: Mapping[int, Any]) -> None:
+    def submit(self, command: Command, payloads: Mapping[int, Any], step: int) -> None:
         if command is Command.STEP:
-            for w in payloads:
-                self._conns[w].send_bytes(_STEP)
+            messages = dict.fromkeys(payloads, _STEP)
         else:
             header = bytes([command])
-            for w, payload in payloads.items():
-                self._conns[w].send_bytes(header + pickle.dumps(payload, pickle.HIGHEST_PROTOCOL))
+            messages = {
+                w: header + pickle.dumps(payload, pickle.HIGHEST_PROTOCOL)
+                for w, payload in payloads.items()
+            }
+        for w, message in messages.items():
+            try:
+                self._conns[w].send_bytes(message)
+            except OSError:  # the worker died since its last reply
+                self._raise_crashed(w, step)
         self._pending = sorted(payloads)
 
     def collect(self, timeout: float | None, step: int) -> dict[int, Any]:
@@ -207,29 +213,30 @@ class ProcessesBackend(Backend):
         return results
 
     def close(self, timeout: float | None, terminate: bool) -> None:
+        """Close in three bounded phases: ask, terminate, kill.
+
+        Without ``terminate`` and with no call pending, each worker is asked to close its envs
+        and gets ``timeout`` seconds (default :data:`DEFAULT_CLOSE_TIMEOUT`) to exit. Workers
+        still alive then (or at once with ``terminate``) get SIGTERM and :data:`_KILL_GRACE`
+        seconds, then SIGKILL. Some envs catch SIGTERM (SDL does), hence the last phase.
+        """
         if self._closed:
             return
         self._closed = True
-        timeout = DEFAULT_CLOSE_TIMEOUT if timeout is None else timeout
-        deadline = time.monotonic() + timeout
-        alive = [w for w, p in enumerate(self._procs) if p.is_alive()]
-        if not terminate and not self._pending:
-            for w in alive:
-                with contextlib.suppress(OSError):
-                    self._conns[w].send_bytes(bytes([Command.CLOSE]))
-        elif self._pending:
-            logger.warning(
-                "closing while workers %s are still busy; terminating them", self._pending
-            )
-        for w in alive:
-            proc = self._procs[w]
-            if terminate or self._pending:
-                proc.terminate()
-            proc.join(max(0.0, deadline - time.monotonic()))
+        graceful = not terminate and not self._pending
+        if self._pending and not terminate:
+            logger.warning("closing while workers %s are busy; terminating them", self._pending)
+        if graceful:
+            for proc, conn in zip(self._procs, self._conns, strict=True):
+                if proc.is_alive():
+                    with contextlib.suppress(OSError):
+                        conn.send_bytes(bytes([Command.CLOSE]))
+            _join_all(self._procs, DEFAULT_CLOSE_TIMEOUT if timeout is None else timeout)
         for proc in self._procs:
             if proc.is_alive():
                 proc.terminate()
-                proc.join(_KILL_GRACE)
+        _join_all(self._procs, _KILL_GRACE)
+        for proc in self._procs:
             if proc.is_alive():
                 proc.kill()
                 proc.join()
@@ -256,6 +263,13 @@ class ProcessesBackend(Backend):
             exitcode=exitcode,
             step=step,
         )
+
+
+def _join_all(procs: list[Any], timeout: float) -> None:
+    """Join every process, all within one ``timeout`` in seconds."""
+    deadline = time.monotonic() + timeout
+    for proc in procs:
+        proc.join(max(0.0, deadline - time.monotonic()))
 
 
 def _as_env_error(error: RemoteError, worker_index: int) -> EnvError:

@@ -63,7 +63,7 @@ class SerialBackend(Backend):
         self._results: dict[int, Any] = {}
         self._failure: EnvFailure | None = None
 
-    def submit(self, command: Command, payloads: Mapping[int, Any]) -> None:
+    def submit(self, command: Command, payloads: Mapping[int, Any], step: int) -> None:
         self._results = {}
         self._failure = None
         for w in sorted(payloads):

@@ -1,0 +1,363 @@
+"""Custom gymnasium environments for the envfleet tests.
+
+Every environment here is deterministic given its seed (all randomness comes from
+``self.np_random``), and importable as ``tests.envs`` from worker processes started with any
+start method ("fork", "spawn", "forkserver"): factories are pickled by reference to this module.
+
+Factories take a keyword ``env_index``; envfleet passes each sub-environment's global index, and
+the tests build the matching ``gymnasium.vector.SyncVectorEnv`` with
+``functools.partial(cls, env_index=i)``.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import signal
+import time
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+from gymnasium import spaces
+
+__all__ = [
+    "CrashEnv",
+    "IndexedEnv",
+    "NestedSpaceEnv",
+    "RaisingEnv",
+    "SimpleEnv",
+    "SparseInfoEnv",
+    "TextObsEnv",
+    "make_indexed",
+    "make_indexed_kwonly",
+    "sync_factories",
+]
+
+
+def sync_factories(factory: Any, num_envs: int, **kwargs: Any) -> list[Any]:
+    """The factories a SyncVectorEnv needs to mirror ``envfleet.make(factory, num_envs)``."""
+
+    def bind(i: int) -> Any:
+        return lambda: factory(env_index=i, **kwargs)
+
+    return [bind(i) for i in range(num_envs)]
+
+
+class NestedSpaceEnv(gym.Env):
+    """Nested Dict/Tuple observations over every fixed-size leaf; a nested Dict action.
+
+    The observation depends on the action (``move`` and ``force``) and on ``np_random``, so a
+    wrongly routed action or a wrongly seeded env shows up in the observations. Episodes end
+    after a length drawn at reset (terminated) or at random when ``move == 3`` (truncated).
+    """
+
+    metadata = {"render_modes": ["rgb_array"], "render_fps": 30}
+
+    def __init__(self, env_index: int = 0, max_len: int = 30, render_mode: str | None = None):
+        self.env_index = env_index
+        self.max_len = max_len
+        self.render_mode = render_mode
+        self.observation_space = spaces.Dict(
+            {
+                "box": spaces.Box(-1.0, 1.0, (2, 3), np.float32),
+                "disc": spaces.Discrete(5, start=-2),
+                "multi_disc": spaces.MultiDiscrete([3, 4, 2]),
+                "multi_bin": spaces.MultiBinary(4),
+                "tup": spaces.Tuple((spaces.Box(0.0, 1.0, (2,), np.float64), spaces.Discrete(3))),
+            }
+        )
+        self.action_space = spaces.Dict(
+            {
+                "move": spaces.Discrete(4),
+                "force": spaces.Box(-1.0, 1.0, (2,), np.float32),
+            }
+        )
+        self._box = np.zeros((2, 3), np.float32)
+        self._t = 0
+        self._len = max_len
+
+    def _obs(self, move: int) -> dict[str, Any]:
+        rng = self.np_random
+        return {
+            "box": self._box.copy(),
+            "disc": np.int64(move + int(rng.integers(0, 2)) - 2),
+            "multi_disc": rng.integers(0, [3, 4, 2]).astype(np.int64),
+            "multi_bin": rng.integers(0, 2, size=4).astype(np.int8),
+            "tup": (rng.random(2), np.int64(rng.integers(0, 3))),
+        }
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
+        super().reset(seed=seed)
+        self._t = 0
+        self._len = int(self.np_random.integers(3, self.max_len))
+        self._box = self.np_random.uniform(-0.5, 0.5, (2, 3)).astype(np.float32)
+        return self._obs(0), {"episode_len": self._len}
+
+    def step(self, action: dict[str, Any]):
+        move = int(action["move"])
+        force = np.asarray(action["force"], dtype=np.float32)
+        self._t += 1
+        noise = self.np_random.normal(0.0, 0.05, (2, 3)).astype(np.float32)
+        self._box = np.clip(self._box + 0.3 * force[:, None] + noise, -1.0, 1.0).astype(np.float32)
+        reward = float(force.sum()) + move + 0.5 * self.env_index
+        terminated = self._t >= self._len
+        truncated = move == 3 and bool(self.np_random.random() < 0.05)
+        info: dict[str, Any] = {"t": self._t} if terminated else {}
+        return self._obs(move), reward, terminated, truncated, info
+
+    def render(self):
+        if self.render_mode == "rgb_array":
+            return np.full((4, 6, 3), self.env_index * 10 + self._t % 10, dtype=np.uint8)
+        return None
+
+
+class SparseInfoEnv(gym.Env):
+    """Infos only on some steps; keys of many types on different envs at different steps.
+
+    Python int, float and bool, numpy scalars (``np.int32``: a numeric array; ``np.bool_``: an
+    object array), a numpy array, a nested dict, a string, and a key (``"mixed"``) that is an
+    int on even envs and a float on odd envs, so the batched dtype depends on which env reports
+    it first. Episodes terminate and truncate at steps drawn from ``np_random`` at reset.
+    """
+
+    def __init__(self, env_index: int = 0):
+        self.env_index = env_index
+        self.observation_space = spaces.Box(-10.0, 10.0, (3,), np.float32)
+        self.action_space = spaces.Discrete(3)
+        self._x = np.zeros(3, np.float32)
+        self._t = 0
+        self._term_at = self._trunc_at = 0
+        self._resets = 0
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
+        super().reset(seed=seed)
+        self._t = 0
+        self._resets += 1
+        self._term_at = int(self.np_random.integers(2, 25))
+        self._trunc_at = int(self.np_random.integers(2, 25))
+        self._x = self.np_random.uniform(-1.0, 1.0, 3).astype(np.float32)
+        info: dict[str, Any] = {}
+        if self.env_index % 2 == 0:
+            info["reset_count"] = self._resets
+        if self.np_random.random() < 0.5:
+            info["start"] = {"x0": self._x.copy(), "label": f"start-{self.env_index}"}
+        return self._x.copy(), info
+
+    def step(self, action: Any):
+        i, t = self.env_index, self._t + 1
+        self._t = t
+        self._x = np.clip(
+            self._x + (int(action) - 1) * 0.1 + self.np_random.normal(0.0, 0.01, 3),
+            -10.0,
+            10.0,
+        ).astype(np.float32)
+        u = float(self.np_random.random())
+        info: dict[str, Any] = {}
+        if (t + i) % 3 == 0:
+            info["count"] = t
+        if u < 0.3:
+            info["ratio"] = u
+        if (t * (i + 1)) % 5 == 1:
+            info["flag"] = u < 0.5
+        if i % 2 == 1 and t % 4 == 0:
+            info["vec"] = self._x * 2
+        if u > 0.8:
+            info["nested"] = {"depth": i, "inner": {"val": np.float64(u), "tag": f"n{t}"}}
+        if (t + 2 * i) % 7 == 0:
+            info["name"] = f"env{i}-t{t}"
+        if u > 0.5:
+            info["mixed"] = t if i % 2 == 0 else t + 0.5
+        if t % 6 == 0:
+            info["np_int"] = np.int32(t * (i + 1))
+        if t % 5 == 2:
+            info["np_flag"] = np.bool_(u > 0.4)
+        terminated = t >= self._term_at
+        truncated = t >= self._trunc_at
+        reward = float(self._x.sum()) + (1.0 if terminated else 0.0)
+        return self._x.copy(), reward, terminated, truncated, info
+
+
+class SimpleEnv(gym.Env):
+    """A small Box-observation, Discrete-action env; its spaces are configurable."""
+
+    def __init__(self, env_index: int = 0, obs_dim: int = 2, n_actions: int = 2):
+        self.env_index = env_index
+        self.observation_space = spaces.Box(-1.0, 1.0, (obs_dim,), np.float32)
+        self.action_space = spaces.Discrete(n_actions)
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
+        super().reset(seed=seed)
+        return self._draw(), {}
+
+    def _draw(self) -> np.ndarray:
+        return self.np_random.uniform(-1.0, 1.0, self.observation_space.shape).astype(np.float32)
+
+    def step(self, action: Any):
+        return self._draw(), float(action), False, False, {}
+
+
+class IndexedEnv(gym.Env):
+    """Records its ``env_index`` and the pid of the process that built it.
+
+    ``value`` is a free attribute for set_attr/get_attr; ``add`` is a method for ``call``; it
+    renders a small ``rgb_array`` frame filled with ``env_index``.
+    """
+
+    metadata = {"render_modes": ["rgb_array"], "render_fps": 4}
+
+    def __init__(self, env_index: int = -1, render_mode: str | None = None):
+        self.env_index = env_index
+        self.pid = os.getpid()
+        self.value: Any = None
+        self.render_mode = render_mode
+        self.observation_space = spaces.Box(-1.0, 1.0, (2,), np.float32)
+        self.action_space = spaces.Discrete(2)
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
+        super().reset(seed=seed)
+        return self.np_random.uniform(-1.0, 1.0, 2).astype(np.float32), {}
+
+    def step(self, action: Any):
+        obs = self.np_random.uniform(-1.0, 1.0, 2).astype(np.float32)
+        return obs, float(self.env_index), False, False, {}
+
+    def add(self, x: int, y: int = 0) -> int:
+        return self.env_index + x + y
+
+    def hang(self) -> None:
+        time.sleep(3600)
+
+    def render(self):
+        if self.render_mode == "rgb_array":
+            return np.full((5, 7, 3), self.env_index, dtype=np.uint8)
+        return None
+
+
+def make_indexed(env_index):
+    """A plain function factory that accepts ``env_index`` positionally or by keyword."""
+    return IndexedEnv(env_index=env_index)
+
+
+def make_indexed_kwonly(*, env_index, render_mode=None):
+    """A factory with a keyword-only ``env_index``."""
+    return IndexedEnv(env_index=env_index, render_mode=render_mode)
+
+
+class RaisingEnv(gym.Env):
+    """Env ``fail_index`` raises ``ValueError("boom ...")``; every other env behaves.
+
+    ``fail_in="step"``: raises in the step after ``fail_after`` steps since its last reset.
+    ``fail_in="reset"``: raises in reset when ``options`` has ``"explode": True``.
+    ``fail_in="init"``: raises in ``__init__``.
+    Episodes never end, so the step count since reset is under the test's control.
+    """
+
+    def __init__(
+        self, env_index: int = 0, fail_index: int = 0, fail_after: int = 3, fail_in: str = "step"
+    ):
+        self.env_index = env_index
+        self.fail_index = fail_index
+        self.fail_after = fail_after
+        self.fail_in = fail_in
+        if fail_in == "init" and env_index == fail_index:
+            raise ValueError(f"boom in __init__ of env {env_index}")
+        self.observation_space = spaces.Box(-1.0, 1.0, (3,), np.float32)
+        self.action_space = spaces.Discrete(2)
+        self._t = 0
+
+    def _failing(self) -> bool:
+        return self.env_index == self.fail_index
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
+        super().reset(seed=seed)
+        if self.fail_in == "reset" and self._failing() and (options or {}).get("explode"):
+            raise ValueError(f"boom in reset of env {self.env_index}")
+        self._t = 0
+        return self.np_random.uniform(-1.0, 1.0, 3).astype(np.float32), {}
+
+    def step(self, action: Any):
+        self._t += 1
+        if self.fail_in == "step" and self._failing() and self._t > self.fail_after:
+            raise ValueError(f"boom in step {self._t} of env {self.env_index}")
+        obs = self.np_random.uniform(-1.0, 1.0, 3).astype(np.float32)
+        return obs, float(action) + self._t, False, False, {}
+
+
+class CrashEnv(gym.Env):
+    """Env ``crash_index`` kills or hangs its process; every other env behaves.
+
+    ``how``: ``"segfault"`` (SIGSEGV to itself), ``"exit"`` (``os._exit(3)``), ``"hang"``
+    (sleeps an hour) or ``"hang-ignore-term"`` (ignores SIGTERM, then sleeps an hour).
+    ``crash_in="step"``: in the step after ``crash_after`` steps since its last reset;
+    ``crash_in="init"``: in ``__init__``; ``crash_in="close"``: in ``close``. Never use env
+    index 0 with "init" or "close": the processes backend builds and closes env 0 in the driver
+    to learn the spaces. Only for the processes backend.
+    """
+
+    def __init__(
+        self,
+        env_index: int = 0,
+        crash_index: int = 1,
+        crash_after: int = 3,
+        how: str = "segfault",
+        crash_in: str = "step",
+    ):
+        self.env_index = env_index
+        self.crash_index = crash_index
+        self.crash_after = crash_after
+        self.how = how
+        self.pid = os.getpid()
+        self.observation_space = spaces.Box(-1.0, 1.0, (2,), np.float32)
+        self.action_space = spaces.Discrete(2)
+        self._t = 0
+        if crash_in == "init" and env_index == crash_index:
+            self._crash()
+        self.crash_in = crash_in
+
+    def _crash(self) -> None:
+        if self.how == "segfault":
+            faulthandler.disable()  # no "Fatal Python error" dump from a forked pytest
+            os.kill(os.getpid(), signal.SIGSEGV)
+            time.sleep(60)  # the signal is delivered before this returns
+        elif self.how == "exit":
+            os._exit(3)
+        elif self.how == "hang":
+            time.sleep(3600)
+        elif self.how == "hang-ignore-term":
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            time.sleep(3600)
+        else:
+            raise ValueError(f"unknown crash {self.how!r}")
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
+        super().reset(seed=seed)
+        self._t = 0
+        return self.np_random.uniform(-1.0, 1.0, 2).astype(np.float32), {}
+
+    def step(self, action: Any):
+        self._t += 1
+        crashing = self.crash_in == "step" and self.env_index == self.crash_index
+        if crashing and self._t > self.crash_after:
+            self._crash()
+        obs = self.np_random.uniform(-1.0, 1.0, 2).astype(np.float32)
+        return obs, 1.0, False, False, {}
+
+    def close(self) -> None:
+        if self.crash_in == "close" and self.env_index == self.crash_index:
+            self._crash()
+
+
+class TextObsEnv(gym.Env):
+    """An observation space without a fixed size (Text): cannot live in a shared buffer."""
+
+    def __init__(self):
+        self.observation_space = spaces.Text(8)
+        self.action_space = spaces.Discrete(2)
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
+        super().reset(seed=seed)
+        return "abc", {}
+
+    def step(self, action: Any):
+        return "abc", 0.0, False, False, {}

@@ -1,0 +1,613 @@
+"""The front: make()'s validation, the call state machine, actions, seeds, attributes, render."""
+
+from __future__ import annotations
+
+import functools
+import threading
+
+import gymnasium as gym
+import numpy as np
+import psutil
+import pytest
+from gymnasium.vector import AutoresetMode, SyncVectorEnv, VectorEnv
+from gymnasium.vector.utils import batch_space
+
+import envfleet
+from tests.envs import (
+    IndexedEnv,
+    NestedSpaceEnv,
+    SimpleEnv,
+    TextObsEnv,
+    make_indexed,
+    make_indexed_kwonly,
+    sync_factories,
+)
+from tests.helpers import assert_same
+
+BACKENDS = ["serial", "processes"]
+
+
+def cartpole():
+    return gym.make("CartPole-v1")
+
+
+# -- make(): configuration errors -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("num_envs", [0, -1, 1.5, "2", True])
+def test_bad_num_envs(backend, num_envs, snapshot):
+    with pytest.raises(envfleet.ConfigError, match="num_envs"):
+        envfleet.make("CartPole-v1", num_envs, backend=backend)
+    snapshot.assert_nothing_left()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("num_workers", [0, -1, 4, 2.0, True])
+def test_bad_num_workers(backend, num_workers, snapshot):
+    with pytest.raises(envfleet.ConfigError, match="num_workers"):
+        envfleet.make("CartPole-v1", 3, backend=backend, num_workers=num_workers)
+    snapshot.assert_nothing_left()
+
+
+def test_config_error_is_envfleet_error_and_value_error():
+    assert issubclass(envfleet.ConfigError, envfleet.EnvfleetError)
+    assert issubclass(envfleet.ConfigError, ValueError)
+    assert issubclass(envfleet.SpaceMismatchError, envfleet.ConfigError)
+
+
+@pytest.mark.parametrize("backend", ["nope", "Serial", "", "process"])
+def test_unknown_backend(backend):
+    with pytest.raises(envfleet.ConfigError, match="unknown backend"):
+        envfleet.make("CartPole-v1", 2, backend=backend)
+
+
+@pytest.mark.parametrize("backend", ["threads", "ray", "envpool"])
+def test_later_backends_not_available_yet(backend):
+    with pytest.raises(envfleet.ConfigError, match="not available yet"):
+        envfleet.make("CartPole-v1", 2, backend=backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_unknown_env_id(backend):
+    with pytest.raises(envfleet.ConfigError, match="NoSuchEnv-v0"):
+        envfleet.make("NoSuchEnv-v0", 2, backend=backend)
+
+
+def test_unpicklable_factory_for_processes(make_env, snapshot):
+    lock = threading.Lock()
+
+    def factory():
+        with lock:  # the closure holds a lock, which cannot be pickled
+            return gym.make("CartPole-v1")
+
+    with pytest.raises(envfleet.ConfigError, match="pickle"):
+        envfleet.make(factory, 2, backend="processes")
+    snapshot.assert_nothing_left()
+    # In-process, nothing needs pickling.
+    envs = make_env(factory, 2, backend="serial")
+    obs, _ = envs.reset(seed=0)
+    assert obs.shape == (2, 4)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("batch_size", [1, 3, 5, 0])
+def test_batch_size_other_than_num_envs(backend, batch_size):
+    with pytest.raises(envfleet.ConfigError, match="batch_size"):
+        envfleet.make("CartPole-v1", 4, backend=backend, batch_size=batch_size)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("batch_size", [None, 4])
+def test_batch_size_none_or_num_envs(make_env, backend, batch_size):
+    envs = make_env("CartPole-v1", 4, backend=backend, num_workers=2, batch_size=batch_size)
+    assert envs.reset(seed=0)[0].shape == (4, 4)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("policy", [object(), {"max_restarts": 3}, 0])
+def test_restart_policy_not_available(backend, policy):
+    with pytest.raises(envfleet.ConfigError, match="restart_policy"):
+        envfleet.make("CartPole-v1", 2, backend=backend, restart_policy=policy)
+
+
+@pytest.mark.parametrize("context", ["bogus", "Fork", "thread"])
+def test_bad_context(context):
+    with pytest.raises(envfleet.ConfigError, match="context"):
+        envfleet.make("CartPole-v1", 2, backend="processes", context=context)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("env", [cartpole, [cartpole, cartpole]], ids=["callable", "list"])
+def test_env_kwargs_with_callable(backend, env):
+    with pytest.raises(envfleet.ConfigError, match="env_kwargs"):
+        envfleet.make(env, 2, backend=backend, env_kwargs={"max_episode_steps": 5})
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_env_kwargs_with_id(make_env, backend):
+    envs = make_env("CartPole-v1", 2, backend=backend, env_kwargs={"max_episode_steps": 3})
+    envs.reset(seed=0)
+    for _ in range(2):
+        assert not envs.step(np.zeros(2, np.int64))[3].any()
+    assert envs.step(np.zeros(2, np.int64))[3].all()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(
+    "env", [[], [cartpole, 3], 42, None], ids=["empty", "non-callable", "int", "none"]
+)
+def test_bad_env_argument(backend, env):
+    with pytest.raises(envfleet.ConfigError):
+        envfleet.make(env, backend=backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_list_length_differs_from_num_envs(backend):
+    with pytest.raises(envfleet.ConfigError):
+        envfleet.make([cartpole, cartpole], 3, backend=backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("step_timeout", [0, -1.0, "1"])
+def test_bad_step_timeout(backend, step_timeout):
+    with pytest.raises(envfleet.ConfigError, match="step_timeout"):
+        envfleet.make("CartPole-v1", 2, backend=backend, step_timeout=step_timeout)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bad_autoreset_mode(backend):
+    with pytest.raises(envfleet.ConfigError, match="autoreset_mode"):
+        envfleet.make("CartPole-v1", 2, backend=backend, autoreset_mode="Sometimes")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_factory_returning_non_env(backend, snapshot):
+    with pytest.raises(envfleet.ConfigError):
+        envfleet.make(lambda: "not an env", 2, backend=backend)
+    snapshot.assert_nothing_left()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_space_without_fixed_size(backend, snapshot):
+    with pytest.raises(envfleet.ConfigError, match="fixed size"):
+        envfleet.make(TextObsEnv, 2, backend=backend)
+    snapshot.assert_nothing_left()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(
+    "odd",
+    [
+        functools.partial(SimpleEnv, obs_dim=3),
+        functools.partial(SimpleEnv, n_actions=3),
+        lambda: gym.make("MountainCar-v0"),
+    ],
+    ids=["observation", "action", "other-env"],
+)
+@pytest.mark.parametrize("where", [1, 3])
+def test_space_mismatch(backend, odd, where, snapshot):
+    fns = [SimpleEnv] * 4
+    if isinstance(odd, functools.partial):
+        fns[where] = odd
+    else:
+        fns = [lambda: gym.make("CartPole-v1")] * 4
+        fns[where] = odd
+    with pytest.raises(envfleet.SpaceMismatchError) as info:
+        envfleet.make(fns, backend=backend, num_workers=2)
+    assert isinstance(info.value, envfleet.ConfigError)
+    assert f"sub-environment {where}" in str(info.value)
+    snapshot.assert_nothing_left()
+
+
+# -- make(): defaults and the VectorEnv interface -------------------------------------------
+
+
+def test_defaults(make_env):
+    envs = make_env("CartPole-v1")
+    assert envs.num_envs == 1
+    assert envs.backend == "processes"
+    assert envs.num_workers == 1
+    assert envs.copy is True
+    assert envs.metadata["autoreset_mode"] is AutoresetMode.NEXT_STEP
+
+
+def test_default_num_workers_is_usable_cores(make_env):
+    cores = len(psutil.Process().cpu_affinity())
+    envs = make_env("CartPole-v1", 4)
+    assert envs.num_workers == min(4, cores)
+    assert make_env("CartPole-v1", 4, backend="serial").num_workers == 1
+
+
+def test_num_envs_defaults_to_list_length(make_env):
+    envs = make_env([cartpole] * 3, backend="serial")
+    assert envs.num_envs == 3
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("mode", [*AutoresetMode, "SameStep", "Disabled"], ids=str)
+def test_is_vector_env_with_metadata(make_env, backend, mode):
+    envs = make_env("CartPole-v1", 2, backend=backend, autoreset_mode=mode)
+    sync = SyncVectorEnv([cartpole] * 2, autoreset_mode=mode)
+    assert isinstance(envs, VectorEnv)
+    assert isinstance(envs, envfleet.FleetVectorEnv)
+    assert envs.metadata["autoreset_mode"] is AutoresetMode(mode)
+    assert envs.metadata == sync.metadata
+    assert envs.render_mode is None
+    assert envs.single_observation_space == sync.single_observation_space
+    assert envs.observation_space == sync.observation_space
+    assert envs.action_space == sync.action_space
+    sync.close()
+
+
+# -- actions --------------------------------------------------------------------------------
+
+
+def _bad_cartpole_actions():
+    return {
+        "too-many": np.zeros(4, np.int64),
+        "too-few": np.zeros(2, np.int64),
+        "extra-dim": np.zeros((3, 1), np.int64),
+        "float": np.zeros(3, np.float64),
+        "float32": np.zeros(3, np.float32),
+        "complex": np.zeros(3, np.complex64),
+        "string": np.array(["a", "b", "c"]),
+        "dict": {"a": np.zeros(3, np.int64)},
+        "scalar": 0,
+    }
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("bad", list(_bad_cartpole_actions()))
+def test_invalid_discrete_actions(make_env, backend, bad):
+    envs = make_env("CartPole-v1", 3, backend=backend, num_workers=2)
+    sync = SyncVectorEnv([cartpole] * 3)
+    assert_same(envs.reset(seed=4), sync.reset(seed=4), "reset")
+    with pytest.raises(envfleet.InvalidActionError) as info:
+        envs.step(_bad_cartpole_actions()[bad])
+    assert isinstance(info.value, envfleet.InvalidArgumentError)
+    with pytest.raises(envfleet.InvalidActionError):
+        envs.step_async(_bad_cartpole_actions()[bad])
+    # Nothing was sent: the env continues as a SyncVectorEnv that never saw the bad calls.
+    for t in range(3):
+        actions = np.array([1, 0, 1])
+        assert_same(envs.step(actions), sync.step(actions), f"step {t}")
+    sync.close()
+
+
+def _bad_nested_actions(n):
+    space = batch_space(NestedSpaceEnv().action_space, n)
+    space.seed(0)
+    good = space.sample()
+    move, force = good["move"], good["force"]
+    return {
+        "missing-key": {"move": move},
+        "extra-key": {"move": move, "force": force, "jump": move},
+        "wrong-key": {"move": move, "forc": force},
+        "tuple": (move, force),
+        "array": force,
+        "float-move": {"move": move.astype(np.float64), "force": force},
+        "force-shape": {"move": move, "force": force[:, :1]},
+        "move-shape": {"move": move[:-1], "force": force},
+        "force-complex": {"move": move, "force": force.astype(np.complex64)},
+    }
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("bad", list(_bad_nested_actions(3)))
+def test_invalid_nested_actions(make_env, backend, bad):
+    envs = make_env(NestedSpaceEnv, 3, backend=backend, num_workers=2)
+    sync = SyncVectorEnv(sync_factories(NestedSpaceEnv, 3))
+    assert_same(envs.reset(seed=9), sync.reset(seed=9), "reset")
+    with pytest.raises(envfleet.InvalidActionError):
+        envs.step(_bad_nested_actions(3)[bad])
+    space = batch_space(sync.single_action_space, 3)
+    space.seed(1)
+    for t in range(3):
+        actions = space.sample()
+        assert_same(envs.step(actions), sync.step(actions), f"step {t}")
+    sync.close()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_actions_that_cast_safely_are_accepted(make_env, backend):
+    """int32 or a list of ints for Discrete, as gymnasium's SyncVectorEnv accepts them."""
+    envs = make_env("CartPole-v1", 3, backend=backend)
+    sync = SyncVectorEnv([cartpole] * 3)
+    assert_same(envs.reset(seed=0), sync.reset(seed=0), "reset")
+    for actions in (np.array([0, 1, 1], np.int32), [1, 1, 0], (0, 0, 1)):
+        assert_same(envs.step(actions), sync.step(np.asarray(actions)), f"{actions!r}")
+    sync.close()
+
+
+# -- seeds and reset masks ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(
+    "seed", [[1, 2], [1, 2, 3, 4], [], "abc", 1.5, {"a": 1}], ids=lambda s: repr(s)
+)
+def test_bad_seeds(make_env, backend, seed):
+    envs = make_env("CartPole-v1", 3, backend=backend)
+    with pytest.raises(envfleet.InvalidArgumentError):
+        envs.reset(seed=seed)
+    with pytest.raises(envfleet.InvalidArgumentError):
+        envs.reset_async(seed=seed)
+    # gymnasium raises ValueError or TypeError for these: both still catch it.
+    with pytest.raises(ValueError):
+        envs.reset(seed=seed)
+    with pytest.raises(TypeError):
+        envs.reset(seed=seed)
+    assert envs.reset(seed=[3, 4, 5])[0].shape == (3, 4)
+    assert envs.np_random_seed == (3, 4, 5)
+
+
+def _bad_masks():
+    return {
+        "list": [True, False, True],
+        "int-dtype": np.array([1, 0, 1]),
+        "short": np.array([True, False]),
+        "2d": np.array([[True, False, True]]),
+        "all-false": np.zeros(3, np.bool_),
+        "scalar": np.bool_(True),
+    }
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("bad", list(_bad_masks()))
+def test_bad_reset_mask(make_env, backend, bad):
+    envs = make_env("CartPole-v1", 3, backend=backend, num_workers=2)
+    sync = SyncVectorEnv([cartpole] * 3)
+    assert_same(envs.reset(seed=1), sync.reset(seed=1), "reset")
+    with pytest.raises(envfleet.InvalidArgumentError, match="reset_mask"):
+        envs.reset(options={"reset_mask": _bad_masks()[bad]})
+    # Nothing happened: the next step is what SyncVectorEnv gives.
+    actions = np.array([0, 1, 0])
+    assert_same(envs.step(actions), sync.step(actions), "step")
+    sync.close()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_reset_needed_in_disabled_mode(make_env, backend):
+    envs = make_env(
+        "CartPole-v1", 3, backend=backend, autoreset_mode=AutoresetMode.DISABLED, num_workers=1
+    )
+    envs.reset(seed=0)
+    ended = np.zeros(3, np.bool_)
+    for _ in range(500):
+        _, _, term, trunc, _ = envs.step(np.ones(3, np.int64))
+        ended = term | trunc
+        if ended.any():
+            break
+    assert ended.any()
+    with pytest.raises(envfleet.ResetNeededError) as info:
+        envs.step(np.ones(3, np.int64))
+    assert isinstance(info.value, gym.error.ResetNeeded)
+    assert info.value.env_indices == np.flatnonzero(ended).tolist()
+    # Resetting only some other env is not enough; resetting the ended ones is.
+    if not ended.all():
+        envs.reset(options={"reset_mask": ~ended})
+        with pytest.raises(envfleet.ResetNeededError):
+            envs.step(np.ones(3, np.int64))
+    envs.reset(options={"reset_mask": ended})
+    envs.step(np.ones(3, np.int64))
+
+
+# -- the call state machine -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_step_async_twice(make_env, backend):
+    envs = make_env("CartPole-v1", 2, backend=backend)
+    envs.reset(seed=0)
+    envs.step_async(np.zeros(2, np.int64))
+    for call in (
+        lambda: envs.step_async(np.zeros(2, np.int64)),
+        lambda: envs.reset_async(seed=0),
+        lambda: envs.reset(seed=0),
+        lambda: envs.step(np.zeros(2, np.int64)),
+        lambda: envs.call("np_random_seed"),
+        lambda: envs.get_attr("np_random_seed"),
+        lambda: envs.set_attr("x", 1),
+        lambda: envs.render(),
+    ):
+        with pytest.raises(envfleet.AlreadyPendingCallError):
+            call()
+        with pytest.raises(gym.error.AlreadyPendingCallError):
+            call()
+    with pytest.raises(envfleet.NoAsyncCallError):
+        envs.reset_wait()
+    obs, rew, *_ = envs.step_wait()
+    assert obs.shape == (2, 4)
+    np.testing.assert_array_equal(rew, [1.0, 1.0])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_wait_without_async(make_env, backend):
+    envs = make_env("CartPole-v1", 2, backend=backend)
+    for call in (envs.step_wait, envs.reset_wait, envs.call_wait):
+        with pytest.raises(envfleet.NoAsyncCallError):
+            call()
+        with pytest.raises(gym.error.NoAsyncCallError):
+            call()
+    envs.reset_async(seed=0)
+    with pytest.raises(envfleet.NoAsyncCallError):
+        envs.step_wait()
+    obs, _ = envs.reset_wait()
+    assert obs.shape == (2, 4)
+    with pytest.raises(envfleet.NoAsyncCallError):
+        envs.reset_wait()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_async_matches_sync_calls(make_env, backend):
+    envs = make_env("CartPole-v1", 3, backend=backend, num_workers=2)
+    sync = SyncVectorEnv([cartpole] * 3)
+    envs.reset_async(seed=2)
+    assert_same(envs.reset_wait(timeout=30), sync.reset(seed=2), "reset")
+    for t in range(5):
+        actions = np.array([t % 2, 1, 0])
+        envs.step_async(actions)
+        assert_same(envs.step_wait(timeout=30), sync.step(actions), f"step {t}")
+    sync.close()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_everything_after_close(backend, snapshot):
+    envs = envfleet.make("CartPole-v1", 2, backend=backend)
+    envs.reset(seed=0)
+    envs.close()
+    assert envs.closed
+    snapshot.assert_nothing_left()
+    for call in (
+        lambda: envs.reset(seed=0),
+        lambda: envs.reset_async(),
+        envs.reset_wait,
+        lambda: envs.step(np.zeros(2, np.int64)),
+        lambda: envs.step_async(np.zeros(2, np.int64)),
+        envs.step_wait,
+        lambda: envs.call("np_random_seed"),
+        lambda: envs.get_attr("np_random_seed"),
+        lambda: envs.set_attr("x", 1),
+        envs.render,
+    ):
+        with pytest.raises(envfleet.ClosedEnvironmentError):
+            call()
+        with pytest.raises(gym.error.ClosedEnvironmentError):
+            call()
+    envs.close()  # closing twice is fine
+
+
+# -- call, get_attr, set_attr, render, env_index ---------------------------------------------
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("num_workers", [1, 2, 5])
+@pytest.mark.parametrize(
+    "factory", [IndexedEnv, make_indexed, make_indexed_kwonly], ids=["class", "function", "kwonly"]
+)
+def test_env_index_passed_to_factory(make_env, backend, num_workers, factory):
+    envs = make_env(factory, 5, backend=backend, num_workers=num_workers)
+    assert envs.get_attr("env_index") == tuple(range(5))
+    envs.reset(seed=0)
+    _, rewards, *_ = envs.step(np.zeros(5, np.int64))
+    np.testing.assert_array_equal(rewards, np.arange(5, dtype=np.float64))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_env_index_in_a_list_of_factories(make_env, backend):
+    fns = [make_indexed, IndexedEnv, lambda: IndexedEnv(env_index=100)]
+    envs = make_env(fns, backend=backend, num_workers=2)
+    assert envs.get_attr("env_index") == (0, 1, 100)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_workers_hold_contiguous_blocks(make_env, backend):
+    envs = make_env(IndexedEnv, 5, backend=backend, num_workers=2)
+    pids = envs.get_attr("pid")
+    if backend == "processes":
+        # Envs 0..2 in worker 0, envs 3..4 in worker 1 (the first worker holds one more).
+        assert pids[0] == pids[1] == pids[2] != pids[3] == pids[4]
+        assert len(set(pids)) == 2
+    else:
+        assert set(pids) == {psutil.Process().pid}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_call(make_env, backend):
+    envs = make_env(IndexedEnv, 4, backend=backend, num_workers=2)
+    assert envs.call("add", 10) == (10, 11, 12, 13)
+    assert envs.call("add", 10, y=100) == (110, 111, 112, 113)
+    # A non-callable attribute is returned as it is, like gymnasium's call.
+    assert envs.call("env_index") == (0, 1, 2, 3)
+    with pytest.raises(envfleet.EnvError) as info:
+        envs.call("no_such_attribute")
+    assert isinstance(info.value.__cause__, AttributeError)
+    assert info.value.env_index == 0
+    assert envs.call("add", 1) == (1, 2, 3, 4)  # still usable
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_call_and_get_attr_match_sync(make_env, backend):
+    envs = make_env("CartPole-v1", 3, backend=backend, num_workers=2)
+    sync = SyncVectorEnv([cartpole] * 3)
+    envs.reset(seed=8)
+    sync.reset(seed=8)
+    for name in ("np_random_seed", "gravity", "spec", "render_mode"):
+        assert envs.get_attr(name) == sync.get_attr(name), name
+    assert envs.np_random_seed == (8, 9, 10)
+    draws = [g.random() for g in envs.np_random]
+    assert draws == [g.random() for g in sync.np_random]
+    sync.close()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_set_attr(make_env, backend):
+    envs = make_env(IndexedEnv, 5, backend=backend, num_workers=2)
+    envs.set_attr("value", ["a", 1, None, 2.5, (3,)])
+    assert envs.get_attr("value") == ("a", 1, None, 2.5, (3,))
+    envs.set_attr("value", (5, 6, 7, 8, 9))
+    assert envs.get_attr("value") == (5, 6, 7, 8, 9)
+    envs.set_attr("value", 7)
+    assert envs.get_attr("value") == (7,) * 5
+    envs.set_attr("value", {"shared": 1})  # a non-sequence value goes to every env
+    assert envs.get_attr("value") == ({"shared": 1},) * 5
+    for wrong in ([1, 2, 3, 4], [1] * 6, ()):
+        with pytest.raises(envfleet.InvalidArgumentError):
+            envs.set_attr("value", wrong)
+    assert envs.get_attr("value") == ({"shared": 1},) * 5
+    # set_attr reaches the env (through wrappers, like set_wrapper_attr).
+    envs.set_attr("env_index", [10, 11, 12, 13, 14])
+    envs.reset(seed=0)
+    np.testing.assert_array_equal(envs.step(np.zeros(5, np.int64))[1], np.arange(10, 15))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_render_custom_env(make_env, backend):
+    factory = functools.partial(make_indexed_kwonly, render_mode="rgb_array")
+    envs = make_env(factory, 3, backend=backend, num_workers=2)
+    assert envs.render_mode == "rgb_array"
+    envs.reset(seed=0)
+    frames = envs.render()
+    assert isinstance(frames, tuple) and len(frames) == 3
+    for i, frame in enumerate(frames):
+        assert frame.shape == (5, 7, 3) and frame.dtype == np.uint8
+        assert (frame == i).all()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_render_cartpole_rgb_array(make_env, backend):
+    pytest.importorskip("pygame", reason="CartPole's rgb_array rendering needs pygame")
+    envs = make_env("CartPole-v1", 2, backend=backend, env_kwargs={"render_mode": "rgb_array"})
+    sync = SyncVectorEnv([lambda: gym.make("CartPole-v1", render_mode="rgb_array")] * 2)
+    envs.reset(seed=0)
+    sync.reset(seed=0)
+    frames = envs.render()
+    assert len(frames) == 2
+    for frame, want in zip(frames, sync.render(), strict=True):
+        assert frame.shape == (400, 600, 3)
+        np.testing.assert_array_equal(frame, want)
+    sync.close()
+
+
+@pytest.mark.atari
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_render_pong_rgb_array(make_env, backend):
+    """rgb_array rendering of a real gymnasium env that needs no pygame (ALE)."""
+    ale_py = pytest.importorskip("ale_py")
+    gym.register_envs(ale_py)
+    kwargs = {"render_mode": "rgb_array"}
+    envs = make_env("ALE/Pong-v5", 2, backend=backend, num_workers=2, env_kwargs=kwargs)
+    sync = SyncVectorEnv([lambda: gym.make("ALE/Pong-v5", **kwargs)] * 2)
+    assert envs.render_mode == "rgb_array"
+    envs.reset(seed=0)
+    sync.reset(seed=0)
+    for _ in range(3):
+        envs.step(np.array([2, 3]))
+        sync.step(np.array([2, 3]))
+    frames = envs.render()
+    assert len(frames) == 2
+    for frame, want in zip(frames, sync.render(), strict=True):
+        assert frame.shape == (210, 160, 3)
+        np.testing.assert_array_equal(frame, want)
+    sync.close()

@@ -1,0 +1,455 @@
+"""The processes backend's failure model (DESIGN §4): errors, crashes, hangs, clean shutdown.
+
+Every test here uses real worker processes. Timeouts are hang guards only: nothing asserts how
+fast anything happens.
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import gymnasium as gym
+import numpy as np
+import pytest
+from gymnasium.vector import SyncVectorEnv
+
+import envfleet
+from tests.envs import CrashEnv, IndexedEnv, RaisingEnv, sync_factories
+from tests.helpers import assert_same, wait_gone
+
+ROOT = Path(__file__).resolve().parent.parent
+ENVS_FILE = "envs.py"
+
+# (num_envs, num_workers, failing env index, its worker)
+FAILING = [(4, 2, 1, 0), (4, 2, 3, 1), (5, 3, 4, 2)]
+
+
+def _raising(fail_index, fail_in, fail_after=4):
+    return functools.partial(
+        RaisingEnv, fail_index=fail_index, fail_in=fail_in, fail_after=fail_after
+    )
+
+
+def _zeros(n):
+    return np.zeros(n, np.int64)
+
+
+# -- an env raises: EnvError ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("num_envs", "num_workers", "index", "worker"), FAILING)
+@pytest.mark.parametrize("backend", ["processes", "serial"])
+def test_env_raises_in_step(make_env, snapshot, backend, num_envs, num_workers, index, worker):
+    factory = _raising(index, "step", fail_after=4)
+    envs = make_env(factory, num_envs, backend=backend, num_workers=num_workers)
+    sync = SyncVectorEnv(sync_factories(factory, num_envs))
+    assert_same(envs.reset(seed=0), sync.reset(seed=0), "reset")
+    for t in range(4):
+        assert_same(envs.step(_zeros(num_envs)), sync.step(_zeros(num_envs)), f"step {t}")
+    with pytest.raises(envfleet.EnvError) as info:
+        envs.step(_zeros(num_envs))
+    err = info.value
+    assert err.env_index == index
+    assert err.method == "step"
+    assert "boom" in str(err)
+    cause = err.__cause__
+    assert isinstance(cause, ValueError)
+    assert str(cause) == f"boom in step 5 of env {index}"
+    if backend == "processes":
+        assert err.worker_index == worker
+        remote = cause.__cause__
+        assert isinstance(remote, envfleet.RemoteTraceback)
+        assert "boom" in str(remote)
+        assert ENVS_FILE in str(remote)
+        assert "Traceback" in str(remote)
+    else:
+        assert err.worker_index is None
+    with pytest.raises(ValueError):
+        sync.step(_zeros(num_envs))
+
+    # The vector env is still usable; after a reset it is a SyncVectorEnv again.
+    assert not envs.closed
+    assert_same(envs.reset(seed=1), sync.reset(seed=1), "reset after the error")
+    for t in range(4):
+        assert_same(envs.step(_zeros(num_envs)), sync.step(_zeros(num_envs)), f"again {t}")
+    assert envs.get_attr("env_index") == tuple(range(num_envs))
+    sync.close()
+    envs.close()
+    snapshot.assert_nothing_left()
+
+
+@pytest.mark.parametrize(("num_envs", "num_workers", "index", "worker"), FAILING)
+@pytest.mark.parametrize("backend", ["processes", "serial"])
+def test_env_raises_in_reset(make_env, snapshot, backend, num_envs, num_workers, index, worker):
+    factory = _raising(index, "reset")
+    envs = make_env(factory, num_envs, backend=backend, num_workers=num_workers)
+    envs.reset(seed=0)
+    with pytest.raises(envfleet.EnvError) as info:
+        envs.reset(seed=0, options={"explode": True})
+    err = info.value
+    assert (err.env_index, err.method) == (index, "reset")
+    assert isinstance(err.__cause__, ValueError)
+    assert "boom in reset" in str(err.__cause__)
+    if backend == "processes":
+        assert err.worker_index == worker
+        assert isinstance(err.__cause__.__cause__, envfleet.RemoteTraceback)
+        assert "boom in reset" in str(err.__cause__.__cause__)
+        assert ENVS_FILE in str(err.__cause__.__cause__)
+    else:
+        assert err.worker_index is None
+
+    # Options travel with a reset mask: only a masked reset that includes the env raises.
+    others = np.ones(num_envs, np.bool_)
+    others[index] = False
+    envs.reset(options={"reset_mask": others, "explode": True})
+    with pytest.raises(envfleet.EnvError) as info:
+        envs.reset(options={"reset_mask": ~others, "explode": True})
+    assert info.value.env_index == index
+
+    sync = SyncVectorEnv(sync_factories(factory, num_envs))
+    assert_same(envs.reset(seed=2), sync.reset(seed=2), "reset after the error")
+    assert_same(envs.step(_zeros(num_envs)), sync.step(_zeros(num_envs)), "step")
+    sync.close()
+    envs.close()
+    snapshot.assert_nothing_left()
+
+
+@pytest.mark.parametrize("backend", ["processes", "serial"])
+def test_env_raises_in_init(backend, snapshot):
+    with pytest.raises(envfleet.EnvError) as info:
+        envfleet.make(_raising(3, "init"), 4, backend=backend, num_workers=2)
+    err = info.value
+    assert (err.env_index, err.method) == (3, "make")
+    assert isinstance(err.__cause__, ValueError)
+    if backend == "processes":
+        assert err.worker_index == 1
+        assert ENVS_FILE in str(err.__cause__.__cause__)
+    snapshot.assert_nothing_left()
+
+
+def test_env_error_in_several_workers_names_the_first(make_env):
+    """Two workers fail in one step: the error names the lowest worker; both replies are read."""
+
+    factory = functools.partial(RaisingEnv, fail_index=-1, fail_after=1)
+    envs = make_env(factory, 4, backend="processes", num_workers=2)
+    envs.set_attr("fail_index", [1, 1, 2, 2])  # env 1 (worker 0) and env 2 (worker 1) fail
+    envs.reset(seed=0)
+    envs.step(_zeros(4))
+    with pytest.raises(envfleet.EnvError) as info:
+        envs.step(_zeros(4))
+    assert (info.value.env_index, info.value.worker_index) == (1, 0)
+    # Worker 1's error reply was consumed too: the next calls get their own replies.
+    envs.set_attr("fail_index", -1)
+    sync = SyncVectorEnv(sync_factories(factory, 4))
+    assert_same(envs.reset(seed=5), sync.reset(seed=5), "reset")
+    for t in range(3):
+        assert_same(envs.step(_zeros(4)), sync.step(_zeros(4)), f"step {t}")
+    sync.close()
+
+
+# -- a worker dies: EnvCrashedError ---------------------------------------------------------
+
+
+def _worker_pids(envs, snapshot, num_envs):
+    """Pids of the workers per env, checked against the processes that appeared."""
+    pids = envs.get_attr("pid")
+    assert len(pids) == num_envs
+    assert set(pids) == set(snapshot.new_workers())
+    assert os.getpid() not in pids
+    return pids
+
+
+def _assert_closed_after_crash(envs, snapshot, num_envs):
+    assert envs.closed
+    with pytest.raises(envfleet.ClosedEnvironmentError):
+        envs.step(_zeros(num_envs))
+    with pytest.raises(envfleet.ClosedEnvironmentError):
+        envs.reset(seed=0)
+    envs.close()
+    snapshot.assert_nothing_left()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("context", ["fork", "forkserver"])
+@pytest.mark.parametrize(
+    ("how", "exitcode", "signum"),
+    [("segfault", -signal.SIGSEGV, signal.SIGSEGV), ("exit", 3, None)],
+)
+def test_worker_dies_in_step(make_env, snapshot, context, how, exitcode, signum):
+    factory = functools.partial(CrashEnv, crash_index=3, crash_after=4, how=how)
+    envs = make_env(factory, 5, backend="processes", num_workers=2, context=context)
+    pids = _worker_pids(envs, snapshot, 5)
+    assert pids[0] == pids[2] != pids[3] == pids[4]
+    envs.reset(seed=0)
+    for _ in range(4):
+        envs.step(_zeros(5))
+    with pytest.raises(envfleet.EnvCrashedError) as info:
+        envs.step(_zeros(5))
+    err = info.value
+    assert err.worker_index == 1
+    assert err.env_indices == [3, 4]
+    assert err.env_index == 3
+    assert err.exitcode == exitcode
+    assert err.signal == signum
+    assert err.step == 4
+    if signum is not None:
+        assert signal.Signals(signum).name in str(err)
+    else:
+        assert "exit code 3" in str(err)
+    _assert_closed_after_crash(envs, snapshot, 5)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("context", "worker"), [("fork", 0), ("fork", 1), ("forkserver", 1), ("spawn", 1)]
+)
+def test_worker_killed_between_steps(make_env, snapshot, context, worker):
+    """A worker SIGKILLed while idle (OOM killer, kill -9): the next step names it."""
+    envs = make_env(IndexedEnv, 4, backend="processes", num_workers=2, context=context)
+    pids = _worker_pids(envs, snapshot, 4)
+    envs.reset(seed=0)
+    for _ in range(2):
+        envs.step(_zeros(4))
+    victim = pids[2 * worker]
+    os.kill(victim, signal.SIGKILL)
+    assert not wait_gone([victim], timeout=30)
+    with pytest.raises(envfleet.EnvCrashedError) as info:
+        envs.step(_zeros(4))
+    err = info.value
+    assert err.worker_index == worker
+    assert err.env_indices == [2 * worker, 2 * worker + 1]
+    assert err.exitcode == -signal.SIGKILL
+    assert err.signal == signal.SIGKILL
+    assert err.step == 2
+    _assert_closed_after_crash(envs, snapshot, 4)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("call", ["reset", "get_attr"])
+def test_worker_killed_before_other_calls(make_env, snapshot, call):
+    """A worker SIGKILLed while idle: reset and get_attr raise EnvCrashedError too."""
+    envs = make_env(IndexedEnv, 4, backend="processes", num_workers=2)
+    pids = _worker_pids(envs, snapshot, 4)
+    envs.reset(seed=0)
+    os.kill(pids[3], signal.SIGKILL)
+    assert not wait_gone([pids[3]], timeout=30)
+    with pytest.raises(envfleet.EnvCrashedError) as info:
+        if call == "reset":
+            envs.reset(seed=1)
+        else:
+            envs.get_attr("env_index")
+    assert info.value.worker_index == 1
+    assert info.value.env_indices == [2, 3]
+    assert info.value.signal == signal.SIGKILL
+    _assert_closed_after_crash(envs, snapshot, 4)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("context", ["fork", "forkserver"])
+def test_worker_killed_while_busy(make_env, snapshot, context):
+    """SIGKILL to a worker stuck in a step: step_wait raises instead of waiting forever."""
+    factory = functools.partial(CrashEnv, crash_index=1, crash_after=1, how="hang")
+    envs = make_env(factory, 3, backend="processes", num_workers=3, context=context)
+    pids = _worker_pids(envs, snapshot, 3)
+    envs.reset(seed=0)
+    envs.step(_zeros(3))
+    envs.step_async(_zeros(3))  # env 1 now sleeps in step; envs 0 and 2 answer
+    os.kill(pids[1], signal.SIGKILL)
+    with pytest.raises(envfleet.EnvCrashedError) as info:
+        envs.step_wait()
+    err = info.value
+    assert (err.worker_index, err.env_indices, err.env_index) == (1, [1], 1)
+    assert err.exitcode == -signal.SIGKILL
+    assert err.step == 1
+    _assert_closed_after_crash(envs, snapshot, 3)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("how", ["segfault", "exit"])
+def test_worker_dies_while_building_envs(snapshot, how):
+    factory = functools.partial(CrashEnv, crash_index=2, how=how, crash_in="init")
+    with pytest.raises(envfleet.EnvCrashedError) as info:
+        envfleet.make(factory, 4, backend="processes", num_workers=2)
+    assert info.value.worker_index == 1
+    assert info.value.env_indices == [2, 3]
+    assert info.value.exitcode == (-signal.SIGSEGV if how == "segfault" else 3)
+    snapshot.assert_nothing_left()
+
+
+# -- a worker hangs: StepTimeoutError -------------------------------------------------------
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("context", ["fork", "forkserver"])
+def test_step_timeout(make_env, snapshot, context):
+    factory = functools.partial(CrashEnv, crash_index=2, crash_after=2, how="hang")
+    envs = make_env(
+        factory, 6, backend="processes", num_workers=3, step_timeout=1.0, context=context
+    )
+    assert envs.step_timeout == 1.0
+    envs.reset(seed=0)
+    for _ in range(2):
+        envs.step(_zeros(6))
+    with pytest.raises(envfleet.StepTimeoutError) as info:
+        envs.step(_zeros(6))
+    err = info.value
+    assert isinstance(err, multiprocessing.TimeoutError)
+    assert isinstance(err, envfleet.EnvfleetError)
+    assert err.env_indices == [2, 3]  # only worker 1 did not answer
+    assert err.timeout == 1.0
+    _assert_closed_after_crash(envs, snapshot, 6)
+
+
+@pytest.mark.timeout(60)
+def test_step_wait_timeout_argument(make_env, snapshot):
+    factory = functools.partial(CrashEnv, crash_index=0, crash_after=0, how="hang")
+    envs = make_env(factory, 2, backend="processes", num_workers=2)
+    assert envs.step_timeout is None
+    envs.reset(seed=0)
+    envs.step_async(_zeros(2))
+    with pytest.raises(envfleet.StepTimeoutError) as info:
+        envs.step_wait(timeout=0.5)
+    assert info.value.env_indices == [0]
+    assert info.value.timeout == 0.5
+    _assert_closed_after_crash(envs, snapshot, 2)
+
+
+@pytest.mark.timeout(60)
+def test_step_timeout_bounds_calls(make_env, snapshot):
+    envs = make_env(IndexedEnv, 3, backend="processes", num_workers=3, step_timeout=1.0)
+    assert envs.call("add", 1) == (1, 2, 3)
+    with pytest.raises(envfleet.StepTimeoutError) as info:
+        envs.call("hang")
+    assert info.value.env_indices == [0, 1, 2]
+    _assert_closed_after_crash(envs, snapshot, 3)
+
+
+def test_step_timeout_not_hit_by_normal_steps(make_env):
+    envs = make_env("CartPole-v1", 4, backend="processes", num_workers=2, step_timeout=30.0)
+    sync = SyncVectorEnv([lambda: gym.make("CartPole-v1")] * 4)
+    assert_same(envs.reset(seed=0), sync.reset(seed=0), "reset")
+    for t in range(50):
+        actions = np.array([t % 2, 0, 1, (t // 3) % 2])
+        assert_same(envs.step(actions), sync.step(actions), f"step {t}")
+    sync.close()
+
+
+# -- close -----------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("context", ["fork", "spawn", "forkserver"])
+@pytest.mark.parametrize("num_workers", [1, 3])
+def test_close_leaves_nothing(snapshot, context, num_workers):
+    envs = envfleet.make(
+        IndexedEnv, 3, backend="processes", num_workers=num_workers, context=context
+    )
+    pids = _worker_pids(envs, snapshot, 3)
+    assert len(set(pids)) == num_workers
+    envs.reset(seed=0)
+    envs.step(_zeros(3))
+    envs.close()
+    assert envs.closed
+    assert not wait_gone(list(set(pids)), timeout=0)
+    snapshot.assert_nothing_left()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("terminate", [False, True])
+def test_close_with_step_pending(snapshot, terminate):
+    envs = envfleet.make("CartPole-v1", 4, backend="processes", num_workers=2)
+    envs.reset(seed=0)
+    envs.step_async(_zeros(4))
+    envs.close(terminate=terminate)
+    assert envs.closed
+    snapshot.assert_nothing_left()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("terminate", [False, True])
+def test_close_with_hanging_step_pending(snapshot, terminate):
+    factory = functools.partial(CrashEnv, crash_index=1, crash_after=0, how="hang")
+    envs = envfleet.make(factory, 2, backend="processes", num_workers=2)
+    envs.reset(seed=0)
+    envs.step_async(_zeros(2))
+    envs.close(timeout=1.0, terminate=terminate)
+    assert envs.closed
+    snapshot.assert_nothing_left()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("how", ["hang", "hang-ignore-term", "segfault", "exit"])
+def test_close_is_bounded_when_an_env_misbehaves_in_close(snapshot, how):
+    factory = functools.partial(CrashEnv, crash_index=1, how=how, crash_in="close")
+    envs = envfleet.make(factory, 3, backend="processes", num_workers=2)
+    envs.reset(seed=0)
+    envs.step(_zeros(3))
+    envs.close(timeout=1.0)
+    assert envs.closed
+    snapshot.assert_nothing_left()
+
+
+@pytest.mark.timeout(60)
+def test_close_with_reset_pending(snapshot):
+    envs = envfleet.make(IndexedEnv, 3, backend="processes", num_workers=3)
+    envs.reset_async(seed=0)
+    envs.close()
+    snapshot.assert_nothing_left()
+
+
+@pytest.mark.timeout(60)
+def test_close_after_env_error_and_garbage_collection(snapshot):
+    envs = envfleet.make(_raising(2, "step", fail_after=0), 3, backend="processes")
+    envs.reset(seed=0)
+    with pytest.raises(envfleet.EnvError):
+        envs.step(_zeros(3))
+    envs.close()
+    snapshot.assert_nothing_left()
+    # An env that is dropped without close() is closed when collected.
+    dropped = envfleet.make(IndexedEnv, 2, backend="processes")
+    pids = list(set(dropped.get_attr("pid")))
+    del dropped
+    gc.collect()
+    assert not wait_gone(pids, timeout=30)
+    snapshot.assert_nothing_left()
+
+
+DRIVER = """
+import sys, time
+import envfleet
+from tests.envs import IndexedEnv
+envs = envfleet.make(IndexedEnv, 2, backend="processes", num_workers=2, context=sys.argv[1])
+envs.reset(seed=0)
+print(" ".join(str(pid) for pid in envs.get_attr("pid")), flush=True)
+time.sleep(3600)
+"""
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("context", ["fork", "forkserver"])
+def test_workers_exit_when_driver_is_killed(context):
+    driver = subprocess.Popen(
+        [sys.executable, "-c", DRIVER, context],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        line = driver.stdout.readline()
+        pids = [int(pid) for pid in line.split()]
+        assert len(pids) == 2 and pids[0] != pids[1] and driver.pid not in pids
+        assert wait_gone(pids, timeout=0) == pids  # the workers run
+        driver.kill()
+        driver.wait(30)
+        assert wait_gone(pids, timeout=30) == []
+    finally:
+        driver.kill()
+        driver.wait(30)
+        driver.stdout.close()
