@@ -97,23 +97,28 @@ def run_lockstep(fleet, sync, *, steps: int, seed: int, mid_episode_resets=None)
     return seen
 
 
-@pytest.mark.parametrize("num_workers", WORKERS)
+# (backend, layout arguments): every backend with several worker counts, and the processes
+# backend also with its defaults (the driver steps a share of the envs) and an explicit share.
+LAYOUTS = [(b, {"num_workers": w}) for b in BACKENDS for w in WORKERS] + [
+    ("processes", {}),
+    ("processes", {"num_workers": 2, "driver_envs": 2}),
+]
+
+
 @pytest.mark.parametrize("mode", MODES, ids=lambda m: m.value)
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(
+    ("backend", "layout"), LAYOUTS, ids=[f"{b}-{sorted(lay.items())}" for b, lay in LAYOUTS]
+)
 @pytest.mark.parametrize("case", list(ENV_CASES))
-def test_matches_sync_vector_env(make_env, case, backend, mode, num_workers):
+def test_matches_sync_vector_env(make_env, case, backend, layout, mode):
     env, env_kwargs, sync_fns = ENV_CASES[case]
     fleet = make_env(
-        env,
-        NUM_ENVS,
-        backend=backend,
-        num_workers=num_workers,
-        autoreset_mode=mode,
-        env_kwargs=env_kwargs,
+        env, NUM_ENVS, backend=backend, autoreset_mode=mode, env_kwargs=env_kwargs, **layout
     )
     sync = SyncVectorEnv(sync_fns(NUM_ENVS), autoreset_mode=mode)
     try:
-        assert fleet.num_workers == num_workers
+        if "num_workers" in layout:
+            assert fleet.num_workers == layout["num_workers"]
         assert fleet.single_observation_space == sync.single_observation_space
         assert fleet.single_action_space == sync.single_action_space
         assert fleet.observation_space == sync.observation_space
@@ -314,18 +319,19 @@ def test_atari_pong(make_env, mode):
 
 
 @st.composite
-def layouts(draw, max_envs):
+def layouts(draw, max_envs, driver_share=False):
     num_envs = draw(st.integers(1, max_envs))
-    num_workers = draw(st.integers(1, num_envs))
+    driver_envs = draw(st.integers(0, num_envs - 1)) if driver_share else None
+    num_workers = draw(st.integers(1, num_envs - (driver_envs or 0)))
     mode = draw(st.sampled_from(MODES))
     seed = draw(st.integers(0, 2**31 - 1))
-    return num_envs, num_workers, mode, seed
+    return num_envs, {"num_workers": num_workers, "driver_envs": driver_envs}, mode, seed
 
 
-def _check_layout(backend, num_envs, num_workers, mode, seed):
-    fleet = envfleet.make(
-        SparseInfoEnv, num_envs, backend=backend, num_workers=num_workers, autoreset_mode=mode
-    )
+def _check_layout(backend, num_envs, layout, mode, seed):
+    if layout["driver_envs"] is None:
+        del layout["driver_envs"]
+    fleet = envfleet.make(SparseInfoEnv, num_envs, backend=backend, autoreset_mode=mode, **layout)
     sync = SyncVectorEnv(sync_factories(SparseInfoEnv, num_envs), autoreset_mode=mode)
     try:
         assert fleet.get_attr("env_index") == tuple(range(num_envs))
@@ -346,6 +352,6 @@ def test_any_layout_serial(layout):
 @settings(
     max_examples=10, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow]
 )
-@given(layouts(max_envs=7))
+@given(layouts(max_envs=7, driver_share=True))
 def test_any_layout_processes(layout):
     _check_layout("processes", *layout)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 import threading
 
 import gymnasium as gym
@@ -13,6 +14,7 @@ from gymnasium.vector import AutoresetMode, SyncVectorEnv, VectorEnv
 from gymnasium.vector.utils import batch_space
 
 import envfleet
+from envfleet.front import plan_processes
 from tests.envs import (
     IndexedEnv,
     NestedSpaceEnv,
@@ -212,11 +214,68 @@ def test_defaults(make_env):
     assert envs.metadata["autoreset_mode"] is AutoresetMode.NEXT_STEP
 
 
-def test_default_num_workers_is_usable_cores(make_env):
+def test_default_layout_uses_every_core(make_env):
+    """Default: cores - 1 workers and the driver steps an equal share (DESIGN §3)."""
     cores = len(psutil.Process().cpu_affinity())
-    envs = make_env("CartPole-v1", 4)
-    assert envs.num_workers == min(4, cores)
+    envs = make_env(IndexedEnv, 4)
+    workers = max(1, min(3, cores - 1))
+    driver_envs = 4 // (workers + 1) if cores > 1 else 0
+    assert envs.num_workers == workers
+    pids = envs.get_attr("pid")
+    assert pids[:driver_envs] == (os.getpid(),) * driver_envs
+    assert os.getpid() not in pids[driver_envs:]
+    assert len(set(pids[driver_envs:])) == workers
     assert make_env("CartPole-v1", 4, backend="serial").num_workers == 1
+
+
+def test_driver_envs_zero_isolates_every_env(make_env):
+    cores = len(psutil.Process().cpu_affinity())
+    envs = make_env(IndexedEnv, 4, driver_envs=0)
+    assert envs.num_workers == min(4, cores)
+    assert os.getpid() not in envs.get_attr("pid")
+    # Given num_workers alone, the driver steps nothing either.
+    envs = make_env(IndexedEnv, 3, num_workers=3)
+    assert os.getpid() not in envs.get_attr("pid")
+
+
+@pytest.mark.parametrize(
+    ("num_envs", "num_workers", "driver_envs", "cores", "ranges"),
+    [
+        (16, None, None, 2, [(0, 8), (8, 16)]),
+        (16, None, None, 4, [(0, 4), (4, 8), (8, 12), (12, 16)]),
+        (5, None, None, 2, [(0, 2), (2, 5)]),
+        (1, None, None, 2, [(0, 1)]),
+        (16, None, None, 1, [(0, 16)]),
+        (16, None, 0, 2, [(0, 8), (8, 16)]),
+        (7, 3, None, 2, [(0, 3), (3, 5), (5, 7)]),
+        (7, 2, 3, 2, [(0, 3), (3, 5), (5, 7)]),
+        (7, None, 6, 8, [(0, 6), (6, 7)]),
+    ],
+)
+def test_plan_processes(num_envs, num_workers, driver_envs, cores, ranges):
+    plan = plan_processes(num_envs, num_workers, driver_envs, None, cores)
+    assert plan.ranges == ranges
+    assert plan.num_workers == len(ranges) - (plan.driver_envs > 0)
+    # Never more spinners than cores.
+    spinners = plan.num_workers * (plan.worker_spin_s > 0) + (plan.driver_spin_s > 0)
+    assert spinners <= cores
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"driver_envs": 4}, "driver_envs"),
+        ({"driver_envs": -1}, "driver_envs"),
+        ({"driver_envs": 1.5}, "driver_envs"),
+        ({"num_workers": 3, "driver_envs": 2}, "workers cannot share"),
+        ({"spin_s": -0.1}, "spin_s"),
+        ({"backend": "serial", "driver_envs": 1}, "processes"),
+        ({"backend": "serial", "spin_s": 0.0}, "processes"),
+    ],
+)
+def test_bad_processes_options(kwargs, match):
+    with pytest.raises(envfleet.ConfigError, match=match):
+        envfleet.make("CartPole-v1", 4, **kwargs)
 
 
 def test_num_envs_defaults_to_list_length(make_env):

@@ -413,7 +413,7 @@ def test_close_after_env_error_and_garbage_collection(snapshot):
     envs.close()
     snapshot.assert_nothing_left()
     # An env that is dropped without close() is closed when collected.
-    dropped = envfleet.make(IndexedEnv, 2, backend="processes")
+    dropped = envfleet.make(IndexedEnv, 2, backend="processes", driver_envs=0)
     pids = list(set(dropped.get_attr("pid")))
     del dropped
     gc.collect()

@@ -57,6 +57,11 @@ def check_fixed_size(space: spaces.Space[Any], what: str) -> None:
         )
 
 
+def is_leaf(space: spaces.Space[Any]) -> bool:
+    """Whether ``space`` is a single array leaf (Box, Discrete, MultiDiscrete, MultiBinary)."""
+    return isinstance(space, _FIXED_LEAVES)
+
+
 class _Carver:
     """Allocator for ``create_empty_array``: hands out aligned views of a byte array in order."""
 
@@ -180,3 +185,14 @@ def tree_slice(tree: Any, start: int, stop: int) -> Any:
     if isinstance(tree, tuple):
         return tuple(tree_slice(value, start, stop) for value in tree)
     raise TypeError(f"cannot slice {type(tree).__name__}")
+
+
+def tree_copy(tree: Any) -> Any:
+    """Copy every array of a nested dict/tuple (what ``copy.deepcopy`` gives, faster)."""
+    if isinstance(tree, np.ndarray):
+        return tree.copy()
+    if isinstance(tree, dict):
+        return {key: tree_copy(value) for key, value in tree.items()}
+    if isinstance(tree, tuple):
+        return tuple(tree_copy(value) for value in tree)
+    raise TypeError(f"cannot copy {type(tree).__name__}")

@@ -17,7 +17,7 @@ import numpy as np
 from gymnasium.vector import AutoresetMode
 from gymnasium.vector.utils import batch_space, concatenate, iterate
 
-from envfleet.buffers import Batch
+from envfleet.buffers import Batch, is_leaf, tree_copy
 from envfleet.protocol import CallRequest, Command, InfoEvent, ResetRequest, SetAttrRequest
 
 __all__ = ["EnvFailure", "EnvGroup", "spaces_mismatch"]
@@ -83,7 +83,14 @@ class EnvGroup:
                 self.close()
                 raise EnvFailure(start + j, "make") from exc
         self._env_obs: list[Any] = [None] * self.size
-        self._autoreset_envs = np.zeros(self.size, dtype=np.bool_)
+        self._rewards: list[Any] = [0.0] * self.size
+        self._terminations: list[Any] = [False] * self.size
+        self._truncations: list[Any] = [False] * self.size
+        self._autoreset: list[bool] = [False] * self.size  # envs to reset on their next step
+        # For a single-array space, gymnasium's concatenate is np.stack(items, out=out) and its
+        # iterate is iter(items): call those directly, without the dispatch, on the hot path.
+        self._obs_leaf = is_leaf(single_observation_space)
+        self._action_leaf = is_leaf(single_action_space)
 
     def check_spaces(self) -> tuple[int, str] | None:
         """(env_index, description) of the first env whose spaces differ, or ``None``."""
@@ -117,47 +124,67 @@ class EnvGroup:
         """
         buf = self.buffers
         # A private copy: an env may keep a reference to its action past this step.
-        actions = iterate(self._action_space, _tree_copy(buf.actions))
-        rewards, terminations, truncations = buf.rewards, buf.terminations, buf.truncations
-        mode = self.autoreset_mode
+        if self._action_leaf:
+            actions = iter(buf.actions.copy())
+        else:
+            actions = iterate(self._action_space, tree_copy(buf.actions))
+        # Per-env results gather in Python lists and reach the buffers in one assignment
+        # each: numpy converts every element exactly as SyncVectorEnv's scalar writes do.
+        rewards, terminations, truncations = self._rewards, self._terminations, self._truncations
+        env_obs, envs, autoreset = self._env_obs, self.envs, self._autoreset
+        next_step = self.autoreset_mode is AutoresetMode.NEXT_STEP
+        same_step = self.autoreset_mode is AutoresetMode.SAME_STEP
         events: list[InfoEvent] = []
         for j, action in enumerate(actions):
-            env = self.envs[j]
-            index = self.start + j
+            env = envs[j]
             try:
-                if mode is AutoresetMode.NEXT_STEP and self._autoreset_envs[j]:
-                    self._env_obs[j], env_info = env.reset()
-                    rewards[j] = 0.0
-                    terminations[j] = False
-                    truncations[j] = False
+                if next_step and autoreset[j]:
+                    env_obs[j], env_info = env.reset()
+                    rewards[j], terminations[j], truncations[j] = 0.0, False, False
                 else:
-                    (
-                        self._env_obs[j],
-                        rewards[j],
-                        terminations[j],
-                        truncations[j],
-                        env_info,
-                    ) = env.step(action)
-                    if mode is AutoresetMode.SAME_STEP and (terminations[j] or truncations[j]):
-                        events.append(
-                            (index, {"final_obs": self._env_obs[j], "final_info": env_info})
-                        )
-                        self._env_obs[j], env_info = env.reset()
+                    obs, rewards[j], terminated, truncated, env_info = env.step(action)
+                    env_obs[j], terminations[j], truncations[j] = obs, terminated, truncated
+                    if same_step and (terminated or truncated):
+                        events.append((self.start + j, {"final_obs": obs, "final_info": env_info}))
+                        env_obs[j], env_info = env.reset()
             except Exception as exc:
-                raise EnvFailure(index, "step") from exc
+                raise EnvFailure(self.start + j, "step") from exc
             if env_info:
-                events.append((index, env_info))
-        concatenate(self.single_observation_space, self._env_obs, buf.observations)
-        np.logical_or(terminations, truncations, out=self._autoreset_envs)
+                events.append((self.start + j, env_info))
+        self._write_results()
+        self._write_observations()
         return events
+
+    def _write_results(self) -> None:
+        buf = self.buffers
+        try:
+            buf.rewards[:] = self._rewards
+            buf.terminations[:] = self._terminations
+            buf.truncations[:] = self._truncations
+        except Exception:
+            # Find the env whose result does not convert, to name it in the error.
+            for j in range(self.size):
+                try:
+                    buf.rewards[j] = self._rewards[j]
+                    buf.terminations[j] = self._terminations[j]
+                    buf.truncations[j] = self._truncations[j]
+                except Exception as exc:
+                    raise EnvFailure(self.start + j, "step (result)") from exc
+            raise
+        self._autoreset = np.logical_or(buf.terminations, buf.truncations).tolist()
+
+    def _write_observations(self) -> None:
+        if self._obs_leaf:
+            np.stack(self._env_obs, axis=0, out=self.buffers.observations)
+        else:
+            concatenate(self.single_observation_space, self._env_obs, self.buffers.observations)
 
     def reset(self, request: ResetRequest) -> list[InfoEvent]:
         """Reset the envs (all, or those in ``request.mask``) with their seeds and options."""
         mask = request.mask
-        if mask is None:
-            self._autoreset_envs[:] = False
-        else:
-            self._autoreset_envs[mask] = False
+        self._autoreset = [
+            False if mask is None or mask[j] else a for j, a in enumerate(self._autoreset)
+        ]
         events: list[InfoEvent] = []
         for j, env in enumerate(self.envs):
             if mask is not None and not mask[j]:
@@ -170,7 +197,7 @@ class EnvGroup:
                 raise EnvFailure(self.start + j, "reset") from exc
             if env_info:
                 events.append((self.start + j, env_info))
-        concatenate(self.single_observation_space, self._env_obs, self.buffers.observations)
+        self._write_observations()
         return events
 
     def call(self, request: CallRequest) -> list[Any]:
@@ -210,11 +237,3 @@ class EnvGroup:
             except Exception:  # closing must reach every env
                 logger.warning("a sub-environment raised in close()", exc_info=True)
         self.envs = []
-
-
-def _tree_copy(tree: Any) -> Any:
-    if isinstance(tree, np.ndarray):
-        return tree.copy()
-    if isinstance(tree, dict):
-        return {key: _tree_copy(value) for key, value in tree.items()}
-    return tuple(_tree_copy(value) for value in tree)

@@ -14,7 +14,7 @@ import multiprocessing
 import numbers
 import os
 from collections.abc import Callable, Sequence
-from copy import deepcopy
+from dataclasses import dataclass
 from typing import Any
 
 import cloudpickle
@@ -33,7 +33,7 @@ from envfleet.backends.base import (
     env_error,
     worker_ranges,
 )
-from envfleet.buffers import Block, batch_nbytes, check_fixed_size
+from envfleet.buffers import Block, batch_nbytes, check_fixed_size, is_leaf, tree_copy
 from envfleet.errors import (
     AlreadyPendingCallError,
     ClosedEnvironmentError,
@@ -124,6 +124,8 @@ def make(
     restart_policy: Any = None,
     context: str | None = None,
     copy: bool = True,
+    driver_envs: int | None = None,
+    spin_s: float | None = None,
 ) -> FleetVectorEnv:
     """Create a vector env of ``num_envs`` sub-environments on ``backend``.
 
@@ -135,8 +137,9 @@ def make(
         backend: ``"serial"`` (in this process) or ``"processes"`` (worker processes over
             shared memory).
         num_workers: worker count, ``1 <= num_workers <= num_envs``; envs go to workers in
-            contiguous blocks whose sizes differ by at most one. Default: ``min(num_envs,
-            usable cores)`` for ``processes``, 1 for ``serial``.
+            contiguous blocks whose sizes differ by at most one. ``processes``: worker
+            processes, default usable cores - 1 with the driver stepping a share (see
+            ``driver_envs``); ``serial``: blocks stepped in turn, default 1.
         batch_size: ``None`` or ``num_envs`` (synchronous). The first-ready pool
             (``batch_size < num_envs``) is not available yet.
         autoreset_mode: a ``gymnasium.vector.AutoresetMode`` (or its string value).
@@ -150,6 +153,14 @@ def make(
             default: the platform's.
         copy: ``True``: step/reset return copies, like gymnasium. ``False``: views of the
             shared buffers, valid until the next call.
+        driver_envs: ``processes`` only: how many envs (the first block) the driver steps
+            itself while the workers step theirs. Default: an equal share when ``num_workers``
+            is not given (see :func:`plan_processes`), else 0. Those envs live in the driver
+            process: their exceptions are reported as usual, but a native crash in them (a
+            segfault) takes the driver down; set 0 to isolate every env in a worker.
+        spin_s: ``processes`` only: the most seconds a wait polls before it blocks
+            (default 0.002); the budget adapts to the waits seen, and is 0 wherever spinners
+            would outnumber the cores.
 
     Returns:
         A :class:`FleetVectorEnv`, a ``gymnasium.vector.VectorEnv``.
@@ -172,13 +183,7 @@ def make(
         env_fns = env_fns * num_envs
     elif len(env_fns) != num_envs:
         raise ConfigError(f"got {len(env_fns)} env factories for num_envs={num_envs}")
-    if num_workers is None:
-        num_workers = min(num_envs, usable_cores()) if backend == "processes" else 1
-    if (
-        isinstance(num_workers, bool)
-        or not isinstance(num_workers, numbers.Integral)
-        or not 1 <= num_workers <= num_envs
-    ):
+    if num_workers is not None and not _is_int(num_workers, 1, num_envs):
         raise ConfigError(f"num_workers must be an integer in [1, {num_envs}], got {num_workers!r}")
     if batch_size is not None and batch_size != num_envs:
         raise ConfigError(
@@ -206,42 +211,46 @@ def make(
         )
 
     accepts = [accepts_env_index(fn) for fn in env_fns]
-    if backend == "processes":
-        blobs = _pickle_factories(env_fns)
-        # Like gymnasium's AsyncVectorEnv, build one env in the driver to learn the spaces.
-        dummy = _build(bind_env_index(env_fns[0], 0, accepts[0]), 0)
-        try:
-            obs_space, act_space = dummy.observation_space, dummy.action_space
-            metadata, render_mode = dict(dummy.metadata), dummy.render_mode
-        finally:
-            dummy.close()
+    blobs = _pickle_factories(env_fns) if backend == "processes" else []
+    # As gymnasium's vector envs do, env 0 is built here first: it gives the spaces and
+    # metadata. The serial backend, and the processes backend when the driver steps a block
+    # itself, keep it as env 0; otherwise it is closed once the workers are up.
+    first = _build(bind_env_index(env_fns[0], 0, accepts[0]), 0)
+    obs_space, act_space = first.observation_space, first.action_space
+    metadata, render_mode = dict(first.metadata), first.render_mode
+    try:
         check_fixed_size(obs_space, "observation")
         check_fixed_size(act_space, "action")
-        layout = WorkerLayout(
-            env_fns, accepts, obs_space, act_space, mode, worker_ranges(num_envs, num_workers)
-        )
+        if backend == "processes":
+            plan = plan_processes(num_envs, num_workers, driver_envs, spin_s, usable_cores())
+            ranges = plan.ranges
+        else:
+            if driver_envs is not None or spin_s is not None:
+                raise ConfigError("driver_envs and spin_s are options of backend='processes'")
+            ranges = worker_ranges(num_envs, 1 if num_workers is None else num_workers)
+    except ConfigError:
+        first.close()
+        raise
+    layout = WorkerLayout(env_fns, accepts, obs_space, act_space, mode, ranges)
+    nbytes = batch_nbytes(obs_space, act_space, num_envs)
+    backend_obj: Backend
+    if backend == "processes":
         from envfleet.backends.processes import ProcessesBackend
 
-        block = Block(batch_nbytes(obs_space, act_space, num_envs), shared=True)
-        backend_obj: Backend = ProcessesBackend(layout, block, blobs, context)
+        backend_obj = ProcessesBackend(
+            layout,
+            Block(nbytes, shared=True),
+            blobs,
+            context,
+            driver_group=plan.driver_envs > 0,
+            first_env=first,
+            driver_spin_s=plan.driver_spin_s,
+            worker_spin_s=plan.worker_spin_s,
+        )
     else:
         from envfleet.backends.serial import SerialBackend
 
-        # Like gymnasium's SyncVectorEnv, env 0 gives the spaces; it is kept as env 0.
-        first = _build(bind_env_index(env_fns[0], 0, accepts[0]), 0)
-        obs_space, act_space = first.observation_space, first.action_space
-        metadata, render_mode = dict(first.metadata), first.render_mode
-        try:
-            check_fixed_size(obs_space, "observation")
-            check_fixed_size(act_space, "action")
-        except ConfigError:
-            first.close()
-            raise
-        layout = WorkerLayout(
-            env_fns, accepts, obs_space, act_space, mode, worker_ranges(num_envs, num_workers)
-        )
-        block = Block(batch_nbytes(obs_space, act_space, num_envs), shared=False)
-        backend_obj = SerialBackend(layout, block, first_env=first)
+        backend_obj = SerialBackend(layout, Block(nbytes, shared=False), first_env=first)
     return FleetVectorEnv(
         backend_obj,
         backend_name=backend,
@@ -252,6 +261,87 @@ def make(
         autoreset_mode=mode,
         step_timeout=None if step_timeout is None else float(step_timeout),
         copy=copy,
+    )
+
+
+def _is_int(value: Any, low: int, high: int) -> bool:
+    return (
+        isinstance(value, numbers.Integral)
+        and not isinstance(value, bool)
+        and low <= int(value) <= high
+    )
+
+
+@dataclass
+class ProcessesPlan:
+    """How the processes backend lays out its envs (see :func:`plan_processes`)."""
+
+    ranges: list[tuple[int, int]]  # one block per group; the driver's first when driver_envs
+    num_workers: int
+    driver_envs: int
+    driver_spin_s: float
+    worker_spin_s: float
+
+
+def plan_processes(
+    num_envs: int,
+    num_workers: int | None,
+    driver_envs: int | None,
+    spin_s: float | None,
+    cores: int,
+) -> ProcessesPlan:
+    """Choose worker count, the driver's share and spin budgets for the processes backend.
+
+    Defaults (DESIGN §3): with ``c`` usable cores, ``c - 1`` workers (at least 1, at most
+    ``num_envs - 1``) and the driver steps an equal share of the envs itself, so that every
+    core steps envs and nobody idles on a round trip. Given ``num_workers`` alone, the driver
+    steps none. Waiters spin at most ``spin_s`` seconds (default
+    :data:`envfleet.backends.processes.DEFAULT_SPIN_S`) and only while spinners do not
+    outnumber the cores: the driver spins only if ``num_workers + 1 <= cores``, the workers
+    only if ``num_workers <= cores``.
+
+    Raises:
+        ConfigError: ``driver_envs`` outside ``[0, num_envs - num_workers]`` (every worker
+            needs one env), or ``spin_s`` negative.
+    """
+    from envfleet.backends.processes import DEFAULT_SPIN_S
+
+    if spin_s is None:
+        spin_s = DEFAULT_SPIN_S
+    if not (isinstance(spin_s, numbers.Real) and spin_s >= 0):
+        raise ConfigError(f"spin_s must be None or seconds >= 0, got {spin_s!r}")
+    if driver_envs is not None and not _is_int(driver_envs, 0, num_envs - 1):
+        raise ConfigError(
+            f"driver_envs must be an integer in [0, {num_envs - 1}] (at least one env must go "
+            f"to a worker; use backend='serial' to step every env in the driver), got "
+            f"{driver_envs!r}"
+        )
+    if num_workers is None:
+        if driver_envs is None:
+            num_workers = max(1, min(num_envs - 1, cores - 1))
+            driver_envs = num_envs // (num_workers + 1) if num_envs > 1 and cores > 1 else 0
+            if driver_envs == 0:
+                num_workers = max(1, min(num_envs, cores))
+        else:
+            num_workers = max(1, min(num_envs - driver_envs, cores - 1 if driver_envs else cores))
+    elif driver_envs is None:
+        driver_envs = 0
+    if num_workers > num_envs - driver_envs:
+        raise ConfigError(
+            f"{num_workers} workers cannot share the {num_envs - driver_envs} envs the driver "
+            f"does not step (driver_envs={driver_envs})"
+        )
+    ranges = [(0, driver_envs)] if driver_envs else []
+    ranges += [
+        (driver_envs + a, driver_envs + b)
+        for a, b in worker_ranges(num_envs - driver_envs, num_workers)
+    ]
+    return ProcessesPlan(
+        ranges=ranges,
+        num_workers=num_workers,
+        driver_envs=driver_envs,
+        driver_spin_s=float(spin_s) if num_workers + 1 <= cores else 0.0,
+        worker_spin_s=float(spin_s) if num_workers <= cores else 0.0,
     )
 
 
@@ -341,6 +431,9 @@ class FleetVectorEnv(VectorEnv[Any, Any, np.ndarray]):
         self.backend = backend_name
         self.num_envs = backend.batch.rewards.shape[0]
         self.num_workers = backend.num_workers
+        self._groups = len(backend.ranges)
+        self._every_group: dict[int, Any] = dict.fromkeys(range(self._groups))
+        self._action_leaf = is_leaf(single_action_space)
         self.single_observation_space = single_observation_space
         self.single_action_space = single_action_space
         self.observation_space = batch_space(single_observation_space, self.num_envs)
@@ -448,13 +541,20 @@ class FleetVectorEnv(VectorEnv[Any, Any, np.ndarray]):
                 "reset them first, e.g. reset(options={'reset_mask': mask})",
                 pending,
             )
-        writes: list[tuple[np.ndarray, np.ndarray]] = []
-        _check_actions(
-            self.single_action_space, self._backend.batch.actions, actions, "actions", writes
-        )
-        for out, value in writes:
-            out[...] = value
-        self._submit(Command.STEP, dict.fromkeys(range(self.num_workers)))
+        out = self._backend.batch.actions
+        if (
+            self._action_leaf
+            and type(actions) is np.ndarray
+            and actions.dtype == out.dtype
+            and actions.shape == out.shape
+        ):
+            np.copyto(out, actions)  # the common case, checked without the general walk
+        else:
+            writes: list[tuple[np.ndarray, np.ndarray]] = []
+            _check_actions(self.single_action_space, out, actions, "actions", writes)
+            for target, value in writes:
+                target[...] = value
+        self._submit(Command.STEP, self._every_group)
         self._state = AsyncState.WAITING_STEP
 
     def step_wait(
@@ -503,7 +603,7 @@ class FleetVectorEnv(VectorEnv[Any, Any, np.ndarray]):
         """Start :meth:`call`; collect it with :meth:`call_wait`."""
         self._assert_idle("call_async")
         request = CallRequest(name, args, kwargs)
-        self._submit(Command.CALL, dict.fromkeys(range(self.num_workers), request))
+        self._submit(Command.CALL, dict.fromkeys(range(self._groups), request))
         self._state = AsyncState.WAITING_CALL
 
     def call_wait(self, timeout: float | None = None) -> tuple[Any, ...]:
@@ -544,7 +644,7 @@ class FleetVectorEnv(VectorEnv[Any, Any, np.ndarray]):
     def render(self) -> tuple[Any, ...]:
         """``env.render()`` of every sub-environment, in env order (gymnasium's SyncVectorEnv)."""
         self._assert_idle("render")
-        self._submit(Command.RENDER, dict.fromkeys(range(self.num_workers)))
+        self._submit(Command.RENDER, dict.fromkeys(range(self._groups)))
         self._state = AsyncState.WAITING_CALL
         results = self._wait(AsyncState.WAITING_CALL, "render", None)
         return tuple(frame for w in sorted(results) for frame in results[w])
@@ -640,7 +740,7 @@ class FleetVectorEnv(VectorEnv[Any, Any, np.ndarray]):
 
     def _observations(self) -> Any:
         obs = self._backend.batch.observations
-        return deepcopy(obs) if self.copy else obs
+        return tree_copy(obs) if self.copy else obs
 
     def _seeds(self, seed: int | Sequence[int | None] | None) -> list[int | None]:
         if seed is None:

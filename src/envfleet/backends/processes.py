@@ -1,13 +1,21 @@
-"""``backend="processes"``: one EnvGroup per worker process, data in shared memory.
+"""``backend="processes"``: EnvGroups in worker processes, data in shared memory (DESIGN §1, §3).
 
-Control travels over one pipe per worker as a one-byte :class:`Command` (plus a pickled request
-off the hot path); observations, actions, rewards, terminations and truncations live in one
-shared :class:`envfleet.buffers.Block`. Infos travel only when an env returned a non-empty one.
+Each worker holds a contiguous block of envs. Observations, actions, rewards, terminations
+and truncations live in one shared :class:`envfleet.buffers.Block`; per worker, a few shared
+control words carry the :class:`Command` and the reply status, and a
+:class:`~envfleet.backends.doorbell.Doorbell` (two semaphores, spin-then-block) carries the
+"go" and the "done". Only what does not fit the buffers travels on the worker's pipe, after
+its doorbell rang: reset options, call arguments and results, non-empty infos, errors.
 
-Every wait watches the workers' process sentinels too, so a worker that dies (segfault,
-``os._exit``, SIGKILL) raises :class:`envfleet.EnvCrashedError` at once instead of hanging.
-Workers exit when the driver dies: they ask Linux for SIGKILL on their parent's death
-(``PR_SET_PDEATHSIG``) and see end-of-file on their pipe.
+Optionally the driver steps the first block of envs itself while the workers step theirs
+(``driver_envs``), so that on a machine with few cores no core idles while the driver waits.
+Those envs then live in the driver process: their Python exceptions are reported as usual, but
+a native crash in them takes the driver down with it.
+
+Every wait also watches the workers: a worker that dies (segfault, ``os._exit``, SIGKILL)
+raises :class:`envfleet.EnvCrashedError` within one blocking slice instead of hanging. Workers
+exit when the driver dies: Linux SIGKILLs them (``PR_SET_PDEATHSIG``), and a blocked worker
+also checks between slices that the driver is still there.
 """
 
 from __future__ import annotations
@@ -17,7 +25,7 @@ import ctypes
 import ctypes.util
 import logging
 import multiprocessing
-import multiprocessing.connection
+import multiprocessing.sharedctypes
 import os
 import pickle
 import signal
@@ -31,9 +39,11 @@ from typing import Any, cast
 
 import cloudpickle
 import gymnasium
+import numpy as np
 from gymnasium.vector import AutoresetMode
 
 from envfleet.backends.base import Backend, WorkerLayout, bind_env_index, env_error
+from envfleet.backends.doorbell import SEM_SLOT, Doorbell, SpinBudget
 from envfleet.buffers import Block, allocate_batch
 from envfleet.envgroup import EnvFailure, EnvGroup
 from envfleet.errors import (
@@ -46,21 +56,32 @@ from envfleet.errors import (
 )
 from envfleet.protocol import Command, RemoteError, Status
 
-__all__ = ["DEFAULT_CLOSE_TIMEOUT", "ProcessesBackend"]
+__all__ = ["DEFAULT_CLOSE_TIMEOUT", "DEFAULT_SPIN_S", "ProcessesBackend"]
 
 logger = logging.getLogger("envfleet")
 
 DEFAULT_CLOSE_TIMEOUT = 5.0  # seconds for workers to close their envs before being terminated
+DEFAULT_SPIN_S = 0.002  # the most a wait polls before it blocks, in seconds
 _KILL_GRACE = 1.0  # seconds between SIGTERM and SIGKILL
-_STEP = bytes([Command.STEP])
-_OK = bytes([Status.OK])
+
+# Per group in the control region: 8 int64 control words (one cache line, so workers never
+# share a line), then the doorbell's two semaphores.
+_WORDS = 8
+_GROUP_BYTES = 8 * _WORDS + 2 * SEM_SLOT
+_CMD, _CMD_PAYLOAD, _STATUS, _REPLY_PAYLOAD = 0, 1, 2, 3
+
+
+def _control_words(region: Any) -> np.ndarray:
+    """int64 ``[groups, _WORDS]`` view of the control words in the control region."""
+    raw = np.frombuffer(region, dtype=np.uint8).reshape(-1, _GROUP_BYTES)
+    return raw[:, : 8 * _WORDS].view(np.int64)
 
 
 @dataclass
 class _WorkerSpec:
     """What a worker process receives at start (pickled once, when spawning)."""
 
-    worker_index: int
+    group_index: int
     start: int
     stop: int
     env_fns: list[bytes]  # cloudpickled factories, one per env of the worker
@@ -70,6 +91,9 @@ class _WorkerSpec:
     num_envs: int
     autoreset_mode: AutoresetMode
     block: Block
+    control: Any  # the control region: RawArray of _GROUP_BYTES bytes per group
+    doorbell: Doorbell
+    spin_s: float
     parent_pid: int
     start_method: str
 
@@ -78,12 +102,14 @@ class ProcessesBackend(Backend):
     """Worker processes holding contiguous blocks of envs over one shared block.
 
     Args:
-        layout: envs, spaces and worker ranges.
+        layout: envs, spaces and blocks (``layout.ranges``: one per group, in order).
         block: a shared :class:`Block` sized by :func:`envfleet.buffers.batch_nbytes`.
         env_fn_blobs: per env, its factory cloudpickled (equal factories share one bytes object).
         context: a ``multiprocessing`` start method name or ``None`` for the platform default.
-        start_timeout: seconds to wait for the workers to build their envs (``None``: no
-            bound; a worker that dies while starting is still seen at once).
+        driver_group: ``True``: the driver steps the first block itself (no process for it).
+        first_env: env 0 already built in the driver; used when ``driver_group``, else closed.
+        driver_spin_s, worker_spin_s: the most seconds a wait polls before blocking, in the
+            driver and in each worker (0: always block); the budget adapts to the waits seen.
 
     Raises:
         EnvError: a factory raised while building an env (``method == "make"``).
@@ -97,7 +123,11 @@ class ProcessesBackend(Backend):
         block: Block,
         env_fn_blobs: list[bytes],
         context: str | None,
-        start_timeout: float | None = None,
+        *,
+        driver_group: bool = False,
+        first_env: gymnasium.Env[Any, Any] | None = None,
+        driver_spin_s: float = DEFAULT_SPIN_S,
+        worker_spin_s: float = DEFAULT_SPIN_S,
     ):
         self.ranges = list(layout.ranges)
         self.block = block
@@ -105,8 +135,20 @@ class ProcessesBackend(Backend):
             layout.single_observation_space, layout.single_action_space, layout.num_envs, block
         )
         self._ctx: Any = cast(Any, multiprocessing.get_context(context))
-        self._conns: list[Connection] = []
-        self._procs: list[Any] = []
+        groups = len(self.ranges)
+        # Per group: one cache line of control words, then the doorbell's two semaphores.
+        self._control_raw: Any = multiprocessing.sharedctypes.RawArray(
+            ctypes.c_uint8, groups * _GROUP_BYTES
+        )
+        self._control = _control_words(self._control_raw)
+        self._local: EnvGroup | None = None
+        self._local_result: Any = None
+        self._local_failure: EnvFailure | None = None
+        self._procs: list[Any] = [None] * groups
+        self._conns: list[Connection | None] = [None] * groups
+        self._doorbells: list[Doorbell | None] = [None] * groups
+        self._budgets = [SpinBudget(driver_spin_s) for _ in range(groups)]
+        self._remote = list(range(1 if driver_group else 0, groups))
         self._pending: list[int] = []
         self._closed = False
         # A forked worker flushes the stdio buffers it inherits when it exits: flush them
@@ -115,101 +157,167 @@ class ProcessesBackend(Backend):
             with contextlib.suppress(Exception):
                 stream.flush()
         try:
-            for w, (start, stop) in enumerate(self.ranges):
-                spec = _WorkerSpec(
-                    worker_index=w,
-                    start=start,
-                    stop=stop,
-                    env_fns=env_fn_blobs[start:stop],
-                    accepts_index=list(layout.accepts_index[start:stop]),
-                    single_observation_space=layout.single_observation_space,
-                    single_action_space=layout.single_action_space,
-                    num_envs=layout.num_envs,
-                    autoreset_mode=layout.autoreset_mode,
-                    block=block,
-                    parent_pid=os.getpid(),
-                    start_method=self._ctx.get_start_method(),
+            for g in self._remote:
+                self._start_worker(g, layout, env_fn_blobs, worker_spin_s)
+            if driver_group:
+                # Built while the workers build theirs; env 0 is the one make() already built.
+                fns = layout.bound_fns(*self.ranges[0])
+                if first_env is not None:
+                    env0 = first_env
+                    fns[0] = lambda: env0
+                    first_env = None
+                self._local = EnvGroup(
+                    fns,
+                    0,
+                    self.batch,
+                    layout.single_observation_space,
+                    layout.single_action_space,
+                    layout.autoreset_mode,
                 )
-                parent_conn, child_conn = self._ctx.Pipe(duplex=True)
-                proc = self._ctx.Process(
-                    target=_worker_main,
-                    args=(spec, child_conn, parent_conn),
-                    name=f"envfleet-worker-{w}",
-                    daemon=True,
-                )
-                proc.start()
-                child_conn.close()
-                self._conns.append(parent_conn)
-                self._procs.append(proc)
-            self._pending = list(range(len(self.ranges)))
-            ready = self.collect(start_timeout, step=0)
-            for w in sorted(ready):
-                if ready[w] is not None:
-                    env_index, problem = ready[w]
+                mismatch = self._local.check_spaces()
+                if mismatch is not None:
+                    raise SpaceMismatchError(
+                        f"sub-environment {mismatch[0]} has another space than env 0: {mismatch[1]}"
+                    )
+            if first_env is not None:
+                first_env.close()
+                first_env = None
+            self._pending = list(self._remote)
+            ready = self._collect_remote(None, step=0)
+            for g in sorted(ready):
+                if ready[g] is not None:
+                    env_index, problem = ready[g]
                     raise SpaceMismatchError(
                         f"sub-environment {env_index} has another space than env 0: {problem}"
                     )
+        except EnvFailure as failure:
+            self.close(timeout=None, terminate=True)
+            raise _local_env_error(failure) from failure.__cause__
         except BaseException:
+            if first_env is not None:
+                first_env.close()
             self.close(timeout=None, terminate=True)
             raise
+
+    @property
+    def num_workers(self) -> int:
+        """Worker processes (the driver's own block, if any, is not one)."""
+        return len(self._remote)
+
+    def _start_worker(
+        self, g: int, layout: WorkerLayout, blobs: list[bytes], spin_s: float
+    ) -> None:
+        start, stop = self.ranges[g]
+        doorbell = Doorbell(self._ctx, self._control_raw, g * _GROUP_BYTES + 8 * _WORDS)
+        spec = _WorkerSpec(
+            group_index=g,
+            start=start,
+            stop=stop,
+            env_fns=blobs[start:stop],
+            accepts_index=list(layout.accepts_index[start:stop]),
+            single_observation_space=layout.single_observation_space,
+            single_action_space=layout.single_action_space,
+            num_envs=layout.num_envs,
+            autoreset_mode=layout.autoreset_mode,
+            block=self.block,
+            control=self._control_raw,
+            doorbell=doorbell,
+            spin_s=spin_s,
+            parent_pid=os.getpid(),
+            start_method=self._ctx.get_start_method(),
+        )
+        parent_conn, child_conn = self._ctx.Pipe(duplex=True)
+        proc = self._ctx.Process(
+            target=_worker_main,
+            args=(spec, child_conn, parent_conn),
+            name=f"envfleet-worker-{g}",
+            daemon=True,
+        )
+        proc.start()
+        child_conn.close()
+        self._procs[g], self._conns[g], self._doorbells[g] = proc, parent_conn, doorbell
 
     # -- Backend --------------------------------------------------------------------------
 
     def submit(self, command: Command, payloads: Mapping[int, Any], step: int) -> None:
-        if command is Command.STEP:
-            messages = dict.fromkeys(payloads, _STEP)
-        else:
-            header = bytes([command])
-            messages = {
-                w: header + pickle.dumps(payload, pickle.HIGHEST_PROTOCOL)
-                for w, payload in payloads.items()
-            }
-        for w, message in messages.items():
+        control = self._control
+        remote = [g for g in payloads if self._procs[g] is not None]
+        for g in remote:
+            payload = payloads[g]
+            control[g, _CMD] = command
+            control[g, _CMD_PAYLOAD] = payload is not None
+            cast(Doorbell, self._doorbells[g]).ring_request()
+            if payload is not None:
+                try:
+                    cast(Connection, self._conns[g]).send_bytes(
+                        pickle.dumps(payload, pickle.HIGHEST_PROTOCOL)
+                    )
+                except OSError:  # the worker died since its last reply
+                    self._pending = []
+                    self._raise_crashed(g, step)
+        self._pending = sorted(remote)
+        self._local_result, self._local_failure = None, None
+        if self._local is not None and 0 in payloads:
+            # The driver's own block, stepped while the workers step theirs.
             try:
-                self._conns[w].send_bytes(message)
-            except OSError:  # the worker died since its last reply
-                self._raise_crashed(w, step)
-        self._pending = sorted(payloads)
+                self._local_result = self._local.run(command, payloads[0])
+            except EnvFailure as failure:
+                self._local_failure = failure
 
     def collect(self, timeout: float | None, step: int) -> dict[int, Any]:
+        local_result, local_failure = self._local_result, self._local_failure
+        self._local_result, self._local_failure = None, None
+        results = self._collect_remote(timeout, step, local_failure is None)
+        if local_failure is not None:
+            raise _local_env_error(local_failure) from local_failure.__cause__
+        if self._local is not None and local_result is not None:
+            results[0] = local_result
+        return results
+
+    def _collect_remote(
+        self, timeout: float | None, step: int, raise_errors: bool = True
+    ) -> dict[int, Any]:
+        """Wait for every pending worker; read replies; raise the first env error after all."""
         pending = self._pending
         self._pending = []
+        deadline = None if timeout is None else time.monotonic() + timeout
         results: dict[int, Any] = {}
         errors: dict[int, RemoteError] = {}
-        deadline = None if timeout is None else time.monotonic() + timeout
-        waiting = set(pending)
-        while waiting:
-            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-            handles: list[Any] = [self._conns[w] for w in waiting]
-            handles += [self._procs[w].sentinel for w in waiting]
-            ready = multiprocessing.connection.wait(handles, remaining)
-            if not ready:
-                assert timeout is not None
-                late = sorted(waiting)
-                envs = [i for w in late for i in range(*self.ranges[w])]
+        control = self._control
+        for i, g in enumerate(pending):
+            proc = self._procs[g]
+            doorbell = cast(Doorbell, self._doorbells[g])
+            if not Doorbell.wait(doorbell.done, self._budgets[g], deadline, proc.is_alive):
+                if not proc.is_alive():
+                    self._raise_crashed(g, step)
+                late = [g] + [
+                    h
+                    for h in pending[i + 1 :]
+                    if not cast(Doorbell, self._doorbells[h]).done.acquire(False)
+                ]
+                envs = [e for h in late for e in range(*self.ranges[h])]
                 self.close(timeout=0, terminate=True)
+                assert timeout is not None
                 raise StepTimeoutError(
                     f"workers {late} (sub-environments {envs}) did not answer within "
                     f"{timeout} s; they were killed and the vector env closed",
                     envs,
                     timeout,
                 )
-            for w in sorted(waiting):
-                conn = self._conns[w]
-                if conn in ready or conn.poll():
-                    try:
-                        message = conn.recv_bytes()
-                    except (EOFError, OSError):
-                        self._raise_crashed(w, step)
-                    waiting.discard(w)
-                    if message[0] == Status.ERROR:
-                        errors[w] = pickle.loads(message[1:])
-                    else:
-                        results[w] = pickle.loads(message[1:]) if len(message) > 1 else None
-                elif self._procs[w].sentinel in ready:
-                    self._raise_crashed(w, step)
-        if errors:
-            raise _as_env_error(errors[min(errors)], min(errors))
+            status = control[g, _STATUS]
+            payload = None
+            if control[g, _REPLY_PAYLOAD]:
+                try:
+                    payload = pickle.loads(cast(Connection, self._conns[g]).recv_bytes())
+                except (EOFError, OSError):
+                    self._raise_crashed(g, step)
+            if status == Status.ERROR:
+                errors[g] = cast(RemoteError, payload)
+            else:
+                results[g] = payload
+        if errors and raise_errors:
+            g = min(errors)
+            raise _remote_env_error(errors[g], g)
         return results
 
     def close(self, timeout: float | None, terminate: bool) -> None:
@@ -218,48 +326,58 @@ class ProcessesBackend(Backend):
         Without ``terminate`` and with no call pending, each worker is asked to close its envs
         and gets ``timeout`` seconds (default :data:`DEFAULT_CLOSE_TIMEOUT`) to exit. Workers
         still alive then (or at once with ``terminate``) get SIGTERM and :data:`_KILL_GRACE`
-        seconds, then SIGKILL. Some envs catch SIGTERM (SDL does), hence the last phase.
+        seconds, then SIGKILL. Some envs catch SIGTERM (SDL does), hence the last phase. The
+        driver's own envs, if any, are closed in the driver.
         """
         if self._closed:
             return
         self._closed = True
+        procs = [p for p in self._procs if p is not None]
         graceful = not terminate and not self._pending
         if self._pending and not terminate:
             logger.warning("closing while workers %s are busy; terminating them", self._pending)
         if graceful:
-            for proc, conn in zip(self._procs, self._conns, strict=True):
-                if proc.is_alive():
-                    with contextlib.suppress(OSError):
-                        conn.send_bytes(bytes([Command.CLOSE]))
-            _join_all(self._procs, DEFAULT_CLOSE_TIMEOUT if timeout is None else timeout)
-        for proc in self._procs:
+            for g in self._remote:
+                if self._procs[g].is_alive():
+                    self._control[g, _CMD] = Command.CLOSE
+                    self._control[g, _CMD_PAYLOAD] = 0
+                    cast(Doorbell, self._doorbells[g]).ring_request()
+        if self._local is not None:
+            self._local.close()
+        if graceful:
+            _join_all(procs, DEFAULT_CLOSE_TIMEOUT if timeout is None else timeout)
+        for proc in procs:
             if proc.is_alive():
                 proc.terminate()
-        _join_all(self._procs, _KILL_GRACE)
-        for proc in self._procs:
+        _join_all(procs, _KILL_GRACE)
+        for proc in procs:
             if proc.is_alive():
                 proc.kill()
                 proc.join()
         for conn in self._conns:
-            conn.close()
-        for proc in self._procs:
+            if conn is not None:
+                conn.close()
+        for proc in procs:
             with contextlib.suppress(ValueError):
                 proc.close()
         self._pending = []
+        # Under spawn and forkserver each semaphore is a named /dev/shm entry that is unlinked
+        # when its last reference goes: drop ours now that no worker is left.
+        self._doorbells = [None] * len(self._doorbells)
 
     # -- helpers --------------------------------------------------------------------------
 
-    def _raise_crashed(self, w: int, step: int) -> None:
-        proc = self._procs[w]
+    def _raise_crashed(self, g: int, step: int) -> None:
+        proc = self._procs[g]
         proc.join(_KILL_GRACE)
         exitcode = proc.exitcode
-        start, stop = self.ranges[w]
+        start, stop = self.ranges[g]
         self.close(timeout=0, terminate=True)
         raise EnvCrashedError(
-            f"worker {w} (sub-environments {start}..{stop - 1}) died with "
+            f"worker {g} (sub-environments {start}..{stop - 1}) died with "
             f"{describe_exitcode(exitcode)} after {step} steps; the vector env was closed",
             env_indices=range(start, stop),
-            worker_index=w,
+            worker_index=g,
             exitcode=exitcode,
             step=step,
         )
@@ -272,7 +390,12 @@ def _join_all(procs: list[Any], timeout: float) -> None:
         proc.join(max(0.0, deadline - time.monotonic()))
 
 
-def _as_env_error(error: RemoteError, worker_index: int) -> EnvError:
+def _local_env_error(failure: EnvFailure) -> EnvError:
+    cause = failure.__cause__
+    return env_error(failure.env_index, None, failure.method, f"{type(cause).__name__}: {cause}")
+
+
+def _remote_env_error(error: RemoteError, worker_index: int) -> EnvError:
     cause: BaseException | None = None
     if error.exception is not None:
         with contextlib.suppress(Exception):
@@ -296,7 +419,7 @@ def _die_with_parent(parent_pid: int, start_method: str) -> None:
     """Ask Linux to SIGKILL this process when the driver dies; exit if it already has.
 
     Under forkserver the worker's parent is the fork server, not the driver; there the
-    worker relies on end-of-file on its pipe instead.
+    worker relies on its pipe: the driver's death closes it.
     """
     if start_method == "forkserver" or not sys.platform.startswith("linux"):
         return
@@ -307,7 +430,7 @@ def _die_with_parent(parent_pid: int, start_method: str) -> None:
         os._exit(0)
 
 
-def _remote_error(failure: BaseException, env_index: int, method: str) -> bytes:
+def _remote_error(failure: BaseException, env_index: int, method: str) -> RemoteError:
     cause = failure.__cause__ if isinstance(failure, EnvFailure) else failure
     assert cause is not None
     tb = "".join(traceback.format_exception(type(cause), cause, cause.__traceback__))
@@ -317,14 +440,70 @@ def _remote_error(failure: BaseException, env_index: int, method: str) -> bytes:
         pickle.loads(blob)  # some exceptions pickle but do not unpickle
     except Exception:
         blob = None
-    error = RemoteError(env_index, method, type(cause).__qualname__, str(cause), tb, blob)
-    return bytes([Status.ERROR]) + pickle.dumps(error, pickle.HIGHEST_PROTOCOL)
+    return RemoteError(env_index, method, type(cause).__qualname__, str(cause), tb, blob)
+
+
+class _Worker:
+    """The worker side of one group: wait for the doorbell, run the command, reply."""
+
+    def __init__(self, spec: _WorkerSpec, conn: Connection):
+        self.spec = spec
+        self.conn = conn
+        self.g = spec.group_index
+        self.control = _control_words(spec.control)[self.g]
+        self.doorbell = spec.doorbell
+        self.budget = SpinBudget(spec.spin_s)
+        self.watch_ppid = spec.start_method != "forkserver"
+
+    def driver_alive(self) -> bool:
+        if self.watch_ppid and os.getppid() != self.spec.parent_pid:
+            return False
+        # Between commands nothing is due on the pipe: readable means end-of-file.
+        return not self.conn.poll()
+
+    def reply(self, status: Status, payload: Any) -> None:
+        self.control[_STATUS] = status
+        if payload is None:
+            self.control[_REPLY_PAYLOAD] = 0
+            self.doorbell.ring_done()
+            return
+        try:
+            blob = pickle.dumps(payload, pickle.HIGHEST_PROTOCOL)
+        except Exception as exc:
+            status = Status.ERROR
+            self.control[_STATUS] = status
+            blob = pickle.dumps(
+                _remote_error(exc, self.spec.start, "pickling the result"), pickle.HIGHEST_PROTOCOL
+            )
+        self.control[_REPLY_PAYLOAD] = 1
+        self.doorbell.ring_done()  # before sending: a large payload must not block the ring
+        self.conn.send_bytes(blob)
+
+    def serve(self, group: EnvGroup) -> None:
+        control, request = self.control, self.doorbell.request
+        while True:
+            if not Doorbell.wait(request, self.budget, None, self.driver_alive):
+                return  # the driver is gone
+            command = Command(int(control[_CMD]))
+            if command is Command.CLOSE:
+                return
+            payload = pickle.loads(self.conn.recv_bytes()) if control[_CMD_PAYLOAD] else None
+            try:
+                result = group.run(command, payload)
+            except EnvFailure as failure:
+                self.reply(Status.ERROR, _remote_error(failure, failure.env_index, failure.method))
+                continue
+            except Exception as exc:  # a bug outside any env: report it against the group
+                self.reply(Status.ERROR, _remote_error(exc, group.start, command.name.lower()))
+                continue
+            self.reply(Status.OK, result or None)
 
 
 def _worker_main(spec: _WorkerSpec, conn: Connection, parent_conn: Connection) -> None:
     parent_conn.close()  # inherited under fork; only the driver may hold it
     _die_with_parent(spec.parent_pid, spec.start_method)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the driver's to handle
+    worker = _Worker(spec, conn)
     group: EnvGroup | None = None
     try:
         try:
@@ -345,40 +524,16 @@ def _worker_main(spec: _WorkerSpec, conn: Connection, parent_conn: Connection) -
             )
             mismatch = group.check_spaces()
         except EnvFailure as failure:
-            conn.send_bytes(_remote_error(failure, failure.env_index, failure.method))
+            worker.reply(Status.ERROR, _remote_error(failure, failure.env_index, failure.method))
             return
         except Exception as exc:
-            conn.send_bytes(_remote_error(exc, spec.start, "make"))
+            worker.reply(Status.ERROR, _remote_error(exc, spec.start, "make"))
             return
-        conn.send_bytes(bytes([Status.READY]) + pickle.dumps(mismatch))
-        _serve(group, conn)
+        worker.reply(Status.READY, mismatch)
+        worker.serve(group)
     except (EOFError, BrokenPipeError, ConnectionResetError):
         pass  # the driver is gone
     finally:
         if group is not None:
             group.close()
         conn.close()
-
-
-def _serve(group: EnvGroup, conn: Connection) -> None:
-    while True:
-        message = conn.recv_bytes()
-        command = Command(message[0])
-        if command is Command.CLOSE:
-            return
-        payload = pickle.loads(message[1:]) if len(message) > 1 else None
-        try:
-            result = group.run(command, payload)
-        except EnvFailure as failure:
-            conn.send_bytes(_remote_error(failure, failure.env_index, failure.method))
-            continue
-        except Exception as exc:  # a bug outside any env: report it against the group
-            conn.send_bytes(_remote_error(exc, group.start, command.name.lower()))
-            continue
-        if result:
-            try:
-                conn.send_bytes(_OK + pickle.dumps(result, pickle.HIGHEST_PROTOCOL))
-            except Exception as exc:
-                conn.send_bytes(_remote_error(exc, group.start, f"{command.name.lower()} (result)"))
-        else:
-            conn.send_bytes(_OK)

@@ -1,0 +1,189 @@
+"""Spin-then-block signalling between the driver and one worker (DESIGN §3).
+
+A :class:`Doorbell` is a pair of semaphores (``request``: driver to worker, ``done``: worker to
+driver). Ringing is one ``sem_post``, a user-space atomic when nobody sleeps on the semaphore.
+Waiting first polls with ``sem_trywait`` for a bounded, adaptive budget (:class:`SpinBudget`),
+then sleeps on the semaphore in short slices, between which it checks a liveness callback, so
+a dead peer is noticed within one slice. Semaphore operations are full memory barriers: what
+one side wrote to shared memory before ringing is visible to the other once its wait returns.
+
+On Linux the semaphores are unnamed POSIX semaphores (``sem_init`` with ``pshared=1``) placed
+in a shared memory region the caller provides, so they have no name and leave nothing in
+/dev/shm whatever way the processes end. Elsewhere they are ``multiprocessing`` semaphores.
+
+Measured on the 2-core development machine: a round trip costs about 0.3-1 µs when both sides
+spin and 25-40 µs when both block (a pipe round trip: about 45 µs).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["BLOCK_SLICE_S", "SEM_SLOT", "Doorbell", "SpinBudget"]
+
+BLOCK_SLICE_S = 0.02  # seconds a blocked waiter sleeps before checking liveness again
+SEM_SLOT = 64  # bytes reserved per semaphore in the shared region (glibc's sem_t: 32)
+
+
+class SpinBudget:
+    """How long a waiter polls before it blocks, adapted online to the waits it observes.
+
+    The budget follows an exponential moving average of recent wait times: twice the average
+    while that fits in ``max_s``, else 0. Waits that are usually short are caught while
+    spinning (about 1 µs wake-up); waits that are usually long (the peer computes for a
+    long time, or the learner does between steps) make the waiter block at once, leaving the
+    core to whoever computes. Blocked waits keep feeding the average, so spinning resumes when
+    waits get short again.
+
+    Args:
+        max_s: the most seconds one wait may spin; 0 disables spinning.
+    """
+
+    def __init__(self, max_s: float):
+        self.max_s = max(0.0, max_s)
+        self.average_s = self.max_s / 4
+        self.budget_s = 2.0 * self.average_s
+
+    def observe(self, wait_s: float) -> None:
+        """Feed the length of a wait that just ended, in seconds."""
+        if self.max_s == 0:
+            return
+        self.average_s += 0.1 * (wait_s - self.average_s)
+        budget = 2.0 * self.average_s
+        self.budget_s = budget if budget <= self.max_s else 0.0
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+def _load_libc() -> Any:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        for name in ("sem_init", "sem_post", "sem_trywait", "sem_timedwait"):
+            getattr(libc, name).restype = ctypes.c_int
+        return libc
+    except (OSError, AttributeError):
+        return None
+
+
+_libc = _load_libc()
+
+
+class _SharedSem:
+    """An unnamed process-shared POSIX semaphore at ``offset`` bytes into a shared RawArray.
+
+    It pickles as (region, offset) while a process is being started, and each process binds
+    it to its own mapping of the region.
+    """
+
+    def __init__(self, region: Any, offset: int):
+        self.region = region
+        self.offset = offset
+        self._bind()
+        if _libc.sem_init(self.ptr, 1, 0) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"sem_init: {os.strerror(err)}")
+
+    def _bind(self) -> None:
+        self.ptr = ctypes.c_void_p(ctypes.addressof(self.region) + self.offset)
+        self._post = _libc.sem_post
+        self._trywait = _libc.sem_trywait
+        self._timedwait = _libc.sem_timedwait
+
+    def __getstate__(self) -> tuple[Any, int]:
+        return self.region, self.offset
+
+    def __setstate__(self, state: tuple[Any, int]) -> None:
+        self.region, self.offset = state
+        self._bind()
+
+    def release(self) -> None:
+        self._post(self.ptr)
+
+    def acquire(self, block: bool = True, timeout: float | None = None) -> bool:
+        if not block:
+            return bool(self._trywait(self.ptr) == 0)
+        assert timeout is not None
+        deadline = time.time() + timeout
+        ts = _Timespec(int(deadline), int((deadline % 1.0) * 1e9))
+        return bool(self._timedwait(self.ptr, ctypes.byref(ts)) == 0)
+
+
+class Doorbell:
+    """Request and completion signals for one worker.
+
+    Create it in the driver before the worker starts and hand it over as a process argument.
+
+    Args:
+        ctx: the ``multiprocessing`` context the worker is started with (for the fallback).
+        region: a shared ``RawArray`` with room for two :data:`SEM_SLOT` slots at ``offset``.
+        offset: byte offset of the first slot in ``region``.
+    """
+
+    def __init__(self, ctx: Any, region: Any, offset: int):
+        self.request: Any
+        self.done: Any
+        if _libc is not None:
+            try:
+                self.request = _SharedSem(region, offset)
+                self.done = _SharedSem(region, offset + SEM_SLOT)
+                return
+            except OSError:
+                pass  # no process-shared unnamed semaphores here
+        self.request = ctx.Semaphore(0)
+        self.done = ctx.Semaphore(0)
+
+    def ring_request(self) -> None:
+        self.request.release()
+
+    def ring_done(self) -> None:
+        self.done.release()
+
+    @staticmethod
+    def wait(
+        sem: Any,
+        budget: SpinBudget,
+        deadline: float | None,
+        alive: Callable[[], bool],
+    ) -> bool:
+        """Wait until ``sem`` is posted; ``False`` when ``deadline`` passed or ``alive()`` failed.
+
+        Args:
+            sem: the semaphore to take (``request`` or ``done``).
+            budget: spin budget, updated with this wait's length.
+            deadline: ``time.monotonic()`` value after which to give up, or ``None``.
+            alive: checked between blocking slices; a ``False`` ends the wait.
+        """
+        acquire = sem.acquire
+        if acquire(False):
+            budget.observe(0.0)
+            return True
+        start = time.perf_counter()
+        spin_until = start + budget.budget_s
+        now = start
+        while now < spin_until:
+            if acquire(False):
+                budget.observe(time.perf_counter() - start)
+                return True
+            now = time.perf_counter()
+        while True:
+            if deadline is None:
+                slice_s = BLOCK_SLICE_S
+            else:
+                slice_s = min(BLOCK_SLICE_S, deadline - time.monotonic())
+                if slice_s <= 0:
+                    return bool(acquire(False))
+            if acquire(True, slice_s):
+                budget.observe(time.perf_counter() - start)
+                return True
+            if not alive():
+                return bool(acquire(False))
