@@ -233,8 +233,10 @@ def test_driver_envs_zero_isolates_every_env(make_env):
     envs = make_env(IndexedEnv, 4, driver_envs=0)
     assert envs.num_workers == min(4, cores)
     assert os.getpid() not in envs.get_attr("pid")
-    # Given num_workers alone, the driver steps nothing either.
+    # Given num_workers alone, or a step_timeout, the driver steps nothing either.
     envs = make_env(IndexedEnv, 3, num_workers=3)
+    assert os.getpid() not in envs.get_attr("pid")
+    envs = make_env(IndexedEnv, 3, step_timeout=10.0)
     assert os.getpid() not in envs.get_attr("pid")
 
 
@@ -271,6 +273,7 @@ def test_plan_processes(num_envs, num_workers, driver_envs, cores, ranges):
         ({"spin_s": -0.1}, "spin_s"),
         ({"backend": "serial", "driver_envs": 1}, "processes"),
         ({"backend": "serial", "spin_s": 0.0}, "processes"),
+        ({"step_timeout": 1.0, "driver_envs": 2}, "driver_envs=0"),
     ],
 )
 def test_bad_processes_options(kwargs, match):

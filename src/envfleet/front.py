@@ -146,6 +146,7 @@ def make(
         env_kwargs: keyword arguments for ``gymnasium.make``; only with a gymnasium id.
         step_timeout: seconds any step, reset or call may take before the workers still busy
             are killed and :class:`envfleet.StepTimeoutError` is raised; ``None``: no bound.
+            With a timeout every env runs in a worker (``driver_envs=0``).
             Building the envs at start is not bounded by it (a worker that dies while
             starting is still reported at once).
         restart_policy: must be ``None`` for now (fail-fast).
@@ -154,10 +155,11 @@ def make(
         copy: ``True``: step/reset return copies, like gymnasium. ``False``: views of the
             shared buffers, valid until the next call.
         driver_envs: ``processes`` only: how many envs (the first block) the driver steps
-            itself while the workers step theirs. Default: an equal share when ``num_workers``
-            is not given (see :func:`plan_processes`), else 0. Those envs live in the driver
-            process: their exceptions are reported as usual, but a native crash in them (a
-            segfault) takes the driver down; set 0 to isolate every env in a worker.
+            itself while the workers step theirs. Default: an equal share when neither
+            ``num_workers`` nor ``step_timeout`` is given (see :func:`plan_processes`), else 0.
+            Those envs live in the driver process: their exceptions are reported as usual,
+            but a native crash in them (a segfault) takes the driver down, and no timeout can
+            stop them; set 0 to isolate every env in a worker.
         spin_s: ``processes`` only: the most seconds a wait polls before it blocks
             (default 0.002); the budget adapts to the waits seen, and is 0 wherever spinners
             would outnumber the cores.
@@ -222,6 +224,14 @@ def make(
         check_fixed_size(obs_space, "observation")
         check_fixed_size(act_space, "action")
         if backend == "processes":
+            if step_timeout is not None:
+                # A timeout can only stop a worker: with a timeout, every env is in one.
+                if driver_envs:
+                    raise ConfigError(
+                        "step_timeout cannot bound envs the driver steps itself; "
+                        "use driver_envs=0 (the default when step_timeout is set)"
+                    )
+                driver_envs = 0
             plan = plan_processes(num_envs, num_workers, driver_envs, spin_s, usable_cores())
             ranges = plan.ranges
         else:
