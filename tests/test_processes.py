@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import gymnasium as gym
@@ -423,20 +424,26 @@ def test_close_after_env_error_and_garbage_collection(snapshot):
 
 DRIVER = """
 import sys, time
+import numpy as np
 import envfleet
 from tests.envs import IndexedEnv
 envs = envfleet.make(IndexedEnv, 2, backend="processes", num_workers=2, context=sys.argv[1])
 envs.reset(seed=0)
 print(" ".join(str(pid) for pid in envs.get_attr("pid")), flush=True)
-time.sleep(3600)
+if sys.argv[2] == "idle":
+    time.sleep(3600)
+actions = np.zeros(2, dtype=np.int64)
+while True:
+    envs.step(actions)
 """
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("context", ["fork", "forkserver"])
-def test_workers_exit_when_driver_is_killed(context):
+@pytest.mark.parametrize("activity", ["idle", "stepping"])
+@pytest.mark.parametrize("context", ["fork", "spawn", "forkserver"])
+def test_workers_exit_when_driver_is_killed(context, activity):
     driver = subprocess.Popen(
-        [sys.executable, "-c", DRIVER, context],
+        [sys.executable, "-c", DRIVER, context, activity],
         cwd=ROOT,
         stdout=subprocess.PIPE,
         text=True,
@@ -453,3 +460,29 @@ def test_workers_exit_when_driver_is_killed(context):
         driver.kill()
         driver.wait(30)
         driver.stdout.close()
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("activity", ["idle", "stepping"])
+def test_ctrl_c_in_driver_is_quiet_and_leaves_nothing(activity):
+    """Ctrl-C: one KeyboardInterrupt traceback (the driver's), none per worker, no worker left."""
+    driver = subprocess.Popen(
+        [sys.executable, "-c", DRIVER, "fork", activity],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        pids = [int(pid) for pid in driver.stdout.readline().split()]
+        assert len(pids) == 2 and driver.pid not in pids
+        time.sleep(0.3)  # let it step for a while
+        driver.send_signal(signal.SIGINT)
+        _, stderr = driver.communicate(timeout=30)
+        assert driver.returncode != 0
+        assert stderr.count("Traceback") == 1, stderr
+        assert stderr.count("KeyboardInterrupt") == 1, stderr
+        assert wait_gone(pids, timeout=30) == []
+    finally:
+        driver.kill()
+        driver.wait(30)

@@ -38,12 +38,10 @@ from envfleet.errors import (
     AlreadyPendingCallError,
     ClosedEnvironmentError,
     ConfigError,
-    EnvCrashedError,
     InvalidActionError,
     InvalidArgumentError,
     NoAsyncCallError,
     ResetNeededError,
-    StepTimeoutError,
 )
 from envfleet.protocol import CallRequest, Command, InfoEvent, ResetRequest, SetAttrRequest
 
@@ -719,8 +717,9 @@ class FleetVectorEnv(VectorEnv[Any, Any, np.ndarray]):
     def _submit(self, command: Command, payloads: dict[int, Any]) -> None:
         try:
             self._backend.submit(command, payloads, self._steps)
-        except EnvCrashedError:
-            self.closed = True  # the backend has shut itself down
+        except BaseException:
+            # A crashed worker or an interrupt may have shut the backend down.
+            self.closed = self._backend.closed
             raise
 
     def _wait(self, expected: AsyncState, name: str, timeout: float | None) -> dict[int, Any]:
@@ -734,8 +733,9 @@ class FleetVectorEnv(VectorEnv[Any, Any, np.ndarray]):
             timeout = self.step_timeout
         try:
             return self._backend.collect(timeout, self._steps)
-        except (EnvCrashedError, StepTimeoutError):
-            self.closed = True  # the backend has shut itself down
+        except BaseException:
+            # A crash, a timeout or an interrupt may have shut the backend down.
+            self.closed = self._backend.closed
             raise
         finally:
             self._state = AsyncState.DEFAULT

@@ -108,6 +108,11 @@ class Backend(abc.ABC):
     def num_workers(self) -> int:
         return len(self.ranges)
 
+    @property
+    def closed(self) -> bool:
+        """Whether the backend has shut down (after close, a crash, a timeout, an interrupt)."""
+        return False
+
     @abc.abstractmethod
     def submit(self, command: Command, payloads: Mapping[int, Any], step: int) -> None:
         """Start ``command`` on the workers named in ``payloads`` (worker index -> payload).

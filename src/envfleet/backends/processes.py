@@ -49,6 +49,7 @@ from envfleet.envgroup import EnvFailure, EnvGroup
 from envfleet.errors import (
     EnvCrashedError,
     EnvError,
+    EnvfleetError,
     RemoteTraceback,
     SpaceMismatchError,
     StepTimeoutError,
@@ -239,7 +240,31 @@ class ProcessesBackend(Backend):
 
     # -- Backend --------------------------------------------------------------------------
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def submit(self, command: Command, payloads: Mapping[int, Any], step: int) -> None:
+        try:
+            self._submit(command, payloads, step)
+        except EnvfleetError:
+            raise
+        except BaseException:
+            # Interrupted (Ctrl-C) or broken between ringing workers and reading their
+            # replies: a later call could read a stale reply, so shut down instead.
+            self.close(timeout=0, terminate=True)
+            raise
+
+    def collect(self, timeout: float | None, step: int) -> dict[int, Any]:
+        try:
+            return self._collect(timeout, step)
+        except EnvfleetError:
+            raise
+        except BaseException:
+            self.close(timeout=0, terminate=True)
+            raise
+
+    def _submit(self, command: Command, payloads: Mapping[int, Any], step: int) -> None:
         control = self._control
         remote = [g for g in payloads if self._procs[g] is not None]
         for g in remote:
@@ -264,7 +289,7 @@ class ProcessesBackend(Backend):
             except EnvFailure as failure:
                 self._local_failure = failure
 
-    def collect(self, timeout: float | None, step: int) -> dict[int, Any]:
+    def _collect(self, timeout: float | None, step: int) -> dict[int, Any]:
         local_result, local_failure = self._local_result, self._local_failure
         self._local_result, self._local_failure = None, None
         results = self._collect_remote(timeout, step, local_failure is None)
