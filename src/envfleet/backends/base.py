@@ -13,6 +13,7 @@ import gymnasium
 from gymnasium.vector import AutoresetMode
 
 from envfleet.buffers import Batch
+from envfleet.envgroup import EnvFailure
 from envfleet.errors import EnvError
 from envfleet.protocol import Command
 
@@ -91,6 +92,12 @@ def env_error(env_index: int, worker_index: int | None, method: str, cause_text:
         f" (worker {worker_index})" if worker_index is not None else ""
     )
     return EnvError(f"{where} raised in {method}: {cause_text}", env_index, worker_index, method)
+
+
+def failure_error(failure: EnvFailure) -> EnvError:
+    """The :class:`EnvError` for an env that raised in this process (no worker index)."""
+    cause = failure.__cause__
+    return env_error(failure.env_index, None, failure.method, f"{type(cause).__name__}: {cause}")
 
 
 class Backend(abc.ABC):

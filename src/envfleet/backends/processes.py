@@ -42,7 +42,13 @@ import gymnasium
 import numpy as np
 from gymnasium.vector import AutoresetMode
 
-from envfleet.backends.base import Backend, WorkerLayout, bind_env_index, env_error
+from envfleet.backends.base import (
+    Backend,
+    WorkerLayout,
+    bind_env_index,
+    env_error,
+    failure_error,
+)
 from envfleet.backends.doorbell import SEM_SLOT, Doorbell, SpinBudget
 from envfleet.buffers import Block, allocate_batch
 from envfleet.envgroup import EnvFailure, EnvGroup
@@ -193,7 +199,7 @@ class ProcessesBackend(Backend):
                     )
         except EnvFailure as failure:
             self.close(timeout=None, terminate=True)
-            raise _local_env_error(failure) from failure.__cause__
+            raise failure_error(failure) from failure.__cause__
         except BaseException:
             if first_env is not None:
                 first_env.close()
@@ -294,7 +300,7 @@ class ProcessesBackend(Backend):
         self._local_result, self._local_failure = None, None
         results = self._collect_remote(timeout, step, local_failure is None)
         if local_failure is not None:
-            raise _local_env_error(local_failure) from local_failure.__cause__
+            raise failure_error(local_failure) from local_failure.__cause__
         if self._local is not None and local_result is not None:
             results[0] = local_result
         return results
@@ -413,11 +419,6 @@ def _join_all(procs: list[Any], timeout: float) -> None:
     deadline = time.monotonic() + timeout
     for proc in procs:
         proc.join(max(0.0, deadline - time.monotonic()))
-
-
-def _local_env_error(failure: EnvFailure) -> EnvError:
-    cause = failure.__cause__
-    return env_error(failure.env_index, None, failure.method, f"{type(cause).__name__}: {cause}")
 
 
 def _remote_env_error(error: RemoteError, worker_index: int) -> EnvError:

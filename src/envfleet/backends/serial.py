@@ -7,10 +7,10 @@ from typing import Any
 
 import gymnasium
 
-from envfleet.backends.base import Backend, WorkerLayout, env_error
+from envfleet.backends.base import Backend, WorkerLayout, failure_error
 from envfleet.buffers import Block, allocate_batch
 from envfleet.envgroup import EnvFailure, EnvGroup
-from envfleet.errors import EnvError, SpaceMismatchError
+from envfleet.errors import SpaceMismatchError
 from envfleet.protocol import Command
 
 __all__ = ["SerialBackend"]
@@ -56,7 +56,7 @@ class SerialBackend(Backend):
                     )
         except EnvFailure as failure:
             self.close(None, False)
-            raise _as_env_error(failure) from failure.__cause__
+            raise failure_error(failure) from failure.__cause__
         except BaseException:
             self.close(None, False)
             raise
@@ -76,15 +76,10 @@ class SerialBackend(Backend):
         results, failure = self._results, self._failure
         self._results, self._failure = {}, None
         if failure is not None:
-            raise _as_env_error(failure) from failure.__cause__
+            raise failure_error(failure) from failure.__cause__
         return results
 
     def close(self, timeout: float | None, terminate: bool) -> None:
         for group in self.groups:
             group.close()
         self.groups = []
-
-
-def _as_env_error(failure: EnvFailure) -> EnvError:
-    cause = failure.__cause__
-    return env_error(failure.env_index, None, failure.method, f"{type(cause).__name__}: {cause}")
