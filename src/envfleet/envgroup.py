@@ -17,7 +17,7 @@ import numpy as np
 from gymnasium.vector import AutoresetMode
 from gymnasium.vector.utils import batch_space, concatenate, iterate
 
-from envfleet.buffers import Batch, is_leaf, tree_copy
+from envfleet.buffers import Batch, is_leaf
 from envfleet.protocol import CallRequest, Command, InfoEvent, ResetRequest, SetAttrRequest
 
 __all__ = ["EnvFailure", "EnvGroup", "spaces_mismatch"]
@@ -123,11 +123,12 @@ class EnvGroup:
         slices and returns the non-empty infos in order (gymnasium's SyncVectorEnv.step).
         """
         buf = self.buffers
-        # A private copy: an env may keep a reference to its action past this step.
+        # Like SyncVectorEnv, each env gets a view of its row of the batched actions; the
+        # row is only rewritten by the next step, once this one has completed.
         if self._action_leaf:
-            actions = iter(buf.actions.copy())
+            actions = iter(buf.actions)
         else:
-            actions = iterate(self._action_space, tree_copy(buf.actions))
+            actions = iterate(self._action_space, buf.actions)
         # Per-env results gather in Python lists and reach the buffers in one assignment
         # each: numpy converts every element exactly as SyncVectorEnv's scalar writes do.
         rewards, terminations, truncations = self._rewards, self._terminations, self._truncations
