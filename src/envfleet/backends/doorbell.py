@@ -11,8 +11,8 @@ On Linux the semaphores are unnamed POSIX semaphores (``sem_init`` with ``pshare
 in a shared memory region the caller provides, so they have no name and leave nothing in
 /dev/shm whatever way the processes end. Elsewhere they are ``multiprocessing`` semaphores.
 
-Measured on the 2-core development machine: a round trip costs about 0.3-1 µs when both sides
-spin and 25-40 µs when both block (a pipe round trip: about 45 µs).
+Measured on the 2-core development machine: a round trip costs about 1 µs when both sides
+spin and 25-85 µs when both block (a pipe round trip: about 45 µs).
 """
 
 from __future__ import annotations
@@ -28,18 +28,22 @@ from typing import Any
 __all__ = ["BLOCK_SLICE_S", "SEM_SLOT", "Doorbell", "SpinBudget"]
 
 BLOCK_SLICE_S = 0.02  # seconds a blocked waiter sleeps before checking liveness again
+_yield: Callable[[], None] = getattr(os, "sched_yield", lambda: None)
 SEM_SLOT = 64  # bytes reserved per semaphore in the shared region (glibc's sem_t: 32)
 
 
 class SpinBudget:
-    """How long a waiter polls before it blocks, adapted online to the waits it observes.
+    """How long a waiter polls before it blocks, adapted online (additive increase,
+    multiplicative decrease, as adaptive mutexes do).
 
-    The budget follows an exponential moving average of recent wait times: twice the average
-    while that fits in ``max_s``, else 0. Waits that are usually short are caught while
-    spinning (about 1 µs wake-up); waits that are usually long (the peer computes for a
-    long time, or the learner does between steps) make the waiter block at once, leaving the
-    core to whoever computes. Blocked waits keep feeding the average, so spinning resumes when
-    waits get short again.
+    A wait that spins out (its budget ran out and it had to block) halves the budget: the peer
+    is slow, or is not running at all because the cores are oversubscribed, and then spinning
+    only takes the CPU the peer needs. A wait that is caught while spinning, or that blocked
+    but ended soon enough for a spin to have caught it, adds ``max_s / 16``. On a quiet
+    machine with short waits the budget stays near ``max_s`` (about 1 µs wake-ups); with long
+    waits, or other processes competing for the cores, it falls to almost nothing and waiters
+    block at once. The spin loop also yields the core (``sched_yield``) between polls, so a
+    spinner never holds a core another runnable process could use.
 
     Args:
         max_s: the most seconds one wait may spin; 0 disables spinning.
@@ -47,16 +51,19 @@ class SpinBudget:
 
     def __init__(self, max_s: float):
         self.max_s = max(0.0, max_s)
-        self.average_s = self.max_s / 4
-        self.budget_s = 2.0 * self.average_s
+        self.budget_s = self.max_s
+        self._step_s = self.max_s / 16
 
-    def observe(self, wait_s: float) -> None:
-        """Feed the length of a wait that just ended, in seconds."""
-        if self.max_s == 0:
-            return
-        self.average_s += 0.1 * (wait_s - self.average_s)
-        budget = 2.0 * self.average_s
-        self.budget_s = budget if budget <= self.max_s else 0.0
+    def caught(self) -> None:
+        """A wait ended while spinning."""
+        self.budget_s = min(self.max_s, self.budget_s + self._step_s)
+
+    def blocked(self, wait_s: float) -> None:
+        """A wait spun out and blocked; it lasted ``wait_s`` seconds in all."""
+        if wait_s <= self.max_s / 2:  # a longer spin would have caught it
+            self.budget_s = min(self.max_s, self.budget_s + self._step_s)
+        else:
+            self.budget_s /= 2
 
 
 class _Timespec(ctypes.Structure):
@@ -165,14 +172,15 @@ class Doorbell:
         """
         acquire = sem.acquire
         if acquire(False):
-            budget.observe(0.0)
+            budget.caught()
             return True
         start = time.perf_counter()
         spin_until = start + budget.budget_s
         now = start
         while now < spin_until:
+            _yield()
             if acquire(False):
-                budget.observe(time.perf_counter() - start)
+                budget.caught()
                 return True
             now = time.perf_counter()
         while True:
@@ -183,7 +191,7 @@ class Doorbell:
                 if slice_s <= 0:
                     return bool(acquire(False))
             if acquire(True, slice_s):
-                budget.observe(time.perf_counter() - start)
+                budget.blocked(time.perf_counter() - start)
                 return True
             if not alive():
                 return bool(acquire(False))
