@@ -58,7 +58,7 @@ import numpy as np
 from gymnasium.vector.utils import batch_space
 
 import envfleet
-from envfleet.bench import ACTION_BANK, BenchResult, check_env_id, measure_system
+from envfleet.bench import ACTION_BANK, BenchResult, check_env_id, measure_system, timed_loop
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
@@ -90,8 +90,6 @@ DEFAULT_ENVS = ("CartPole-v1", "Pendulum-v1", "ALE/Pong-v5", "Synthetic-50us", "
 DEFAULT_NUM_ENVS = (4, 16, 64)
 DEFAULT_NUM_ENVS_BY_ENV = {"ALE/Pong-v5": (8, 16)}
 
-_CHUNK_S = 0.002  # as envfleet.bench: read the clock about every 2 ms ...
-_MAX_CHUNK = 64  # ... and at least every 64 batch steps
 _CHILD_MARK = "SCALING-RESULT "
 
 
@@ -198,44 +196,6 @@ def action_bank(single_space: gymnasium.Space[Any], n: int, seed: int) -> list[A
     return [space.sample() for _ in range(ACTION_BANK)]
 
 
-def timed_loop(
-    step: Callable[[Any], Any],
-    bank: Sequence[Any],
-    seconds: float,
-    warmup_s: float,
-    before_timing: Callable[[], None] | None = None,
-) -> tuple[int, float]:
-    """Step through ``bank`` for ``seconds`` after a warm-up; returns (steps, elapsed seconds).
-
-    The method of ``envfleet.bench.measure_system``: warm up for ``min(warmup_s, seconds / 2)``
-    (at least one step), then read the clock about every 2 ms, judged from the warm-up's pace.
-    ``before_timing`` (e.g. a barrier) is called between the warm-up and the timed window.
-    """
-    warmup_s = min(warmup_s, seconds / 2)
-    size = len(bank)
-    i = 0
-    t0 = time.perf_counter()
-    while True:
-        step(bank[i % size])
-        i += 1
-        warm = time.perf_counter() - t0
-        if warm >= warmup_s:
-            break
-    chunk = max(1, min(_MAX_CHUNK, int(_CHUNK_S * i / warm))) if warm > 0 else 1
-    if before_timing is not None:
-        before_timing()
-    steps = 0
-    t0 = time.perf_counter()
-    while True:
-        for _ in range(chunk):
-            step(bank[i % size])
-            i += 1
-        steps += chunk
-        now = time.perf_counter()
-        if now - t0 >= seconds:
-            return steps, now - t0
-
-
 def _plain_loop(
     env_fn: Callable[[], gymnasium.Env[Any, Any]],
     index: int,
@@ -260,7 +220,9 @@ def _plain_loop(
             if terminated or truncated:
                 env_reset()
 
-        steps, elapsed = timed_loop(step, bank, spec["seconds"], spec["warmup_s"], before_timing)
+        steps, elapsed = timed_loop(
+            step, bank, spec["seconds"], spec["warmup_s"], before_timing=before_timing
+        )
     finally:
         env.close()
     return steps, elapsed, startup_s

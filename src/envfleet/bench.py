@@ -48,6 +48,7 @@ __all__ = [
     "check_env_id",
     "measure",
     "measure_system",
+    "timed_loop",
 ]
 
 logger = logging.getLogger("envfleet")
@@ -218,34 +219,14 @@ def measure_system(
         bank = [envs.action_space.sample() for _ in range(ACTION_BANK)]
 
         report("warmup")
-        step = envs.step
-        i = 0
-        t0 = time.perf_counter()
-        while True:
-            step(bank[i % ACTION_BANK])
-            i += 1
-            warm_elapsed = time.perf_counter() - t0
-            if warm_elapsed >= warmup_s:
-                break
-        # Read the clock about every _CHUNK_S seconds, judged from the warm-up's pace.
-        chunk = max(1, min(_MAX_CHUNK, int(_CHUNK_S * i / warm_elapsed)))
-
-        report("measure")
-        steps = 0
-        t0 = time.perf_counter()
-        last_report = t0
-        while True:
-            for _ in range(chunk):
-                step(bank[i % ACTION_BANK])
-                i += 1
-            steps += chunk
-            now = time.perf_counter()
-            if now - t0 >= seconds:
-                break
-            if progress is not None and now - last_report >= _PROGRESS_EVERY_S:
-                last_report = now
-                report("measure", now - t0, steps)
-        elapsed = now - t0
+        steps, elapsed = timed_loop(
+            envs.step,
+            bank,
+            seconds,
+            warmup_s,
+            before_timing=lambda: report("measure"),
+            progress=None if progress is None else lambda t, n: report("measure", t, n),
+        )
         finished = True
     except Exception as exc:
         raise _bench_error(exc, "stepping", system, env_id) from exc
@@ -267,6 +248,56 @@ def measure_system(
     logger.debug("bench: %s", result)
     report("done", elapsed, steps)
     return result
+
+
+def timed_loop(
+    step: Callable[[Any], Any],
+    bank: Sequence[Any],
+    seconds: float,
+    warmup_s: float,
+    *,
+    before_timing: Callable[[], None] | None = None,
+    progress: Callable[[float, int], None] | None = None,
+) -> tuple[int, float]:
+    """Call ``step`` on the actions of ``bank`` in turn: warm up, then time ``seconds``.
+
+    The warm-up lasts ``min(warmup_s, seconds / 2)`` seconds (at least one step); the timed
+    window then reads the clock about every 2 ms (at least every 64 steps), judged from the
+    warm-up's pace, so that reading it costs nothing measurable. ``before_timing`` is called
+    between the two (a barrier, a progress report); ``progress(elapsed_s, steps)`` at most ten
+    times a second during the window. This is the one measuring method of ``envfleet bench``
+    and ``benchmarks/scaling.py``.
+
+    Returns:
+        (steps taken in the timed window, its length in seconds).
+    """
+    warmup_s = min(warmup_s, seconds / 2)
+    size = len(bank)
+    i = 0
+    t0 = time.perf_counter()
+    while True:
+        step(bank[i % size])
+        i += 1
+        warm = time.perf_counter() - t0
+        if warm >= warmup_s:
+            break
+    chunk = max(1, min(_MAX_CHUNK, int(_CHUNK_S * i / warm))) if warm > 0 else 1
+    if before_timing is not None:
+        before_timing()
+    steps = 0
+    t0 = time.perf_counter()
+    last_report = t0
+    while True:
+        for _ in range(chunk):
+            step(bank[i % size])
+            i += 1
+        steps += chunk
+        now = time.perf_counter()
+        if now - t0 >= seconds:
+            return steps, now - t0
+        if progress is not None and now - last_report >= _PROGRESS_EVERY_S:
+            last_report = now
+            progress(now - t0, steps)
 
 
 def baseline_ratios(results: Sequence[BenchResult]) -> list[dict[str, float]]:
