@@ -32,6 +32,8 @@ __all__ = [
     "allocate_batch",
     "batch_nbytes",
     "check_fixed_size",
+    "is_leaf",
+    "tree_copy",
     "tree_slice",
 ]
 

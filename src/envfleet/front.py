@@ -439,8 +439,7 @@ class FleetVectorEnv(VectorEnv[Any, Any, np.ndarray]):
         self.backend = backend_name
         self.num_envs = backend.batch.rewards.shape[0]
         self.num_workers = backend.num_workers
-        self._groups = len(backend.ranges)
-        self._every_group: dict[int, Any] = dict.fromkeys(range(self._groups))
+        self._every_group: dict[int, Any] = dict.fromkeys(range(len(backend.ranges)))
         self._action_leaf = is_leaf(single_action_space)
         self.single_observation_space = single_observation_space
         self.single_action_space = single_action_space
@@ -611,7 +610,7 @@ class FleetVectorEnv(VectorEnv[Any, Any, np.ndarray]):
         """Start :meth:`call`; collect it with :meth:`call_wait`."""
         self._assert_idle("call_async")
         request = CallRequest(name, args, kwargs)
-        self._submit(Command.CALL, dict.fromkeys(range(self._groups), request))
+        self._submit(Command.CALL, dict.fromkeys(self._every_group, request))
         self._state = AsyncState.WAITING_CALL
 
     def call_wait(self, timeout: float | None = None) -> tuple[Any, ...]:
@@ -652,7 +651,7 @@ class FleetVectorEnv(VectorEnv[Any, Any, np.ndarray]):
     def render(self) -> tuple[Any, ...]:
         """``env.render()`` of every sub-environment, in env order (gymnasium's SyncVectorEnv)."""
         self._assert_idle("render")
-        self._submit(Command.RENDER, dict.fromkeys(range(self._groups)))
+        self._submit(Command.RENDER, self._every_group)
         self._state = AsyncState.WAITING_CALL
         results = self._wait(AsyncState.WAITING_CALL, "render", None)
         return tuple(frame for w in sorted(results) for frame in results[w])

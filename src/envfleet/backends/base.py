@@ -14,7 +14,7 @@ from gymnasium.vector import AutoresetMode
 
 from envfleet.buffers import Batch
 from envfleet.envgroup import EnvFailure
-from envfleet.errors import EnvError
+from envfleet.errors import EnvError, SpaceMismatchError
 from envfleet.protocol import Command
 
 __all__ = ["Backend", "WorkerLayout", "accepts_env_index", "bind_env_index", "worker_ranges"]
@@ -81,10 +81,17 @@ class WorkerLayout:
     def num_envs(self) -> int:
         return len(self.env_fns)
 
-    def bound_fns(self, start: int, stop: int) -> list[Callable[[], gymnasium.Env[Any, Any]]]:
-        return [
+    def bound_fns(
+        self, start: int, stop: int, first_env: gymnasium.Env[Any, Any] | None = None
+    ) -> list[Callable[[], gymnasium.Env[Any, Any]]]:
+        """Zero-argument factories of envs ``[start, stop)``; ``first_env``, when given, is
+        the env 0 that :func:`envfleet.make` already built, handed out instead of a new one."""
+        fns = [
             bind_env_index(self.env_fns[i], i, self.accepts_index[i]) for i in range(start, stop)
         ]
+        if start == 0 and first_env is not None:
+            fns[0] = lambda: first_env
+        return fns
 
 
 def env_error(env_index: int, worker_index: int | None, method: str, cause_text: str) -> EnvError:
@@ -92,6 +99,14 @@ def env_error(env_index: int, worker_index: int | None, method: str, cause_text:
         f" (worker {worker_index})" if worker_index is not None else ""
     )
     return EnvError(f"{where} raised in {method}: {cause_text}", env_index, worker_index, method)
+
+
+def mismatch_error(mismatch: tuple[int, str]) -> SpaceMismatchError:
+    """The error for ``EnvGroup.check_spaces``'s (env_index, description) of a mismatch."""
+    env_index, problem = mismatch
+    return SpaceMismatchError(
+        f"sub-environment {env_index} has another space than env 0: {problem}"
+    )
 
 
 def failure_error(failure: EnvFailure) -> EnvError:

@@ -48,6 +48,7 @@ from envfleet.backends.base import (
     bind_env_index,
     env_error,
     failure_error,
+    mismatch_error,
 )
 from envfleet.backends.doorbell import SEM_SLOT, Doorbell, SpinBudget
 from envfleet.buffers import Block, allocate_batch
@@ -57,7 +58,6 @@ from envfleet.errors import (
     EnvError,
     EnvfleetError,
     RemoteTraceback,
-    SpaceMismatchError,
     StepTimeoutError,
     describe_exitcode,
 )
@@ -168,11 +168,8 @@ class ProcessesBackend(Backend):
                 self._start_worker(g, layout, env_fn_blobs, worker_spin_s)
             if driver_group:
                 # Built while the workers build theirs; env 0 is the one make() already built.
-                fns = layout.bound_fns(*self.ranges[0])
-                if first_env is not None:
-                    env0 = first_env
-                    fns[0] = lambda: env0
-                    first_env = None
+                fns = layout.bound_fns(*self.ranges[0], first_env)
+                first_env = None  # the group owns it now
                 self._local = EnvGroup(
                     fns,
                     0,
@@ -183,9 +180,7 @@ class ProcessesBackend(Backend):
                 )
                 mismatch = self._local.check_spaces()
                 if mismatch is not None:
-                    raise SpaceMismatchError(
-                        f"sub-environment {mismatch[0]} has another space than env 0: {mismatch[1]}"
-                    )
+                    raise mismatch_error(mismatch)
             if first_env is not None:
                 first_env.close()
                 first_env = None
@@ -193,10 +188,7 @@ class ProcessesBackend(Backend):
             ready = self._collect_remote(None, step=0)
             for g in sorted(ready):
                 if ready[g] is not None:
-                    env_index, problem = ready[g]
-                    raise SpaceMismatchError(
-                        f"sub-environment {env_index} has another space than env 0: {problem}"
-                    )
+                    raise mismatch_error(ready[g])
         except EnvFailure as failure:
             self.close(timeout=None, terminate=True)
             raise failure_error(failure) from failure.__cause__
@@ -392,8 +384,9 @@ class ProcessesBackend(Backend):
             with contextlib.suppress(ValueError):
                 proc.close()
         self._pending = []
-        # Under spawn and forkserver each semaphore is a named /dev/shm entry that is unlinked
-        # when its last reference goes: drop ours now that no worker is left.
+        # Where the doorbells fall back to multiprocessing semaphores (no process-shared
+        # sem_init), each is a named /dev/shm entry under spawn and forkserver, unlinked when
+        # its last reference goes: drop ours now that no worker is left.
         self._doorbells = [None] * len(self._doorbells)
 
     # -- helpers --------------------------------------------------------------------------

@@ -7,10 +7,9 @@ from typing import Any
 
 import gymnasium
 
-from envfleet.backends.base import Backend, WorkerLayout, failure_error
+from envfleet.backends.base import Backend, WorkerLayout, failure_error, mismatch_error
 from envfleet.buffers import Block, allocate_batch
 from envfleet.envgroup import EnvFailure, EnvGroup
-from envfleet.errors import SpaceMismatchError
 from envfleet.protocol import Command
 
 __all__ = ["SerialBackend"]
@@ -37,11 +36,8 @@ class SerialBackend(Backend):
         self.groups: list[EnvGroup] = []
         try:
             for start, stop in self.ranges:
-                fns = layout.bound_fns(start, stop)
-                if start == 0 and first_env is not None:
-                    fns[0] = lambda: first_env
                 group = EnvGroup(
-                    fns,
+                    layout.bound_fns(start, stop, first_env),
                     start,
                     self.batch,
                     layout.single_observation_space,
@@ -51,9 +47,7 @@ class SerialBackend(Backend):
                 self.groups.append(group)
                 mismatch = group.check_spaces()
                 if mismatch is not None:
-                    raise SpaceMismatchError(
-                        f"sub-environment {mismatch[0]} has another space than env 0: {mismatch[1]}"
-                    )
+                    raise mismatch_error(mismatch)
         except EnvFailure as failure:
             self.close(None, False)
             raise failure_error(failure) from failure.__cause__
