@@ -21,6 +21,7 @@ from envfleet.errors import (
     StepTimeoutError,
 )
 from envfleet.front import BACKENDS, FleetVectorEnv, make
+from envfleet.supervisor import FleetStats, RestartPolicy, StepTimeStats
 
 __version__ = "0.1.0"
 
@@ -32,13 +33,16 @@ __all__ = [
     "EnvCrashedError",
     "EnvError",
     "EnvfleetError",
+    "FleetStats",
     "FleetVectorEnv",
     "InvalidActionError",
     "InvalidArgumentError",
     "NoAsyncCallError",
     "RemoteTraceback",
     "ResetNeededError",
+    "RestartPolicy",
     "SpaceMismatchError",
+    "StepTimeStats",
     "StepTimeoutError",
     "__version__",
     "make",

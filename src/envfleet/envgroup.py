@@ -18,9 +18,16 @@ from gymnasium.vector import AutoresetMode
 from gymnasium.vector.utils import batch_space, concatenate, iterate
 
 from envfleet.buffers import Batch, is_leaf
-from envfleet.protocol import CallRequest, Command, InfoEvent, ResetRequest, SetAttrRequest
+from envfleet.protocol import (
+    CallRequest,
+    Command,
+    InfoEvent,
+    ResetRequest,
+    RestartRequest,
+    SetAttrRequest,
+)
 
-__all__ = ["EnvFailure", "EnvGroup", "spaces_mismatch"]
+__all__ = ["EnvFailure", "EnvGroup", "PartialFailure", "spaces_mismatch"]
 
 logger = logging.getLogger("envfleet")
 
@@ -34,6 +41,23 @@ class EnvFailure(Exception):
         self.method = method
 
 
+class PartialFailure(EnvFailure):
+    """Some envs raised in ``step`` or ``reset``; every other env of the group completed.
+
+    ``env_index``, ``method`` and ``__cause__`` are the first failure's; ``failures`` lists
+    them all (each an :class:`EnvFailure` with its exception as ``__cause__``), ``events`` the
+    infos of the envs that completed. The failed envs' rows hold no new data: the supervisor
+    either rebuilds those envs (``Command.RESTART``) or reports the first failure.
+    """
+
+    def __init__(self, failures: list[EnvFailure], events: list[InfoEvent]):
+        first = failures[0]
+        super().__init__(first.env_index, first.method)
+        self.__cause__ = first.__cause__
+        self.failures = failures
+        self.events = events
+
+
 def spaces_mismatch(
     env: gymnasium.Env[Any, Any],
     observation_space: gymnasium.Space[Any],
@@ -45,6 +69,12 @@ def spaces_mismatch(
     if env.action_space != action_space:
         return f"action space {env.action_space} != {action_space}"
     return None
+
+
+def _failure(env_index: int, method: str, exc: Exception) -> EnvFailure:
+    failure = EnvFailure(env_index, method)
+    failure.__cause__ = exc
+    return failure
 
 
 class EnvGroup:
@@ -75,6 +105,7 @@ class EnvGroup:
         self.single_action_space = single_action_space
         self._action_space = batch_space(single_action_space, self.size)
         self.buffers = batch.slice(self.start, self.stop)
+        self._env_fns = list(env_fns)
         self.envs: list[gymnasium.Env[Any, Any]] = []
         for j, fn in enumerate(env_fns):
             try:
@@ -114,6 +145,8 @@ class EnvGroup:
             return self.set_attr(payload)
         if command is Command.RENDER:
             return self.render()
+        if command is Command.RESTART:
+            return self.restart(payload)
         raise ValueError(f"unknown command {command!r}")
 
     def step(self) -> list[InfoEvent]:
@@ -136,6 +169,7 @@ class EnvGroup:
         next_step = self.autoreset_mode is AutoresetMode.NEXT_STEP
         same_step = self.autoreset_mode is AutoresetMode.SAME_STEP
         events: list[InfoEvent] = []
+        failures: list[EnvFailure] | None = None
         for j, action in enumerate(actions):
             env = envs[j]
             try:
@@ -149,9 +183,19 @@ class EnvGroup:
                         events.append((self.start + j, {"final_obs": obs, "final_info": env_info}))
                         env_obs[j], env_info = env.reset()
             except Exception as exc:
-                raise EnvFailure(self.start + j, "step") from exc
+                # The other envs still step: their data must not depend on this one's fault.
+                failures = failures or []
+                failures.append(_failure(self.start + j, "step", exc))
+                rewards[j], terminations[j], truncations[j] = 0.0, False, False
+                continue
             if env_info:
                 events.append((self.start + j, env_info))
+        if failures is not None:
+            keep = [autoreset[f.env_index - self.start] for f in failures]
+            self._write_results()
+            for f, flag in zip(failures, keep, strict=True):
+                self._autoreset[f.env_index - self.start] = flag  # its state is unknown
+            raise PartialFailure(failures, events)
         self._write_results()
         self._write_observations()
         return events
@@ -187,6 +231,7 @@ class EnvGroup:
             False if mask is None or mask[j] else a for j, a in enumerate(self._autoreset)
         ]
         events: list[InfoEvent] = []
+        failures: list[EnvFailure] = []
         for j, env in enumerate(self.envs):
             if mask is not None and not mask[j]:
                 continue
@@ -195,9 +240,59 @@ class EnvGroup:
                     seed=request.seeds[j], options=request.options
                 )
             except Exception as exc:
-                raise EnvFailure(self.start + j, "reset") from exc
+                failures.append(_failure(self.start + j, "reset", exc))
+                continue
             if env_info:
                 events.append((self.start + j, env_info))
+        if failures:
+            raise PartialFailure(failures, events)
+        self._write_observations()
+        return events
+
+    def restart(self, request: RestartRequest) -> list[InfoEvent]:
+        """Rebuild the envs ``request.indices`` (local) and reset them with ``request.seeds``.
+
+        After a step, their rows read ``reward 0.0, terminated False, truncated True`` and the
+        new episode's first observation (with NEXT_STEP, the next step resets them, as after
+        any truncation); after a reset, just that observation. Each one's info is its reset
+        info plus ``env_restarted: True``.
+
+        Raises:
+            EnvFailure: a rebuilt env raised in its factory or its reset, or its spaces differ
+                (``method`` starts with ``"restart"``); the supervisor gives up then.
+        """
+        events: list[InfoEvent] = []
+        buf = self.buffers
+        for j, seed in zip(request.indices, request.seeds, strict=True):
+            index = self.start + j
+            if request.rebuild:
+                old = self.envs[j]
+                try:
+                    old.close()
+                except Exception:  # a failed env may not close cleanly; it is dropped anyway
+                    logger.warning("sub-environment %d raised in close()", index, exc_info=True)
+                try:
+                    self.envs[j] = self._env_fns[j]()
+                except Exception as exc:
+                    raise EnvFailure(index, "restart (make)") from exc
+                problem = spaces_mismatch(
+                    self.envs[j], self.single_observation_space, self.single_action_space
+                )
+                if problem is not None:
+                    raise EnvFailure(index, "restart (spaces)") from ValueError(problem)
+            try:
+                self._env_obs[j], env_info = self.envs[j].reset(seed=seed)
+            except Exception as exc:
+                raise EnvFailure(index, "restart (reset)") from exc
+            info = dict(env_info)
+            info["env_restarted"] = True
+            events.append((index, info))
+            if request.after is Command.STEP:
+                self._rewards[j], self._terminations[j], self._truncations[j] = 0.0, False, True
+                buf.rewards[j], buf.terminations[j], buf.truncations[j] = 0.0, False, True
+                self._autoreset[j] = True  # as after any truncation
+            else:
+                self._autoreset[j] = False
         self._write_observations()
         return events
 

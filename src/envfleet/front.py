@@ -44,6 +44,7 @@ from envfleet.errors import (
     ResetNeededError,
 )
 from envfleet.protocol import CallRequest, Command, InfoEvent, ResetRequest, SetAttrRequest
+from envfleet.supervisor import FleetStats, Ledger, RestartPolicy
 
 __all__ = ["BACKENDS", "FleetVectorEnv", "make"]
 
@@ -119,7 +120,7 @@ def make(
     autoreset_mode: AutoresetMode | str = AutoresetMode.NEXT_STEP,
     env_kwargs: dict[str, Any] | None = None,
     step_timeout: float | None = None,
-    restart_policy: Any = None,
+    restart_policy: RestartPolicy | None = None,
     context: str | None = None,
     copy: bool = True,
     driver_envs: int | None = None,
@@ -147,14 +148,19 @@ def make(
             With a timeout every env runs in a worker (``driver_envs=0``).
             Building the envs at start is not bounded by it (a worker that dies while
             starting is still reported at once).
-        restart_policy: must be ``None`` for now (fail-fast).
+        restart_policy: ``None``: fail fast (a typed error names what failed). A
+            :class:`envfleet.RestartPolicy`: rebuild envs that raise in step or reset, and
+            workers that die or run past the timeout, within its budget; the rebuilt envs
+            return ``truncated=True`` and ``info["env_restarted"]``. With ``processes``, every
+            env then runs in a worker (``driver_envs=0``).
         context: ``multiprocessing`` start method (``"fork"``, ``"spawn"``, ``"forkserver"``);
             default: the platform's.
         copy: ``True``: step/reset return copies, like gymnasium. ``False``: views of the
             shared buffers, valid until the next call.
         driver_envs: ``processes`` only: how many envs (the first block) the driver steps
             itself while the workers step theirs. Default: an equal share when neither
-            ``num_workers`` nor ``step_timeout`` is given (see :func:`plan_processes`), else 0.
+            ``num_workers``, ``step_timeout`` nor ``restart_policy`` is given (see
+            :func:`plan_processes`), else 0.
             Those envs live in the driver process: their exceptions are reported as usual,
             but a native crash in them (a segfault) takes the driver down, and no timeout can
             stop them; set 0 to isolate every env in a worker.
@@ -202,8 +208,10 @@ def make(
         isinstance(step_timeout, numbers.Real) and step_timeout > 0
     ):
         raise ConfigError(f"step_timeout must be None or seconds > 0, got {step_timeout!r}")
-    if restart_policy is not None:
-        raise ConfigError("restart_policy is not available yet; envfleet fails fast")
+    if restart_policy is not None and not isinstance(restart_policy, RestartPolicy):
+        raise ConfigError(
+            f"restart_policy must be None or an envfleet.RestartPolicy, got {restart_policy!r}"
+        )
     if context is not None and context not in multiprocessing.get_all_start_methods():
         raise ConfigError(
             f"context={context!r} is not a start method here; "
@@ -222,12 +230,12 @@ def make(
         check_fixed_size(obs_space, "observation")
         check_fixed_size(act_space, "action")
         if backend == "processes":
-            if step_timeout is not None:
-                # A timeout can only stop a worker: with a timeout, every env is in one.
+            if step_timeout is not None or restart_policy is not None:
+                # Only a worker can be stopped, or rebuilt after a crash: every env goes in one.
                 if driver_envs:
                     raise ConfigError(
-                        "step_timeout cannot bound envs the driver steps itself; "
-                        "use driver_envs=0 (the default when step_timeout is set)"
+                        "step_timeout and restart_policy cannot cover envs the driver steps "
+                        "itself; use driver_envs=0 (the default when either is set)"
                     )
                 driver_envs = 0
             plan = plan_processes(num_envs, num_workers, driver_envs, spin_s, usable_cores())
@@ -240,6 +248,7 @@ def make(
         first.close()
         raise
     layout = WorkerLayout(env_fns, accepts, obs_space, act_space, mode, ranges)
+    ledger = Ledger(num_envs, restart_policy)
     nbytes = batch_nbytes(obs_space, act_space, num_envs)
     backend_obj: Backend
     if backend == "processes":
@@ -254,11 +263,14 @@ def make(
             first_env=first,
             driver_spin_s=plan.driver_spin_s,
             worker_spin_s=plan.worker_spin_s,
+            ledger=ledger,
         )
     else:
         from envfleet.backends.serial import SerialBackend
 
-        backend_obj = SerialBackend(layout, Block(nbytes, shared=False), first_env=first)
+        backend_obj = SerialBackend(
+            layout, Block(nbytes, shared=False), first_env=first, ledger=ledger
+        )
     return FleetVectorEnv(
         backend_obj,
         backend_name=backend,
@@ -497,6 +509,7 @@ class FleetVectorEnv(VectorEnv[Any, Any, np.ndarray]):
             if local_mask is not None and not local_mask.any():
                 continue
             payloads[w] = ResetRequest(seeds[start:stop], options, local_mask)
+            self._backend.ledger.note_seeds(start, seeds[start:stop], local_mask)
         if mask is None:
             self._needs_reset[:] = False
         else:
@@ -571,10 +584,14 @@ class FleetVectorEnv(VectorEnv[Any, Any, np.ndarray]):
 
         Raises:
             NoAsyncCallError: no step is pending.
-            EnvError: an env raised in step or its autoreset; this batch is lost, the others
+            EnvError: an env raised in step or its autoreset; this batch is lost, the other
                 envs did step, and the vector env stays usable.
             EnvCrashedError: a worker died; the vector env is closed.
             StepTimeoutError: the timeout expired; the vector env is closed.
+
+        With a ``restart_policy``, those failures rebuild what failed instead, within the
+        policy's budget, and the step returns every env's result (see
+        :class:`envfleet.RestartPolicy`); past the budget they raise as above.
         """
         results = self._wait(AsyncState.WAITING_STEP, "step_wait", timeout)
         self._steps += 1
@@ -655,6 +672,13 @@ class FleetVectorEnv(VectorEnv[Any, Any, np.ndarray]):
         self._state = AsyncState.WAITING_CALL
         results = self._wait(AsyncState.WAITING_CALL, "render", None)
         return tuple(frame for w in sorted(results) for frame in results[w])
+
+    @property
+    def stats(self) -> FleetStats:
+        """What the supervisor has seen: restarts, timeouts, crashes, env errors, and per
+        worker its step-time statistics (mean, p50, p99 in seconds). A snapshot, read without
+        a round trip to the workers, at any time (also while a step is pending)."""
+        return self._backend.ledger.snapshot(self._backend.step_times())
 
     @property
     def np_random_seed(self) -> tuple[int, ...]:  # type: ignore[override]

@@ -15,9 +15,11 @@ import numpy as np
 __all__ = [
     "CallRequest",
     "Command",
+    "Failure",
     "InfoEvent",
     "RemoteError",
     "ResetRequest",
+    "RestartRequest",
     "SetAttrRequest",
     "Status",
 ]
@@ -35,6 +37,7 @@ class Command(enum.IntEnum):
     SET_ATTR = 4
     RENDER = 5
     CLOSE = 6
+    RESTART = 7
 
 
 class Status(enum.IntEnum):
@@ -85,3 +88,32 @@ class RemoteError:
     message: str
     traceback: str
     exception: bytes | None
+
+
+@dataclass
+class RestartRequest:
+    """Rebuild (``rebuild``) and reset the group's envs ``indices`` (local) with ``seeds``.
+
+    ``after`` is the command that failed (``STEP`` or ``RESET``): after a step the envs also
+    report ``truncated=True``. A freshly started worker is sent ``rebuild=False``: its envs
+    are new already.
+    """
+
+    indices: list[int]
+    seeds: list[int | None]
+    after: Command
+    rebuild: bool = True
+
+
+@dataclass
+class Failure:
+    """The reply of a worker whose command failed (with ``Status.ERROR``).
+
+    ``partial``: only the envs in ``errors`` failed, in a step or reset; the group's other envs
+    completed (their infos are ``events``), so the failed ones can be rebuilt. Otherwise the
+    whole command failed and ``errors`` holds one error.
+    """
+
+    errors: list[RemoteError]
+    events: list[InfoEvent] | None = None
+    partial: bool = False

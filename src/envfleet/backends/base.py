@@ -16,6 +16,7 @@ from envfleet.buffers import Batch
 from envfleet.envgroup import EnvFailure
 from envfleet.errors import EnvError, SpaceMismatchError
 from envfleet.protocol import Command
+from envfleet.supervisor import Ledger, StepTimeStats
 
 __all__ = ["Backend", "WorkerLayout", "accepts_env_index", "bind_env_index", "worker_ranges"]
 
@@ -109,10 +110,11 @@ def mismatch_error(mismatch: tuple[int, str]) -> SpaceMismatchError:
     )
 
 
-def failure_error(failure: EnvFailure) -> EnvError:
+def failure_error(failure: EnvFailure, note: str = "") -> EnvError:
     """The :class:`EnvError` for an env that raised in this process (no worker index)."""
     cause = failure.__cause__
-    return env_error(failure.env_index, None, failure.method, f"{type(cause).__name__}: {cause}")
+    text = f"{type(cause).__name__}: {cause}" + (f" ({note})" if note else "")
+    return env_error(failure.env_index, None, failure.method, text)
 
 
 class Backend(abc.ABC):
@@ -125,6 +127,7 @@ class Backend(abc.ABC):
 
     batch: Batch
     ranges: Sequence[tuple[int, int]]
+    ledger: Ledger  # failures, restarts and seeds, for the supervisor and ``envs.stats``
 
     @property
     def num_workers(self) -> int:
@@ -149,12 +152,20 @@ class Backend(abc.ABC):
     def collect(self, timeout: float | None, step: int) -> dict[int, Any]:
         """Wait for every submitted worker and return worker index -> result, in worker order.
 
+        With a restart policy (``ledger.policy``), a step or reset in which envs raised, or
+        workers died or ran past ``timeout``, rebuilds them while the budget allows and
+        returns every result, the rebuilt envs' included (see :class:`RestartPolicy`).
+
         Raises:
             EnvError: an env raised; every other worker's reply has been read first, so the
-                backend stays usable.
+                backend stays usable (unless rebuilding an env failed: then it is shut down).
             EnvCrashedError: a worker died; the backend is shut down.
             StepTimeoutError: ``timeout`` (seconds) expired; the backend is shut down.
         """
+
+    @abc.abstractmethod
+    def step_times(self) -> tuple[StepTimeStats, ...]:
+        """Per worker, the step-time statistics so far (no round trip to the workers)."""
 
     @abc.abstractmethod
     def close(self, timeout: float | None, terminate: bool) -> None:

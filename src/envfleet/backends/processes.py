@@ -33,7 +33,7 @@ import sys
 import time
 import traceback
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any, cast
 
@@ -52,7 +52,7 @@ from envfleet.backends.base import (
 )
 from envfleet.backends.doorbell import SEM_SLOT, Doorbell, SpinBudget
 from envfleet.buffers import Block, allocate_batch
-from envfleet.envgroup import EnvFailure, EnvGroup
+from envfleet.envgroup import EnvFailure, EnvGroup, PartialFailure
 from envfleet.errors import (
     EnvCrashedError,
     EnvError,
@@ -61,7 +61,15 @@ from envfleet.errors import (
     StepTimeoutError,
     describe_exitcode,
 )
-from envfleet.protocol import Command, RemoteError, Status
+from envfleet.protocol import Command, Failure, RemoteError, Status
+from envfleet.supervisor import (
+    STATS_WORDS,
+    Ledger,
+    StepTimer,
+    StepTimeStats,
+    merge_events,
+    step_time_table,
+)
 
 __all__ = ["DEFAULT_CLOSE_TIMEOUT", "DEFAULT_SPIN_S", "ProcessesBackend"]
 
@@ -99,6 +107,7 @@ class _WorkerSpec:
     autoreset_mode: AutoresetMode
     block: Block
     control: Any  # the control region: RawArray of _GROUP_BYTES bytes per group
+    stats: Any  # step-time statistics: RawArray of STATS_WORDS doubles per group
     doorbell: Doorbell
     spin_s: float
     parent_pid: int
@@ -117,6 +126,8 @@ class ProcessesBackend(Backend):
         first_env: env 0 already built in the driver; used when ``driver_group``, else closed.
         driver_spin_s, worker_spin_s: the most seconds a wait polls before blocking, in the
             driver and in each worker (0: always block); the budget adapts to the waits seen.
+        ledger: the supervisor's record; with a restart policy, failed envs and dead or hung
+            workers are rebuilt (the driver's own block must then be empty).
 
     Raises:
         EnvError: a factory raised while building an env (``method == "make"``).
@@ -135,8 +146,12 @@ class ProcessesBackend(Backend):
         first_env: gymnasium.Env[Any, Any] | None = None,
         driver_spin_s: float = DEFAULT_SPIN_S,
         worker_spin_s: float = DEFAULT_SPIN_S,
+        ledger: Ledger | None = None,
     ):
         self.ranges = list(layout.ranges)
+        self.ledger = ledger if ledger is not None else Ledger(layout.num_envs, None)
+        assert self.ledger.policy is None or not driver_group, "restarts need every env in a worker"
+        self._layout, self._blobs, self._worker_spin_s = layout, env_fn_blobs, worker_spin_s
         self.block = block
         self.batch = allocate_batch(
             layout.single_observation_space, layout.single_action_space, layout.num_envs, block
@@ -148,6 +163,12 @@ class ProcessesBackend(Backend):
             ctypes.c_uint8, groups * _GROUP_BYTES
         )
         self._control = _control_words(self._control_raw)
+        self._stats_raw: Any = multiprocessing.sharedctypes.RawArray(
+            ctypes.c_double, groups * STATS_WORDS
+        )
+        self._stats = _stats_rows(self._stats_raw)
+        self._local_timer = StepTimer(self._stats[0])
+        self._command = Command.STEP
         self._local: EnvGroup | None = None
         self._local_result: Any = None
         self._local_failure: EnvFailure | None = None
@@ -165,7 +186,7 @@ class ProcessesBackend(Backend):
                 stream.flush()
         try:
             for g in self._remote:
-                self._start_worker(g, layout, env_fn_blobs, worker_spin_s)
+                self._start_worker(g)
             if driver_group:
                 # Built while the workers build theirs; env 0 is the one make() already built.
                 fns = layout.bound_fns(*self.ranges[0], first_env)
@@ -185,10 +206,7 @@ class ProcessesBackend(Backend):
                 first_env.close()
                 first_env = None
             self._pending = list(self._remote)
-            ready = self._collect_remote(None, step=0)
-            for g in sorted(ready):
-                if ready[g] is not None:
-                    raise mismatch_error(ready[g])
+            self._check_ready(self._collect_remote(None, step=0, fail_fast=True))
         except EnvFailure as failure:
             self.close(timeout=None, terminate=True)
             raise failure_error(failure) from failure.__cause__
@@ -203,9 +221,8 @@ class ProcessesBackend(Backend):
         """Worker processes (the driver's own block, if any, is not one)."""
         return len(self._remote)
 
-    def _start_worker(
-        self, g: int, layout: WorkerLayout, blobs: list[bytes], spin_s: float
-    ) -> None:
+    def _start_worker(self, g: int) -> None:
+        layout, blobs = self._layout, self._blobs
         start, stop = self.ranges[g]
         doorbell = Doorbell(self._ctx, self._control_raw, g * _GROUP_BYTES + 8 * _WORDS)
         spec = _WorkerSpec(
@@ -220,8 +237,9 @@ class ProcessesBackend(Backend):
             autoreset_mode=layout.autoreset_mode,
             block=self.block,
             control=self._control_raw,
+            stats=self._stats_raw,
             doorbell=doorbell,
-            spin_s=spin_s,
+            spin_s=self._worker_spin_s,
             parent_pid=os.getpid(),
             start_method=self._ctx.get_start_method(),
         )
@@ -262,7 +280,11 @@ class ProcessesBackend(Backend):
             self.close(timeout=0, terminate=True)
             raise
 
+    def step_times(self) -> tuple[StepTimeStats, ...]:
+        return step_time_table(self._stats)
+
     def _submit(self, command: Command, payloads: Mapping[int, Any], step: int) -> None:
+        self._command = command
         control = self._control
         remote = [g for g in payloads if self._procs[g] is not None]
         for g in remote:
@@ -283,65 +305,158 @@ class ProcessesBackend(Backend):
         if self._local is not None and 0 in payloads:
             # The driver's own block, stepped while the workers step theirs.
             try:
-                self._local_result = self._local.run(command, payloads[0])
+                if command is Command.STEP:
+                    t0 = time.perf_counter()
+                    self._local_result = self._local.step()
+                    self._local_timer.record(time.perf_counter() - t0)
+                else:
+                    self._local_result = self._local.run(command, payloads[0])
             except EnvFailure as failure:
                 self._local_failure = failure
 
     def _collect(self, timeout: float | None, step: int) -> dict[int, Any]:
         local_result, local_failure = self._local_result, self._local_failure
         self._local_result, self._local_failure = None, None
-        results = self._collect_remote(timeout, step, local_failure is None)
+        restartable = self.ledger.policy is not None and self._command in _RESTARTABLE
+        done = self._collect_remote(timeout, step, fail_fast=not restartable)
         if local_failure is not None:
+            self.ledger.env_errors += len(getattr(local_failure, "failures", [local_failure]))
             raise failure_error(local_failure) from local_failure.__cause__
+        results = self._settle(done, timeout, step) if done.failed else done.results
         if self._local is not None and local_result is not None:
             results[0] = local_result
         return results
 
-    def _collect_remote(
-        self, timeout: float | None, step: int, raise_errors: bool = True
-    ) -> dict[int, Any]:
-        """Wait for every pending worker; read replies; raise the first env error after all."""
+    def _collect_remote(self, timeout: float | None, step: int, fail_fast: bool) -> _Round:
+        """Wait for every pending worker and read its reply.
+
+        ``fail_fast``: a dead worker or the timeout raises at once (and closes the backend);
+        otherwise they are noted in the returned round, and so are env failures, for
+        :meth:`_settle`.
+        """
         pending = self._pending
         self._pending = []
         deadline = None if timeout is None else time.monotonic() + timeout
-        results: dict[int, Any] = {}
-        errors: dict[int, RemoteError] = {}
+        done = _Round()
         control = self._control
-        for i, g in enumerate(pending):
+        for g in pending:
             proc = self._procs[g]
             doorbell = cast(Doorbell, self._doorbells[g])
             if not Doorbell.wait(doorbell.done, self._budgets[g], deadline, proc.is_alive):
                 if not proc.is_alive():
-                    self._raise_crashed(g, step)
-                late = [g] + [
-                    h
-                    for h in pending[i + 1 :]
-                    if not cast(Doorbell, self._doorbells[h]).done.acquire(False)
-                ]
-                envs = [e for h in late for e in range(*self.ranges[h])]
-                self.close(timeout=0, terminate=True)
-                assert timeout is not None
-                raise StepTimeoutError(
-                    f"workers {late} (sub-environments {envs}) did not answer within "
-                    f"{timeout} s; they were killed and the vector env closed",
-                    envs,
-                    timeout,
-                )
+                    done.crashed.append(g)
+                    if fail_fast:
+                        self._raise_crashed(g, step)
+                else:
+                    done.late.append(g)
+                continue
             status = control[g, _STATUS]
             payload = None
             if control[g, _REPLY_PAYLOAD]:
                 try:
                     payload = pickle.loads(cast(Connection, self._conns[g]).recv_bytes())
                 except (EOFError, OSError):
-                    self._raise_crashed(g, step)
+                    done.crashed.append(g)
+                    if fail_fast:
+                        self._raise_crashed(g, step)
+                    continue
             if status == Status.ERROR:
-                errors[g] = cast(RemoteError, payload)
+                done.failures[g] = cast(Failure, payload)
             else:
-                results[g] = payload
-        if errors and raise_errors:
-            g = min(errors)
-            raise _remote_env_error(errors[g], g)
+                done.results[g] = payload
+        if done.late:
+            self.ledger.timeouts += 1
+            if fail_fast:
+                self._raise_timeout(done.late, cast(float, timeout))
+        return done
+
+    def _settle(self, done: _Round, timeout: float | None, step: int) -> dict[int, Any]:
+        """Rebuild what failed when the restart policy allows it, else raise the typed error.
+
+        Env errors leave the backend usable; a dead or hung worker shuts it down unless it is
+        restarted.
+        """
+        ledger = self.ledger
+        ledger.crashes += len(done.crashed)
+        ledger.env_errors += sum(len(f.errors) for f in done.failures.values())
+        failed_envs = {g: [e.env_index for e in f.errors] for g, f in sorted(done.failures.items())}
+        respawn = sorted(done.crashed + done.late)
+        restartable = (
+            ledger.policy is not None
+            and self._command in _RESTARTABLE
+            and all(f.partial for f in done.failures.values())
+        )
+        if not restartable or not ledger.allow(len(respawn) + sum(map(len, failed_envs.values()))):
+            budget = "" if ledger.budget is None or not restartable else ledger.budget.describe()
+            if done.crashed:
+                self._raise_crashed(done.crashed[0], step, budget)
+            if done.late:
+                self._raise_timeout(done.late, cast(float, timeout), budget)
+            g = min(done.failures)
+            raise _remote_env_error(done.failures[g].errors[0], g, budget)
+        for f in done.failures.values():
+            for error in f.errors:
+                logger.warning(
+                    "sub-environment %d raised in %s (%s: %s); restarting it",
+                    error.env_index,
+                    error.method,
+                    error.type_name,
+                    error.message,
+                )
+        for g in respawn:
+            why = "died" if g in done.crashed else "did not answer in time"
+            logger.warning("worker %d %s; restarting it and its envs", g, why)
+            self._respawn(g)
+        if respawn:
+            self._pending = respawn
+            ready = self._collect_remote(timeout, step, fail_fast=True)
+            self._check_ready(ready)
+            for g in respawn:
+                failed_envs[g] = list(range(*self.ranges[g]))
+        requests = {
+            g: ledger.restart_request(self.ranges[g][0], envs, self._command, g not in respawn)
+            for g, envs in failed_envs.items()
+        }
+        command = self._command
+        self._submit(Command.RESTART, requests, step)
+        self._command = command
+        restarted = self._collect_remote(timeout, step, fail_fast=True)
+        if restarted.failures:
+            g = min(restarted.failures)
+            exc = _remote_env_error(restarted.failures[g].errors[0], g, "")
+            self.close(timeout=0, terminate=True)
+            raise exc
+        results = done.results
+        for g, envs in failed_envs.items():
+            if g in respawn:
+                ledger.restarted(envs)
+            else:
+                for e in envs:
+                    ledger.restarted([e])
+            failure = done.failures.get(g)
+            events = None if failure is None else failure.events
+            results[g] = merge_events(events, restarted.results.get(g))
         return results
+
+    def _check_ready(self, done: _Round) -> None:
+        """Raise for the first worker that could not start (an env error or a space mismatch)."""
+        if done.failures:
+            g = min(done.failures)
+            raise _remote_env_error(done.failures[g].errors[0], g, "")
+        for g in sorted(done.results):
+            if done.results[g] is not None:
+                raise mismatch_error(done.results[g])
+
+    def _respawn(self, g: int) -> None:
+        """Kill worker ``g`` (dead or hung) and start a new one for the same envs."""
+        proc = self._procs[g]
+        if proc.is_alive():
+            proc.kill()
+        proc.join()
+        cast(Connection, self._conns[g]).close()
+        with contextlib.suppress(ValueError):
+            proc.close()
+        self._start_worker(g)
 
     def close(self, timeout: float | None, terminate: bool) -> None:
         """Close in three bounded phases: ask, terminate, kill.
@@ -391,7 +506,7 @@ class ProcessesBackend(Backend):
 
     # -- helpers --------------------------------------------------------------------------
 
-    def _raise_crashed(self, g: int, step: int) -> None:
+    def _raise_crashed(self, g: int, step: int, note: str = "") -> None:
         proc = self._procs[g]
         proc.join(_KILL_GRACE)
         exitcode = proc.exitcode
@@ -399,12 +514,40 @@ class ProcessesBackend(Backend):
         self.close(timeout=0, terminate=True)
         raise EnvCrashedError(
             f"worker {g} (sub-environments {start}..{stop - 1}) died with "
-            f"{describe_exitcode(exitcode)} after {step} steps; the vector env was closed",
+            f"{describe_exitcode(exitcode)} after {step} steps; "
+            f"{note + '; ' if note else ''}the vector env was closed",
             env_indices=range(start, stop),
             worker_index=g,
             exitcode=exitcode,
             step=step,
         )
+
+    def _raise_timeout(self, late: list[int], timeout: float, note: str = "") -> None:
+        envs = [e for g in late for e in range(*self.ranges[g])]
+        self.close(timeout=0, terminate=True)
+        raise StepTimeoutError(
+            f"workers {late} (sub-environments {envs}) did not answer within {timeout} s; "
+            f"{note + '; ' if note else ''}they were killed and the vector env closed",
+            envs,
+            timeout,
+        )
+
+
+@dataclass
+class _Round:
+    """What one wait on the workers found."""
+
+    results: dict[int, Any] = field(default_factory=dict)
+    failures: dict[int, Failure] = field(default_factory=dict)
+    crashed: list[int] = field(default_factory=list)
+    late: list[int] = field(default_factory=list)
+
+    @property
+    def failed(self) -> bool:
+        return bool(self.failures or self.crashed or self.late)
+
+
+_RESTARTABLE = (Command.STEP, Command.RESET)
 
 
 def _join_all(procs: list[Any], timeout: float) -> None:
@@ -414,7 +557,7 @@ def _join_all(procs: list[Any], timeout: float) -> None:
         proc.join(max(0.0, deadline - time.monotonic()))
 
 
-def _remote_env_error(error: RemoteError, worker_index: int) -> EnvError:
+def _remote_env_error(error: RemoteError, worker_index: int, note: str) -> EnvError:
     cause: BaseException | None = None
     if error.exception is not None:
         with contextlib.suppress(Exception):
@@ -422,9 +565,8 @@ def _remote_env_error(error: RemoteError, worker_index: int) -> EnvError:
     if not isinstance(cause, BaseException):
         cause = RuntimeError(f"{error.type_name}: {error.message}")
     cause.__cause__ = RemoteTraceback(error.traceback)
-    exc = env_error(
-        error.env_index, worker_index, error.method, f"{error.type_name}: {error.message}"
-    )
+    text = f"{error.type_name}: {error.message}" + (f" ({note})" if note else "")
+    exc = env_error(error.env_index, worker_index, error.method, text)
     exc.__cause__ = cause
     return exc
 
@@ -462,6 +604,14 @@ def _remote_error(failure: BaseException, env_index: int, method: str) -> Remote
     return RemoteError(env_index, method, type(cause).__qualname__, str(cause), tb, blob)
 
 
+def _failure_reply(error: RemoteError) -> Failure:
+    return Failure([error])
+
+
+def _stats_rows(region: Any) -> np.ndarray:
+    return np.frombuffer(region, dtype=np.float64).reshape(-1, STATS_WORDS)
+
+
 class _Worker:
     """The worker side of one group: wait for the doorbell, run the command, reply."""
 
@@ -492,7 +642,8 @@ class _Worker:
             status = Status.ERROR
             self.control[_STATUS] = status
             blob = pickle.dumps(
-                _remote_error(exc, self.spec.start, "pickling the result"), pickle.HIGHEST_PROTOCOL
+                _failure_reply(_remote_error(exc, self.spec.start, "pickling the result")),
+                pickle.HIGHEST_PROTOCOL,
             )
         self.control[_REPLY_PAYLOAD] = 1
         self.doorbell.ring_done()  # before sending: a large payload must not block the ring
@@ -500,6 +651,8 @@ class _Worker:
 
     def serve(self, group: EnvGroup) -> None:
         control, request = self.control, self.doorbell.request
+        timer = StepTimer(_stats_rows(self.spec.stats)[self.g])
+        perf_counter = time.perf_counter
         while True:
             if not Doorbell.wait(request, self.budget, None, self.driver_alive):
                 return  # the driver is gone
@@ -508,12 +661,23 @@ class _Worker:
                 return
             payload = pickle.loads(self.conn.recv_bytes()) if control[_CMD_PAYLOAD] else None
             try:
-                result = group.run(command, payload)
+                if command is Command.STEP:
+                    t0 = perf_counter()
+                    result = group.step()
+                    timer.record(perf_counter() - t0)
+                else:
+                    result = group.run(command, payload)
+            except PartialFailure as failure:
+                errors = [_remote_error(f, f.env_index, f.method) for f in failure.failures]
+                self.reply(Status.ERROR, Failure(errors, failure.events or None, partial=True))
+                continue
             except EnvFailure as failure:
-                self.reply(Status.ERROR, _remote_error(failure, failure.env_index, failure.method))
+                error = _remote_error(failure, failure.env_index, failure.method)
+                self.reply(Status.ERROR, _failure_reply(error))
                 continue
             except Exception as exc:  # a bug outside any env: report it against the group
-                self.reply(Status.ERROR, _remote_error(exc, group.start, command.name.lower()))
+                error = _remote_error(exc, group.start, command.name.lower())
+                self.reply(Status.ERROR, _failure_reply(error))
                 continue
             self.reply(Status.OK, result or None)
 
@@ -543,10 +707,11 @@ def _worker_main(spec: _WorkerSpec, conn: Connection, parent_conn: Connection) -
             )
             mismatch = group.check_spaces()
         except EnvFailure as failure:
-            worker.reply(Status.ERROR, _remote_error(failure, failure.env_index, failure.method))
+            error = _remote_error(failure, failure.env_index, failure.method)
+            worker.reply(Status.ERROR, _failure_reply(error))
             return
         except Exception as exc:
-            worker.reply(Status.ERROR, _remote_error(exc, spec.start, "make"))
+            worker.reply(Status.ERROR, _failure_reply(_remote_error(exc, spec.start, "make")))
             return
         worker.reply(Status.READY, mismatch)
         worker.serve(group)
