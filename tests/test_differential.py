@@ -27,7 +27,7 @@ NUM_ENVS = 5
 WORKERS = [1, 2, NUM_ENVS]  # one worker, a count that does not divide NUM_ENVS, one per env
 STEPS = 300
 MODES = list(AutoresetMode)
-BACKENDS = ["serial", "processes"]
+BACKENDS = ["serial", "threads", "processes"]
 MID_EPISODE_RESETS = {  # step -> (reset mask, seed)
     40: (np.array([True, False, True, False, False]), 1234),
     117: (np.array([False, True, False, False, True]), None),

@@ -26,7 +26,7 @@ from tests.envs import (
 )
 from tests.helpers import assert_same
 
-BACKENDS = ["serial", "processes"]
+BACKENDS = ["serial", "threads", "processes"]
 
 
 def cartpole():
@@ -64,7 +64,7 @@ def test_unknown_backend(backend):
         envfleet.make("CartPole-v1", 2, backend=backend)
 
 
-@pytest.mark.parametrize("backend", ["threads", "ray", "envpool"])
+@pytest.mark.parametrize("backend", ["ray", "envpool"])
 def test_later_backends_not_available_yet(backend):
     with pytest.raises(envfleet.ConfigError, match="not available yet"):
         envfleet.make("CartPole-v1", 2, backend=backend)

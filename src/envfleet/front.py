@@ -50,9 +50,8 @@ __all__ = ["BACKENDS", "FleetVectorEnv", "make"]
 
 logger = logging.getLogger("envfleet")
 
-BACKENDS = ("serial", "processes")
+BACKENDS = ("serial", "threads", "processes")
 _LATER_BACKENDS = {
-    "threads": "the threads backend",
     "ray": "the Ray backend",
     "envpool": "the EnvPool backend",
 }
@@ -133,12 +132,14 @@ def make(
             returning a ``gymnasium.Env``, or a list of such callables (one per env). A factory
             that accepts a keyword ``env_index`` is called with the env's global index.
         num_envs: number of sub-environments; default 1, or ``len(env)`` for a list.
-        backend: ``"serial"`` (in this process) or ``"processes"`` (worker processes over
-            shared memory).
+        backend: ``"serial"`` (in this process), ``"threads"`` (one thread per block of envs
+            in this process; for envs that release the GIL) or ``"processes"`` (worker
+            processes over shared memory).
         num_workers: worker count, ``1 <= num_workers <= num_envs``; envs go to workers in
             contiguous blocks whose sizes differ by at most one. ``processes``: worker
             processes, default usable cores - 1 with the driver stepping a share (see
-            ``driver_envs``); ``serial``: blocks stepped in turn, default 1.
+            ``driver_envs``); ``threads``: threads, default ``min(num_envs, usable
+            cores)``; ``serial``: blocks stepped in turn, default 1.
         batch_size: ``None`` or ``num_envs`` (synchronous). The first-ready pool
             (``batch_size < num_envs``) is not available yet.
         autoreset_mode: a ``gymnasium.vector.AutoresetMode`` (or its string value).
@@ -243,7 +244,9 @@ def make(
         else:
             if driver_envs is not None or spin_s is not None:
                 raise ConfigError("driver_envs and spin_s are options of backend='processes'")
-            ranges = worker_ranges(num_envs, 1 if num_workers is None else num_workers)
+            if num_workers is None:
+                num_workers = min(num_envs, usable_cores()) if backend == "threads" else 1
+            ranges = worker_ranges(num_envs, num_workers)
     except ConfigError:
         first.close()
         raise
@@ -264,6 +267,16 @@ def make(
             driver_spin_s=plan.driver_spin_s,
             worker_spin_s=plan.worker_spin_s,
             ledger=ledger,
+        )
+    elif backend == "threads":
+        from envfleet.backends.threads import ThreadsBackend
+
+        backend_obj = ThreadsBackend(
+            layout,
+            Block(nbytes, shared=False),
+            first_env=first,
+            ledger=ledger,
+            inline_first=step_timeout is None,
         )
     else:
         from envfleet.backends.serial import SerialBackend

@@ -2,146 +2,34 @@
 
 from __future__ import annotations
 
-import logging
-import time
 from collections.abc import Mapping
-from typing import Any, cast
+from typing import Any
 
-import gymnasium
-import numpy as np
-
-from envfleet.backends.base import Backend, WorkerLayout, failure_error, mismatch_error
-from envfleet.buffers import Block, allocate_batch
-from envfleet.envgroup import EnvFailure, EnvGroup, PartialFailure
+from envfleet.backends.inprocess import InProcessBackend
+from envfleet.envgroup import EnvFailure
 from envfleet.protocol import Command
-from envfleet.supervisor import (
-    STATS_WORDS,
-    Ledger,
-    StepTimer,
-    StepTimeStats,
-    merge_events,
-    step_time_table,
-)
 
 __all__ = ["SerialBackend"]
 
-logger = logging.getLogger("envfleet")
 
+class SerialBackend(InProcessBackend):
+    """Runs each worker's EnvGroup in the driver, in worker order, when submitted."""
 
-class SerialBackend(Backend):
-    """Runs each worker's EnvGroup in the driver, in worker order, when submitted.
-
-    Envs are created at construction (as gymnasium's SyncVectorEnv does) and their spaces are
-    checked against ``layout``'s. ``first_env``, when given, is used as env 0 instead of
-    building it again.
-    """
-
-    def __init__(
-        self,
-        layout: WorkerLayout,
-        block: Block,
-        first_env: gymnasium.Env[Any, Any] | None = None,
-        ledger: Ledger | None = None,
-    ):
-        self.ranges = list(layout.ranges)
-        self._closed = False
-        self.ledger = ledger if ledger is not None else Ledger(layout.num_envs, None)
-        self._stats = np.zeros((len(self.ranges), STATS_WORDS))
-        self._timers = [StepTimer(row) for row in self._stats]
-        self.batch = allocate_batch(
-            layout.single_observation_space,
-            layout.single_action_space,
-            layout.num_envs,
-            block,
-        )
-        self.groups: list[EnvGroup] = []
-        try:
-            for start, stop in self.ranges:
-                group = EnvGroup(
-                    layout.bound_fns(start, stop, first_env),
-                    start,
-                    self.batch,
-                    layout.single_observation_space,
-                    layout.single_action_space,
-                    layout.autoreset_mode,
-                )
-                self.groups.append(group)
-                mismatch = group.check_spaces()
-                if mismatch is not None:
-                    raise mismatch_error(mismatch)
-        except EnvFailure as failure:
-            self.close(None, False)
-            raise failure_error(failure) from failure.__cause__
-        except BaseException:
-            self.close(None, False)
-            raise
-        self._results: dict[int, Any] = {}
-        self._failures: dict[int, EnvFailure] = {}
-        self._command = Command.STEP
-
-    def step_times(self) -> tuple[StepTimeStats, ...]:
-        return step_time_table(self._stats)
+    _results: dict[int, Any]
+    _failures: dict[int, EnvFailure]
 
     def submit(self, command: Command, payloads: Mapping[int, Any], step: int) -> None:
         self._results, self._failures, self._command = {}, {}, command
         for w in sorted(payloads):
             try:
-                if command is Command.STEP:
-                    t0 = time.perf_counter()
-                    self._results[w] = self.groups[w].step()
-                    self._timers[w].record(time.perf_counter() - t0)
-                else:
-                    self._results[w] = self.groups[w].run(command, payloads[w])
+                self._results[w] = self.run_group(w, command, payloads[w])
             except EnvFailure as failure:
                 self._failures[w] = failure
 
     def collect(self, timeout: float | None, step: int) -> dict[int, Any]:
         results, failures = self._results, self._failures
         self._results, self._failures = {}, {}
-        if not failures:
-            return results
-        ledger = self.ledger
-        failed = {
-            w: getattr(failure, "failures", [failure]) for w, failure in sorted(failures.items())
-        }
-        ledger.env_errors += sum(map(len, failed.values()))
-        restartable = (
-            ledger.policy is not None
-            and self._command in (Command.STEP, Command.RESET)
-            and all(isinstance(failure, PartialFailure) for failure in failures.values())
-        )
-        if not restartable or not ledger.allow(sum(map(len, failed.values()))):
-            note = "" if ledger.budget is None or not restartable else ledger.budget.describe()
-            first = failures[min(failures)]
-            raise failure_error(first, note) from first.__cause__
-        for w, envs in failed.items():
-            for f in envs:
-                cause = f.__cause__
-                logger.warning(
-                    "sub-environment %d raised in %s (%s: %s); restarting it",
-                    f.env_index,
-                    f.method,
-                    type(cause).__name__,
-                    cause,
-                )
-            indices = [f.env_index for f in envs]
-            request = ledger.restart_request(self.ranges[w][0], indices, self._command, True)
-            try:
-                events = self.groups[w].restart(request)
-            except EnvFailure as failure:
-                self.close(None, False)  # the group is half rebuilt: give up, as processes do
-                raise failure_error(failure) from failure.__cause__
-            for e in indices:
-                ledger.restarted([e])
-            results[w] = merge_events(cast(PartialFailure, failures[w]).events, events)
-        return results
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
+        return self.settle(results, failures)
 
     def close(self, timeout: float | None, terminate: bool) -> None:
-        self._closed = True
-        for group in self.groups:
-            group.close()
-        self.groups = []
+        self._close_groups()

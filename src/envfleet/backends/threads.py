@@ -1,0 +1,181 @@
+"""``backend="threads"``: each EnvGroup runs in its own thread of the driver process.
+
+Threads share the driver's memory, so the batch needs no shared-memory segment and nothing is
+pickled. They pay off for envs that release the GIL while they step (MuJoCo, most native
+simulators, I/O-bound envs) and on free-threaded Python; for pure-Python envs on a standard
+interpreter the GIL lets one thread run at a time and ``serial`` is faster.
+
+Without a ``step_timeout`` the calling thread steps the first group itself while the others
+run. A thread cannot be killed: after a timeout the vector env is closed and a hung thread is
+left behind (a daemon thread, it does not keep the interpreter alive), and restart policies
+rebuild only envs that raised, never hung ones.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import gymnasium
+
+from envfleet.backends.base import WorkerLayout
+from envfleet.backends.inprocess import InProcessBackend
+from envfleet.buffers import Block
+from envfleet.envgroup import EnvFailure
+from envfleet.errors import EnvfleetError, StepTimeoutError
+from envfleet.protocol import Command
+from envfleet.supervisor import Ledger
+
+__all__ = ["DEFAULT_CLOSE_TIMEOUT", "ThreadsBackend"]
+
+logger = logging.getLogger("envfleet")
+
+DEFAULT_CLOSE_TIMEOUT = 5.0  # seconds for the threads to finish before close gives up on them
+
+_IDLE_GRACE = 1.0  # seconds an idle thread gets to see the stop message, even when terminating
+_Reply = tuple[int, Any, "EnvFailure | None"]
+
+
+class ThreadsBackend(InProcessBackend):
+    """One thread per EnvGroup (the calling thread runs group 0 when ``inline_first``).
+
+    Args:
+        layout, block, first_env, ledger: as :class:`InProcessBackend`.
+        inline_first: run group 0 in the calling thread during :meth:`submit` (no timeout
+            can then interrupt it).
+    """
+
+    def __init__(
+        self,
+        layout: WorkerLayout,
+        block: Block,
+        first_env: gymnasium.Env[Any, Any] | None = None,
+        ledger: Ledger | None = None,
+        *,
+        inline_first: bool = True,
+    ):
+        super().__init__(layout, block, first_env, ledger)
+        first_thread = 1 if inline_first else 0
+        self._inboxes: dict[int, queue.SimpleQueue[tuple[Command, Any] | None]] = {}
+        self._replies: queue.SimpleQueue[_Reply] = queue.SimpleQueue()
+        self._threads: dict[int, threading.Thread] = {}
+        for w in range(first_thread, len(self.ranges)):
+            self._inboxes[w] = queue.SimpleQueue()
+            thread = threading.Thread(
+                target=self._serve, args=(w,), name=f"envfleet-thread-{w}", daemon=True
+            )
+            self._threads[w] = thread
+            thread.start()
+        self._pending: list[int] = []
+        self._local: dict[int, Any] = {}
+        self._local_failures: dict[int, EnvFailure] = {}
+
+    @property
+    def num_workers(self) -> int:
+        """Groups, each in its own thread (the calling thread's included)."""
+        return len(self.ranges)
+
+    def _serve(self, w: int) -> None:
+        inbox = self._inboxes[w]
+        while True:
+            item = inbox.get()
+            if item is None:
+                return
+            command, payload = item
+            try:
+                self._replies.put((w, self.run_group(w, command, payload), None))
+            except EnvFailure as failure:
+                self._replies.put((w, None, failure))
+            except Exception as exc:  # a bug outside any env: report it against the group
+                wrapped = EnvFailure(self.ranges[w][0], command.name.lower())
+                wrapped.__cause__ = exc
+                self._replies.put((w, None, wrapped))
+
+    def submit(self, command: Command, payloads: Mapping[int, Any], step: int) -> None:
+        self._command = command
+        self._local, self._local_failures = {}, {}
+        self._pending = [w for w in payloads if w in self._inboxes]
+        for w in self._pending:
+            self._inboxes[w].put((command, payloads[w]))
+        for w in payloads:
+            if w not in self._inboxes:
+                try:
+                    self._local[w] = self.run_group(w, command, payloads[w])
+                except EnvFailure as failure:
+                    self._local_failures[w] = failure
+                except BaseException:
+                    self.close(0, True)  # the threads' replies would be read by the next call
+                    raise
+
+    def collect(self, timeout: float | None, step: int) -> dict[int, Any]:
+        try:
+            results, failures = self._collect(timeout)
+        except EnvfleetError:
+            raise
+        except BaseException:
+            self.close(0, True)
+            raise
+        return self.settle(results, failures)
+
+    def _collect(self, timeout: float | None) -> tuple[dict[int, Any], dict[int, EnvFailure]]:
+        results, failures = self._local, self._local_failures
+        self._local, self._local_failures = {}, {}
+        waiting = set(self._pending)
+        self._pending = []
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while waiting:
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                w, result, failure = self._replies.get(timeout=remaining)
+            except queue.Empty:
+                late = sorted(waiting)
+                envs = [e for w in late for e in range(*self.ranges[w])]
+                self.ledger.timeouts += 1
+                self._pending = late
+                self.close(0, True)
+                raise StepTimeoutError(
+                    f"threads {late} (sub-environments {envs}) did not answer within "
+                    f"{timeout} s; a thread cannot be killed: they were left behind and the "
+                    "vector env closed",
+                    envs,
+                    float(timeout if timeout is not None else 0.0),
+                ) from None
+            waiting.discard(w)
+            if failure is None:
+                results[w] = result
+            else:
+                failures[w] = failure
+        return dict(sorted(results.items())), failures
+
+    def close(self, timeout: float | None, terminate: bool) -> None:
+        """Stop the threads, then close the envs of every group whose thread has stopped.
+
+        A thread still busy after ``timeout`` seconds (default
+        :data:`DEFAULT_CLOSE_TIMEOUT`; at once with ``terminate`` for a thread with a pending
+        call) is left running, with its envs.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        for inbox in self._inboxes.values():
+            inbox.put(None)
+        deadline = time.monotonic() + (DEFAULT_CLOSE_TIMEOUT if timeout is None else timeout)
+        busy = []
+        for w, thread in self._threads.items():
+            remaining = max(0.0, deadline - time.monotonic())
+            if w not in self._pending:
+                thread.join(max(remaining, _IDLE_GRACE))  # idle: it exits at once
+            elif not terminate:
+                thread.join(remaining)
+            if thread.is_alive():
+                busy.append(w)
+        if busy:
+            logger.warning("threads %s are still busy; leaving their envs open", busy)
+        for w, group in enumerate(self.groups):
+            if w not in busy:
+                group.close()
+        self.groups = []
