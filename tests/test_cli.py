@@ -17,7 +17,7 @@ import pytest
 import envfleet
 from envfleet.cli import main
 
-SYSTEMS = ["serial", "processes", "gym-sync", "gym-async"]
+SYSTEMS = ["serial", "threads", "processes", "gym-sync", "gym-async"]
 BASELINES = ["gym-sync", "gym-async"]
 
 
@@ -69,7 +69,9 @@ def test_bench_json_all_systems():
 
 
 def test_bench_table_names_every_system():
-    proc = run("bench", "--num-envs", "2", "--seconds", "0.2", "--backends", "serial,processes")
+    proc = run(
+        "bench", "--num-envs", "2", "--seconds", "0.2", "--backends", "serial,threads,processes"
+    )
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
     assert "CartPole-v1" in out  # the default env id

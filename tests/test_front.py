@@ -93,8 +93,8 @@ def test_unpicklable_factory_for_processes(make_env, snapshot):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("batch_size", [1, 3, 5, 0])
-def test_batch_size_other_than_num_envs(backend, batch_size):
+@pytest.mark.parametrize("batch_size", [5, 0, -1, 2.0, True])
+def test_batch_size_outside_one_to_num_envs(backend, batch_size):
     with pytest.raises(envfleet.ConfigError, match="batch_size"):
         envfleet.make("CartPole-v1", 4, backend=backend, batch_size=batch_size)
 

@@ -34,7 +34,9 @@ __all__ = [
     "check_fixed_size",
     "is_leaf",
     "tree_copy",
+    "tree_scatter",
     "tree_slice",
+    "tree_take",
 ]
 
 ALIGN = 64  # bytes; one cache line, so workers never share a line at a block boundary
@@ -198,3 +200,24 @@ def tree_copy(tree: Any) -> Any:
     if isinstance(tree, tuple):
         return tuple(tree_copy(value) for value in tree)
     raise TypeError(f"cannot copy {type(tree).__name__}")
+
+
+def tree_take(tree: Any, ids: np.ndarray) -> Any:
+    """Rows ``ids`` of every leaf of a batched tree, gathered into new arrays (one copy)."""
+    if isinstance(tree, dict):
+        return {key: tree_take(value, ids) for key, value in tree.items()}
+    if isinstance(tree, tuple):
+        return tuple(tree_take(value, ids) for value in tree)
+    return np.take(tree, ids, axis=0)
+
+
+def tree_scatter(tree: Any, ids: np.ndarray, values: Any) -> None:
+    """Write the rows of ``values`` (a tree shaped like ``tree``) into rows ``ids`` of ``tree``."""
+    if isinstance(tree, dict):
+        for key, value in tree.items():
+            tree_scatter(value, ids, values[key])
+    elif isinstance(tree, tuple):
+        for value, rows in zip(tree, values, strict=True):
+            tree_scatter(value, ids, rows)
+    else:
+        tree[ids] = values

@@ -23,6 +23,7 @@ __all__ = [
     "InvalidActionError",
     "InvalidArgumentError",
     "NoAsyncCallError",
+    "PoolStateError",
     "RemoteTraceback",
     "ResetNeededError",
     "SpaceMismatchError",
@@ -181,3 +182,21 @@ class NoAsyncCallError(EnvfleetError, gymnasium.error.NoAsyncCallError):
 
 class ClosedEnvironmentError(EnvfleetError, gymnasium.error.ClosedEnvironmentError):
     """A call on a vector env that was closed (gymnasium's semantics)."""
+
+
+class PoolStateError(EnvfleetError):
+    """A call that does not fit the first-ready pool's state; nothing was sent.
+
+    Raised by ``send`` for an env that is not awaiting an action (still running, its result
+    not received yet, or already sent one), by ``recv`` when fewer than ``batch_size`` envs
+    are running or ready, by ``send``/``recv`` before ``async_reset``, and by ``step``,
+    ``reset`` and the other synchronous calls while pool envs are in flight, or on a pool
+    (``batch_size < num_envs``), which only ``async_reset``/``send``/``recv`` drive.
+
+    Attributes:
+        env_indices: the envs concerned, where there are some.
+    """
+
+    def __init__(self, message: str, env_indices: Sequence[int] = ()):
+        super().__init__(message)
+        self.env_indices = list(env_indices)

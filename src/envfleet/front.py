@@ -8,11 +8,13 @@ each env's info through ``gymnasium.vector.VectorEnv._add_info`` in env order.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import multiprocessing
 import numbers
 import os
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -23,7 +25,7 @@ import numpy as np
 import psutil
 from gymnasium.vector import AutoresetMode, VectorEnv
 from gymnasium.vector.async_vector_env import AsyncState
-from gymnasium.vector.utils import batch_space
+from gymnasium.vector.utils import batch_space, create_empty_array
 
 from envfleet.backends.base import (
     Backend,
@@ -33,14 +35,25 @@ from envfleet.backends.base import (
     env_error,
     worker_ranges,
 )
-from envfleet.buffers import Block, batch_nbytes, check_fixed_size, is_leaf, tree_copy
+from envfleet.buffers import (
+    Block,
+    batch_nbytes,
+    check_fixed_size,
+    is_leaf,
+    tree_copy,
+    tree_scatter,
+    tree_slice,
+    tree_take,
+)
 from envfleet.errors import (
     AlreadyPendingCallError,
     ClosedEnvironmentError,
     ConfigError,
+    EnvError,
     InvalidActionError,
     InvalidArgumentError,
     NoAsyncCallError,
+    PoolStateError,
     ResetNeededError,
 )
 from envfleet.protocol import CallRequest, Command, InfoEvent, ResetRequest, SetAttrRequest
@@ -140,8 +153,14 @@ def make(
             processes, default usable cores - 1 with the driver stepping a share (see
             ``driver_envs``); ``threads``: threads, default ``min(num_envs, usable
             cores)``; ``serial``: blocks stepped in turn, default 1.
-        batch_size: ``None`` or ``num_envs`` (synchronous). The first-ready pool
-            (``batch_size < num_envs``) is not available yet.
+        batch_size: ``None`` or ``num_envs``: synchronous. ``1 <= batch_size < num_envs``: a
+            first-ready pool, EnvPool's asynchronous interface: :meth:`~FleetVectorEnv.
+            async_reset`, :meth:`~FleetVectorEnv.send` and :meth:`~FleetVectorEnv.recv`, which
+            returns the first ``batch_size`` envs to finish, with ``info["env_id"]``. A worker
+            hands its envs back together, so by default a pool puts one env in each worker
+            (``processes``) or thread (``threads``): a slow env then holds up no other.
+            Fewer workers (``num_workers``) cost fewer processes, but each env waits for the
+            others of its block.
         autoreset_mode: a ``gymnasium.vector.AutoresetMode`` (or its string value).
         env_kwargs: keyword arguments for ``gymnasium.make``; only with a gymnasium id.
         step_timeout: seconds any step, reset or call may take before the workers still busy
@@ -192,11 +211,13 @@ def make(
         raise ConfigError(f"got {len(env_fns)} env factories for num_envs={num_envs}")
     if num_workers is not None and not _is_int(num_workers, 1, num_envs):
         raise ConfigError(f"num_workers must be an integer in [1, {num_envs}], got {num_workers!r}")
-    if batch_size is not None and batch_size != num_envs:
-        raise ConfigError(
-            f"batch_size={batch_size!r}: only None or num_envs ({num_envs}) is supported so far; "
-            "the first-ready pool (batch_size < num_envs) is not available yet"
-        )
+    if batch_size is not None and not _is_int(batch_size, 1, num_envs):
+        raise ConfigError(f"batch_size must be None or an integer in [1, {num_envs}]")
+    pool = batch_size is not None and batch_size < num_envs
+    if pool and restart_policy is not None:
+        raise ConfigError("restart_policy is not available with a first-ready pool yet")
+    if pool and num_workers is None:
+        num_workers = num_envs  # one env per worker: each env is handed back when it finishes
     try:
         mode = (
             autoreset_mode
@@ -205,6 +226,11 @@ def make(
         )
     except ValueError as exc:
         raise ConfigError(f"unknown autoreset_mode {autoreset_mode!r}") from exc
+    if pool and mode is AutoresetMode.DISABLED:
+        raise ConfigError(
+            "a first-ready pool autoresets its envs (NEXT_STEP or SAME_STEP); DISABLED would "
+            "need per-env resets, which EnvPool's interface does not have"
+        )
     if step_timeout is not None and not (
         isinstance(step_timeout, numbers.Real) and step_timeout > 0
     ):
@@ -231,6 +257,8 @@ def make(
         check_fixed_size(obs_space, "observation")
         check_fixed_size(act_space, "action")
         if backend == "processes":
+            if pool and driver_envs:
+                raise ConfigError("a first-ready pool steps every env in a worker (driver_envs=0)")
             if step_timeout is not None or restart_policy is not None:
                 # Only a worker can be stopped, or rebuilt after a crash: every env goes in one.
                 if driver_envs:
@@ -267,6 +295,7 @@ def make(
             driver_spin_s=plan.driver_spin_s,
             worker_spin_s=plan.worker_spin_s,
             ledger=ledger,
+            pool=pool,
         )
     elif backend == "threads":
         from envfleet.backends.threads import ThreadsBackend
@@ -276,7 +305,7 @@ def make(
             Block(nbytes, shared=False),
             first_env=first,
             ledger=ledger,
-            inline_first=step_timeout is None,
+            inline_first=step_timeout is None and not pool,
         )
     else:
         from envfleet.backends.serial import SerialBackend
@@ -294,6 +323,7 @@ def make(
         autoreset_mode=mode,
         step_timeout=None if step_timeout is None else float(step_timeout),
         copy=copy,
+        batch_size=num_envs if batch_size is None else int(batch_size),
     )
 
 
@@ -437,6 +467,22 @@ def _build(fn: Callable[[], gymnasium.Env[Any, Any]], env_index: int) -> gymnasi
     return env
 
 
+_IDLE, _RUNNING, _READY = 0, 1, 2  # the first-ready pool's env states
+
+
+class _BatchInfos:
+    """Runs gymnasium's ``VectorEnv._add_info`` for a batch of ``num_envs`` rows (a pool's
+    ``batch_size``), so a pool's infos follow gymnasium's convention exactly."""
+
+    def __init__(self, num_envs: int):
+        self.num_envs = num_envs
+
+    def _add_info(
+        self, vector_infos: dict[str, Any], env_info: dict[str, Any], env_num: int
+    ) -> dict[str, Any]:
+        return VectorEnv._add_info(self, vector_infos, env_info, env_num)  # type: ignore[arg-type]
+
+
 class FleetVectorEnv(VectorEnv[Any, Any, np.ndarray]):
     """A ``gymnasium.vector.VectorEnv`` over an envfleet backend; build it with :func:`make`.
 
@@ -459,6 +505,7 @@ class FleetVectorEnv(VectorEnv[Any, Any, np.ndarray]):
         autoreset_mode: AutoresetMode,
         step_timeout: float | None,
         copy: bool,
+        batch_size: int | None = None,
     ):
         self._backend = backend
         self.backend = backend_name
@@ -480,6 +527,235 @@ class FleetVectorEnv(VectorEnv[Any, Any, np.ndarray]):
         self._needs_reset = np.zeros(self.num_envs, dtype=np.bool_)
         self._steps = 0
         self.closed = False
+        # The first-ready pool: per env, idle (awaiting an action), running or ready (its
+        # result waits for recv); ready envs queue in the order they finished.
+        self.batch_size = self.num_envs if batch_size is None else batch_size
+        self.is_pool = self.batch_size < self.num_envs
+        self._env_state = np.zeros(self.num_envs, dtype=np.int8)
+        self._has_action = np.zeros(self.num_envs, dtype=np.bool_)
+        self._ready: collections.deque[int] = collections.deque()
+        self._ready_infos: dict[int, list[dict[str, Any]]] = {}
+        self._pool_started = False
+        self._group_of = np.repeat(
+            np.arange(len(backend.ranges)), [stop - start for start, stop in backend.ranges]
+        )
+
+    # -- first-ready pool (EnvPool's asynchronous interface) ---------------------------------
+
+    def async_reset(self, seed: int | Sequence[int | None] | None = None) -> None:
+        """Reset every env without waiting; :meth:`recv` returns them as they finish (EnvPool's
+        ``async_reset``). Results of envs that finished but were not received are dropped.
+
+        Args:
+            seed: ``None``, an int (env i gets ``seed + i``) or one seed per env.
+
+        Raises:
+            PoolStateError: envs are still running (recv them first), or a synchronous call
+                is pending.
+            InvalidArgumentError: bad seeds.
+        """
+        self._assert_pool_idle("async_reset")
+        running = np.flatnonzero(self._env_state == _RUNNING).tolist()
+        if running:
+            raise PoolStateError(
+                f"sub-environments {running} are still running; recv() their results before "
+                "async_reset()",
+                running,
+            )
+        seeds = self._seeds(seed)
+        payloads = {}
+        for w, (start, stop) in enumerate(self._backend.ranges):
+            payloads[w] = ResetRequest(seeds[start:stop], None, None)
+            self._backend.ledger.note_seeds(start, seeds[start:stop], None)
+        self._ready.clear()
+        self._ready_infos.clear()
+        self._has_action[:] = False
+        self._submit(Command.RESET, payloads)
+        self._env_state[:] = _RUNNING
+        self._pool_started = True
+
+    def send(self, actions: Any, env_ids: Any = None) -> None:
+        """Send actions to some envs without waiting (EnvPool's ``send``).
+
+        Args:
+            actions: batched actions for ``env_ids``: ``[len(env_ids), *shape]`` per leaf of the
+                action space, converted to its dtype (same-kind casting).
+            env_ids: distinct env indices (int array-like); ``None``: every env, as EnvPool.
+                Each must be awaiting an action: returned by :meth:`recv` and not yet sent one.
+                A worker steps once every env it holds has its action.
+
+        Raises:
+            InvalidArgumentError: an unknown or repeated env id, or no env id.
+            InvalidActionError: actions of the wrong structure, shape or dtype.
+            PoolStateError: an env not awaiting an action, no :meth:`async_reset` yet, or a
+                synchronous call pending. Nothing is sent when anything is wrong.
+        """
+        self._assert_pool_idle("send")
+        if not self._pool_started:
+            raise PoolStateError("call async_reset() before send()")
+        ids = self._env_ids(env_ids)
+        state = self._env_state[ids]
+        if state.any() or self._has_action[ids].any():
+            bad = [int(e) for e in ids[(state != 0) | self._has_action[ids]]]
+            e = bad[0]
+            why = (
+                "is still running"
+                if self._env_state[e] == _RUNNING
+                else "has a result not received yet (recv() it first)"
+                if self._env_state[e] == _READY
+                else "was already sent an action"
+            )
+            raise PoolStateError(
+                f"sub-environments {bad} are not awaiting an action: sub-environment {e} {why}",
+                bad,
+            )
+        n = len(ids)
+        if (
+            self._action_leaf
+            and type(actions) is np.ndarray
+            and actions.shape == (n, *self._backend.batch.actions.shape[1:])
+            and actions.dtype == self._backend.batch.actions.dtype
+        ):
+            self._backend.batch.actions[ids] = actions
+        else:
+            staged = create_empty_array(self.single_action_space, n)
+            writes: list[tuple[np.ndarray, np.ndarray]] = []
+            _check_actions(self.single_action_space, staged, actions, "actions", writes)
+            for target, value in writes:
+                target[...] = value
+            tree_scatter(self._backend.batch.actions, ids, staged)
+        self._has_action[ids] = True
+        payloads: dict[int, Any] = {}
+        for w in np.unique(self._group_of[ids]).tolist():
+            start, stop = self._backend.ranges[w]
+            if self._has_action[start:stop].all():
+                payloads[w] = None
+        if payloads:
+            self._submit(Command.STEP, payloads)
+            for w in payloads:
+                start, stop = self._backend.ranges[w]
+                self._env_state[start:stop] = _RUNNING
+                self._has_action[start:stop] = False
+
+    def recv(
+        self, timeout: float | None = None
+    ) -> tuple[Any, np.ndarray, np.ndarray, np.ndarray, dict[str, Any]]:
+        """The results of the first ``batch_size`` envs to finish (EnvPool's ``recv``).
+
+        Envs come in the order they finished (a worker's envs in index order). Each returned
+        env then awaits its next action.
+
+        Args:
+            timeout: seconds to wait (default ``step_timeout``; ``None``: no bound).
+
+        Returns:
+            (observations ``[batch_size, *shape]``, rewards ``float64[batch_size]``,
+            terminations ``bool[batch_size]``, truncations ``bool[batch_size]``, infos): infos
+            in gymnasium's convention over the batch, plus ``info["env_id"]``
+            (``int32[batch_size]``), as EnvPool. Observations are one gather copy; with
+            ``copy=False`` and envs that form one ascending run they are views of the shared
+            buffer, valid until the next call.
+
+        Raises:
+            PoolStateError: fewer than ``batch_size`` envs running or ready, or no
+                :meth:`async_reset` yet.
+            EnvError: an env raised; its block of envs awaits actions again, results of other
+                envs that finished are kept for the next :meth:`recv`.
+            EnvCrashedError, StepTimeoutError: a worker died, or nothing finished in time;
+                the vector env is closed.
+        """
+        self._assert_pool_idle("recv")
+        if not self._pool_started:
+            raise PoolStateError("call async_reset() before recv()")
+        need = self.batch_size
+        in_flight = len(self._ready) + int(np.count_nonzero(self._env_state == _RUNNING))
+        if in_flight < need:
+            raise PoolStateError(
+                f"recv() returns {need} envs but only {in_flight} are running or ready; "
+                "send() actions to more envs first"
+            )
+        if timeout is None:
+            timeout = self.step_timeout
+        deadline = None if timeout is None else time.monotonic() + timeout
+        ranges = self._backend.ranges
+        while len(self._ready) < need:
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                results = self._backend.collect_ready(remaining, self._steps)
+            except EnvError as exc:
+                w = int(self._group_of[exc.env_index])
+                self._env_state[ranges[w][0] : ranges[w][1]] = _IDLE
+                raise
+            except BaseException:
+                self.closed = self._backend.closed
+                raise
+            for w in sorted(results):
+                start, stop = ranges[w]
+                self._env_state[start:stop] = _READY
+                self._ready.extend(range(start, stop))
+                for index, info in results[w] or ():
+                    self._ready_infos.setdefault(index, []).append(info)
+        ids = np.array([self._ready.popleft() for _ in range(need)], dtype=np.int32)
+        self._env_state[ids] = _IDLE
+        self._steps += 1
+        batch = self._backend.batch
+        run = ids[0] + need - 1 == ids[-1] and bool(np.all(np.diff(ids) == 1))
+        if run and not self.copy:
+            rows = slice(int(ids[0]), int(ids[0]) + need)
+            obs = tree_slice(batch.observations, rows.start, rows.stop)
+        else:
+            obs = tree_take(batch.observations, ids)
+        infos: dict[str, Any] = {}
+        adder = _BatchInfos(need)
+        for k, e in enumerate(ids.tolist()):
+            for info in self._ready_infos.pop(e, ()):
+                infos = adder._add_info(infos, info, k)
+        infos["env_id"] = ids
+        return obs, batch.rewards[ids], batch.terminations[ids], batch.truncations[ids], infos
+
+    def _assert_pool_idle(self, name: str) -> None:
+        self._assert_running()
+        if self._state is not AsyncState.DEFAULT:
+            raise PoolStateError(
+                f"calling `{name}` while a call to `{self._state.value}` is pending"
+            )
+
+    def _assert_no_pool(self, name: str) -> None:
+        if self.is_pool:
+            raise PoolStateError(
+                f"`{name}` is not available on a first-ready pool (batch_size="
+                f"{self.batch_size} < num_envs={self.num_envs}); use async_reset(), send() "
+                "and recv()"
+            )
+        busy = np.flatnonzero(self._env_state == _RUNNING).tolist()
+        if busy:
+            raise PoolStateError(
+                f"calling `{name}` while sub-environments {busy} run after send(); recv() "
+                "their results first",
+                busy,
+            )
+
+    def _env_ids(self, env_ids: Any) -> np.ndarray:
+        if env_ids is None:
+            return np.arange(self.num_envs)
+        ids = np.asarray(env_ids)
+        if ids.ndim == 0:
+            ids = ids.reshape(1)
+        if ids.ndim != 1 or not (ids.size == 0 or np.issubdtype(ids.dtype, np.integer)):
+            raise InvalidArgumentError(
+                f"env_ids must be a 1-D sequence of integers, got {env_ids!r}"
+            )
+        if ids.size == 0:
+            raise InvalidArgumentError("env_ids is empty")
+        unknown = ids[(ids < 0) | (ids >= self.num_envs)]
+        if unknown.size:
+            raise InvalidArgumentError(
+                f"unknown env ids {unknown.tolist()}: env ids are 0..{self.num_envs - 1}"
+            )
+        values, counts = np.unique(ids, return_counts=True)
+        if (counts > 1).any():
+            raise InvalidArgumentError(f"repeated env ids {values[counts > 1].tolist()}")
+        return ids.astype(np.intp)
 
     # -- reset -----------------------------------------------------------------------------
 
@@ -720,7 +996,21 @@ class FleetVectorEnv(VectorEnv[Any, Any, np.ndarray]):
             except Exception:  # the vector env is going away; the pending result is dropped
                 terminate = True
         self._state = AsyncState.DEFAULT
+        if (self._env_state == _RUNNING).any() and not terminate:
+            # Envs sent actions in a pool and not received: let them finish, then close.
+            try:
+                self._backend.collect(timeout if timeout is not None else 5.0, self._steps)
+            except Exception:  # the vector env is going away; their results are dropped
+                terminate = True
+        self._env_state[:] = _IDLE
         self._backend.close(timeout, terminate)
+
+    def __enter__(self) -> FleetVectorEnv:
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        """Close on leaving a ``with`` block (terminating the workers if it raised)."""
+        self.close(terminate=exc_info[0] is not None)
 
     def __del__(self) -> None:
         if not getattr(self, "closed", True) and hasattr(self, "_backend"):
@@ -743,6 +1033,8 @@ class FleetVectorEnv(VectorEnv[Any, Any, np.ndarray]):
 
     def _assert_idle(self, name: str) -> None:
         self._assert_running()
+        if name in ("reset_async", "step_async") or self._env_state.any():
+            self._assert_no_pool(name)
         if self._state is not AsyncState.DEFAULT:
             raise AlreadyPendingCallError(
                 f"Calling `{name}` while waiting for a pending call to "

@@ -163,6 +163,14 @@ class Backend(abc.ABC):
             StepTimeoutError: ``timeout`` (seconds) expired; the backend is shut down.
         """
 
+    def collect_ready(self, timeout: float | None, step: int) -> dict[int, Any]:
+        """First-ready pool: wait until at least one submitted worker is done and return the
+        results of every worker done by then. Workers may be submitted to while others run.
+
+        Raises: as :meth:`collect`.
+        """
+        return self.collect(timeout, step)
+
     @abc.abstractmethod
     def step_times(self) -> tuple[StepTimeStats, ...]:
         """Per worker, the step-time statistics so far (no round trip to the workers)."""

@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["BLOCK_SLICE_S", "SEM_SLOT", "Doorbell", "SpinBudget"]
+__all__ = ["BLOCK_SLICE_S", "SEM_SLOT", "Doorbell", "SpinBudget", "shared_semaphore"]
 
 BLOCK_SLICE_S = 0.02  # seconds a blocked waiter sleeps before checking liveness again
 _yield: Callable[[], None] = getattr(os, "sched_yield", lambda: None)
@@ -125,6 +125,18 @@ class _SharedSem:
         return bool(self._timedwait(self.ptr, ctypes.byref(ts)) == 0)
 
 
+def shared_semaphore(ctx: Any, region: Any, offset: int) -> Any:
+    """A semaphore (value 0) for processes of ``ctx``: an unnamed POSIX one at ``offset`` bytes
+    into the shared ``region`` (:data:`SEM_SLOT` bytes) where the platform has them, else a
+    ``multiprocessing`` semaphore."""
+    if _libc is not None:
+        try:
+            return _SharedSem(region, offset)
+        except OSError:
+            pass  # no process-shared unnamed semaphores here
+    return ctx.Semaphore(0)
+
+
 class Doorbell:
     """Request and completion signals for one worker.
 
@@ -137,17 +149,8 @@ class Doorbell:
     """
 
     def __init__(self, ctx: Any, region: Any, offset: int):
-        self.request: Any
-        self.done: Any
-        if _libc is not None:
-            try:
-                self.request = _SharedSem(region, offset)
-                self.done = _SharedSem(region, offset + SEM_SLOT)
-                return
-            except OSError:
-                pass  # no process-shared unnamed semaphores here
-        self.request = ctx.Semaphore(0)
-        self.done = ctx.Semaphore(0)
+        self.request = shared_semaphore(ctx, region, offset)
+        self.done = shared_semaphore(ctx, region, offset + SEM_SLOT)
 
     def ring_request(self) -> None:
         self.request.release()

@@ -53,6 +53,7 @@ class InProcessBackend(Backend):
         self._stats = np.zeros((len(self.ranges), STATS_WORDS))
         self._timers = [StepTimer(row) for row in self._stats]
         self._command = Command.STEP
+        self._kept: dict[int, Any] = {}  # pool results held back by an error (ready_results)
         self.batch = allocate_batch(
             layout.single_observation_space,
             layout.single_action_space,
@@ -140,6 +141,20 @@ class InProcessBackend(Backend):
             for e in indices:
                 ledger.restarted([e])
             results[w] = merge_events(cast(PartialFailure, failures[w]).events, events)
+        return results
+
+    def ready_results(
+        self, results: dict[int, Any], failures: dict[int, EnvFailure]
+    ) -> dict[int, Any]:
+        """For a first-ready pool: ``results`` plus any kept from an earlier call; when an env
+        failed, keep them for the next call and raise the first failure."""
+        results = {**self._kept, **results}
+        self._kept = {}
+        if failures:
+            self.ledger.env_errors += len(failures)
+            self._kept = results
+            first = failures[min(failures)]
+            raise failure_error(first) from first.__cause__
         return results
 
     def _close_groups(self) -> None:

@@ -50,7 +50,7 @@ from envfleet.backends.base import (
     failure_error,
     mismatch_error,
 )
-from envfleet.backends.doorbell import SEM_SLOT, Doorbell, SpinBudget
+from envfleet.backends.doorbell import SEM_SLOT, Doorbell, SpinBudget, shared_semaphore
 from envfleet.buffers import Block, allocate_batch
 from envfleet.envgroup import EnvFailure, EnvGroup, PartialFailure
 from envfleet.errors import (
@@ -109,6 +109,7 @@ class _WorkerSpec:
     control: Any  # the control region: RawArray of _GROUP_BYTES bytes per group
     stats: Any  # step-time statistics: RawArray of STATS_WORDS doubles per group
     doorbell: Doorbell
+    any_done: Any  # first-ready pool: posted after every reply, whichever worker's; else None
     spin_s: float
     parent_pid: int
     start_method: str
@@ -128,6 +129,8 @@ class ProcessesBackend(Backend):
             driver and in each worker (0: always block); the budget adapts to the waits seen.
         ledger: the supervisor's record; with a restart policy, failed envs and dead or hung
             workers are rebuilt (the driver's own block must then be empty).
+        pool: serve a first-ready pool: workers may be sent commands while others run, and
+            :meth:`collect_ready` returns whichever finish first (no driver block then).
 
     Raises:
         EnvError: a factory raised while building an env (``method == "make"``).
@@ -147,6 +150,7 @@ class ProcessesBackend(Backend):
         driver_spin_s: float = DEFAULT_SPIN_S,
         worker_spin_s: float = DEFAULT_SPIN_S,
         ledger: Ledger | None = None,
+        pool: bool = False,
     ):
         self.ranges = list(layout.ranges)
         self.ledger = ledger if ledger is not None else Ledger(layout.num_envs, None)
@@ -168,6 +172,13 @@ class ProcessesBackend(Backend):
         )
         self._stats = _stats_rows(self._stats_raw)
         self._local_timer = StepTimer(self._stats[0])
+        self._kept: dict[int, Any] = {}  # pool replies held back by an env error
+        self._any_raw: Any = None
+        self._any_done: Any = None
+        if pool:
+            assert not driver_group, "a first-ready pool has every env in a worker"
+            self._any_raw = multiprocessing.sharedctypes.RawArray(ctypes.c_uint8, SEM_SLOT)
+            self._any_done = shared_semaphore(self._ctx, self._any_raw, 0)
         self._command = Command.STEP
         self._local: EnvGroup | None = None
         self._local_result: Any = None
@@ -176,6 +187,7 @@ class ProcessesBackend(Backend):
         self._conns: list[Connection | None] = [None] * groups
         self._doorbells: list[Doorbell | None] = [None] * groups
         self._budgets = [SpinBudget(driver_spin_s) for _ in range(groups)]
+        self._any_budget = SpinBudget(driver_spin_s)
         self._remote = list(range(1 if driver_group else 0, groups))
         self._pending: list[int] = []
         self._closed = False
@@ -239,6 +251,7 @@ class ProcessesBackend(Backend):
             control=self._control_raw,
             stats=self._stats_raw,
             doorbell=doorbell,
+            any_done=self._any_done,
             spin_s=self._worker_spin_s,
             parent_pid=os.getpid(),
             start_method=self._ctx.get_start_method(),
@@ -300,7 +313,7 @@ class ProcessesBackend(Backend):
                 except OSError:  # the worker died since its last reply
                     self._pending = []
                     self._raise_crashed(g, step)
-        self._pending = sorted(remote)
+        self._pending = sorted(set(self._pending).union(remote))  # a pool adds to those running
         self._local_result, self._local_failure = None, None
         if self._local is not None and 0 in payloads:
             # The driver's own block, stepped while the workers step theirs.
@@ -327,6 +340,56 @@ class ProcessesBackend(Backend):
             results[0] = local_result
         return results
 
+    def collect_ready(self, timeout: float | None, step: int) -> dict[int, Any]:
+        """First-ready pool: wait until at least one pending worker has replied; return the
+        replies of every worker done by then (worker index -> result).
+
+        Raises:
+            EnvError: an env raised (the other replies read so far are dropped with it).
+            EnvCrashedError: a pending worker died; the backend is shut down.
+            StepTimeoutError: no worker replied within ``timeout`` seconds; shut down.
+        """
+        try:
+            return self._collect_ready(timeout, step)
+        except EnvfleetError:
+            raise
+        except BaseException:
+            self.close(timeout=0, terminate=True)
+            raise
+
+    def _collect_ready(self, timeout: float | None, step: int) -> dict[int, Any]:
+        assert self._any_done is not None, "collect_ready needs a backend made with pool=True"
+        if self._kept:
+            kept, self._kept = self._kept, {}
+            return kept
+        deadline = None if timeout is None else time.monotonic() + timeout
+        procs, doorbells = self._procs, self._doorbells
+
+        def alive() -> bool:
+            return all(procs[g].is_alive() for g in self._pending)
+
+        while True:
+            # A token per reply; a reply may be found before its token is taken (then a later
+            # wait wakes with nothing new, and waits again).
+            if not Doorbell.wait(self._any_done, self._any_budget, deadline, alive):
+                for g in self._pending:
+                    if not procs[g].is_alive():
+                        self._raise_crashed(g, step)
+                self.ledger.timeouts += 1
+                self._raise_timeout(list(self._pending), cast(float, timeout))
+            ready = [g for g in self._pending if cast(Doorbell, doorbells[g]).done.acquire(False)]
+            if not ready:
+                continue
+            self._pending = [g for g in self._pending if g not in ready]
+            done = self._read_replies(ready, step, fail_fast=True)
+            if done.failures:
+                # The other replies are kept for the next call: nothing finished is lost.
+                self._kept.update(done.results)
+                self.ledger.env_errors += sum(len(f.errors) for f in done.failures.values())
+                g = min(done.failures)
+                raise _remote_env_error(done.failures[g].errors[0], g, "")
+            return done.results
+
     def _collect_remote(self, timeout: float | None, step: int, fail_fast: bool) -> _Round:
         """Wait for every pending worker and read its reply.
 
@@ -338,7 +401,6 @@ class ProcessesBackend(Backend):
         self._pending = []
         deadline = None if timeout is None else time.monotonic() + timeout
         done = _Round()
-        control = self._control
         for g in pending:
             proc = self._procs[g]
             doorbell = cast(Doorbell, self._doorbells[g])
@@ -350,25 +412,36 @@ class ProcessesBackend(Backend):
                 else:
                     done.late.append(g)
                 continue
-            status = control[g, _STATUS]
-            payload = None
-            if control[g, _REPLY_PAYLOAD]:
-                try:
-                    payload = pickle.loads(cast(Connection, self._conns[g]).recv_bytes())
-                except (EOFError, OSError):
-                    done.crashed.append(g)
-                    if fail_fast:
-                        self._raise_crashed(g, step)
-                    continue
-            if status == Status.ERROR:
-                done.failures[g] = cast(Failure, payload)
-            else:
-                done.results[g] = payload
+            self._read_reply(g, done, step, fail_fast)
         if done.late:
             self.ledger.timeouts += 1
             if fail_fast:
                 self._raise_timeout(done.late, cast(float, timeout))
         return done
+
+    def _read_replies(self, groups: list[int], step: int, fail_fast: bool) -> _Round:
+        done = _Round()
+        for g in groups:
+            self._read_reply(g, done, step, fail_fast)
+        return done
+
+    def _read_reply(self, g: int, done: _Round, step: int, fail_fast: bool) -> None:
+        """Read the reply of worker ``g``, whose done semaphore was just taken, into ``done``."""
+        control = self._control
+        status = control[g, _STATUS]
+        payload = None
+        if control[g, _REPLY_PAYLOAD]:
+            try:
+                payload = pickle.loads(cast(Connection, self._conns[g]).recv_bytes())
+            except (EOFError, OSError):
+                done.crashed.append(g)
+                if fail_fast:
+                    self._raise_crashed(g, step)
+                return
+        if status == Status.ERROR:
+            done.failures[g] = cast(Failure, payload)
+        else:
+            done.results[g] = payload
 
     def _settle(self, done: _Round, timeout: float | None, step: int) -> dict[int, Any]:
         """Rebuild what failed when the restart policy allows it, else raise the typed error.
@@ -630,11 +703,16 @@ class _Worker:
         # Between commands nothing is due on the pipe: readable means end-of-file.
         return not self.conn.poll()
 
+    def ring_done(self) -> None:
+        self.doorbell.ring_done()
+        if self.spec.any_done is not None:
+            self.spec.any_done.release()
+
     def reply(self, status: Status, payload: Any) -> None:
         self.control[_STATUS] = status
         if payload is None:
             self.control[_REPLY_PAYLOAD] = 0
-            self.doorbell.ring_done()
+            self.ring_done()
             return
         try:
             blob = pickle.dumps(payload, pickle.HIGHEST_PROTOCOL)
@@ -646,7 +724,7 @@ class _Worker:
                 pickle.HIGHEST_PROTOCOL,
             )
         self.control[_REPLY_PAYLOAD] = 1
-        self.doorbell.ring_done()  # before sending: a large payload must not block the ring
+        self.ring_done()  # before sending: a large payload must not block the ring
         self.conn.send_bytes(blob)
 
     def serve(self, group: EnvGroup) -> None:

@@ -15,11 +15,13 @@ __all__ = ["SerialBackend"]
 class SerialBackend(InProcessBackend):
     """Runs each worker's EnvGroup in the driver, in worker order, when submitted."""
 
-    _results: dict[int, Any]
-    _failures: dict[int, EnvFailure]
+    _results: dict[int, Any] = {}  # noqa: RUF012  (replaced per instance)
+    _failures: dict[int, EnvFailure] = {}  # noqa: RUF012
 
     def submit(self, command: Command, payloads: Mapping[int, Any], step: int) -> None:
-        self._results, self._failures, self._command = {}, {}, command
+        # Added to the results not yet collected: a first-ready pool submits several times.
+        self._results, self._failures = dict(self._results), dict(self._failures)
+        self._command = command
         for w in sorted(payloads):
             try:
                 self._results[w] = self.run_group(w, command, payloads[w])
@@ -30,6 +32,11 @@ class SerialBackend(InProcessBackend):
         results, failures = self._results, self._failures
         self._results, self._failures = {}, {}
         return self.settle(results, failures)
+
+    def collect_ready(self, timeout: float | None, step: int) -> dict[int, Any]:
+        results, failures = self._results, self._failures
+        self._results, self._failures = {}, {}
+        return self.ready_results(results, failures)
 
     def close(self, timeout: float | None, terminate: bool) -> None:
         self._close_groups()

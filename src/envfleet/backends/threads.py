@@ -97,9 +97,9 @@ class ThreadsBackend(InProcessBackend):
 
     def submit(self, command: Command, payloads: Mapping[int, Any], step: int) -> None:
         self._command = command
-        self._local, self._local_failures = {}, {}
-        self._pending = [w for w in payloads if w in self._inboxes]
-        for w in self._pending:
+        threaded = [w for w in payloads if w in self._inboxes]
+        self._pending += threaded  # a first-ready pool submits while others run
+        for w in threaded:
             self._inboxes[w].put((command, payloads[w]))
         for w in payloads:
             if w not in self._inboxes:
@@ -121,17 +121,37 @@ class ThreadsBackend(InProcessBackend):
             raise
         return self.settle(results, failures)
 
-    def _collect(self, timeout: float | None) -> tuple[dict[int, Any], dict[int, EnvFailure]]:
+    def collect_ready(self, timeout: float | None, step: int) -> dict[int, Any]:
+        if self._kept:
+            return self.ready_results({}, {})
+        try:
+            results, failures = self._collect(timeout, ready_only=True)
+        except EnvfleetError:
+            raise
+        except BaseException:
+            self.close(0, True)
+            raise
+        return self.ready_results(results, failures)
+
+    def _collect(
+        self, timeout: float | None, ready_only: bool = False
+    ) -> tuple[dict[int, Any], dict[int, EnvFailure]]:
+        """Replies of every pending thread, or with ``ready_only`` of those done once at least
+        one is (or the calling thread ran one)."""
         results, failures = self._local, self._local_failures
         self._local, self._local_failures = {}, {}
         waiting = set(self._pending)
-        self._pending = []
         deadline = None if timeout is None else time.monotonic() + timeout
         while waiting:
-            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if ready_only and (results or failures):
+                remaining: float | None = 0.0
+            else:
+                remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
             try:
                 w, result, failure = self._replies.get(timeout=remaining)
             except queue.Empty:
+                if ready_only and (results or failures):
+                    break
                 late = sorted(waiting)
                 envs = [e for w in late for e in range(*self.ranges[w])]
                 self.ledger.timeouts += 1
@@ -145,6 +165,7 @@ class ThreadsBackend(InProcessBackend):
                     float(timeout if timeout is not None else 0.0),
                 ) from None
             waiting.discard(w)
+            self._pending.remove(w)
             if failure is None:
                 results[w] = result
             else:
