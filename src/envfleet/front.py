@@ -721,18 +721,25 @@ class FleetVectorEnv(VectorEnv[Any, Any, np.ndarray]):
             )
 
     def _assert_no_pool(self, name: str) -> None:
-        if self.is_pool:
+        """Refuse a synchronous call that does not fit the pool's state (see PoolStateError)."""
+        stepping = name in ("reset_async", "step_async")
+        if stepping and self.is_pool:
             raise PoolStateError(
                 f"`{name}` is not available on a first-ready pool (batch_size="
                 f"{self.batch_size} < num_envs={self.num_envs}); use async_reset(), send() "
                 "and recv()"
             )
-        busy = np.flatnonzero(self._env_state == _RUNNING).tolist()
-        if busy:
+        # Envs running after send() would answer this call's wait; a step or reset would
+        # also overwrite the results of envs not yet received.
+        busy = self._env_state == _RUNNING
+        if stepping:
+            busy |= self._env_state == _READY
+        if busy.any():
+            envs = np.flatnonzero(busy).tolist()
             raise PoolStateError(
-                f"calling `{name}` while sub-environments {busy} run after send(); recv() "
-                "their results first",
-                busy,
+                f"calling `{name}` while sub-environments {envs} are running or have results "
+                "not received yet; recv() them first",
+                envs,
             )
 
     def _env_ids(self, env_ids: Any) -> np.ndarray:
@@ -1033,7 +1040,7 @@ class FleetVectorEnv(VectorEnv[Any, Any, np.ndarray]):
 
     def _assert_idle(self, name: str) -> None:
         self._assert_running()
-        if name in ("reset_async", "step_async") or self._env_state.any():
+        if self.is_pool or self._env_state.any():
             self._assert_no_pool(name)
         if self._state is not AsyncState.DEFAULT:
             raise AlreadyPendingCallError(
