@@ -15,6 +15,7 @@ import faulthandler
 import os
 import signal
 import time
+from pathlib import Path
 from typing import Any
 
 import gymnasium as gym
@@ -23,6 +24,7 @@ from gymnasium import spaces
 
 __all__ = [
     "CrashEnv",
+    "FlakyEnv",
     "IndexedEnv",
     "NestedSpaceEnv",
     "RaisingEnv",
@@ -361,3 +363,117 @@ class TextObsEnv(gym.Env):
 
     def step(self, action: Any):
         return "abc", 0.0, False, False, {}
+
+
+class FlakyEnv(gym.Env):
+    """Short episodes with infos of many kinds; the envs named in ``faults`` fail on cue.
+
+    Every env not in ``faults`` behaves exactly as ``FlakyEnv(env_index=i)`` (no faults), the
+    fault-free reference of the supervisor tests. Episodes terminate and truncate at steps drawn
+    at reset; step infos report an int, a float, an array, a nested dict and a string on
+    different steps, each key with one type on every env (so a batched info's dtype does not
+    depend on which env reports it first); reset infos report the episode count and, on some
+    episodes, the first observation.
+
+    ``faults``: ``{env_index: how}``, ``how`` one of ``"raise"`` (``ValueError("boom ...")``),
+    ``"segfault"`` (SIGSEGV to itself), ``"exit"`` (``os._exit(3)``) or ``"hang"`` (sleeps an
+    hour). ``fault_in``: ``"step"``: in every step() call after the first ``fault_after`` since
+    the env was built (``calls`` counts them); ``"reset"``: in a reset whose ``options`` have
+    ``"explode": True``; ``"render"``: in every ``render()`` (raise only).
+    ``marker``: ``None``: fail every time the cue comes (a rebuilt env fails again
+    ``fault_after`` steps after it was rebuilt); a path prefix: fail only once, only if the file
+    ``f"{marker}-{env_index}"`` does not exist, created just before failing.
+    """
+
+    def __init__(
+        self,
+        env_index: int = 0,
+        faults: dict[int, str] | None = None,
+        fault_in: str = "step",
+        fault_after: int = 3,
+        marker: str | None = None,
+    ):
+        self.env_index = env_index
+        self.how = (faults or {}).get(env_index)
+        self.fault_in = fault_in
+        self.fault_after = fault_after
+        self.marker = marker
+        self.pid = os.getpid()
+        self.calls = 0
+        self.observation_space = spaces.Box(-10.0, 10.0, (3,), np.float32)
+        self.action_space = spaces.Discrete(3)
+        self._x = np.zeros(3, np.float32)
+        self._t = 0
+        self._episodes = 0
+        self._term_at = self._trunc_at = 0
+
+    @property
+    def readonly(self) -> int:
+        """An attribute ``set_attr`` cannot set (it raises AttributeError)."""
+        return self.env_index
+
+    def explode(self) -> None:
+        raise ValueError(f"boom in explode of env {self.env_index}")
+
+    def _fault(self, where: str) -> None:
+        if self.how is None or self.fault_in != where:
+            return
+        if self.marker is not None:
+            marker = Path(f"{self.marker}-{self.env_index}")
+            if marker.exists():
+                return
+            marker.touch()
+        if self.how == "raise":
+            raise ValueError(f"boom in {where} of env {self.env_index}")
+        if self.how == "segfault":
+            faulthandler.disable()  # no "Fatal Python error" dump from a forked pytest
+            os.kill(os.getpid(), signal.SIGSEGV)
+            time.sleep(60)  # the signal is delivered before this returns
+        elif self.how == "exit":
+            os._exit(3)
+        elif self.how == "hang":
+            time.sleep(3600)
+        else:
+            raise RuntimeError(f"unknown fault {self.how!r}")
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
+        super().reset(seed=seed)
+        if (options or {}).get("explode"):
+            self._fault("reset")
+        self._t = 0
+        self._episodes += 1
+        self._term_at = int(self.np_random.integers(3, 12))
+        self._trunc_at = int(self.np_random.integers(3, 12))
+        self._x = self.np_random.uniform(-1.0, 1.0, 3).astype(np.float32)
+        info: dict[str, Any] = {"episode": self._episodes}
+        if self.np_random.random() < 0.5:
+            info["x0"] = self._x.copy()
+        return self._x.copy(), info
+
+    def step(self, action: Any):
+        self.calls += 1
+        if self.calls > self.fault_after:
+            self._fault("step")
+        i, t = self.env_index, self._t + 1
+        self._t = t
+        noise = self.np_random.normal(0.0, 0.1, 3)
+        self._x = np.clip(self._x + (int(action) - 1) * 0.2 + noise, -10.0, 10.0).astype(np.float32)
+        u = float(self.np_random.random())
+        info: dict[str, Any] = {}
+        if (t + i) % 3 == 0:
+            info["t"] = t
+        if u < 0.3:
+            info["u"] = u
+        if (t + i) % 4 == 1:
+            info["vec"] = self._x.astype(np.float64) * 2
+        if u > 0.7:
+            info["nested"] = {"depth": i, "tag": f"n{t}"}
+        if (t + 2 * i) % 5 == 0:
+            info["name"] = f"env{i}-t{t}"
+        terminated = t >= self._term_at
+        truncated = t >= self._trunc_at
+        return self._x.copy(), float(self._x.sum()) + int(action), terminated, truncated, info
+
+    def render(self):
+        self._fault("render")
+        return None
