@@ -416,19 +416,7 @@ def test_worker_dies_in_reset(make_env, snapshot, how):
     [
         ("step", "fork", 6, 2, [0, 1, 2]),
         ("step", "spawn", 4, 4, [3]),
-        pytest.param(
-            "reset",
-            "fork",
-            6,
-            3,
-            [2, 3],
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="contract violation: a worker SIGKILLed while idle makes the next "
-                "reset raise EnvCrashedError (sending the reset payload hits a broken pipe in "
-                "ProcessesBackend._submit, which fails fast) instead of respawning it",
-            ),
-        ),
+        ("reset", "fork", 6, 3, [2, 3]),
     ],
 )
 def test_worker_killed_between_steps(
@@ -584,15 +572,10 @@ def test_budget_window_slides(make_env):
     model.close()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="contract violation: with backend='serial', env 0 is the env make() built to learn "
-    "the spaces, and its factory in the EnvGroup is `lambda: first_env` (WorkerLayout."
-    "bound_fns), so a 'rebuilt' env 0 is the same failed (and closed) instance, only reset",
-)
-def test_env_0_is_rebuilt_in_the_driver(make_env, tmp_path):
+@pytest.mark.parametrize("backend", ["serial", "threads"])
+def test_env_0_is_rebuilt_in_the_driver(make_env, tmp_path, backend):
     factory = _flaky({0: "raise"}, fault_after=2, marker=_marker(tmp_path))
-    envs = _make(make_env, factory, 2, 1, backend="serial")
+    envs = _make(make_env, factory, 2, 1, backend=backend)
     envs.reset(seed=0)
     for t in range(3):
         envs.step(_actions(t, 2))

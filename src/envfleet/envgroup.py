@@ -86,6 +86,9 @@ class EnvGroup:
         batch: the whole vector env's :class:`Batch`; the group uses rows ``[start, start+K)``.
         single_observation_space, single_action_space: the spaces of one sub-environment.
         autoreset_mode: as ``gymnasium.vector.AutoresetMode``.
+        first_env: an env already built by ``env_fns[0]`` (the one :func:`envfleet.make`
+            builds to learn the spaces), used instead of building it again; a restart builds
+            a new one from ``env_fns[0]``.
     """
 
     def __init__(
@@ -96,6 +99,7 @@ class EnvGroup:
         single_observation_space: gymnasium.Space[Any],
         single_action_space: gymnasium.Space[Any],
         autoreset_mode: AutoresetMode,
+        first_env: gymnasium.Env[Any, Any] | None = None,
     ):
         self.start = start
         self.size = len(env_fns)
@@ -108,6 +112,9 @@ class EnvGroup:
         self._env_fns = list(env_fns)
         self.envs: list[gymnasium.Env[Any, Any]] = []
         for j, fn in enumerate(env_fns):
+            if j == 0 and first_env is not None:
+                self.envs.append(first_env)
+                continue
             try:
                 self.envs.append(fn())
             except Exception as exc:

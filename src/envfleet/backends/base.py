@@ -82,17 +82,11 @@ class WorkerLayout:
     def num_envs(self) -> int:
         return len(self.env_fns)
 
-    def bound_fns(
-        self, start: int, stop: int, first_env: gymnasium.Env[Any, Any] | None = None
-    ) -> list[Callable[[], gymnasium.Env[Any, Any]]]:
-        """Zero-argument factories of envs ``[start, stop)``; ``first_env``, when given, is
-        the env 0 that :func:`envfleet.make` already built, handed out instead of a new one."""
-        fns = [
+    def bound_fns(self, start: int, stop: int) -> list[Callable[[], gymnasium.Env[Any, Any]]]:
+        """Zero-argument factories of envs ``[start, stop)``, bound to their ``env_index``."""
+        return [
             bind_env_index(self.env_fns[i], i, self.accepts_index[i]) for i in range(start, stop)
         ]
-        if start == 0 and first_env is not None:
-            fns[0] = lambda: first_env
-        return fns
 
 
 def env_error(env_index: int, worker_index: int | None, method: str, cause_text: str) -> EnvError:

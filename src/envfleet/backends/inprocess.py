@@ -64,12 +64,13 @@ class InProcessBackend(Backend):
         try:
             for start, stop in self.ranges:
                 group = EnvGroup(
-                    layout.bound_fns(start, stop, first_env),
+                    layout.bound_fns(start, stop),
                     start,
                     self.batch,
                     layout.single_observation_space,
                     layout.single_action_space,
                     layout.autoreset_mode,
+                    first_env=first_env if start == 0 else None,
                 )
                 self.groups.append(group)
                 mismatch = group.check_spaces()

@@ -201,15 +201,15 @@ class ProcessesBackend(Backend):
                 self._start_worker(g)
             if driver_group:
                 # Built while the workers build theirs; env 0 is the one make() already built.
-                fns = layout.bound_fns(*self.ranges[0], first_env)
-                first_env = None  # the group owns it now
+                env0, first_env = first_env, None  # the group owns it now
                 self._local = EnvGroup(
-                    fns,
+                    layout.bound_fns(*self.ranges[0]),
                     0,
                     self.batch,
                     layout.single_observation_space,
                     layout.single_action_space,
                     layout.autoreset_mode,
+                    first_env=env0,
                 )
                 mismatch = self._local.check_spaces()
                 if mismatch is not None:
@@ -311,6 +311,8 @@ class ProcessesBackend(Backend):
                         pickle.dumps(payload, pickle.HIGHEST_PROTOCOL)
                     )
                 except OSError:  # the worker died since its last reply
+                    if self.ledger.policy is not None and command in _RESTARTABLE:
+                        continue  # the wait for its reply finds it dead and restarts it
                     self._pending = []
                     self._raise_crashed(g, step)
         self._pending = sorted(set(self._pending).union(remote))  # a pool adds to those running
