@@ -254,6 +254,13 @@ class EnvGroup:
         if failures:
             raise PartialFailure(failures, events)
         self._write_observations()
+        # A reset's rows read reward 0, not terminated, not truncated, as an autoreset step's
+        # (EnvPool's recv reports them for reset envs; gymnasium's reset does not return them).
+        buf = self.buffers
+        for j in range(self.size):
+            if mask is None or mask[j]:
+                self._rewards[j], self._terminations[j], self._truncations[j] = 0.0, False, False
+                buf.rewards[j], buf.terminations[j], buf.truncations[j] = 0.0, False, False
         return events
 
     def restart(self, request: RestartRequest) -> list[InfoEvent]:

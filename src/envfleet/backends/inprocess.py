@@ -54,6 +54,7 @@ class InProcessBackend(Backend):
         self._timers = [StepTimer(row) for row in self._stats]
         self._command = Command.STEP
         self._kept: dict[int, Any] = {}  # pool results held back by an error (ready_results)
+        self._kept_failures: dict[int, EnvFailure] = {}
         self.batch = allocate_batch(
             layout.single_observation_space,
             layout.single_action_space,
@@ -149,12 +150,16 @@ class InProcessBackend(Backend):
     ) -> dict[int, Any]:
         """For a first-ready pool: ``results`` plus any kept from an earlier call; when an env
         failed, keep them for the next call and raise the first failure."""
+        self.ledger.env_errors += len(failures)
         results = {**self._kept, **results}
-        self._kept = {}
+        failures = {**self._kept_failures, **failures}
+        self._kept, self._kept_failures = {}, {}
         if failures:
-            self.ledger.env_errors += len(failures)
+            # One error per call; the rest waits for the next calls, so each is reported.
             self._kept = results
-            first = failures[min(failures)]
+            w = min(failures)
+            first = failures.pop(w)
+            self._kept_failures = failures
             raise failure_error(first) from first.__cause__
         return results
 

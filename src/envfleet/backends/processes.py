@@ -173,6 +173,7 @@ class ProcessesBackend(Backend):
         self._stats = _stats_rows(self._stats_raw)
         self._local_timer = StepTimer(self._stats[0])
         self._kept: dict[int, Any] = {}  # pool replies held back by an env error
+        self._kept_failures: list[tuple[int, Failure]] = []  # and the other errors
         self._any_raw: Any = None
         self._any_done: Any = None
         if pool:
@@ -360,10 +361,14 @@ class ProcessesBackend(Backend):
             raise
 
     def _collect_ready(self, timeout: float | None, step: int) -> dict[int, Any]:
-        assert self._any_done is not None, "collect_ready needs a backend made with pool=True"
+        if self._kept_failures:
+            g, failure = self._kept_failures.pop(0)
+            raise _remote_env_error(failure.errors[0], g, "")
         if self._kept:
             kept, self._kept = self._kept, {}
             return kept
+        if self._any_done is None:  # synchronous: every env is pending, wait for them all
+            return self.collect(timeout, step)
         deadline = None if timeout is None else time.monotonic() + timeout
         procs, doorbells = self._procs, self._doorbells
 
@@ -385,11 +390,14 @@ class ProcessesBackend(Backend):
             self._pending = [g for g in self._pending if g not in ready]
             done = self._read_replies(ready, step, fail_fast=True)
             if done.failures:
-                # The other replies are kept for the next call: nothing finished is lost.
+                # One error per call: the other replies and failures are kept for the next
+                # calls, so nothing finished is lost and every failed block is reported.
                 self._kept.update(done.results)
                 self.ledger.env_errors += sum(len(f.errors) for f in done.failures.values())
-                g = min(done.failures)
-                raise _remote_env_error(done.failures[g].errors[0], g, "")
+                failures = sorted(done.failures.items())
+                self._kept_failures.extend(failures[1:])
+                g, failure = failures[0]
+                raise _remote_env_error(failure.errors[0], g, "")
             return done.results
 
     def _collect_remote(self, timeout: float | None, step: int, fail_fast: bool) -> _Round:

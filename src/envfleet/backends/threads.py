@@ -122,7 +122,7 @@ class ThreadsBackend(InProcessBackend):
         return self.settle(results, failures)
 
     def collect_ready(self, timeout: float | None, step: int) -> dict[int, Any]:
-        if self._kept:
+        if self._kept or self._kept_failures:
             return self.ready_results({}, {})
         try:
             results, failures = self._collect(timeout, ready_only=True)
