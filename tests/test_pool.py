@@ -869,3 +869,53 @@ def test_routing_with_forkserver_workers(make_env):
         assert time.monotonic() < deadline, f"results per env: {model.received}"
         ids = model.check(envs.recv(timeout=GUARD), batch_size)
         envs.send(model.actions_for(ids), ids)
+
+
+@pytest.mark.parametrize("backend", ["serial", "threads", "processes"])
+@pytest.mark.parametrize("num_workers", [None, 2])
+def test_partial_async_reset(make_env, backend, num_workers):
+    """async_reset(env_ids=...) resets only those envs, seeded as a full reset would seed them;
+    the others keep their episodes, and busy envs are refused with nothing sent."""
+    n = 4
+    envs = make_env("CartPole-v1", n, batch_size=2, backend=backend, num_workers=num_workers)
+    envs.async_reset(seed=10)
+    got: dict[int, np.ndarray] = {}
+    while len(got) < n:
+        obs, *_, info = envs.recv()
+        got.update(zip(info["env_id"].tolist(), obs, strict=True))
+    # every env awaits an action: step all once, receive all
+    envs.send(np.zeros(n, np.int64), np.arange(n))
+    stepped: dict[int, tuple[np.ndarray, float]] = {}
+    while len(stepped) < n:
+        obs, reward, *_, info = envs.recv()
+        for k, e in enumerate(info["env_id"].tolist()):
+            stepped[e] = (obs[k], float(reward[k]))
+    with pytest.raises(envfleet.InvalidArgumentError):
+        envs.async_reset(seed=[1, 2, 3], env_ids=[1, 3])  # one seed per env id
+    envs.async_reset(seed=[101, 103], env_ids=[1, 3])
+    if num_workers == 2:  # env 0 shares its worker with env 1, which is resetting
+        with pytest.raises(envfleet.PoolStateError, match="still running"):
+            envs.async_reset(env_ids=[0])
+    with pytest.raises(envfleet.PoolStateError, match="still running"):
+        envs.async_reset(env_ids=[1])
+    reset: dict[int, tuple] = {}
+    while len(reset) < 2:
+        obs, reward, terminated, truncated, info = envs.recv()
+        for k, e in enumerate(info["env_id"].tolist()):
+            reset[e] = (obs[k], reward[k], terminated[k], truncated[k])
+    assert sorted(reset) == [1, 3]
+    for e, seed in ((1, 101), (3, 103)):
+        want, _ = gym.make("CartPole-v1").reset(seed=seed)
+        assert np.array_equal(reset[e][0], want)
+        assert (reset[e][1], reset[e][2], reset[e][3]) == (0.0, False, False)
+    # envs 0 and 2 kept their episodes: their next step continues from their stepped state
+    envs.send(np.zeros(n, np.int64), np.arange(n))
+    after: dict[int, np.ndarray] = {}
+    while len(after) < n:
+        obs, *_, info = envs.recv()
+        after.update(zip(info["env_id"].tolist(), obs, strict=True))
+    for e in (0, 2):
+        model = gym.make("CartPole-v1")
+        model.reset(seed=10 + e)
+        model.step(0)
+        assert np.array_equal(after[e], model.step(0)[0])

@@ -536,42 +536,74 @@ class FleetVectorEnv(VectorEnv[Any, Any, np.ndarray]):
         self._ready: collections.deque[int] = collections.deque()
         self._ready_infos: dict[int, list[dict[str, Any]]] = {}
         self._pool_started = False
+        self._in_flight: dict[int, np.ndarray] = {}  # worker -> its envs in its pending command
         self._group_of = np.repeat(
             np.arange(len(backend.ranges)), [stop - start for start, stop in backend.ranges]
         )
 
     # -- first-ready pool (EnvPool's asynchronous interface) ---------------------------------
 
-    def async_reset(self, seed: int | Sequence[int | None] | None = None) -> None:
-        """Reset every env without waiting; :meth:`recv` returns them as they finish (EnvPool's
-        ``async_reset``). Results of envs that finished but were not received are dropped.
+    def async_reset(
+        self, seed: int | Sequence[int | None] | None = None, env_ids: Any = None
+    ) -> None:
+        """Reset envs without waiting; :meth:`recv` returns them as they finish (EnvPool's
+        ``async_reset``; ``env_ids`` adds partial resets, as EnvPool's ``reset(env_id)``).
 
         Args:
-            seed: ``None``, an int (env i gets ``seed + i``) or one seed per env.
+            seed: ``None``, an int (env i gets ``seed + i``) or one seed per env reset.
+            env_ids: ``None``: every env; results of envs that finished but were not received
+                are dropped. Else the envs to reset (distinct ints), each awaiting an action
+                and held by a worker with none of its envs running.
 
         Raises:
-            PoolStateError: envs are still running (recv them first), or a synchronous call
-                is pending.
-            InvalidArgumentError: bad seeds.
+            PoolStateError: envs are still running (recv them first), an env of ``env_ids``
+                is not awaiting an action, or a synchronous call is pending.
+            InvalidArgumentError: bad seeds or env ids. Nothing is sent on any error.
         """
         self._assert_pool_idle("async_reset")
-        running = np.flatnonzero(self._env_state == _RUNNING).tolist()
+        ids = self._env_ids(env_ids)
+        mask = np.zeros(self.num_envs, dtype=np.bool_)
+        mask[ids] = True
+        groups = [w for w, (a, b) in enumerate(self._backend.ranges) if mask[a:b].any()]
+        in_groups = np.isin(self._group_of, groups)
+        running = np.flatnonzero(in_groups & (self._env_state == _RUNNING)).tolist()
         if running:
             raise PoolStateError(
                 f"sub-environments {running} are still running; recv() their results before "
                 "async_reset()",
                 running,
             )
-        seeds = self._seeds(seed)
+        if env_ids is not None:
+            busy = np.flatnonzero(mask & ((self._env_state != _IDLE) | self._has_action))
+            if busy.size:
+                raise PoolStateError(
+                    f"sub-environments {busy.tolist()} are not awaiting an action (a result "
+                    "not received yet, or an action already sent); only those can be reset",
+                    busy.tolist(),
+                )
+        if env_ids is not None and isinstance(seed, Sequence) and not isinstance(seed, str):
+            if len(seed) != len(ids):
+                raise InvalidArgumentError(
+                    f"got {len(seed)} seeds for {len(ids)} env ids; give one seed per env id"
+                )
+            seeds: list[int | None] = [None] * self.num_envs
+            for e, s_ in zip(ids.tolist(), seed, strict=True):
+                seeds[e] = s_
+        else:
+            seeds = self._seeds(seed)
         payloads = {}
-        for w, (start, stop) in enumerate(self._backend.ranges):
-            payloads[w] = ResetRequest(seeds[start:stop], None, None)
-            self._backend.ledger.note_seeds(start, seeds[start:stop], None)
-        self._ready.clear()
-        self._ready_infos.clear()
-        self._has_action[:] = False
+        for w in groups:
+            start, stop = self._backend.ranges[w]
+            local = None if env_ids is None else mask[start:stop]
+            payloads[w] = ResetRequest(seeds[start:stop], None, local)
+            self._backend.ledger.note_seeds(start, seeds[start:stop], local)
+            self._in_flight[w] = np.flatnonzero(mask[start:stop]) + start
+        if env_ids is None:
+            self._ready.clear()
+            self._ready_infos.clear()
+            self._has_action[:] = False
         self._submit(Command.RESET, payloads)
-        self._env_state[:] = _RUNNING
+        self._env_state[mask] = _RUNNING
         self._pool_started = True
 
     def send(self, actions: Any, env_ids: Any = None) -> None:
@@ -636,6 +668,7 @@ class FleetVectorEnv(VectorEnv[Any, Any, np.ndarray]):
                 start, stop = self._backend.ranges[w]
                 self._env_state[start:stop] = _RUNNING
                 self._has_action[start:stop] = False
+                self._in_flight[w] = np.arange(start, stop)
 
     def recv(
         self, timeout: float | None = None
@@ -684,15 +717,15 @@ class FleetVectorEnv(VectorEnv[Any, Any, np.ndarray]):
                 results = self._backend.collect_ready(remaining, self._steps)
             except EnvError as exc:
                 w = int(self._group_of[exc.env_index])
-                self._env_state[ranges[w][0] : ranges[w][1]] = _IDLE
+                self._env_state[self._in_flight.pop(w, np.arange(*ranges[w]))] = _IDLE
                 raise
             except BaseException:
                 self.closed = self._backend.closed
                 raise
             for w in sorted(results):
-                start, stop = ranges[w]
-                self._env_state[start:stop] = _READY
-                self._ready.extend(range(start, stop))
+                envs = self._in_flight.pop(w)
+                self._env_state[envs] = _READY
+                self._ready.extend(envs.tolist())
                 for index, info in results[w] or ():
                     self._ready_infos.setdefault(index, []).append(info)
         ids = np.array([self._ready.popleft() for _ in range(need)], dtype=np.int32)
