@@ -32,10 +32,10 @@ import signal
 import sys
 import time
 import traceback
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import cloudpickle
 import gymnasium
@@ -74,6 +74,8 @@ from envfleet.supervisor import (
 __all__ = ["DEFAULT_CLOSE_TIMEOUT", "DEFAULT_SPIN_S", "ProcessesBackend"]
 
 logger = logging.getLogger("envfleet")
+
+_T = TypeVar("_T")
 
 DEFAULT_CLOSE_TIMEOUT = 5.0  # seconds for workers to close their envs before being terminated
 DEFAULT_SPIN_S = 0.002  # the most a wait polls before it blocks, in seconds
@@ -274,25 +276,25 @@ class ProcessesBackend(Backend):
     def closed(self) -> bool:
         return self._closed
 
-    def submit(self, command: Command, payloads: Mapping[int, Any], step: int) -> None:
+    def _guarded(self, call: Callable[..., _T], *args: Any) -> _T:
+        """``call(*args)``; shut down if it ends with anything but an envfleet error.
+
+        Interrupted (Ctrl-C) or broken between ringing workers and reading their replies, a
+        later call could read a stale reply, so the backend shuts down instead.
+        """
         try:
-            self._submit(command, payloads, step)
+            return call(*args)
         except EnvfleetError:
             raise
         except BaseException:
-            # Interrupted (Ctrl-C) or broken between ringing workers and reading their
-            # replies: a later call could read a stale reply, so shut down instead.
             self.close(timeout=0, terminate=True)
             raise
 
+    def submit(self, command: Command, payloads: Mapping[int, Any], step: int) -> None:
+        self._guarded(self._submit, command, payloads, step)
+
     def collect(self, timeout: float | None, step: int) -> dict[int, Any]:
-        try:
-            return self._collect(timeout, step)
-        except EnvfleetError:
-            raise
-        except BaseException:
-            self.close(timeout=0, terminate=True)
-            raise
+        return self._guarded(self._collect, timeout, step)
 
     def step_times(self) -> tuple[StepTimeStats, ...]:
         return step_time_table(self._stats)
@@ -348,17 +350,12 @@ class ProcessesBackend(Backend):
         replies of every worker done by then (worker index -> result).
 
         Raises:
-            EnvError: an env raised (the other replies read so far are dropped with it).
+            EnvError: an env raised; the other replies read with it, and any other env error,
+                are kept for the next calls (one error per call).
             EnvCrashedError: a pending worker died; the backend is shut down.
             StepTimeoutError: no worker replied within ``timeout`` seconds; shut down.
         """
-        try:
-            return self._collect_ready(timeout, step)
-        except EnvfleetError:
-            raise
-        except BaseException:
-            self.close(timeout=0, terminate=True)
-            raise
+        return self._guarded(self._collect_ready, timeout, step)
 
     def _collect_ready(self, timeout: float | None, step: int) -> dict[int, Any]:
         if self._kept_failures:
