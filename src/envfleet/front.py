@@ -228,8 +228,8 @@ def make(
         raise ConfigError(f"unknown autoreset_mode {autoreset_mode!r}") from exc
     if pool and mode is AutoresetMode.DISABLED:
         raise ConfigError(
-            "a first-ready pool autoresets its envs (NEXT_STEP or SAME_STEP); DISABLED would "
-            "need per-env resets, which EnvPool's interface does not have"
+            "a first-ready pool autoresets its envs, as EnvPool does: use "
+            "AutoresetMode.NEXT_STEP or SAME_STEP"
         )
     if step_timeout is not None and not (
         isinstance(step_timeout, numbers.Real) and step_timeout > 0

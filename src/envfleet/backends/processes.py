@@ -457,7 +457,6 @@ class ProcessesBackend(Backend):
         restarted.
         """
         ledger = self.ledger
-        ledger.crashes += len(done.crashed)
         ledger.env_errors += sum(len(f.errors) for f in done.failures.values())
         failed_envs = {g: [e.env_index for e in f.errors] for g, f in sorted(done.failures.items())}
         respawn = sorted(done.crashed + done.late)
@@ -474,6 +473,7 @@ class ProcessesBackend(Backend):
                 self._raise_timeout(done.late, cast(float, timeout), budget)
             g = min(done.failures)
             raise _remote_env_error(done.failures[g].errors[0], g, budget)
+        ledger.crashes += len(done.crashed)
         for f in done.failures.values():
             for error in f.errors:
                 logger.warning(
@@ -490,7 +490,11 @@ class ProcessesBackend(Backend):
         if respawn:
             self._pending = respawn
             ready = self._collect_remote(timeout, step, fail_fast=True)
-            self._check_ready(ready)
+            try:
+                self._check_ready(ready)
+            except EnvfleetError:  # a rebuilt worker could not start: give up
+                self.close(timeout=0, terminate=True)
+                raise
             for g in respawn:
                 failed_envs[g] = list(range(*self.ranges[g]))
         requests = {
@@ -587,6 +591,7 @@ class ProcessesBackend(Backend):
     # -- helpers --------------------------------------------------------------------------
 
     def _raise_crashed(self, g: int, step: int, note: str = "") -> None:
+        self.ledger.crashes += 1
         proc = self._procs[g]
         proc.join(_KILL_GRACE)
         exitcode = proc.exitcode
