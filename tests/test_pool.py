@@ -919,3 +919,27 @@ def test_partial_async_reset(make_env, backend, num_workers):
         model.reset(seed=10 + e)
         model.step(0)
         assert np.array_equal(after[e], model.step(0)[0])
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("backend", ["serial", "threads", "processes"])
+def test_sync_mode_env_error_loses_the_batch_and_carries_on(make_env, backend):
+    """batch_size == num_envs: an env error in recv loses that batch, as step() would, and
+    every env awaits an action again (no env is left running for ever)."""
+    from tests.envs import RaisingEnv
+
+    factory = functools.partial(RaisingEnv, fail_index=1, fail_in="step", fail_after=1)
+    envs = make_env(factory, 4, batch_size=4, backend=backend, num_workers=2)
+    envs.async_reset(seed=0)
+    envs.recv()
+    envs.send(np.zeros(4, np.int64))
+    envs.recv()
+    envs.send(np.zeros(4, np.int64))
+    with pytest.raises(envfleet.EnvError) as info:
+        envs.recv()
+    assert info.value.env_index == 1
+    with pytest.raises(envfleet.PoolStateError, match="only 0 are running"):
+        envs.recv()
+    envs.async_reset(seed=1)  # env 1 is fine again after a reset
+    _, _, _, _, info = envs.recv()
+    assert sorted(info["env_id"].tolist()) == [0, 1, 2, 3]

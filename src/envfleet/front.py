@@ -716,6 +716,15 @@ class FleetVectorEnv(VectorEnv[Any, Any, np.ndarray]):
             try:
                 results = self._backend.collect_ready(remaining, self._steps)
             except EnvError as exc:
+                if not self.is_pool:
+                    # batch_size == num_envs: as for step(), the whole batch is lost and every
+                    # env awaits an action again.
+                    self._backend.drop_kept()
+                    self._in_flight.clear()
+                    self._ready.clear()
+                    self._ready_infos.clear()
+                    self._env_state[:] = _IDLE
+                    raise
                 w = int(self._group_of[exc.env_index])
                 self._env_state[self._in_flight.pop(w, np.arange(*ranges[w]))] = _IDLE
                 raise

@@ -165,6 +165,9 @@ class Backend(abc.ABC):
         """
         return self.collect(timeout, step)
 
+    def drop_kept(self) -> None:  # noqa: B027  (a backend that keeps nothing has nothing to do)
+        """Forget results and errors :meth:`collect_ready` kept for its next calls."""
+
     @abc.abstractmethod
     def step_times(self) -> tuple[StepTimeStats, ...]:
         """Per worker, the step-time statistics so far (no round trip to the workers)."""

@@ -91,6 +91,9 @@ class InProcessBackend(Backend):
     def step_times(self) -> tuple[StepTimeStats, ...]:
         return step_time_table(self._stats)
 
+    def drop_kept(self) -> None:
+        self._kept, self._kept_failures = {}, {}
+
     def run_group(self, w: int, command: Command, payload: Any) -> Any:
         """Run ``command`` on group ``w`` here and now (timing its steps)."""
         if command is Command.STEP:

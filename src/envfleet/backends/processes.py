@@ -299,6 +299,9 @@ class ProcessesBackend(Backend):
     def step_times(self) -> tuple[StepTimeStats, ...]:
         return step_time_table(self._stats)
 
+    def drop_kept(self) -> None:
+        self._kept, self._kept_failures = {}, []
+
     def _submit(self, command: Command, payloads: Mapping[int, Any], step: int) -> None:
         self._command = command
         control = self._control
