@@ -6,9 +6,12 @@ simulators, I/O-bound envs) and on free-threaded Python; for pure-Python envs on
 interpreter the GIL lets one thread run at a time and ``serial`` is faster.
 
 Without a ``step_timeout`` the calling thread steps the first group itself while the others
-run. A thread cannot be killed: after a timeout the vector env is closed and a hung thread is
-left behind (a daemon thread, it does not keep the interpreter alive), and restart policies
-rebuild only envs that raised, never hung ones.
+run. Only steps and resets run in parallel; ``call``, ``set_attr`` and ``render`` run group by
+group in the calling thread, as renderers such as pygame are not thread-safe.
+
+A thread cannot be killed: after a timeout the vector env is closed and a hung thread is left
+behind (a daemon thread, it does not keep the interpreter alive), and restart policies rebuild
+only envs that raised, never hung ones.
 """
 
 from __future__ import annotations
@@ -97,12 +100,16 @@ class ThreadsBackend(InProcessBackend):
 
     def submit(self, command: Command, payloads: Mapping[int, Any], step: int) -> None:
         self._command = command
-        threaded = [w for w in payloads if w in self._inboxes]
+        # Only steps and resets run in parallel: call, set_attr and render run one group at
+        # a time in the calling thread, since renderers (pygame) and other env libraries keep
+        # global state that is not thread-safe.
+        parallel = command in (Command.STEP, Command.RESET)
+        threaded = [w for w in payloads if w in self._inboxes and parallel]
         self._pending += threaded  # a first-ready pool submits while others run
         for w in threaded:
             self._inboxes[w].put((command, payloads[w]))
         for w in payloads:
-            if w not in self._inboxes:
+            if w not in threaded:
                 try:
                     self._local[w] = self.run_group(w, command, payloads[w])
                 except EnvFailure as failure:
