@@ -8,16 +8,21 @@ rebuilt envs, and keeps the counters and step-time statistics that ``envs.stats`
 from __future__ import annotations
 
 import collections
+import logging
 import math
 import numbers
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
 from envfleet.errors import ConfigError
 from envfleet.protocol import Command, InfoEvent, RestartRequest
+
+logger = logging.getLogger("envfleet")
+
+RESTARTABLE = (Command.STEP, Command.RESET)  # the commands whose failures a policy restarts
 
 __all__ = [
     "FleetStats",
@@ -25,6 +30,7 @@ __all__ = [
     "RestartPolicy",
     "StepTimeStats",
     "StepTimer",
+    "log_env_restart",
     "merge_events",
     "restart_seed",
     "step_time_table",
@@ -230,6 +236,24 @@ class Ledger:
         """Whether ``count`` more restarts fit the policy's budget (and spend them if so)."""
         return self.budget is not None and self.budget.take(count)
 
+    def restarts_on(self, command: Command) -> bool:
+        """Whether a failure of ``command`` is restarted under the policy (step and reset)."""
+        return self.policy is not None and command in RESTARTABLE
+
+    def refusal(self, command: Command, only_envs_failed: bool, count: int) -> str | None:
+        """Grant ``count`` restarts after ``command`` failed (``None``; the budget is spent),
+        or refuse them, returning the note for the fail-fast error: empty when nothing is
+        restarted at all, the budget's message when it is exhausted.
+
+        ``only_envs_failed``: every failure is an env's own, the rest of its group completed
+        (else the group's state is unknown and it cannot be rebuilt in place).
+        """
+        if not (self.restarts_on(command) and only_envs_failed):
+            return ""
+        if not self.allow(count):
+            return cast(RestartBudget, self.budget).describe()
+        return None
+
     def restarted(self, env_indices: Any) -> None:
         """One restart (a worker's, or one env's) rebuilt ``env_indices``."""
         self.restarts += 1
@@ -253,6 +277,16 @@ class Ledger:
             env_errors=self.env_errors,
             workers=workers,
         )
+
+
+def log_env_restart(env_index: int, method: str, type_name: str, message: str) -> None:
+    logger.warning(
+        "sub-environment %d raised in %s (%s: %s); restarting it",
+        env_index,
+        method,
+        type_name,
+        message,
+    )
 
 
 def merge_events(*lists: list[InfoEvent] | None) -> list[InfoEvent] | None:

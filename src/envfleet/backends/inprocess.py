@@ -19,6 +19,7 @@ from envfleet.supervisor import (
     Ledger,
     StepTimer,
     StepTimeStats,
+    log_env_restart,
     merge_events,
     step_time_table,
 )
@@ -117,25 +118,18 @@ class InProcessBackend(Backend):
             w: getattr(failure, "failures", [failure]) for w, failure in sorted(failures.items())
         }
         ledger.env_errors += sum(map(len, failed.values()))
-        restartable = (
-            ledger.policy is not None
-            and self._command in (Command.STEP, Command.RESET)
-            and all(isinstance(failure, PartialFailure) for failure in failures.values())
+        note = ledger.refusal(
+            self._command,
+            all(isinstance(failure, PartialFailure) for failure in failures.values()),
+            sum(map(len, failed.values())),
         )
-        if not restartable or not ledger.allow(sum(map(len, failed.values()))):
-            note = "" if ledger.budget is None or not restartable else ledger.budget.describe()
+        if note is not None:
             first = failures[min(failures)]
             raise failure_error(first, note) from first.__cause__
         for w, envs in failed.items():
             for f in envs:
                 cause = f.__cause__
-                logger.warning(
-                    "sub-environment %d raised in %s (%s: %s); restarting it",
-                    f.env_index,
-                    f.method,
-                    type(cause).__name__,
-                    cause,
-                )
+                log_env_restart(f.env_index, f.method, type(cause).__name__, str(cause))
             indices = [f.env_index for f in envs]
             request = ledger.restart_request(self.ranges[w][0], indices, self._command, True)
             try:

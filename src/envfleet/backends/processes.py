@@ -67,6 +67,7 @@ from envfleet.supervisor import (
     Ledger,
     StepTimer,
     StepTimeStats,
+    log_env_restart,
     merge_events,
     step_time_table,
 )
@@ -317,7 +318,7 @@ class ProcessesBackend(Backend):
                         pickle.dumps(payload, pickle.HIGHEST_PROTOCOL)
                     )
                 except OSError:  # the worker died since its last reply
-                    if self.ledger.policy is not None and command in _RESTARTABLE:
+                    if self.ledger.restarts_on(command):
                         continue  # the wait for its reply finds it dead and restarts it
                     self._pending = []
                     self._raise_crashed(g, step)
@@ -338,8 +339,8 @@ class ProcessesBackend(Backend):
     def _collect(self, timeout: float | None, step: int) -> dict[int, Any]:
         local_result, local_failure = self._local_result, self._local_failure
         self._local_result, self._local_failure = None, None
-        restartable = self.ledger.policy is not None and self._command in _RESTARTABLE
-        done = self._collect_remote(timeout, step, fail_fast=not restartable)
+        fail_fast = not self.ledger.restarts_on(self._command)
+        done = self._collect_remote(timeout, step, fail_fast=fail_fast)
         if local_failure is not None:
             self.ledger.env_errors += len(getattr(local_failure, "failures", [local_failure]))
             raise failure_error(local_failure) from local_failure.__cause__
@@ -463,29 +464,22 @@ class ProcessesBackend(Backend):
         ledger.env_errors += sum(len(f.errors) for f in done.failures.values())
         failed_envs = {g: [e.env_index for e in f.errors] for g, f in sorted(done.failures.items())}
         respawn = sorted(done.crashed + done.late)
-        restartable = (
-            ledger.policy is not None
-            and self._command in _RESTARTABLE
-            and all(f.partial for f in done.failures.values())
+        note = ledger.refusal(
+            self._command,
+            all(f.partial for f in done.failures.values()),
+            len(respawn) + sum(map(len, failed_envs.values())),
         )
-        if not restartable or not ledger.allow(len(respawn) + sum(map(len, failed_envs.values()))):
-            budget = "" if ledger.budget is None or not restartable else ledger.budget.describe()
+        if note is not None:
             if done.crashed:
-                self._raise_crashed(done.crashed[0], step, budget)
+                self._raise_crashed(done.crashed[0], step, note)
             if done.late:
-                self._raise_timeout(done.late, cast(float, timeout), budget)
+                self._raise_timeout(done.late, cast(float, timeout), note)
             g = min(done.failures)
-            raise _remote_env_error(done.failures[g].errors[0], g, budget)
+            raise _remote_env_error(done.failures[g].errors[0], g, note)
         ledger.crashes += len(done.crashed)
         for f in done.failures.values():
             for error in f.errors:
-                logger.warning(
-                    "sub-environment %d raised in %s (%s: %s); restarting it",
-                    error.env_index,
-                    error.method,
-                    error.type_name,
-                    error.message,
-                )
+                log_env_restart(error.env_index, error.method, error.type_name, error.message)
         for g in respawn:
             why = "died" if g in done.crashed else "did not answer in time"
             logger.warning("worker %d %s; restarting it and its envs", g, why)
@@ -633,9 +627,6 @@ class _Round:
     @property
     def failed(self) -> bool:
         return bool(self.failures or self.crashed or self.late)
-
-
-_RESTARTABLE = (Command.STEP, Command.RESET)
 
 
 def _join_all(procs: list[Any], timeout: float) -> None:
