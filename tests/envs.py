@@ -286,6 +286,25 @@ class RaisingEnv(gym.Env):
         return obs, float(action) + self._t, False, False, {}
 
 
+def crash_process(how: str) -> None:
+    """Kill or hang this process: ``"segfault"`` (SIGSEGV to itself), ``"exit"``
+    (``os._exit(3)``), ``"hang"`` (sleeps an hour) or ``"hang-ignore-term"`` (ignores SIGTERM,
+    then sleeps an hour)."""
+    if how == "segfault":
+        faulthandler.disable()  # no "Fatal Python error" dump from a forked pytest
+        os.kill(os.getpid(), signal.SIGSEGV)
+        time.sleep(60)  # the signal is delivered before this returns
+    elif how == "exit":
+        os._exit(3)
+    elif how == "hang":
+        time.sleep(3600)
+    elif how == "hang-ignore-term":
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        time.sleep(3600)
+    else:
+        raise ValueError(f"unknown crash {how!r}")
+
+
 class CrashEnv(gym.Env):
     """Env ``crash_index`` kills or hangs its process; every other env behaves.
 
@@ -318,19 +337,7 @@ class CrashEnv(gym.Env):
         self.crash_in = crash_in
 
     def _crash(self) -> None:
-        if self.how == "segfault":
-            faulthandler.disable()  # no "Fatal Python error" dump from a forked pytest
-            os.kill(os.getpid(), signal.SIGSEGV)
-            time.sleep(60)  # the signal is delivered before this returns
-        elif self.how == "exit":
-            os._exit(3)
-        elif self.how == "hang":
-            time.sleep(3600)
-        elif self.how == "hang-ignore-term":
-            signal.signal(signal.SIGTERM, signal.SIG_IGN)
-            time.sleep(3600)
-        else:
-            raise ValueError(f"unknown crash {self.how!r}")
+        crash_process(self.how)
 
     def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
         super().reset(seed=seed)
@@ -425,16 +432,7 @@ class FlakyEnv(gym.Env):
             marker.touch()
         if self.how == "raise":
             raise ValueError(f"boom in {where} of env {self.env_index}")
-        if self.how == "segfault":
-            faulthandler.disable()  # no "Fatal Python error" dump from a forked pytest
-            os.kill(os.getpid(), signal.SIGSEGV)
-            time.sleep(60)  # the signal is delivered before this returns
-        elif self.how == "exit":
-            os._exit(3)
-        elif self.how == "hang":
-            time.sleep(3600)
-        else:
-            raise RuntimeError(f"unknown fault {self.how!r}")
+        crash_process(self.how)
 
     def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
         super().reset(seed=seed)
