@@ -306,7 +306,7 @@ class ProcessesBackend(Backend):
     def _submit(self, command: Command, payloads: Mapping[int, Any], step: int) -> None:
         self._command = command
         control = self._control
-        remote = [g for g in payloads if self._procs[g] is not None]
+        remote = sorted(g for g in payloads if self._procs[g] is not None)
         for g in remote:
             payload = payloads[g]
             control[g, _CMD] = command
@@ -322,7 +322,8 @@ class ProcessesBackend(Backend):
                         continue  # the wait for its reply finds it dead and restarts it
                     self._pending = []
                     self._raise_crashed(g, step)
-        self._pending = sorted(set(self._pending).union(remote))  # a pool adds to those running
+        # A pool adds to the workers still running; a synchronous call has none pending.
+        self._pending = sorted(set(self._pending).union(remote)) if self._pending else remote
         self._local_result, self._local_failure = None, None
         if self._local is not None and 0 in payloads:
             # The driver's own block, stepped while the workers step theirs.
