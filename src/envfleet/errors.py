@@ -28,6 +28,7 @@ __all__ = [
     "ResetNeededError",
     "SpaceMismatchError",
     "StepTimeoutError",
+    "UnsupportedError",
 ]
 
 
@@ -200,3 +201,12 @@ class PoolStateError(EnvfleetError):
     def __init__(self, message: str, env_indices: Sequence[int] = ()):
         super().__init__(message)
         self.env_indices = list(env_indices)
+
+
+class UnsupportedError(EnvfleetError, NotImplementedError):
+    """A call the backend cannot do, refused before anything is sent.
+
+    Raised by ``call``, ``get_attr``, ``set_attr`` and (without ``render_mode="rgb_array"``)
+    ``render`` on ``backend="envpool"``, whose native envs have no Python objects. It also
+    derives from ``NotImplementedError``.
+    """
