@@ -20,8 +20,10 @@ from envfleet.errors import (
     ResetNeededError,
     SpaceMismatchError,
     StepTimeoutError,
+    UnsupportedError,
 )
 from envfleet.front import BACKENDS, FleetVectorEnv, make
+from envfleet.process_env import ProcessEnv
 from envfleet.supervisor import FleetStats, RestartPolicy, StepTimeStats
 
 __version__ = "0.1.0"
@@ -40,12 +42,14 @@ __all__ = [
     "InvalidArgumentError",
     "NoAsyncCallError",
     "PoolStateError",
+    "ProcessEnv",
     "RemoteTraceback",
     "ResetNeededError",
     "RestartPolicy",
     "SpaceMismatchError",
     "StepTimeStats",
     "StepTimeoutError",
+    "UnsupportedError",
     "__version__",
     "make",
 ]

@@ -17,7 +17,7 @@ import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 import cloudpickle
 import gymnasium
@@ -59,15 +59,15 @@ from envfleet.errors import (
 from envfleet.protocol import CallRequest, Command, InfoEvent, ResetRequest, SetAttrRequest
 from envfleet.supervisor import FleetStats, Ledger, RestartPolicy
 
+if TYPE_CHECKING:
+    from envfleet.torch import TorchVectorEnv
+
 __all__ = ["BACKENDS", "FleetVectorEnv", "make"]
 
 logger = logging.getLogger("envfleet")
 
-BACKENDS = ("serial", "threads", "processes")
-_LATER_BACKENDS = {
-    "ray": "the Ray backend",
-    "envpool": "the EnvPool backend",
-}
+BACKENDS = ("serial", "threads", "processes", "ray", "envpool")
+_LATER_BACKENDS: dict[str, str] = {}
 
 EnvFactory = Callable[..., gymnasium.Env[Any, Any]]
 
@@ -122,7 +122,26 @@ def usable_cores() -> int:
         return max(1, os.cpu_count() or 1)
 
 
+# make()'s type by output=; **kwargs stands for make()'s other keyword arguments.
+@overload
 def make(
+    env: str | EnvFactory | Sequence[EnvFactory],
+    num_envs: int | None = None,
+    *,
+    output: Literal["numpy"] = "numpy",
+    **kwargs: Any,
+) -> FleetVectorEnv: ...
+@overload
+def make(
+    env: str | EnvFactory | Sequence[EnvFactory],
+    num_envs: int | None = None,
+    *,
+    output: Literal["torch"],
+    **kwargs: Any,
+) -> TorchVectorEnv: ...
+
+
+def make(  # type: ignore[misc]  # the overloads stand for its keyword arguments with **kwargs
     env: str | EnvFactory | Sequence[EnvFactory],
     num_envs: int | None = None,
     *,
@@ -137,7 +156,12 @@ def make(
     copy: bool = True,
     driver_envs: int | None = None,
     spin_s: float | None = None,
-) -> FleetVectorEnv:
+    ray_address: str | None = None,
+    ray_options: dict[str, Any] | None = None,
+    output: str = "numpy",
+    device: Any = None,
+    pin_memory: bool = False,
+) -> FleetVectorEnv | TorchVectorEnv:
     """Create a vector env of ``num_envs`` sub-environments on ``backend``.
 
     Args:
@@ -146,13 +170,20 @@ def make(
             that accepts a keyword ``env_index`` is called with the env's global index.
         num_envs: number of sub-environments; default 1, or ``len(env)`` for a list.
         backend: ``"serial"`` (in this process), ``"threads"`` (one thread per block of envs
-            in this process; for envs that release the GIL) or ``"processes"`` (worker
-            processes over shared memory).
+            in this process; for envs that release the GIL), ``"processes"`` (worker
+            processes over shared memory) or ``"ray"`` (Ray actors, on this machine or across
+            a Ray cluster's nodes; ``pip install 'envfleet[ray]'``).
+            ``"envpool"``: ``env`` is an EnvPool task id (``"CartPole-v1"``, ``"Pong-v5"``;
+            ``envpool.list_all_envs()``) run by EnvPool's native threads, ``env_kwargs`` go
+            to ``envpool.make``; only ``num_envs``, ``batch_size``, ``autoreset_mode``,
+            ``env_kwargs`` and ``copy`` apply (see :mod:`envfleet.backends.envpool` for what
+            maps and what is refused; ``pip install 'envfleet[envpool]'``).
         num_workers: worker count, ``1 <= num_workers <= num_envs``; envs go to workers in
             contiguous blocks whose sizes differ by at most one. ``processes``: worker
             processes, default usable cores - 1 with the driver stepping a share (see
             ``driver_envs``); ``threads``: threads, default ``min(num_envs, usable
-            cores)``; ``serial``: blocks stepped in turn, default 1.
+            cores)``; ``serial``: blocks stepped in turn, default 1; ``ray``: actors,
+            default ``min(num_envs, the Ray cluster's CPUs)``.
         batch_size: ``None`` or ``num_envs``: synchronous. ``1 <= batch_size < num_envs``: a
             first-ready pool, EnvPool's asynchronous interface: :meth:`~FleetVectorEnv.
             async_reset`, :meth:`~FleetVectorEnv.send` and :meth:`~FleetVectorEnv.recv`, which
@@ -187,18 +218,57 @@ def make(
         spin_s: ``processes`` only: the most seconds a wait polls before it blocks
             (default 0.002); the budget adapts to the waits seen, and is 0 wherever spinners
             would outnumber the cores.
+        ray_address: ``ray`` only: the cluster to join when this process is not connected to
+            Ray yet (``ray.init(address=...)``): ``None`` starts a local one, ``"auto"`` joins
+            the one started on this machine with ``ray start``. envfleet never shuts a
+            cluster down; a local one it started lives until the interpreter exits.
+        ray_options: ``ray`` only: options of each actor (Ray's ``.options(...)``):
+            ``num_cpus`` (default 1, or an even share of the cluster's CPUs when there are
+            more workers than CPUs), ``num_gpus``, ``resources={"simulator": 1}`` (place
+            actors only on nodes that have that custom resource), ``scheduling_strategy``
+            (default ``"SPREAD"``: across the nodes), ``runtime_env``, ...
+        output: ``"numpy"`` (gymnasium's types) or ``"torch"``: observations, rewards and
+            done flags as torch tensors, and TensorDicts on request, from an
+            :class:`envfleet.torch.TorchVectorEnv` (``pip install 'envfleet[torch]'``). With
+            ``copy=False`` on the CPU they are zero-copy views of the shared buffers, valid
+            until the next call; see :mod:`envfleet.torch` for every copy semantics.
+        device: ``output="torch"`` only: where results go (``"cuda"``); default the CPU.
+        pin_memory: ``output="torch"`` only: stage results in pinned memory (needs CUDA).
 
     Returns:
-        A :class:`FleetVectorEnv`, a ``gymnasium.vector.VectorEnv``.
+        A :class:`FleetVectorEnv`, a ``gymnasium.vector.VectorEnv``; a
+        :class:`envfleet.torch.TorchVectorEnv` over one for ``output="torch"``.
 
     Raises:
         ConfigError: any bad argument above, an unknown gymnasium id, an unpicklable factory
-            for ``processes``, an observation or action space without a fixed size.
+            for ``processes`` or ``ray``, an observation or action space without a fixed size;
+            ``ray`` not installed, Ray not reachable, or actors asking for more resources
+            than the Ray cluster has.
         SpaceMismatchError: the sub-environments' spaces differ.
         EnvError: a factory raised (``method == "make"``).
         EnvCrashedError: a worker died while building its envs.
     """
+    if output != "numpy" or device is not None or pin_memory:
+        from envfleet.torch import make_with_output
+
+        return make_with_output(make, {**locals(), "output": output})  # type: ignore[no-any-return]
     backend = _check_backend(backend)
+    if backend == "envpool":
+        from envfleet.backends.envpool import make_envpool
+
+        others: dict[str, Any] = {"num_workers": num_workers, "step_timeout": step_timeout}
+        others |= {"restart_policy": restart_policy, "context": context}
+        others |= {"driver_envs": driver_envs, "spin_s": spin_s}
+        others |= {"ray_address": ray_address, "ray_options": ray_options}
+        return make_envpool(
+            env,
+            num_envs,
+            batch_size=batch_size,
+            autoreset_mode=autoreset_mode,
+            env_kwargs=env_kwargs,
+            copy=copy,
+            refused=others,
+        )
     env_fns, default_num_envs = _factories(env, env_kwargs)
     if num_envs is None:
         num_envs = default_num_envs
@@ -244,9 +314,14 @@ def make(
             f"context={context!r} is not a start method here; "
             f"choose from {multiprocessing.get_all_start_methods()}"
         )
+    if backend == "ray":
+        ray_plan = _plan_ray(num_envs, num_workers, ray_address, ray_options)
+        num_workers = ray_plan.num_workers
+    elif ray_address is not None or ray_options is not None:
+        raise ConfigError("ray_address and ray_options are options of backend='ray'")
 
     accepts = [accepts_env_index(fn) for fn in env_fns]
-    blobs = _pickle_factories(env_fns) if backend == "processes" else []
+    blobs = _pickle_factories(env_fns) if backend in ("processes", "ray") else []
     # As gymnasium's vector envs do, env 0 is built here first: it gives the spaces and
     # metadata. The serial backend, and the processes backend when the driver steps a block
     # itself, keep it as env 0; otherwise it is closed once the workers are up.
@@ -296,6 +371,18 @@ def make(
             worker_spin_s=plan.worker_spin_s,
             ledger=ledger,
             pool=pool,
+        )
+    elif backend == "ray":
+        from envfleet.backends.ray import RayBackend
+
+        backend_obj = RayBackend(
+            layout,
+            Block(nbytes, shared=False),
+            blobs,
+            actor_options=ray_plan.actor_options,
+            ledger=ledger,
+            pool=pool,
+            first_env=first,
         )
     elif backend == "threads":
         from envfleet.backends.threads import ThreadsBackend
@@ -406,6 +493,26 @@ def plan_processes(
         driver_spin_s=float(spin_s) if num_workers + 1 <= cores else 0.0,
         worker_spin_s=float(spin_s) if num_workers <= cores else 0.0,
     )
+
+
+def _plan_ray(
+    num_envs: int,
+    num_workers: int | None,
+    ray_address: str | None,
+    ray_options: dict[str, Any] | None,
+) -> Any:
+    """Connect to Ray and plan the actors (:func:`envfleet.backends.ray.plan_ray`).
+
+    Raises:
+        ConfigError: ray is not installed, or :func:`~envfleet.backends.ray.plan_ray`'s.
+    """
+    if ray_address is not None and not isinstance(ray_address, str):
+        raise ConfigError(f"ray_address must be None or a string, got {ray_address!r}")
+    try:
+        from envfleet.backends.ray import plan_ray
+    except ImportError as exc:
+        raise ConfigError(f"backend='ray' needs ray ({exc}): pip install 'envfleet[ray]'") from exc
+    return plan_ray(num_envs, num_workers, ray_address, ray_options)
 
 
 def _check_backend(backend: str) -> str:
@@ -524,6 +631,7 @@ class FleetVectorEnv(VectorEnv[Any, Any, np.ndarray]):
         self.step_timeout = step_timeout
         self.copy = copy
         self._state = AsyncState.DEFAULT
+        self._single_env_infos = False  # set by envfleet.ProcessEnv (one env, infos unbatched)
         self._needs_reset = np.zeros(self.num_envs, dtype=np.bool_)
         self._steps = 0
         self.closed = False
@@ -848,11 +956,11 @@ class FleetVectorEnv(VectorEnv[Any, Any, np.ndarray]):
                 continue
             payloads[w] = ResetRequest(seeds[start:stop], options, local_mask)
             self._backend.ledger.note_seeds(start, seeds[start:stop], local_mask)
+        self._submit(Command.RESET, payloads)  # a backend may refuse it: nothing changes then
         if mask is None:
             self._needs_reset[:] = False
         else:
             self._needs_reset[mask] = False
-        self._submit(Command.RESET, payloads)
         self._state = AsyncState.WAITING_RESET
 
     def reset_wait(self, timeout: float | None = None) -> tuple[Any, dict[str, Any]]:
@@ -972,6 +1080,39 @@ class FleetVectorEnv(VectorEnv[Any, Any, np.ndarray]):
         """Wait for :meth:`call_async`; returns one result per env, in env order."""
         results = self._wait(AsyncState.WAITING_CALL, "call_wait", timeout)
         return tuple(value for w in sorted(results) for value in results[w])
+
+    def apply(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[Any, ...]:
+        """Call ``function(env, *args, **kwargs)`` on every sub-environment, where it lives.
+
+        An envfleet addition to gymnasium's API (:meth:`call` takes only a method name): the
+        function is cloudpickled, so a lambda or closure works with every backend, and runs
+        in the worker that holds the env (each env sees its own copy of the function). It is
+        how :meth:`envfleet.Sampler.update_envs` changes a task parameter inside the workers.
+
+        Returns:
+            One result per env, in env order (results are pickled back from workers).
+
+        Raises:
+            InvalidArgumentError: ``function`` is not callable or cannot be pickled.
+            EnvError: the function raised for an env (its exception chained as ``__cause__``).
+        """
+        if not callable(function):
+            raise InvalidArgumentError(f"apply() needs a callable, got {function!r}")
+        try:
+            blob = cloudpickle.dumps(function)
+        except Exception as exc:
+            raise InvalidArgumentError(f"apply() could not pickle {function!r}: {exc}") from exc
+        name = getattr(function, "__qualname__", type(function).__name__)
+        self._assert_idle("apply")
+        request = CallRequest(f"apply({name})", args, kwargs, function=blob)
+        self._submit(Command.CALL, dict.fromkeys(self._every_group, request))
+        self._state = AsyncState.WAITING_CALL
+        return self.call_wait()
+
+    @property
+    def worker_ranges(self) -> tuple[tuple[int, int], ...]:
+        """Per worker, the ``[start, stop)`` env indices it holds, in worker order."""
+        return tuple((int(start), int(stop)) for start, stop in self._backend.ranges)
 
     def get_attr(self, name: str) -> tuple[Any, ...]:
         """The attribute ``name`` of every sub-environment (gymnasium's ``get_attr``)."""
@@ -1118,9 +1259,17 @@ class FleetVectorEnv(VectorEnv[Any, Any, np.ndarray]):
             self._state = AsyncState.DEFAULT
 
     def _infos(self, results: dict[int, Any]) -> dict[str, Any]:
+        if self._single_env_infos:
+            # envfleet.ProcessEnv: the one env's own info dict, not batched.
+            return next((dict(info) for events in results.values() for _, info in events or ()), {})
         infos: dict[str, Any] = {}
         for w in sorted(results):
-            events: list[InfoEvent] | None = results[w]
+            events: list[InfoEvent] | dict[str, Any] | None = results[w]
+            if isinstance(events, dict):
+                # A one-worker backend (envpool) hands its infos already in gymnasium's vector
+                # convention over every env.
+                infos.update(events)
+                continue
             for index, info in events or ():
                 infos = self._add_info(infos, info, index)
         return infos
