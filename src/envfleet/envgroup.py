@@ -12,6 +12,7 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import cloudpickle
 import gymnasium
 import numpy as np
 from gymnasium.vector import AutoresetMode
@@ -89,6 +90,9 @@ class EnvGroup:
         first_env: an env already built by ``env_fns[0]`` (the one :func:`envfleet.make`
             builds to learn the spaces), used instead of building it again; a restart builds
             a new one from ``env_fns[0]``.
+        batch_offset: the env index of ``batch``'s row 0: 0 for the whole vector env's batch;
+            ``start`` for a batch of just this group's K rows (a worker without shared memory,
+            as a Ray actor).
     """
 
     def __init__(
@@ -100,6 +104,7 @@ class EnvGroup:
         single_action_space: gymnasium.Space[Any],
         autoreset_mode: AutoresetMode,
         first_env: gymnasium.Env[Any, Any] | None = None,
+        batch_offset: int = 0,
     ):
         self.start = start
         self.size = len(env_fns)
@@ -108,7 +113,7 @@ class EnvGroup:
         self.single_observation_space = single_observation_space
         self.single_action_space = single_action_space
         self._action_space = batch_space(single_action_space, self.size)
-        self.buffers = batch.slice(self.start, self.stop)
+        self.buffers = batch.slice(self.start - batch_offset, self.stop - batch_offset)
         self._env_fns = list(env_fns)
         self.envs: list[gymnasium.Env[Any, Any]] = []
         for j, fn in enumerate(env_fns):
@@ -311,10 +316,17 @@ class EnvGroup:
         return events
 
     def call(self, request: CallRequest) -> list[Any]:
-        """gymnasium's ``SyncVectorEnv.call`` on each env: call the attribute if callable."""
+        """gymnasium's ``SyncVectorEnv.call`` on each env: call the attribute if callable.
+
+        With ``request.function``, call that function with the env as first argument instead.
+        """
         results = []
+        function = None if request.function is None else cloudpickle.loads(request.function)
         for j, env in enumerate(self.envs):
             try:
+                if function is not None:
+                    results.append(function(env, *request.args, **request.kwargs))
+                    continue
                 attr = env.get_wrapper_attr(request.name)
                 results.append(attr(*request.args, **request.kwargs) if callable(attr) else attr)
             except Exception as exc:

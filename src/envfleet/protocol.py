@@ -59,11 +59,16 @@ class ResetRequest:
 
 @dataclass
 class CallRequest:
-    """``env.get_wrapper_attr(name)``, called with the arguments when callable (gymnasium)."""
+    """``env.get_wrapper_attr(name)``, called with the arguments when callable (gymnasium).
+
+    With ``function`` (a cloudpickled ``fn(env, *args, **kwargs)``), that function is called on
+    each env instead, and ``name`` only names it in error reports.
+    """
 
     name: str
     args: tuple[Any, ...] = ()
     kwargs: dict[str, Any] = field(default_factory=dict)
+    function: bytes | None = None
 
 
 @dataclass

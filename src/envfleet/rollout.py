@@ -1,0 +1,361 @@
+"""Rollout data for the Sampler (DESIGN §2, layer 6): :class:`EpisodeBatch` and the recorder
+that cuts steps into segments.
+
+A *segment* is a run of consecutive steps of one sub-environment, chosen by one policy
+version. It ends where its episode ends (``terminated`` or ``truncated`` at its last step), where
+the policy version changes, or where a sample stops. The layout follows garage's
+``EpisodeBatch``: step data concatenated over segments, plus per-segment fields and lengths.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+__all__ = ["EpisodeBatch", "Recorder", "final_observations", "unbatch_info"]
+
+
+# -- trees of arrays (dict / tuple / ndarray, as gymnasium batches a space) ------------------
+
+
+def tree_map(fn: Callable[..., Any], tree: Any, *rest: Any) -> Any:
+    """``fn`` applied leaf by leaf to trees of the same structure."""
+    if isinstance(tree, dict):
+        return {key: tree_map(fn, value, *(r[key] for r in rest)) for key, value in tree.items()}
+    if isinstance(tree, tuple):
+        return tuple(tree_map(fn, value, *(r[i] for r in rest)) for i, value in enumerate(tree))
+    return fn(tree, *rest)
+
+
+def tree_concat(trees: Sequence[Any]) -> Any:
+    """Leaves of ``trees`` concatenated along axis 0."""
+    first = trees[0]
+    if isinstance(first, dict):
+        return {key: tree_concat([t[key] for t in trees]) for key in first}
+    if isinstance(first, tuple):
+        return tuple(tree_concat([t[i] for t in trees]) for i in range(len(first)))
+    return np.concatenate([np.asarray(t) for t in trees], axis=0)
+
+
+def tree_rows(tree: Any, rows: Any) -> Any:
+    """Rows ``rows`` (an index array or slice) of every leaf."""
+    return tree_map(lambda leaf: leaf[rows], tree)
+
+
+def tree_len(tree: Any) -> int:
+    while isinstance(tree, (dict, tuple)):
+        tree = next(iter(tree.values())) if isinstance(tree, dict) else tree[0]
+    return len(tree)
+
+
+# -- infos -----------------------------------------------------------------------------------
+
+_SKIP_INFO = ("final_obs", "final_info", "env_id")
+
+
+def unbatch_info(info: dict[str, Any], i: int, skip: Sequence[str] = ()) -> dict[str, Any]:
+    """Env ``i``'s own info from a vector info in gymnasium's convention (``info[key]`` with
+    its ``info["_key"]`` mask), recursively for nested dicts; keys in ``skip`` are left out."""
+    out: dict[str, Any] = {}
+    for key, value in info.items():
+        if key.startswith("_") or key in skip:
+            continue
+        mask = info.get("_" + key)
+        if mask is not None and not mask[i]:
+            continue
+        out[key] = unbatch_info(value, i) if isinstance(value, dict) else value[i]
+    return out
+
+
+def step_infos(info: dict[str, Any], rows: np.ndarray, done: np.ndarray) -> list[dict[str, Any]]:
+    """Per row ``k`` of a vector info (env ``rows[k]``), the info of the step itself.
+
+    With ``AutoresetMode.SAME_STEP``, an env whose episode ended reports its step's info under
+    ``final_info`` (the rest is its reset info): that is what is returned for it.
+    """
+    if not info or all(key in _SKIP_INFO or key.startswith("_") for key in info):
+        return [{} for _ in range(len(rows))]
+    final = info.get("final_info")
+    out = []
+    for k in range(len(rows)):
+        if done[k] and final is not None:
+            out.append(unbatch_info(final, k))
+        else:
+            out.append(unbatch_info(info, k, _SKIP_INFO))
+    return out
+
+
+def final_observations(next_obs: Any, info: dict[str, Any], done: np.ndarray) -> Any:
+    """The observations after a step: ``next_obs``, with ``info["final_obs"]`` (SAME_STEP
+    autoreset) in the rows whose episode ended. Returns new arrays."""
+    out = tree_map(np.array, next_obs)
+    if not done.any():
+        return out
+    final = info["final_obs"]
+    rows = np.flatnonzero(done).tolist()
+    if isinstance(final, dict) or (isinstance(final, np.ndarray) and final.dtype != object):
+
+        def put(target: np.ndarray, source: np.ndarray) -> None:
+            target[rows] = source[rows]
+
+        tree_map(put, out, final)
+    else:  # e.g. Tuple spaces: an object array of per-env observations
+        for r in rows:
+            _set_row(out, r, final[r])
+    return out
+
+
+def _set_row(batched: Any, row: int, value: Any) -> None:
+    if isinstance(batched, dict):
+        for key, leaf in batched.items():
+            _set_row(leaf, row, value[key])
+    elif isinstance(batched, tuple):
+        for leaf, item in zip(batched, value, strict=True):
+            _set_row(leaf, row, item)
+    else:
+        batched[row] = value
+
+
+# -- the batch -------------------------------------------------------------------------------
+
+
+@dataclass
+class EpisodeBatch:
+    """Segments of experience, concatenated (garage's ``EpisodeBatch`` layout).
+
+    With ``T`` steps in ``S`` segments, the segments one after the other:
+
+    Attributes:
+        observations: ``[T, *obs_shape]`` per leaf of the observation space: the observation
+            each action was chosen on.
+        actions: ``[T, *act_shape]`` per leaf of the action space.
+        rewards: ``float64[T]``.
+        terminated: ``bool[T]``; ``truncated``: ``bool[T]``. Only a segment's last step can be
+            True in either.
+        last_observations: ``[S, *obs_shape]``: the observation after each segment's last step
+            (the episode's final observation when it ended there).
+        env_index: ``int64[S]``, the sub-environment of each segment.
+        policy_version: ``int64[S]``, the version of the policy that chose its actions.
+        lengths: ``int64[S]``, steps per segment (each >= 1).
+        agent_infos: what the policy returned besides the actions, ``[T, ...]`` per key.
+        env_infos: ``T`` dicts, each step's own info from its env.
+    """
+
+    observations: Any
+    actions: Any
+    rewards: np.ndarray
+    terminated: np.ndarray
+    truncated: np.ndarray
+    last_observations: Any
+    env_index: np.ndarray
+    policy_version: np.ndarray
+    lengths: np.ndarray
+    agent_infos: dict[str, np.ndarray] = field(default_factory=dict)
+    env_infos: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def num_steps(self) -> int:
+        """``T``, the number of steps (transitions)."""
+        return int(self.rewards.shape[0])
+
+    @property
+    def num_segments(self) -> int:
+        """``S``, the number of segments."""
+        return int(self.lengths.shape[0])
+
+    def __len__(self) -> int:
+        return self.num_steps
+
+    @property
+    def starts(self) -> np.ndarray:
+        """``int64[S]``: index of each segment's first step."""
+        return np.concatenate(([0], np.cumsum(self.lengths)[:-1])).astype(np.int64)
+
+    @property
+    def complete(self) -> np.ndarray:
+        """``bool[S]``: whether each segment ends its episode (terminated or truncated)."""
+        if self.num_segments == 0:
+            return np.zeros(0, dtype=np.bool_)
+        last = self.starts + self.lengths - 1
+        return self.terminated[last] | self.truncated[last]
+
+    @property
+    def next_observations(self) -> Any:
+        """``[T, *obs_shape]``: the observation after each step (a new array)."""
+        last = self.starts + self.lengths - 1
+        following = np.arange(1, self.num_steps + 1)
+        following[last] = -1
+
+        def shift(obs: np.ndarray, last_obs: np.ndarray) -> np.ndarray:
+            out = np.empty_like(obs)
+            inner = following >= 0
+            out[inner] = obs[following[inner]]
+            out[last] = last_obs
+            return out
+
+        return tree_map(shift, self.observations, self.last_observations)
+
+    def select(self, segments: Any) -> EpisodeBatch:
+        """A batch of the segments ``segments`` (a bool mask or indices over ``S``), in order."""
+        index = np.arange(self.num_segments)[segments]
+        starts, lengths = self.starts[index], self.lengths[index]
+        rows = (
+            np.concatenate([np.arange(s, s + n) for s, n in zip(starts, lengths, strict=True)])
+            if len(index)
+            else np.zeros(0, dtype=np.int64)
+        )
+        return EpisodeBatch(
+            observations=tree_rows(self.observations, rows),
+            actions=tree_rows(self.actions, rows),
+            rewards=self.rewards[rows],
+            terminated=self.terminated[rows],
+            truncated=self.truncated[rows],
+            last_observations=tree_rows(self.last_observations, index),
+            env_index=self.env_index[index],
+            policy_version=self.policy_version[index],
+            lengths=lengths.copy(),
+            agent_infos={key: value[rows] for key, value in self.agent_infos.items()},
+            env_infos=[self.env_infos[r] for r in rows.tolist()],
+        )
+
+    def split(self) -> list[EpisodeBatch]:
+        """One batch per segment: per episode, where segments hold whole episodes (as
+        :meth:`Sampler.sample_episodes` returns them), else per piece of an episode."""
+        return [self.select([s]) for s in range(self.num_segments)]
+
+    @staticmethod
+    def concatenate(*batches: EpisodeBatch) -> EpisodeBatch:
+        """The segments of ``batches``, one batch after the other (garage's
+        ``EpisodeBatch.concatenate``).
+
+        Raises:
+            ValueError: no batch given, or agent_infos with different keys.
+        """
+        if not batches:
+            raise ValueError("concatenate() needs at least one EpisodeBatch")
+        keys = set(batches[0].agent_infos)
+        if any(set(b.agent_infos) != keys for b in batches):
+            raise ValueError("the batches' agent_infos have different keys")
+        return EpisodeBatch(
+            observations=tree_concat([b.observations for b in batches]),
+            actions=tree_concat([b.actions for b in batches]),
+            rewards=np.concatenate([b.rewards for b in batches]),
+            terminated=np.concatenate([b.terminated for b in batches]),
+            truncated=np.concatenate([b.truncated for b in batches]),
+            last_observations=tree_concat([b.last_observations for b in batches]),
+            env_index=np.concatenate([b.env_index for b in batches]),
+            policy_version=np.concatenate([b.policy_version for b in batches]),
+            lengths=np.concatenate([b.lengths for b in batches]),
+            agent_infos={
+                key: np.concatenate([b.agent_infos[key] for b in batches]) for key in keys
+            },
+            env_infos=[info for b in batches for info in b.env_infos],
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"EpisodeBatch(num_steps={self.num_steps}, num_segments={self.num_segments}, "
+            f"complete={int(self.complete.sum())}, "
+            f"policy_versions={sorted(set(self.policy_version.tolist()))})"
+        )
+
+
+# -- the recorder ----------------------------------------------------------------------------
+
+
+@dataclass
+class _Chunk:
+    env_ids: np.ndarray
+    observations: Any
+    actions: Any
+    rewards: np.ndarray
+    terminated: np.ndarray
+    truncated: np.ndarray
+    next_observations: Any
+    versions: np.ndarray
+    agent_infos: dict[str, np.ndarray]
+    env_infos: list[dict[str, Any]]
+
+
+class Recorder:
+    """Collects steps of many envs, in any order of envs, and cuts them into segments.
+
+    Each :meth:`add` takes one step of some envs (rows). :meth:`build` groups the rows by env,
+    in the order they were added, and cuts a segment after a step that ended an episode, where
+    the policy version changes, and at the end; the segments come ordered by env index.
+    """
+
+    def __init__(self) -> None:
+        self._chunks: list[_Chunk] = []
+        self.num_rows = 0
+
+    def add(
+        self,
+        env_ids: np.ndarray,
+        observations: Any,
+        actions: Any,
+        rewards: np.ndarray,
+        terminated: np.ndarray,
+        truncated: np.ndarray,
+        next_observations: Any,
+        versions: np.ndarray,
+        agent_infos: dict[str, np.ndarray],
+        env_infos: list[dict[str, Any]],
+    ) -> None:
+        """Record one step of envs ``env_ids`` (arrays are copied)."""
+        self._chunks.append(
+            _Chunk(
+                np.array(env_ids, dtype=np.int64),
+                tree_map(np.array, observations),
+                tree_map(np.array, actions),
+                np.array(rewards, dtype=np.float64),
+                np.array(terminated, dtype=np.bool_),
+                np.array(truncated, dtype=np.bool_),
+                tree_map(np.array, next_observations),
+                np.array(versions, dtype=np.int64),
+                {key: np.array(value) for key, value in agent_infos.items()},
+                list(env_infos),
+            )
+        )
+        self.num_rows += len(env_ids)
+
+    def build(self) -> EpisodeBatch | None:
+        """The recorded steps as an :class:`EpisodeBatch` (``None`` if there are none); the
+        recorder is empty afterwards."""
+        chunks, self._chunks, self.num_rows = self._chunks, [], 0
+        if not chunks:
+            return None
+        env_ids = np.concatenate([c.env_ids for c in chunks])
+        order = np.argsort(env_ids, kind="stable")  # by env, each env's rows in time order
+        env_ids = env_ids[order]
+        versions = np.concatenate([c.versions for c in chunks])[order]
+        terminated = np.concatenate([c.terminated for c in chunks])[order]
+        truncated = np.concatenate([c.truncated for c in chunks])[order]
+        n = len(env_ids)
+        ends = terminated | truncated
+        ends[-1] = True
+        ends[:-1] |= (env_ids[1:] != env_ids[:-1]) | (versions[1:] != versions[:-1])
+        last = np.flatnonzero(ends)
+        lengths = np.diff(np.concatenate(([-1], last)))
+        keys = set(chunks[0].agent_infos)
+        env_infos = [info for c in chunks for info in c.env_infos]
+        return EpisodeBatch(
+            observations=tree_rows(tree_concat([c.observations for c in chunks]), order),
+            actions=tree_rows(tree_concat([c.actions for c in chunks]), order),
+            rewards=np.concatenate([c.rewards for c in chunks])[order],
+            terminated=terminated,
+            truncated=truncated,
+            last_observations=tree_rows(
+                tree_rows(tree_concat([c.next_observations for c in chunks]), order), last
+            ),
+            env_index=env_ids[last],
+            policy_version=versions[last],
+            lengths=lengths.astype(np.int64),
+            agent_infos={
+                key: np.concatenate([c.agent_infos[key] for c in chunks])[order] for key in keys
+            },
+            env_infos=[env_infos[r] for r in order.tolist()] if n else [],
+        )
