@@ -249,9 +249,10 @@ def make(  # type: ignore[misc]  # the overloads stand for its keyword arguments
         EnvCrashedError: a worker died while building its envs.
     """
     if output != "numpy" or device is not None or pin_memory:
+        arguments = dict(locals())  # make()'s arguments, every one
         from envfleet.torch import make_with_output
 
-        return make_with_output(make, {**locals(), "output": output})  # type: ignore[no-any-return]
+        return make_with_output(make, arguments)
     backend = _check_backend(backend)
     if backend == "envpool":
         from envfleet.backends.envpool import make_envpool
