@@ -1,0 +1,168 @@
+"""What ``backend="envpool"`` costs on top of EnvPool itself.
+
+For each task and num_envs, four loops over the same native pool configuration:
+
+- ``sync``: ``step(actions)`` on every env (raw: ``envpool.make(..., env_type="gymnasium")``;
+  envfleet: ``envfleet.make(task, n, backend="envpool")``);
+- ``pool``: EnvPool's asynchronous loop with ``batch_size = num_envs // 2``: ``recv()`` a
+  batch, ``send()`` its actions back by ``info["env_id"]``.
+
+Systems: ``raw`` (EnvPool), ``envfleet`` (``copy=True``, the default) and ``envfleet-view``
+(``copy=False``). Each is measured ``--repeats`` times for ``--seconds`` after a warm-up,
+systems interleaved; the table gives median env steps per second and the median ratio to raw
+within each repetition. EnvPool's threads: ``--threads`` (default: EnvPool's own default).
+
+Run: ``python benchmarks/envpool_overhead.py``; results go to
+``benchmarks/results/envpool.{md,json}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+import envfleet
+
+RESULTS = Path(__file__).resolve().parent / "results"
+SYSTEMS = ("raw", "envfleet", "envfleet-view")
+
+
+def _loop(system: str, task: str, n: int, mode: str, kwargs: dict[str, Any]) -> Any:
+    """(step function returning the env steps it did, close function)."""
+    import envpool
+
+    batch = n if mode == "sync" else n // 2
+    rng = np.random.default_rng(0)
+    num_actions = 6 if task.endswith("-v5") else 2
+    actions = rng.integers(0, num_actions, size=(64, n))
+    k = 0
+    if system == "raw":
+        env: Any = envpool.make(
+            task, env_type="gymnasium", num_envs=n, batch_size=batch, seed=0, **kwargs
+        )
+    else:
+        env = envfleet.make(
+            task,
+            n,
+            backend="envpool",
+            batch_size=None if mode == "sync" else batch,
+            copy=system == "envfleet",
+            env_kwargs={"seed": 0, **kwargs},
+        )
+    if mode == "sync":
+        env.reset()
+
+        def step() -> int:
+            nonlocal k
+            k += 1
+            env.step(actions[k % 64])
+            return n
+
+    else:
+        env.async_reset()
+
+        def step() -> int:
+            nonlocal k
+            k += 1
+            info = env.recv()[-1]
+            env.send(actions[k % 64, :batch], info["env_id"])
+            return batch
+
+    return step, env.close
+
+
+def measure(step: Callable[[], int], seconds: float, warmup: float) -> float:
+    end = time.perf_counter() + warmup
+    while time.perf_counter() < end:
+        step()
+    steps = 0
+    t0 = time.perf_counter()
+    end = t0 + seconds
+    while (now := time.perf_counter()) < end:
+        steps += step()
+    return steps / (now - t0)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--cases",
+        nargs="+",
+        default=["CartPole-v1:16", "CartPole-v1:64", "Pong-v5:8"],
+        help="TASK:NUM_ENVS (EnvPool task ids)",
+    )
+    parser.add_argument("--modes", nargs="+", default=["sync", "pool"])
+    parser.add_argument("--seconds", type=float, default=1.5)
+    parser.add_argument("--warmup", type=float, default=0.3)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--out", default="envpool")
+    args = parser.parse_args(argv)
+    warnings.filterwarnings("ignore")
+    kwargs = {} if args.threads is None else {"num_threads": args.threads}
+    rows = []
+    for case in args.cases:
+        task, n = case.split(":")
+        for mode in args.modes:
+            rates: dict[str, list[float]] = {s: [] for s in SYSTEMS}
+            for rep in range(args.repeats):
+                for system in SYSTEMS:
+                    step, close = _loop(system, task, int(n), mode, kwargs)
+                    try:
+                        rates[system].append(measure(step, args.seconds, args.warmup))
+                    finally:
+                        close()
+                    print(
+                        f"{task} n={n} {mode} {system} rep {rep}: {rates[system][-1]:,.0f} steps/s",
+                        file=sys.stderr,
+                    )
+            row: dict[str, Any] = {"task": task, "num_envs": int(n), "mode": mode}
+            for system in SYSTEMS:
+                row[system] = statistics.median(rates[system])
+                row[f"{system}_all"] = rates[system]
+                row[f"{system}_ratio"] = statistics.median(
+                    a / b for a, b in zip(rates[system], rates["raw"], strict=True)
+                )
+            rows.append(row)
+    lines = [
+        "| task | num_envs | mode | raw EnvPool steps/s | envfleet steps/s (ratio) | "
+        "envfleet copy=False (ratio) |",
+        "|---|---:|---|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['task']} | {r['num_envs']} | {r['mode']} | {r['raw']:,.0f} | "
+            f"{r['envfleet']:,.0f} ({r['envfleet_ratio']:.2f}) | "
+            f"{r['envfleet-view']:,.0f} ({r['envfleet-view_ratio']:.2f}) |"
+        )
+    import envpool
+
+    header = (
+        f"# backend='envpool' against raw EnvPool\n\n"
+        f"envpool {envpool.__version__}, envfleet {envfleet.__version__}, "
+        f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores; "
+        f"median of {args.repeats} x {args.seconds} s; pool: batch_size = num_envs // 2; "
+        f"ratio = envfleet / raw (median per repetition).\n\n"
+        f"Command: `python benchmarks/envpool_overhead.py {' '.join(argv or sys.argv[1:])}`\n\n"
+    )
+    table = "\n".join(lines) + "\n"
+    print(table)
+    out = Path(args.out) if "/" in args.out else RESULTS / args.out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".md").write_text(header + table)
+    out.with_suffix(".json").write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
