@@ -5,6 +5,7 @@ from __future__ import annotations
 import abc
 import functools
 import inspect
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -13,12 +14,19 @@ import gymnasium
 from gymnasium.vector import AutoresetMode
 
 from envfleet.buffers import Batch
-from envfleet.envgroup import EnvFailure
+from envfleet.envgroup import EnvFailure, EnvGroup
 from envfleet.errors import EnvError, SpaceMismatchError
 from envfleet.protocol import Command
-from envfleet.supervisor import Ledger, StepTimeStats
+from envfleet.supervisor import Ledger, StepTimer, StepTimeStats
 
-__all__ = ["Backend", "WorkerLayout", "accepts_env_index", "bind_env_index", "worker_ranges"]
+__all__ = [
+    "Backend",
+    "WorkerLayout",
+    "accepts_env_index",
+    "bind_env_index",
+    "run_command",
+    "worker_ranges",
+]
 
 EnvFn = Callable[..., gymnasium.Env[Any, Any]]
 
@@ -87,6 +95,23 @@ class WorkerLayout:
         return [
             bind_env_index(self.env_fns[i], i, self.accepts_index[i]) for i in range(start, stop)
         ]
+
+
+def run_command(group: EnvGroup, command: Command, payload: Any, timer: StepTimer) -> Any:
+    """Run ``command`` on ``group`` here and now, recording a step's duration in ``timer``.
+
+    The one dispatch of commands to an EnvGroup for the backends that call it directly
+    (``serial``, ``threads``, each ``ray`` actor). Returns what travels back to the front.
+
+    Raises:
+        EnvFailure: an env raised (:class:`PartialFailure` for some envs of a step or reset).
+    """
+    if command is Command.STEP:
+        t0 = time.perf_counter()
+        result = group.step()
+        timer.record(time.perf_counter() - t0)
+        return result
+    return group.run(command, payload)
 
 
 def env_error(env_index: int, worker_index: int | None, method: str, cause_text: str) -> EnvError:

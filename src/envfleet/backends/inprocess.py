@@ -4,13 +4,18 @@ driver, step-time statistics, and the restart of envs that raised (DESIGN §4)."
 from __future__ import annotations
 
 import logging
-import time
 from typing import Any, cast
 
 import gymnasium
 import numpy as np
 
-from envfleet.backends.base import Backend, WorkerLayout, failure_error, mismatch_error
+from envfleet.backends.base import (
+    Backend,
+    WorkerLayout,
+    failure_error,
+    mismatch_error,
+    run_command,
+)
 from envfleet.buffers import Block, allocate_batch
 from envfleet.envgroup import EnvFailure, EnvGroup, PartialFailure
 from envfleet.protocol import Command
@@ -97,12 +102,7 @@ class InProcessBackend(Backend):
 
     def run_group(self, w: int, command: Command, payload: Any) -> Any:
         """Run ``command`` on group ``w`` here and now (timing its steps)."""
-        if command is Command.STEP:
-            t0 = time.perf_counter()
-            result = self.groups[w].step()
-            self._timers[w].record(time.perf_counter() - t0)
-            return result
-        return self.groups[w].run(command, payload)
+        return run_command(self.groups[w], command, payload, self._timers[w])
 
     def settle(self, results: dict[int, Any], failures: dict[int, EnvFailure]) -> dict[int, Any]:
         """Rebuild the envs that raised when the restart policy allows it, else raise.

@@ -1,0 +1,725 @@
+"""``backend="ray"``: EnvGroups in Ray actors, on one machine or across a cluster (DESIGN §2).
+
+Each worker is a Ray actor holding a contiguous block of envs in an :class:`EnvGroup` over
+buffers of its own (the block's rows only: actors on other nodes share no memory with the
+driver). A step sends the block's actions with the command; the actor steps its envs (the same
+EnvGroup code as every backend) and returns its rows (observations, rewards, terminations,
+truncations), the non-empty infos and the step's duration, through Ray's object store; the
+driver writes the rows into its own batch. Actors are placed by Ray's scheduler: by default
+``"SPREAD"`` across the cluster's nodes, each asking for one CPU (or an even share of the
+cluster's CPUs when there are more workers than CPUs); ``ray_options`` changes that (custom
+resources for nodes that have a simulator, GPUs, placement groups, node affinity).
+
+Failures map to the same typed errors as the other backends: an env that raises is an
+:class:`envfleet.EnvError` (its exception and the actor's traceback chained); an actor that
+dies (segfault, ``os._exit``, ``ray.kill``, its node lost) is an :class:`envfleet.EnvCrashedError`
+(Ray does not report a process exit code: ``exitcode`` is ``None`` and the message gives Ray's
+reason); a wait past the timeout kills the late actors and raises
+:class:`envfleet.StepTimeoutError`. A restart policy rebuilds envs inside their actor and
+replaces dead or hung actors with new ones (placed by the same options).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+import cloudpickle
+import gymnasium
+import numpy as np
+import ray
+import ray.exceptions
+from gymnasium.vector import AutoresetMode
+
+from envfleet.backends.base import (
+    Backend,
+    WorkerLayout,
+    bind_env_index,
+    mismatch_error,
+    run_command,
+)
+from envfleet.backends.processes import _remote_env_error, _remote_error
+from envfleet.buffers import Block, allocate_batch, batch_nbytes, tree_slice
+from envfleet.envgroup import EnvFailure, EnvGroup, PartialFailure
+from envfleet.errors import ConfigError, EnvCrashedError, EnvfleetError, StepTimeoutError
+from envfleet.protocol import Command, Failure, RemoteError, Status
+from envfleet.supervisor import (
+    STATS_WORDS,
+    Ledger,
+    StepTimer,
+    StepTimeStats,
+    log_env_restart,
+    merge_events,
+    step_time_table,
+)
+
+__all__ = ["DEFAULT_CLOSE_TIMEOUT", "EnvfleetWorker", "RayBackend", "RayPlan", "plan_ray"]
+
+logger = logging.getLogger("envfleet")
+
+DEFAULT_CLOSE_TIMEOUT = 5.0  # seconds for the actors to close their envs before being killed
+_KILL_GRACE = 2.0  # seconds close() waits for Ray to confirm that killed actors are gone
+_START_WARN_S = 30.0  # seconds between warnings while actors wait to be placed
+# Actor options envfleet owns: Ray restarting actors or retrying tasks on its own, or running
+# two commands at once, would break the supervisor's accounting and the EnvGroup's state.
+_RESERVED_OPTIONS = ("max_restarts", "max_task_retries", "max_concurrency", "concurrency_groups")
+_DATA_COMMANDS = (Command.STEP, Command.RESET, Command.RESTART)
+
+# What every actor call returns: (status, payload, the group's rows or None, step seconds).
+_Reply = tuple[Status, Any, Any, float]
+
+
+# -- planning (called by make) ------------------------------------------------------------------
+
+
+@dataclass
+class RayPlan:
+    """Worker count and actor options for the Ray backend (see :func:`plan_ray`)."""
+
+    num_workers: int
+    actor_options: dict[str, Any]
+    started: bool  # whether make() connected to (or started) Ray itself
+
+
+def connect(address: str | None) -> bool:
+    """Connect to Ray unless this process already is: ``ray.init(address=address)``.
+
+    ``address=None`` starts a local cluster (or joins the one ``RAY_ADDRESS`` names);
+    ``"auto"`` joins the cluster started on this machine with ``ray start``;
+    ``"ray://host:10001"`` goes through Ray Client. Returns whether it connected now. A
+    cluster envfleet starts lives until this interpreter exits (or ``ray.shutdown()``); envfleet
+    never shuts down a cluster.
+
+    Raises:
+        ConfigError: Ray could not connect or start.
+    """
+    if ray.is_initialized():
+        if address is not None:
+            logger.debug("ray is already initialized; ignoring ray_address=%r", address)
+        return False
+    logger.info(
+        "starting a local Ray cluster" if address is None else "connecting to Ray at %s", address
+    )
+    try:
+        ray.init(address=address, include_dashboard=False)
+    except (ConnectionError, ValueError, RuntimeError, TimeoutError) as exc:
+        raise ConfigError(f"cannot connect to Ray at {address!r}: {exc}") from exc
+    return True
+
+
+def plan_ray(
+    num_envs: int,
+    num_workers: int | None,
+    address: str | None,
+    options: Mapping[str, Any] | None,
+) -> RayPlan:
+    """Connect to Ray and choose the worker count and each actor's options.
+
+    Defaults: ``num_workers = min(num_envs, the cluster's CPUs)``; each actor asks for
+    ``num_cpus=1``, or an even share of the cluster's CPUs when ``num_workers`` exceeds them
+    (Ray's CPUs are logical: a share only packs more actors per core), with
+    ``scheduling_strategy="SPREAD"``. ``options`` override these and go to the actor's
+    ``.options(...)`` (``num_cpus``, ``num_gpus``, ``resources={"simulator": 1}``,
+    ``scheduling_strategy``, ``runtime_env``, ``memory``, ...).
+
+    Raises:
+        ConfigError: ``options`` is not a mapping, holds an option envfleet owns
+            (``max_restarts``, ``max_task_retries``, ``max_concurrency``), an option Ray
+            rejects, or asks for more of a resource than the cluster has in all
+            (``num_workers`` x the per-actor amount); Ray could not connect.
+    """
+    if options is not None and not isinstance(options, Mapping):
+        raise ConfigError(f"ray_options must be None or a dict, got {type(options).__name__}")
+    options = dict(options or {})
+    reserved = sorted(set(options) & set(_RESERVED_OPTIONS))
+    if reserved:
+        raise ConfigError(
+            f"ray_options {reserved} are envfleet's to set: it restarts actors itself "
+            "(restart_policy) and runs one command at a time in each"
+        )
+    started = connect(address)
+    total = ray.cluster_resources()
+    cpus = float(total.get("CPU", 0.0))
+    if num_workers is None:
+        num_workers = max(1, min(num_envs, int(cpus)))
+    actor_options: dict[str, Any] = {"scheduling_strategy": "SPREAD"}
+    if "num_cpus" not in options:
+        share = math.floor(cpus / num_workers * 1e4) / 1e4 if num_workers > cpus else 1.0
+        actor_options["num_cpus"] = share if share > 0 else 1.0
+    actor_options.update(options)
+    asked: dict[str, float] = {
+        "CPU": float(actor_options.get("num_cpus") or 0.0),
+        "GPU": float(actor_options.get("num_gpus") or 0.0),
+        **{str(k): float(v) for k, v in (actor_options.get("resources") or {}).items()},
+    }
+    for name, amount in asked.items():
+        have = float(total.get(name, 0.0))
+        if amount * num_workers > have + 1e-9:
+            raise ConfigError(
+                f"{num_workers} Ray actors asking for {amount:g} {name} each need "
+                f"{amount * num_workers:g}, but the cluster has {have:g}: lower num_workers or "
+                "the amount in ray_options (fractions work, e.g. num_cpus=0.5), or add nodes"
+            )
+    try:
+        _RemoteWorker.options(**actor_options)
+    except (ValueError, TypeError) as exc:
+        raise ConfigError(f"ray_options rejected by Ray: {exc}") from exc
+    return RayPlan(num_workers, actor_options, started)
+
+
+# -- the actor --------------------------------------------------------------------------------
+
+
+@dataclass
+class _ActorSpec:
+    """What an actor receives at creation."""
+
+    worker_index: int
+    start: int
+    stop: int
+    env_fns: list[bytes]  # cloudpickled factories, one per env of the block
+    accepts_index: list[bool]
+    single_observation_space: gymnasium.Space[Any]
+    single_action_space: gymnasium.Space[Any]
+    autoreset_mode: AutoresetMode
+
+
+class _LastStepTimer(StepTimer):
+    """A StepTimer over a private row that also keeps the last step's seconds (sent back)."""
+
+    __slots__ = ("seconds",)
+
+    def __init__(self) -> None:
+        super().__init__(np.zeros(STATS_WORDS))
+        self.seconds = 0.0
+
+    def record(self, seconds: float) -> None:
+        super().record(seconds)
+        self.seconds = seconds
+
+
+class EnvfleetWorker:
+    """The Ray actor of one worker: an EnvGroup over buffers of the block's K rows.
+
+    Every method returns ``(status, payload, rows, seconds)``: ``rows`` is ``None`` or the
+    block's (observations, rewards ``float64[K]``, terminations ``bool[K]``, truncations
+    ``bool[K]``); ``seconds`` the last step's duration.
+    """
+
+    def __init__(self, spec: _ActorSpec):
+        self.spec = spec
+        self.group: EnvGroup | None = None
+        self.timer = _LastStepTimer()
+        self.batch: Any = None
+        self.startup: tuple[Status, Any]
+        try:
+            fns = [
+                bind_env_index(cloudpickle.loads(blob), spec.start + j, spec.accepts_index[j])
+                for j, blob in enumerate(spec.env_fns)
+            ]
+            size = spec.stop - spec.start
+            obs_space, act_space = spec.single_observation_space, spec.single_action_space
+            block = Block(batch_nbytes(obs_space, act_space, size), shared=False)
+            self.batch = allocate_batch(obs_space, act_space, size, block)
+            self.group = EnvGroup(
+                fns,
+                spec.start,
+                self.batch,
+                obs_space,
+                act_space,
+                spec.autoreset_mode,
+                batch_offset=spec.start,
+            )
+            self.startup = (Status.READY, self.group.check_spaces())
+        except EnvFailure as failure:
+            error = _remote_error(failure, failure.env_index, failure.method)
+            self.startup = (Status.ERROR, Failure([error]))
+        except Exception as exc:
+            self.startup = (Status.ERROR, Failure([_remote_error(exc, spec.start, "make")]))
+
+    def ready(self) -> _Reply:
+        """Whether the envs were built: READY with a space mismatch or ``None``, or ERROR."""
+        status, payload = self.startup
+        return status, payload, None, 0.0
+
+    def run(self, command: Command, payload: Any, actions: Any) -> _Reply:
+        """Run ``command`` on the group; ``actions`` (the block's rows) come with a step."""
+        group = cast(EnvGroup, self.group)
+        if actions is not None:
+            _tree_write(group.buffers.actions, actions)
+        status = Status.OK
+        try:
+            result = run_command(group, command, payload, self.timer)
+            if command in (Command.CALL, Command.RENDER):
+                cloudpickle.dumps(result)  # fails here, reported, rather than inside Ray
+        except PartialFailure as failure:
+            errors = [_remote_error(f, f.env_index, f.method) for f in failure.failures]
+            status, result = Status.ERROR, Failure(errors, failure.events or None, partial=True)
+        except EnvFailure as failure:
+            error = _remote_error(failure, failure.env_index, failure.method)
+            status, result = Status.ERROR, Failure([error])
+        except Exception as exc:  # a bug outside any env, or a result that does not pickle
+            what = "pickling the result" if command in (Command.CALL, Command.RENDER) else None
+            error = _remote_error(exc, group.start, what or command.name.lower())
+            status, result = Status.ERROR, Failure([error])
+        rows = None
+        if command in _DATA_COMMANDS:
+            b = self.batch
+            rows = (b.observations, b.rewards, b.terminations, b.truncations)
+        return status, result or None, rows, self.timer.seconds
+
+    def where(self) -> tuple[str, int]:
+        """(Ray node id, process id) of this actor."""
+        return ray.get_runtime_context().get_node_id(), os.getpid()
+
+    def close(self) -> None:
+        if self.group is not None:
+            self.group.close()
+            self.group = None
+
+
+_RemoteWorker: Any = ray.remote(EnvfleetWorker)
+
+
+def _tree_write(dst: Any, src: Any) -> None:
+    """Copy ``src`` into the arrays of ``dst`` (same nested dict/tuple structure)."""
+    if isinstance(dst, dict):
+        for key, value in dst.items():
+            _tree_write(value, src[key])
+    elif isinstance(dst, tuple):
+        for value, rows in zip(dst, src, strict=True):
+            _tree_write(value, rows)
+    else:
+        dst[...] = src
+
+
+# -- the driver side ----------------------------------------------------------------------------
+
+
+@dataclass
+class _Round:
+    """What one wait on the actors found."""
+
+    results: dict[int, Any] = field(default_factory=dict)
+    failures: dict[int, Failure] = field(default_factory=dict)
+    crashed: dict[int, str] = field(default_factory=dict)  # worker -> Ray's reason
+    late: list[int] = field(default_factory=list)
+
+    @property
+    def failed(self) -> bool:
+        return bool(self.failures or self.crashed or self.late)
+
+
+class RayBackend(Backend):
+    """One Ray actor per block of envs; results come back through Ray's object store.
+
+    Args:
+        layout: envs, spaces and blocks (``layout.ranges``: one per actor, in order).
+        block: a private :class:`Block` (``shared=False``) sized by
+            :func:`envfleet.buffers.batch_nbytes`: the driver's batch.
+        env_fn_blobs: per env, its factory cloudpickled.
+        actor_options: passed to each actor's ``.options(...)`` (see :func:`plan_ray`).
+        ledger: the supervisor's record; with a restart policy, envs that raise are rebuilt in
+            their actor, and dead or hung actors are replaced.
+        pool: serve a first-ready pool (:meth:`collect_ready` returns whichever actors finish
+            first).
+        first_env: env 0, built by :func:`envfleet.make` to learn the spaces; closed here.
+
+    Raises:
+        EnvError: a factory raised while building an env (``method == "make"``).
+        SpaceMismatchError: an env's spaces differ from ``layout``'s.
+        EnvCrashedError: an actor died while starting.
+    """
+
+    def __init__(
+        self,
+        layout: WorkerLayout,
+        block: Block,
+        env_fn_blobs: list[bytes],
+        *,
+        actor_options: Mapping[str, Any] | None = None,
+        ledger: Ledger | None = None,
+        pool: bool = False,
+        first_env: gymnasium.Env[Any, Any] | None = None,
+    ):
+        self.ranges = list(layout.ranges)
+        self.ledger = ledger if ledger is not None else Ledger(layout.num_envs, None)
+        self._layout, self._blobs = layout, env_fn_blobs
+        self._options = dict(actor_options or {})
+        self._pool = pool
+        self.batch = allocate_batch(
+            layout.single_observation_space, layout.single_action_space, layout.num_envs, block
+        )
+        workers = len(self.ranges)
+        self._stats = np.zeros((workers, STATS_WORDS))
+        self._timers = [StepTimer(row) for row in self._stats]
+        self._actors: list[Any] = [None] * workers
+        self._pending: dict[int, Any] = {}  # worker -> ObjectRef of its running command
+        self._command = Command.STEP
+        self._kept: dict[int, Any] = {}  # pool replies held back by an env error
+        self._kept_failures: list[tuple[int, Failure]] = []
+        self._closed = False
+        try:
+            for w in range(workers):
+                self._start_actor(w)
+            if first_env is not None:
+                first_env.close()
+                first_env = None
+            self._check_ready(self._await_ready(range(workers), step=0))
+        except BaseException:
+            if first_env is not None:
+                first_env.close()
+            self.close(timeout=0, terminate=True)
+            raise
+
+    # -- actors -----------------------------------------------------------------------------
+
+    def _start_actor(self, w: int) -> None:
+        layout = self._layout
+        start, stop = self.ranges[w]
+        spec = _ActorSpec(
+            worker_index=w,
+            start=start,
+            stop=stop,
+            env_fns=self._blobs[start:stop],
+            accepts_index=list(layout.accepts_index[start:stop]),
+            single_observation_space=layout.single_observation_space,
+            single_action_space=layout.single_action_space,
+            autoreset_mode=layout.autoreset_mode,
+        )
+        self._actors[w] = _RemoteWorker.options(**self._options).remote(spec)
+
+    def _await_ready(self, workers: Iterable[int], step: int) -> _Round:
+        """Wait (unbounded, warning while Ray cannot place them) for the actors to build
+        their envs; a dead one raises at once."""
+        refs = {w: self._actors[w].ready.remote() for w in workers}
+        waiting = list(refs.values())
+        while True:
+            _, waiting = ray.wait(waiting, num_returns=len(waiting), timeout=_START_WARN_S)
+            if not waiting:
+                break
+            late = [w for w, ref in refs.items() if ref in waiting]
+            logger.warning(
+                "Ray actors %s have not started after %g s: is the cluster short of the "
+                "resources they ask for (%s)? Still waiting",
+                late,
+                _START_WARN_S,
+                self._options,
+            )
+        return self._wait(refs, None, step, fail_fast=True, starting=True)
+
+    def _check_ready(self, done: _Round) -> None:
+        """Raise for the first actor that could not start (an env error or a space mismatch)."""
+        if done.failures:
+            w = min(done.failures)
+            raise _remote_env_error(done.failures[w].errors[0], w, "")
+        for w in sorted(done.results):
+            if done.results[w] is not None:
+                raise mismatch_error(done.results[w])
+
+    def placement(self) -> list[tuple[str, int]]:
+        """Per worker, the (Ray node id, process id) of its actor (a round trip to each)."""
+        return list(ray.get([actor.where.remote() for actor in self._actors]))
+
+    # -- Backend ---------------------------------------------------------------------------
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def step_times(self) -> tuple[StepTimeStats, ...]:
+        return step_time_table(self._stats)
+
+    def drop_kept(self) -> None:
+        self._kept, self._kept_failures = {}, []
+
+    def _guarded(self, call: Any, *args: Any) -> Any:
+        """``call(*args)``; shut down if it ends with anything but an envfleet error (an
+        interrupt between sending commands and reading replies leaves replies unread)."""
+        try:
+            return call(*args)
+        except EnvfleetError:
+            raise
+        except BaseException:
+            self.close(timeout=0, terminate=True)
+            raise
+
+    def submit(self, command: Command, payloads: Mapping[int, Any], step: int) -> None:
+        self._guarded(self._submit, command, payloads)
+
+    def _submit(self, command: Command, payloads: Mapping[int, Any]) -> None:
+        self._command = command
+        actions = self.batch.actions
+        for w in sorted(payloads):
+            start, stop = self.ranges[w]
+            rows = tree_slice(actions, start, stop) if command is Command.STEP else None
+            # A dead actor's call returns a reference that raises when read: collect sees it.
+            self._pending[w] = self._actors[w].run.remote(command, payloads[w], rows)
+
+    def collect(self, timeout: float | None, step: int) -> dict[int, Any]:
+        return cast(dict[int, Any], self._guarded(self._collect, timeout, step))
+
+    def _collect(self, timeout: float | None, step: int) -> dict[int, Any]:
+        refs, self._pending = self._pending, {}
+        fail_fast = not self.ledger.restarts_on(self._command)
+        done = self._wait(refs, timeout, step, fail_fast)
+        results = self._settle(done, timeout, step) if done.failed else done.results
+        return dict(sorted(results.items()))
+
+    def collect_ready(self, timeout: float | None, step: int) -> dict[int, Any]:
+        """First-ready pool: wait until at least one pending actor has replied; return the
+        replies of every actor done by then (worker index -> result).
+
+        Raises:
+            EnvError: an env raised; the other replies read with it, and any other env error,
+                are kept for the next calls (one error per call).
+            EnvCrashedError: a pending actor died; the backend is shut down.
+            StepTimeoutError: no actor replied within ``timeout`` seconds; shut down.
+        """
+        return cast(dict[int, Any], self._guarded(self._collect_ready, timeout, step))
+
+    def _collect_ready(self, timeout: float | None, step: int) -> dict[int, Any]:
+        if self._kept_failures:
+            w, failure = self._kept_failures.pop(0)
+            raise _remote_env_error(failure.errors[0], w, "")
+        if self._kept:
+            kept, self._kept = self._kept, {}
+            return kept
+        if not self._pool:  # synchronous send/recv: every env is pending, wait for them all
+            return self._collect(timeout, step)
+        pending = self._pending
+        refs = list(pending.values())
+        first, _ = ray.wait(refs, num_returns=1, timeout=timeout)
+        if not first:
+            self.ledger.timeouts += 1
+            self._raise_timeout(sorted(pending), cast(float, timeout))
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+        ready_set = set(ready) | set(first)
+        done_refs = {w: ref for w, ref in pending.items() if ref in ready_set}
+        for w in done_refs:
+            del pending[w]
+        done = self._wait(done_refs, None, step, fail_fast=True)
+        if done.failures:
+            # One error per call: the other replies and failures are kept for the next calls,
+            # so nothing finished is lost and every failed block is reported.
+            self._kept.update(done.results)
+            self.ledger.env_errors += sum(len(f.errors) for f in done.failures.values())
+            failures = sorted(done.failures.items())
+            self._kept_failures.extend(failures[1:])
+            w, failure = failures[0]
+            raise _remote_env_error(failure.errors[0], w, "")
+        return dict(sorted(done.results.items()))
+
+    # -- waiting and reading replies ----------------------------------------------------------
+
+    def _wait(
+        self,
+        refs: Mapping[int, Any],
+        timeout: float | None,
+        step: int,
+        fail_fast: bool,
+        starting: bool = False,
+    ) -> _Round:
+        """Wait for the replies ``refs`` (worker -> ObjectRef) and read them, as they come.
+
+        ``fail_fast``: a dead actor or the timeout raises at once (and closes the backend);
+        otherwise they are noted in the returned round, with env failures, for :meth:`_settle`.
+        """
+        done = _Round()
+        waiting = {ref: w for w, ref in refs.items()}
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while waiting:
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ready, _ = ray.wait(list(waiting), num_returns=1, timeout=remaining)
+            if not ready:
+                done.late = sorted(waiting.values())
+                break
+            for ref in ready:
+                self._read(waiting.pop(ref), ref, done, step, fail_fast, starting)
+        if done.late:
+            self.ledger.timeouts += 1
+            if fail_fast:
+                self._raise_timeout(done.late, cast(float, timeout))
+        return done
+
+    def _read(
+        self, w: int, ref: Any, done: _Round, step: int, fail_fast: bool, starting: bool
+    ) -> None:
+        try:
+            status, payload, rows, seconds = ray.get(ref)
+        except ray.exceptions.RayTaskError as exc:
+            # The actor's method raised outside any env (e.g. infos that Ray cannot pickle).
+            cause = exc.cause if isinstance(getattr(exc, "cause", None), BaseException) else exc
+            error = RemoteError(
+                self.ranges[w][0],
+                "make" if starting else self._command.name.lower(),
+                type(cause).__qualname__,
+                str(cause),
+                str(exc),
+                None,
+            )
+            done.failures[w] = Failure([error])
+            return
+        except ray.exceptions.RayError as exc:  # the actor died, or its node
+            reason = _reason(exc)
+            done.crashed[w] = reason
+            if fail_fast:
+                self._raise_crashed(w, step, reason=reason, starting=starting)
+            return
+        if rows is not None:
+            start, stop = self.ranges[w]
+            b = self.batch
+            _tree_write(tree_slice(b.observations, start, stop), rows[0])
+            b.rewards[start:stop] = rows[1]
+            b.terminations[start:stop] = rows[2]
+            b.truncations[start:stop] = rows[3]
+        if status == Status.ERROR:
+            done.failures[w] = cast(Failure, payload)
+            return
+        done.results[w] = payload
+        if self._command is Command.STEP and not starting:
+            self._timers[w].record(seconds)
+
+    # -- the supervisor's part ------------------------------------------------------------------
+
+    def _settle(self, done: _Round, timeout: float | None, step: int) -> dict[int, Any]:
+        """Rebuild what failed when the restart policy allows it, else raise the typed error.
+
+        Env errors leave the backend usable; a dead or hung actor shuts it down unless it is
+        replaced.
+        """
+        ledger = self.ledger
+        ledger.env_errors += sum(len(f.errors) for f in done.failures.values())
+        failed_envs = {w: [e.env_index for e in f.errors] for w, f in sorted(done.failures.items())}
+        respawn = sorted([*done.crashed, *done.late])
+        note = ledger.refusal(
+            self._command,
+            all(f.partial for f in done.failures.values()),
+            len(respawn) + sum(map(len, failed_envs.values())),
+        )
+        if note is not None:
+            if done.crashed:
+                w = min(done.crashed)
+                self._raise_crashed(w, step, note, reason=done.crashed[w])
+            if done.late:
+                self._raise_timeout(done.late, cast(float, timeout), note)
+            w = min(done.failures)
+            raise _remote_env_error(done.failures[w].errors[0], w, note)
+        ledger.crashes += len(done.crashed)
+        for f in done.failures.values():
+            for error in f.errors:
+                log_env_restart(error.env_index, error.method, error.type_name, error.message)
+        for w in respawn:
+            why = f"died ({done.crashed[w]})" if w in done.crashed else "did not answer in time"
+            logger.warning("Ray actor of worker %d %s; replacing it and its envs", w, why)
+            with contextlib.suppress(Exception):
+                ray.kill(self._actors[w], no_restart=True)
+            self._start_actor(w)
+        if respawn:
+            try:
+                self._check_ready(self._await_ready(respawn, step))
+            except EnvfleetError:  # a new actor could not start: give up
+                self.close(timeout=0, terminate=True)
+                raise
+            for w in respawn:
+                failed_envs[w] = list(range(*self.ranges[w]))
+        requests = {
+            w: ledger.restart_request(self.ranges[w][0], envs, self._command, w not in respawn)
+            for w, envs in failed_envs.items()
+        }
+        command = self._command
+        self._submit(Command.RESTART, requests)
+        refs, self._pending = self._pending, {}
+        restarted = self._wait(refs, timeout, step, fail_fast=True)
+        self._command = command
+        if restarted.failures:
+            w = min(restarted.failures)
+            exc = _remote_env_error(restarted.failures[w].errors[0], w, "")
+            self.close(timeout=0, terminate=True)
+            raise exc
+        results = done.results
+        for w, envs in failed_envs.items():
+            if w in respawn:
+                ledger.restarted(envs)
+            else:
+                for e in envs:
+                    ledger.restarted([e])
+            failure = done.failures.get(w)
+            events = None if failure is None else failure.events
+            results[w] = merge_events(events, restarted.results.get(w))
+        return results
+
+    def _raise_crashed(
+        self, w: int, step: int, note: str = "", reason: str = "", starting: bool = False
+    ) -> None:
+        self.ledger.crashes += 1
+        start, stop = self.ranges[w]
+        self.close(timeout=0, terminate=True)
+        when = "while starting" if starting else f"after {step} steps"
+        raise EnvCrashedError(
+            f"the Ray actor of worker {w} (sub-environments {start}..{stop - 1}) died {when}"
+            f"{f' ({reason})' if reason else ''}; {note + '; ' if note else ''}"
+            "the vector env was closed",
+            env_indices=range(start, stop),
+            worker_index=w,
+            exitcode=None,
+            step=step,
+        )
+
+    def _raise_timeout(self, late: list[int], timeout: float, note: str = "") -> None:
+        envs = [e for w in late for e in range(*self.ranges[w])]
+        self.close(timeout=0, terminate=True)
+        raise StepTimeoutError(
+            f"Ray actors of workers {late} (sub-environments {envs}) did not answer within "
+            f"{timeout} s; {note + '; ' if note else ''}they were killed and the vector env closed",
+            envs,
+            timeout,
+        )
+
+    # -- close ----------------------------------------------------------------------------------
+
+    def close(self, timeout: float | None, terminate: bool) -> None:
+        """Close the envs, then kill every actor; bounded.
+
+        Without ``terminate`` and with no command pending, each actor closes its envs within
+        ``timeout`` seconds (default :data:`DEFAULT_CLOSE_TIMEOUT`, shared by all). Then every
+        actor is killed (``ray.kill``), and close waits up to a couple of seconds for Ray to
+        confirm that they are gone.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        actors = [actor for actor in self._actors if actor is not None]
+        graceful = not terminate and not self._pending
+        if self._pending and not terminate:
+            logger.warning(
+                "closing while Ray actors %s are busy; killing them", sorted(self._pending)
+            )
+        self._pending = {}
+        self._actors = [None] * len(self._actors)
+        if not actors or not ray.is_initialized():
+            return
+        with contextlib.suppress(Exception):
+            if graceful:
+                refs = [actor.close.remote() for actor in actors]
+                limit = DEFAULT_CLOSE_TIMEOUT if timeout is None else timeout
+                ray.wait(refs, num_returns=len(refs), timeout=limit)
+        for actor in actors:
+            with contextlib.suppress(Exception):
+                ray.kill(actor, no_restart=True)
+        with contextlib.suppress(Exception):
+            # Calls on a killed actor fail once Ray has seen it die: wait for that, bounded.
+            probes = [actor.where.remote() for actor in actors]
+            ray.wait(probes, num_returns=len(probes), timeout=_KILL_GRACE)
+
+
+def _reason(exc: BaseException) -> str:
+    """The first lines of Ray's account of an actor's death, on one line."""
+    text = " ".join(str(exc).split())
+    return text[:300] + ("..." if len(text) > 300 else "")
