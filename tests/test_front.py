@@ -64,12 +64,6 @@ def test_unknown_backend(backend):
         envfleet.make("CartPole-v1", 2, backend=backend)
 
 
-@pytest.mark.parametrize("backend", ["ray", "envpool"])
-def test_later_backends_not_available_yet(backend):
-    with pytest.raises(envfleet.ConfigError, match="not available yet"):
-        envfleet.make("CartPole-v1", 2, backend=backend)
-
-
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_unknown_env_id(backend):
     with pytest.raises(envfleet.ConfigError, match="NoSuchEnv-v0"):

@@ -84,10 +84,12 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--backends",
         type=_names(envfleet.BACKENDS, "backend"),
-        default=list(envfleet.BACKENDS),
+        # envpool runs EnvPool's own tasks, not the gymnasium env of the same id: asked only.
+        default=[b for b in envfleet.BACKENDS if b != "envpool"],
         metavar="LIST",
         help=(
-            f"comma-separated envfleet backends, or 'none' (default: {','.join(envfleet.BACKENDS)})"
+            "comma-separated envfleet backends, or 'none' (default: "
+            f"{','.join(b for b in envfleet.BACKENDS if b != 'envpool')})"
         ),
     )
     bench.add_argument(
