@@ -1,0 +1,202 @@
+"""The stable-baselines3 adapter: differential against SB3's DummyVecEnv, the VecEnv API, PPO."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+import pytest
+
+import envfleet
+from tests.envs import IndexedEnv, make_indexed, make_indexed_kwonly
+
+pytest.importorskip("stable_baselines3")
+
+from stable_baselines3 import PPO  # noqa: E402
+from stable_baselines3.common.monitor import Monitor  # noqa: E402
+from stable_baselines3.common.vec_env import DummyVecEnv  # noqa: E402
+
+from envfleet.adapters.sb3 import SB3VecEnv  # noqa: E402
+
+NUM_ENVS = 3
+
+
+def assert_info_equal(got: Any, want: Any, path: str) -> None:
+    """Equal values, same key order; arrays of the same dtype. Python scalars in DummyVecEnv's
+    infos come back from gymnasium's vector infos as numpy scalars of equal value."""
+    if isinstance(want, dict):
+        assert isinstance(got, dict) and list(got) == list(want), f"{path}: {got} != {want}"
+        for key in want:
+            assert_info_equal(got[key], want[key], f"{path}[{key!r}]")
+    elif isinstance(want, (list, tuple)):
+        assert type(got) is type(want) and len(got) == len(want), f"{path}: {got} != {want}"
+        for k, (g, w) in enumerate(zip(got, want, strict=True)):
+            assert_info_equal(g, w, f"{path}[{k}]")
+    elif isinstance(want, np.ndarray):
+        assert isinstance(got, np.ndarray) and got.dtype == want.dtype, f"{path}: {got!r}"
+        np.testing.assert_array_equal(got, want, err_msg=path)
+    else:
+        assert got == want, f"{path}: {got!r} != {want!r}"
+        assert type(got) is type(want) or np.asarray(got).dtype.kind == np.asarray(want).dtype.kind
+
+
+def assert_obs_equal(got: Any, want: Any) -> None:
+    assert type(got) is type(want)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    np.testing.assert_array_equal(got, want)
+
+
+def check_against_dummy(venv: SB3VecEnv, ref: DummyVecEnv, steps: int, seed: int) -> dict:
+    """Step both with the same actions; compare everything SB3 sees. Returns counts."""
+    venv.seed(seed)
+    ref.seed(seed)
+    assert_obs_equal(venv.reset(), ref.reset())
+    assert_info_equal(venv.reset_infos, ref.reset_infos, "reset_infos")
+    space = ref.action_space
+    space.seed(seed)
+    counts = {"dones": 0, "truncated": 0}
+    for t in range(steps):
+        actions = np.stack([space.sample() for _ in range(NUM_ENVS)])
+        obs, rewards, dones, infos = venv.step(actions)
+        w_obs, w_rewards, w_dones, w_infos = ref.step(actions)
+        assert_obs_equal(obs, w_obs)
+        assert rewards.dtype == w_rewards.dtype == np.float32
+        np.testing.assert_array_equal(rewards, w_rewards, err_msg=f"rewards at step {t}")
+        assert dones.dtype == w_dones.dtype and dones.tolist() == w_dones.tolist(), t
+        assert len(infos) == NUM_ENVS
+        assert_info_equal(infos, w_infos, f"infos at step {t}")
+        assert_info_equal(venv.reset_infos, ref.reset_infos, f"reset_infos at step {t}")
+        counts["dones"] += int(dones.sum())
+        counts["truncated"] += sum(info["TimeLimit.truncated"] for info in infos)
+    return counts
+
+
+@pytest.mark.parametrize("backend", ["serial", "processes"])
+@pytest.mark.parametrize(
+    "env_id, steps",
+    [
+        ("CartPole-v1", 120),  # terminations; Box obs, Discrete actions
+        ("Pendulum-v1", 205),  # truncation at 200 steps (TimeLimit.truncated); Box actions
+        ("Taxi-v4", 205),  # Discrete obs, infos with an int8 array and a float; truncation
+    ],
+)
+def test_matches_dummy_vec_env(backend, env_id, steps):
+    venv = SB3VecEnv(env_id, NUM_ENVS, backend=backend)
+    ref = DummyVecEnv([lambda: gym.make(env_id)] * NUM_ENVS)
+    try:
+        counts = check_against_dummy(venv, ref, steps, seed=11)
+        assert counts["dones"] > 0
+        if env_id != "CartPole-v1":
+            assert counts["truncated"] > 0
+        # Seeds are used once (SB3): the next reset is unseeded in both, so only shapes match.
+        assert venv._seeds == [None] * NUM_ENVS
+        assert venv.reset().shape == ref.reset().shape
+    finally:
+        venv.close()
+        ref.close()
+
+
+def test_options_per_env(make_env):
+    """set_options with different options per env (CartPole's reset bounds), as DummyVecEnv."""
+    venv = SB3VecEnv("CartPole-v1", NUM_ENVS, backend="processes")
+    ref = DummyVecEnv([lambda: gym.make("CartPole-v1")] * NUM_ENVS)
+    try:
+        for options in (
+            [{"low": -0.01, "high": 0.01}, {}, {"low": -0.2, "high": 0.2}],
+            {"low": -0.3, "high": 0.3},
+        ):
+            venv.set_options(options)
+            ref.set_options(options)
+            check_against_dummy(venv, ref, 20, seed=5)
+            assert venv._options == [{}] * NUM_ENVS
+    finally:
+        venv.close()
+        ref.close()
+
+
+def test_attributes_and_methods_act_on_indices_only():
+    venv = SB3VecEnv(make_indexed, 4, backend="processes", num_workers=2)
+    try:
+        assert venv.get_attr("env_index") == [0, 1, 2, 3]
+        assert venv.get_attr("env_index", indices=[3, 1]) == [3, 1]
+        assert venv.get_attr("env_index", indices=2) == [2]
+        venv.set_attr("value", "x", indices=[1, 2])
+        assert venv.get_attr("value") == [None, "x", "x", None]
+        assert venv.env_method("add", 10, y=1, indices=[2, 0]) == [13, 11]
+        # A method with a side effect runs on the chosen envs only.
+        venv.env_method("__setattr__", "value", 7, indices=3)
+        assert venv.get_attr("value") == [None, "x", "x", 7]
+        assert venv.has_attr("value") and not venv.has_attr("no_such_attribute")
+        with pytest.raises(AttributeError):
+            venv.get_attr("no_such_attribute", indices=[0])
+        with pytest.raises(envfleet.EnvError):
+            venv.env_method("no_such_method")
+        assert len(set(venv.get_attr("pid"))) == 2  # the envs live in 2 worker processes
+        assert venv.env_is_wrapped(Monitor) == [False] * 4
+    finally:
+        venv.close()
+
+
+def test_env_is_wrapped():
+    def monitored(env_index):
+        env = gym.make("CartPole-v1")
+        return Monitor(env) if env_index % 2 == 0 else env
+
+    venv = SB3VecEnv(monitored, 4, backend="processes")
+    try:
+        assert venv.env_is_wrapped(Monitor) == [True, False, True, False]
+        assert venv.env_is_wrapped(Monitor, indices=[1, 0]) == [False, True]
+        assert venv.env_is_wrapped(gym.wrappers.TimeLimit) == [True] * 4
+    finally:
+        venv.close()
+
+
+def test_render_and_get_images():
+    factory = functools.partial(make_indexed_kwonly, render_mode="rgb_array")
+    venv = SB3VecEnv(factory, 4, backend="serial")
+    try:
+        assert venv.render_mode == "rgb_array"
+        images = venv.get_images()
+        assert [int(img[0, 0, 0]) for img in images] == [0, 1, 2, 3]
+        tiled = venv.render(mode="rgb_array")
+        assert tiled is not None and tiled.shape == (10, 14, 3)  # 2 x 2 tiles of 5 x 7
+    finally:
+        venv.close()
+    venv = SB3VecEnv(IndexedEnv, 2, backend="serial")
+    try:
+        with pytest.warns(UserWarning):
+            assert venv.get_images() == [None, None]
+    finally:
+        venv.close()
+
+
+def test_fixed_arguments_refused():
+    with pytest.raises(envfleet.ConfigError, match="autoreset_mode"):
+        SB3VecEnv("CartPole-v1", 2, autoreset_mode="next_step")
+    with pytest.raises(envfleet.ConfigError, match="copy"):
+        SB3VecEnv("CartPole-v1", 2, copy=True)
+    with pytest.raises(envfleet.ConfigError, match="envpool"):
+        SB3VecEnv("CartPole-v1", 2, backend="envpool")
+    with pytest.raises(envfleet.ConfigError, match="env_kwargs"):
+        SB3VecEnv(make_indexed, 2, env_kwargs={"x": 1})
+
+
+def test_ppo_trains_through_the_adapter():
+    """SB3's PPO runs its rollouts and updates through the adapter on worker processes."""
+    torch = pytest.importorskip("torch")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the policy's one thread beside the workers on a small machine
+    venv = SB3VecEnv(lambda: Monitor(gym.make("CartPole-v1")), 4, backend="processes")
+    try:
+        model = PPO("MlpPolicy", venv, n_steps=64, batch_size=256, n_epochs=1, seed=0, device="cpu")
+        model.learn(total_timesteps=2048)
+        assert model.num_timesteps == 2048
+        assert model._n_updates == 2048 // (64 * 4)  # one epoch of one batch per rollout
+        assert len(model.ep_info_buffer) > 0  # Monitor's episodes reached SB3 through infos
+        assert all(ep["l"] > 0 and ep["r"] == ep["l"] for ep in model.ep_info_buffer)
+        assert venv.fleet.stats.crashes == 0
+    finally:
+        venv.close()
+        torch.set_num_threads(threads)
