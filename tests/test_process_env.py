@@ -287,11 +287,6 @@ def test_second_call_while_pending_raises_and_loses_nothing(tmp_path):
         assert penv.call("add", 10) == 12
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: step_wait marks the vector env idle before the future has copied its "
-    "results out of the shared buffers, so a second call made then is accepted",
-)
 def test_second_call_while_result_is_read_raises():
     """The future of a step is still pending while its thread reads the results; a second
     call then must raise AlreadyPendingCallError (it is accepted instead, and its step can
@@ -760,11 +755,6 @@ def test_close_waits_for_a_pending_step(snapshot, tmp_path):
     snapshot.assert_nothing_left()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: a call in flight that close() ends fails its future with multiprocessing's "
-    "ValueError('process object is closed'), not an envfleet error",
-)
 def test_close_ends_a_step_that_never_finishes(snapshot, tmp_path):
     """close() kills a worker whose step never ends; the step's future must then fail with an
     envfleet error. (The untyped error comes from the future's thread polling the worker's

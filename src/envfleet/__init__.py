@@ -24,6 +24,8 @@ from envfleet.errors import (
 )
 from envfleet.front import BACKENDS, FleetVectorEnv, make
 from envfleet.process_env import ProcessEnv
+from envfleet.rollout import EpisodeBatch
+from envfleet.sampler import Sampler, SamplerStats, SamplerTimers, TimerStat
 from envfleet.supervisor import FleetStats, RestartPolicy, StepTimeStats
 
 __version__ = "0.1.0"
@@ -36,6 +38,7 @@ __all__ = [
     "EnvCrashedError",
     "EnvError",
     "EnvfleetError",
+    "EpisodeBatch",
     "FleetStats",
     "FleetVectorEnv",
     "InvalidActionError",
@@ -46,9 +49,13 @@ __all__ = [
     "RemoteTraceback",
     "ResetNeededError",
     "RestartPolicy",
+    "Sampler",
+    "SamplerStats",
+    "SamplerTimers",
     "SpaceMismatchError",
     "StepTimeStats",
     "StepTimeoutError",
+    "TimerStat",
     "UnsupportedError",
     "__version__",
     "make",

@@ -18,7 +18,14 @@ import gymnasium
 import numpy as np
 from gymnasium.vector import AutoresetMode
 
-from envfleet.errors import ClosedEnvironmentError, ConfigError, EnvError, ResetNeededError
+from envfleet.errors import (
+    AlreadyPendingCallError,
+    ClosedEnvironmentError,
+    ConfigError,
+    EnvError,
+    EnvfleetError,
+    ResetNeededError,
+)
 from envfleet.front import FleetVectorEnv, make
 
 __all__ = ["ProcessEnv"]
@@ -85,6 +92,7 @@ class ProcessEnv:
         self._venv: FleetVectorEnv | None = None
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._pending: concurrent.futures.Future[Any] | None = None
+        self._closing = False
         if start:
             self.start()
 
@@ -128,6 +136,7 @@ class ProcessEnv:
         venv, self._venv = self._venv, None
         if venv is None:
             return
+        self._closing = True
         pending, self._pending = self._pending, None
         if pending is not None and not terminate:
             # Let the call in flight finish; past the timeout, killing the worker ends it
@@ -149,7 +158,10 @@ class ProcessEnv:
     @property
     def stats(self) -> Any:
         """The worker's :class:`envfleet.FleetStats` (step times, restarts, crashes)."""
-        return self._vector().stats
+        venv = self._venv
+        if venv is None:
+            raise ClosedEnvironmentError("Trying to operate on a ProcessEnv after close().")
+        return venv.stats
 
     def __enter__(self) -> ProcessEnv:
         return self
@@ -254,6 +266,15 @@ class ProcessEnv:
         venv = self._venv
         if venv is None or venv.closed:
             raise ClosedEnvironmentError("Trying to operate on a ProcessEnv after close().")
+        pending = self._pending
+        if pending is not None and not pending.done():
+            # The vector env may look idle already while the future's thread still copies the
+            # result out of the shared buffer: the future decides.
+            raise AlreadyPendingCallError(
+                "Calling the ProcessEnv while a non-blocking call is pending: wait for its "
+                "future first",
+                "step",
+            )
         return venv
 
     def _finish(
@@ -263,7 +284,20 @@ class ProcessEnv:
             return convert(wait())
         executor = self._executor
         assert executor is not None  # set by start() with the vector env
-        self._pending = executor.submit(lambda: convert(wait()))
+
+        def run() -> Any:
+            try:
+                return convert(wait())
+            except EnvfleetError:
+                raise
+            except Exception as exc:
+                if self._closing:  # close() ended the call under the waiting thread
+                    raise ClosedEnvironmentError(
+                        "the ProcessEnv was closed during the call"
+                    ) from exc
+                raise
+
+        self._pending = executor.submit(run)
         return self._pending
 
     def _one_reset(self, result: tuple[Any, dict[str, Any]]) -> tuple[Any, dict[str, Any]]:

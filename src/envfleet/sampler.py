@@ -17,6 +17,7 @@ Every step is tagged with the version of the policy that chose its action. After
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import enum
 import logging
@@ -306,6 +307,16 @@ class _ApplyToEnvs:
 # -- the sampler worker (worker inference) ---------------------------------------------------
 
 
+class _ZeroArg:
+    """A factory called with no arguments (it hides any ``env_index`` parameter)."""
+
+    def __init__(self, fn: Callable[[], gymnasium.Env[Any, Any]]):
+        self.fn = fn
+
+    def __call__(self) -> gymnasium.Env[Any, Any]:
+        return self.fn()
+
+
 def _worker_main(spec: _WorkerSpec, conn: Connection, control: Any) -> None:
     _die_with_parent(spec.parent_pid, spec.start_method)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the driver's to handle
@@ -331,7 +342,8 @@ class _Worker:
 
     def fail(self, exc: BaseException, method: str) -> None:
         cause = exc.__cause__ if isinstance(exc, EnvError) and exc.__cause__ else exc
-        env_index = exc.env_index if isinstance(exc, EnvError) else self.spec.start
+        # The worker's vector env counts its envs from 0: report the global index.
+        env_index = self.spec.start + (exc.env_index if isinstance(exc, EnvError) else 0)
         method = exc.method if isinstance(exc, EnvError) else method
         self.conn.send(_WorkerFailed(self.spec.worker, _remote_error(cause, env_index, method)))
 
@@ -339,8 +351,10 @@ class _Worker:
         spec = self.spec
         try:
             fns = cloudpickle.loads(spec.env_fns)
+            # Bound to their global index, behind a zero-argument callable (make() must not
+            # bind the local index again).
             bound = [
-                bind_env_index(fn, spec.start + j, accepts_env_index(fn))
+                _ZeroArg(bind_env_index(fn, spec.start + j, accepts_env_index(fn)))
                 for j, fn in enumerate(fns)
             ]
             self.venv = make(
@@ -574,6 +588,7 @@ class Sampler:
         self._controls: list[Any] = []
         self._worker_timers: list[dict[str, TimerStat]] = []
         self._carry: list[_Rollout] = []
+        self._inbox: collections.deque[Any] = collections.deque()  # read, not yet handled
         self._running = False
         self._background = bool(background)
         self._timeout = None if timeout is None else float(timeout)
@@ -1036,16 +1051,16 @@ class Sampler:
             control.put(message)
 
     def _receive(self, timeout: float | None) -> Any:
-        """The next message of any worker.
+        """The next message of any worker; workers with messages waiting are read in turn.
 
         Raises:
             EnvError: a worker's env raised (the sampler is closed).
             EnvCrashedError: a worker died (the sampler is closed).
             StepTimeoutError: nothing came within ``timeout`` seconds (the sampler is closed).
         """
-        by_conn = {conn: w for w, conn in enumerate(self._conns)}
-        by_sentinel = {proc.sentinel: w for w, proc in enumerate(self._procs)}
-        while True:
+        while not self._inbox:
+            by_conn = {conn: w for w, conn in enumerate(self._conns)}
+            by_sentinel = {proc.sentinel: w for w, proc in enumerate(self._procs)}
             ready = wait([*self._conns, *by_sentinel], timeout)
             if not ready:
                 assert timeout is not None
@@ -1055,22 +1070,26 @@ class Sampler:
                     list(range(self.num_envs)),
                     timeout,
                 )
-            conns = [r for r in ready if r in by_conn]
-            if conns:
-                conn = conns[0]
-                try:
-                    message = conn.recv()
-                except (EOFError, OSError):
-                    self._crashed(by_conn[conn])
-                if isinstance(message, _WorkerFailed):
-                    w = message.worker
-                    error = _remote_env_error(message.error, w, "the sampler is closed")
-                    self.close(timeout=1.0)
-                    raise error
-                if isinstance(message, (_Rollout, _Episodes)):
-                    self._worker_timers[message.worker] = message.timers
-                return message
-            self._crashed(by_sentinel[ready[0]])
+            dead = []
+            for r in ready:
+                if r in by_conn:
+                    try:
+                        self._inbox.append(r.recv())
+                    except (EOFError, OSError):
+                        dead.append(by_conn[r])
+                else:
+                    dead.append(by_sentinel[r])
+            failed = [m for m in self._inbox if isinstance(m, _WorkerFailed)]
+            if failed:
+                error = _remote_env_error(failed[0].error, failed[0].worker, "sampler closed")
+                self.close(timeout=1.0)
+                raise error
+            if dead and not self._inbox:
+                self._crashed(min(dead))
+        message = self._inbox.popleft()
+        if isinstance(message, (_Rollout, _Episodes)):
+            self._worker_timers[message.worker] = message.timers
+        return message
 
     def _crashed(self, w: int) -> None:
         proc = self._procs[w]

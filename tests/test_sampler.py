@@ -1,0 +1,560 @@
+"""envfleet.Sampler: rollouts with policy versions, exact episodes, env updates (issue 6).
+
+The backbone is differential: each env's steps, as the sampler returns them in segments, are
+compared bit for bit with a gymnasium SyncVectorEnv (SAME_STEP autoreset) run with the same seeds
+and a deterministic policy, for driver inference (synchronous, first-ready pool, every backend)
+and worker inference.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+import pytest
+from gymnasium import spaces
+from gymnasium.vector import AutoresetMode, SyncVectorEnv
+
+import envfleet
+from envfleet import EpisodeBatch, Sampler
+from tests.envs import RaisingEnv
+
+SEED = 7
+
+
+# -- policies and envs -----------------------------------------------------------------------
+
+
+class PolePolicy:
+    """Deterministic CartPole policy: push towards the pole's lean. ``tag`` is reported in
+    agent_infos, so a test can tell which policy object chose each action."""
+
+    def __init__(self, tag: int = 0):
+        self.tag = tag
+
+    def __call__(self, obs: np.ndarray) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        actions = (obs[:, 2] + 0.1 * obs[:, 3] > 0).astype(np.int64)
+        return actions, {"tag": np.full(len(obs), self.tag, dtype=np.int64)}
+
+    def set_params(self, params: dict[str, int]) -> None:
+        self.tag = params["tag"]
+
+
+class TaskEnv(gym.Env):
+    """Observation ``[task, t, env_index]``: ``task`` is an attribute the sampler updates, ``t``
+    the step count within the episode (0 after reset). Episodes last ``length`` steps, or end
+    early (terminated) when ``t`` hits ``env_index + 3`` for envs that ``early``."""
+
+    def __init__(self, env_index: int = 0, length: int = 6, early: bool = False):
+        self.env_index = env_index
+        self.length = length
+        self.early = early
+        self.task = 0.0
+        self.observation_space = spaces.Box(-1e6, 1e6, (3,), np.float64)
+        self.action_space = spaces.Discrete(3)
+        self._t = 0
+
+    def _obs(self) -> np.ndarray:
+        return np.array([self.task, self._t, self.env_index], dtype=np.float64)
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
+        super().reset(seed=seed)
+        self._t = 0
+        return self._obs(), {"reset_task": self.task}
+
+    def step(self, action: Any):
+        self._t += 1
+        terminated = self.early and self._t == self.env_index + 3
+        truncated = not terminated and self._t >= self.length
+        return self._obs(), float(action) + self.task, terminated, truncated, {"t": self._t}
+
+
+def task_policy(obs: np.ndarray) -> np.ndarray:
+    return (obs[:, 1].astype(np.int64) + obs[:, 2].astype(np.int64)) % 3
+
+
+# -- the model -------------------------------------------------------------------------------
+
+
+def model_trajectories(env_id: str, num_envs: int, steps: int) -> list[dict[str, list[Any]]]:
+    """Per env, its transitions under PolePolicy in a SAME_STEP SyncVectorEnv."""
+    model = SyncVectorEnv(
+        [lambda: gym.make(env_id)] * num_envs, autoreset_mode=AutoresetMode.SAME_STEP
+    )
+    policy = PolePolicy()
+    obs, _ = model.reset(seed=SEED)
+    out: list[dict[str, list[Any]]] = [
+        {"obs": [], "act": [], "rew": [], "term": [], "trunc": [], "next": []}
+        for _ in range(num_envs)
+    ]
+    for _ in range(steps):
+        actions, _ = policy(obs)
+        next_obs, rew, term, trunc, info = model.step(actions)
+        for i in range(num_envs):
+            done = term[i] or trunc[i]
+            after = info["final_obs"][i] if done else next_obs[i]
+            for key, value in (
+                ("obs", obs[i]),
+                ("act", actions[i]),
+                ("rew", rew[i]),
+                ("term", term[i]),
+                ("trunc", trunc[i]),
+                ("next", after),
+            ):
+                out[i][key].append(np.array(value))
+        obs = next_obs
+    model.close()
+    return out
+
+
+def per_env(batch: EpisodeBatch, env: int) -> dict[str, np.ndarray]:
+    """Env ``env``'s steps in the batch, its segments joined in order."""
+    segments = [s for s in range(batch.num_segments) if batch.env_index[s] == env]
+    part = batch.select(segments)
+    return {
+        "obs": part.observations,
+        "act": part.actions,
+        "rew": part.rewards,
+        "term": part.terminated,
+        "trunc": part.truncated,
+        "next": part.next_observations,
+    }
+
+
+def assert_matches_model(batches: list[EpisodeBatch], num_envs: int) -> None:
+    joined = EpisodeBatch.concatenate(*batches)
+    longest = max(int(joined.lengths[joined.env_index == e].sum()) for e in range(num_envs))
+    model = model_trajectories("CartPole-v1", num_envs, longest)
+    for e in range(num_envs):
+        got = per_env(joined, e)
+        n = len(got["rew"])
+        assert n > 0, f"env {e} has no steps"
+        for key in got:
+            want = np.stack(model[e][key][:n])
+            assert got[key].dtype == want.dtype or key in ("term", "trunc"), key
+            assert np.array_equal(got[key], want.astype(got[key].dtype)), f"env {e} {key}"
+
+
+def check_segments(batch: EpisodeBatch) -> None:
+    """Structural invariants of any EpisodeBatch."""
+    assert batch.lengths.min() >= 1
+    assert batch.lengths.sum() == batch.num_steps
+    last = batch.starts + batch.lengths - 1
+    done = batch.terminated | batch.truncated
+    inner = np.ones(batch.num_steps, dtype=bool)
+    inner[last] = False
+    assert not done[inner].any(), "an episode end inside a segment"
+    assert len(batch.env_infos) == batch.num_steps
+    for value in batch.agent_infos.values():
+        assert len(value) == batch.num_steps
+
+
+# -- differential ----------------------------------------------------------------------------
+
+DRIVER_CASES = {
+    "serial": dict(backend="serial"),
+    "threads": dict(backend="threads", num_workers=2),
+    "processes": dict(backend="processes"),
+    "processes-2workers": dict(backend="processes", num_workers=2),
+    "pool-processes": dict(backend="processes", batch_size=2),
+    "pool-threads": dict(backend="threads", batch_size=3),
+    "pool-serial": dict(backend="serial", batch_size=2, num_workers=6),
+}
+
+
+@pytest.mark.parametrize("case", list(DRIVER_CASES))
+def test_driver_inference_matches_sync_vector_env(case: str) -> None:
+    with Sampler("CartPole-v1", PolePolicy(), 6, seed=SEED, **DRIVER_CASES[case]) as sampler:
+        batches = [sampler.sample(250), sampler.sample(170)]
+        for batch in batches:
+            check_segments(batch)
+            assert (batch.policy_version == 0).all()
+        assert batches[0].num_steps >= 250 and batches[1].num_steps >= 170
+    assert_matches_model(batches, 6)
+
+
+@pytest.mark.parametrize("num_workers", [1, 2, 3])
+def test_worker_inference_matches_sync_vector_env(num_workers: int) -> None:
+    with Sampler(
+        "CartPole-v1",
+        PolePolicy(),
+        6,
+        inference="worker",
+        num_workers=num_workers,
+        seed=SEED,
+        segment_length=16,
+    ) as sampler:
+        batches = [sampler.sample(300), sampler.sample(100)]
+        assert batches[0].num_steps >= 300 and batches[1].num_steps >= 100
+        # Rollouts come first-come: sample on until every env has sent some.
+        while len(set(np.concatenate([b.env_index for b in batches]).tolist())) < 6:
+            assert len(batches) < 100, "a worker sent nothing"
+            batches.append(sampler.sample(50))
+        for batch in batches:
+            check_segments(batch)
+    assert_matches_model(batches, 6)
+
+
+def test_segments_cut_at_episode_ends_and_sample_ends() -> None:
+    factory = lambda env_index: TaskEnv(env_index, length=5, early=True)  # noqa: E731
+    with Sampler(factory, task_policy, 3, backend="serial", seed=0) as sampler:
+        first = sampler.sample(12)  # 4 steps per env: env 0 ends at t=3, env 1 at 4...
+        second = sampler.sample(12)
+    for batch in (first, second):
+        check_segments(batch)
+    # env 0 terminates at t=3, env 1 at t=4, env 2 at t=5 (the episode's length too).
+    env0 = first.select(first.env_index == 0)
+    assert env0.lengths.tolist() == [3, 1]
+    assert env0.terminated[2] and env0.complete.tolist() == [True, False]
+    assert np.array_equal(env0.last_observations[:, 1], [3, 1])  # final obs, then the cut
+    env2 = second.select(second.env_index == 2)
+    assert env2.lengths.tolist() == [1, 3] and env2.terminated.tolist() == [1, 0, 0, 0]
+    assert not env2.truncated.any()
+    # The cut segment goes on in the next batch: t continues from 4.
+    assert second.select(second.env_index == 2).observations[0, 1] == 4
+    assert first.env_infos[0] == {"t": 1}
+    assert env0.env_infos[2] == {"t": 3}  # the step's own info at an episode end
+
+
+# -- policy versions -------------------------------------------------------------------------
+
+
+def test_update_policy_in_driver_mode_bumps_the_version() -> None:
+    with Sampler("CartPole-v1", PolePolicy(tag=0), 4, backend="serial", seed=0) as sampler:
+        sampler.sample(40)
+        assert sampler.update_policy(PolePolicy(tag=5)) == 1
+        batch = sampler.sample(40)
+        assert (batch.policy_version == 1).all() and (batch.agent_infos["tag"] == 5).all()
+        sampler.update_policy({"tag": 9})  # parameters: loaded with set_params
+        batch = sampler.sample(40)
+        assert (batch.policy_version == 2).all() and (batch.agent_infos["tag"] == 9).all()
+        assert sampler.policy.tag == 9
+    # A policy with no way to load parameters refuses them; the version stays.
+    with Sampler("CartPole-v1", task_policy, 2, backend="serial") as sampler:
+        with pytest.raises(envfleet.InvalidArgumentError, match="load_state_dict"):
+            sampler.update_policy({"w": 1})
+        assert sampler.policy_version == 0
+
+
+def test_pool_drops_actions_in_flight_at_an_update() -> None:
+    with Sampler(
+        "CartPole-v1", PolePolicy(tag=0), 4, backend="processes", batch_size=2, seed=0
+    ) as sampler:
+        sampler.sample(60)
+        sampler.update_policy(PolePolicy(tag=1))
+        batch = sampler.sample(60)
+        # Every env had one action of version 0 in flight: exactly those steps are dropped.
+        assert sampler.stats.stale_steps_dropped == 4
+        assert (batch.policy_version == 1).all() and (batch.agent_infos["tag"] == 1).all()
+        check_segments(batch)
+
+
+def test_pool_keep_stale_returns_tagged_steps() -> None:
+    with Sampler(
+        "CartPole-v1",
+        PolePolicy(tag=0),
+        4,
+        backend="serial",
+        batch_size=2,
+        num_workers=4,
+        seed=0,
+        keep_stale=True,
+    ) as sampler:
+        sampler.sample(20)
+        sampler.update_policy(PolePolicy(tag=1))
+        batch = sampler.sample(20)
+    stale = batch.select(batch.policy_version == 0)
+    assert stale.num_steps == 4 == sampler.stats.stale_steps_kept
+    assert (stale.agent_infos["tag"] == 0).all()
+    fresh = batch.select(batch.policy_version == 1)
+    assert fresh.num_steps >= 20 and (fresh.agent_infos["tag"] == 1).all()
+
+
+@pytest.mark.parametrize("keep_stale", [False, True])
+def test_policy_update_races_with_streaming_workers(keep_stale: bool) -> None:
+    """Workers stream in the background (``background=True``): when the update lands, rollouts
+    of the old policy are in the pipes and being stepped. None of them comes back as current
+    data; with keep_stale they come back tagged with their version."""
+    with Sampler(
+        "CartPole-v1",
+        PolePolicy(tag=0),
+        4,
+        inference="worker",
+        num_workers=2,
+        seed=0,
+        segment_length=8,
+        background=True,
+        keep_stale=keep_stale,
+    ) as sampler:
+        sampler.sample(64)
+        time.sleep(0.3)  # the workers keep stepping version 0 and fill their pipes
+        sampler.update_policy(PolePolicy(tag=1))
+        batch = sampler.sample(200)
+        stats = sampler.stats
+        current = batch.policy_version == 1
+        fresh = batch.select(current)
+        assert fresh.num_steps >= 200
+        assert (fresh.agent_infos["tag"] == 1).all(), "a step of the old policy tagged as new"
+        if keep_stale:
+            assert stats.stale_steps_kept > 0 and stats.stale_steps_dropped == 0
+            old = batch.select(~current)
+            assert (old.policy_version == 0).all() and (old.agent_infos["tag"] == 0).all()
+        else:
+            assert current.all()
+            assert stats.stale_steps_dropped > 0 and stats.stale_steps_kept == 0
+        # Parameters instead of a policy object reach the workers too.
+        sampler.update_policy({"tag": 2})
+        batch = sampler.sample(50)
+        fresh = batch.select(batch.policy_version == 2)
+        assert fresh.num_steps >= 50 and (fresh.agent_infos["tag"] == 2).all()
+
+
+# -- exact episodes --------------------------------------------------------------------------
+
+
+def check_whole_episodes(batch: EpisodeBatch) -> None:
+    assert batch.complete.all()
+    for s, (start, n) in enumerate(zip(batch.starts, batch.lengths, strict=True)):
+        t = batch.observations[start : start + n, 1]
+        assert np.array_equal(t, np.arange(n)), f"segment {s} is not a whole episode: t={t}"
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(inference="driver", backend="processes", num_workers=2),
+        dict(inference="driver", backend="serial", batch_size=2, num_workers=4),
+        dict(inference="worker", num_workers=2),
+    ],
+    ids=["driver", "driver-pool", "worker"],
+)
+def test_sample_episodes_returns_exactly_n_whole_episodes_per_worker(kwargs: dict) -> None:
+    factory = lambda env_index: TaskEnv(env_index, length=7, early=True)  # noqa: E731
+    with Sampler(factory, task_policy, 4, seed=0, **kwargs) as sampler:
+        sampler.sample(10)  # episodes in progress: they must not be returned as whole
+        for n in (1, 3):
+            batch = sampler.sample_episodes(n)
+            ranges = sampler.worker_ranges
+            assert batch.num_segments == n * len(ranges)
+            check_whole_episodes(batch)
+            for w, (start, stop) in enumerate(ranges):
+                envs = batch.env_index[w * n : (w + 1) * n]
+                assert ((envs >= start) & (envs < stop)).all(), "not in worker order"
+        sampler.update_policy(task_policy)
+        batch = sampler.sample_episodes(2)
+        assert (batch.policy_version == 1).all()
+        # sample() goes on afterwards.
+        assert sampler.sample(20).num_steps >= 20
+
+
+def test_sample_episodes_takes_the_first_to_end() -> None:
+    """One worker, envs whose episodes end at t = index + 3: env 0's come first."""
+    factory = lambda env_index: TaskEnv(env_index, length=50, early=True)  # noqa: E731
+    with Sampler(factory, task_policy, 3, inference="worker", num_workers=1, seed=0) as sampler:
+        batch = sampler.sample_episodes(4)
+    # Ends: env0 at 3, env1 at 4, env2 at 5, env0 at 6 -> the first four in that order.
+    assert batch.env_index.tolist() == [0, 1, 2, 0]
+    assert batch.lengths.tolist() == [3, 4, 5, 3]
+
+
+# -- env updates -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(inference="driver", backend="processes", num_workers=2),
+        dict(inference="driver", backend="processes", batch_size=2),
+        dict(inference="worker", num_workers=2, background=True, segment_length=4),
+    ],
+    ids=["driver", "driver-pool", "worker-background"],
+)
+def test_env_updates_are_visible_in_the_next_batch(kwargs: dict) -> None:
+    factory = lambda env_index: TaskEnv(env_index, length=6)  # noqa: E731
+    with Sampler(factory, task_policy, 4, seed=0, **kwargs) as sampler:
+        batch = sampler.sample(30)
+        assert (batch.observations[:, 0] == 0).all()
+        sampler.update_envs({"task": 2.5})
+        batch = sampler.sample(30)
+        assert (batch.observations[:, 0] == 2.5).all() and (
+            batch.last_observations[:, 0] == 2.5
+        ).all()
+        assert (batch.rewards >= 2.5).all()
+        # Episodes restart after an update: each env's first step starts at t = 0.
+        for env in set(batch.env_index.tolist()):
+            assert batch.select(batch.env_index == env).observations[0, 1] == 0
+        sampler.update_envs(
+            lambda env: setattr(env.unwrapped, "task", 10.0 + env.unwrapped.env_index)
+        )
+        batch = sampler.sample(30)
+        assert np.array_equal(batch.observations[:, 0], 10.0 + batch.observations[:, 2])
+        sampler.update_envs([{"task": -float(i)} for i in range(4)])
+        batch = sampler.sample(30)
+        assert np.array_equal(batch.observations[:, 0], -batch.observations[:, 2])
+        assert sampler.stats.env_version == 3
+
+
+def test_bad_env_updates_are_refused_before_anything_is_sent() -> None:
+    factory = lambda env_index: TaskEnv(env_index)  # noqa: E731
+    with Sampler(factory, task_policy, 2, inference="worker", num_workers=2, seed=0) as sampler:
+        for bad in (3, [{"task": 1}], [{"task": 1}, {"other": 2}], {1: 2}):
+            with pytest.raises(envfleet.InvalidArgumentError):
+                sampler.update_envs(bad)
+        assert sampler.stats.env_version == 0
+        assert sampler.sample(10).num_steps >= 10
+
+
+# -- errors, crashes, arguments --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("inference", ["driver", "worker"])
+def test_env_error_is_raised_with_the_remote_traceback(inference: str) -> None:
+    factory = lambda env_index: RaisingEnv(env_index, fail_index=1, fail_after=5)  # noqa: E731
+    kwargs: dict[str, Any] = {"num_workers": 2}
+    if inference == "driver":
+        kwargs["backend"] = "processes"
+    sampler = Sampler(
+        factory, lambda o: np.zeros(len(o), dtype=np.int64), 2, inference=inference, **kwargs
+    )
+    with pytest.raises(envfleet.EnvError) as info:  # noqa: PT012
+        for _ in range(1000):  # worker 0's rollouts may come first: sample on until it comes
+            sampler.sample(100)
+    assert info.value.env_index == 1
+    assert isinstance(info.value.__cause__, ValueError)
+    assert "boom" in str(info.value.__cause__)
+    chain, cause = [], info.value.__cause__
+    while cause is not None:
+        chain.append(cause)
+        cause = cause.__cause__
+    assert any(isinstance(c, envfleet.RemoteTraceback) for c in chain)
+    sampler.close()
+
+
+def test_worker_crash_is_reported_and_nothing_is_left(snapshot: Any) -> None:
+    sampler = Sampler("CartPole-v1", PolePolicy(), 4, inference="worker", num_workers=2, seed=0)
+    sampler.sample(20)
+    pid = sampler._procs[1].pid
+    os.kill(pid, signal.SIGKILL)
+    with pytest.raises(envfleet.EnvCrashedError) as info:
+        sampler.sample(100_000)
+    assert info.value.worker_index == 1 and info.value.env_indices == [2, 3]
+    with pytest.raises(envfleet.ClosedEnvironmentError):
+        sampler.sample(10)
+    sampler.close()
+    snapshot.assert_nothing_left()
+
+
+def test_worker_timeout() -> None:
+    class Slow(gym.Wrapper):
+        def step(self, action: Any) -> Any:
+            time.sleep(5)
+            return super().step(action)
+
+    factory = lambda: Slow(gym.make("CartPole-v1"))  # noqa: E731
+    with (
+        Sampler(
+            factory, PolePolicy(), 2, inference="worker", num_workers=1, timeout=0.5
+        ) as sampler,
+        pytest.raises(envfleet.StepTimeoutError),
+    ):
+        sampler.sample(10)
+
+
+def test_close_leaves_nothing(snapshot: Any) -> None:
+    for inference in ("driver", "worker"):
+        sampler = Sampler("CartPole-v1", PolePolicy(), 4, inference=inference, num_workers=2)
+        sampler.sample(50)
+        sampler.close()
+        sampler.close()  # idempotent
+        with pytest.raises(envfleet.ClosedEnvironmentError):
+            sampler.sample(1)
+    snapshot.assert_nothing_left()
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(inference="gpu"), "inference"),
+        (dict(num_envs=0), "num_envs"),
+        (dict(segment_length=0, inference="worker"), "segment_length"),
+        (dict(inference="worker", backend="serial"), "inference='driver'"),
+        (dict(background=True), "background"),
+        (dict(autoreset_mode="next_step"), "SAME_STEP"),
+        (dict(num_envs=5, batch_size=2, backend="serial"), "multiple of batch_size"),
+        (dict(inference="worker", num_workers=9), "num_workers"),
+        (dict(timeout=-1), "timeout"),
+    ],
+)
+def test_bad_arguments(kwargs: dict, match: str, snapshot: Any) -> None:
+    num_envs = kwargs.pop("num_envs", 4)
+    with pytest.raises(envfleet.ConfigError, match=match):
+        Sampler("CartPole-v1", PolePolicy(), num_envs, **kwargs)
+    snapshot.assert_nothing_left()
+
+
+def test_unpicklable_policy_for_workers() -> None:
+    import threading
+
+    lock = threading.Lock()
+    with pytest.raises(envfleet.ConfigError, match="picklable"):
+        Sampler("CartPole-v1", lambda o, lock=lock: np.zeros(len(o), int), 2, inference="worker")
+
+
+def test_bad_sample_arguments() -> None:
+    with Sampler("CartPole-v1", PolePolicy(), 2, backend="serial") as sampler:
+        for bad in (0, -3, 2.5, True, "10"):
+            with pytest.raises(envfleet.InvalidArgumentError):
+                sampler.sample(bad)  # type: ignore[arg-type]
+            with pytest.raises(envfleet.InvalidArgumentError):
+                sampler.sample_episodes(bad)  # type: ignore[arg-type]
+        assert sampler.sample(5).num_steps >= 5
+
+
+# -- timers, progress, batch helpers ---------------------------------------------------------
+
+
+def test_timers_are_merged_from_the_workers() -> None:
+    with Sampler("CartPole-v1", PolePolicy(), 4, inference="worker", num_workers=2) as sampler:
+        sampler.sample(200)
+        timers = sampler.timers
+    assert len(timers.workers) == 2
+    for worker in timers.workers:
+        assert worker["env_step"].count > 0 and worker["policy"].count > 0
+    assert timers.merged["env_step"].count == sum(w["env_step"].count for w in timers.workers)
+    assert timers.merged["env_step"].total_s > 0 and timers.driver["waiting"].count > 0
+    with Sampler("CartPole-v1", PolePolicy(), 4, backend="processes", num_workers=2) as sampler:
+        sampler.sample(200)
+        timers = sampler.timers
+    assert timers.driver["policy"].count >= 50 and timers.driver["env_step"].count >= 50
+    assert [w["env_step"].count for w in timers.workers] == [50, 50]
+
+
+def test_progress_bar(capsys: Any) -> None:
+    with Sampler("CartPole-v1", PolePolicy(), 2, backend="serial", progress=True) as sampler:
+        assert sampler.sample(100).num_steps >= 100
+    with Sampler("CartPole-v1", PolePolicy(), 2, backend="serial") as sampler:
+        sampler.sample(20_000)  # not a terminal: no bar by default
+    assert "sampling" not in capsys.readouterr().err
+
+
+def test_episode_batch_helpers() -> None:
+    factory = lambda env_index: TaskEnv(env_index, length=4)  # noqa: E731
+    with Sampler(factory, task_policy, 2, backend="serial", seed=0) as sampler:
+        a, b = sampler.sample(10), sampler.sample(6)
+    both = EpisodeBatch.concatenate(a, b)
+    assert both.num_steps == a.num_steps + b.num_steps
+    assert both.num_segments == a.num_segments + b.num_segments
+    parts = both.split()
+    assert [p.num_steps for p in parts] == both.lengths.tolist()
+    assert EpisodeBatch.concatenate(*parts).rewards.tolist() == both.rewards.tolist()
+    nxt = a.next_observations
+    last = a.starts + a.lengths - 1
+    inner = np.setdiff1d(np.arange(a.num_steps), last)
+    assert np.array_equal(nxt[inner], a.observations[inner + 1])
+    assert np.array_equal(nxt[last], a.last_observations)
+    with pytest.raises(ValueError):
+        EpisodeBatch.concatenate()
