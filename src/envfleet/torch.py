@@ -221,10 +221,10 @@ class TorchVectorEnv(VectorWrapper[Any, Any, Any, Any, Any]):
             self._views[path] = (array, view)
         if self.pin_memory:
             if self.copy and not self._to_device:
-                return self._torch.empty_like(view, pin_memory=True).copy_(view)
+                return self._pinned_like(view).copy_(view)
             staging = self._pinned.get(path)
             if staging is None or staging.shape != view.shape or staging.dtype != view.dtype:
-                staging = self._torch.empty_like(view, pin_memory=True)
+                staging = self._pinned_like(view)
                 self._pinned[path] = staging
             staging.copy_(view)
             if not self._to_device:
@@ -233,6 +233,11 @@ class TorchVectorEnv(VectorWrapper[Any, Any, Any, Any, Any]):
         if self._to_device:
             return view.to(self.device)
         return view.clone() if self._clone else view
+
+    def _pinned_like(self, view: torch.Tensor) -> torch.Tensor:
+        return cast(
+            "torch.Tensor", self._torch.empty(view.shape, dtype=view.dtype, pin_memory=True)
+        )
 
     def _convert(self, path: Path, value: Any) -> Any:
         if isinstance(value, dict):
