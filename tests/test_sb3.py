@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import envfleet
-from tests.envs import IndexedEnv, make_indexed, make_indexed_kwonly
+from tests.envs import FlakyEnv, IndexedEnv, make_indexed, make_indexed_kwonly, sync_factories
 
 pytest.importorskip("stable_baselines3")
 
@@ -24,10 +24,11 @@ NUM_ENVS = 3
 
 
 def assert_info_equal(got: Any, want: Any, path: str) -> None:
-    """Equal values, same key order; arrays of the same dtype. Python scalars in DummyVecEnv's
-    infos come back from gymnasium's vector infos as numpy scalars of equal value."""
+    """Equal keys and values; arrays of the same dtype. Python scalars in DummyVecEnv's infos
+    come back from gymnasium's vector infos as numpy scalars of equal value, and an info's
+    keys in the order the vector infos first saw them (over all envs)."""
     if isinstance(want, dict):
-        assert isinstance(got, dict) and list(got) == list(want), f"{path}: {got} != {want}"
+        assert isinstance(got, dict) and set(got) == set(want), f"{path}: {got} != {want}"
         for key in want:
             assert_info_equal(got[key], want[key], f"{path}[{key!r}]")
     elif isinstance(want, (list, tuple)):
@@ -96,6 +97,38 @@ def test_matches_dummy_vec_env(backend, env_id, steps):
     finally:
         venv.close()
         ref.close()
+
+
+@pytest.mark.parametrize("backend", ["serial", "processes"])
+def test_infos_of_every_kind_match_dummy_vec_env(backend):
+    """FlakyEnv's step infos (int, float, array, nested dict, string) and reset infos."""
+    venv = SB3VecEnv(FlakyEnv, NUM_ENVS, backend=backend)
+    ref = DummyVecEnv(sync_factories(FlakyEnv, NUM_ENVS))
+    try:
+        counts = check_against_dummy(venv, ref, 80, seed=2)
+        assert counts["dones"] > 0 and counts["truncated"] > 0
+    finally:
+        venv.close()
+        ref.close()
+
+
+def test_restarted_env_ends_its_episode_truncated():
+    policy = envfleet.RestartPolicy(max_restarts=5, window_s=60)
+    factory = functools.partial(FlakyEnv, faults={1: "raise"}, fault_after=3)
+    venv = SB3VecEnv(factory, NUM_ENVS, backend="processes", restart_policy=policy)
+    try:
+        venv.seed(0)
+        venv.reset()
+        restarted = []
+        for _ in range(6):
+            obs, _, dones, infos = venv.step(np.zeros(NUM_ENVS, dtype=np.int64))
+            if infos[1].get("env_restarted"):
+                restarted.append(infos[1])
+                assert dones[1] and infos[1]["TimeLimit.truncated"] is True
+                assert infos[1]["terminal_observation"].shape == (3,)
+        assert restarted and venv.fleet.stats.restarts > 0
+    finally:
+        venv.close()
 
 
 def test_options_per_env(make_env):

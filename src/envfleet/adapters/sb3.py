@@ -72,9 +72,12 @@ class SB3VecEnv(VecEnv):
       (``render_mode="rgb_array"``).
 
     Infos come from gymnasium's vector infos, split per env: Python ``int``/``float`` values
-    an env returns come back as numpy scalars of equal value. With a ``restart_policy``, an
-    env rebuilt after a fault ends its episode as truncated with ``info["env_restarted"]``;
-    it has no last observation, so ``terminal_observation`` is then the new episode's first.
+    an env returns come back as numpy scalars of equal value, and an info's keys in the order
+    the vector infos first saw them (over all envs), SB3's two keys last.
+
+    With a ``restart_policy``, an env rebuilt after a fault ends its episode as truncated with
+    ``info["env_restarted"]``; it has no last observation, so ``terminal_observation`` is
+    then the new episode's first.
 
     Args:
         env: a gymnasium id (with ``env_kwargs``), a factory returning a ``gymnasium.Env``
