@@ -158,7 +158,7 @@ class SB3VecEnv(VecEnv):
         for i in range(self.num_envs):
             info = infos[i]
             if not dones[i]:
-                info["TimeLimit.truncated"] = False if terminated[i] else bool(truncated[i])
+                info["TimeLimit.truncated"] = False
                 continue
             # SAME_STEP: the env's reset info, plus final_obs / final_info of the ended episode.
             final_obs = info.pop("final_obs", None)
@@ -267,11 +267,13 @@ class SB3VecEnv(VecEnv):
 
 
 def _row(observations: Any, i: int) -> Any:
+    """A copy of env ``i``'s observation in batched observations."""
     if isinstance(observations, dict):
         return {k: _row(v, i) for k, v in observations.items()}
     if isinstance(observations, tuple):
         return tuple(_row(v, i) for v in observations)
-    return observations[i]
+    row = observations[i]
+    return row.copy() if isinstance(row, np.ndarray) else row
 
 
 def _shim_factories(
