@@ -6,12 +6,12 @@ each step. Each update samples ``num_envs * steps_per_update`` steps, computes G
 and runs a few epochs of clipped PPO on them; ``sampler.update_policy(None)`` then marks the new
 parameters (the model is changed in place).
 
-Stopping criterion: after each update, once the mean return of the last 10 complete training
-episodes reaches ``--eval-gate`` (half the target by default), the greedy policy (argmax of the
-logits) is evaluated on ``--eval-episodes`` (10) CartPole episodes with fixed seeds; training
-stops as soon as their mean return is ``>= --target`` (475, CartPole-v1's reward threshold).
-With ``--criterion train`` it stops instead when the mean return of the last 20 complete
-training episodes (stochastic policy) reaches the target.
+Stopping criterion (default ``--criterion train``): training stops when the mean return of the
+last 20 complete training episodes (the stochastic policy, as sampled) reaches ``--target``
+(475, CartPole-v1's reward threshold). With ``--criterion eval``, a more lenient test: once the
+mean of the last 10 training episodes reaches ``--eval-gate`` (half the target by default), the
+greedy policy (argmax of the logits) is evaluated after each update on ``--eval-episodes`` (10)
+episodes with fixed seeds, and training stops when their mean return is ``>= --target``.
 
 Run it::
 
@@ -198,7 +198,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--backend", default="serial", help="envfleet backend of the envs")
     parser.add_argument("--inference", default="driver", choices=["driver"])
     parser.add_argument("--target", type=float, default=475.0)
-    parser.add_argument("--criterion", default="eval", choices=["eval", "train"])
+    parser.add_argument("--criterion", default="train", choices=["train", "eval"])
     parser.add_argument("--eval-episodes", type=int, default=10)
     parser.add_argument("--eval-gate", type=float, default=None, help="default target / 2")
     parser.add_argument("--lr", type=float, default=1e-3)
