@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -17,6 +18,8 @@ def make_env() -> Iterator[Callable[..., envfleet.FleetVectorEnv]]:
     created: list[envfleet.FleetVectorEnv] = []
 
     def make(*args: Any, **kwargs: Any) -> envfleet.FleetVectorEnv:
+        if kwargs.get("backend") == "ray":
+            ensure_ray()
         envs = envfleet.make(*args, **kwargs)
         created.append(envs)
         return envs
@@ -30,3 +33,33 @@ def make_env() -> Iterator[Callable[..., envfleet.FleetVectorEnv]]:
 def snapshot() -> Snapshot:
     """Child processes and /dev/shm entries before the test; call ``assert_nothing_left()``."""
     return Snapshot.take()
+
+
+RAY_CPUS = 2  # logical CPUs of the tests' local Ray cluster (the development machine's cores)
+
+
+def ensure_ray() -> None:
+    """Start the tests' local Ray cluster, unless this process is connected to Ray already."""
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(num_cpus=RAY_CPUS, include_dashboard=False, log_to_driver=False)
+
+
+@pytest.fixture
+def ray_cluster() -> Any:
+    """A real local Ray cluster (started once per test module); yields the ``ray`` module."""
+    ensure_ray()
+    import ray
+
+    return ray
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _shutdown_ray_after_module() -> Iterator[None]:
+    """Shut down a Ray cluster a test module started, so that no Ray process outlives it
+    (the leak checks of the other modules count every child process)."""
+    yield
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        ray.shutdown()

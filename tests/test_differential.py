@@ -27,7 +27,7 @@ NUM_ENVS = 5
 WORKERS = [1, 2, NUM_ENVS]  # one worker, a count that does not divide NUM_ENVS, one per env
 STEPS = 300
 MODES = list(AutoresetMode)
-BACKENDS = ["serial", "threads", "processes"]
+BACKENDS = ["serial", "threads", "processes", "ray"]
 MID_EPISODE_RESETS = {  # step -> (reset mask, seed)
     40: (np.array([True, False, True, False, False]), 1234),
     117: (np.array([False, True, False, False, True]), None),
@@ -99,7 +99,9 @@ def run_lockstep(fleet, sync, *, steps: int, seed: int, mid_episode_resets=None)
 
 # (backend, layout arguments): every backend with several worker counts, and the processes
 # backend also with its defaults (the driver steps a share of the envs) and an explicit share.
-LAYOUTS = [(b, {"num_workers": w}) for b in BACKENDS for w in WORKERS] + [
+# Ray runs a representative subset instead (test_ray_matches_sync_vector_env): each actor is a
+# new process, slow to start on the 2-core machine.
+LAYOUTS = [(b, {"num_workers": w}) for b in BACKENDS if b != "ray" for w in WORKERS] + [
     ("processes", {}),
     ("processes", {"num_workers": 2, "driver_envs": 2}),
 ]
@@ -135,6 +137,30 @@ def test_matches_sync_vector_env(make_env, case, backend, layout, mode):
         assert seen["final_obs"] == seen["ended"]
     if case == "sparse-info":
         assert seen["info_steps"] > 0
+
+
+# Ray: every env case in NEXT_STEP mode; every mode for the cases with nested spaces and
+# sparse infos of many types (what the actors send back besides the rows); one worker, one
+# per env and the default (one per cluster CPU).
+RAY_CASES = [(case, AutoresetMode.NEXT_STEP, {"num_workers": 2}) for case in ENV_CASES] + [
+    (case, mode, {"num_workers": 2})
+    for case in ("nested", "sparse-info")
+    for mode in (AutoresetMode.SAME_STEP, AutoresetMode.DISABLED)
+]
+RAY_CASES += [
+    ("CartPole-v1", AutoresetMode.SAME_STEP, {"num_workers": 1}),
+    ("nested", AutoresetMode.NEXT_STEP, {"num_workers": NUM_ENVS}),
+    ("sparse-info", AutoresetMode.DISABLED, {}),
+]
+
+
+@pytest.mark.parametrize(
+    ("case", "mode", "layout"),
+    RAY_CASES,
+    ids=[f"{c}-{m.value}-{sorted(lay.items())}" for c, m, lay in RAY_CASES],
+)
+def test_ray_matches_sync_vector_env(make_env, case, mode, layout):
+    test_matches_sync_vector_env(make_env, case, "ray", layout, mode)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
