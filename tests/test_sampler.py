@@ -520,7 +520,11 @@ def test_bad_sample_arguments() -> None:
 def test_timers_are_merged_from_the_workers() -> None:
     with Sampler("CartPole-v1", PolePolicy(), 4, inference="worker", num_workers=2) as sampler:
         sampler.sample(200)
-        timers = sampler.timers
+        for _ in range(100):  # rollouts come first-come: until both workers have reported
+            timers = sampler.timers
+            if all("env_step" in worker for worker in timers.workers):
+                break
+            sampler.sample(50)
     assert len(timers.workers) == 2
     for worker in timers.workers:
         assert worker["env_step"].count > 0 and worker["policy"].count > 0
