@@ -26,7 +26,6 @@ import logging
 import math
 import os
 import sys
-import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -308,8 +307,10 @@ class EnvfleetWorker:
         status, payload = self.startup
         return status, payload, None, 0.0
 
-    def run(self, command: Command, payload: Any, actions: Any) -> _Reply:
-        """Run ``command`` on the group; ``actions`` (the block's rows) come with a step."""
+    def run(self, message: tuple[Command, Any, Any]) -> _Reply:
+        """Run ``(command, payload, actions)`` on the group; ``actions`` (the block's rows)
+        come with a step. (One argument: Ray serializes each argument on its own.)"""
+        command, payload, actions = message
         group = cast(EnvGroup, self.group)
         if actions is not None:
             _tree_write(group.buffers.actions, actions)
@@ -520,7 +521,7 @@ class RayBackend(Backend):
             start, stop = self.ranges[w]
             rows = tree_slice(actions, start, stop) if command is Command.STEP else None
             # A dead actor's call returns a reference that raises when read: collect sees it.
-            self._pending[w] = self._actors[w].run.remote(command, payloads[w], rows)
+            self._pending[w] = self._actors[w].run.remote((command, payloads[w], rows))
 
     def collect(self, timeout: float | None, step: int) -> dict[int, Any]:
         return cast(dict[int, Any], self._guarded(self._collect, timeout, step))
@@ -586,22 +587,32 @@ class RayBackend(Backend):
         fail_fast: bool,
         starting: bool = False,
     ) -> _Round:
-        """Wait for the replies ``refs`` (worker -> ObjectRef) and read them, as they come.
+        """Wait up to ``timeout`` seconds for the replies ``refs`` (worker -> ObjectRef), in
+        worker order, and read them; an actor's death ends its wait at once.
 
         ``fail_fast``: a dead actor or the timeout raises at once (and closes the backend);
         otherwise they are noted in the returned round, with env failures, for :meth:`_settle`.
         """
         done = _Round()
-        waiting = {ref: w for w, ref in refs.items()}
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while waiting:
-            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-            ready, _ = ray.wait(list(waiting), num_returns=1, timeout=remaining)
-            if not ready:
-                done.late = sorted(waiting.values())
-                break
-            for ref in ready:
-                self._read(waiting.pop(ref), ref, done, step, fail_fast, starting)
+        if not refs:
+            return done
+        order = list(refs.values())
+        ready, late = ray.wait(order, num_returns=len(order), timeout=timeout)
+        if not late:
+            # The common case: every reply is there; read them in one call.
+            try:
+                replies = ray.get(order)
+            except ray.exceptions.RayError:
+                pass  # an actor died or its method raised: read them one by one below
+            else:
+                for w, reply in zip(refs, replies, strict=True):
+                    self._take(w, reply, done, starting)
+                return done
+        finished = set(ready)
+        for w, ref in refs.items():  # in worker order
+            if ref in finished:
+                self._read(w, ref, done, step, fail_fast, starting)
+        done.late = sorted(w for w, ref in refs.items() if ref not in finished)
         if done.late:
             self.ledger.timeouts += 1
             if fail_fast:
@@ -612,7 +623,7 @@ class RayBackend(Backend):
         self, w: int, ref: Any, done: _Round, step: int, fail_fast: bool, starting: bool
     ) -> None:
         try:
-            status, payload, rows, seconds = ray.get(ref)
+            reply = ray.get(ref)
         except ray.exceptions.RayTaskError as exc:
             # The actor's method raised outside any env (e.g. infos that Ray cannot pickle).
             cause = exc.cause if isinstance(getattr(exc, "cause", None), BaseException) else exc
@@ -632,6 +643,11 @@ class RayBackend(Backend):
             if fail_fast:
                 self._raise_crashed(w, step, reason=reason, starting=starting)
             return
+        self._take(w, reply, done, starting)
+
+    def _take(self, w: int, reply: _Reply, done: _Round, starting: bool) -> None:
+        """Write the rows of worker ``w``'s reply into the batch; note its result."""
+        status, payload, rows, seconds = reply
         if rows is not None:
             start, stop = self.ranges[w]
             b = self.batch
