@@ -3,8 +3,8 @@
 Envs (steps per second summed over the sub-environments, ``--num-envs`` of them, default 16):
 
 - ``CartPole-v1``: a step costs a few microseconds: the transport's overhead is everything;
-- ``Synthetic-500us``: each step busy-loops 0.5 ms (a costlier simulator): the transport's
-  overhead is amortised over the work.
+- ``Synthetic-500us`` and ``Synthetic-5ms``: each step busy-loops 0.5 ms or 5 ms (costlier
+  simulators): the transport's overhead is amortised over the work.
 
 Systems:
 
@@ -23,6 +23,7 @@ Run: ``python benchmarks/ray_vs_processes.py``; results go to
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -60,7 +61,11 @@ class BusyEnv(gymnasium.Env[np.ndarray, np.int64]):
         return self.np_random.uniform(-1, 1, 8).astype(np.float32), 1.0, False, False, {}
 
 
-ENVS: dict[str, Any] = {"CartPole-v1": "CartPole-v1", "Synthetic-500us": BusyEnv}
+ENVS: dict[str, Any] = {
+    "CartPole-v1": "CartPole-v1",
+    "Synthetic-500us": BusyEnv,
+    "Synthetic-5ms": functools.partial(BusyEnv, cost_s=0.005),
+}
 
 
 def _cores() -> int:
