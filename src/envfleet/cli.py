@@ -84,12 +84,13 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--backends",
         type=_names(envfleet.BACKENDS, "backend"),
-        # envpool runs EnvPool's own tasks, not the gymnasium env of the same id: asked only.
-        default=[b for b in envfleet.BACKENDS if b != "envpool"],
+        # envpool runs EnvPool's own tasks, not the gymnasium env of the same id, and ray
+        # starts a Ray cluster (benchmarks/ray_vs_processes.py compares it): asked only.
+        default=[b for b in envfleet.BACKENDS if b not in ("envpool", "ray")],
         metavar="LIST",
         help=(
             "comma-separated envfleet backends, or 'none' (default: "
-            f"{','.join(b for b in envfleet.BACKENDS if b != 'envpool')})"
+            f"{','.join(b for b in envfleet.BACKENDS if b not in ('envpool', 'ray'))})"
         ),
     )
     bench.add_argument(
