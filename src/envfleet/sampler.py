@@ -39,8 +39,13 @@ import numpy as np
 from gymnasium.vector import AutoresetMode
 from gymnasium.vector.utils import create_empty_array
 
-from envfleet.backends.base import accepts_env_index, bind_env_index, worker_ranges
-from envfleet.backends.processes import _die_with_parent, _remote_env_error, _remote_error
+from envfleet.backends.base import (
+    accepts_env_index,
+    bind_env_index,
+    remote_env_error,
+    worker_ranges,
+)
+from envfleet.backends.processes import _die_with_parent, _remote_error
 from envfleet.buffers import tree_scatter
 from envfleet.errors import (
     ClosedEnvironmentError,
@@ -1081,7 +1086,7 @@ class Sampler:
                     dead.append(by_sentinel[r])
             failed = [m for m in self._inbox if isinstance(m, _WorkerFailed)]
             if failed:
-                error = _remote_env_error(failed[0].error, failed[0].worker, "sampler closed")
+                error = remote_env_error(failed[0].error, failed[0].worker, "sampler closed")
                 self.close(timeout=1.0)
                 raise error
             if dead and not self._inbox:

@@ -3,27 +3,31 @@
 from __future__ import annotations
 
 import abc
+import contextlib
 import functools
 import inspect
+import pickle
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import gymnasium
 from gymnasium.vector import AutoresetMode
 
 from envfleet.buffers import Batch
 from envfleet.envgroup import EnvFailure, EnvGroup
-from envfleet.errors import EnvError, SpaceMismatchError
-from envfleet.protocol import Command
-from envfleet.supervisor import Ledger, StepTimer, StepTimeStats
+from envfleet.errors import EnvError, RemoteTraceback, SpaceMismatchError
+from envfleet.protocol import Command, RemoteError
+from envfleet.supervisor import Ledger, StepTimer, StepTimeStats, log_env_restart, merge_events
 
 __all__ = [
     "Backend",
+    "RemoteWorkersBackend",
     "WorkerLayout",
     "accepts_env_index",
     "bind_env_index",
+    "remote_env_error",
     "run_command",
     "worker_ranges",
 ]
@@ -136,6 +140,23 @@ def failure_error(failure: EnvFailure, note: str = "") -> EnvError:
     return env_error(failure.env_index, None, failure.method, text)
 
 
+def remote_env_error(error: RemoteError, worker_index: int, note: str) -> EnvError:
+    """The :class:`EnvError` for an env error reported by a worker: the remote exception
+    (unpickled, else rebuilt as a ``RuntimeError``) chained as ``__cause__``, with the remote
+    traceback as its own cause."""
+    cause: BaseException | None = None
+    if error.exception is not None:
+        with contextlib.suppress(Exception):
+            cause = pickle.loads(error.exception)
+    if not isinstance(cause, BaseException):
+        cause = RuntimeError(f"{error.type_name}: {error.message}")
+    cause.__cause__ = RemoteTraceback(error.traceback)
+    text = f"{error.type_name}: {error.message}" + (f" ({note})" if note else "")
+    exc = env_error(error.env_index, worker_index, error.method, text)
+    exc.__cause__ = cause
+    return exc
+
+
 class Backend(abc.ABC):
     """A transport between the front and its EnvGroups.
 
@@ -200,3 +221,84 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def close(self, timeout: float | None, terminate: bool) -> None:
         """Close every env and release every process and buffer; bounded by ``timeout``."""
+
+
+class RemoteWorkersBackend(Backend):
+    """The supervisor's decision for backends whose workers live apart (``processes``,
+    ``ray``), written once: after a round in which envs raised or workers died or hung,
+    rebuild them within the restart policy's budget, or raise the typed error."""
+
+    _command: Command
+
+    @abc.abstractmethod
+    def _raise_crashed_worker(self, done: Any, step: int, note: str) -> None:
+        """Shut down and raise :class:`EnvCrashedError` for the first dead worker of ``done``."""
+
+    @abc.abstractmethod
+    def _raise_timeout(self, late: list[int], timeout: float, note: str = "") -> None:
+        """Shut down and raise :class:`StepTimeoutError` for the late workers."""
+
+    @abc.abstractmethod
+    def _replace_workers(
+        self, workers: list[int], done: Any, timeout: float | None, step: int
+    ) -> None:
+        """Kill ``workers`` and start new ones with their envs, ready to serve (shut down and
+        raise if one cannot start)."""
+
+    @abc.abstractmethod
+    def _run_restarts(self, requests: dict[int, Any], timeout: float | None, step: int) -> Any:
+        """Send ``Command.RESTART`` with ``requests`` and wait for every reply (a round)."""
+
+    def settle(self, done: Any, timeout: float | None, step: int) -> dict[int, Any]:
+        """Rebuild what failed in ``done`` when the restart policy allows it, else raise.
+
+        Env errors leave the backend usable; a dead or hung worker shuts it down unless it is
+        replaced. Returns every worker's result, the rebuilt envs' included.
+        """
+        ledger = self.ledger
+        ledger.env_errors += sum(len(f.errors) for f in done.failures.values())
+        failed_envs = {w: [e.env_index for e in f.errors] for w, f in sorted(done.failures.items())}
+        respawn = sorted([*done.crashed, *done.late])
+        note = ledger.refusal(
+            self._command,
+            all(f.partial for f in done.failures.values()),
+            len(respawn) + sum(map(len, failed_envs.values())),
+        )
+        if note is not None:
+            if done.crashed:
+                self._raise_crashed_worker(done, step, note)
+            if done.late:
+                self._raise_timeout(done.late, cast(float, timeout), note)
+            w = min(done.failures)
+            raise remote_env_error(done.failures[w].errors[0], w, note)
+        ledger.crashes += len(done.crashed)
+        for f in done.failures.values():
+            for error in f.errors:
+                log_env_restart(error.env_index, error.method, error.type_name, error.message)
+        if respawn:
+            self._replace_workers(respawn, done, timeout, step)
+            for w in respawn:
+                failed_envs[w] = list(range(*self.ranges[w]))
+        requests = {
+            w: ledger.restart_request(self.ranges[w][0], envs, self._command, w not in respawn)
+            for w, envs in failed_envs.items()
+        }
+        command = self._command
+        restarted = self._run_restarts(requests, timeout, step)
+        self._command = command
+        if restarted.failures:
+            w = min(restarted.failures)
+            exc = remote_env_error(restarted.failures[w].errors[0], w, "")
+            self.close(timeout=0, terminate=True)
+            raise exc
+        results = done.results
+        for w, envs in failed_envs.items():
+            if w in respawn:
+                ledger.restarted(envs)
+            else:
+                for e in envs:
+                    ledger.restarted([e])
+            failure = done.failures.get(w)
+            events = None if failure is None else failure.events
+            results[w] = merge_events(events, restarted.results.get(w))
+        return results

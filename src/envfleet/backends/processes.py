@@ -43,21 +43,19 @@ import numpy as np
 from gymnasium.vector import AutoresetMode
 
 from envfleet.backends.base import (
-    Backend,
+    RemoteWorkersBackend,
     WorkerLayout,
     bind_env_index,
-    env_error,
     failure_error,
     mismatch_error,
+    remote_env_error,
 )
 from envfleet.backends.doorbell import SEM_SLOT, Doorbell, SpinBudget, shared_semaphore
 from envfleet.buffers import Block, allocate_batch
 from envfleet.envgroup import EnvFailure, EnvGroup, PartialFailure
 from envfleet.errors import (
     EnvCrashedError,
-    EnvError,
     EnvfleetError,
-    RemoteTraceback,
     StepTimeoutError,
     describe_exitcode,
 )
@@ -67,8 +65,6 @@ from envfleet.supervisor import (
     Ledger,
     StepTimer,
     StepTimeStats,
-    log_env_restart,
-    merge_events,
     step_time_table,
 )
 
@@ -118,7 +114,7 @@ class _WorkerSpec:
     start_method: str
 
 
-class ProcessesBackend(Backend):
+class ProcessesBackend(RemoteWorkersBackend):
     """Worker processes holding contiguous blocks of envs over one shared block.
 
     Args:
@@ -345,7 +341,7 @@ class ProcessesBackend(Backend):
         if local_failure is not None:
             self.ledger.env_errors += len(getattr(local_failure, "failures", [local_failure]))
             raise failure_error(local_failure) from local_failure.__cause__
-        results = self._settle(done, timeout, step) if done.failed else done.results
+        results = self.settle(done, timeout, step) if done.failed else done.results
         if self._local is not None and local_result is not None:
             results[0] = local_result
         return results
@@ -365,7 +361,7 @@ class ProcessesBackend(Backend):
     def _collect_ready(self, timeout: float | None, step: int) -> dict[int, Any]:
         if self._kept_failures:
             g, failure = self._kept_failures.pop(0)
-            raise _remote_env_error(failure.errors[0], g, "")
+            raise remote_env_error(failure.errors[0], g, "")
         if self._kept:
             kept, self._kept = self._kept, {}
             return kept
@@ -399,7 +395,7 @@ class ProcessesBackend(Backend):
                 failures = sorted(done.failures.items())
                 self._kept_failures.extend(failures[1:])
                 g, failure = failures[0]
-                raise _remote_env_error(failure.errors[0], g, "")
+                raise remote_env_error(failure.errors[0], g, "")
             return done.results
 
     def _collect_remote(self, timeout: float | None, step: int, fail_fast: bool) -> _Round:
@@ -407,7 +403,7 @@ class ProcessesBackend(Backend):
 
         ``fail_fast``: a dead worker or the timeout raises at once (and closes the backend);
         otherwise they are noted in the returned round, and so are env failures, for
-        :meth:`_settle`.
+        :meth:`settle`.
         """
         pending = self._pending
         self._pending = []
@@ -455,76 +451,37 @@ class ProcessesBackend(Backend):
         else:
             done.results[g] = payload
 
-    def _settle(self, done: _Round, timeout: float | None, step: int) -> dict[int, Any]:
-        """Rebuild what failed when the restart policy allows it, else raise the typed error.
+    # -- the hooks of RemoteWorkersBackend.settle (the supervisor's restart flow) -----------
 
-        Env errors leave the backend usable; a dead or hung worker shuts it down unless it is
-        restarted.
-        """
-        ledger = self.ledger
-        ledger.env_errors += sum(len(f.errors) for f in done.failures.values())
-        failed_envs = {g: [e.env_index for e in f.errors] for g, f in sorted(done.failures.items())}
-        respawn = sorted(done.crashed + done.late)
-        note = ledger.refusal(
-            self._command,
-            all(f.partial for f in done.failures.values()),
-            len(respawn) + sum(map(len, failed_envs.values())),
-        )
-        if note is not None:
-            if done.crashed:
-                self._raise_crashed(done.crashed[0], step, note)
-            if done.late:
-                self._raise_timeout(done.late, cast(float, timeout), note)
-            g = min(done.failures)
-            raise _remote_env_error(done.failures[g].errors[0], g, note)
-        ledger.crashes += len(done.crashed)
-        for f in done.failures.values():
-            for error in f.errors:
-                log_env_restart(error.env_index, error.method, error.type_name, error.message)
-        for g in respawn:
+    def _raise_crashed_worker(self, done: _Round, step: int, note: str) -> None:
+        self._raise_crashed(done.crashed[0], step, note)
+
+    def _replace_workers(
+        self, workers: list[int], done: _Round, timeout: float | None, step: int
+    ) -> None:
+        for g in workers:
             why = "died" if g in done.crashed else "did not answer in time"
             logger.warning("worker %d %s; restarting it and its envs", g, why)
             self._respawn(g)
-        if respawn:
-            self._pending = respawn
-            ready = self._collect_remote(timeout, step, fail_fast=True)
-            try:
-                self._check_ready(ready)
-            except EnvfleetError:  # a rebuilt worker could not start: give up
-                self.close(timeout=0, terminate=True)
-                raise
-            for g in respawn:
-                failed_envs[g] = list(range(*self.ranges[g]))
-        requests = {
-            g: ledger.restart_request(self.ranges[g][0], envs, self._command, g not in respawn)
-            for g, envs in failed_envs.items()
-        }
+        self._pending = workers
+        ready = self._collect_remote(timeout, step, fail_fast=True)
+        try:
+            self._check_ready(ready)
+        except EnvfleetError:  # a rebuilt worker could not start: give up
+            self.close(timeout=0, terminate=True)
+            raise
+
+    def _run_restarts(self, requests: dict[int, Any], timeout: float | None, step: int) -> _Round:
         command = self._command
         self._submit(Command.RESTART, requests, step)
         self._command = command
-        restarted = self._collect_remote(timeout, step, fail_fast=True)
-        if restarted.failures:
-            g = min(restarted.failures)
-            exc = _remote_env_error(restarted.failures[g].errors[0], g, "")
-            self.close(timeout=0, terminate=True)
-            raise exc
-        results = done.results
-        for g, envs in failed_envs.items():
-            if g in respawn:
-                ledger.restarted(envs)
-            else:
-                for e in envs:
-                    ledger.restarted([e])
-            failure = done.failures.get(g)
-            events = None if failure is None else failure.events
-            results[g] = merge_events(events, restarted.results.get(g))
-        return results
+        return self._collect_remote(timeout, step, fail_fast=True)
 
     def _check_ready(self, done: _Round) -> None:
         """Raise for the first worker that could not start (an env error or a space mismatch)."""
         if done.failures:
             g = min(done.failures)
-            raise _remote_env_error(done.failures[g].errors[0], g, "")
+            raise remote_env_error(done.failures[g].errors[0], g, "")
         for g in sorted(done.results):
             if done.results[g] is not None:
                 raise mismatch_error(done.results[g])
@@ -635,20 +592,6 @@ def _join_all(procs: list[Any], timeout: float) -> None:
     deadline = time.monotonic() + timeout
     for proc in procs:
         proc.join(max(0.0, deadline - time.monotonic()))
-
-
-def _remote_env_error(error: RemoteError, worker_index: int, note: str) -> EnvError:
-    cause: BaseException | None = None
-    if error.exception is not None:
-        with contextlib.suppress(Exception):
-            cause = pickle.loads(error.exception)
-    if not isinstance(cause, BaseException):
-        cause = RuntimeError(f"{error.type_name}: {error.message}")
-    cause.__cause__ = RemoteTraceback(error.traceback)
-    text = f"{error.type_name}: {error.message}" + (f" ({note})" if note else "")
-    exc = env_error(error.env_index, worker_index, error.method, text)
-    exc.__cause__ = cause
-    return exc
 
 
 # -- worker side ----------------------------------------------------------------------------

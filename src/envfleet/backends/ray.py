@@ -38,13 +38,14 @@ import ray.exceptions
 from gymnasium.vector import AutoresetMode
 
 from envfleet.backends.base import (
-    Backend,
+    RemoteWorkersBackend,
     WorkerLayout,
     bind_env_index,
     mismatch_error,
+    remote_env_error,
     run_command,
 )
-from envfleet.backends.processes import _remote_env_error, _remote_error
+from envfleet.backends.processes import _remote_error
 from envfleet.buffers import Block, allocate_batch, batch_nbytes, tree_slice
 from envfleet.envgroup import EnvFailure, EnvGroup, PartialFailure
 from envfleet.errors import ConfigError, EnvCrashedError, EnvfleetError, StepTimeoutError
@@ -54,8 +55,6 @@ from envfleet.supervisor import (
     Ledger,
     StepTimer,
     StepTimeStats,
-    log_env_restart,
-    merge_events,
     step_time_table,
 )
 
@@ -377,7 +376,7 @@ class _Round:
         return bool(self.failures or self.crashed or self.late)
 
 
-class RayBackend(Backend):
+class RayBackend(RemoteWorkersBackend):
     """One Ray actor per block of envs; results come back through Ray's object store.
 
     Args:
@@ -479,7 +478,7 @@ class RayBackend(Backend):
         """Raise for the first actor that could not start (an env error or a space mismatch)."""
         if done.failures:
             w = min(done.failures)
-            raise _remote_env_error(done.failures[w].errors[0], w, "")
+            raise remote_env_error(done.failures[w].errors[0], w, "")
         for w in sorted(done.results):
             if done.results[w] is not None:
                 raise mismatch_error(done.results[w])
@@ -530,7 +529,7 @@ class RayBackend(Backend):
         refs, self._pending = self._pending, {}
         fail_fast = not self.ledger.restarts_on(self._command)
         done = self._wait(refs, timeout, step, fail_fast)
-        results = self._settle(done, timeout, step) if done.failed else done.results
+        results = self.settle(done, timeout, step) if done.failed else done.results
         return dict(sorted(results.items()))
 
     def collect_ready(self, timeout: float | None, step: int) -> dict[int, Any]:
@@ -548,7 +547,7 @@ class RayBackend(Backend):
     def _collect_ready(self, timeout: float | None, step: int) -> dict[int, Any]:
         if self._kept_failures:
             w, failure = self._kept_failures.pop(0)
-            raise _remote_env_error(failure.errors[0], w, "")
+            raise remote_env_error(failure.errors[0], w, "")
         if self._kept:
             kept, self._kept = self._kept, {}
             return kept
@@ -574,7 +573,7 @@ class RayBackend(Backend):
             failures = sorted(done.failures.items())
             self._kept_failures.extend(failures[1:])
             w, failure = failures[0]
-            raise _remote_env_error(failure.errors[0], w, "")
+            raise remote_env_error(failure.errors[0], w, "")
         return dict(sorted(done.results.items()))
 
     # -- waiting and reading replies ----------------------------------------------------------
@@ -591,7 +590,7 @@ class RayBackend(Backend):
         worker order, and read them; an actor's death ends its wait at once.
 
         ``fail_fast``: a dead actor or the timeout raises at once (and closes the backend);
-        otherwise they are noted in the returned round, with env failures, for :meth:`_settle`.
+        otherwise they are noted in the returned round, with env failures, for :meth:`settle`.
         """
         done = _Round()
         if not refs:
@@ -664,72 +663,31 @@ class RayBackend(Backend):
 
     # -- the supervisor's part ------------------------------------------------------------------
 
-    def _settle(self, done: _Round, timeout: float | None, step: int) -> dict[int, Any]:
-        """Rebuild what failed when the restart policy allows it, else raise the typed error.
+    # -- the hooks of RemoteWorkersBackend.settle (the supervisor's restart flow) -----------
 
-        Env errors leave the backend usable; a dead or hung actor shuts it down unless it is
-        replaced.
-        """
-        ledger = self.ledger
-        ledger.env_errors += sum(len(f.errors) for f in done.failures.values())
-        failed_envs = {w: [e.env_index for e in f.errors] for w, f in sorted(done.failures.items())}
-        respawn = sorted([*done.crashed, *done.late])
-        note = ledger.refusal(
-            self._command,
-            all(f.partial for f in done.failures.values()),
-            len(respawn) + sum(map(len, failed_envs.values())),
-        )
-        if note is not None:
-            if done.crashed:
-                w = min(done.crashed)
-                self._raise_crashed(w, step, note, reason=done.crashed[w])
-            if done.late:
-                self._raise_timeout(done.late, cast(float, timeout), note)
-            w = min(done.failures)
-            raise _remote_env_error(done.failures[w].errors[0], w, note)
-        ledger.crashes += len(done.crashed)
-        for f in done.failures.values():
-            for error in f.errors:
-                log_env_restart(error.env_index, error.method, error.type_name, error.message)
-        for w in respawn:
+    def _raise_crashed_worker(self, done: _Round, step: int, note: str) -> None:
+        w = min(done.crashed)
+        self._raise_crashed(w, step, note, reason=done.crashed[w])
+
+    def _replace_workers(
+        self, workers: list[int], done: _Round, timeout: float | None, step: int
+    ) -> None:
+        for w in workers:
             why = f"died ({done.crashed[w]})" if w in done.crashed else "did not answer in time"
             logger.warning("Ray actor of worker %d %s; replacing it and its envs", w, why)
             with contextlib.suppress(Exception):
                 ray.kill(self._actors[w], no_restart=True)
             self._start_actor(w)
-        if respawn:
-            try:
-                self._check_ready(self._await_ready(respawn, step))
-            except EnvfleetError:  # a new actor could not start: give up
-                self.close(timeout=0, terminate=True)
-                raise
-            for w in respawn:
-                failed_envs[w] = list(range(*self.ranges[w]))
-        requests = {
-            w: ledger.restart_request(self.ranges[w][0], envs, self._command, w not in respawn)
-            for w, envs in failed_envs.items()
-        }
-        command = self._command
+        try:
+            self._check_ready(self._await_ready(workers, step))
+        except EnvfleetError:  # a new actor could not start: give up
+            self.close(timeout=0, terminate=True)
+            raise
+
+    def _run_restarts(self, requests: dict[int, Any], timeout: float | None, step: int) -> _Round:
         self._submit(Command.RESTART, requests)
         refs, self._pending = self._pending, {}
-        restarted = self._wait(refs, timeout, step, fail_fast=True)
-        self._command = command
-        if restarted.failures:
-            w = min(restarted.failures)
-            exc = _remote_env_error(restarted.failures[w].errors[0], w, "")
-            self.close(timeout=0, terminate=True)
-            raise exc
-        results = done.results
-        for w, envs in failed_envs.items():
-            if w in respawn:
-                ledger.restarted(envs)
-            else:
-                for e in envs:
-                    ledger.restarted([e])
-            failure = done.failures.get(w)
-            events = None if failure is None else failure.events
-            results[w] = merge_events(events, restarted.results.get(w))
-        return results
+        return self._wait(refs, timeout, step, fail_fast=True)
 
     def _raise_crashed(
         self, w: int, step: int, note: str = "", reason: str = "", starting: bool = False
