@@ -17,7 +17,7 @@ from gymnasium.vector import AutoresetMode
 
 from envfleet.buffers import Batch
 from envfleet.envgroup import EnvFailure, EnvGroup
-from envfleet.errors import EnvError, RemoteTraceback, SpaceMismatchError
+from envfleet.errors import EnvError, RemoteTraceback, SpaceMismatchError, StepTimeoutError
 from envfleet.protocol import Command, RemoteError
 from envfleet.supervisor import Ledger, StepTimer, StepTimeStats, log_env_restart, merge_events
 
@@ -234,9 +234,18 @@ class RemoteWorkersBackend(Backend):
     def _raise_crashed_worker(self, done: Any, step: int, note: str) -> None:
         """Shut down and raise :class:`EnvCrashedError` for the first dead worker of ``done``."""
 
-    @abc.abstractmethod
+    _late_noun = "workers"  # how a timeout names the late workers
+
     def _raise_timeout(self, late: list[int], timeout: float, note: str = "") -> None:
         """Shut down and raise :class:`StepTimeoutError` for the late workers."""
+        envs = [e for w in late for e in range(*self.ranges[w])]
+        self.close(timeout=0, terminate=True)
+        raise StepTimeoutError(
+            f"{self._late_noun} {late} (sub-environments {envs}) did not answer within "
+            f"{timeout} s; {note + '; ' if note else ''}they were killed and the vector env closed",
+            envs,
+            timeout,
+        )
 
     @abc.abstractmethod
     def _replace_workers(

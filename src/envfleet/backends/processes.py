@@ -56,7 +56,6 @@ from envfleet.envgroup import EnvFailure, EnvGroup, PartialFailure
 from envfleet.errors import (
     EnvCrashedError,
     EnvfleetError,
-    StepTimeoutError,
     describe_exitcode,
 )
 from envfleet.protocol import Command, Failure, RemoteError, Status
@@ -560,16 +559,6 @@ class ProcessesBackend(RemoteWorkersBackend):
             worker_index=g,
             exitcode=exitcode,
             step=step,
-        )
-
-    def _raise_timeout(self, late: list[int], timeout: float, note: str = "") -> None:
-        envs = [e for g in late for e in range(*self.ranges[g])]
-        self.close(timeout=0, terminate=True)
-        raise StepTimeoutError(
-            f"workers {late} (sub-environments {envs}) did not answer within {timeout} s; "
-            f"{note + '; ' if note else ''}they were killed and the vector env closed",
-            envs,
-            timeout,
         )
 
 

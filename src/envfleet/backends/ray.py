@@ -48,7 +48,7 @@ from envfleet.backends.base import (
 from envfleet.backends.processes import _remote_error
 from envfleet.buffers import Block, allocate_batch, batch_nbytes, tree_slice
 from envfleet.envgroup import EnvFailure, EnvGroup, PartialFailure
-from envfleet.errors import ConfigError, EnvCrashedError, EnvfleetError, StepTimeoutError
+from envfleet.errors import ConfigError, EnvCrashedError, EnvfleetError
 from envfleet.protocol import Command, Failure, RemoteError, Status
 from envfleet.supervisor import (
     STATS_WORDS,
@@ -397,6 +397,8 @@ class RayBackend(RemoteWorkersBackend):
         EnvCrashedError: an actor died while starting.
     """
 
+    _late_noun = "Ray actors of workers"
+
     def __init__(
         self,
         layout: WorkerLayout,
@@ -704,16 +706,6 @@ class RayBackend(RemoteWorkersBackend):
             worker_index=w,
             exitcode=None,
             step=step,
-        )
-
-    def _raise_timeout(self, late: list[int], timeout: float, note: str = "") -> None:
-        envs = [e for w in late for e in range(*self.ranges[w])]
-        self.close(timeout=0, terminate=True)
-        raise StepTimeoutError(
-            f"Ray actors of workers {late} (sub-environments {envs}) did not answer within "
-            f"{timeout} s; {note + '; ' if note else ''}they were killed and the vector env closed",
-            envs,
-            timeout,
         )
 
     # -- close ----------------------------------------------------------------------------------
