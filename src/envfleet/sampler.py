@@ -309,6 +309,37 @@ class _ApplyToEnvs:
         venv.apply(self.fn)
 
 
+def _step_and_record(
+    venv: FleetVectorEnv,
+    policy: Policy,
+    obs: Any,
+    ids: np.ndarray,
+    version: int,
+    recorder: Recorder,
+    timers: _Timers,
+) -> tuple[Any, np.ndarray]:
+    """One synchronous step of every env of ``venv`` (envs ``ids``) under ``policy``, recorded
+    with ``version``; returns the next observations and whether each episode ended."""
+    with timers.time("policy"):
+        actions, agent_infos = _act(policy, obs)
+    with timers.time("env_step"):
+        next_obs, rewards, terminated, truncated, info = venv.step(actions)
+    done = terminated | truncated
+    recorder.add(
+        ids,
+        obs,
+        actions,
+        rewards,
+        terminated,
+        truncated,
+        final_observations(next_obs, info, done),
+        np.full(len(ids), version),
+        agent_infos,
+        step_infos(info, ids, done),
+    )
+    return next_obs, done
+
+
 # -- the sampler worker (worker inference) ---------------------------------------------------
 
 
@@ -435,24 +466,9 @@ class _Worker:
         """One step of every env, recorded; returns the envs whose episode ended."""
         venv = self.venv
         assert venv is not None
-        with self.timers.time("policy"):
-            actions, agent_infos = _act(self.policy, self.obs)
-        with self.timers.time("env_step"):
-            next_obs, rewards, terminated, truncated, info = venv.step(actions)
-        done = terminated | truncated
-        recorder.add(
-            self.ids,
-            self.obs,
-            actions,
-            rewards,
-            terminated,
-            truncated,
-            final_observations(next_obs, info, done),
-            np.full(len(self.ids), self.policy_version),
-            agent_infos,
-            step_infos(info, self.ids, done),
+        self.obs, done = _step_and_record(
+            venv, self.policy, self.obs, self.ids, self.policy_version, recorder, self.timers
         )
-        self.obs = next_obs
         self.steps_in_chunk += 1
         return done
 
@@ -869,28 +885,11 @@ class Sampler:
         assert venv is not None
         version = self.stats.policy_version
         if not venv.is_pool:
-            obs = self._obs
-            with self._timers.time("policy"):
-                actions, agent_infos = _act(self._policy, obs)
-            with self._timers.time("env_step"):
-                next_obs, rewards, terminated, truncated, info = venv.step(actions)
             ids = np.arange(self.num_envs)
-            done = terminated | truncated
-            versions = np.full(self.num_envs, version)
-            recorder.add(
-                ids,
-                obs,
-                actions,
-                rewards,
-                terminated,
-                truncated,
-                final_observations(next_obs, info, done),
-                versions,
-                agent_infos,
-                step_infos(info, ids, done),
+            self._obs, done = _step_and_record(
+                venv, self._policy, self._obs, ids, version, recorder, self._timers
             )
-            self._obs = next_obs
-            return ids, versions, done
+            return ids, np.full(self.num_envs, version), done
         with self._timers.time("env_step"):
             next_obs, rewards, terminated, truncated, info = venv.recv()
         ids = info["env_id"].astype(np.int64)
