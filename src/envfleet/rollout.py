@@ -15,6 +15,8 @@ from typing import Any
 
 import numpy as np
 
+from envfleet.buffers import tree_scatter
+
 __all__ = ["EpisodeBatch", "Recorder", "final_observations", "unbatch_info"]
 
 
@@ -104,19 +106,8 @@ def final_observations(next_obs: Any, info: dict[str, Any], done: np.ndarray) ->
         tree_map(put, out, final)
     else:  # e.g. Tuple spaces: an object array of per-env observations
         for r in rows:
-            _set_row(out, r, final[r])
+            tree_scatter(out, r, final[r])
     return out
-
-
-def _set_row(batched: Any, row: int, value: Any) -> None:
-    if isinstance(batched, dict):
-        for key, leaf in batched.items():
-            _set_row(leaf, row, value[key])
-    elif isinstance(batched, tuple):
-        for leaf, item in zip(batched, value, strict=True):
-            _set_row(leaf, row, item)
-    else:
-        batched[row] = value
 
 
 # -- the batch -------------------------------------------------------------------------------

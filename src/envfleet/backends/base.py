@@ -10,14 +10,20 @@ import pickle
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import gymnasium
 from gymnasium.vector import AutoresetMode
 
 from envfleet.buffers import Batch
 from envfleet.envgroup import EnvFailure, EnvGroup
-from envfleet.errors import EnvError, RemoteTraceback, SpaceMismatchError, StepTimeoutError
+from envfleet.errors import (
+    EnvError,
+    EnvfleetError,
+    RemoteTraceback,
+    SpaceMismatchError,
+    StepTimeoutError,
+)
 from envfleet.protocol import Command, RemoteError
 from envfleet.supervisor import Ledger, StepTimer, StepTimeStats, log_env_restart, merge_events
 
@@ -33,6 +39,7 @@ __all__ = [
 ]
 
 EnvFn = Callable[..., gymnasium.Env[Any, Any]]
+_T = TypeVar("_T")
 
 
 def worker_ranges(num_envs: int, num_workers: int) -> list[tuple[int, int]]:
@@ -235,6 +242,20 @@ class RemoteWorkersBackend(Backend):
         """Shut down and raise :class:`EnvCrashedError` for the first dead worker of ``done``."""
 
     _late_noun = "workers"  # how a timeout names the late workers
+
+    def _guarded(self, call: Callable[..., _T], *args: Any) -> _T:
+        """``call(*args)``; shut down if it ends with anything but an envfleet error.
+
+        Interrupted (Ctrl-C) or broken between sending commands to workers and reading their
+        replies, a later call could read a stale reply, so the backend shuts down instead.
+        """
+        try:
+            return call(*args)
+        except EnvfleetError:
+            raise
+        except BaseException:
+            self.close(timeout=0, terminate=True)
+            raise
 
     def _raise_timeout(self, late: list[int], timeout: float, note: str = "") -> None:
         """Shut down and raise :class:`StepTimeoutError` for the late workers."""

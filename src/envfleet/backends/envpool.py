@@ -54,7 +54,14 @@ import numpy as np
 from gymnasium.vector import AutoresetMode
 
 from envfleet.backends.base import Backend
-from envfleet.buffers import Block, allocate_batch, batch_nbytes, check_fixed_size
+from envfleet.buffers import (
+    Block,
+    allocate_batch,
+    batch_nbytes,
+    check_fixed_size,
+    tree_scatter,
+    tree_take,
+)
 from envfleet.errors import ConfigError, InvalidArgumentError, UnsupportedError
 from envfleet.protocol import Command, InfoEvent, ResetRequest
 from envfleet.supervisor import STATS_WORDS, Ledger, StepTimer, StepTimeStats, step_time_table
@@ -331,7 +338,7 @@ class EnvPoolBackend(Backend):
             if self.is_pool:
                 ids = np.fromiter(payloads, dtype=np.int32, count=len(payloads))
                 ids.sort()
-                actions = _take(self.batch.actions, ids)
+                actions = tree_take(self.batch.actions, ids)
                 self._pool.send(actions, env_id=ids)
             else:
                 self._t0 = time.perf_counter()
@@ -442,7 +449,7 @@ class EnvPoolBackend(Backend):
         batch = self.batch
         in_order = len(ids) == self.num_envs and bool((ids == self._all_ids).all())
         rows: Any = slice(None) if in_order else ids
-        _put(batch.observations, rows, obs)
+        tree_scatter(batch.observations, rows, obs)
         batch.rewards[rows] = reward
         batch.terminations[rows] = terminated
         batch.truncations[rows] = truncated
@@ -509,10 +516,10 @@ class EnvPoolBackend(Backend):
         }
         if self._dummy_action is None:
             self._dummy_action = _zeros_like(self.batch.actions)
-        self._pool.send(_take(self._dummy_action, done_ids), env_id=done_ids)
+        self._pool.send(tree_take(self._dummy_action, done_ids), env_id=done_ids)
         reset_obs, _, _, _, reset_info = self._pool.recv()
         got = reset_info["env_id"]
-        _put(self.batch.observations, got, reset_obs)
+        tree_scatter(self.batch.observations, got, reset_obs)
         reset_rows = dict(zip(got.tolist(), _info_rows(reset_info, len(got)), strict=True))
         events: list[InfoEvent] = []
         for e in sorted(final):
@@ -567,26 +574,6 @@ def _row(tree: Any, k: int) -> Any:
     if isinstance(tree, tuple):
         return tuple(_row(value, k) for value in tree)
     return np.array(tree[k], copy=True)
-
-
-def _put(tree: Any, rows: Any, values: Any) -> None:
-    """Write ``values`` (EnvPool's batched obs: array or dict of them) into ``tree[rows]``."""
-    if isinstance(tree, dict):
-        for key, sub in tree.items():
-            _put(sub, rows, values[key])
-    elif isinstance(tree, tuple):
-        for sub, value in zip(tree, values, strict=True):
-            _put(sub, rows, value)
-    else:
-        tree[rows] = values
-
-
-def _take(tree: Any, ids: np.ndarray) -> Any:
-    if isinstance(tree, dict):
-        return {key: _take(value, ids) for key, value in tree.items()}
-    if isinstance(tree, tuple):
-        return tuple(_take(value, ids) for value in tree)
-    return tree[ids]
 
 
 def _zeros_like(tree: Any) -> Any:

@@ -32,10 +32,10 @@ import signal
 import sys
 import time
 import traceback
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
-from typing import Any, TypeVar, cast
+from typing import Any, cast
 
 import cloudpickle
 import gymnasium
@@ -71,7 +71,6 @@ __all__ = ["DEFAULT_CLOSE_TIMEOUT", "DEFAULT_SPIN_S", "ProcessesBackend"]
 
 logger = logging.getLogger("envfleet")
 
-_T = TypeVar("_T")
 
 DEFAULT_CLOSE_TIMEOUT = 5.0  # seconds for workers to close their envs before being terminated
 DEFAULT_SPIN_S = 0.002  # the most a wait polls before it blocks, in seconds
@@ -271,20 +270,6 @@ class ProcessesBackend(RemoteWorkersBackend):
     @property
     def closed(self) -> bool:
         return self._closed
-
-    def _guarded(self, call: Callable[..., _T], *args: Any) -> _T:
-        """``call(*args)``; shut down if it ends with anything but an envfleet error.
-
-        Interrupted (Ctrl-C) or broken between ringing workers and reading their replies, a
-        later call could read a stale reply, so the backend shuts down instead.
-        """
-        try:
-            return call(*args)
-        except EnvfleetError:
-            raise
-        except BaseException:
-            self.close(timeout=0, terminate=True)
-            raise
 
     def submit(self, command: Command, payloads: Mapping[int, Any], step: int) -> None:
         self._guarded(self._submit, command, payloads, step)

@@ -501,17 +501,6 @@ class RayBackend(RemoteWorkersBackend):
     def drop_kept(self) -> None:
         self._kept, self._kept_failures = {}, []
 
-    def _guarded(self, call: Any, *args: Any) -> Any:
-        """``call(*args)``; shut down if it ends with anything but an envfleet error (an
-        interrupt between sending commands and reading replies leaves replies unread)."""
-        try:
-            return call(*args)
-        except EnvfleetError:
-            raise
-        except BaseException:
-            self.close(timeout=0, terminate=True)
-            raise
-
     def submit(self, command: Command, payloads: Mapping[int, Any], step: int) -> None:
         self._guarded(self._submit, command, payloads)
 
@@ -525,7 +514,7 @@ class RayBackend(RemoteWorkersBackend):
             self._pending[w] = self._actors[w].run.remote((command, payloads[w], rows))
 
     def collect(self, timeout: float | None, step: int) -> dict[int, Any]:
-        return cast(dict[int, Any], self._guarded(self._collect, timeout, step))
+        return self._guarded(self._collect, timeout, step)
 
     def _collect(self, timeout: float | None, step: int) -> dict[int, Any]:
         refs, self._pending = self._pending, {}
@@ -544,7 +533,7 @@ class RayBackend(RemoteWorkersBackend):
             EnvCrashedError: a pending actor died; the backend is shut down.
             StepTimeoutError: no actor replied within ``timeout`` seconds; shut down.
         """
-        return cast(dict[int, Any], self._guarded(self._collect_ready, timeout, step))
+        return self._guarded(self._collect_ready, timeout, step)
 
     def _collect_ready(self, timeout: float | None, step: int) -> dict[int, Any]:
         if self._kept_failures:
