@@ -26,6 +26,7 @@ __all__ = [
     "CrashEnv",
     "FlakyEnv",
     "IndexedEnv",
+    "MixedObsEnv",
     "NestedSpaceEnv",
     "RaisingEnv",
     "SimpleEnv",
@@ -475,3 +476,46 @@ class FlakyEnv(gym.Env):
     def render(self):
         self._fault("render")
         return None
+
+
+class MixedObsEnv(gym.Env):
+    """Box((2, 3), float32) observations handed back in a different form each step.
+
+    Exercises every way an EnvGroup may write observations: float32 arrays, float64 arrays
+    (cast), nested lists, non-contiguous views, and (``bad_shape_at``) an array of the wrong
+    shape, which gymnasium's SyncVectorEnv refuses. Rewards and done flags vary in type too.
+    """
+
+    FORMS = ("float32", "float64", "list", "transposed")
+
+    def __init__(self, env_index: int = 0, bad_shape_at: int | None = None):
+        self.env_index = env_index
+        self.bad_shape_at = bad_shape_at
+        self.observation_space = spaces.Box(-1.0, 1.0, (2, 3), np.float32)
+        self.action_space = spaces.Discrete(2)
+        self._t = 0
+
+    def _obs(self) -> Any:
+        value = self.np_random.uniform(-1.0, 1.0, (2, 3))
+        form = self.FORMS[(self._t + self.env_index) % len(self.FORMS)]
+        if self.bad_shape_at is not None and self._t == self.bad_shape_at:
+            return value.reshape(3, 2).astype(np.float32)
+        if form == "float32":
+            return value.astype(np.float32)
+        if form == "float64":
+            return value
+        if form == "list":
+            return value.tolist()
+        return np.ascontiguousarray(value.T).T  # same values, Fortran-ordered view
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
+        super().reset(seed=seed)
+        self._t = 0
+        return self._obs(), {}
+
+    def step(self, action: Any):
+        self._t += 1
+        reward = (np.float32(0.5), 1, 0.25)[self._t % 3]
+        terminated = np.bool_(self.np_random.random() < 0.05)
+        truncated = self._t >= 30
+        return self._obs(), reward, terminated, truncated, {}

@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import envfleet
-from tests.envs import NestedSpaceEnv, SparseInfoEnv, sync_factories
+from tests.envs import MixedObsEnv, NestedSpaceEnv, SparseInfoEnv, sync_factories
 from tests.helpers import assert_same
 
 NUM_ENVS = 5
@@ -55,6 +55,7 @@ ENV_CASES = {
     "Taxi-v4": gym_case("Taxi-v4", max_episode_steps=50),
     "nested": custom_case(NestedSpaceEnv),
     "sparse-info": custom_case(SparseInfoEnv),
+    "mixed-obs": custom_case(MixedObsEnv),
 }
 
 
@@ -381,3 +382,22 @@ def test_any_layout_serial(layout):
 @given(layouts(max_envs=7, driver_share=True))
 def test_any_layout_processes(layout):
     _check_layout("processes", *layout)
+
+
+@pytest.mark.parametrize(("backend", "layout"), [("serial", {}), ("processes", {})])
+def test_wrong_observation_shape_raises_as_sync_vector_env(make_env, backend, layout):
+    """An observation of the wrong shape is refused, as SyncVectorEnv's np.stack refuses it,
+    whatever fast path writes the observations; the error names the env."""
+    factory = functools.partial(MixedObsEnv, bad_shape_at=3)
+    sync = SyncVectorEnv(sync_factories(factory, 4))
+    fleet = make_env(factory, 4, backend=backend, **layout)
+    sync.reset(seed=0)
+    fleet.reset(seed=0)
+    actions = np.zeros(4, dtype=np.int64)
+    for _ in range(2):
+        assert_same(fleet.step(actions), sync.step(actions))
+    with pytest.raises(ValueError):
+        sync.step(actions)
+    with pytest.raises(envfleet.EnvError) as info:
+        fleet.step(actions)
+    assert info.value.env_index in range(4)

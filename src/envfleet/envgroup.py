@@ -16,7 +16,7 @@ import cloudpickle
 import gymnasium
 import numpy as np
 from gymnasium.vector import AutoresetMode
-from gymnasium.vector.utils import batch_space, concatenate, iterate
+from gymnasium.vector.utils import batch_space, concatenate, create_empty_array, iterate
 
 from envfleet.buffers import Batch, is_leaf
 from envfleet.protocol import (
@@ -134,6 +134,17 @@ class EnvGroup:
         # iterate is iter(items): call those directly, without the dispatch, on the hot path.
         self._obs_leaf = is_leaf(single_observation_space)
         self._action_leaf = is_leaf(single_action_space)
+        # np.stack costs ~5 µs for 8 small arrays; for an array leaf with ndim >= 1, the same
+        # rows written by one np.concatenate along a flattened first axis cost ~1.6 µs. Used
+        # only when every observation is an ndarray of exactly the leaf's shape, where the two
+        # write the same values with the same (same_kind) casting.
+        self._obs_shape: tuple[int, ...] | None = None
+        self._obs_rows: np.ndarray | None = None
+        out = self.buffers.observations
+        if self._obs_leaf and isinstance(out, np.ndarray) and out.ndim >= 2 and out.size:
+            rows = out.reshape((-1, *out.shape[2:]))
+            if np.shares_memory(rows, out):  # a view (the group's rows are contiguous)
+                self._obs_shape, self._obs_rows = tuple(out.shape[1:]), rows
 
     def check_spaces(self) -> tuple[int, str] | None:
         """(env_index, description) of the first env whose spaces differ, or ``None``."""
@@ -176,7 +187,7 @@ class EnvGroup:
             actions = iterate(self._action_space, buf.actions)
         # Per-env results gather in Python lists and reach the buffers in one assignment
         # each: numpy converts every element exactly as SyncVectorEnv's scalar writes do.
-        rewards, terminations, truncations = self._rewards, self._terminations, self._truncations
+        rewards, terms, truncs = self._rewards, self._terminations, self._truncations
         env_obs, envs, autoreset = self._env_obs, self.envs, self._autoreset
         next_step = self.autoreset_mode is AutoresetMode.NEXT_STEP
         same_step = self.autoreset_mode is AutoresetMode.SAME_STEP
@@ -187,18 +198,19 @@ class EnvGroup:
             try:
                 if next_step and autoreset[j]:
                     env_obs[j], env_info = env.reset()
-                    rewards[j], terminations[j], truncations[j] = 0.0, False, False
+                    rewards[j], terms[j], truncs[j] = 0.0, False, False
                 else:
-                    obs, rewards[j], terminated, truncated, env_info = env.step(action)
-                    env_obs[j], terminations[j], truncations[j] = obs, terminated, truncated
-                    if same_step and (terminated or truncated):
-                        events.append((self.start + j, {"final_obs": obs, "final_info": env_info}))
+                    # Unpacked straight into the per-env slots: the hot line of the library.
+                    env_obs[j], rewards[j], terms[j], truncs[j], env_info = env.step(action)
+                    if same_step and (terms[j] or truncs[j]):
+                        final = {"final_obs": env_obs[j], "final_info": env_info}
+                        events.append((self.start + j, final))
                         env_obs[j], env_info = env.reset()
             except Exception as exc:
                 # The other envs still step: their data must not depend on this one's fault.
                 failures = failures or []
                 failures.append(_failure(self.start + j, "step", exc))
-                rewards[j], terminations[j], truncations[j] = 0.0, False, False
+                rewards[j], terms[j], truncs[j] = 0.0, False, False
                 continue
             if env_info:
                 events.append((self.start + j, env_info))
@@ -230,7 +242,37 @@ class EnvGroup:
             raise
         self._autoreset = np.logical_or(buf.terminations, buf.truncations).tolist()
 
-    def _write_observations(self) -> None:
+    def _write_observations(self, method: str = "step") -> None:
+        """Write every env's latest observation into the group's rows.
+
+        Raises:
+            EnvFailure: an observation does not fit the observation space's buffer (wrong
+                shape or structure, or a dtype numpy will not cast with ``same_kind``), as
+                SyncVectorEnv's ``concatenate`` refuses it; names the first such env.
+        """
+        try:
+            self._write_observation_rows()
+        except Exception as exc:
+            space = self.single_observation_space
+            probe = create_empty_array(space, 1)
+            bad = self.start
+            for j, obs in enumerate(self._env_obs):
+                try:
+                    concatenate(space, [obs], probe)
+                except Exception:
+                    bad = self.start + j
+                    break
+            raise EnvFailure(bad, f"{method} (observation)") from exc
+
+    def _write_observation_rows(self) -> None:
+        if self._obs_rows is not None:
+            shape, ndarray = self._obs_shape, np.ndarray
+            for obs in self._env_obs:
+                if type(obs) is not ndarray or obs.shape != shape:
+                    break
+            else:
+                np.concatenate(self._env_obs, axis=0, out=self._obs_rows)
+                return
         if self._obs_leaf:
             np.stack(self._env_obs, axis=0, out=self.buffers.observations)
         else:
@@ -258,7 +300,7 @@ class EnvGroup:
                 events.append((self.start + j, env_info))
         if failures:
             raise PartialFailure(failures, events)
-        self._write_observations()
+        self._write_observations("reset")
         # A reset's rows read reward 0, not terminated, not truncated, as an autoreset step's
         # (EnvPool's recv reports them for reset envs; gymnasium's reset does not return them).
         buf = self.buffers
@@ -312,7 +354,7 @@ class EnvGroup:
                 self._autoreset[j] = True  # as after any truncation
             else:
                 self._autoreset[j] = False
-        self._write_observations()
+        self._write_observations("restart")
         return events
 
     def call(self, request: CallRequest) -> list[Any]:

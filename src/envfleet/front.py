@@ -995,12 +995,27 @@ class FleetVectorEnv(VectorEnv[Any, Any, np.ndarray]):
             ResetNeededError: ``AutoresetMode.DISABLED`` and some env needs a reset first.
             EnvError, EnvCrashedError, StepTimeoutError: see :meth:`step_wait`.
         """
-        self.step_async(actions)
-        return self.step_wait()
+        # step_async then step_wait, with the submit and the wait in one backend call.
+        self._prepare_step(actions, "step_async")
+        try:
+            results = self._backend.round(
+                Command.STEP, self._every_group, self.step_timeout, self._steps
+            )
+        except BaseException:
+            # A crash, a timeout or an interrupt may have shut the backend down.
+            self.closed = self._backend.closed
+            raise
+        return self._step_outputs(results)
 
     def step_async(self, actions: Any) -> None:
         """Start a step; collect it with :meth:`step_wait` (gymnasium's AsyncVectorEnv API)."""
-        self._assert_idle("step_async")
+        self._prepare_step(actions, "step_async")
+        self._submit(Command.STEP, self._every_group)
+        self._state = AsyncState.WAITING_STEP
+
+    def _prepare_step(self, actions: Any, name: str) -> None:
+        """Check that a step may start and write ``actions`` into the action buffer."""
+        self._assert_idle(name)
         if self.autoreset_mode is AutoresetMode.DISABLED and self._needs_reset.any():
             pending = np.flatnonzero(self._needs_reset).tolist()
             raise ResetNeededError(
@@ -1021,8 +1036,6 @@ class FleetVectorEnv(VectorEnv[Any, Any, np.ndarray]):
             _check_actions(self.single_action_space, out, actions, "actions", writes)
             for target, value in writes:
                 target[...] = value
-        self._submit(Command.STEP, self._every_group)
-        self._state = AsyncState.WAITING_STEP
 
     def step_wait(
         self, timeout: float | None = None
@@ -1040,7 +1053,12 @@ class FleetVectorEnv(VectorEnv[Any, Any, np.ndarray]):
         policy's budget, and the step returns every env's result (see
         :class:`envfleet.RestartPolicy`); past the budget they raise as above.
         """
-        results = self._wait(AsyncState.WAITING_STEP, "step_wait", timeout)
+        return self._step_outputs(self._wait(AsyncState.WAITING_STEP, "step_wait", timeout))
+
+    def _step_outputs(
+        self, results: dict[int, Any]
+    ) -> tuple[Any, np.ndarray, np.ndarray, np.ndarray, dict[str, Any]]:
+        """A finished step's results, as step_wait returns them."""
         self._steps += 1
         infos = self._infos(results)
         batch = self._backend.batch
@@ -1224,7 +1242,7 @@ class FleetVectorEnv(VectorEnv[Any, Any, np.ndarray]):
 
     def _assert_idle(self, name: str) -> None:
         self._assert_running()
-        if self.is_pool or self._env_state.any():
+        if self.is_pool or (self._pool_started and self._env_state.any()):
             self._assert_no_pool(name)
         if self._state is not AsyncState.DEFAULT:
             raise AlreadyPendingCallError(
@@ -1264,6 +1282,8 @@ class FleetVectorEnv(VectorEnv[Any, Any, np.ndarray]):
             # envfleet.ProcessEnv: the one env's own info dict, not batched.
             return next((dict(info) for events in results.values() for _, info in events or ()), {})
         infos: dict[str, Any] = {}
+        if not any(results.values()):
+            return infos  # no env had an info this step (the common case)
         for w in sorted(results):
             events: list[InfoEvent] | dict[str, Any] | None = results[w]
             if isinstance(events, dict):

@@ -210,6 +210,16 @@ class Backend(abc.ABC):
             StepTimeoutError: ``timeout`` (seconds) expired; the backend is shut down.
         """
 
+    def round(
+        self, command: Command, payloads: Mapping[int, Any], timeout: float | None, step: int
+    ) -> dict[int, Any]:
+        """:meth:`submit` then :meth:`collect`, in one call (the synchronous ``step()``).
+
+        A backend may override it with a shorter path; errors are those of the two calls.
+        """
+        self.submit(command, payloads, step)
+        return self.collect(timeout, step)
+
     def collect_ready(self, timeout: float | None, step: int) -> dict[int, Any]:
         """First-ready pool: wait until at least one submitted worker is done and return the
         results of every worker done by then. Workers may be submitted to while others run.
