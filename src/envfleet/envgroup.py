@@ -254,7 +254,7 @@ class EnvGroup:
             self._write_observation_rows()
         except Exception as exc:
             space = self.single_observation_space
-            probe = create_empty_array(space, 1)
+            probe: Any = create_empty_array(space, 1)
             bad = self.start
             for j, obs in enumerate(self._env_obs):
                 try:
