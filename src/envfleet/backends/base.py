@@ -24,7 +24,7 @@ from envfleet.errors import (
     SpaceMismatchError,
     StepTimeoutError,
 )
-from envfleet.protocol import Command, RemoteError
+from envfleet.protocol import Command, Failure, RemoteError
 from envfleet.supervisor import Ledger, StepTimer, StepTimeStats, log_env_restart, merge_events
 
 __all__ = [
@@ -246,6 +246,38 @@ class RemoteWorkersBackend(Backend):
     rebuild them within the restart policy's budget, or raise the typed error."""
 
     _command: Command
+    # A first-ready pool reports one env error per call: what a round read beside it waits
+    # here for the next calls, so nothing finished is lost and every failed block is reported.
+    _kept: dict[int, Any]  # worker -> reply
+    _kept_failures: list[tuple[int, Failure]]  # (worker, failure), in worker order
+
+    def drop_kept(self) -> None:
+        self._kept, self._kept_failures = {}, []
+
+    def _take_kept(self) -> dict[int, Any] | None:
+        """What an earlier pool round kept: raise its next env error (:class:`EnvError`),
+        else return its replies and forget them; ``None`` when nothing is kept."""
+        if self._kept_failures:
+            w, failure = self._kept_failures.pop(0)
+            raise remote_env_error(failure.errors[0], w, "")
+        if self._kept:
+            kept, self._kept = self._kept, {}
+            return kept
+        return None
+
+    def _ready_replies(
+        self, results: dict[int, Any], failures: dict[int, Failure]
+    ) -> dict[int, Any]:
+        """A pool round's replies; with env failures, raise the first worker's error
+        (:class:`EnvError`) and keep the rest, replies and failures, for the next calls."""
+        if not failures:
+            return results
+        self._kept.update(results)
+        self.ledger.env_errors += sum(len(f.errors) for f in failures.values())
+        ordered = sorted(failures.items())
+        self._kept_failures.extend(ordered[1:])
+        w, failure = ordered[0]
+        raise remote_env_error(failure.errors[0], w, "")
 
     @abc.abstractmethod
     def _raise_crashed_worker(self, done: Any, step: int, note: str) -> None:

@@ -170,8 +170,7 @@ class ProcessesBackend(RemoteWorkersBackend):
         )
         self._stats = _stats_rows(self._stats_raw)
         self._local_timer = StepTimer(self._stats[0])
-        self._kept: dict[int, Any] = {}  # pool replies held back by an env error
-        self._kept_failures: list[tuple[int, Failure]] = []  # and the other errors
+        self.drop_kept()  # nothing kept back by a pool's env error yet
         self._any_raw: Any = None
         self._any_done: Any = None
         if pool:
@@ -292,9 +291,6 @@ class ProcessesBackend(RemoteWorkersBackend):
     def step_times(self) -> tuple[StepTimeStats, ...]:
         return step_time_table(self._stats)
 
-    def drop_kept(self) -> None:
-        self._kept, self._kept_failures = {}, []
-
     def _submit(self, command: Command, payloads: Mapping[int, Any], step: int) -> None:
         self._command = command
         control = self._control
@@ -357,11 +353,8 @@ class ProcessesBackend(RemoteWorkersBackend):
         return self._guarded(self._collect_ready, timeout, step)
 
     def _collect_ready(self, timeout: float | None, step: int) -> dict[int, Any]:
-        if self._kept_failures:
-            g, failure = self._kept_failures.pop(0)
-            raise remote_env_error(failure.errors[0], g, "")
-        if self._kept:
-            kept, self._kept = self._kept, {}
+        kept = self._take_kept()
+        if kept is not None:
             return kept
         if self._any_done is None:  # synchronous: every env is pending, wait for them all
             return self.collect(timeout, step)
@@ -385,16 +378,7 @@ class ProcessesBackend(RemoteWorkersBackend):
                 continue
             self._pending = [g for g in self._pending if g not in ready]
             done = self._read_replies(ready, step, fail_fast=True)
-            if done.failures:
-                # One error per call: the other replies and failures are kept for the next
-                # calls, so nothing finished is lost and every failed block is reported.
-                self._kept.update(done.results)
-                self.ledger.env_errors += sum(len(f.errors) for f in done.failures.values())
-                failures = sorted(done.failures.items())
-                self._kept_failures.extend(failures[1:])
-                g, failure = failures[0]
-                raise remote_env_error(failure.errors[0], g, "")
-            return done.results
+            return self._ready_replies(done.results, done.failures)
 
     def _collect_remote(self, timeout: float | None, step: int, fail_fast: bool) -> _Round:
         """Wait for every pending worker and read its reply.

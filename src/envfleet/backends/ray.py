@@ -424,8 +424,7 @@ class RayBackend(RemoteWorkersBackend):
         self._actors: list[Any] = [None] * workers
         self._pending: dict[int, Any] = {}  # worker -> ObjectRef of its running command
         self._command = Command.STEP
-        self._kept: dict[int, Any] = {}  # pool replies held back by an env error
-        self._kept_failures: list[tuple[int, Failure]] = []
+        self.drop_kept()  # nothing kept back by a pool's env error yet
         self._closed = False
         try:
             for w in range(workers):
@@ -498,9 +497,6 @@ class RayBackend(RemoteWorkersBackend):
     def step_times(self) -> tuple[StepTimeStats, ...]:
         return step_time_table(self._stats)
 
-    def drop_kept(self) -> None:
-        self._kept, self._kept_failures = {}, []
-
     def submit(self, command: Command, payloads: Mapping[int, Any], step: int) -> None:
         self._guarded(self._submit, command, payloads)
 
@@ -536,11 +532,8 @@ class RayBackend(RemoteWorkersBackend):
         return self._guarded(self._collect_ready, timeout, step)
 
     def _collect_ready(self, timeout: float | None, step: int) -> dict[int, Any]:
-        if self._kept_failures:
-            w, failure = self._kept_failures.pop(0)
-            raise remote_env_error(failure.errors[0], w, "")
-        if self._kept:
-            kept, self._kept = self._kept, {}
+        kept = self._take_kept()
+        if kept is not None:
             return kept
         if not self._pool:  # synchronous send/recv: every env is pending, wait for them all
             return self._collect(timeout, step)
@@ -556,16 +549,7 @@ class RayBackend(RemoteWorkersBackend):
         for w in done_refs:
             del pending[w]
         done = self._wait(done_refs, None, step, fail_fast=True)
-        if done.failures:
-            # One error per call: the other replies and failures are kept for the next calls,
-            # so nothing finished is lost and every failed block is reported.
-            self._kept.update(done.results)
-            self.ledger.env_errors += sum(len(f.errors) for f in done.failures.values())
-            failures = sorted(done.failures.items())
-            self._kept_failures.extend(failures[1:])
-            w, failure = failures[0]
-            raise remote_env_error(failure.errors[0], w, "")
-        return dict(sorted(done.results.items()))
+        return dict(sorted(self._ready_replies(done.results, done.failures).items()))
 
     # -- waiting and reading replies ----------------------------------------------------------
 
