@@ -246,7 +246,10 @@ def test_actor_killed_from_outside(make_env, ray_cluster):
     envs = make_env(IndexedEnv, 4, backend="ray", num_workers=2)
     envs.reset(seed=0)
     pids = _actor_pids(envs)
+    killed = envs._backend.placement()[0][1]
     ray.kill(envs._backend._actors[0])
+    # ray.kill returns before the actor is gone: step only once it is, or the step may finish.
+    assert wait_gone([killed], timeout=GONE) == []
     with pytest.raises(envfleet.EnvCrashedError) as info:
         envs.step(np.zeros(4, np.int64))
     assert (info.value.worker_index, info.value.env_indices) == (0, [0, 1])
