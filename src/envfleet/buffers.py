@@ -9,14 +9,19 @@ views over the same memory by replaying the same walk.
 For process backends the block is a ``multiprocessing.RawArray``: on Linux it is backed by a
 file in /dev/shm that is unlinked as soon as it is created, so it never outlives the processes
 that map it, whatever way they die.
+
+A block may also hold spare observation buffers ("slabs", see :class:`ObservationSlabs`): with
+``copy=True`` each step's observations are written into a slab no earlier result still uses and
+handed out as they are, so the results stay the caller's without being copied.
 """
 
 from __future__ import annotations
 
 import ctypes
 import multiprocessing.sharedctypes
+import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -29,14 +34,17 @@ __all__ = [
     "ALIGN",
     "Batch",
     "Block",
+    "ObservationSlabs",
     "allocate_batch",
     "batch_nbytes",
     "check_fixed_size",
     "is_leaf",
+    "observation_nbytes",
     "tree_copy",
     "tree_scatter",
     "tree_slice",
     "tree_take",
+    "tree_write",
 ]
 
 ALIGN = 64  # bytes; one cache line, so workers never share a line at a block boundary
@@ -94,6 +102,11 @@ class Batch:
         rewards: ``float64[num_envs]``.
         terminations: ``bool[num_envs]``.
         truncations: ``bool[num_envs]``.
+        observation_slabs: ``[observations, *spares]``: every buffer observations may be
+            written to; slab 0 is ``observations`` itself.
+        slab: ``int64[1]``, the slab the envs write their next observations to (set by the
+            front before each command), or ``None`` when the block has no spare slab.
+        block: the :class:`Block` these views are carved from (``None`` for a slice).
     """
 
     observations: Any
@@ -101,15 +114,20 @@ class Batch:
     rewards: np.ndarray
     terminations: np.ndarray
     truncations: np.ndarray
+    observation_slabs: list[Any] = field(default_factory=list)
+    slab: np.ndarray | None = None
+    block: Block | None = None
 
     def slice(self, start: int, stop: int) -> Batch:
-        """Views of envs ``[start, stop)`` (no copy)."""
+        """Views of envs ``[start, stop)`` (no copy); ``slab`` is shared, not sliced."""
         return Batch(
             tree_slice(self.observations, start, stop),
             tree_slice(self.actions, start, stop),
             self.rewards[start:stop],
             self.terminations[start:stop],
             self.truncations[start:stop],
+            [tree_slice(obs, start, stop) for obs in self.observation_slabs],
+            self.slab,
         )
 
 
@@ -118,54 +136,85 @@ def _layout(
     action_space: spaces.Space[Any],
     num_envs: int,
     carve: Callable[..., np.ndarray],
+    spare_slabs: int,
 ) -> Batch:
     # The order of these calls is the memory layout: driver and workers must share it.
-    return Batch(
-        observations=create_empty_array(observation_space, n=num_envs, fn=carve),
+    observations = create_empty_array(observation_space, n=num_envs, fn=carve)
+    batch = Batch(
+        observations=observations,
         actions=create_empty_array(action_space, n=num_envs, fn=carve),
         rewards=carve((num_envs,), dtype=np.float64),
         terminations=carve((num_envs,), dtype=np.bool_),
         truncations=carve((num_envs,), dtype=np.bool_),
     )
+    batch.observation_slabs = [observations] + [
+        create_empty_array(observation_space, n=num_envs, fn=carve) for _ in range(spare_slabs)
+    ]
+    if spare_slabs:
+        batch.slab = carve((1,), dtype=np.int64)
+    return batch
 
 
 def batch_nbytes(
-    observation_space: spaces.Space[Any], action_space: spaces.Space[Any], num_envs: int
+    observation_space: spaces.Space[Any],
+    action_space: spaces.Space[Any],
+    num_envs: int,
+    spare_slabs: int = 0,
 ) -> int:
-    """Bytes of the block that :func:`allocate_batch` needs."""
+    """Bytes of the block that :func:`allocate_batch` needs, with ``spare_slabs`` spare
+    observation buffers (see :class:`ObservationSlabs`)."""
     carver = _Carver(None)
-    _layout(observation_space, action_space, num_envs, carver)
+    _layout(observation_space, action_space, num_envs, carver, spare_slabs)
     return max(carver.offset, 1)
+
+
+def observation_nbytes(observation_space: spaces.Space[Any], num_envs: int) -> int:
+    """Bytes of one batched observation (one slab), alignment included."""
+    carver = _Carver(None)
+    create_empty_array(observation_space, n=num_envs, fn=carver)
+    return carver.offset
 
 
 class Block:
     """One contiguous memory block, zeroed at creation; shared between processes when ``shared``.
 
+    ``raw`` is a ctypes byte array (``multiprocessing.RawArray`` when shared), never an
+    ndarray: arrays built directly over it are the base of every view taken from them, which
+    is how :class:`ObservationSlabs` knows when a result is no longer used. ``spare_slabs`` is
+    the number of spare observation buffers in the layout (see :func:`batch_nbytes`).
+
     A shared block pickles only while a process is being started (``multiprocessing``'s rule for
     shared ctypes), which is how the processes backend hands it to its workers.
     """
 
-    def __init__(self, nbytes: int, shared: bool):
+    def __init__(self, nbytes: int, shared: bool, spare_slabs: int = 0):
         self.nbytes = nbytes
         self.shared = shared
+        self.spare_slabs = spare_slabs
         self.raw: Any = (
-            multiprocessing.sharedctypes.RawArray(ctypes.c_uint8, nbytes) if shared else None
+            multiprocessing.sharedctypes.RawArray(ctypes.c_uint8, nbytes)
+            if shared
+            else (ctypes.c_uint8 * nbytes)()
         )
         self.array = self._view()
 
     def _view(self) -> np.ndarray:
-        if self.raw is None:
-            return np.zeros(self.nbytes, dtype=np.uint8)
         return np.frombuffer(self.raw, dtype=np.uint8, count=self.nbytes)
 
     def __getstate__(self) -> dict[str, Any]:
         if not self.shared:
             raise TypeError("a private (non-shared) Block cannot be sent to another process")
-        return {"nbytes": self.nbytes, "shared": True, "raw": self.raw}
+        return {
+            "nbytes": self.nbytes,
+            "shared": True,
+            "spare_slabs": self.spare_slabs,
+            "raw": self.raw,
+        }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.nbytes = state["nbytes"]
         self.shared = True
+        self.spare_slabs = state["spare_slabs"]
         self.raw = state["raw"]
         self.array = self._view()
 
@@ -177,7 +226,80 @@ def allocate_batch(
     block: Block,
 ) -> Batch:
     """Build the :class:`Batch` views over ``block``; its bytes are left as they are."""
-    return _layout(observation_space, action_space, num_envs, _Carver(block.array))
+    batch = _layout(
+        observation_space, action_space, num_envs, _Carver(block.array), block.spare_slabs
+    )
+    batch.block = block
+    return batch
+
+
+class ObservationSlabs:
+    """Results without a copy: each step's observations go to a slab no result still uses.
+
+    ``copy=True`` promises gymnasium's semantics: the observations a call returns are the
+    caller's, and no later call changes them. Copying the shared buffer each step keeps that
+    promise at the price of a copy (about 100 µs per Atari batch of 8, plus the cache it
+    evicts). Instead, the front picks a slab that no earlier result still uses, has the envs
+    write that step's observations there, and returns arrays built directly over it.
+
+    Those arrays are built over the block's ctypes buffer, not over an ndarray, so numpy makes
+    each of them the ``base`` of every view, slice or reshape taken from them (and
+    ``torch.from_numpy`` keeps them alive too): a slab is in use exactly while one of the
+    arrays handed out over it is alive, which a weak reference tells. When every spare slab is
+    in use (a caller that keeps many results), slab 0, the batch's own observations, is
+    written and copied, as without slabs.
+
+    Args:
+        batch: a batch whose block has spare slabs (``len(batch.observation_slabs) > 1``).
+    """
+
+    def __init__(self, batch: Batch):
+        assert batch.block is not None and len(batch.observation_slabs) > 1
+        self._raw = batch.block.raw
+        base = batch.block.array.ctypes.data
+        self.slabs = batch.observation_slabs
+        self._templates = [_template(obs, base) for obs in self.slabs]
+        # Per slab, weak references to the arrays last handed out over it.
+        self._handed: list[list[weakref.ref[np.ndarray]]] = [[] for _ in self.slabs]
+
+    def free(self, k: int) -> bool:
+        """Whether no array handed out over slab ``k`` is alive (slab 0 is never handed out)."""
+        return all(ref() is None for ref in self._handed[k])
+
+    def pick(self) -> int:
+        """A spare slab no result uses, or 0 (the batch's own buffer) when all are in use."""
+        for k in range(1, len(self.slabs)):
+            if self.free(k):
+                return k
+        return 0
+
+    def hand_out(self, k: int) -> Any:
+        """New arrays over spare slab ``k`` (same structure as the observations); the slab is
+        in use until every one of them, and every view of them, is gone."""
+        refs: list[weakref.ref[np.ndarray]] = []
+        obs = _build(self._templates[k], self._raw, refs)
+        self._handed[k] = refs
+        return obs
+
+
+def _template(tree: Any, base: int) -> Any:
+    """(shape, dtype, byte offset in the block) of every leaf, in the tree's structure."""
+    if isinstance(tree, np.ndarray):
+        return (tree.shape, tree.dtype, tree.ctypes.data - base)
+    if isinstance(tree, dict):
+        return {key: _template(value, base) for key, value in tree.items()}
+    return [_template(value, base) for value in tree]  # a tuple's, as a list
+
+
+def _build(template: Any, raw: Any, refs: list[weakref.ref[np.ndarray]]) -> Any:
+    if isinstance(template, tuple):
+        shape, dtype, offset = template
+        leaf = np.ndarray(shape, dtype, buffer=raw, offset=offset)
+        refs.append(weakref.ref(leaf))
+        return leaf
+    if isinstance(template, dict):
+        return {key: _build(value, raw, refs) for key, value in template.items()}
+    return tuple(_build(value, raw, refs) for value in template)
 
 
 def tree_slice(tree: Any, start: int, stop: int) -> Any:
@@ -200,6 +322,18 @@ def tree_copy(tree: Any) -> Any:
     if isinstance(tree, tuple):
         return tuple(tree_copy(value) for value in tree)
     raise TypeError(f"cannot copy {type(tree).__name__}")
+
+
+def tree_write(dst: Any, src: Any) -> None:
+    """Copy ``src`` into the arrays of ``dst`` (same nested dict/tuple structure)."""
+    if isinstance(dst, dict):
+        for key, value in dst.items():
+            tree_write(value, src[key])
+    elif isinstance(dst, tuple):
+        for value, rows in zip(dst, src, strict=True):
+            tree_write(value, rows)
+    else:
+        dst[...] = src
 
 
 def tree_take(tree: Any, ids: np.ndarray) -> Any:

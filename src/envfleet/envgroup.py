@@ -139,12 +139,19 @@ class EnvGroup:
         # only when every observation is an ndarray of exactly the leaf's shape, where the two
         # write the same values with the same (same_kind) casting.
         self._obs_shape: tuple[int, ...] | None = None
-        self._obs_rows: np.ndarray | None = None
-        out = self.buffers.observations
-        if self._obs_leaf and isinstance(out, np.ndarray) and out.ndim >= 2 and out.size:
-            rows = out.reshape((-1, *out.shape[2:]))
-            if np.shares_memory(rows, out):  # a view (the group's rows are contiguous)
-                self._obs_shape, self._obs_rows = tuple(out.shape[1:]), rows
+        # Per observation slab (buffers.ObservationSlabs): the group's rows of it, and those
+        # rows flattened for the concatenate above (None where that does not apply). The
+        # front picks the slab of each command in the shared word ``buffers.slab``.
+        slabs = self.buffers.observation_slabs or [self.buffers.observations]
+        self._obs_slabs: list[tuple[Any, np.ndarray | None]] = []
+        for out in slabs:
+            rows = None
+            if self._obs_leaf and isinstance(out, np.ndarray) and out.ndim >= 2 and out.size:
+                flat = out.reshape((-1, *out.shape[2:]))
+                if np.shares_memory(flat, out):  # a view (the group's rows are contiguous)
+                    self._obs_shape, rows = tuple(out.shape[1:]), flat
+            self._obs_slabs.append((out, rows))
+        self._slab = self.buffers.slab
 
     def check_spaces(self) -> tuple[int, str] | None:
         """(env_index, description) of the first env whose spaces differ, or ``None``."""
@@ -265,18 +272,19 @@ class EnvGroup:
             raise EnvFailure(bad, f"{method} (observation)") from exc
 
     def _write_observation_rows(self) -> None:
-        if self._obs_rows is not None:
+        out, rows = self._obs_slabs[0 if self._slab is None else self._slab.item(0)]
+        if rows is not None:
             shape, ndarray = self._obs_shape, np.ndarray
             for obs in self._env_obs:
                 if type(obs) is not ndarray or obs.shape != shape:
                     break
             else:
-                np.concatenate(self._env_obs, axis=0, out=self._obs_rows)
+                np.concatenate(self._env_obs, axis=0, out=rows)
                 return
         if self._obs_leaf:
-            np.stack(self._env_obs, axis=0, out=self.buffers.observations)
+            np.stack(self._env_obs, axis=0, out=out)
         else:
-            concatenate(self.single_observation_space, self._env_obs, self.buffers.observations)
+            concatenate(self.single_observation_space, self._env_obs, out)
 
     def reset(self, request: ResetRequest) -> list[InfoEvent]:
         """Reset the envs (all, or those in ``request.mask``) with their seeds and options."""

@@ -17,7 +17,7 @@ import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, overload
+from typing import TYPE_CHECKING, Any, Literal, cast, overload
 
 import cloudpickle
 import gymnasium
@@ -37,13 +37,16 @@ from envfleet.backends.base import (
 )
 from envfleet.buffers import (
     Block,
+    ObservationSlabs,
     batch_nbytes,
     check_fixed_size,
     is_leaf,
+    observation_nbytes,
     tree_copy,
     tree_scatter,
     tree_slice,
     tree_take,
+    tree_write,
 )
 from envfleet.errors import (
     AlreadyPendingCallError,
@@ -67,6 +70,11 @@ __all__ = ["BACKENDS", "FleetVectorEnv", "make"]
 logger = logging.getLogger("envfleet")
 
 BACKENDS = ("serial", "threads", "processes", "ray", "envpool")
+# copy=True without a copy (envfleet.buffers.ObservationSlabs): spare observation buffers per
+# vector env, so a loop that keeps the last result while it steps never waits for a copy;
+# none when they would take more than SPARE_SLABS_MAX_BYTES of shared memory together.
+SPARE_SLABS = 2
+SPARE_SLABS_MAX_BYTES = 256 << 20
 _LATER_BACKENDS: dict[str, str] = {}
 
 EnvFactory = Callable[..., gymnasium.Env[Any, Any]]
@@ -206,8 +214,13 @@ def make(  # type: ignore[misc]  # the overloads stand for its keyword arguments
             env then runs in a worker (``driver_envs=0``).
         context: ``multiprocessing`` start method (``"fork"``, ``"spawn"``, ``"forkserver"``);
             default: the platform's.
-        copy: ``True``: step/reset return copies, like gymnasium. ``False``: views of the
-            shared buffers, valid until the next call.
+        copy: ``True``: step/reset return observations, rewards and done flags that are the
+            caller's, like gymnasium's copies; no later call changes them. With the
+            ``serial``, ``threads`` and ``processes`` backends (outside a first-ready pool)
+            the observations are not copied: the envs write each step's into a spare buffer
+            that no earlier result uses, and the arrays returned are built over it (see
+            :class:`envfleet.buffers.ObservationSlabs`). ``False``: views of the shared
+            buffers, valid until the next call.
         driver_envs: ``processes`` only: how many envs (the first block) the driver steps
             itself while the workers step theirs. Default: an equal share when neither
             ``num_workers``, ``step_timeout`` nor ``restart_policy`` is given (see
@@ -356,14 +369,20 @@ def make(  # type: ignore[misc]  # the overloads stand for its keyword arguments
         raise
     layout = WorkerLayout(env_fns, accepts, obs_space, act_space, mode, ranges)
     ledger = Ledger(num_envs, restart_policy)
-    nbytes = batch_nbytes(obs_space, act_space, num_envs)
+    # copy=True results without a copy (buffers.ObservationSlabs), where the envs write into
+    # the block the front reads: serial, threads and processes, outside a first-ready pool.
+    spare = 0
+    slabs_nbytes = observation_nbytes(obs_space, num_envs) * SPARE_SLABS
+    if copy and not pool and backend != "ray" and slabs_nbytes <= SPARE_SLABS_MAX_BYTES:
+        spare = SPARE_SLABS
+    nbytes = batch_nbytes(obs_space, act_space, num_envs, spare)
     backend_obj: Backend
     if backend == "processes":
         from envfleet.backends.processes import ProcessesBackend
 
         backend_obj = ProcessesBackend(
             layout,
-            Block(nbytes, shared=True),
+            Block(nbytes, shared=True, spare_slabs=spare),
             blobs,
             context,
             driver_group=plan.driver_envs > 0,
@@ -390,7 +409,7 @@ def make(  # type: ignore[misc]  # the overloads stand for its keyword arguments
 
         backend_obj = ThreadsBackend(
             layout,
-            Block(nbytes, shared=False),
+            Block(nbytes, shared=False, spare_slabs=spare),
             first_env=first,
             ledger=ledger,
             inline_first=step_timeout is None and not pool,
@@ -399,7 +418,7 @@ def make(  # type: ignore[misc]  # the overloads stand for its keyword arguments
         from envfleet.backends.serial import SerialBackend
 
         backend_obj = SerialBackend(
-            layout, Block(nbytes, shared=False), first_env=first, ledger=ledger
+            layout, Block(nbytes, shared=False, spare_slabs=spare), first_env=first, ledger=ledger
         )
     return FleetVectorEnv(
         backend_obj,
@@ -649,6 +668,14 @@ class FleetVectorEnv(VectorEnv[Any, Any, np.ndarray]):
         self._group_of = np.repeat(
             np.arange(len(backend.ranges)), [stop - start for start, stop in backend.ranges]
         )
+        # copy=True results handed out without a copy: the slab holding every env's latest
+        # observation, and the one the pending command writes (0: the batch's own buffer).
+        batch = backend.batch
+        self._slabs: ObservationSlabs | None = None
+        if copy and not self.is_pool and batch.slab is not None:
+            self._slabs = ObservationSlabs(batch)
+        self._slab_latest = 0
+        self._slab_next = 0
 
     # -- first-ready pool (EnvPool's asynchronous interface) ---------------------------------
 
@@ -671,6 +698,7 @@ class FleetVectorEnv(VectorEnv[Any, Any, np.ndarray]):
         """
         self._assert_pool_idle("async_reset")
         ids = self._env_ids(env_ids)
+        self._drop_slabs()
         mask = np.zeros(self.num_envs, dtype=np.bool_)
         mask[ids] = True
         groups = [w for w, (a, b) in enumerate(self._backend.ranges) if mask[a:b].any()]
@@ -766,6 +794,7 @@ class FleetVectorEnv(VectorEnv[Any, Any, np.ndarray]):
                 target[...] = value
             tree_scatter(self._backend.batch.actions, ids, staged)
         self._has_action[ids] = True
+        self._drop_slabs()
         payloads: dict[int, Any] = {}
         for w in np.unique(self._group_of[ids]).tolist():
             start, stop = self._backend.ranges[w]
@@ -957,6 +986,7 @@ class FleetVectorEnv(VectorEnv[Any, Any, np.ndarray]):
                 continue
             payloads[w] = ResetRequest(seeds[start:stop], options, local_mask)
             self._backend.ledger.note_seeds(start, seeds[start:stop], local_mask)
+        self._pick_slab(every_env=mask is None)
         self._submit(Command.RESET, payloads)  # a backend may refuse it: nothing changes then
         if mask is None:
             self._needs_reset[:] = False
@@ -1036,6 +1066,8 @@ class FleetVectorEnv(VectorEnv[Any, Any, np.ndarray]):
             _check_actions(self.single_action_space, out, actions, "actions", writes)
             for target, value in writes:
                 target[...] = value
+        if self._slabs is not None:
+            self._pick_slab(every_env=True)
 
     def step_wait(
         self, timeout: float | None = None
@@ -1296,8 +1328,50 @@ class FleetVectorEnv(VectorEnv[Any, Any, np.ndarray]):
         return infos
 
     def _observations(self) -> Any:
+        """The observations of the step or reset that just finished, as the caller gets them."""
+        if self._slabs is not None:
+            k = self._slab_latest = self._slab_next
+            if k:
+                return self._slabs.hand_out(k)  # the caller's without a copy
         obs = self._backend.batch.observations
         return tree_copy(obs) if self.copy else obs
+
+    def _pick_slab(self, every_env: bool) -> None:
+        """Choose the slab the next step or reset writes its observations to.
+
+        A command that writes every env's row (a step, a full reset) goes to any slab no
+        result uses. One that writes only some rows (a masked reset) must find every other
+        env's latest row there too: it goes to the latest slab when no result uses it, else
+        to a free one that gets the latest rows copied first.
+        """
+        slabs = self._slabs
+        if slabs is None:
+            return
+        if not self.copy:  # switched off since make(): views of the batch's own buffer
+            self._drop_slabs()
+            return
+        latest = self._slab_latest
+        if every_env:
+            k = slabs.pick()
+        elif slabs.free(latest):
+            k = latest
+        else:
+            k = slabs.pick()
+            tree_write(slabs.slabs[k], slabs.slabs[latest])
+        cast(np.ndarray, self._backend.batch.slab)[0] = k
+        self._slab_next = k
+
+    def _drop_slabs(self) -> None:
+        """Go back to the batch's own observation buffer for good (the pool API and
+        ``copy=False`` read it directly): move the latest observations there."""
+        slabs = self._slabs
+        if slabs is None:
+            return
+        if self._slab_latest:
+            tree_write(slabs.slabs[0], slabs.slabs[self._slab_latest])
+        cast(np.ndarray, self._backend.batch.slab)[0] = 0
+        self._slabs = None
+        self._slab_latest = self._slab_next = 0
 
     def _seeds(self, seed: int | Sequence[int | None] | None) -> list[int | None]:
         if seed is None:

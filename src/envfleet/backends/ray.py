@@ -46,7 +46,7 @@ from envfleet.backends.base import (
     run_command,
 )
 from envfleet.backends.processes import _remote_error
-from envfleet.buffers import Block, allocate_batch, batch_nbytes, tree_slice
+from envfleet.buffers import Block, allocate_batch, batch_nbytes, tree_slice, tree_write
 from envfleet.envgroup import EnvFailure, EnvGroup, PartialFailure
 from envfleet.errors import ConfigError, EnvCrashedError, EnvfleetError
 from envfleet.protocol import Command, Failure, RemoteError, Status
@@ -312,7 +312,7 @@ class EnvfleetWorker:
         command, payload, actions = message
         group = cast(EnvGroup, self.group)
         if actions is not None:
-            _tree_write(group.buffers.actions, actions)
+            tree_write(group.buffers.actions, actions)
         status = Status.OK
         try:
             result = run_command(group, command, payload, self.timer)
@@ -345,18 +345,6 @@ class EnvfleetWorker:
 
 
 _RemoteWorker: Any = ray.remote(EnvfleetWorker)
-
-
-def _tree_write(dst: Any, src: Any) -> None:
-    """Copy ``src`` into the arrays of ``dst`` (same nested dict/tuple structure)."""
-    if isinstance(dst, dict):
-        for key, value in dst.items():
-            _tree_write(value, src[key])
-    elif isinstance(dst, tuple):
-        for value, rows in zip(dst, src, strict=True):
-            _tree_write(value, rows)
-    else:
-        dst[...] = src
 
 
 # -- the driver side ----------------------------------------------------------------------------
@@ -625,7 +613,7 @@ class RayBackend(RemoteWorkersBackend):
         if rows is not None:
             start, stop = self.ranges[w]
             b = self.batch
-            _tree_write(tree_slice(b.observations, start, stop), rows[0])
+            tree_write(tree_slice(b.observations, start, stop), rows[0])
             b.rewards[start:stop] = rows[1]
             b.terminations[start:stop] = rows[2]
             b.truncations[start:stop] = rows[3]
