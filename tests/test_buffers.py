@@ -34,6 +34,29 @@ LAYOUTS = {
 NUM_ENVS = 4
 
 
+@pytest.fixture(autouse=True)
+def spare_slabs_for_small_observations(monkeypatch):
+    """The observations here are below SPARE_SLABS_MIN_BYTES, where results are copied by
+    default: give them spare slabs anyway (test_slabs_only_where_they_pay checks the rule)."""
+    monkeypatch.setattr(envfleet.front, "SPARE_SLABS_MIN_BYTES", 0)
+
+
+class FrameEnv(gym.Env):
+    """A 32x32 RGB frame that changes with the action and the seed."""
+
+    observation_space = gym.spaces.Box(0, 255, (32, 32, 3), np.uint8)
+    action_space = gym.spaces.Discrete(2)
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self._frame = self.np_random.integers(0, 256, (32, 32, 3), dtype=np.uint8)
+        return self._frame.copy(), {}
+
+    def step(self, action):
+        self._frame = np.roll(self._frame, 1 + int(action), axis=0)
+        return self._frame.copy(), 1.0, False, False, {}
+
+
 def first_leaf(tree: Any) -> np.ndarray:
     while isinstance(tree, (dict, tuple)):
         tree = next(iter(tree.values())) if isinstance(tree, dict) else tree[0]
@@ -157,12 +180,32 @@ def test_results_are_handed_out_not_copied(make_env, backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_no_spare_slabs_where_they_do_not_apply(make_env, backend, monkeypatch):
+def test_slabs_only_where_they_pay(make_env, backend, monkeypatch):
     views = make_env("CartPole-v1", NUM_ENVS, backend=backend, copy=False)
     pool = make_env("CartPole-v1", NUM_ENVS, backend=backend, batch_size=2, num_workers=2)
     for envs in (views, pool):
         assert len(envs._backend.batch.observation_slabs) == 1
+    # Small observations (CartPole's: 16 bytes an env) are copied: cheaper than a hand-out.
+    monkeypatch.setattr(envfleet.front, "SPARE_SLABS_MIN_BYTES", 4 << 10)
+    small = make_env("CartPole-v1", NUM_ENVS, backend=backend)
+    assert small._backend.batch.slab is None
+    # Frames (3 KiB an env, 12 KiB a batch) are handed out.
+    frames = make_env(FrameEnv, NUM_ENVS, backend=backend, **LAYOUTS[backend])
+    assert frames._backend.batch.slab is not None
+    sync = SyncVectorEnv([FrameEnv] * NUM_ENVS)
+    want, _ = sync.reset(seed=1)
+    got, _ = frames.reset(seed=1)
+    assert_same(got, want, "reset")
+    for t in range(3):
+        assert_same(
+            frames.step(np.ones(NUM_ENVS, np.int64))[0],
+            sync.step(np.ones(NUM_ENVS, np.int64))[0],
+            f"step {t}",
+        )
+    assert slab_of(frames, got) in (1, 2)
+    sync.close()
     # Spare slabs larger than the cap together are not made; results are copies then.
+    monkeypatch.setattr(envfleet.front, "SPARE_SLABS_MIN_BYTES", 0)
     monkeypatch.setattr(envfleet.front, "SPARE_SLABS_MAX_BYTES", 2 * 4 * 4 * NUM_ENVS - 1)
     capped = make_env("CartPole-v1", NUM_ENVS, backend=backend)
     assert capped._backend.batch.slab is None

@@ -20,6 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import envfleet
+import envfleet.front
 from tests.envs import MixedObsEnv, NestedSpaceEnv, SparseInfoEnv, sync_factories
 from tests.helpers import assert_same
 
@@ -32,6 +33,17 @@ MID_EPISODE_RESETS = {  # step -> (reset mask, seed)
     40: (np.array([True, False, True, False, False]), 1234),
     117: (np.array([False, True, False, False, True]), None),
 }
+
+
+@pytest.fixture(autouse=True)
+def spare_slabs_for_small_observations(monkeypatch, request):
+    """copy=True results come from spare slabs only for observations of at least
+    SPARE_SLABS_MIN_BYTES, larger than these: lower the bar in every case but those with one
+    worker, so that both the slabs and the copies are checked against SyncVectorEnv."""
+    params = getattr(request.node, "callspec", None)
+    layout = params.params.get("layout") if params is not None else None
+    if layout != {"num_workers": 1}:
+        monkeypatch.setattr(envfleet.front, "SPARE_SLABS_MIN_BYTES", 0)
 
 
 def gym_case(env_id: str, **kwargs: Any) -> tuple[Any, dict[str, Any] | None, Any]:

@@ -255,10 +255,10 @@ class ObservationSlabs:
 
     def __init__(self, batch: Batch):
         assert batch.block is not None and len(batch.observation_slabs) > 1
-        self._raw = batch.block.raw
-        base = batch.block.array.ctypes.data
+        raw, base = batch.block.raw, batch.block.array.ctypes.data
         self.slabs = batch.observation_slabs
-        self._templates = [_template(obs, base) for obs in self.slabs]
+        self._spares = tuple(range(1, len(self.slabs)))
+        self._templates = [_template(obs, raw, base) for obs in self.slabs]
         # Per slab, weak references to the arrays last handed out over it.
         self._handed: list[list[weakref.ref[np.ndarray]]] = [[] for _ in self.slabs]
 
@@ -268,38 +268,65 @@ class ObservationSlabs:
 
     def pick(self) -> int:
         """A spare slab no result uses, or 0 (the batch's own buffer) when all are in use."""
-        for k in range(1, len(self.slabs)):
-            if self.free(k):
+        handed = self._handed
+        for k in self._spares:
+            for ref in handed[k]:
+                if ref() is not None:
+                    break
+            else:
                 return k
         return 0
 
     def hand_out(self, k: int) -> Any:
         """New arrays over spare slab ``k`` (same structure as the observations); the slab is
         in use until every one of them, and every view of them, is gone."""
+        template = self._templates[k]
+        if type(template) is memoryview:  # a single array: the common case, ~0.2 µs
+            leaf = np.asarray(template)
+            self._handed[k] = [weakref.ref(leaf)]
+            return leaf
         refs: list[weakref.ref[np.ndarray]] = []
-        obs = _build(self._templates[k], self._raw, refs)
+        obs = _build(template, refs)
         self._handed[k] = refs
         return obs
 
 
-def _template(tree: Any, base: int) -> Any:
-    """(shape, dtype, byte offset in the block) of every leaf, in the tree's structure."""
-    if isinstance(tree, np.ndarray):
-        return (tree.shape, tree.dtype, tree.ctypes.data - base)
+def _template(tree: Any, raw: Any, base: int) -> Any:
+    """Per leaf, a memoryview of its bytes in ``raw`` (the block's ctypes buffer) with the
+    leaf's shape and format, in the tree's structure (a tuple's as a list).
+
+    ``np.asarray`` of such a memoryview is an array whose base is the memoryview, not an
+    ndarray, so every view taken from it keeps that array alive. Where memoryview has no
+    format for the dtype, the leaf's (shape, dtype, offset) for ``np.ndarray(buffer=raw)``
+    (slower, same effect).
+    """
     if isinstance(tree, dict):
-        return {key: _template(value, base) for key, value in tree.items()}
-    return [_template(value, base) for value in tree]  # a tuple's, as a list
+        return {key: _template(value, raw, base) for key, value in tree.items()}
+    if isinstance(tree, tuple):
+        return [_template(value, raw, base) for value in tree]
+    offset = tree.ctypes.data - base
+    whole = memoryview(raw).cast("B")[offset : offset + tree.nbytes]
+    try:
+        view = whole.cast(tree.dtype.char, tree.shape)
+        if np.asarray(view).dtype == tree.dtype:
+            return view
+    except (TypeError, ValueError):
+        pass
+    return (raw, tree.shape, tree.dtype, offset)
 
 
-def _build(template: Any, raw: Any, refs: list[weakref.ref[np.ndarray]]) -> Any:
-    if isinstance(template, tuple):
-        shape, dtype, offset = template
-        leaf = np.ndarray(shape, dtype, buffer=raw, offset=offset)
-        refs.append(weakref.ref(leaf))
-        return leaf
+def _build(template: Any, refs: list[weakref.ref[np.ndarray]]) -> Any:
     if isinstance(template, dict):
-        return {key: _build(value, raw, refs) for key, value in template.items()}
-    return tuple(_build(value, raw, refs) for value in template)
+        return {key: _build(value, refs) for key, value in template.items()}
+    if isinstance(template, list):
+        return tuple(_build(value, refs) for value in template)
+    if isinstance(template, memoryview):
+        leaf = np.asarray(template)
+    else:
+        raw, shape, dtype, offset = template
+        leaf = np.ndarray(shape, dtype, buffer=raw, offset=offset)
+    refs.append(weakref.ref(leaf))
+    return leaf
 
 
 def tree_slice(tree: Any, start: int, stop: int) -> Any:
