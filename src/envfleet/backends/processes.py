@@ -4,8 +4,11 @@ Each worker holds a contiguous block of envs. Observations, actions, rewards, te
 and truncations live in one shared :class:`envfleet.buffers.Block`; per worker, a few shared
 control words carry the :class:`Command` and the reply status, and a
 :class:`~envfleet.backends.doorbell.Doorbell` (two semaphores, spin-then-block) carries the
-"go" and the "done". Only what does not fit the buffers travels on the worker's pipe, after
-its doorbell rang: reset options, call arguments and results, non-empty infos, errors.
+"go" and the "done". Only what does not fit the buffers is pickled: reset options, call
+arguments and results, non-empty infos, errors. Requests travel on the worker's pipe, after
+its doorbell rang; a reply goes in the worker's shared mailbox (:data:`MAILBOX_BYTES`) when
+it fits, else on the pipe, so the infos an env returns every step (Atari's) cost no system
+call.
 
 Optionally the driver steps the first block of envs itself while the workers step theirs
 (``driver_envs``), so that on a machine with few cores no core idles while the driver waits.
@@ -76,11 +79,14 @@ DEFAULT_CLOSE_TIMEOUT = 5.0  # seconds for workers to close their envs before be
 DEFAULT_SPIN_S = 0.002  # the most a wait polls before it blocks, in seconds
 _KILL_GRACE = 1.0  # seconds between SIGTERM and SIGKILL
 
+MAILBOX_BYTES = 64 << 10  # per worker: a pickled reply up to this size skips the pipe
+
 # Per group in the control region: 8 int64 control words (one cache line, so workers never
 # share a line), then the doorbell's two semaphores.
 _WORDS = 8
 _GROUP_BYTES = 8 * _WORDS + 2 * SEM_SLOT
-_CMD, _CMD_PAYLOAD, _STATUS, _REPLY_PAYLOAD = 0, 1, 2, 3
+_CMD, _CMD_PAYLOAD, _STATUS, _REPLY_PAYLOAD, _REPLY_BYTES = 0, 1, 2, 3, 4
+_ON_PIPE, _IN_MAILBOX = 1, 2  # where a reply's payload is (_REPLY_PAYLOAD; 0: none)
 _COMMANDS = {int(c): c for c in Command}  # control word -> Command, without Enum's lookup
 
 
@@ -105,6 +111,7 @@ class _WorkerSpec:
     autoreset_mode: AutoresetMode
     block: Block
     control: Any  # the control region: RawArray of _GROUP_BYTES bytes per group
+    mailboxes: Any  # RawArray of MAILBOX_BYTES bytes per group
     stats: Any  # step-time statistics: RawArray of STATS_WORDS doubles per group
     doorbell: Doorbell
     any_done: Any  # first-ready pool: posted after every reply, whichever worker's; else None
@@ -165,6 +172,10 @@ class ProcessesBackend(RemoteWorkersBackend):
             ctypes.c_uint8, groups * _GROUP_BYTES
         )
         self._control = _control_words(self._control_raw)
+        self._mail_raw: Any = multiprocessing.sharedctypes.RawArray(
+            ctypes.c_uint8, groups * MAILBOX_BYTES
+        )
+        self._mailboxes = [_mailbox(self._mail_raw, g) for g in range(groups)]
         self._stats_raw: Any = multiprocessing.sharedctypes.RawArray(
             ctypes.c_double, groups * STATS_WORDS
         )
@@ -247,6 +258,7 @@ class ProcessesBackend(RemoteWorkersBackend):
             autoreset_mode=layout.autoreset_mode,
             block=self.block,
             control=self._control_raw,
+            mailboxes=self._mail_raw,
             stats=self._stats_raw,
             doorbell=doorbell,
             any_done=self._any_done,
@@ -421,7 +433,10 @@ class ProcessesBackend(RemoteWorkersBackend):
         # .item() gives Python ints: a numpy int64 compared with an IntEnum costs ~4 µs.
         status = control.item(g, _STATUS)
         payload = None
-        if control.item(g, _REPLY_PAYLOAD):
+        where = control.item(g, _REPLY_PAYLOAD)
+        if where == _IN_MAILBOX:
+            payload = pickle.loads(self._mailboxes[g][: control.item(g, _REPLY_BYTES)])
+        elif where:
             try:
                 payload = pickle.loads(cast(Connection, self._conns[g]).recv_bytes())
             except (EOFError, OSError):
@@ -606,6 +621,11 @@ def _failure_reply(error: RemoteError) -> Failure:
     return Failure([error])
 
 
+def _mailbox(region: Any, g: int) -> memoryview:
+    """The bytes of group ``g``'s mailbox in the mailboxes region."""
+    return memoryview(region).cast("B")[g * MAILBOX_BYTES : (g + 1) * MAILBOX_BYTES]
+
+
 def _stats_rows(region: Any) -> np.ndarray:
     return np.frombuffer(region, dtype=np.float64).reshape(-1, STATS_WORDS)
 
@@ -618,6 +638,7 @@ class _Worker:
         self.conn = conn
         self.g = spec.group_index
         self.control = _control_words(spec.control)[self.g]
+        self.mailbox = _mailbox(spec.mailboxes, self.g)
         self.doorbell = spec.doorbell
         self.budget = SpinBudget(spec.spin_s)
         self.watch_ppid = spec.start_method != "forkserver"
@@ -648,7 +669,15 @@ class _Worker:
                 _failure_reply(_remote_error(exc, self.spec.start, "pickling the result")),
                 pickle.HIGHEST_PROTOCOL,
             )
-        self.control[_REPLY_PAYLOAD] = 1
+        size = len(blob)
+        if size <= MAILBOX_BYTES:
+            # The driver reads it once the ring is seen: the semaphore orders the writes.
+            self.mailbox[:size] = blob
+            self.control[_REPLY_BYTES] = size
+            self.control[_REPLY_PAYLOAD] = _IN_MAILBOX
+            self.ring_done()
+            return
+        self.control[_REPLY_PAYLOAD] = _ON_PIPE
         self.ring_done()  # before sending: a large payload must not block the ring
         self.conn.send_bytes(blob)
 
