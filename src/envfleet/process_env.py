@@ -191,8 +191,9 @@ class ProcessEnv:
         """``env.reset(seed=seed, options=options)`` in the worker.
 
         Returns:
-            ``(observation, info)`` as the env returns them (observation: a copy shaped as
-            ``observation_space``); with ``blocking=False``, a ``Future`` of that.
+            ``(observation, info)`` as the env returns them (observation: the caller's own,
+            never rewritten by a later call, shaped as ``observation_space``); with
+            ``blocking=False``, a ``Future`` of that.
 
         Raises:
             InvalidArgumentError: a bad seed (nothing is sent).
@@ -325,7 +326,8 @@ def _batch_of_one(action: Any) -> Any:
 
 
 def _first(obs: Any) -> Any:
-    """Row 0 of a batched observation (leaf by leaf); the vector env returned a copy."""
+    """Row 0 of a batched observation (leaf by leaf); the vector env returned the caller's
+    own (``copy=True``), so the row is too."""
     if isinstance(obs, dict):
         return {key: _first(value) for key, value in obs.items()}
     if isinstance(obs, tuple):

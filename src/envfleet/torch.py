@@ -19,7 +19,9 @@ CPU, ``copy=False``       ``torch.from_numpy`` views of envfleet's shared-memory
                           copy at all, the same tensor objects every step, **valid until the
                           next call** (``step``, ``reset``, ...) overwrites them. ``clone()``
                           what you keep.
-CPU, ``copy=True``        tensors that own that step's copy (made once by the vector env).
+CPU, ``copy=True``        tensors over that step's own data, which no later call rewrites
+                          while they live (a spare buffer or a copy, made once by the
+                          vector env; see ``copy`` in :func:`envfleet.make`).
 ``pin_memory=True``       one copy into pinned (page-locked) buffers; with ``copy=False`` the
                           same preallocated buffers every step (valid until the next call),
                           with ``copy=True`` fresh ones (from torch's caching host allocator).
