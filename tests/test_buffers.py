@@ -236,10 +236,10 @@ def lockstep_steps(fleet: Any, sync: SyncVectorEnv, space: Any, steps: int) -> l
     return held
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_copy_false_after_slabs(make_env, backend):
-    """copy=False reads the batch's own buffer: switching to it after results went to spare
-    slabs moves the latest observations there first (a masked reset shows the others')."""
+def started_pair(make_env: Any, backend: str) -> tuple[Any, SyncVectorEnv, Any, list[Any]]:
+    """envfleet and SyncVectorEnv over NestedSpaceEnv, reset and stepped 3 times in lockstep:
+    (envfleet's, SyncVectorEnv, the action space, the first step's results held). The latest
+    result is in a spare slab, and no result holds it."""
     fleet = make_env(NestedSpaceEnv, NUM_ENVS, backend=backend, **LAYOUTS[backend])
     sync = SyncVectorEnv(sync_factories(NestedSpaceEnv, NUM_ENVS))
     try:
@@ -247,8 +247,20 @@ def test_copy_false_after_slabs(make_env, backend):
         space.seed(1)
         assert_same(fleet.reset(seed=2), sync.reset(seed=2), "reset")
         held = lockstep_steps(fleet, sync, space, 3)
-        assert slab_of(fleet, first_leaf(held[0][0])) in (1, 2)
         assert fleet._slab_latest in (1, 2)
+    except BaseException:
+        sync.close()
+        raise
+    return fleet, sync, space, held
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_copy_false_after_slabs(make_env, backend):
+    """copy=False reads the batch's own buffer: switching to it after results went to spare
+    slabs moves the latest observations there first (a masked reset shows the others')."""
+    fleet, sync, space, held = started_pair(make_env, backend)
+    try:
+        assert slab_of(fleet, first_leaf(held[0][0])) in (1, 2)
         fleet.copy = False
         mask = np.array([False, True, False, False])
         got = fleet.reset(seed=4, options={"reset_mask": mask.copy()})
@@ -268,14 +280,8 @@ def test_copy_false_after_slabs(make_env, backend):
 def test_pool_calls_after_slabs(make_env, backend):
     """The first-ready calls (send/recv with batch_size == num_envs) read the batch's own
     buffer: after them, a masked reset still shows every other env's latest row."""
-    fleet = make_env(NestedSpaceEnv, NUM_ENVS, backend=backend, **LAYOUTS[backend])
-    sync = SyncVectorEnv(sync_factories(NestedSpaceEnv, NUM_ENVS))
+    fleet, sync, space, held = started_pair(make_env, backend)
     try:
-        space = batch_space(sync.single_action_space, NUM_ENVS)
-        space.seed(1)
-        assert_same(fleet.reset(seed=2), sync.reset(seed=2), "reset")
-        held = lockstep_steps(fleet, sync, space, 3)
-        assert fleet._slab_latest in (1, 2)
         fleet.async_reset(seed=9)
         got = fleet.recv()
         want, _ = sync.reset(seed=9)
