@@ -935,10 +935,18 @@ class FleetVectorEnv(VectorEnv[Any, Any, np.ndarray]):
             obs = tree_slice(batch.observations, rows.start, rows.stop)
         else:
             obs = tree_take(batch.observations, ids)
-        infos: dict[str, Any] = {}
-        adder = _BatchInfos(need)
-        for k, e in enumerate(ids.tolist()):
-            for info in self._ready_infos.pop(e, ()):
+        # Row k of the batch is env ids[k]; an env may have several infos (a reset's, then a
+        # step's), added in order.
+        events = [
+            (k, info) for k, e in enumerate(ids.tolist()) for info in self._ready_infos.pop(e, ())
+        ]
+        flat = _flat_infos(events, need) if events else None
+        if flat is not None:
+            infos = flat
+        else:
+            infos = {}
+            adder = _BatchInfos(need)
+            for k, info in events:
                 infos = adder._add_info(infos, info, k)
         infos["env_id"] = ids
         return obs, batch.rewards[ids], batch.terminations[ids], batch.truncations[ids], infos
