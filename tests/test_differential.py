@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 import envfleet
 import envfleet.front
-from tests.envs import MixedObsEnv, NestedSpaceEnv, SparseInfoEnv, sync_factories
+from tests.envs import FormObsEnv, MixedObsEnv, NestedSpaceEnv, SparseInfoEnv, sync_factories
 from tests.helpers import assert_same
 
 NUM_ENVS = 5
@@ -394,6 +394,51 @@ def test_any_layout_serial(layout):
 @given(layouts(max_envs=7, driver_share=True))
 def test_any_layout_processes(layout):
     _check_layout("processes", *layout)
+
+
+@pytest.mark.parametrize(
+    "forms",
+    [
+        ("float32",),
+        ("float32", "float32-strided"),
+        ("float32", "float32", "float32-fortran"),
+        ("float32", "float64"),
+        ("int32",),
+    ],
+)
+@pytest.mark.parametrize("backend", ["serial", "processes"])
+def test_observation_forms_match_sync_vector_env(make_env, backend, forms):
+    """Groups whose observations are all C-contiguous arrays of the buffer's dtype write them
+    as joined bytes; a strided, Fortran-ordered, float64 or int32 observation in the group
+    sends it to numpy's copy (which casts). Both give SyncVectorEnv's bytes."""
+    factory = functools.partial(FormObsEnv, forms=forms)
+    sync = SyncVectorEnv(sync_factories(factory, 6))
+    fleet = make_env(factory, 6, backend=backend, num_workers=2)
+    assert_same(fleet.reset(seed=3), sync.reset(seed=3))
+    for t in range(20):
+        actions = np.array([(t + i) % 2 for i in range(6)])
+        assert_same(fleet.step(actions), sync.step(actions))
+
+
+def test_contiguous_observations_are_written_without_numpy(make_env, monkeypatch):
+    """The joined-bytes write really runs for C-contiguous observations of the buffer's dtype
+    (CartPole's): with numpy's concatenate and stack made to fail, stepping still matches."""
+    sync = SyncVectorEnv([lambda: gym.make("CartPole-v1")] * 4)
+    fleet = make_env("CartPole-v1", 4, backend="serial")
+    assert_same(fleet.reset(seed=0), sync.reset(seed=0))
+
+    def refuse(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("numpy wrote the observations")
+
+    monkeypatch.setattr(np, "concatenate", refuse)
+    monkeypatch.setattr(np, "stack", refuse)
+    for t in range(30):
+        actions = np.array([(t * i) % 2 for i in range(4)])
+        fleet_result = fleet.step(actions)
+        monkeypatch.undo()  # SyncVectorEnv writes its observations with numpy
+        assert_same(fleet_result, sync.step(actions))
+        monkeypatch.setattr(np, "concatenate", refuse)
+        monkeypatch.setattr(np, "stack", refuse)
 
 
 @pytest.mark.parametrize(("backend", "layout"), [("serial", {}), ("processes", {})])

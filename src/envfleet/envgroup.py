@@ -110,6 +110,9 @@ class EnvGroup:
         self.size = len(env_fns)
         self.stop = start + self.size
         self.autoreset_mode = autoreset_mode
+        # Asked once per step: an Enum member lookup costs ~70 ns, a bool attribute ~15 ns.
+        self._next_step = autoreset_mode is AutoresetMode.NEXT_STEP
+        self._same_step = autoreset_mode is AutoresetMode.SAME_STEP
         self.single_observation_space = single_observation_space
         self.single_action_space = single_action_space
         self._action_space = batch_space(single_action_space, self.size)
@@ -142,15 +145,23 @@ class EnvGroup:
         # Per observation slab (buffers.ObservationSlabs): the group's rows of it, and those
         # rows flattened for the concatenate above (None where that does not apply). The
         # front picks the slab of each command in the shared word ``buffers.slab``.
+        #
+        # Cheaper still (~0.3 µs for 8 rows): when every observation also has exactly the
+        # buffer's dtype and is C-contiguous, the rows are their bytes, joined and written
+        # through a byte view of the group's rows.
         slabs = self.buffers.observation_slabs or [self.buffers.observations]
-        self._obs_slabs: list[tuple[Any, np.ndarray | None]] = []
+        self._obs_slabs: list[tuple[Any, np.ndarray | None, memoryview | None]] = []
+        self._obs_dtype: np.dtype[Any] | None = None
         for out in slabs:
-            rows = None
+            rows, raw = None, None
             if self._obs_leaf and isinstance(out, np.ndarray) and out.ndim >= 2 and out.size:
                 flat = out.reshape((-1, *out.shape[2:]))
                 if np.shares_memory(flat, out):  # a view (the group's rows are contiguous)
                     self._obs_shape, rows = tuple(out.shape[1:]), flat
-            self._obs_slabs.append((out, rows))
+                    self._obs_dtype = out.dtype
+                    if out.flags.c_contiguous:
+                        raw = out.data.cast("B")
+            self._obs_slabs.append((out, rows, raw))
         self._slab = self.buffers.slab
 
     def check_spaces(self) -> tuple[int, str] | None:
@@ -196,14 +207,15 @@ class EnvGroup:
         # each: numpy converts every element exactly as SyncVectorEnv's scalar writes do.
         rewards, terms, truncs = self._rewards, self._terminations, self._truncations
         env_obs, envs, autoreset = self._env_obs, self.envs, self._autoreset
-        next_step = self.autoreset_mode is AutoresetMode.NEXT_STEP
-        same_step = self.autoreset_mode is AutoresetMode.SAME_STEP
+        # Whether any env resets this step, asked once: most steps reset none.
+        resets = self._next_step and True in autoreset
+        same_step = self._same_step
         events: list[InfoEvent] = []
         failures: list[EnvFailure] | None = None
         for j, action in enumerate(actions):
             env = envs[j]
             try:
-                if next_step and autoreset[j]:
+                if resets and autoreset[j]:
                     env_obs[j], env_info = env.reset()
                     rewards[j], terms[j], truncs[j] = 0.0, False, False
                 else:
@@ -272,13 +284,22 @@ class EnvGroup:
             raise EnvFailure(bad, f"{method} (observation)") from exc
 
     def _write_observation_rows(self) -> None:
-        out, rows = self._obs_slabs[0 if self._slab is None else self._slab.item(0)]
+        out, rows, raw = self._obs_slabs[0 if self._slab is None else self._slab.item(0)]
         if rows is not None:
-            shape, ndarray = self._obs_shape, np.ndarray
+            shape, dtype, ndarray = self._obs_shape, self._obs_dtype, np.ndarray
+            same_dtype = raw is not None
             for obs in self._env_obs:
                 if type(obs) is not ndarray or obs.shape != shape:
                     break
+                if obs.dtype is not dtype:
+                    same_dtype = False
             else:
+                if same_dtype:
+                    try:
+                        raw[:] = b"".join(self._env_obs)  # type: ignore[index]
+                        return
+                    except (BufferError, ValueError, TypeError):
+                        pass  # not C-contiguous: numpy copies it below
                 np.concatenate(self._env_obs, axis=0, out=rows)
                 return
         if self._obs_leaf:
