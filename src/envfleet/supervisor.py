@@ -136,16 +136,21 @@ class StepTimer:
     """Records one worker's step times into its row of a float64 ``[workers, STATS_WORDS]``
     array (shared memory for process backends, so the driver reads it at any time)."""
 
-    __slots__ = ("row",)
+    __slots__ = ("_words", "row")
 
     def __init__(self, row: np.ndarray):
         self.row = row
+        # Written through a memoryview of the row: a worker records once per step, and three
+        # numpy scalar updates cost ~0.7 µs there against ~0.35 µs this way.
+        self._words = row.data.cast("B").cast("d")
 
     def record(self, seconds: float) -> None:
-        row = self.row
-        row[0] += 1.0
-        row[1] += seconds
-        row[2 + _bucket(seconds)] += 1.0
+        words = self._words
+        words[0] += 1.0
+        words[1] += seconds
+        us = seconds * 1e6  # _bucket(seconds), inlined
+        b = 0 if us <= 1.0 else min(_NUM_BUCKETS - 1, int(_BUCKETS_PER_OCTAVE * math.log2(us)))
+        words[2 + b] += 1.0
 
 
 @dataclass(frozen=True)
