@@ -28,6 +28,7 @@ from typing import Any
 __all__ = ["BLOCK_SLICE_S", "SEM_SLOT", "Doorbell", "SpinBudget", "shared_semaphore"]
 
 BLOCK_SLICE_S = 0.02  # seconds a blocked waiter sleeps before checking liveness again
+TIGHT_SPIN_S = 20e-6  # seconds a wait polls without yielding the core (within its budget)
 _yield: Callable[[], None] = getattr(os, "sched_yield", lambda: None)
 SEM_SLOT = 64  # bytes reserved per semaphore in the shared region (glibc's sem_t: 32)
 
@@ -177,15 +178,23 @@ class Doorbell:
         if acquire(False):
             budget.caught()
             return True
-        start = time.perf_counter()
+        clock = time.perf_counter
+        start = now = clock()
         spin_until = start + budget.budget_s
-        now = start
+        # Poll back to back at first (a poll costs ~0.3 µs, a yield ~0.55 µs: a ring is seen
+        # ~0.6 µs sooner on average), then yield the core between polls.
+        tight_until = min(spin_until, start + TIGHT_SPIN_S)
+        while now < tight_until:
+            if acquire(False):
+                budget.caught()
+                return True
+            now = clock()
         while now < spin_until:
             _yield()
             if acquire(False):
                 budget.caught()
                 return True
-            now = time.perf_counter()
+            now = clock()
         while True:
             if deadline is None:
                 slice_s = BLOCK_SLICE_S
