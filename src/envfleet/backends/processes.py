@@ -88,6 +88,8 @@ _GROUP_BYTES = 8 * _WORDS + 2 * SEM_SLOT
 _CMD, _CMD_PAYLOAD, _STATUS, _REPLY_PAYLOAD, _REPLY_BYTES = 0, 1, 2, 3, 4
 _ON_PIPE, _IN_MAILBOX = 1, 2  # where a reply's payload is (_REPLY_PAYLOAD; 0: none)
 _COMMANDS = {int(c): c for c in Command}  # control word -> Command, without Enum's lookup
+# The hot path's Enum members as module globals: an Enum member lookup costs ~70 ns.
+_STEP, _CLOSE, _OK, _ERROR = Command.STEP, Command.CLOSE, int(Status.OK), int(Status.ERROR)
 
 
 def _control_words(region: Any) -> np.ndarray:
@@ -172,6 +174,8 @@ class ProcessesBackend(RemoteWorkersBackend):
             ctypes.c_uint8, groups * _GROUP_BYTES
         )
         self._control = _control_words(self._control_raw)
+        # The same words as one int64 memoryview per group: ~2x cheaper to write than numpy.
+        self._words = [_word_view(row) for row in self._control]
         self._mail_raw: Any = multiprocessing.sharedctypes.RawArray(
             ctypes.c_uint8, groups * MAILBOX_BYTES
         )
@@ -305,15 +309,18 @@ class ProcessesBackend(RemoteWorkersBackend):
 
     def _submit(self, command: Command, payloads: Mapping[int, Any], step: int) -> None:
         self._command = command
-        control = self._control
-        procs = self._procs
-        remote = [g for g in payloads if procs[g] is not None]
-        remote.sort()
+        words = self._words
+        if len(payloads) == len(self.ranges):
+            remote = self._remote  # every group (a step, or any synchronous call)
+        else:
+            procs = self._procs
+            remote = sorted(g for g in payloads if procs[g] is not None)
+        code = int(command)
         for g in remote:
             payload = payloads[g]
-            control[g, _CMD] = int(command)
-            control[g, _CMD_PAYLOAD] = payload is not None
-            cast(Doorbell, self._doorbells[g]).ring_request()
+            words[g][_CMD] = code
+            words[g][_CMD_PAYLOAD] = payload is not None
+            self._doorbells[g].request.release()  # type: ignore[union-attr]
             if payload is not None:
                 try:
                     cast(Connection, self._conns[g]).send_bytes(
@@ -330,7 +337,7 @@ class ProcessesBackend(RemoteWorkersBackend):
         if self._local is not None and 0 in payloads:
             # The driver's own block, stepped while the workers step theirs.
             try:
-                if command is Command.STEP:
+                if command is _STEP:
                     t0 = time.perf_counter()
                     self._local_result = self._local.step()
                     self._local_timer.record(time.perf_counter() - t0)
@@ -403,10 +410,10 @@ class ProcessesBackend(RemoteWorkersBackend):
         self._pending = []
         deadline = None if timeout is None else time.monotonic() + timeout
         done = _Round()
+        procs, doorbells, budgets = self._procs, self._doorbells, self._budgets
         for g in pending:
-            proc = self._procs[g]
-            doorbell = cast(Doorbell, self._doorbells[g])
-            if not Doorbell.wait(doorbell.done, self._budgets[g], deadline, proc.is_alive):
+            proc, doorbell = procs[g], cast(Doorbell, doorbells[g])
+            if not Doorbell.wait(doorbell.done, budgets[g], deadline, proc.is_alive):
                 if not proc.is_alive():
                     done.crashed.append(g)
                     if fail_fast:
@@ -429,13 +436,12 @@ class ProcessesBackend(RemoteWorkersBackend):
 
     def _read_reply(self, g: int, done: _Round, step: int, fail_fast: bool) -> None:
         """Read the reply of worker ``g``, whose done semaphore was just taken, into ``done``."""
-        control = self._control
-        # .item() gives Python ints: a numpy int64 compared with an IntEnum costs ~4 µs.
-        status = control.item(g, _STATUS)
+        words = self._words[g]  # its items are Python ints (a numpy int64 compares slowly)
+        status = words[_STATUS]
         payload = None
-        where = control.item(g, _REPLY_PAYLOAD)
+        where = words[_REPLY_PAYLOAD]
         if where == _IN_MAILBOX:
-            payload = pickle.loads(self._mailboxes[g][: control.item(g, _REPLY_BYTES)])
+            payload = pickle.loads(self._mailboxes[g][: words[_REPLY_BYTES]])
         elif where:
             try:
                 payload = pickle.loads(cast(Connection, self._conns[g]).recv_bytes())
@@ -444,7 +450,7 @@ class ProcessesBackend(RemoteWorkersBackend):
                 if fail_fast:
                     self._raise_crashed(g, step)
                 return
-        if status == Status.ERROR:
+        if status == _ERROR:
             done.failures[g] = cast(Failure, payload)
         else:
             done.results[g] = payload
@@ -621,6 +627,11 @@ def _failure_reply(error: RemoteError) -> Failure:
     return Failure([error])
 
 
+def _word_view(row: np.ndarray) -> memoryview:
+    """The int64 words of one group's control row as a memoryview (format ``q``)."""
+    return row.data.cast("B").cast("q")
+
+
 def _mailbox(region: Any, g: int) -> memoryview:
     """The bytes of group ``g``'s mailbox in the mailboxes region."""
     return memoryview(region).cast("B")[g * MAILBOX_BYTES : (g + 1) * MAILBOX_BYTES]
@@ -637,9 +648,10 @@ class _Worker:
         self.spec = spec
         self.conn = conn
         self.g = spec.group_index
-        self.control = _control_words(spec.control)[self.g]
+        self.control = _word_view(_control_words(spec.control)[self.g])
         self.mailbox = _mailbox(spec.mailboxes, self.g)
         self.doorbell = spec.doorbell
+        self.done, self.any_done = spec.doorbell.done, spec.any_done
         self.budget = SpinBudget(spec.spin_s)
         self.watch_ppid = spec.start_method != "forkserver"
 
@@ -650,9 +662,9 @@ class _Worker:
         return not self.conn.poll()
 
     def ring_done(self) -> None:
-        self.doorbell.ring_done()
-        if self.spec.any_done is not None:
-            self.spec.any_done.release()
+        self.done.release()
+        if self.any_done is not None:
+            self.any_done.release()
 
     def reply(self, status: Status, payload: Any) -> None:
         self.control[_STATUS] = status
@@ -688,12 +700,12 @@ class _Worker:
         while True:
             if not Doorbell.wait(request, self.budget, None, self.driver_alive):
                 return  # the driver is gone
-            command = _COMMANDS[control.item(_CMD)]
-            if command is Command.CLOSE:
+            command = _COMMANDS[control[_CMD]]
+            if command is _CLOSE:
                 return
             payload = pickle.loads(self.conn.recv_bytes()) if control[_CMD_PAYLOAD] else None
             try:
-                if command is Command.STEP:
+                if command is _STEP:
                     t0 = perf_counter()
                     result = group.step()
                     timer.record(perf_counter() - t0)
@@ -711,7 +723,12 @@ class _Worker:
                 error = _remote_error(exc, group.start, command.name.lower())
                 self.reply(Status.ERROR, _failure_reply(error))
                 continue
-            self.reply(Status.OK, result or None)
+            if result:
+                self.reply(Status.OK, result)
+                continue
+            # reply(Status.OK, None), inlined: the common step, with no infos, ends here.
+            control[_STATUS], control[_REPLY_PAYLOAD] = _OK, 0
+            self.ring_done()
 
 
 def _worker_main(spec: _WorkerSpec, conn: Connection, parent_conn: Connection) -> None:
