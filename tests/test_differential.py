@@ -20,6 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import envfleet
+import envfleet.envgroup
 import envfleet.front
 from tests.envs import FormObsEnv, MixedObsEnv, NestedSpaceEnv, SparseInfoEnv, sync_factories
 from tests.helpers import assert_same
@@ -439,6 +440,29 @@ def test_contiguous_observations_are_written_without_numpy(make_env, monkeypatch
         assert_same(fleet_result, sync.step(actions))
         monkeypatch.setattr(np, "concatenate", refuse)
         monkeypatch.setattr(np, "stack", refuse)
+
+
+def test_large_observation_rows_are_written_by_numpy(make_env, monkeypatch):
+    """Rows larger than JOIN_MAX_BYTES (Atari frames) go through np.concatenate, which copies
+    them once where the join would copy them twice; the results are the same."""
+    monkeypatch.setattr(envfleet.envgroup, "JOIN_MAX_BYTES", 4 * 4 * 4 - 1)  # 4 CartPole rows
+    sync = SyncVectorEnv([lambda: gym.make("CartPole-v1")] * 4)
+    fleet = make_env("CartPole-v1", 4, backend="serial")
+    calls = []
+    concatenate = np.concatenate
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        return concatenate(*args, **kwargs)
+
+    assert_same(fleet.reset(seed=0), sync.reset(seed=0))
+    for t in range(10):
+        actions = np.array([(t * i) % 2 for i in range(4)])
+        monkeypatch.setattr(np, "concatenate", counted)
+        fleet_result = fleet.step(actions)
+        monkeypatch.setattr(np, "concatenate", concatenate)
+        assert_same(fleet_result, sync.step(actions))
+    assert len(calls) == 10
 
 
 @pytest.mark.parametrize(("backend", "layout"), [("serial", {}), ("processes", {})])

@@ -28,7 +28,10 @@ from envfleet.protocol import (
     SetAttrRequest,
 )
 
-__all__ = ["EnvFailure", "EnvGroup", "PartialFailure", "spaces_mismatch"]
+__all__ = ["JOIN_MAX_BYTES", "EnvFailure", "EnvGroup", "PartialFailure", "spaces_mismatch"]
+
+# A group's observation rows up to this size are written as joined bytes (EnvGroup.__init__).
+JOIN_MAX_BYTES = 16 << 10
 
 logger = logging.getLogger("envfleet")
 
@@ -148,7 +151,8 @@ class EnvGroup:
         #
         # Cheaper still (~0.3 µs for 8 rows): when every observation also has exactly the
         # buffer's dtype and is C-contiguous, the rows are their bytes, joined and written
-        # through a byte view of the group's rows.
+        # through a byte view of the group's rows. The join copies the bytes twice, so it is
+        # used for small rows only (4 Pong frames, 400 KB: 17.7 µs joined, 9.7 µs by numpy).
         slabs = self.buffers.observation_slabs or [self.buffers.observations]
         self._obs_slabs: list[tuple[Any, np.ndarray | None, memoryview | None]] = []
         self._obs_dtype: np.dtype[Any] | None = None
@@ -159,7 +163,7 @@ class EnvGroup:
                 if np.shares_memory(flat, out):  # a view (the group's rows are contiguous)
                     self._obs_shape, rows = tuple(out.shape[1:]), flat
                     self._obs_dtype = out.dtype
-                    if out.flags.c_contiguous:
+                    if out.flags.c_contiguous and out.nbytes <= JOIN_MAX_BYTES:
                         raw = out.data.cast("B")
             self._obs_slabs.append((out, rows, raw))
         self._slab = self.buffers.slab
