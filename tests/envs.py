@@ -478,45 +478,6 @@ class FlakyEnv(gym.Env):
         return None
 
 
-class FormObsEnv(gym.Env):
-    """Box((2, 3), float32) observations, each env always in the same form:
-    ``forms[env_index % len(forms)]`` among ``"float32"`` (C-contiguous), ``"float32-strided"``
-    (the right dtype, not contiguous), ``"float32-fortran"``, and ``"float64"`` and ``"int32"``
-    (cast on write; int32 has float32's item size, so only its dtype tells it apart).
-
-    A group whose observations are all C-contiguous float32 arrays writes them as joined
-    bytes; any other form in the group sends it to numpy's copy.
-    """
-
-    def __init__(self, env_index: int = 0, forms: tuple[str, ...] = ("float32",)):
-        self.form = forms[env_index % len(forms)]
-        self.observation_space = spaces.Box(-1.0, 1.0, (2, 3), np.float32)
-        self.action_space = spaces.Discrete(2)
-        self._t = 0
-
-    def _obs(self) -> np.ndarray:
-        value = self.np_random.uniform(-1.0, 1.0, (2, 3))
-        if self.form == "float64":
-            return value
-        if self.form == "int32":
-            return (value * 4).astype(np.int32)
-        if self.form == "float32-strided":
-            wide = np.repeat(value.astype(np.float32), 2, axis=1)
-            return wide[:, ::2]  # the same values, every other column of a wider array
-        if self.form == "float32-fortran":
-            return np.asfortranarray(value.astype(np.float32))
-        return value.astype(np.float32)
-
-    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
-        super().reset(seed=seed)
-        self._t = 0
-        return self._obs(), {}
-
-    def step(self, action: Any):
-        self._t += 1
-        return self._obs(), float(action), self._t % 7 == 0, False, {}
-
-
 class MixedObsEnv(gym.Env):
     """Box((2, 3), float32) observations handed back in a different form each step.
 
@@ -558,3 +519,35 @@ class MixedObsEnv(gym.Env):
         terminated = np.bool_(self.np_random.random() < 0.05)
         truncated = self._t >= 30
         return self._obs(), reward, terminated, truncated, {}
+
+
+class FormObsEnv(MixedObsEnv):
+    """Box((2, 3), float32) observations, each env always in the same form:
+    ``forms[env_index % len(forms)]`` among ``"float32"`` (C-contiguous), ``"float32-strided"``
+    (the right dtype, not contiguous), ``"float32-fortran"``, and ``"float64"`` and ``"int32"``
+    (cast on write; int32 has float32's item size, so only its dtype tells it apart).
+
+    A group whose observations are all C-contiguous float32 arrays writes them as joined
+    bytes; any other form in the group sends it to numpy's copy.
+    """
+
+    def __init__(self, env_index: int = 0, forms: tuple[str, ...] = ("float32",)):
+        super().__init__(env_index)
+        self.form = forms[env_index % len(forms)]
+
+    def _obs(self) -> np.ndarray:
+        value = self.np_random.uniform(-1.0, 1.0, (2, 3))
+        if self.form == "float64":
+            return value
+        if self.form == "int32":
+            return (value * 4).astype(np.int32)
+        if self.form == "float32-strided":
+            wide = np.repeat(value.astype(np.float32), 2, axis=1)
+            return wide[:, ::2]  # the same values, every other column of a wider array
+        if self.form == "float32-fortran":
+            return np.asfortranarray(value.astype(np.float32))
+        return value.astype(np.float32)
+
+    def step(self, action: Any):
+        self._t += 1
+        return self._obs(), float(action), self._t % 7 == 0, False, {}
