@@ -25,7 +25,14 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["BLOCK_SLICE_S", "SEM_SLOT", "Doorbell", "SpinBudget", "shared_semaphore"]
+__all__ = [
+    "BLOCK_SLICE_S",
+    "SEM_SLOT",
+    "TIGHT_SPIN_S",
+    "Doorbell",
+    "SpinBudget",
+    "shared_semaphore",
+]
 
 BLOCK_SLICE_S = 0.02  # seconds a blocked waiter sleeps before checking liveness again
 TIGHT_SPIN_S = 20e-6  # seconds a wait polls without yielding the core (within its budget)
@@ -43,8 +50,9 @@ class SpinBudget:
     but ended soon enough for a spin to have caught it, adds ``max_s / 16``. On a quiet
     machine with short waits the budget stays near ``max_s`` (about 1 µs wake-ups); with long
     waits, or other processes competing for the cores, it falls to almost nothing and waiters
-    block at once. The spin loop also yields the core (``sched_yield``) between polls, so a
-    spinner never holds a core another runnable process could use.
+    block at once. After its first :data:`TIGHT_SPIN_S` (20 µs, far below a scheduler slice)
+    the spin loop yields the core (``sched_yield``) between polls, so a spinner never holds a
+    core another runnable process could use for long.
 
     Args:
         max_s: the most seconds one wait may spin; 0 disables spinning.
