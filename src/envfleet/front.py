@@ -1401,9 +1401,7 @@ class FleetVectorEnv(VectorEnv[Any, Any, np.ndarray]):
             if k:
                 return self._slabs.hand_out(k)  # the caller's without a copy
         obs = self._backend.batch.observations
-        if not self.copy:
-            return obs
-        return obs.copy() if type(obs) is np.ndarray else tree_copy(obs)
+        return tree_copy(obs) if self.copy else obs
 
     def _pick_slab(self, every_env: bool) -> None:
         """Choose the slab the next step or reset writes its observations to.

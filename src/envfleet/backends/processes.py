@@ -89,7 +89,7 @@ _CMD, _CMD_PAYLOAD, _STATUS, _REPLY_PAYLOAD, _REPLY_BYTES = 0, 1, 2, 3, 4
 _ON_PIPE, _IN_MAILBOX = 1, 2  # where a reply's payload is (_REPLY_PAYLOAD; 0: none)
 _COMMANDS = {int(c): c for c in Command}  # control word -> Command, without Enum's lookup
 # The hot path's Enum members as module globals: an Enum member lookup costs ~70 ns.
-_STEP, _CLOSE, _OK, _ERROR = Command.STEP, Command.CLOSE, int(Status.OK), int(Status.ERROR)
+_STEP, _CLOSE, _ERROR = Command.STEP, Command.CLOSE, int(Status.ERROR)
 
 
 def _control_words(region: Any) -> np.ndarray:
@@ -723,12 +723,7 @@ class _Worker:
                 error = _remote_error(exc, group.start, command.name.lower())
                 self.reply(Status.ERROR, _failure_reply(error))
                 continue
-            if result:
-                self.reply(Status.OK, result)
-                continue
-            # reply(Status.OK, None), inlined: the common step, with no infos, ends here.
-            control[_STATUS], control[_REPLY_PAYLOAD] = _OK, 0
-            self.ring_done()
+            self.reply(Status.OK, result or None)
 
 
 def _worker_main(spec: _WorkerSpec, conn: Connection, parent_conn: Connection) -> None:
