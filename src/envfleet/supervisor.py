@@ -25,6 +25,9 @@ logger = logging.getLogger("envfleet")
 RESTARTABLE = (Command.STEP, Command.RESET)  # the commands whose failures a policy restarts
 
 __all__ = [
+    "BUCKETS_PER_OCTAVE",
+    "NUM_BUCKETS",
+    "STATS_WORDS",
     "FleetStats",
     "RestartBudget",
     "RestartPolicy",
@@ -120,9 +123,9 @@ class RestartBudget:
 
 # -- step-time statistics ----------------------------------------------------------------------
 
-_BUCKETS_PER_OCTAVE = 4
-_NUM_BUCKETS = 128  # quarter octaves from 1 µs: up to 2**32 µs (about 71 minutes)
-STATS_WORDS = 2 + _NUM_BUCKETS  # per worker: count, total seconds, histogram
+BUCKETS_PER_OCTAVE = 4
+NUM_BUCKETS = 128  # quarter octaves from 1 µs: up to 2**32 µs (about 71 minutes)
+STATS_WORDS = 2 + NUM_BUCKETS  # per worker: count, total seconds, histogram
 
 
 class StepTimer:
@@ -142,7 +145,7 @@ class StepTimer:
         words[0] += 1.0
         words[1] += seconds
         us = seconds * 1e6  # its quarter-octave bucket; bucket 0 holds everything up to 1 µs
-        b = 0 if us <= 1.0 else min(_NUM_BUCKETS - 1, int(_BUCKETS_PER_OCTAVE * math.log2(us)))
+        b = 0 if us <= 1.0 else min(NUM_BUCKETS - 1, int(BUCKETS_PER_OCTAVE * math.log2(us)))
         words[2 + b] += 1.0
 
 
@@ -166,7 +169,7 @@ class StepTimeStats:
 def _quantile(hist: np.ndarray, count: float, q: float) -> float:
     cumulative = np.cumsum(hist)
     b = int(np.searchsorted(cumulative, q * count, side="left"))
-    return 2.0 ** ((b + 0.5) / _BUCKETS_PER_OCTAVE) * 1e-6
+    return 2.0 ** ((b + 0.5) / BUCKETS_PER_OCTAVE) * 1e-6
 
 
 def step_time_table(rows: np.ndarray) -> tuple[StepTimeStats, ...]:

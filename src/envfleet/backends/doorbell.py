@@ -19,17 +19,21 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import os
 import sys
 import time
 from collections.abc import Callable
 from typing import Any
 
+from envfleet import speedups as _speedups
+
 __all__ = [
     "BLOCK_SLICE_S",
     "SEM_SLOT",
     "TIGHT_SPIN_S",
     "Doorbell",
+    "SharedSem",
     "SpinBudget",
     "shared_semaphore",
 ]
@@ -94,7 +98,7 @@ def _load_libc() -> Any:
 _libc = _load_libc()
 
 
-class _SharedSem:
+class SharedSem:
     """An unnamed process-shared POSIX semaphore at ``offset`` bytes into a shared RawArray.
 
     It pickles as (region, offset) while a process is being started, and each process binds
@@ -110,10 +114,23 @@ class _SharedSem:
             raise OSError(err, f"sem_init: {os.strerror(err)}")
 
     def _bind(self) -> None:
-        self.ptr = ctypes.c_void_p(ctypes.addressof(self.region) + self.offset)
-        self._post = _libc.sem_post
-        self._trywait = _libc.sem_trywait
+        self.address = address = ctypes.addressof(self.region) + self.offset
+        self.ptr = ctypes.c_void_p(address)
         self._timedwait = _libc.sem_timedwait
+        # The C versions (envfleet.speedups) where built: a ctypes call costs ~0.3 µs, these
+        # ~0.05 µs, and the C spin polls every ~20 ns instead of every ~0.4 µs.
+        fast = _speedups.speedups
+        self.spin: Callable[[float, float], bool] | None = None
+        self._post: Callable[[], Any]
+        self._poll: Callable[[], bool]
+        if fast is not None:
+            self._post = functools.partial(fast.post, address)
+            self._poll = functools.partial(fast.trywait, address)
+            self.spin = functools.partial(fast.spin, address)
+        else:
+            ptr, trywait = self.ptr, _libc.sem_trywait
+            self._post = functools.partial(_libc.sem_post, ptr)
+            self._poll = lambda: bool(trywait(ptr) == 0)
 
     def __getstate__(self) -> tuple[Any, int]:
         return self.region, self.offset
@@ -123,11 +140,11 @@ class _SharedSem:
         self._bind()
 
     def release(self) -> None:
-        self._post(self.ptr)
+        self._post()
 
     def acquire(self, block: bool = True, timeout: float | None = None) -> bool:
         if not block:
-            return bool(self._trywait(self.ptr) == 0)
+            return self._poll()
         assert timeout is not None
         deadline = time.time() + timeout
         ts = _Timespec(int(deadline), int((deadline % 1.0) * 1e9))
@@ -140,7 +157,7 @@ def shared_semaphore(ctx: Any, region: Any, offset: int) -> Any:
     ``multiprocessing`` semaphore."""
     if _libc is not None:
         try:
-            return _SharedSem(region, offset)
+            return SharedSem(region, offset)
         except OSError:
             pass  # no process-shared unnamed semaphores here
     return ctx.Semaphore(0)
@@ -173,6 +190,7 @@ class Doorbell:
         budget: SpinBudget,
         deadline: float | None,
         alive: Callable[[], bool],
+        spun_s: float | None = None,
     ) -> bool:
         """Wait until ``sem`` is posted; ``False`` when ``deadline`` passed or ``alive()`` failed.
 
@@ -181,28 +199,39 @@ class Doorbell:
             budget: spin budget, updated with this wait's length.
             deadline: ``time.monotonic()`` value after which to give up, or ``None``.
             alive: checked between blocking slices; a ``False`` ends the wait.
+            spun_s: the caller already spun this long on ``sem`` (the C worker loop did):
+                block at once, and count those seconds in the wait's length.
         """
         acquire = sem.acquire
-        if acquire(False):
-            budget.caught()
-            return True
         clock = time.perf_counter
-        start = now = clock()
-        spin_until = start + budget.budget_s
-        # Poll back to back at first (a poll costs ~0.3 µs, a yield ~0.55 µs: a ring is seen
-        # ~0.6 µs sooner on average), then yield the core between polls.
-        tight_until = min(spin_until, start + TIGHT_SPIN_S)
-        while now < tight_until:
+        spin = sem.spin if type(sem) is SharedSem else None
+        if spun_s is not None:
+            start = clock() - spun_s
+        elif spin is not None:
+            start = clock()
+            if spin(TIGHT_SPIN_S, budget.budget_s):  # the loop below, in C
+                budget.caught()
+                return True
+        else:
             if acquire(False):
                 budget.caught()
                 return True
-            now = clock()
-        while now < spin_until:
-            _yield()
-            if acquire(False):
-                budget.caught()
-                return True
-            now = clock()
+            start = now = clock()
+            spin_until = start + budget.budget_s
+            # Poll back to back at first (a poll costs ~0.3 µs, a yield ~0.55 µs: a ring is
+            # seen ~0.6 µs sooner on average), then yield the core between polls.
+            tight_until = min(spin_until, start + TIGHT_SPIN_S)
+            while now < tight_until:
+                if acquire(False):
+                    budget.caught()
+                    return True
+                now = clock()
+            while now < spin_until:
+                _yield()
+                if acquire(False):
+                    budget.caught()
+                    return True
+                now = clock()
         while True:
             if deadline is None:
                 slice_s = BLOCK_SLICE_S

@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import functools
 import logging
 import multiprocessing
 import multiprocessing.sharedctypes
@@ -35,7 +36,7 @@ import signal
 import sys
 import time
 import traceback
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any, cast
@@ -53,7 +54,14 @@ from envfleet.backends.base import (
     mismatch_error,
     remote_env_error,
 )
-from envfleet.backends.doorbell import SEM_SLOT, Doorbell, SpinBudget, shared_semaphore
+from envfleet.backends.doorbell import (
+    SEM_SLOT,
+    TIGHT_SPIN_S,
+    Doorbell,
+    SharedSem,
+    SpinBudget,
+    shared_semaphore,
+)
 from envfleet.buffers import Block, allocate_batch
 from envfleet.envgroup import EnvFailure, EnvGroup, PartialFailure
 from envfleet.errors import (
@@ -63,6 +71,8 @@ from envfleet.errors import (
 )
 from envfleet.protocol import Command, Failure, RemoteError, Status
 from envfleet.supervisor import (
+    BUCKETS_PER_OCTAVE,
+    NUM_BUCKETS,
     STATS_WORDS,
     Ledger,
     StepTimer,
@@ -90,6 +100,7 @@ _ON_PIPE, _IN_MAILBOX = 1, 2  # where a reply's payload is (_REPLY_PAYLOAD; 0: n
 _COMMANDS = {int(c): c for c in Command}  # control word -> Command, without Enum's lookup
 # The hot path's Enum members as module globals: an Enum member lookup costs ~70 ns.
 _STEP, _CLOSE, _ERROR = Command.STEP, Command.CLOSE, int(Status.ERROR)
+_SPUN_OUT, _TAKEN, _STEPPED = 0, 1, 2  # why _speedups.serve_steps returned
 
 
 def _control_words(region: Any) -> np.ndarray:
@@ -697,8 +708,25 @@ class _Worker:
         control, request = self.control, self.doorbell.request
         timer = StepTimer(_stats_rows(self.spec.stats)[self.g])
         perf_counter = time.perf_counter
+        serve_steps = self._serve_steps(group, timer)
         while True:
-            if not Doorbell.wait(request, self.budget, None, self.driver_alive):
+            spun_s: float | None = None
+            taken = False
+            if serve_steps is not None:
+                # Plain steps loop in C until something else is due (the loop below, for
+                # Command.STEP without payload; see _speedups.serve_steps).
+                try:
+                    reason, spun_s, events = serve_steps()
+                except Exception as exc:
+                    self.reply_failure(exc, group, _STEP)
+                    continue
+                if reason == _STEPPED:
+                    self.reply(Status.OK, events)
+                    continue
+                taken = reason == _TAKEN  # else it spun out: block below
+            if not taken and not Doorbell.wait(
+                request, self.budget, None, self.driver_alive, spun_s=spun_s
+            ):
                 return  # the driver is gone
             command = _COMMANDS[control[_CMD]]
             if command is _CLOSE:
@@ -711,19 +739,48 @@ class _Worker:
                     timer.record(perf_counter() - t0)
                 else:
                     result = group.run(command, payload)
-            except PartialFailure as failure:
-                errors = [_remote_error(f, f.env_index, f.method) for f in failure.failures]
-                self.reply(Status.ERROR, Failure(errors, failure.events or None, partial=True))
-                continue
-            except EnvFailure as failure:
-                error = _remote_error(failure, failure.env_index, failure.method)
-                self.reply(Status.ERROR, _failure_reply(error))
-                continue
-            except Exception as exc:  # a bug outside any env: report it against the group
-                error = _remote_error(exc, group.start, command.name.lower())
-                self.reply(Status.ERROR, _failure_reply(error))
+            except Exception as exc:
+                self.reply_failure(exc, group, command)
                 continue
             self.reply(Status.OK, result or None)
+
+    def reply_failure(self, exc: Exception, group: EnvGroup, command: Command) -> None:
+        """Reply with what ``command`` raised: an env's failure, or a bug outside any env
+        (reported against the group)."""
+        if isinstance(exc, PartialFailure):
+            errors = [_remote_error(f, f.env_index, f.method) for f in exc.failures]
+            self.reply(Status.ERROR, Failure(errors, exc.events or None, partial=True))
+        elif isinstance(exc, EnvFailure):
+            self.reply(Status.ERROR, _failure_reply(_remote_error(exc, exc.env_index, exc.method)))
+        else:
+            error = _remote_error(exc, group.start, command.name.lower())
+            self.reply(Status.ERROR, _failure_reply(error))
+
+    def _serve_steps(
+        self, group: EnvGroup, timer: StepTimer
+    ) -> Callable[[], tuple[int, float, Any]] | None:
+        """The C loop of plain steps (envfleet.speedups), bound to this worker; ``None`` where
+        it is not built or the semaphores are not the shared POSIX ones it drives."""
+        fast = group.fast
+        sems = (self.doorbell.request, self.done, self.any_done)
+        if fast is None or not all(s is None or type(s) is SharedSem for s in sems):
+            return None
+        any_done = None if self.any_done is None else self.any_done.address
+        return functools.partial(
+            fast.serve_steps,
+            self.doorbell.request.address,
+            self.done.address,
+            any_done,
+            _control_words(self.spec.control)[self.g].ctypes.data,
+            group.step,
+            timer.row.ctypes.data,
+            self.budget,
+            TIGHT_SPIN_S,
+            int(Command.STEP),
+            int(Status.OK),
+            BUCKETS_PER_OCTAVE,
+            NUM_BUCKETS,
+        )
 
 
 def _worker_main(spec: _WorkerSpec, conn: Connection, parent_conn: Connection) -> None:

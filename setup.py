@@ -1,0 +1,18 @@
+"""Only the optional C extension; everything else is in pyproject.toml.
+
+``optional=True``: where it cannot be compiled (no C compiler), the install goes on without it
+and envfleet runs its Python step path (see envfleet/speedups.py).
+"""
+
+from setuptools import Extension, setup
+
+setup(
+    ext_modules=[
+        Extension(
+            "envfleet._speedups",
+            sources=["src/envfleet/_speedups.c"],
+            extra_compile_args=["-O2"],
+            optional=True,
+        )
+    ]
+)

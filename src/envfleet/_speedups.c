@@ -1,0 +1,554 @@
+/* envfleet._speedups: the few hot loops of the step path in C (DESIGN §3).
+ *
+ * Optional: envfleet runs the same logic in Python when this module is missing (it failed to
+ * build, or ENVFLEET_NO_SPEEDUPS=1 is set). Every function here has a Python twin beside its
+ * caller, and the differential tests run both. Nothing here changes what an env sees or what
+ * the caller gets; it only removes interpreter overhead around the env calls:
+ *
+ *   post, trywait, spin    process-shared POSIX semaphores at raw addresses (doorbell.py)
+ *   step_envs              EnvGroup.step's plain loop: env.step(action) per env, unpacked into
+ *                          the group's result lists, non-empty infos queued (envgroup.py)
+ *   write_results          those lists into the float64/bool buffers, and the autoreset flags
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <errno.h>
+#include <math.h>
+#include <sched.h>
+#include <semaphore.h>
+#include <stdint.h>
+#include <string.h>
+#include <time.h>
+
+#if defined(__x86_64__) || defined(__i386__)
+#define CPU_RELAX() __builtin_ia32_pause()
+#elif defined(__aarch64__)
+#define CPU_RELAX() __asm__ __volatile__("yield")
+#else
+#define CPU_RELAX() ((void)0)
+#endif
+
+/* numpy's scalar types whose conversion is done here exactly as numpy does it; registered by
+ * envgroup.py at import (this module does not import numpy). */
+static PyTypeObject *np_bool_type = NULL;
+static PyTypeObject *np_float32_type = NULL;
+
+static int
+as_address(PyObject *obj, void **out)
+{
+    void *p = PyLong_AsVoidPtr(obj);
+    if (p == NULL) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_ValueError, "null address");
+        return 0;
+    }
+    *out = p;
+    return 1;
+}
+
+static double
+monotonic_s(void)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + (double)t.tv_nsec * 1e-9;
+}
+
+/* -- semaphores --------------------------------------------------------------------------- */
+
+static PyObject *
+sp_post(PyObject *self, PyObject *arg)
+{
+    void *sem;
+    if (!as_address(arg, &sem))
+        return NULL;
+    if (sem_post((sem_t *)sem) != 0)
+        return PyErr_SetFromErrno(PyExc_OSError);
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+sp_trywait(PyObject *self, PyObject *arg)
+{
+    void *sem;
+    if (!as_address(arg, &sem))
+        return NULL;
+    if (sem_trywait((sem_t *)sem) == 0)
+        Py_RETURN_TRUE;
+    Py_RETURN_FALSE;
+}
+
+/* Take the semaphore, polling for at most spin_s seconds: back to back for the first tight_s,
+ * then yielding the core between polls. 1 when taken, 0 when the budget ran out. Called
+ * without the GIL. */
+static int
+spin_take(sem_t *sem, double tight_s, double spin_s)
+{
+    if (sem_trywait(sem) == 0)
+        return 1;
+    if (spin_s <= 0)
+        return 0;
+    double start = monotonic_s();
+    double tight_until = start + (tight_s < spin_s ? tight_s : spin_s);
+    double spin_until = start + spin_s;
+    int yielding = 0;
+    for (;;) {
+        for (int k = 0; k < 16; k++) {
+            if (sem_trywait(sem) == 0)
+                return 1;
+            if (yielding)
+                sched_yield();
+            else
+                CPU_RELAX();
+        }
+        double now = monotonic_s();
+        if (now >= spin_until)
+            return 0;
+        yielding = now >= tight_until;
+    }
+}
+
+/* spin(address, tight_s, spin_s) -> bool: spin_take, for Doorbell.wait (the caller blocks
+ * when it returns False). */
+static PyObject *
+sp_spin(PyObject *self, PyObject *args)
+{
+    PyObject *address;
+    double tight_s, spin_s;
+    void *p;
+    if (!PyArg_ParseTuple(args, "Odd", &address, &tight_s, &spin_s))
+        return NULL;
+    if (!as_address(address, &p))
+        return NULL;
+    if (sem_trywait((sem_t *)p) == 0)
+        Py_RETURN_TRUE;
+    int taken;
+    Py_BEGIN_ALLOW_THREADS
+    taken = spin_take((sem_t *)p, tight_s, spin_s);
+    Py_END_ALLOW_THREADS
+    if (taken)
+        Py_RETURN_TRUE;
+    Py_RETURN_FALSE;
+}
+
+/* -- the processes worker's loop ----------------------------------------------------------- */
+
+static double
+get_double(PyObject *obj, const char *name, int *ok)
+{
+    PyObject *v = PyObject_GetAttrString(obj, name);
+    if (v == NULL) {
+        *ok = 0;
+        return 0;
+    }
+    double d = PyFloat_AsDouble(v);
+    Py_DECREF(v);
+    if (d == -1.0 && PyErr_Occurred())
+        *ok = 0;
+    return d;
+}
+
+/* serve_steps(request, done, any_done, control, step, timer_words, budget, tight_s,
+ *             step_code, ok_code, buckets_per_octave, num_buckets) -> (reason, spun_s, result)
+ *
+ * _Worker.serve's loop for plain steps. Repeatedly: take the request semaphore (spinning, as
+ * Doorbell.wait does, within the SpinBudget ``budget``, whose budget_s it adapts as
+ * SpinBudget.caught does); when the command word is a step without payload, call ``step()``
+ * (EnvGroup.step), record its time in the StepTimer words (count, total seconds, quarter-octave
+ * histogram), and when it returned no events, reply OK with no payload: status word, payload
+ * word 0, post ``done`` (and ``any_done`` unless 0). Returns to the caller:
+ *   (0, spun_s, None)    the wait spun out after spun_s seconds; nothing taken: block on it
+ *   (1, 0.0, None)       a request other than a plain step was taken: dispatch it
+ *   (2, 0.0, events)     a step returned events: reply OK with them
+ * An exception from step() propagates (nothing recorded, no reply sent). Control words are
+ * int64: [command, command has payload, status, reply payload, reply bytes]. */
+static PyObject *
+sp_serve_steps(PyObject *self, PyObject *args)
+{
+    PyObject *ra, *da, *aa, *ca, *step, *ta, *budget;
+    double tight_s;
+    long long step_code, ok_code;
+    int per_octave, num_buckets;
+    void *rp, *dp, *cp, *tp, *ap = NULL;
+    if (!PyArg_ParseTuple(args, "OOOOOOOdLLii", &ra, &da, &aa, &ca, &step, &ta, &budget,
+                          &tight_s, &step_code, &ok_code, &per_octave, &num_buckets))
+        return NULL;
+    if (!as_address(ra, &rp) || !as_address(da, &dp) || !as_address(ca, &cp) ||
+        !as_address(ta, &tp))
+        return NULL;
+    if (aa != Py_None && !as_address(aa, &ap))
+        return NULL;
+    int ok = 1;
+    double budget_s = get_double(budget, "budget_s", &ok);
+    double max_s = get_double(budget, "max_s", &ok);
+    double step_s = max_s / 16; /* SpinBudget's additive step */
+    if (!ok)
+        return NULL;
+    sem_t *request = (sem_t *)rp, *done = (sem_t *)dp, *any_done = (sem_t *)ap;
+    volatile int64_t *control = (volatile int64_t *)cp;
+    double *words = (double *)tp;
+    PyObject *out = NULL;
+    for (;;) {
+        int taken;
+        double t_wait = 0.0;
+        if (sem_trywait(request) == 0) {
+            taken = 1;
+        } else {
+            Py_BEGIN_ALLOW_THREADS
+            t_wait = monotonic_s();
+            taken = spin_take(request, tight_s, budget_s);
+            t_wait = monotonic_s() - t_wait;
+            Py_END_ALLOW_THREADS
+        }
+        if (!taken) {
+            out = Py_BuildValue("(idO)", 0, t_wait, Py_None);
+            break;
+        }
+        budget_s = budget_s + step_s < max_s ? budget_s + step_s : max_s;
+        if (control[0] != step_code || control[1] != 0) {
+            out = Py_BuildValue("(idO)", 1, 0.0, Py_None);
+            break;
+        }
+        double t0 = monotonic_s();
+        PyObject *result = PyObject_CallNoArgs(step);
+        if (result == NULL)
+            break;
+        double seconds = monotonic_s() - t0;
+        words[0] += 1.0;
+        words[1] += seconds;
+        double us = seconds * 1e6;
+        int b = 0;
+        if (us > 1.0) {
+            double f = per_octave * log2(us);
+            b = f >= num_buckets - 1 ? num_buckets - 1 : (int)f;
+        }
+        words[2 + b] += 1.0;
+        int events = result == Py_None ? 0 : PyObject_IsTrue(result);
+        if (events < 0) {
+            Py_DECREF(result);
+            break;
+        }
+        if (events) {
+            out = Py_BuildValue("(idN)", 2, 0.0, result);
+            break;
+        }
+        Py_DECREF(result);
+        control[2] = ok_code;
+        control[3] = 0;
+        sem_post(done);
+        if (any_done != NULL)
+            sem_post(any_done);
+    }
+    /* The adapted budget goes back to the SpinBudget, also when step() raised. */
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    PyObject *b = PyFloat_FromDouble(budget_s);
+    int set = b != NULL && PyObject_SetAttrString(budget, "budget_s", b) == 0;
+    Py_XDECREF(b);
+    if (!set) {
+        Py_XDECREF(type);
+        Py_XDECREF(value);
+        Py_XDECREF(tb);
+        Py_XDECREF(out);
+        return NULL;
+    }
+    PyErr_Restore(type, value, tb);
+    return out;
+}
+
+/* -- EnvGroup.step -------------------------------------------------------------------------- */
+
+/* The exception being raised, as `except Exception as exc` binds it (with its traceback), or
+ * NULL with the error still set when it is not an Exception (KeyboardInterrupt, SystemExit:
+ * those propagate, as they do through the Python loop). */
+static PyObject *
+catch_exception(void)
+{
+    if (!PyErr_ExceptionMatches(PyExc_Exception))
+        return NULL;
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    PyErr_NormalizeException(&type, &value, &tb);
+    if (tb != NULL)
+        PyException_SetTraceback(value, tb);
+    Py_XDECREF(type);
+    Py_XDECREF(tb);
+    return value;
+}
+
+static int
+set_item(PyObject *list, Py_ssize_t j, PyObject *item)
+{
+    Py_INCREF(item);
+    return PyList_SetItem(list, j, item); /* steals the new reference, drops the old item */
+}
+
+/* step_envs(envs, actions, j, env_obs, rewards, terms, truncs, events, start, unpack)
+ *     -> None | (j, exc)
+ *
+ * For each env from index j on: action = next(actions); (obs, reward, terminated, truncated,
+ * info) = envs[j].step(action), stored at [j] of the four result lists; (start + j, info)
+ * appended to events when info is truthy. This is EnvGroup.step's loop when no env resets
+ * this step and the mode is not SAME_STEP; ``unpack`` is called on a step result that is not
+ * a 5-tuple, so that odd results unpack (or fail) exactly as in Python. Returns None when
+ * every env stepped; (j, exc) when env j raised the Exception exc (the caller records it and
+ * calls again from j + 1). */
+static PyObject *
+sp_step_envs(PyObject *self, PyObject *args)
+{
+    PyObject *envs, *actions, *env_obs, *rewards, *terms, *truncs, *events, *unpack;
+    Py_ssize_t j, start;
+    if (!PyArg_ParseTuple(args, "O!OnO!O!O!O!O!nO", &PyList_Type, &envs, &actions, &j,
+                          &PyList_Type, &env_obs, &PyList_Type, &rewards, &PyList_Type, &terms,
+                          &PyList_Type, &truncs, &PyList_Type, &events, &start, &unpack))
+        return NULL;
+    static PyObject *step_name = NULL;
+    if (step_name == NULL && (step_name = PyUnicode_InternFromString("step")) == NULL)
+        return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(envs);
+    if (PyList_GET_SIZE(env_obs) != n || PyList_GET_SIZE(rewards) != n ||
+        PyList_GET_SIZE(terms) != n || PyList_GET_SIZE(truncs) != n) {
+        PyErr_SetString(PyExc_ValueError, "step_envs: result lists of the wrong length");
+        return NULL;
+    }
+    for (; j < n; j++) {
+        PyObject *action = PyIter_Next(actions);
+        if (action == NULL) {
+            if (!PyErr_Occurred())
+                break; /* fewer actions than envs: as enumerate() stops */
+            return NULL;
+        }
+        PyObject *env = PyList_GET_ITEM(envs, j);
+        Py_INCREF(env);
+        PyObject *result = PyObject_CallMethodOneArg(env, step_name, action);
+        Py_DECREF(env);
+        Py_DECREF(action);
+        if (result != NULL && !(PyTuple_CheckExact(result) && PyTuple_GET_SIZE(result) == 5)) {
+            PyObject *unpacked = PyObject_CallOneArg(unpack, result);
+            Py_DECREF(result);
+            result = unpacked;
+        }
+        if (result == NULL) {
+            PyObject *exc = catch_exception();
+            if (exc == NULL)
+                return NULL;
+            PyObject *out = Py_BuildValue("(nN)", j, exc);
+            return out;
+        }
+        if (set_item(env_obs, j, PyTuple_GET_ITEM(result, 0)) < 0 ||
+            set_item(rewards, j, PyTuple_GET_ITEM(result, 1)) < 0 ||
+            set_item(terms, j, PyTuple_GET_ITEM(result, 2)) < 0 ||
+            set_item(truncs, j, PyTuple_GET_ITEM(result, 3)) < 0) {
+            Py_DECREF(result);
+            return NULL;
+        }
+        PyObject *info = PyTuple_GET_ITEM(result, 4);
+        int truthy = PyObject_IsTrue(info);
+        if (truthy < 0) {
+            Py_DECREF(result);
+            return NULL;
+        }
+        if (truthy) {
+            PyObject *event = Py_BuildValue("(nO)", start + j, info);
+            if (event == NULL || PyList_Append(events, event) < 0) {
+                Py_XDECREF(event);
+                Py_DECREF(result);
+                return NULL;
+            }
+            Py_DECREF(event);
+        }
+        Py_DECREF(result);
+    }
+    Py_RETURN_NONE;
+}
+
+/* One reward as numpy writes it into a float64 buffer, for the types where that is plain C
+ * conversion: float (and numpy.float64, a float subclass), int, bool, numpy.float32. */
+static int
+reward_value(PyObject *r, double *out)
+{
+    if (PyFloat_Check(r)) {
+        *out = PyFloat_AS_DOUBLE(r);
+        return 1;
+    }
+    if (PyLong_Check(r)) { /* int and bool */
+        double d = PyLong_AsDouble(r);
+        if (d == -1.0 && PyErr_Occurred()) {
+            PyErr_Clear();
+            return 0;
+        }
+        *out = d;
+        return 1;
+    }
+    if (np_float32_type != NULL && Py_IS_TYPE(r, np_float32_type)) {
+        double d = PyFloat_AsDouble(r);
+        if (d == -1.0 && PyErr_Occurred()) {
+            PyErr_Clear();
+            return 0;
+        }
+        *out = d;
+        return 1;
+    }
+    return 0;
+}
+
+/* One done flag as numpy writes it into a bool buffer, for bool and numpy.bool_. */
+static int
+flag_value(PyObject *f, char *out)
+{
+    if (f == Py_True || f == Py_False) {
+        *out = f == Py_True;
+        return 1;
+    }
+    if (np_bool_type != NULL && Py_IS_TYPE(f, np_bool_type)) {
+        int t = PyObject_IsTrue(f);
+        if (t < 0) {
+            PyErr_Clear();
+            return 0;
+        }
+        *out = (char)t;
+        return 1;
+    }
+    return 0;
+}
+
+/* write_results(rewards, terms, truncs, rewards_address, terms_address, truncs_address,
+ *               autoreset) -> bool
+ *
+ * Write the group's per-env results into its float64 rewards and bool done-flag rows, and set
+ * autoreset[j] = terminated or truncated. False, with the buffers partly written, when some
+ * value is of a type numpy's conversion is not mirrored for here: the caller then writes them
+ * all with numpy. */
+static PyObject *
+sp_write_results(PyObject *self, PyObject *args)
+{
+    PyObject *rewards, *terms, *truncs, *ra, *ta, *ua, *autoreset;
+    void *rp, *tp, *up;
+    if (!PyArg_ParseTuple(args, "O!O!O!OOOO!", &PyList_Type, &rewards, &PyList_Type, &terms,
+                          &PyList_Type, &truncs, &ra, &ta, &ua, &PyList_Type, &autoreset))
+        return NULL;
+    if (!as_address(ra, &rp) || !as_address(ta, &tp) || !as_address(ua, &up))
+        return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(rewards);
+    if (PyList_GET_SIZE(terms) != n || PyList_GET_SIZE(truncs) != n ||
+        PyList_GET_SIZE(autoreset) != n) {
+        PyErr_SetString(PyExc_ValueError, "write_results: lists of different lengths");
+        return NULL;
+    }
+    double *rbuf = (double *)rp;
+    char *tbuf = (char *)tp, *ubuf = (char *)up;
+    for (Py_ssize_t j = 0; j < n; j++) {
+        double r;
+        char t, u;
+        if (!reward_value(PyList_GET_ITEM(rewards, j), &r) ||
+            !flag_value(PyList_GET_ITEM(terms, j), &t) ||
+            !flag_value(PyList_GET_ITEM(truncs, j), &u))
+            Py_RETURN_FALSE;
+        rbuf[j] = r;
+        tbuf[j] = t;
+        ubuf[j] = u;
+    }
+    for (Py_ssize_t j = 0; j < n; j++) {
+        if (set_item(autoreset, j, (tbuf[j] || ubuf[j]) ? Py_True : Py_False) < 0)
+            return NULL;
+    }
+    Py_RETURN_TRUE;
+}
+
+/* The head of numpy's ndarray object: numpy's public PyArrayObject_fields (ndarraytypes.h),
+ * unchanged from numpy 1.7 through 2.x. Read only for instances whose type is exactly
+ * numpy.ndarray, so that nothing here needs numpy's headers at build time. */
+typedef struct {
+    PyObject_HEAD
+    char *data;
+    int nd;
+    Py_ssize_t *dimensions;
+    Py_ssize_t *strides;
+    PyObject *base;
+    PyObject *descr;
+    int flags;
+} ndarray_head;
+#define NDARRAY_C_CONTIGUOUS 0x0001 /* NPY_ARRAY_C_CONTIGUOUS */
+
+/* write_rows(env_obs, ndarray, dtype, shape, address, row_bytes) -> bool
+ *
+ * Copy each observation's bytes to row j at address + j * row_bytes, when every one is an
+ * exact ``ndarray`` instance (the type passed in), C-contiguous, of exactly ``shape`` and
+ * whose dtype is ``dtype`` (the same object, as ``obs.dtype is dtype``): then the copy is
+ * exactly numpy's, which copies same-typed elements byte for byte. False, with nothing
+ * written, when some observation is not like that; the caller then writes them with numpy. */
+static PyObject *
+sp_write_rows(PyObject *self, PyObject *args)
+{
+    PyObject *env_obs, *ndarray, *dtype, *shape, *address;
+    Py_ssize_t row_bytes;
+    void *dest;
+    if (!PyArg_ParseTuple(args, "O!O!OO!On", &PyList_Type, &env_obs, &PyType_Type, &ndarray,
+                          &dtype, &PyTuple_Type, &shape, &address, &row_bytes))
+        return NULL;
+    if (!as_address(address, &dest))
+        return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(env_obs), ndim = PyTuple_GET_SIZE(shape);
+    Py_ssize_t dims[32];
+    if (ndim > 32)
+        Py_RETURN_FALSE;
+    for (Py_ssize_t d = 0; d < ndim; d++) {
+        dims[d] = PyLong_AsSsize_t(PyTuple_GET_ITEM(shape, d));
+        if (dims[d] == -1 && PyErr_Occurred())
+            return NULL;
+    }
+    for (Py_ssize_t j = 0; j < n; j++) {
+        PyObject *obs = PyList_GET_ITEM(env_obs, j);
+        if (!Py_IS_TYPE(obs, (PyTypeObject *)ndarray))
+            Py_RETURN_FALSE;
+        ndarray_head *a = (ndarray_head *)obs;
+        if (a->descr != dtype || a->nd != ndim || !(a->flags & NDARRAY_C_CONTIGUOUS))
+            Py_RETURN_FALSE;
+        for (Py_ssize_t d = 0; d < ndim; d++) {
+            if (a->dimensions[d] != dims[d])
+                Py_RETURN_FALSE;
+        }
+    }
+    for (Py_ssize_t j = 0; j < n; j++) {
+        ndarray_head *a = (ndarray_head *)PyList_GET_ITEM(env_obs, j);
+        memcpy((char *)dest + j * row_bytes, a->data, (size_t)row_bytes);
+    }
+    Py_RETURN_TRUE;
+}
+
+static PyObject *
+sp_register_types(PyObject *self, PyObject *args)
+{
+    PyObject *b, *f;
+    if (!PyArg_ParseTuple(args, "O!O!", &PyType_Type, &b, &PyType_Type, &f))
+        return NULL;
+    Py_INCREF(b);
+    Py_INCREF(f);
+    Py_XSETREF(np_bool_type, (PyTypeObject *)b);
+    Py_XSETREF(np_float32_type, (PyTypeObject *)f);
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef methods[] = {
+    {"post", sp_post, METH_O, "post(address): sem_post the semaphore at address."},
+    {"trywait", sp_trywait, METH_O, "trywait(address) -> bool: sem_trywait."},
+    {"spin", sp_spin, METH_VARARGS, "spin(address, tight_s, spin_s) -> bool."},
+    {"step_envs", sp_step_envs, METH_VARARGS, "EnvGroup.step's plain loop."},
+    {"write_results", sp_write_results, METH_VARARGS, "EnvGroup._write_results."},
+    {"write_rows", sp_write_rows, METH_VARARGS, "EnvGroup's observation rows, memcpy'd."},
+    {"serve_steps", sp_serve_steps, METH_VARARGS, "_Worker.serve's loop for plain steps."},
+    {"register_types", sp_register_types, METH_VARARGS,
+     "register_types(numpy.bool_, numpy.float32)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_speedups", "envfleet's optional C step path.", -1, methods,
+};
+
+PyMODINIT_FUNC
+PyInit__speedups(void)
+{
+    return PyModule_Create(&module);
+}
