@@ -32,6 +32,7 @@ __all__ = [
     "SimpleEnv",
     "SparseInfoEnv",
     "TextObsEnv",
+    "ValuesEnv",
     "make_indexed",
     "make_indexed_kwonly",
     "sync_factories",
@@ -521,11 +522,17 @@ class MixedObsEnv(gym.Env):
         return self._obs(), reward, terminated, truncated, {}
 
 
+class _SubArray(np.ndarray):
+    pass
+
+
 class FormObsEnv(MixedObsEnv):
     """Box((2, 3), float32) observations, each env always in the same form:
     ``forms[env_index % len(forms)]`` among ``"float32"`` (C-contiguous), ``"float32-strided"``
-    (the right dtype, not contiguous), ``"float32-fortran"``, and ``"float64"`` and ``"int32"``
-    (cast on write; int32 has float32's item size, so only its dtype tells it apart).
+    (the right dtype, not contiguous), ``"float32-fortran"``, ``"float32-subclass"`` (an
+    ndarray subclass), ``"float32-swapped"`` (big-endian: float32 too, another dtype), and
+    ``"float64"`` and ``"int32"`` (cast on write; int32 has float32's item size, so only its
+    dtype tells it apart).
 
     A group whose observations are all C-contiguous float32 arrays writes them as joined
     bytes; any other form in the group sends it to numpy's copy.
@@ -546,8 +553,63 @@ class FormObsEnv(MixedObsEnv):
             return wide[:, ::2]  # the same values, every other column of a wider array
         if self.form == "float32-fortran":
             return np.asfortranarray(value.astype(np.float32))
+        if self.form == "float32-subclass":
+            return value.astype(np.float32).view(_SubArray)
+        if self.form == "float32-swapped":
+            return value.astype(">f4")
         return value.astype(np.float32)
 
     def step(self, action: Any):
         self._t += 1
         return self._obs(), float(action), self._t % 7 == 0, False, {}
+
+
+class ValuesEnv(gym.Env):
+    """Steps return the reward, terminated and truncated values it was given, in the form
+    ``result`` names, so the tests can check how each is written into the result buffers.
+
+    ``result``: ``"tuple"`` (the usual 5-tuple), ``"list"``, ``"namedtuple"``, ``"generator"``
+    (all five values, in other containers), ``"short"`` (4 values), ``"long"`` (6 values).
+    ``info``: what step returns as its info (``{"t": step}`` by default, every other step).
+    """
+
+    class _Result(tuple):  # a tuple subclass, as a namedtuple is
+        pass
+
+    def __init__(
+        self,
+        env_index: int = 0,
+        reward: Any = 1.0,
+        terminated: Any = False,
+        truncated: Any = False,
+        result: str = "tuple",
+        info: Any = None,
+    ):
+        self.env_index = env_index
+        self.values = (reward, terminated, truncated)
+        self.result, self.info = result, info
+        self.observation_space = spaces.Box(-1.0, 1.0, (3,), np.float32)
+        self.action_space = spaces.Discrete(2)
+        self._t = 0
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
+        super().reset(seed=seed)
+        self._t = 0
+        return self.np_random.uniform(-1.0, 1.0, 3).astype(np.float32), {}
+
+    def step(self, action: Any):
+        self._t += 1
+        obs = self.np_random.uniform(-1.0, 1.0, 3).astype(np.float32)
+        info = ({"t": self._t} if self._t % 2 else {}) if self.info is None else self.info
+        values = (obs, *self.values, info)
+        if self.result == "list":
+            return list(values)
+        if self.result == "namedtuple":
+            return self._Result(values)
+        if self.result == "generator":
+            return (v for v in values)
+        if self.result == "short":
+            return values[:4]
+        if self.result == "long":
+            return (*values, None)
+        return values

@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 import envfleet
 import envfleet.envgroup
 import envfleet.front
+import envfleet.speedups
 from tests.envs import FormObsEnv, MixedObsEnv, NestedSpaceEnv, SparseInfoEnv, sync_factories
 from tests.helpers import assert_same
 
@@ -151,6 +152,27 @@ def test_matches_sync_vector_env(make_env, case, backend, layout, mode):
         assert seen["final_obs"] == seen["ended"]
     if case == "sparse-info":
         assert seen["info_steps"] > 0
+
+
+# Without the C step path (envfleet.speedups): every case and mode on the serial backend and
+# on the processes backend's default layout (the driver steps a share), through the Python
+# twins of the C functions. The tests above run with it, where it is built.
+PYTHON_PATH_LAYOUTS = [("serial", {"num_workers": 2}), ("processes", {})]
+
+
+@pytest.mark.parametrize("mode", MODES, ids=lambda m: m.value)
+@pytest.mark.parametrize(
+    ("backend", "layout"),
+    PYTHON_PATH_LAYOUTS,
+    ids=[f"{b}-{sorted(lay.items())}" for b, lay in PYTHON_PATH_LAYOUTS],
+)
+@pytest.mark.parametrize("case", list(ENV_CASES))
+def test_python_step_path_matches_sync_vector_env(
+    make_env, monkeypatch, case, backend, layout, mode
+):
+    monkeypatch.setattr(envfleet.speedups, "speedups", None)
+    monkeypatch.setenv("ENVFLEET_NO_SPEEDUPS", "1")
+    test_matches_sync_vector_env(make_env, case, backend, layout, mode)
 
 
 # Ray: every env case in NEXT_STEP mode; every mode for the cases with nested spaces and
@@ -405,13 +427,16 @@ def test_any_layout_processes(layout):
         ("float32", "float32", "float32-fortran"),
         ("float32", "float64"),
         ("int32",),
+        ("float32", "float32-subclass"),
+        ("float32", "float32-swapped"),
     ],
 )
 @pytest.mark.parametrize("backend", ["serial", "processes"])
-def test_observation_forms_match_sync_vector_env(make_env, backend, forms):
+def test_observation_forms_match_sync_vector_env(make_env, backend, forms, step_path):
     """Groups whose observations are all C-contiguous arrays of the buffer's dtype write them
-    as joined bytes; a strided, Fortran-ordered, float64 or int32 observation in the group
-    sends it to numpy's copy (which casts). Both give SyncVectorEnv's bytes."""
+    as joined bytes (memcpy'd, with the C step path); a strided, Fortran-ordered, subclassed,
+    byte-swapped, float64 or int32 observation in the group sends it to numpy's copy (which
+    casts). Both give SyncVectorEnv's bytes."""
     factory = functools.partial(FormObsEnv, forms=forms)
     sync = SyncVectorEnv(sync_factories(factory, 6))
     fleet = make_env(factory, 6, backend=backend, num_workers=2)
@@ -421,9 +446,10 @@ def test_observation_forms_match_sync_vector_env(make_env, backend, forms):
         assert_same(fleet.step(actions), sync.step(actions))
 
 
-def test_contiguous_observations_are_written_without_numpy(make_env, monkeypatch):
-    """The joined-bytes write really runs for C-contiguous observations of the buffer's dtype
-    (CartPole's): with numpy's concatenate and stack made to fail, stepping still matches."""
+def test_contiguous_observations_are_written_without_numpy(make_env, monkeypatch, step_path):
+    """The joined-bytes write (or its C twin) really runs for C-contiguous observations of the
+    buffer's dtype (CartPole's): with numpy's concatenate and stack made to fail, stepping
+    still matches."""
     sync = SyncVectorEnv([lambda: gym.make("CartPole-v1")] * 4)
     fleet = make_env("CartPole-v1", 4, backend="serial")
     assert_same(fleet.reset(seed=0), sync.reset(seed=0))

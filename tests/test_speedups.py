@@ -1,0 +1,217 @@
+"""The optional C step path (envfleet._speedups) against its Python twins and SyncVectorEnv.
+
+Each test runs twice through the ``step_path`` fixture: with the C functions, and with them
+turned off. Both must give SyncVectorEnv's results bit for bit, and the same errors, for the
+values and forms where the C code takes over (plain floats and bools, contiguous observations
+of the buffer's dtype, 5-tuples) and for those it hands back to numpy and Python.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import subprocess
+import sys
+import textwrap
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+import pytest
+from gymnasium.vector import AutoresetMode, SyncVectorEnv
+
+import envfleet
+import envfleet.speedups
+from tests.envs import RaisingEnv, SparseInfoEnv, ValuesEnv, sync_factories
+from tests.helpers import assert_same
+
+NUM_ENVS = 3
+
+
+def test_speedups_are_built():
+    """The install builds the C extension wherever a C compiler is (CI, this machine): a
+    silent fallback to Python would leave the C path untested."""
+    if os.environ.get("ENVFLEET_NO_SPEEDUPS", "").strip() not in ("", "0"):
+        pytest.skip("ENVFLEET_NO_SPEEDUPS is set")
+    assert envfleet.speedups.speedups is not None
+
+
+def lockstep(fleet: Any, sync: SyncVectorEnv, steps: int = 6) -> None:
+    assert_same(fleet.reset(seed=5), sync.reset(seed=5), "reset")
+    for t in range(steps):
+        actions = np.array([(t + i) % 2 for i in range(sync.num_envs)])
+        assert_same(fleet.step(actions), sync.step(actions), f"step {t}")
+
+
+REWARDS = [
+    1.5,
+    -3,
+    True,
+    np.float64(0.1),
+    np.float32(0.1),
+    np.int64(7),
+    np.float16(0.5),
+    2**70,
+    np.array(1.25),
+    None,  # numpy writes NaN
+]
+FLAGS = [True, False, np.bool_(True), np.bool_(False), 1, 0.0, np.int8(2), np.array(True)]
+
+
+@pytest.mark.parametrize("reward", REWARDS, ids=repr)
+def test_rewards_convert_as_numpy_does(make_env, step_path, reward):
+    factory = functools.partial(ValuesEnv, reward=reward)
+    fleet = make_env(factory, NUM_ENVS, backend="serial")
+    lockstep(fleet, SyncVectorEnv(sync_factories(factory, NUM_ENVS)))
+
+
+@pytest.mark.parametrize("flag", FLAGS, ids=repr)
+@pytest.mark.parametrize("which", ["terminated", "truncated"])
+def test_done_flags_convert_as_numpy_does(make_env, step_path, flag, which):
+    factory = functools.partial(ValuesEnv, **{which: flag})
+    fleet = make_env(factory, NUM_ENVS, backend="serial")
+    lockstep(fleet, SyncVectorEnv(sync_factories(factory, NUM_ENVS)))
+
+
+@pytest.mark.parametrize("reward", ["abc", object()], ids=["str", "object"])
+def test_a_reward_numpy_refuses_is_an_env_error(make_env, step_path, reward):
+    factory = functools.partial(ValuesEnv, reward=reward)
+    sync = SyncVectorEnv(sync_factories(factory, NUM_ENVS))
+    fleet = make_env(factory, NUM_ENVS, backend="serial")
+    sync.reset(seed=0)
+    fleet.reset(seed=0)
+    actions = np.zeros(NUM_ENVS, dtype=np.int64)
+    with pytest.raises((TypeError, ValueError)) as want:
+        sync.step(actions)
+    with pytest.raises(envfleet.EnvError) as got:
+        fleet.step(actions)
+    assert got.value.env_index == 0
+    assert "step (result)" in str(got.value)
+    assert type(got.value.__cause__) is type(want.value)
+
+
+@pytest.mark.parametrize("result", ["list", "namedtuple", "generator"])
+def test_step_results_in_other_containers_unpack(make_env, step_path, result):
+    factory = functools.partial(ValuesEnv, result=result)
+    fleet = make_env(factory, NUM_ENVS, backend="serial")
+    lockstep(fleet, SyncVectorEnv(sync_factories(factory, NUM_ENVS)))
+
+
+@pytest.mark.parametrize("result", ["short", "long"])
+def test_step_results_of_the_wrong_length_fail_as_in_python(make_env, step_path, result):
+    """Python's unpacking error, with its message, as the env's error; the other envs still
+    stepped (their rows hold this step's data)."""
+    factory = functools.partial(ValuesEnv, result=result)
+    sync = SyncVectorEnv(sync_factories(factory, NUM_ENVS))
+    fleet = make_env(factory, NUM_ENVS, backend="serial")
+    sync.reset(seed=0)
+    fleet.reset(seed=0)
+    actions = np.zeros(NUM_ENVS, dtype=np.int64)
+    with pytest.raises(ValueError) as want:
+        sync.step(actions)
+    with pytest.raises(envfleet.EnvError) as got:
+        fleet.step(actions)
+    assert got.value.env_index == 0
+    assert type(got.value.__cause__) is ValueError
+    assert str(got.value.__cause__) == str(want.value)
+
+
+class _Interrupting(ValuesEnv):
+    def step(self, action: Any):
+        if self.env_index == 1:
+            raise KeyboardInterrupt
+        return super().step(action)
+
+
+class _BadInfo(dict):
+    def __bool__(self) -> bool:
+        raise RuntimeError("no truth value")
+
+
+def test_keyboard_interrupt_in_an_env_propagates(make_env, step_path):
+    """Only Exceptions become env errors; KeyboardInterrupt leaves the step, as it leaves
+    SyncVectorEnv's."""
+    fleet = make_env(_Interrupting, NUM_ENVS, backend="serial")
+    fleet.reset(seed=0)
+    with pytest.raises(KeyboardInterrupt):
+        fleet.step(np.zeros(NUM_ENVS, dtype=np.int64))
+
+
+def test_an_info_without_truth_value_raises_in_both_paths(make_env, step_path):
+    """EnvGroup asks each info's truth value (to pass on only non-empty ones); an info that
+    has none raises that error, not an env error, in the C loop as in the Python one."""
+    factory = functools.partial(ValuesEnv, info=_BadInfo(x=1))
+    fleet = make_env(factory, NUM_ENVS, backend="serial")
+    fleet.reset(seed=0)
+    with pytest.raises(RuntimeError, match="no truth value"):
+        fleet.step(np.zeros(NUM_ENVS, dtype=np.int64))
+
+
+# -- the processes worker's loop -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("spin_s", [None, 0.0], ids=["spinning", "blocking"])
+def test_worker_loop_matches_sync_vector_env(make_env, step_path, spin_s):
+    """Workers that catch their requests spinning step in the C loop; with spin_s=0 every
+    request is taken by a blocking wait and dispatched in Python. Infos (every other step
+    here), autoresets and resets between steps reply through Python in both cases."""
+    env = SparseInfoEnv
+    sync = SyncVectorEnv(sync_factories(env, 4), autoreset_mode=AutoresetMode.NEXT_STEP)
+    fleet = make_env(env, 4, backend="processes", num_workers=2, driver_envs=0, spin_s=spin_s)
+    assert_same(fleet.reset(seed=1), sync.reset(seed=1))
+    space = gym.vector.utils.batch_space(sync.single_action_space, 4)
+    space.seed(2)
+    for t in range(120):
+        actions = space.sample()
+        assert_same(fleet.step(actions), sync.step(actions), f"step {t}")
+        if t % 40 == 39:
+            mask = np.array([True, False, False, True])
+            assert_same(
+                fleet.reset(seed=t, options={"reset_mask": mask}),
+                sync.reset(seed=t, options={"reset_mask": mask}),
+            )
+            assert fleet.get_attr("env_index") == (0, 1, 2, 3)
+    # Every step was timed, whichever loop ran it.
+    assert [w.count for w in fleet.stats.workers] == [120, 120]
+
+
+def test_worker_loop_reports_env_errors_and_goes_on(make_env, step_path):
+    factory = functools.partial(RaisingEnv, fail_index=2, fail_after=3)
+    fleet = make_env(factory, 4, backend="processes", num_workers=2, driver_envs=0)
+    fleet.reset(seed=0)
+    actions = np.zeros(4, dtype=np.int64)
+    for _ in range(3):
+        fleet.step(actions)
+    with pytest.raises(envfleet.EnvError) as info:
+        fleet.step(actions)
+    assert info.value.env_index == 2
+    assert "boom in step 4 of env 2" in str(info.value.__cause__)
+    # The vector env stays usable: reset the failed env, and step on.
+    fleet.reset(seed=1)
+    _, rewards, *_ = fleet.step(np.ones(4, dtype=np.int64))
+    np.testing.assert_array_equal(rewards, [2.0, 2.0, 2.0, 2.0])
+
+
+def test_without_speedups_in_spawned_workers():
+    """ENVFLEET_NO_SPEEDUPS=1 turns the C path off in the driver and in spawned workers, and
+    envfleet still runs (as it does where the extension could not be built)."""
+    script = textwrap.dedent(
+        """
+        import numpy as np, envfleet, envfleet.speedups
+        assert envfleet.speedups.speedups is None
+        envs = envfleet.make("CartPole-v1", 4, context="spawn", num_workers=2, driver_envs=0)
+        envs.reset(seed=0)
+        for _ in range(20):
+            envs.step(np.zeros(4, dtype=np.int64))
+        flags = envs.apply(lambda env: __import__("envfleet.speedups").speedups.speedups)
+        assert flags == (None,) * 4, flags
+        envs.close()
+        print("ok")
+        """
+    )
+    env = {**os.environ, "ENVFLEET_NO_SPEEDUPS": "1"}
+    out = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ok"
