@@ -569,7 +569,8 @@ class ValuesEnv(gym.Env):
     ``result`` names, so the tests can check how each is written into the result buffers.
 
     ``result``: ``"tuple"`` (the usual 5-tuple), ``"list"``, ``"namedtuple"``, ``"generator"``
-    (all five values, in other containers), ``"short"`` (4 values), ``"long"`` (6 values).
+    (all five values, and reset's two, in other containers), ``"short"`` (4 values),
+    ``"long"`` (6 values). Odd envs return an info from reset.
     ``info``: what step returns as its info (``{"t": step}`` by default, every other step).
     """
 
@@ -595,19 +596,26 @@ class ValuesEnv(gym.Env):
     def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
         super().reset(seed=seed)
         self._t = 0
-        return self.np_random.uniform(-1.0, 1.0, 3).astype(np.float32), {}
+        obs = self.np_random.uniform(-1.0, 1.0, 3).astype(np.float32)
+        info = {"reset": True} if self.env_index % 2 else {}
+        if self.result in ("list", "namedtuple", "generator"):  # the reset result too
+            return self._container([obs, info])
+        return obs, info
+
+    def _container(self, values: list[Any]) -> Any:
+        if self.result == "list":
+            return values
+        if self.result == "namedtuple":
+            return self._Result(values)
+        return (v for v in values)
 
     def step(self, action: Any):
         self._t += 1
         obs = self.np_random.uniform(-1.0, 1.0, 3).astype(np.float32)
         info = ({"t": self._t} if self._t % 2 else {}) if self.info is None else self.info
         values = (obs, *self.values, info)
-        if self.result == "list":
-            return list(values)
-        if self.result == "namedtuple":
-            return self._Result(values)
-        if self.result == "generator":
-            return (v for v in values)
+        if self.result in ("list", "namedtuple", "generator"):
+            return self._container(list(values))
         if self.result == "short":
             return values[:4]
         if self.result == "long":

@@ -91,8 +91,11 @@ def test_a_reward_numpy_refuses_is_an_env_error(make_env, step_path, reward):
 
 
 @pytest.mark.parametrize("result", ["list", "namedtuple", "generator"])
-def test_step_results_in_other_containers_unpack(make_env, step_path, result):
-    factory = functools.partial(ValuesEnv, result=result)
+@pytest.mark.parametrize("terminated", [False, True], ids=["stepping", "autoresetting"])
+def test_step_results_in_other_containers_unpack(make_env, step_path, result, terminated):
+    """Step and reset results in other containers unpack as in Python; with every episode
+    ending, every other step is NEXT_STEP's autoreset (the reset result, reward 0)."""
+    factory = functools.partial(ValuesEnv, result=result, terminated=terminated)
     fleet = make_env(factory, NUM_ENVS, backend="serial")
     lockstep(fleet, SyncVectorEnv(sync_factories(factory, NUM_ENVS)))
 

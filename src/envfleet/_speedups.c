@@ -6,9 +6,13 @@
  * the caller gets; it only removes interpreter overhead around the env calls:
  *
  *   post, trywait, spin    process-shared POSIX semaphores at raw addresses (doorbell.py)
- *   step_envs              EnvGroup.step's plain loop: env.step(action) per env, unpacked into
- *                          the group's result lists, non-empty infos queued (envgroup.py)
+ *   step_envs              EnvGroup.step's loop: env.step(action) per env, or env.reset() for
+ *                          NEXT_STEP's autoreset, unpacked into the group's result lists,
+ *                          non-empty infos queued (envgroup.py)
  *   write_results          those lists into the float64/bool buffers, and the autoreset flags
+ *   write_rows             the observations into the group's rows of the observation buffer
+ *   timed_call             a call timed into a StepTimer's row (supervisor.py)
+ *   serve_steps            the processes worker's loop of plain steps (processes.py)
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -132,6 +136,43 @@ sp_spin(PyObject *self, PyObject *args)
     Py_RETURN_FALSE;
 }
 
+/* -- step timers --------------------------------------------------------------------------- */
+
+/* StepTimer.record: count, total seconds, and the quarter-octave histogram bucket (bucket 0
+ * holds everything up to 1 µs) of a float64 stats row. */
+static void
+record_time(double *words, double seconds, int per_octave, int num_buckets)
+{
+    words[0] += 1.0;
+    words[1] += seconds;
+    double us = seconds * 1e6;
+    int b = 0;
+    if (us > 1.0) {
+        double f = per_octave * log2(us);
+        b = f >= num_buckets - 1 ? num_buckets - 1 : (int)f;
+    }
+    words[2 + b] += 1.0;
+}
+
+/* timed_call(words, per_octave, num_buckets, fn) -> fn(): StepTimer.call; the time of a
+ * call that returns is recorded in the stats row at address ``words``. */
+static PyObject *
+sp_timed_call(PyObject *self, PyObject *args)
+{
+    PyObject *wa, *fn;
+    int per_octave, num_buckets;
+    void *words;
+    if (!PyArg_ParseTuple(args, "OiiO", &wa, &per_octave, &num_buckets, &fn))
+        return NULL;
+    if (!as_address(wa, &words))
+        return NULL;
+    double t0 = monotonic_s();
+    PyObject *result = PyObject_CallNoArgs(fn);
+    if (result != NULL)
+        record_time((double *)words, monotonic_s() - t0, per_octave, num_buckets);
+    return result;
+}
+
 /* -- the processes worker's loop ----------------------------------------------------------- */
 
 static double
@@ -214,16 +255,7 @@ sp_serve_steps(PyObject *self, PyObject *args)
         PyObject *result = PyObject_CallNoArgs(step);
         if (result == NULL)
             break;
-        double seconds = monotonic_s() - t0;
-        words[0] += 1.0;
-        words[1] += seconds;
-        double us = seconds * 1e6;
-        int b = 0;
-        if (us > 1.0) {
-            double f = per_octave * log2(us);
-            b = f >= num_buckets - 1 ? num_buckets - 1 : (int)f;
-        }
-        words[2 + b] += 1.0;
+        record_time(words, monotonic_s() - t0, per_octave, num_buckets);
         int events = result == Py_None ? 0 : PyObject_IsTrue(result);
         if (events < 0) {
             Py_DECREF(result);
@@ -284,32 +316,50 @@ set_item(PyObject *list, Py_ssize_t j, PyObject *item)
     return PyList_SetItem(list, j, item); /* steals the new reference, drops the old item */
 }
 
-/* step_envs(envs, actions, j, env_obs, rewards, terms, truncs, events, start, unpack)
- *     -> None | (j, exc)
+/* The ``count``-tuple an env call returned, or ``unpack(result, count)``'s for anything else
+ * (which unpacks it, or raises, exactly as Python's tuple unpacking does). */
+static PyObject *
+as_tuple(PyObject *result, Py_ssize_t count, PyObject *unpack)
+{
+    if (result == NULL || (PyTuple_CheckExact(result) && PyTuple_GET_SIZE(result) == count))
+        return result;
+    PyObject *unpacked = PyObject_CallFunction(unpack, "On", result, count);
+    Py_DECREF(result);
+    return unpacked;
+}
+
+/* step_envs(envs, actions, j, env_obs, rewards, terms, truncs, events, start, unpack,
+ *           autoreset) -> None | (j, exc)
  *
- * For each env from index j on: action = next(actions); (obs, reward, terminated, truncated,
- * info) = envs[j].step(action), stored at [j] of the four result lists; (start + j, info)
- * appended to events when info is truthy. This is EnvGroup.step's loop when no env resets
- * this step and the mode is not SAME_STEP; ``unpack`` is called on a step result that is not
- * a 5-tuple, so that odd results unpack (or fail) exactly as in Python. Returns None when
- * every env stepped; (j, exc) when env j raised the Exception exc (the caller records it and
- * calls again from j + 1). */
+ * EnvGroup.step's loop, in modes other than SAME_STEP. For each env from index j on:
+ * action = next(actions); when ``autoreset`` (a list, or None) flags the env, (obs, info) =
+ * envs[j].reset() and reward 0.0, not terminated, not truncated (NEXT_STEP's autoreset),
+ * else (obs, reward, terminated, truncated, info) = envs[j].step(action); stored at [j] of the
+ * four result lists; (start + j, info) appended to events when info is truthy. Returns None
+ * when every env stepped; (j, exc) when env j raised the Exception exc (the caller records it
+ * and calls again from j + 1). */
 static PyObject *
 sp_step_envs(PyObject *self, PyObject *args)
 {
-    PyObject *envs, *actions, *env_obs, *rewards, *terms, *truncs, *events, *unpack;
+    PyObject *envs, *actions, *env_obs, *rewards, *terms, *truncs, *events, *unpack, *autoreset;
     Py_ssize_t j, start;
-    if (!PyArg_ParseTuple(args, "O!OnO!O!O!O!O!nO", &PyList_Type, &envs, &actions, &j,
+    if (!PyArg_ParseTuple(args, "O!OnO!O!O!O!O!nOO", &PyList_Type, &envs, &actions, &j,
                           &PyList_Type, &env_obs, &PyList_Type, &rewards, &PyList_Type, &terms,
-                          &PyList_Type, &truncs, &PyList_Type, &events, &start, &unpack))
+                          &PyList_Type, &truncs, &PyList_Type, &events, &start, &unpack,
+                          &autoreset))
         return NULL;
-    static PyObject *step_name = NULL;
+    static PyObject *step_name = NULL, *reset_name = NULL, *zero = NULL;
     if (step_name == NULL && (step_name = PyUnicode_InternFromString("step")) == NULL)
+        return NULL;
+    if (reset_name == NULL && (reset_name = PyUnicode_InternFromString("reset")) == NULL)
+        return NULL;
+    if (zero == NULL && (zero = PyFloat_FromDouble(0.0)) == NULL)
         return NULL;
     Py_ssize_t n = PyList_GET_SIZE(envs);
     if (PyList_GET_SIZE(env_obs) != n || PyList_GET_SIZE(rewards) != n ||
-        PyList_GET_SIZE(terms) != n || PyList_GET_SIZE(truncs) != n) {
-        PyErr_SetString(PyExc_ValueError, "step_envs: result lists of the wrong length");
+        PyList_GET_SIZE(terms) != n || PyList_GET_SIZE(truncs) != n ||
+        (autoreset != Py_None && (!PyList_Check(autoreset) || PyList_GET_SIZE(autoreset) != n))) {
+        PyErr_SetString(PyExc_ValueError, "step_envs: lists of the wrong length");
         return NULL;
     }
     for (; j < n; j++) {
@@ -319,31 +369,41 @@ sp_step_envs(PyObject *self, PyObject *args)
                 break; /* fewer actions than envs: as enumerate() stops */
             return NULL;
         }
+        int resets = 0;
+        if (autoreset != Py_None && (resets = PyObject_IsTrue(PyList_GET_ITEM(autoreset, j))) < 0) {
+            Py_DECREF(action);
+            return NULL;
+        }
         PyObject *env = PyList_GET_ITEM(envs, j);
         Py_INCREF(env);
-        PyObject *result = PyObject_CallMethodOneArg(env, step_name, action);
+        PyObject *result;
+        if (resets)
+            result = as_tuple(PyObject_CallMethodNoArgs(env, reset_name), 2, unpack);
+        else
+            result = as_tuple(PyObject_CallMethodOneArg(env, step_name, action), 5, unpack);
         Py_DECREF(env);
         Py_DECREF(action);
-        if (result != NULL && !(PyTuple_CheckExact(result) && PyTuple_GET_SIZE(result) == 5)) {
-            PyObject *unpacked = PyObject_CallOneArg(unpack, result);
-            Py_DECREF(result);
-            result = unpacked;
-        }
         if (result == NULL) {
             PyObject *exc = catch_exception();
             if (exc == NULL)
                 return NULL;
-            PyObject *out = Py_BuildValue("(nN)", j, exc);
-            return out;
+            return Py_BuildValue("(nN)", j, exc);
         }
-        if (set_item(env_obs, j, PyTuple_GET_ITEM(result, 0)) < 0 ||
-            set_item(rewards, j, PyTuple_GET_ITEM(result, 1)) < 0 ||
-            set_item(terms, j, PyTuple_GET_ITEM(result, 2)) < 0 ||
-            set_item(truncs, j, PyTuple_GET_ITEM(result, 3)) < 0) {
+        int stored;
+        if (resets)
+            stored = set_item(env_obs, j, PyTuple_GET_ITEM(result, 0)) == 0 &&
+                     set_item(rewards, j, zero) == 0 && set_item(terms, j, Py_False) == 0 &&
+                     set_item(truncs, j, Py_False) == 0;
+        else
+            stored = set_item(env_obs, j, PyTuple_GET_ITEM(result, 0)) == 0 &&
+                     set_item(rewards, j, PyTuple_GET_ITEM(result, 1)) == 0 &&
+                     set_item(terms, j, PyTuple_GET_ITEM(result, 2)) == 0 &&
+                     set_item(truncs, j, PyTuple_GET_ITEM(result, 3)) == 0;
+        if (!stored) {
             Py_DECREF(result);
             return NULL;
         }
-        PyObject *info = PyTuple_GET_ITEM(result, 4);
+        PyObject *info = PyTuple_GET_ITEM(result, resets ? 1 : 4);
         int truthy = PyObject_IsTrue(info);
         if (truthy < 0) {
             Py_DECREF(result);
@@ -538,6 +598,7 @@ static PyMethodDef methods[] = {
     {"write_results", sp_write_results, METH_VARARGS, "EnvGroup._write_results."},
     {"write_rows", sp_write_rows, METH_VARARGS, "EnvGroup's observation rows, memcpy'd."},
     {"serve_steps", sp_serve_steps, METH_VARARGS, "_Worker.serve's loop for plain steps."},
+    {"timed_call", sp_timed_call, METH_VARARGS, "StepTimer.call."},
     {"register_types", sp_register_types, METH_VARARGS,
      "register_types(numpy.bool_, numpy.float32)."},
     {NULL, NULL, 0, NULL},

@@ -76,10 +76,14 @@ def spaces_mismatch(
     return None
 
 
-def _unpack_step(result: Any) -> tuple[Any, Any, Any, Any, Any]:
-    """A step result that is not a 5-tuple, unpacked (or refused) as Python unpacks it."""
-    obs, reward, terminated, truncated, info = result
-    return obs, reward, terminated, truncated, info
+def _unpack(result: Any, count: int) -> tuple[Any, ...]:
+    """A step (``count`` 5) or reset (2) result that is not such a tuple, unpacked (or
+    refused) as Python unpacks it; for the C step loop."""
+    if count == 5:
+        obs, reward, terminated, truncated, info = result
+        return obs, reward, terminated, truncated, info
+    obs, info = result
+    return obs, info
 
 
 def _failure(env_index: int, method: str, exc: Exception) -> EnvFailure:
@@ -244,12 +248,12 @@ class EnvGroup:
         events: list[InfoEvent] = []
         failures: list[EnvFailure] | None = None
         fast = self.fast
-        if fast is not None and not resets and not same_step:
-            # The loop below, for a step where no env resets, in C (_speedups.step_envs).
-            j, start = 0, self.start
+        if fast is not None and not same_step:
+            # The loop below, in C (_speedups.step_envs).
+            j, start, flags = 0, self.start, autoreset if resets else None
             while True:
                 failed = fast.step_envs(
-                    envs, actions, j, env_obs, rewards, terms, truncs, events, start, _unpack_step
+                    envs, actions, j, env_obs, rewards, terms, truncs, events, start, _unpack, flags
                 )
                 if failed is None:
                     break

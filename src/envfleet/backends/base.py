@@ -7,7 +7,6 @@ import contextlib
 import functools
 import inspect
 import pickle
-import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar, cast
@@ -118,10 +117,7 @@ def run_command(group: EnvGroup, command: Command, payload: Any, timer: StepTime
         EnvFailure: an env raised (:class:`PartialFailure` for some envs of a step or reset).
     """
     if command is Command.STEP:
-        t0 = time.perf_counter()
-        result = group.step()
-        timer.record(time.perf_counter() - t0)
-        return result
+        return timer.call(group.step)
     return group.run(command, payload)
 
 

@@ -202,16 +202,17 @@ class Doorbell:
             spun_s: the caller already spun this long on ``sem`` (the C worker loop did):
                 block at once, and count those seconds in the wait's length.
         """
+        if spun_s is None and type(sem) is SharedSem and sem.spin is not None:
+            # The spin below, in C; it ran out only after budget_s seconds.
+            if sem.spin(TIGHT_SPIN_S, budget.budget_s):
+                if budget.budget_s < budget.max_s:
+                    budget.caught()
+                return True
+            spun_s = budget.budget_s
         acquire = sem.acquire
         clock = time.perf_counter
-        spin = sem.spin if type(sem) is SharedSem else None
         if spun_s is not None:
             start = clock() - spun_s
-        elif spin is not None:
-            start = clock()
-            if spin(TIGHT_SPIN_S, budget.budget_s):  # the loop below, in C
-                budget.caught()
-                return True
         else:
             if acquire(False):
                 budget.caught()

@@ -53,6 +53,7 @@ from envfleet.backends.base import (
     failure_error,
     mismatch_error,
     remote_env_error,
+    run_command,
 )
 from envfleet.backends.doorbell import (
     SEM_SLOT,
@@ -348,12 +349,9 @@ class ProcessesBackend(RemoteWorkersBackend):
         if self._local is not None and 0 in payloads:
             # The driver's own block, stepped while the workers step theirs.
             try:
-                if command is _STEP:
-                    t0 = time.perf_counter()
-                    self._local_result = self._local.step()
-                    self._local_timer.record(time.perf_counter() - t0)
-                else:
-                    self._local_result = self._local.run(command, payloads[0])
+                self._local_result = run_command(
+                    self._local, command, payloads[0], self._local_timer
+                )
             except EnvFailure as failure:
                 self._local_failure = failure
 
@@ -707,7 +705,6 @@ class _Worker:
     def serve(self, group: EnvGroup) -> None:
         control, request = self.control, self.doorbell.request
         timer = StepTimer(_stats_rows(self.spec.stats)[self.g])
-        perf_counter = time.perf_counter
         serve_steps = self._serve_steps(group, timer)
         while True:
             spun_s: float | None = None
@@ -733,12 +730,7 @@ class _Worker:
                 return
             payload = pickle.loads(self.conn.recv_bytes()) if control[_CMD_PAYLOAD] else None
             try:
-                if command is _STEP:
-                    t0 = perf_counter()
-                    result = group.step()
-                    timer.record(perf_counter() - t0)
-                else:
-                    result = group.run(command, payload)
+                result = run_command(group, command, payload, timer)
             except Exception as exc:
                 self.reply_failure(exc, group, command)
                 continue
