@@ -13,6 +13,7 @@
  *   write_rows             the observations into the group's rows of the observation buffer
  *   timed_call             a call timed into a StepTimer's row (supervisor.py)
  *   serve_steps            the processes worker's loop of plain steps (processes.py)
+ *   step_round             the processes driver's ring, own block and spin of a step (same)
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -287,6 +288,133 @@ sp_serve_steps(PyObject *self, PyObject *args)
     }
     PyErr_Restore(type, value, tb);
     return out;
+}
+
+/* -- the processes driver's step round -------------------------------------------------------- */
+
+/* A SpinBudget's ``caught``: budget_s grows by max_s / 16, up to max_s. */
+static int
+budget_caught(PyObject *budget)
+{
+    int ok = 1;
+    double budget_s = get_double(budget, "budget_s", &ok);
+    double max_s = get_double(budget, "max_s", &ok);
+    if (!ok)
+        return -1;
+    if (budget_s >= max_s)
+        return 0;
+    budget_s = budget_s + max_s / 16 < max_s ? budget_s + max_s / 16 : max_s;
+    PyObject *b = PyFloat_FromDouble(budget_s);
+    if (b == NULL)
+        return -1;
+    int rc = PyObject_SetAttrString(budget, "budget_s", b);
+    Py_DECREF(b);
+    return rc;
+}
+
+/* step_round(requests, dones, controls, budgets, local, env_failure, tight_s, step_code,
+ *            ok_code) -> (local_result, local_failure, taken, unread, spun_s)
+ *
+ * ProcessesBackend's _submit + _collect of a plain step, up to reading the replies. For each
+ * worker w (the tuples hold the addresses of its request and done semaphores and of its int64
+ * control words): command word = step_code, payload word = 0, post its request. Then call
+ * ``local()`` (the driver's own block, timed; None when it has none): its result, or the
+ * ``env_failure`` instance it raised (any other exception propagates at once, as from _submit).
+ * Then take each worker's done semaphore in order, spinning within its SpinBudget (adapted as
+ * SpinBudget.caught does): ``taken`` workers were, and ``unread`` lists the indexes (into the
+ * tuples) of those whose reply is not "OK, no payload" (the caller reads those). When a spin
+ * runs out the round stops there: the caller waits for workers ``taken`` on, blocking at once
+ * for the first (it already spun ``spun_s`` seconds). */
+static PyObject *
+sp_step_round(PyObject *self, PyObject *args)
+{
+    PyObject *requests, *dones, *controls, *budgets, *local, *env_failure;
+    double tight_s;
+    long long step_code, ok_code;
+    if (!PyArg_ParseTuple(args, "O!O!O!O!OOdLL", &PyTuple_Type, &requests, &PyTuple_Type, &dones,
+                          &PyTuple_Type, &controls, &PyList_Type, &budgets, &local, &env_failure,
+                          &tight_s, &step_code, &ok_code))
+        return NULL;
+    Py_ssize_t n = PyTuple_GET_SIZE(requests);
+    if (PyTuple_GET_SIZE(dones) != n || PyTuple_GET_SIZE(controls) != n ||
+        PyList_GET_SIZE(budgets) != n) {
+        PyErr_SetString(PyExc_ValueError, "step_round: one entry per worker in each");
+        return NULL;
+    }
+    for (Py_ssize_t w = 0; w < n; w++) {
+        void *request, *control;
+        if (!as_address(PyTuple_GET_ITEM(requests, w), &request) ||
+            !as_address(PyTuple_GET_ITEM(controls, w), &control))
+            return NULL;
+        ((volatile int64_t *)control)[0] = step_code;
+        ((volatile int64_t *)control)[1] = 0;
+        if (sem_post((sem_t *)request) != 0)
+            return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    PyObject *local_result = Py_None, *local_failure = Py_None;
+    Py_INCREF(local_result);
+    Py_INCREF(local_failure);
+    if (local != Py_None) {
+        PyObject *result = PyObject_CallNoArgs(local);
+        if (result == NULL) {
+            if (!PyErr_ExceptionMatches(env_failure))
+                goto fail;
+            PyObject *type, *value, *tb;
+            PyErr_Fetch(&type, &value, &tb);
+            PyErr_NormalizeException(&type, &value, &tb);
+            if (tb != NULL)
+                PyException_SetTraceback(value, tb);
+            Py_XDECREF(type);
+            Py_XDECREF(tb);
+            Py_SETREF(local_failure, value);
+        } else {
+            Py_SETREF(local_result, result);
+        }
+    }
+    PyObject *unread = PyList_New(0);
+    if (unread == NULL)
+        goto fail;
+    Py_ssize_t taken = 0;
+    double spun_s = 0.0;
+    for (; taken < n; taken++) {
+        void *done, *control;
+        if (!as_address(PyTuple_GET_ITEM(dones, taken), &done) ||
+            !as_address(PyTuple_GET_ITEM(controls, taken), &control))
+            goto fail_unread;
+        PyObject *budget = PyList_GET_ITEM(budgets, taken);
+        int ok = 1;
+        double budget_s = get_double(budget, "budget_s", &ok);
+        if (!ok)
+            goto fail_unread;
+        int got = sem_trywait((sem_t *)done) == 0;
+        if (!got) {
+            Py_BEGIN_ALLOW_THREADS
+            got = spin_take((sem_t *)done, tight_s, budget_s);
+            Py_END_ALLOW_THREADS
+        }
+        if (!got) {
+            spun_s = budget_s;
+            break;
+        }
+        if (budget_caught(budget) < 0)
+            goto fail_unread;
+        volatile int64_t *words = (volatile int64_t *)control;
+        if (words[2] != ok_code || words[3] != 0) {
+            PyObject *index = PyLong_FromSsize_t(taken);
+            if (index == NULL || PyList_Append(unread, index) < 0) {
+                Py_XDECREF(index);
+                goto fail_unread;
+            }
+            Py_DECREF(index);
+        }
+    }
+    return Py_BuildValue("(NNnNd)", local_result, local_failure, taken, unread, spun_s);
+fail_unread:
+    Py_DECREF(unread);
+fail:
+    Py_DECREF(local_result);
+    Py_DECREF(local_failure);
+    return NULL;
 }
 
 /* -- EnvGroup.step -------------------------------------------------------------------------- */
@@ -599,6 +727,7 @@ static PyMethodDef methods[] = {
     {"write_rows", sp_write_rows, METH_VARARGS, "EnvGroup's observation rows, memcpy'd."},
     {"serve_steps", sp_serve_steps, METH_VARARGS, "_Worker.serve's loop for plain steps."},
     {"timed_call", sp_timed_call, METH_VARARGS, "StepTimer.call."},
+    {"step_round", sp_step_round, METH_VARARGS, "ProcessesBackend's step round."},
     {"register_types", sp_register_types, METH_VARARGS,
      "register_types(numpy.bool_, numpy.float32)."},
     {NULL, NULL, 0, NULL},

@@ -46,6 +46,7 @@ import gymnasium
 import numpy as np
 from gymnasium.vector import AutoresetMode
 
+from envfleet import speedups as _speedups
 from envfleet.backends.base import (
     RemoteWorkersBackend,
     WorkerLayout,
@@ -215,6 +216,7 @@ class ProcessesBackend(RemoteWorkersBackend):
         self._any_budget = SpinBudget(driver_spin_s)
         self._remote = list(range(1 if driver_group else 0, groups))
         self._pending: list[int] = []
+        self._step_round: Callable[[], tuple[Any, Any, int, list[int], float]] | None = None
         self._closed = False
         # A forked worker flushes the stdio buffers it inherits when it exits: flush them
         # here so nothing the driver printed is printed again.
@@ -244,6 +246,7 @@ class ProcessesBackend(RemoteWorkersBackend):
                 first_env = None
             self._pending = list(self._remote)
             self._check_ready(self._collect_remote(None, step=0, fail_fast=True))
+            self._step_round = self._bind_step_round()
         except EnvFailure as failure:
             self.close(timeout=None, terminate=True)
             raise failure_error(failure) from failure.__cause__
@@ -313,8 +316,69 @@ class ProcessesBackend(RemoteWorkersBackend):
     def _round(
         self, command: Command, payloads: Mapping[int, Any], timeout: float | None, step: int
     ) -> dict[int, Any]:
+        if (
+            command is _STEP
+            and self._step_round is not None
+            and not self._pending
+            and len(payloads) == len(self.ranges)
+        ):
+            return self._fast_step_round(timeout, step)
         self._submit(command, payloads, step)
         return self._collect(timeout, step)
+
+    def _fast_step_round(self, timeout: float | None, step: int) -> dict[int, Any]:
+        """A step's _submit and _collect, with the ringing, the driver's own block and the
+        spin on each worker's reply in C (_speedups.step_round); what that leaves (a reply to
+        read, a worker still running, a failure) goes the Python way, in _collect."""
+        self._command = _STEP
+        self._pending = remote = self._remote
+        local_result, local_failure, taken, unread, spun_s = self._step_round()  # type: ignore[misc]
+        if taken == len(remote) and not unread and local_failure is None:
+            self._pending = []
+            results = dict.fromkeys(remote)  # every worker replied OK, with nothing to read
+            if self._local is not None and local_result is not None:
+                results[0] = local_result
+            return results
+        done = _Round()
+        fail_fast = not self.ledger.restarts_on(_STEP)
+        for i in range(taken):
+            if i in unread:
+                self._read_reply(remote[i], done, step, fail_fast)
+            else:
+                done.results[remote[i]] = None
+        self._pending = remote[taken:]
+        self._local_result, self._local_failure = local_result, local_failure
+        return self._collect(timeout, step, done, spun_s if self._pending else None)
+
+    def _bind_step_round(self) -> Callable[[], tuple[Any, Any, int, list[int], float]] | None:
+        """_speedups.step_round bound to this backend's workers, or ``None`` where it does not
+        apply (no C step path, not the shared POSIX semaphores, a first-ready pool)."""
+        fast = _speedups.speedups
+        doorbells = [self._doorbells[g] for g in self._remote]
+        if (
+            fast is None
+            or self._any_done is not None
+            or not all(
+                type(d.request) is SharedSem and type(d.done) is SharedSem
+                for d in cast(list[Doorbell], doorbells)
+            )
+        ):
+            return None
+        local = None
+        if self._local is not None:
+            local = functools.partial(self._local_timer.call, self._local.step)
+        return functools.partial(
+            fast.step_round,
+            tuple(cast(Doorbell, d).request.address for d in doorbells),
+            tuple(cast(Doorbell, d).done.address for d in doorbells),
+            tuple(int(self._control[g].ctypes.data) for g in self._remote),
+            [self._budgets[g] for g in self._remote],
+            local,
+            EnvFailure,
+            TIGHT_SPIN_S,
+            int(Command.STEP),
+            int(Status.OK),
+        )
 
     def step_times(self) -> tuple[StepTimeStats, ...]:
         return step_time_table(self._stats)
@@ -355,11 +419,17 @@ class ProcessesBackend(RemoteWorkersBackend):
             except EnvFailure as failure:
                 self._local_failure = failure
 
-    def _collect(self, timeout: float | None, step: int) -> dict[int, Any]:
+    def _collect(
+        self,
+        timeout: float | None,
+        step: int,
+        done: _Round | None = None,
+        spun_s: float | None = None,
+    ) -> dict[int, Any]:
         local_result, local_failure = self._local_result, self._local_failure
         self._local_result, self._local_failure = None, None
         fail_fast = not self.ledger.restarts_on(self._command)
-        done = self._collect_remote(timeout, step, fail_fast=fail_fast)
+        done = self._collect_remote(timeout, step, fail_fast, done, spun_s)
         if local_failure is not None:
             self.ledger.env_errors += len(getattr(local_failure, "failures", [local_failure]))
             raise failure_error(local_failure) from local_failure.__cause__
@@ -408,28 +478,38 @@ class ProcessesBackend(RemoteWorkersBackend):
             done = self._read_replies(ready, step, fail_fast=True)
             return self._ready_replies(done.results, done.failures)
 
-    def _collect_remote(self, timeout: float | None, step: int, fail_fast: bool) -> _Round:
+    def _collect_remote(
+        self,
+        timeout: float | None,
+        step: int,
+        fail_fast: bool,
+        done: _Round | None = None,
+        spun_s: float | None = None,
+    ) -> _Round:
         """Wait for every pending worker and read its reply.
 
         ``fail_fast``: a dead worker or the timeout raises at once (and closes the backend);
         otherwise they are noted in the returned round, and so are env failures, for
-        :meth:`settle`.
+        :meth:`settle`. ``done``: the round so far (what step_round read); ``spun_s``: the
+        first pending worker's reply was already spun for that long.
         """
         pending = self._pending
         self._pending = []
         deadline = None if timeout is None else time.monotonic() + timeout
-        done = _Round()
+        done = _Round() if done is None else done
         procs, doorbells, budgets = self._procs, self._doorbells, self._budgets
         for g in pending:
             proc, doorbell = procs[g], cast(Doorbell, doorbells[g])
-            if not Doorbell.wait(doorbell.done, budgets[g], deadline, proc.is_alive):
+            if not Doorbell.wait(doorbell.done, budgets[g], deadline, proc.is_alive, spun_s):
                 if not proc.is_alive():
                     done.crashed.append(g)
                     if fail_fast:
                         self._raise_crashed(g, step)
                 else:
                     done.late.append(g)
+                spun_s = None
                 continue
+            spun_s = None
             self._read_reply(g, done, step, fail_fast)
         if done.late:
             self.ledger.timeouts += 1
