@@ -73,21 +73,27 @@ def test_done_flags_convert_as_numpy_does(make_env, step_path, flag, which):
     lockstep(fleet, SyncVectorEnv(sync_factories(factory, NUM_ENVS)))
 
 
-@pytest.mark.parametrize("reward", ["abc", object()], ids=["str", "object"])
-def test_a_reward_numpy_refuses_is_an_env_error(make_env, step_path, reward):
-    factory = functools.partial(ValuesEnv, reward=reward)
+def first_step_errors(make_env: Any, factory: Any) -> tuple[BaseException, envfleet.EnvError]:
+    """What SyncVectorEnv's first step raises, and the EnvError envfleet's raises."""
     sync = SyncVectorEnv(sync_factories(factory, NUM_ENVS))
     fleet = make_env(factory, NUM_ENVS, backend="serial")
     sync.reset(seed=0)
     fleet.reset(seed=0)
     actions = np.zeros(NUM_ENVS, dtype=np.int64)
-    with pytest.raises((TypeError, ValueError)) as want:
+    with pytest.raises(Exception) as want:
         sync.step(actions)
     with pytest.raises(envfleet.EnvError) as got:
         fleet.step(actions)
     assert got.value.env_index == 0
-    assert "step (result)" in str(got.value)
-    assert type(got.value.__cause__) is type(want.value)
+    return want.value, got.value
+
+
+@pytest.mark.parametrize("reward", ["abc", object()], ids=["str", "object"])
+def test_a_reward_numpy_refuses_is_an_env_error(make_env, step_path, reward):
+    want, got = first_step_errors(make_env, functools.partial(ValuesEnv, reward=reward))
+    assert isinstance(want, (TypeError, ValueError))
+    assert "step (result)" in str(got)
+    assert type(got.__cause__) is type(want)
 
 
 @pytest.mark.parametrize("result", ["list", "namedtuple", "generator"])
@@ -102,21 +108,11 @@ def test_step_results_in_other_containers_unpack(make_env, step_path, result, te
 
 @pytest.mark.parametrize("result", ["short", "long"])
 def test_step_results_of_the_wrong_length_fail_as_in_python(make_env, step_path, result):
-    """Python's unpacking error, with its message, as the env's error; the other envs still
-    stepped (their rows hold this step's data)."""
-    factory = functools.partial(ValuesEnv, result=result)
-    sync = SyncVectorEnv(sync_factories(factory, NUM_ENVS))
-    fleet = make_env(factory, NUM_ENVS, backend="serial")
-    sync.reset(seed=0)
-    fleet.reset(seed=0)
-    actions = np.zeros(NUM_ENVS, dtype=np.int64)
-    with pytest.raises(ValueError) as want:
-        sync.step(actions)
-    with pytest.raises(envfleet.EnvError) as got:
-        fleet.step(actions)
-    assert got.value.env_index == 0
-    assert type(got.value.__cause__) is ValueError
-    assert str(got.value.__cause__) == str(want.value)
+    """Python's unpacking error, with its message, is the env's error."""
+    want, got = first_step_errors(make_env, functools.partial(ValuesEnv, result=result))
+    assert type(want) is ValueError
+    assert type(got.__cause__) is ValueError
+    assert str(got.__cause__) == str(want)
 
 
 class _Interrupting(ValuesEnv):
@@ -153,14 +149,17 @@ def test_an_info_without_truth_value_raises_in_both_paths(make_env, step_path):
 # -- the processes worker's loop -----------------------------------------------------------
 
 
+@pytest.mark.parametrize("driver_envs", [0, 2], ids=["isolated", "driver-share"])
 @pytest.mark.parametrize("spin_s", [None, 0.0], ids=["spinning", "blocking"])
-def test_worker_loop_matches_sync_vector_env(make_env, step_path, spin_s):
+def test_worker_loop_matches_sync_vector_env(make_env, step_path, spin_s, driver_envs):
     """Workers that catch their requests spinning step in the C loop; with spin_s=0 every
-    request is taken by a blocking wait and dispatched in Python. Infos (every other step
-    here), autoresets and resets between steps reply through Python in both cases."""
+    request is taken by a blocking wait and dispatched in Python, and the driver's C round
+    leaves every wait to Python too. Infos (every other step here), autoresets and resets
+    between steps reply through Python in both cases."""
     env = SparseInfoEnv
     sync = SyncVectorEnv(sync_factories(env, 4), autoreset_mode=AutoresetMode.NEXT_STEP)
-    fleet = make_env(env, 4, backend="processes", num_workers=2, driver_envs=0, spin_s=spin_s)
+    layout = {"num_workers": 2} if driver_envs == 0 else {"num_workers": 1}
+    fleet = make_env(env, 4, backend="processes", driver_envs=driver_envs, spin_s=spin_s, **layout)
     assert_same(fleet.reset(seed=1), sync.reset(seed=1))
     space = gym.vector.utils.batch_space(sync.single_action_space, 4)
     space.seed(2)
@@ -174,21 +173,26 @@ def test_worker_loop_matches_sync_vector_env(make_env, step_path, spin_s):
                 sync.reset(seed=t, options={"reset_mask": mask}),
             )
             assert fleet.get_attr("env_index") == (0, 1, 2, 3)
-    # Every step was timed, whichever loop ran it.
+    # Every step was timed, whichever loop ran it (the driver's block counts as a worker).
     assert [w.count for w in fleet.stats.workers] == [120, 120]
 
 
-def test_worker_loop_reports_env_errors_and_goes_on(make_env, step_path):
-    factory = functools.partial(RaisingEnv, fail_index=2, fail_after=3)
-    fleet = make_env(factory, 4, backend="processes", num_workers=2, driver_envs=0)
+@pytest.mark.parametrize("fail_index", [0, 3], ids=["driver-env", "worker-env"])
+@pytest.mark.parametrize("driver_envs", [0, 2], ids=["isolated", "driver-share"])
+def test_step_rounds_report_env_errors_and_go_on(make_env, step_path, driver_envs, fail_index):
+    """An env error in the driver's own block or in a worker's, in the C round or the Python
+    one, is the step's EnvError; the vector env stays usable."""
+    factory = functools.partial(RaisingEnv, fail_index=fail_index, fail_after=3)
+    layout = {"num_workers": 2} if driver_envs == 0 else {"num_workers": 1}
+    fleet = make_env(factory, 4, backend="processes", driver_envs=driver_envs, **layout)
     fleet.reset(seed=0)
     actions = np.zeros(4, dtype=np.int64)
     for _ in range(3):
         fleet.step(actions)
     with pytest.raises(envfleet.EnvError) as info:
         fleet.step(actions)
-    assert info.value.env_index == 2
-    assert "boom in step 4 of env 2" in str(info.value.__cause__)
+    assert info.value.env_index == fail_index
+    assert f"boom in step 4 of env {fail_index}" in str(info.value.__cause__)
     # The vector env stays usable: reset the failed env, and step on.
     fleet.reset(seed=1)
     _, rewards, *_ = fleet.step(np.ones(4, dtype=np.int64))
