@@ -35,7 +35,7 @@
 #endif
 
 /* numpy's scalar types whose conversion is done here exactly as numpy does it; registered by
- * envgroup.py at import (this module does not import numpy). */
+ * envfleet/speedups.py at import (this module does not import numpy). */
 static PyTypeObject *np_bool_type = NULL;
 static PyTypeObject *np_float32_type = NULL;
 
