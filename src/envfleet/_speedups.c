@@ -290,14 +290,31 @@ sp_serve_steps(PyObject *self, PyObject *args)
     return out;
 }
 
+/* The exception being raised, as `except <kind> as exc` binds it (with its traceback), or
+ * NULL with the error still set when it is not a ``kind`` (for Exception: KeyboardInterrupt,
+ * SystemExit propagate, as they do through the Python code). */
+static PyObject *
+catch_exception(PyObject *kind)
+{
+    if (!PyErr_ExceptionMatches(kind))
+        return NULL;
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    PyErr_NormalizeException(&type, &value, &tb);
+    if (tb != NULL)
+        PyException_SetTraceback(value, tb);
+    Py_XDECREF(type);
+    Py_XDECREF(tb);
+    return value;
+}
+
 /* -- the processes driver's step round -------------------------------------------------------- */
 
-/* A SpinBudget's ``caught``: budget_s grows by max_s / 16, up to max_s. */
+/* A SpinBudget's ``caught``, given its budget_s: that grows by max_s / 16, up to max_s. */
 static int
-budget_caught(PyObject *budget)
+budget_caught(PyObject *budget, double budget_s)
 {
     int ok = 1;
-    double budget_s = get_double(budget, "budget_s", &ok);
     double max_s = get_double(budget, "max_s", &ok);
     if (!ok)
         return -1;
@@ -357,16 +374,10 @@ sp_step_round(PyObject *self, PyObject *args)
     if (local != Py_None) {
         PyObject *result = PyObject_CallNoArgs(local);
         if (result == NULL) {
-            if (!PyErr_ExceptionMatches(env_failure))
+            PyObject *failure = catch_exception(env_failure);
+            if (failure == NULL)
                 goto fail;
-            PyObject *type, *value, *tb;
-            PyErr_Fetch(&type, &value, &tb);
-            PyErr_NormalizeException(&type, &value, &tb);
-            if (tb != NULL)
-                PyException_SetTraceback(value, tb);
-            Py_XDECREF(type);
-            Py_XDECREF(tb);
-            Py_SETREF(local_failure, value);
+            Py_SETREF(local_failure, failure);
         } else {
             Py_SETREF(local_result, result);
         }
@@ -396,7 +407,7 @@ sp_step_round(PyObject *self, PyObject *args)
             spun_s = budget_s;
             break;
         }
-        if (budget_caught(budget) < 0)
+        if (budget_caught(budget, budget_s) < 0)
             goto fail_unread;
         volatile int64_t *words = (volatile int64_t *)control;
         if (words[2] != ok_code || words[3] != 0) {
@@ -418,24 +429,6 @@ fail:
 }
 
 /* -- EnvGroup.step -------------------------------------------------------------------------- */
-
-/* The exception being raised, as `except Exception as exc` binds it (with its traceback), or
- * NULL with the error still set when it is not an Exception (KeyboardInterrupt, SystemExit:
- * those propagate, as they do through the Python loop). */
-static PyObject *
-catch_exception(void)
-{
-    if (!PyErr_ExceptionMatches(PyExc_Exception))
-        return NULL;
-    PyObject *type, *value, *tb;
-    PyErr_Fetch(&type, &value, &tb);
-    PyErr_NormalizeException(&type, &value, &tb);
-    if (tb != NULL)
-        PyException_SetTraceback(value, tb);
-    Py_XDECREF(type);
-    Py_XDECREF(tb);
-    return value;
-}
 
 static int
 set_item(PyObject *list, Py_ssize_t j, PyObject *item)
@@ -512,7 +505,7 @@ sp_step_envs(PyObject *self, PyObject *args)
         Py_DECREF(env);
         Py_DECREF(action);
         if (result == NULL) {
-            PyObject *exc = catch_exception();
+            PyObject *exc = catch_exception(PyExc_Exception);
             if (exc == NULL)
                 return NULL;
             return Py_BuildValue("(nN)", j, exc);
