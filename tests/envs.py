@@ -621,3 +621,68 @@ class ValuesEnv(gym.Env):
         if self.result == "long":
             return (*values, None)
         return values
+
+
+class PointSpace(spaces.Space):
+    """A custom Space subclass (no fixed size): values are ``(label: str, weight: float)``."""
+
+    def __init__(self, seed: int | None = None):
+        super().__init__(None, None, seed)
+
+    def sample(self, mask: Any = None, probability: Any = None) -> tuple[str, float]:
+        return ("p" * int(self.np_random.integers(1, 4)), float(self.np_random.random()))
+
+    def contains(self, x: Any) -> bool:
+        return isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], str)
+
+    def __eq__(self, other: Any) -> bool:
+        return isinstance(other, PointSpace)
+
+
+def side_space(kind: str) -> spaces.Space:
+    """The observation space of :class:`SideObsEnv` of ``kind``."""
+    box = spaces.Box(-1.0, 1.0, (2,), np.float32)
+    if kind == "text":
+        return spaces.Text(max_length=6, min_length=1)
+    if kind == "graph":
+        return spaces.Graph(node_space=box, edge_space=spaces.Discrete(3))
+    if kind == "sequence":
+        return spaces.Sequence(box)
+    if kind == "sequence_stack":
+        return spaces.Sequence(box, stack=True)
+    if kind == "oneof":
+        return spaces.OneOf((spaces.Discrete(4), box))
+    if kind == "dict_text_box":
+        return spaces.Dict({"name": spaces.Text(5), "pos": box, "n": spaces.Discrete(3)})
+    if kind == "custom":
+        return PointSpace()
+    raise ValueError(kind)
+
+
+class SideObsEnv(gym.Env):
+    """Observations from a space without a fixed size (``side_space(kind)``), drawn from the
+    env's seeded generator; episodes end at random (terminated or truncated), infos carry
+    the step count every other step."""
+
+    def __init__(self, kind: str = "text", env_index: int = 0):
+        self.kind = kind
+        self.env_index = env_index
+        self.observation_space = side_space(kind)
+        self.action_space = spaces.Discrete(2)
+        self._t = 0
+
+    def _obs(self) -> Any:
+        self.observation_space.seed(int(self.np_random.integers(1 << 30)))
+        return self.observation_space.sample()
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
+        super().reset(seed=seed)
+        self._t = 0
+        return self._obs(), {"start": self.env_index}
+
+    def step(self, action: Any):
+        self._t += 1
+        u = self.np_random.random()
+        terminated, truncated = bool(u < 0.1), bool(0.1 <= u < 0.15)
+        info = {"t": self._t} if self._t % 2 else {}
+        return self._obs(), float(u) + int(action), terminated, truncated, info

@@ -38,7 +38,11 @@ __all__ = [
     "allocate_batch",
     "batch_nbytes",
     "check_fixed_size",
+    "fill_side",
+    "fixed_part",
     "is_leaf",
+    "side_leaves",
+    "side_values",
     "observation_nbytes",
     "tree_copy",
     "tree_scatter",
@@ -67,6 +71,57 @@ def check_fixed_size(space: spaces.Space[Any], what: str) -> None:
             f"the {what} space {space!r} has no fixed size and cannot live in a shared buffer; "
             "supported: Box, Discrete, MultiDiscrete, MultiBinary, nested in Dict and Tuple"
         )
+
+
+def side_leaves(space: spaces.Space[Any]) -> list[spaces.Space[Any]]:
+    """The leaves of ``space`` without a fixed size, in walk order (Dict keys in order).
+
+    Such a leaf (Text, Graph, Sequence, OneOf, a custom Space subclass: every space
+    gymnasium's ``batch_space`` batches as a Tuple of copies) has no shared-memory buffer:
+    its per-env values travel through a side channel (``SideValues`` of envfleet.protocol)
+    and the front batches them with gymnasium's ``concatenate``.
+    """
+    if isinstance(space, spaces.Dict):
+        return [leaf for sub in space.spaces.values() for leaf in side_leaves(sub)]
+    if isinstance(space, spaces.Tuple):
+        return [leaf for sub in space.spaces for leaf in side_leaves(sub)]
+    return [] if isinstance(space, _FIXED_LEAVES) else [space]
+
+
+def side_values(space: spaces.Space[Any], obs: Any, out: list[Any]) -> None:
+    """Append to ``out`` the values of one env's ``obs`` at the side leaves of ``space``
+    (:func:`side_leaves`' order), read as gymnasium's ``concatenate`` reads them."""
+    if isinstance(space, spaces.Dict):
+        for key, sub in space.spaces.items():
+            side_values(sub, obs[key], out)
+    elif isinstance(space, spaces.Tuple):
+        for sub, value in zip(space.spaces, obs, strict=True):
+            side_values(sub, value, out)
+    elif not isinstance(space, _FIXED_LEAVES):
+        out.append(obs)
+
+
+def fill_side(space: spaces.Space[Any], tree: Any, batched: Any) -> Any:
+    """``tree`` (a batched tree with ``None`` at the side leaves, see :func:`fixed_part`) with
+    the next item of the iterator ``batched`` at each side leaf; new dicts and tuples."""
+    if isinstance(space, spaces.Dict):
+        return {key: fill_side(sub, tree[key], batched) for key, sub in space.spaces.items()}
+    if isinstance(space, spaces.Tuple):
+        return tuple(fill_side(sub, t, batched) for sub, t in zip(space.spaces, tree, strict=True))
+    return tree if isinstance(space, _FIXED_LEAVES) else next(batched)
+
+
+def fixed_part(space: spaces.Space[Any]) -> spaces.Space[Any]:
+    """``space`` with every side leaf (:func:`side_leaves`) replaced by a bare ``Space()``,
+    for which ``create_empty_array`` allocates nothing and returns ``None``: the layout of
+    the shared buffers. ``space`` itself when it has no side leaf."""
+    if not side_leaves(space):
+        return space
+    if isinstance(space, spaces.Dict):
+        return spaces.Dict({key: fixed_part(sub) for key, sub in space.spaces.items()})
+    if isinstance(space, spaces.Tuple):
+        return spaces.Tuple([fixed_part(sub) for sub in space.spaces])
+    return spaces.Space()
 
 
 def is_leaf(space: spaces.Space[Any]) -> bool:
@@ -139,6 +194,8 @@ def _layout(
     spare_slabs: int,
 ) -> Batch:
     # The order of these calls is the memory layout: driver and workers must share it.
+    # Leaves without a fixed size get no memory (None in the tree): see side_leaves.
+    observation_space, action_space = fixed_part(observation_space), fixed_part(action_space)
     observations = create_empty_array(observation_space, n=num_envs, fn=carve)
     batch = Batch(
         observations=observations,
@@ -171,7 +228,7 @@ def batch_nbytes(
 def observation_nbytes(observation_space: spaces.Space[Any], num_envs: int) -> int:
     """Bytes of one batched observation (one slab), alignment included."""
     carver = _Carver(None)
-    create_empty_array(observation_space, n=num_envs, fn=carver)
+    create_empty_array(fixed_part(observation_space), n=num_envs, fn=carver)
     return carver.offset
 
 
@@ -331,9 +388,12 @@ def _build(template: Any, refs: list[weakref.ref[np.ndarray]]) -> Any:
 
 
 def tree_slice(tree: Any, start: int, stop: int) -> Any:
-    """Views ``[start:stop]`` along the first axis of every array in a nested dict/tuple."""
+    """Views ``[start:stop]`` along the first axis of every array in a nested dict/tuple
+    (``None``, a side leaf without a buffer, stays ``None``)."""
     if isinstance(tree, np.ndarray):
         return tree[start:stop]
+    if tree is None:
+        return None
     if isinstance(tree, dict):
         return {key: tree_slice(value, start, stop) for key, value in tree.items()}
     if isinstance(tree, tuple):
@@ -343,6 +403,8 @@ def tree_slice(tree: Any, start: int, stop: int) -> Any:
 
 def tree_copy(tree: Any) -> Any:
     """Copy every array of a nested dict/tuple (what ``copy.deepcopy`` gives, faster)."""
+    if tree is None:
+        return None  # a side leaf without a buffer
     if isinstance(tree, np.ndarray):
         return tree.copy()
     if isinstance(tree, dict):
@@ -360,7 +422,7 @@ def tree_write(dst: Any, src: Any) -> None:
     elif isinstance(dst, tuple):
         for value, rows in zip(dst, src, strict=True):
             tree_write(value, rows)
-    else:
+    elif dst is not None:  # None: a side leaf without a buffer
         dst[...] = src
 
 
@@ -370,7 +432,7 @@ def tree_take(tree: Any, ids: np.ndarray) -> Any:
         return {key: tree_take(value, ids) for key, value in tree.items()}
     if isinstance(tree, tuple):
         return tuple(tree_take(value, ids) for value in tree)
-    return np.take(tree, ids, axis=0)
+    return None if tree is None else np.take(tree, ids, axis=0)
 
 
 def tree_scatter(tree: Any, ids: np.ndarray, values: Any) -> None:
@@ -381,5 +443,5 @@ def tree_scatter(tree: Any, ids: np.ndarray, values: Any) -> None:
     elif isinstance(tree, tuple):
         for value, rows in zip(tree, values, strict=True):
             tree_scatter(value, ids, rows)
-    else:
+    elif tree is not None:  # None: a side leaf without a buffer
         tree[ids] = values

@@ -19,7 +19,7 @@ from gymnasium.vector import AutoresetMode
 from gymnasium.vector.utils import batch_space, concatenate, create_empty_array, iterate
 
 from envfleet import speedups as _speedups
-from envfleet.buffers import Batch, is_leaf
+from envfleet.buffers import Batch, is_leaf, side_leaves, side_values
 from envfleet.protocol import (
     CallRequest,
     Command,
@@ -27,6 +27,7 @@ from envfleet.protocol import (
     ResetRequest,
     RestartRequest,
     SetAttrRequest,
+    SideValues,
 )
 
 __all__ = ["JOIN_MAX_BYTES", "EnvFailure", "EnvGroup", "PartialFailure", "spaces_mismatch"]
@@ -150,6 +151,8 @@ class EnvGroup:
         # For a single-array space, gymnasium's concatenate is np.stack(items, out=out) and its
         # iterate is iter(items): call those directly, without the dispatch, on the hot path.
         self._obs_leaf = is_leaf(single_observation_space)
+        # Leaves without a fixed size have no buffer: their values go with the reply.
+        self._side = bool(side_leaves(single_observation_space))
         self._action_leaf = is_leaf(single_action_space)
         # np.stack costs ~5 µs for 8 small arrays; for an array leaf with ndim >= 1, the same
         # rows written by one np.concatenate along a flattened first axis cost ~1.6 µs. Used
@@ -291,7 +294,7 @@ class EnvGroup:
                 self._autoreset[f.env_index - self.start] = flag  # its state is unknown
             raise PartialFailure(failures, events)
         self._write_results()
-        self._write_observations()
+        self._write_observations("step", events)
         return events
 
     def _write_results(self) -> None:
@@ -321,8 +324,10 @@ class EnvGroup:
             raise
         self._autoreset = np.logical_or(buf.terminations, buf.truncations).tolist()
 
-    def _write_observations(self, method: str = "step") -> None:
-        """Write every env's latest observation into the group's rows.
+    def _write_observations(self, method: str, events: list[InfoEvent]) -> None:
+        """Write every env's latest observation into the group's rows; with leaves without a
+        fixed size, append each env's values there to ``events`` (as
+        :class:`~envfleet.protocol.SideValues` events).
 
         Raises:
             EnvFailure: an observation does not fit the observation space's buffer (wrong
@@ -342,6 +347,12 @@ class EnvGroup:
                     bad = self.start + j
                     break
             raise EnvFailure(bad, f"{method} (observation)") from exc
+        if self._side:
+            space = self.single_observation_space
+            for j, obs in enumerate(self._env_obs):
+                values: list[Any] = []
+                side_values(space, obs, values)
+                events.append((self.start + j, SideValues(values=values)))
 
     def _write_observation_rows(self) -> None:
         out, rows, raw, address = self._obs_slabs[0 if self._slab is None else self._slab.item(0)]
@@ -403,7 +414,7 @@ class EnvGroup:
                 events.append((self.start + j, env_info))
         if failures:
             raise PartialFailure(failures, events)
-        self._write_observations("reset")
+        self._write_observations("reset", events)
         # A reset's rows read reward 0, not terminated, not truncated, as an autoreset step's
         # (EnvPool's recv reports them for reset envs; gymnasium's reset does not return them).
         buf = self.buffers
@@ -457,7 +468,7 @@ class EnvGroup:
                 self._autoreset[j] = True  # as after any truncation
             else:
                 self._autoreset[j] = False
-        self._write_observations("restart")
+        self._write_observations("restart", events)
         return events
 
     def call(self, request: CallRequest) -> list[Any]:

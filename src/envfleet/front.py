@@ -15,7 +15,7 @@ import multiprocessing
 import numbers
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, cast, overload
 
@@ -25,7 +25,7 @@ import numpy as np
 import psutil
 from gymnasium.vector import AutoresetMode, VectorEnv
 from gymnasium.vector.async_vector_env import AsyncState
-from gymnasium.vector.utils import batch_space, create_empty_array
+from gymnasium.vector.utils import batch_space, concatenate, create_empty_array
 
 from envfleet.backends.base import (
     Backend,
@@ -40,8 +40,10 @@ from envfleet.buffers import (
     ObservationSlabs,
     batch_nbytes,
     check_fixed_size,
+    fill_side,
     is_leaf,
     observation_nbytes,
+    side_leaves,
     tree_copy,
     tree_scatter,
     tree_slice,
@@ -59,7 +61,14 @@ from envfleet.errors import (
     PoolStateError,
     ResetNeededError,
 )
-from envfleet.protocol import CallRequest, Command, InfoEvent, ResetRequest, SetAttrRequest
+from envfleet.protocol import (
+    CallRequest,
+    Command,
+    InfoEvent,
+    ResetRequest,
+    SetAttrRequest,
+    SideValues,
+)
 from envfleet.supervisor import FleetStats, Ledger, RestartPolicy
 
 if TYPE_CHECKING:
@@ -346,7 +355,6 @@ def make(  # type: ignore[misc]  # the overloads stand for its keyword arguments
     obs_space, act_space = first.observation_space, first.action_space
     metadata, render_mode = dict(first.metadata), first.render_mode
     try:
-        check_fixed_size(obs_space, "observation")
         check_fixed_size(act_space, "action")
         if backend == "processes":
             if pool and driver_envs:
@@ -376,7 +384,13 @@ def make(  # type: ignore[misc]  # the overloads stand for its keyword arguments
     # the block the front reads: serial, threads and processes, outside a first-ready pool.
     spare = 0
     obs_nbytes = observation_nbytes(obs_space, num_envs)
-    if copy and not pool and backend != "ray" and obs_nbytes >= SPARE_SLABS_MIN_BYTES:
+    if (
+        copy
+        and not pool
+        and backend != "ray"
+        and obs_nbytes >= SPARE_SLABS_MIN_BYTES
+        and not side_leaves(obs_space)  # results with side leaves are built anew each step
+    ):
         spare = SPARE_SLABS if obs_nbytes * SPARE_SLABS <= SPARE_SLABS_MAX_BYTES else 0
     nbytes = batch_nbytes(obs_space, act_space, num_envs, spare)
     backend_obj: Backend
@@ -730,6 +744,10 @@ class FleetVectorEnv(VectorEnv[Any, Any, np.ndarray]):
             self._slabs = ObservationSlabs(batch)
         self._slab_latest = 0
         self._slab_next = 0
+        # Observation leaves without a fixed size (Text, Graph, ...: buffers.side_leaves) have
+        # no buffer; per env, its latest values there (SideValues events of the replies).
+        self._side_spaces = side_leaves(single_observation_space)
+        self._side_rows: list[list[Any] | None] = [None] * self.num_envs
 
     # -- first-ready pool (EnvPool's asynchronous interface) ---------------------------------
 
@@ -923,6 +941,8 @@ class FleetVectorEnv(VectorEnv[Any, Any, np.ndarray]):
             except BaseException:
                 self.closed = self._backend.closed
                 raise
+            if self._side_spaces:
+                results = self._take_side(results)
             for w in sorted(results):
                 envs = self._in_flight.pop(w)
                 self._env_state[envs] = _READY
@@ -939,6 +959,8 @@ class FleetVectorEnv(VectorEnv[Any, Any, np.ndarray]):
             obs = tree_slice(batch.observations, rows.start, rows.stop)
         else:
             obs = tree_take(batch.observations, ids)
+        if self._side_spaces:
+            obs = self._fill_side(obs, ids.tolist())
         # Row k of the batch is env ids[k]; an env may have several infos (a reset's, then a
         # step's), added in order.
         events = [
@@ -1167,7 +1189,8 @@ class FleetVectorEnv(VectorEnv[Any, Any, np.ndarray]):
                 batch.truncations.copy(),
                 infos,
             )
-        return batch.observations, batch.rewards, batch.terminations, batch.truncations, infos
+        obs = self._observations() if self._side_spaces else batch.observations
+        return obs, batch.rewards, batch.terminations, batch.truncations, infos
 
     # -- call, attributes, render ----------------------------------------------------------
 
@@ -1373,6 +1396,8 @@ class FleetVectorEnv(VectorEnv[Any, Any, np.ndarray]):
             self._state = AsyncState.DEFAULT
 
     def _infos(self, results: dict[int, Any]) -> dict[str, Any]:
+        if self._side_spaces:
+            results = self._take_side(results)
         if self._single_env_infos:
             # envfleet.ProcessEnv: the one env's own info dict, not batched.
             return next((dict(info) for events in results.values() for _, info in events or ()), {})
@@ -1403,7 +1428,39 @@ class FleetVectorEnv(VectorEnv[Any, Any, np.ndarray]):
             if k:
                 return self._slabs.hand_out(k)  # the caller's without a copy
         obs = self._backend.batch.observations
+        if self._side_spaces:
+            return self._fill_side(tree_copy(obs) if self.copy else obs, range(self.num_envs))
         return tree_copy(obs) if self.copy else obs
+
+    def _take_side(self, results: dict[int, Any]) -> dict[int, Any]:
+        """``results`` without their :class:`~envfleet.protocol.SideValues` events, whose
+        values become the envs' latest side-leaf values."""
+        rows = self._side_rows
+        kept: dict[int, Any] = {}
+        for w, events in results.items():
+            if not isinstance(events, list):
+                kept[w] = events
+                continue
+            infos = []
+            for index, info in events:
+                if type(info) is SideValues:
+                    rows[index] = info["values"]
+                else:
+                    infos.append((index, info))
+            kept[w] = infos or None
+        return kept
+
+    def _fill_side(self, obs: Any, envs: Iterable[int]) -> Any:
+        """``obs`` (a batched tree, ``None`` at the side leaves) with the side leaves of the
+        envs ``envs`` batched by gymnasium's ``concatenate``, as SyncVectorEnv batches them."""
+        rows = [cast(list[Any], self._side_rows[e]) for e in envs]
+        batched = (
+            concatenate(
+                space, [row[k] for row in rows], cast(Any, create_empty_array(space, len(rows)))
+            )
+            for k, space in enumerate(self._side_spaces)
+        )
+        return fill_side(self.single_observation_space, obs, batched)
 
     def _pick_slab(self, every_env: bool) -> None:
         """Choose the slab the next step or reset writes its observations to.

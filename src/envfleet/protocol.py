@@ -17,6 +17,7 @@ __all__ = [
     "Command",
     "Failure",
     "InfoEvent",
+    "SideValues",
     "RemoteError",
     "ResetRequest",
     "RestartRequest",
@@ -26,6 +27,18 @@ __all__ = [
 
 # (global env index, that env's info dict), replayed in order through VectorEnv._add_info.
 InfoEvent = tuple[int, dict[str, Any]]
+
+
+class SideValues(dict[str, Any]):
+    """One env's observation values at the leaves without a fixed size (Text, Graph, ...),
+    which have no shared buffer: ``self["values"]``, in ``envfleet.buffers.side_leaves``
+    order.
+
+    They travel as the info of an extra :data:`InfoEvent` ``(env_index, SideValues(...))``
+    with the reply of the command that wrote the env's observation, pickled like the infos
+    (so restarts and merges carry them as they carry infos); the front takes such events out
+    (``type(info) is SideValues``) before it batches the infos.
+    """
 
 
 class Command(enum.IntEnum):
