@@ -7,6 +7,7 @@ gymnasium.vector.SyncVectorEnv returns for the same seeds and actions.
 
 from __future__ import annotations
 
+import collections
 import functools
 
 import numpy as np
@@ -14,6 +15,7 @@ import pytest
 from gymnasium.vector import AutoresetMode, SyncVectorEnv
 from gymnasium.vector.utils import concatenate, create_empty_array
 
+import envfleet.speedups
 from tests.envs import SideObsEnv, sync_factories
 from tests.helpers import assert_same
 from tests.test_differential import run_lockstep
@@ -103,3 +105,47 @@ def test_side_spaces_pool_matches_single_envs(make_env):
                 ended += done[e]
         fleet.send(actions, ids)
     assert ended > 0
+
+
+class CountingSpeedups:
+    """envfleet.speedups.speedups with a count of the calls of each C function."""
+
+    def __init__(self, module):
+        self.module = module
+        self.calls: collections.Counter[str] = collections.Counter()
+
+    def __getattr__(self, name):
+        attr = getattr(self.module, name)
+        if not callable(attr):
+            return attr
+
+        def counted(*args, **kwargs):
+            self.calls[name] += 1
+            return attr(*args, **kwargs)
+
+        return counted
+
+
+@pytest.mark.parametrize("kind", [None, "dict_text_box"], ids=["cartpole", "side-leaves"])
+def test_c_step_path_still_runs(make_env, monkeypatch, kind):
+    """The C step loop runs for plain spaces (with its joined row write) and for spaces with
+    side leaves too (their values are collected after it, in Python)."""
+    if envfleet.speedups.speedups is None:
+        pytest.skip("envfleet._speedups is not built here")
+    counting = CountingSpeedups(envfleet.speedups.speedups)
+    monkeypatch.setattr(envfleet.speedups, "speedups", counting)
+    env = "CartPole-v1" if kind is None else functools.partial(SideObsEnv, kind)
+    fleet = make_env(env, NUM_ENVS, backend="serial")
+    fleet.reset(seed=0)
+    for _ in range(10):
+        fleet.step(np.zeros(NUM_ENVS, dtype=np.int64))
+    assert counting.calls["step_envs"] >= 10
+    if kind is None:
+        assert counting.calls["write_rows"] >= 10
+
+
+@pytest.mark.parametrize("backend", ["serial", "processes"])
+def test_side_spaces_python_step_path_match_sync(make_env, monkeypatch, backend):
+    monkeypatch.setattr(envfleet.speedups, "speedups", None)
+    monkeypatch.setenv("ENVFLEET_NO_SPEEDUPS", "1")
+    check_side_kind(make_env, "dict_text_box", backend, AutoresetMode.SAME_STEP, num_workers=2)
