@@ -15,6 +15,7 @@ import pytest
 from gymnasium.vector import AutoresetMode, SyncVectorEnv
 from gymnasium.vector.utils import concatenate, create_empty_array
 
+import envfleet
 import envfleet.speedups
 from tests.envs import SideObsEnv, sync_factories
 from tests.helpers import assert_same
@@ -149,3 +150,13 @@ def test_side_spaces_python_step_path_match_sync(make_env, monkeypatch, backend)
     monkeypatch.setattr(envfleet.speedups, "speedups", None)
     monkeypatch.setenv("ENVFLEET_NO_SPEEDUPS", "1")
     check_side_kind(make_env, "dict_text_box", backend, AutoresetMode.SAME_STEP, num_workers=2)
+
+
+def test_torch_output_refuses_side_leaves(snapshot):
+    """Tensors cannot hold strings or graphs: output="torch" refuses such a space with a
+    ConfigError naming it, and leaves no worker behind."""
+    pytest.importorskip("torch")
+    factory = functools.partial(SideObsEnv, "dict_text_box")
+    with pytest.raises(envfleet.ConfigError, match="Text"):
+        envfleet.make(factory, 2, backend="processes", num_workers=2, output="torch")
+    snapshot.assert_nothing_left()

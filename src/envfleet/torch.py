@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Any, cast
 import numpy as np
 from gymnasium.vector import VectorEnv, VectorWrapper
 
+from envfleet.buffers import side_leaves
 from envfleet.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -175,7 +176,8 @@ class TorchVectorEnv(VectorWrapper[Any, Any, Any, Any, Any]):
 
     Raises:
         ConfigError: torch missing, a device this machine lacks, ``pin_memory=True`` without
-            an accelerator.
+            an accelerator, an observation or action space with a leaf a tensor cannot hold
+            (Text, Graph, Sequence, OneOf, a custom Space: ``envfleet.buffers.side_leaves``).
     """
 
     def __init__(
@@ -187,6 +189,15 @@ class TorchVectorEnv(VectorWrapper[Any, Any, Any, Any, Any]):
         copy: bool | None = None,
     ):
         th = import_torch()
+        for what, space in (
+            ("observation", env.single_observation_space),
+            ("action", env.single_action_space),
+        ):
+            if side_leaves(space):
+                raise ConfigError(
+                    f"output='torch' cannot represent the {what} space {space}: its leaves "
+                    f"{side_leaves(space)} have no tensor form; use output='numpy'"
+                )
         super().__init__(env)
         self._torch = th
         self.device: torch.device = (
