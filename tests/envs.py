@@ -360,7 +360,7 @@ class CrashEnv(gym.Env):
 
 
 class TextObsEnv(gym.Env):
-    """An observation space without a fixed size (Text): cannot live in a shared buffer."""
+    """An observation space without a fixed size (Text): no shared buffer, a side channel."""
 
     def __init__(self):
         self.observation_space = spaces.Text(8)
@@ -686,3 +686,24 @@ class SideObsEnv(gym.Env):
         terminated, truncated = bool(u < 0.1), bool(0.1 <= u < 0.15)
         info = {"t": self._t} if self._t % 2 else {}
         return self._obs(), float(u) + int(action), terminated, truncated, info
+
+
+class BoundsEnv(gym.Env):
+    """A Box observation whose bounds depend on ``env_index`` (same shape and dtype), or
+    whose shape does too with ``grow=True``."""
+
+    def __init__(self, env_index: int = 0, grow: bool = False):
+        self.env_index = env_index
+        high = 1.0 + env_index
+        shape = (2 + (env_index if grow else 0),)
+        self.observation_space = spaces.Box(-high, high, shape, np.float32)
+        self.action_space = spaces.Discrete(2)
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
+        super().reset(seed=seed)
+        return self.observation_space.sample() * 0 + self.np_random.random(), {}
+
+    def step(self, action: Any):
+        u = self.np_random.random()
+        obs = (self.np_random.random(self.observation_space.shape) * 0.5).astype(np.float32)
+        return obs, float(u), bool(u < 0.1), False, {}

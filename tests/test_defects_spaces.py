@@ -10,14 +10,15 @@ from __future__ import annotations
 import collections
 import functools
 
+import gymnasium as gym
 import numpy as np
 import pytest
 from gymnasium.vector import AutoresetMode, SyncVectorEnv
-from gymnasium.vector.utils import concatenate, create_empty_array
+from gymnasium.vector.utils import batch_space, concatenate, create_empty_array
 
 import envfleet
 import envfleet.speedups
-from tests.envs import SideObsEnv, sync_factories
+from tests.envs import BoundsEnv, SideObsEnv, sync_factories
 from tests.helpers import assert_same
 from tests.test_differential import run_lockstep
 
@@ -160,3 +161,94 @@ def test_torch_output_refuses_side_leaves(snapshot):
     with pytest.raises(envfleet.ConfigError, match="Text"):
         envfleet.make(factory, 2, backend="processes", num_workers=2, output="torch")
     snapshot.assert_nothing_left()
+
+
+# -- observation_mode (gymnasium 1.4's SyncVectorEnv/AsyncVectorEnv argument) --------------
+
+
+@pytest.mark.parametrize("backend", ["serial", "processes"])
+def test_observation_mode_same_refuses_differing_spaces(backend, snapshot):
+    """The default "same" refuses sub-environments whose spaces differ, with gymnasium's
+    error type (RuntimeError), as a typed envfleet error naming the env."""
+    with pytest.raises(RuntimeError):
+        SyncVectorEnv(sync_factories(BoundsEnv, 3))
+    with pytest.raises(envfleet.SpaceMismatchError, match="sub-environment 1") as info:
+        envfleet.make(BoundsEnv, 3, backend=backend, num_workers=3)
+    assert isinstance(info.value, RuntimeError)
+    snapshot.assert_nothing_left()
+
+
+@pytest.mark.parametrize(
+    ("backend", "layout"),
+    [("serial", {}), ("threads", {"num_workers": 2}), ("processes", {"num_workers": 2})],
+)
+def test_observation_mode_different_matches_sync(make_env, backend, layout):
+    fleet = make_env(BoundsEnv, 3, backend=backend, observation_mode="different", **layout)
+    sync = SyncVectorEnv(sync_factories(BoundsEnv, 3), observation_mode="different")
+    try:
+        assert fleet.observation_mode == "different"
+        assert fleet.single_observation_space == sync.single_observation_space
+        assert fleet.observation_space == sync.observation_space
+        assert fleet.observation_space != batch_space(fleet.single_observation_space, 3)
+        run_lockstep(fleet, sync, steps=30, seed=2)
+    finally:
+        sync.close()
+
+
+def test_observation_mode_different_cartpole_wrappers(make_env):
+    """CartPole copies whose observation bounds are rescaled differently per env."""
+
+    def factory(env_index):
+        env = gym.make("CartPole-v1")
+        bound = np.float32(10.0 + env_index)
+        space = gym.spaces.Box(-bound, bound, (4,), np.float32)
+        return gym.wrappers.TransformObservation(env, lambda obs: obs, space)
+
+    fleet = make_env(factory, 3, backend="processes", num_workers=3, observation_mode="different")
+    sync = SyncVectorEnv(sync_factories(factory, 3), observation_mode="different")
+    try:
+        assert fleet.observation_space == sync.observation_space
+        run_lockstep(fleet, sync, steps=30, seed=4)
+    finally:
+        sync.close()
+
+
+@pytest.mark.parametrize("backend", ["serial", "processes"])
+def test_observation_mode_different_refuses_other_shapes(backend, snapshot):
+    """Spaces must still share shape and dtype (gymnasium: ValueError from
+    batch_differing_spaces, which runs before its RuntimeError check)."""
+    factory = functools.partial(BoundsEnv, grow=True)
+    with pytest.raises(ValueError):
+        SyncVectorEnv(sync_factories(factory, 2), observation_mode="different")
+    with pytest.raises(envfleet.SpaceMismatchError, match="sub-environment 1") as info:
+        envfleet.make(factory, 2, backend=backend, num_workers=2, observation_mode="different")
+    assert isinstance(info.value, ValueError)
+    snapshot.assert_nothing_left()
+
+
+def test_observation_mode_explicit_spaces(make_env):
+    """A (observation_space, single_observation_space) pair is used as given; every env's
+    space must share its shape and dtype."""
+    single = gym.spaces.Box(-10.0, 10.0, (2,), np.float32)
+    batched = batch_space(single, 3)
+    fleet = make_env(
+        BoundsEnv, 3, backend="processes", num_workers=2, observation_mode=(batched, single)
+    )
+    sync = SyncVectorEnv(sync_factories(BoundsEnv, 3), observation_mode=(batched, single))
+    try:
+        assert fleet.single_observation_space is single
+        assert fleet.observation_space is batched
+        run_lockstep(fleet, sync, steps=20, seed=8)
+    finally:
+        sync.close()
+
+
+def test_observation_mode_bad_values_are_refused():
+    with pytest.raises(ValueError):
+        SyncVectorEnv(sync_factories(BoundsEnv, 2), observation_mode="other")
+    with pytest.raises(envfleet.ConfigError, match="observation_mode"):
+        envfleet.make(BoundsEnv, 2, backend="serial", observation_mode="other")
+    with pytest.raises(TypeError):
+        SyncVectorEnv(sync_factories(BoundsEnv, 2), observation_mode=(1, 2))
+    with pytest.raises(envfleet.ConfigError, match="observation_mode"):
+        envfleet.make(BoundsEnv, 2, backend="serial", observation_mode=(1, 2))

@@ -15,6 +15,7 @@ from typing import Any
 import cloudpickle
 import gymnasium
 import numpy as np
+from gymnasium.spaces.utils import is_space_dtype_shape_equiv
 from gymnasium.vector import AutoresetMode
 from gymnasium.vector.utils import batch_space, concatenate, create_empty_array, iterate
 
@@ -68,10 +69,22 @@ def spaces_mismatch(
     env: gymnasium.Env[Any, Any],
     observation_space: gymnasium.Space[Any],
     action_space: gymnasium.Space[Any],
+    same_observation_space: bool = True,
 ) -> str | None:
-    """Describe how ``env``'s spaces differ from the expected ones, or ``None`` when equal."""
-    if env.observation_space != observation_space:
-        return f"observation space {env.observation_space} != {observation_space}"
+    """Describe how ``env``'s spaces differ from the expected ones, or ``None`` when they fit.
+
+    As gymnasium's SyncVectorEnv checks them: the action space must be equal; the observation
+    space equal with ``same_observation_space`` (``observation_mode="same"``), else of the
+    same shape and dtype (``is_space_dtype_shape_equiv``; other modes).
+    """
+    if same_observation_space:
+        if env.observation_space != observation_space:
+            return f"observation space {env.observation_space} != {observation_space}"
+    elif not is_space_dtype_shape_equiv(env.observation_space, observation_space):
+        return (
+            f"observation space {env.observation_space} has another shape or dtype than "
+            f"{observation_space}"
+        )
     if env.action_space != action_space:
         return f"action space {env.action_space} != {action_space}"
     return None
@@ -108,6 +121,9 @@ class EnvGroup:
         batch_offset: the env index of ``batch``'s row 0: 0 for the whole vector env's batch;
             ``start`` for a batch of just this group's K rows (a worker without shared memory,
             as a Ray actor).
+        same_observation_space: ``observation_mode == "same"``: every env's observation space
+            must equal ``single_observation_space``; else only share its shape and dtype (see
+            :func:`spaces_mismatch`).
     """
 
     def __init__(
@@ -120,8 +136,10 @@ class EnvGroup:
         autoreset_mode: AutoresetMode,
         first_env: gymnasium.Env[Any, Any] | None = None,
         batch_offset: int = 0,
+        same_observation_space: bool = True,
     ):
         self.start = start
+        self.same_observation_space = same_observation_space
         self.size = len(env_fns)
         self.stop = start + self.size
         self.autoreset_mode = autoreset_mode
@@ -204,7 +222,12 @@ class EnvGroup:
     def check_spaces(self) -> tuple[int, str] | None:
         """(env_index, description) of the first env whose spaces differ, or ``None``."""
         for j, env in enumerate(self.envs):
-            problem = spaces_mismatch(env, self.single_observation_space, self.single_action_space)
+            problem = spaces_mismatch(
+                env,
+                self.single_observation_space,
+                self.single_action_space,
+                self.same_observation_space,
+            )
             if problem is not None:
                 return self.start + j, problem
         return None
@@ -451,7 +474,10 @@ class EnvGroup:
                 except Exception as exc:
                     raise EnvFailure(index, "restart (make)") from exc
                 problem = spaces_mismatch(
-                    self.envs[j], self.single_observation_space, self.single_action_space
+                    self.envs[j],
+                    self.single_observation_space,
+                    self.single_action_space,
+                    self.same_observation_space,
                 )
                 if problem is not None:
                     raise EnvFailure(index, "restart (spaces)") from ValueError(problem)

@@ -45,8 +45,14 @@ class ConfigError(EnvfleetError, ValueError):
     """
 
 
-class SpaceMismatchError(ConfigError):
-    """The sub-environments do not share one observation space and one action space."""
+class SpaceMismatchError(ConfigError, RuntimeError):
+    """The sub-environments' spaces do not fit together: with ``observation_mode="same"``
+    (the default) their observation spaces differ, otherwise they differ in shape or dtype;
+    or their action spaces differ.
+
+    It derives from ``RuntimeError`` too: gymnasium's SyncVectorEnv and AsyncVectorEnv raise
+    that for the same checks.
+    """
 
 
 class InvalidArgumentError(EnvfleetError, ValueError, TypeError):

@@ -25,7 +25,12 @@ import numpy as np
 import psutil
 from gymnasium.vector import AutoresetMode, VectorEnv
 from gymnasium.vector.async_vector_env import AsyncState
-from gymnasium.vector.utils import batch_space, concatenate, create_empty_array
+from gymnasium.vector.utils import (
+    batch_differing_spaces,
+    batch_space,
+    concatenate,
+    create_empty_array,
+)
 
 from envfleet.backends.base import (
     Backend,
@@ -60,6 +65,7 @@ from envfleet.errors import (
     NoAsyncCallError,
     PoolStateError,
     ResetNeededError,
+    SpaceMismatchError,
 )
 from envfleet.protocol import (
     CallRequest,
@@ -181,6 +187,7 @@ def make(  # type: ignore[misc]  # the overloads stand for its keyword arguments
     output: str = "numpy",
     device: Any = None,
     pin_memory: bool = False,
+    observation_mode: str | tuple[gymnasium.Space[Any], gymnasium.Space[Any]] = "same",
 ) -> FleetVectorEnv | TorchVectorEnv:
     """Create a vector env of ``num_envs`` sub-environments on ``backend``.
 
@@ -259,6 +266,14 @@ def make(  # type: ignore[misc]  # the overloads stand for its keyword arguments
             until the next call; see :mod:`envfleet.torch` for every copy semantics.
         device: ``output="torch"`` only: where results go (``"cuda"``); default the CPU.
         pin_memory: ``output="torch"`` only: stage results in pinned memory (needs CUDA).
+        observation_mode: as gymnasium 1.4's SyncVectorEnv/AsyncVectorEnv argument.
+            ``"same"``: every env's observation space must equal env 0's, and
+            ``observation_space`` is ``batch_space`` of it. ``"different"``: the spaces may
+            differ in their parameters (bounds) but must share shape and dtype
+            (``is_space_dtype_shape_equiv``); ``single_observation_space`` is env 0's and
+            ``observation_space`` gymnasium's ``batch_differing_spaces`` of every env's. A
+            pair ``(observation_space, single_observation_space)``: used as given, every
+            env's space sharing the single one's shape and dtype.
 
     Returns:
         A :class:`FleetVectorEnv`, a ``gymnasium.vector.VectorEnv``; a
@@ -269,7 +284,8 @@ def make(  # type: ignore[misc]  # the overloads stand for its keyword arguments
             for ``processes`` or ``ray``, an observation or action space without a fixed size;
             ``ray`` not installed, Ray not reachable, or actors asking for more resources
             than the Ray cluster has.
-        SpaceMismatchError: the sub-environments' spaces differ.
+        SpaceMismatchError: the sub-environments' spaces differ (see ``observation_mode``;
+            also a ``RuntimeError``, as gymnasium raises).
         EnvError: a factory raised (``method == "make"``).
         EnvCrashedError: a worker died while building its envs.
     """
@@ -286,6 +302,7 @@ def make(  # type: ignore[misc]  # the overloads stand for its keyword arguments
         others |= {"restart_policy": restart_policy, "context": context}
         others |= {"driver_envs": driver_envs, "spin_s": spin_s}
         others |= {"ray_address": ray_address, "ray_options": ray_options}
+        others |= {"observation_mode": None if observation_mode == "same" else observation_mode}
         return make_envpool(
             env,
             num_envs,
@@ -340,6 +357,18 @@ def make(  # type: ignore[misc]  # the overloads stand for its keyword arguments
             f"context={context!r} is not a start method here; "
             f"choose from {multiprocessing.get_all_start_methods()}"
         )
+    explicit_spaces = isinstance(observation_mode, tuple) and len(observation_mode) == 2
+    if explicit_spaces:
+        if not all(isinstance(s_, gymnasium.Space) for s_ in observation_mode):
+            raise ConfigError(
+                "observation_mode: expected both elements of the pair to be Spaces, got "
+                f"{[type(s_).__name__ for s_ in observation_mode]}"
+            )
+    elif not (isinstance(observation_mode, str) and observation_mode in ("same", "different")):
+        raise ConfigError(
+            "Invalid `observation_mode`, expected: 'same' or 'different' or tuple of batched "
+            f"and single observation space, actual got {observation_mode!r}"
+        )
     if backend == "ray":
         ray_plan = _plan_ray(num_envs, num_workers, ray_address, ray_options)
         num_workers = ray_plan.num_workers
@@ -353,6 +382,8 @@ def make(  # type: ignore[misc]  # the overloads stand for its keyword arguments
     # itself, keep it as env 0; otherwise it is closed once the workers are up.
     first = _build(bind_env_index(env_fns[0], 0, accepts[0]), 0)
     obs_space, act_space = first.observation_space, first.action_space
+    if explicit_spaces:
+        obs_space = observation_mode[1]
     metadata, render_mode = dict(first.metadata), first.render_mode
     try:
         check_fixed_size(act_space, "action")
@@ -378,7 +409,9 @@ def make(  # type: ignore[misc]  # the overloads stand for its keyword arguments
     except ConfigError:
         first.close()
         raise
-    layout = WorkerLayout(env_fns, accepts, obs_space, act_space, mode, ranges)
+    layout = WorkerLayout(
+        env_fns, accepts, obs_space, act_space, mode, ranges, observation_mode == "same"
+    )
     ledger = Ledger(num_envs, restart_policy)
     # copy=True results without a copy (buffers.ObservationSlabs), where the envs write into
     # the block the front reads: serial, threads and processes, outside a first-ready pool.
@@ -437,7 +470,7 @@ def make(  # type: ignore[misc]  # the overloads stand for its keyword arguments
         backend_obj = SerialBackend(
             layout, Block(nbytes, shared=False, spare_slabs=spare), first_env=first, ledger=ledger
         )
-    return FleetVectorEnv(
+    venv = FleetVectorEnv(
         backend_obj,
         backend_name=backend,
         single_observation_space=obs_space,
@@ -449,6 +482,22 @@ def make(  # type: ignore[misc]  # the overloads stand for its keyword arguments
         copy=copy,
         batch_size=num_envs if batch_size is None else int(batch_size),
     )
+    venv.observation_mode = observation_mode
+    if explicit_spaces:
+        venv.observation_space = observation_mode[0]
+    elif observation_mode == "different":
+        try:
+            venv.observation_space = batch_differing_spaces(
+                list(venv.get_attr("observation_space"))
+            )
+        except BaseException as exc:
+            venv.close(terminate=True)
+            if isinstance(exc, Exception) and not isinstance(exc, EnvError):
+                raise SpaceMismatchError(
+                    f"observation_mode='different': the observation spaces cannot be batched: {exc}"
+                ) from exc
+            raise
+    return venv
 
 
 def _is_int(value: Any, low: int, high: int) -> bool:
@@ -687,6 +736,10 @@ class FleetVectorEnv(VectorEnv[Any, Any, np.ndarray]):
     ``truncated: bool[num_envs]``, infos as ``info[key]`` arrays with ``info["_key"]`` masks.
     The asynchronous calls and their errors follow ``gymnasium.vector.AsyncVectorEnv``.
     """
+
+    # As gymnasium's vector envs: "same", "different" or (observation_space, single one);
+    # set by make().
+    observation_mode: str | tuple[gymnasium.Space[Any], gymnasium.Space[Any]] = "same"
 
     def __init__(
         self,

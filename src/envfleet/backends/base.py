@@ -87,6 +87,7 @@ class WorkerLayout:
         single_observation_space, single_action_space: spaces of one sub-environment.
         autoreset_mode: as gymnasium's.
         ranges: ``[start, stop)`` per worker, contiguous, in order.
+        same_observation_space: ``observation_mode == "same"`` (see EnvGroup).
     """
 
     env_fns: Sequence[EnvFn]
@@ -95,6 +96,7 @@ class WorkerLayout:
     single_action_space: gymnasium.Space[Any]
     autoreset_mode: AutoresetMode
     ranges: Sequence[tuple[int, int]]
+    same_observation_space: bool = True
 
     @property
     def num_envs(self) -> int:

@@ -78,6 +78,7 @@ class InProcessBackend(Backend):
                     layout.single_action_space,
                     layout.autoreset_mode,
                     first_env=first_env if start == 0 else None,
+                    same_observation_space=layout.same_observation_space,
                 )
                 self.groups.append(group)
                 mismatch = group.check_spaces()

@@ -133,6 +133,7 @@ class _WorkerSpec:
     spin_s: float
     parent_pid: int
     start_method: str
+    same_observation_space: bool = True
 
 
 class ProcessesBackend(RemoteWorkersBackend):
@@ -237,6 +238,7 @@ class ProcessesBackend(RemoteWorkersBackend):
                     layout.single_action_space,
                     layout.autoreset_mode,
                     first_env=env0,
+                    same_observation_space=layout.same_observation_space,
                 )
                 mismatch = self._local.check_spaces()
                 if mismatch is not None:
@@ -284,6 +286,7 @@ class ProcessesBackend(RemoteWorkersBackend):
             spin_s=self._worker_spin_s,
             parent_pid=os.getpid(),
             start_method=self._ctx.get_start_method(),
+            same_observation_space=layout.same_observation_space,
         )
         parent_conn, child_conn = self._ctx.Pipe(duplex=True)
         proc = self._ctx.Process(
@@ -877,6 +880,7 @@ def _worker_main(spec: _WorkerSpec, conn: Connection, parent_conn: Connection) -
                 spec.single_observation_space,
                 spec.single_action_space,
                 spec.autoreset_mode,
+                same_observation_space=spec.same_observation_space,
             )
             mismatch = group.check_spaces()
         except EnvFailure as failure:

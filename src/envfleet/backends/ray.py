@@ -246,6 +246,7 @@ class _ActorSpec:
     single_observation_space: gymnasium.Space[Any]
     single_action_space: gymnasium.Space[Any]
     autoreset_mode: AutoresetMode
+    same_observation_space: bool = True
 
 
 class _LastStepTimer(StepTimer):
@@ -293,6 +294,7 @@ class EnvfleetWorker:
                 act_space,
                 spec.autoreset_mode,
                 batch_offset=spec.start,
+                same_observation_space=spec.same_observation_space,
             )
             self.startup = (Status.READY, self.group.check_spaces())
         except EnvFailure as failure:
@@ -441,6 +443,7 @@ class RayBackend(RemoteWorkersBackend):
             single_observation_space=layout.single_observation_space,
             single_action_space=layout.single_action_space,
             autoreset_mode=layout.autoreset_mode,
+            same_observation_space=layout.same_observation_space,
         )
         self._actors[w] = _RemoteWorker.options(**self._options).remote(spec)
 
