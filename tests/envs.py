@@ -707,3 +707,26 @@ class BoundsEnv(gym.Env):
         u = self.np_random.random()
         obs = (self.np_random.random(self.observation_space.shape) * 0.5).astype(np.float32)
         return obs, float(u), bool(u < 0.1), False, {}
+
+
+class SideActionEnv(gym.Env):
+    """An action space without a fixed size: ``Text`` (``kind="text"``) or a ``Dict`` of a
+    Text and a Box (``"dict"``); observations and rewards depend on the actions received."""
+
+    def __init__(self, kind: str = "text", env_index: int = 0):
+        self.env_index = env_index
+        text = spaces.Text(4, min_length=1)
+        box = spaces.Box(-1.0, 1.0, (2,), np.float32)
+        self.action_space = text if kind == "text" else spaces.Dict({"word": text, "move": box})
+        self.observation_space = spaces.Box(-100.0, 100.0, (3,), np.float32)
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
+        super().reset(seed=seed)
+        return self.np_random.random(3).astype(np.float32), {}
+
+    def step(self, action: Any):
+        word = action if isinstance(action, str) else action["word"]
+        move = np.zeros(2) if isinstance(action, str) else action["move"]
+        u = self.np_random.random()
+        obs = np.array([len(word), sum(map(ord, word)) % 97, move[0] + u], dtype=np.float32)
+        return obs, float(move[1]) + len(word), bool(u < 0.1), bool(0.1 <= u < 0.13), {}

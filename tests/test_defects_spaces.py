@@ -18,7 +18,7 @@ from gymnasium.vector.utils import batch_space, concatenate, create_empty_array
 
 import envfleet
 import envfleet.speedups
-from tests.envs import BoundsEnv, SideObsEnv, sync_factories
+from tests.envs import BoundsEnv, SideActionEnv, SideObsEnv, sync_factories
 from tests.helpers import assert_same
 from tests.test_differential import run_lockstep
 
@@ -252,3 +252,73 @@ def test_observation_mode_bad_values_are_refused():
         SyncVectorEnv(sync_factories(BoundsEnv, 2), observation_mode=(1, 2))
     with pytest.raises(envfleet.ConfigError, match="observation_mode"):
         envfleet.make(BoundsEnv, 2, backend="serial", observation_mode=(1, 2))
+
+
+# -- action spaces without a fixed size ------------------------------------------------------
+
+
+def check_side_actions(make_env, kind, backend, mode, steps=40, **layout):
+    factory = functools.partial(SideActionEnv, kind)
+    fleet = make_env(factory, NUM_ENVS, backend=backend, autoreset_mode=mode, **layout)
+    sync = SyncVectorEnv(sync_factories(factory, NUM_ENVS), autoreset_mode=mode)
+    try:
+        assert fleet.action_space == sync.action_space
+        seen = run_lockstep(fleet, sync, steps=steps, seed=6, mid_episode_resets=MID_RESETS)
+    finally:
+        sync.close()
+    assert seen["ended"] > 0
+
+
+@pytest.mark.parametrize("mode", list(AutoresetMode), ids=lambda m: m.value)
+@pytest.mark.parametrize("kind", ["text", "dict"])
+@pytest.mark.parametrize(
+    ("backend", "layout"),
+    [
+        ("serial", {"num_workers": 2}),
+        ("threads", {"num_workers": 2}),
+        ("processes", {"num_workers": 2}),
+        ("processes", {"num_workers": 1, "driver_envs": 2}),
+    ],
+    ids=["serial", "threads", "processes", "processes-driver-share"],
+)
+def test_side_actions_match_sync(make_env, backend, layout, kind, mode):
+    check_side_actions(make_env, kind, backend, mode, **layout)
+
+
+def test_side_actions_ray_match_sync(make_env):
+    check_side_actions(make_env, "dict", "ray", AutoresetMode.NEXT_STEP, num_workers=2)
+
+
+def test_side_actions_of_the_wrong_length_are_refused(make_env):
+    fleet = make_env(functools.partial(SideActionEnv, "text"), 3, backend="processes")
+    fleet.reset(seed=0)
+    with pytest.raises(envfleet.InvalidActionError, match="3"):
+        fleet.step(("a", "b"))
+    assert fleet.step(("a", "bb", "ccc"))[1].tolist() == [1.0, 2.0, 3.0]
+
+
+def test_side_actions_pool_match_single_envs(make_env):
+    """First-ready pool: each env steps with the Text/Box action sent to it (as a lone copy
+    driven with the same seed and actions does)."""
+    factory = functools.partial(SideActionEnv, "dict")
+    fleet = make_env(factory, NUM_ENVS, backend="processes", batch_size=2)
+    refs = [factory(env_index=e) for e in range(NUM_ENVS)]
+    obs_of = {e: refs[e].reset(seed=30 + e)[0] for e in range(NUM_ENVS)}
+    done = dict.fromkeys(range(NUM_ENVS), False)
+    fleet.async_reset(seed=30)
+    ended = 0
+    for t in range(40):
+        obs, _, _, _, info = fleet.recv()
+        ids = info["env_id"].tolist()
+        np.testing.assert_array_equal(obs, np.stack([obs_of[e] for e in ids]))
+        words = tuple("abcd"[: 1 + (t + e) % 4] for e in ids)
+        moves = np.float32([[0.5, 0.25 * e] for e in ids])
+        for k, e in enumerate(ids):
+            if done[e]:
+                obs_of[e], done[e] = refs[e].reset()[0], False
+            else:
+                obs_of[e], _, term, trunc, _ = refs[e].step({"word": words[k], "move": moves[k]})
+                done[e] = term or trunc
+                ended += done[e]
+        fleet.send({"word": words, "move": moves}, ids)
+    assert ended > 0

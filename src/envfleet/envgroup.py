@@ -20,7 +20,7 @@ from gymnasium.vector import AutoresetMode
 from gymnasium.vector.utils import batch_space, concatenate, create_empty_array, iterate
 
 from envfleet import speedups as _speedups
-from envfleet.buffers import Batch, is_leaf, side_leaves, side_values
+from envfleet.buffers import Batch, fill_side, is_leaf, side_leaves, side_values
 from envfleet.protocol import (
     CallRequest,
     Command,
@@ -237,7 +237,7 @@ class EnvGroup:
     def run(self, command: Command, payload: Any) -> Any:
         """Execute one command; the result travels back to the front."""
         if command is Command.STEP:
-            return self.step()
+            return self.step(payload)
         if command is Command.RESET:
             return self.reset(payload)
         if command is Command.CALL:
@@ -250,11 +250,16 @@ class EnvGroup:
             return self.restart(payload)
         raise ValueError(f"unknown command {command!r}")
 
-    def step(self) -> list[InfoEvent]:
+    def step(self, side_actions: list[tuple[Any, ...]] | None = None) -> list[InfoEvent]:
         """Step every env with its action from the action buffer, autoresetting per mode.
 
         Writes observations, rewards, terminations and truncations into the group's buffer
         slices and returns the non-empty infos in order (gymnasium's SyncVectorEnv.step).
+
+        Args:
+            side_actions: for an action space with leaves without a fixed size (no buffer,
+                ``envfleet.buffers.side_leaves``), per such leaf the group's batched values
+                (one per env), as gymnasium's batched action holds them.
         """
         buf = self.buffers
         # Like SyncVectorEnv, each env gets a view of its row of the batched actions; the
@@ -262,6 +267,9 @@ class EnvGroup:
         actions: Any
         if self._action_leaf:
             actions = iter(buf.actions)
+        elif side_actions is not None:
+            batched = fill_side(self.single_action_space, buf.actions, iter(side_actions))
+            actions = iter(iterate(self._action_space, batched))
         else:
             actions = iter(iterate(self._action_space, buf.actions))
         # Per-env results gather in Python lists and reach the buffers in one assignment

@@ -44,8 +44,8 @@ from envfleet.buffers import (
     Block,
     ObservationSlabs,
     batch_nbytes,
-    check_fixed_size,
     fill_side,
+    fixed_part,
     is_leaf,
     observation_nbytes,
     side_leaves,
@@ -386,7 +386,6 @@ def make(  # type: ignore[misc]  # the overloads stand for its keyword arguments
         obs_space = observation_mode[1]
     metadata, render_mode = dict(first.metadata), first.render_mode
     try:
-        check_fixed_size(act_space, "action")
         if backend == "processes":
             if pool and driver_envs:
                 raise ConfigError("a first-ready pool steps every env in a worker (driver_envs=0)")
@@ -801,6 +800,11 @@ class FleetVectorEnv(VectorEnv[Any, Any, np.ndarray]):
         # no buffer; per env, its latest values there (SideValues events of the replies).
         self._side_spaces = side_leaves(single_observation_space)
         self._side_rows: list[list[Any] | None] = [None] * self.num_envs
+        # Action leaves without a fixed size: their values go to each worker with the step
+        # command (EnvGroup.step's side_actions); the step's payloads, or every group's None.
+        self._side_actions = bool(side_leaves(single_action_space))
+        self._step_payloads: dict[int, Any] = self._every_group
+        self._pool_side_actions: list[list[Any]] = [[] for _ in range(self.num_envs)]
 
     # -- first-ready pool (EnvPool's asynchronous interface) ---------------------------------
 
@@ -912,12 +916,15 @@ class FleetVectorEnv(VectorEnv[Any, Any, np.ndarray]):
         ):
             self._backend.batch.actions[ids] = actions
         else:
-            staged = create_empty_array(self.single_action_space, n)
+            staged = create_empty_array(fixed_part(self.single_action_space), n)
             writes: list[tuple[np.ndarray, np.ndarray]] = []
-            _check_actions(self.single_action_space, staged, actions, "actions", writes)
+            side: list[tuple[Any, ...]] = []
+            _check_actions(self.single_action_space, staged, actions, "actions", writes, side, n)
             for target, value in writes:
                 target[...] = value
             tree_scatter(self._backend.batch.actions, ids, staged)
+            for k, e in enumerate(ids.tolist()):  # leaves without a fixed size: per env
+                self._pool_side_actions[e] = [values[k] for values in side]
         self._has_action[ids] = True
         self._drop_slabs()
         payloads: dict[int, Any] = {}
@@ -925,6 +932,9 @@ class FleetVectorEnv(VectorEnv[Any, Any, np.ndarray]):
             start, stop = self._backend.ranges[w]
             if self._has_action[start:stop].all():
                 payloads[w] = None
+                if self._side_actions:  # as EnvGroup.step's side_actions
+                    rows = self._pool_side_actions[start:stop]
+                    payloads[w] = [tuple(values) for values in zip(*rows, strict=True)]
         if payloads:
             self._submit(Command.STEP, payloads)
             for w in payloads:
@@ -1165,7 +1175,13 @@ class FleetVectorEnv(VectorEnv[Any, Any, np.ndarray]):
         # step_async then step_wait, with the submit and the wait in one backend call.
         self._prepare_step(actions, "step_async")
         try:
-            results = self._backend.round(_STEP, self._every_group, self.step_timeout, self._steps)
+            if self._side_actions:  # a payload per worker: no shortcut round
+                self._backend.submit(_STEP, self._step_payloads, self._steps)
+                results = self._backend.collect(self.step_timeout, self._steps)
+            else:
+                results = self._backend.round(
+                    _STEP, self._every_group, self.step_timeout, self._steps
+                )
         except BaseException:
             # A crash, a timeout or an interrupt may have shut the backend down.
             self.closed = self._backend.closed
@@ -1175,7 +1191,7 @@ class FleetVectorEnv(VectorEnv[Any, Any, np.ndarray]):
     def step_async(self, actions: Any) -> None:
         """Start a step; collect it with :meth:`step_wait` (gymnasium's AsyncVectorEnv API)."""
         self._prepare_step(actions, "step_async")
-        self._submit(Command.STEP, self._every_group)
+        self._submit(Command.STEP, self._step_payloads)
         self._state = AsyncState.WAITING_STEP
 
     def _prepare_step(self, actions: Any, name: str) -> None:
@@ -1201,9 +1217,17 @@ class FleetVectorEnv(VectorEnv[Any, Any, np.ndarray]):
             out[...] = actions
         else:
             writes: list[tuple[np.ndarray, np.ndarray]] = []
-            _check_actions(self.single_action_space, out, actions, "actions", writes)
+            side: list[tuple[Any, ...]] = []
+            _check_actions(
+                self.single_action_space, out, actions, "actions", writes, side, self.num_envs
+            )
             for target, value in writes:
                 target[...] = value
+            if self._side_actions:
+                self._step_payloads = {
+                    w: [values[start:stop] for values in side]
+                    for w, (start, stop) in enumerate(self._backend.ranges)
+                }
         if self._slabs is not None:
             self._pick_slab(every_env=True)
 
@@ -1595,8 +1619,15 @@ def _check_actions(
     actions: Any,
     where: str,
     writes: list[tuple[np.ndarray, np.ndarray]],
+    side: list[tuple[Any, ...]] | None = None,
+    count: int = 0,
 ) -> None:
-    """Check ``actions`` against the batched buffer ``out``; queue (out, value) writes."""
+    """Check ``actions`` against the batched buffer ``out``; queue (out, value) writes.
+
+    A leaf without a fixed size (``out`` is ``None`` there, see buffers.side_leaves) takes
+    any sequence of one value per env (what gymnasium's batched action space holds, a
+    tuple) of length ``count``; it is appended to ``side`` as a tuple.
+    """
     if isinstance(space, gymnasium.spaces.Dict):
         if not isinstance(actions, dict) or set(actions) != set(space.spaces):
             got = sorted(actions) if isinstance(actions, dict) else type(actions).__name__
@@ -1604,7 +1635,7 @@ def _check_actions(
                 f"{where}: expected a dict with keys {sorted(space.spaces)}, got {got}"
             )
         for key, sub in space.spaces.items():
-            _check_actions(sub, out[key], actions[key], f"{where}[{key!r}]", writes)
+            _check_actions(sub, out[key], actions[key], f"{where}[{key!r}]", writes, side, count)
         return
     if isinstance(space, gymnasium.spaces.Tuple):
         if not isinstance(actions, tuple) or len(actions) != len(space.spaces):
@@ -1612,7 +1643,19 @@ def _check_actions(
                 f"{where}: expected a tuple of {len(space.spaces)} batched actions"
             )
         for k, sub in enumerate(space.spaces):
-            _check_actions(sub, out[k], actions[k], f"{where}[{k}]", writes)
+            _check_actions(sub, out[k], actions[k], f"{where}[{k}]", writes, side, count)
+        return
+    if out is None:  # a leaf without a fixed size: one value per env, any sequence
+        if isinstance(actions, (str, bytes, dict)) or not hasattr(actions, "__len__"):
+            raise InvalidActionError(
+                f"{where}: expected a sequence of {count} actions (one per env), "
+                f"got {type(actions).__name__}"
+            )
+        if len(actions) != count:
+            raise InvalidActionError(
+                f"{where}: expected {count} actions (one per env), got {len(actions)}"
+            )
+        cast(list[tuple[Any, ...]], side).append(tuple(actions))
         return
     try:
         value = np.asarray(actions)
