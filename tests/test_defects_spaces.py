@@ -322,3 +322,26 @@ def test_side_actions_pool_match_single_envs(make_env):
                 ended += done[e]
         fleet.send({"word": words, "move": moves}, ids)
     assert ended > 0
+
+
+def test_process_env_side_leaves_match_the_env():
+    """ProcessEnv unbatches by the space: a Text observation is the env's string, and a Text
+    action reaches the env as the str given."""
+    factory = functools.partial(SideObsEnv, "dict_text_box")
+    ref = factory()
+    with envfleet.ProcessEnv(factory) as env:
+        assert_same(env.reset(seed=3), ref.reset(seed=3))
+        for t in range(30):
+            got, want = env.step(t % 2), ref.step(t % 2)
+            assert_same(got, want)
+            if want[2] or want[3]:
+                assert_same(env.reset(seed=t), ref.reset(seed=t))
+    factory = functools.partial(SideActionEnv, "text")
+    ref = factory()
+    with envfleet.ProcessEnv(factory) as env:
+        assert_same(env.reset(seed=3), ref.reset(seed=3))
+        for word in ["a", "bb", "abc"] * 5:
+            got, want = env.step(word), ref.step(word)
+            assert_same(got, want)
+            if want[2] or want[3]:
+                assert_same(env.reset(), ref.reset())

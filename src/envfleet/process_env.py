@@ -18,6 +18,7 @@ import gymnasium
 import numpy as np
 from gymnasium.vector import AutoresetMode
 
+from envfleet.buffers import is_leaf
 from envfleet.errors import (
     AlreadyPendingCallError,
     ClosedEnvironmentError,
@@ -222,7 +223,7 @@ class ProcessEnv:
         """
         venv = self._vector()
         try:
-            venv.step_async(_batch_of_one(action))
+            venv.step_async(_batch_of_one(self.action_space, action))
         except ResetNeededError as exc:
             raise ResetNeededError("the episode ended: call reset() first", [0]) from exc
         return self._finish(venv.step_wait, self._one_step, blocking)
@@ -303,12 +304,12 @@ class ProcessEnv:
 
     def _one_reset(self, result: tuple[Any, dict[str, Any]]) -> tuple[Any, dict[str, Any]]:
         obs, info = result
-        return _first(obs), info
+        return _first(self.observation_space, obs), info
 
     def _one_step(self, result: tuple[Any, ...]) -> tuple[Any, float, bool, bool, dict[str, Any]]:
         obs, rewards, terminations, truncations, info = result
         return (
-            _first(obs),
+            _first(self.observation_space, obs),
             float(rewards[0]),
             bool(terminations[0]),
             bool(truncations[0]),
@@ -316,20 +317,30 @@ class ProcessEnv:
         )
 
 
-def _batch_of_one(action: Any) -> Any:
-    """The action as a batch of one (``[1, *shape]`` per leaf)."""
+def _batch_of_one(space: gymnasium.Space[Any] | None, action: Any) -> Any:
+    """The action as a batch of one, walked by ``space``: ``(action,)`` for a leaf without a
+    fixed size (Text, Graph, ...: gymnasium batches those as tuples), ``[1, *shape]`` per
+    other leaf of its dicts and tuples. Where the structure does not fit ``space`` it is kept
+    (``space`` ``None`` below), for the vector env to refuse."""
+    containers = (gymnasium.spaces.Dict, gymnasium.spaces.Tuple)
+    if space is not None and not is_leaf(space) and not isinstance(space, containers):
+        return (action,)
     if isinstance(action, dict):
-        return {key: _batch_of_one(value) for key, value in action.items()}
+        subs = space.spaces if isinstance(space, gymnasium.spaces.Dict) else {}
+        return {key: _batch_of_one(subs.get(key), value) for key, value in action.items()}
     if isinstance(action, tuple):
-        return tuple(_batch_of_one(value) for value in action)
+        fits = isinstance(space, gymnasium.spaces.Tuple) and len(space.spaces) == len(action)
+        subs_ = space.spaces if fits else (None,) * len(action)  # type: ignore[union-attr]
+        return tuple(_batch_of_one(sub, value) for sub, value in zip(subs_, action, strict=True))
     return np.expand_dims(np.asarray(action), 0)
 
 
-def _first(obs: Any) -> Any:
-    """Row 0 of a batched observation (leaf by leaf); the vector env returned the caller's
-    own (``copy=True``), so the row is too."""
-    if isinstance(obs, dict):
-        return {key: _first(value) for key, value in obs.items()}
-    if isinstance(obs, tuple):
-        return tuple(_first(value) for value in obs)
+def _first(space: gymnasium.Space[Any], obs: Any) -> Any:
+    """Row 0 of a batched observation, walked by ``space`` (leaf by leaf; a leaf without a
+    fixed size is a tuple of per-env values); the vector env returned the caller's own
+    (``copy=True``), so the row is too."""
+    if isinstance(space, gymnasium.spaces.Dict):
+        return {key: _first(space[key], value) for key, value in obs.items()}
+    if isinstance(space, gymnasium.spaces.Tuple):
+        return tuple(_first(sub, value) for sub, value in zip(space, obs, strict=True))
     return obs[0]
