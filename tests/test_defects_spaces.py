@@ -345,3 +345,13 @@ def test_process_env_side_leaves_match_the_env():
             assert_same(got, want)
             if want[2] or want[3]:
                 assert_same(env.reset(), ref.reset())
+
+
+@pytest.mark.parametrize("inference", ["driver", "worker"])
+def test_sampler_refuses_side_leaves(inference, snapshot):
+    """The Sampler records observations and actions into arrays: spaces with leaves
+    without a fixed size are refused with a ConfigError naming them (no process left)."""
+    factory = functools.partial(SideObsEnv, "dict_text_box")
+    with pytest.raises(envfleet.ConfigError, match="Text"):
+        envfleet.Sampler(factory, lambda obs: np.zeros(2, np.int64), 2, inference=inference)
+    snapshot.assert_nothing_left()

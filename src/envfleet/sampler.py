@@ -46,7 +46,7 @@ from envfleet.backends.base import (
     worker_ranges,
 )
 from envfleet.backends.processes import _die_with_parent, _remote_error
-from envfleet.buffers import tree_scatter
+from envfleet.buffers import side_leaves, tree_scatter
 from envfleet.errors import (
     ClosedEnvironmentError,
     ConfigError,
@@ -241,6 +241,20 @@ def _to_numpy(value: Any) -> Any:
     if hasattr(value, "detach"):  # a torch tensor
         value = value.detach().cpu().numpy()
     return np.asarray(value)
+
+
+def _check_recordable(
+    observation_space: gymnasium.Space[Any], action_space: gymnasium.Space[Any]
+) -> None:
+    """Raise :class:`ConfigError` for spaces with leaves without a fixed size (Text, Graph,
+    ...: ``envfleet.buffers.side_leaves``), which episode arrays cannot record."""
+    for what, space in (("observation", observation_space), ("action", action_space)):
+        leaves = side_leaves(space)
+        if leaves:
+            raise ConfigError(
+                f"the Sampler records {what}s into arrays; the {what} space {space} has "
+                f"leaves without a fixed size: {leaves}; use envfleet.make directly"
+            )
 
 
 def _act(policy: Policy, observations: Any) -> tuple[Any, dict[str, np.ndarray]]:
@@ -628,6 +642,11 @@ class Sampler:
             venv = self._venv
             self.single_observation_space = venv.single_observation_space
             self.single_action_space = venv.single_action_space
+            try:
+                _check_recordable(venv.single_observation_space, venv.single_action_space)
+            except ConfigError:
+                venv.close()
+                raise
             self.worker_ranges = venv.worker_ranges
             if venv.is_pool and venv.num_envs % venv.batch_size:
                 venv.close()
@@ -1046,6 +1065,7 @@ class Sampler:
                     ready += 1
                     self.single_observation_space = message.observation_space
                     self.single_action_space = message.action_space
+                    _check_recordable(message.observation_space, message.action_space)
         except BaseException:
             self.close(timeout=1.0)
             raise
