@@ -662,18 +662,36 @@ def side_space(kind: str) -> spaces.Space:
 class SideObsEnv(gym.Env):
     """Observations from a space without a fixed size (``side_space(kind)``), drawn from the
     env's seeded generator; episodes end at random (terminated or truncated), infos carry
-    the step count every other step."""
+    the step count every other step. ``last_obs``: the latest observation returned.
 
-    def __init__(self, kind: str = "text", env_index: int = 0):
+    Faults: env ``fail_index`` fails in its ``fail_step``-th step of every episode, by
+    raising (``fail="raise"``) or ending its process (``fail="exit"``)."""
+
+    def __init__(
+        self,
+        kind: str = "text",
+        env_index: int = 0,
+        fail: str | None = None,
+        fail_index: int = 0,
+        fail_step: int = 5,
+    ):
         self.kind = kind
         self.env_index = env_index
+        self.fail = fail if env_index == fail_index else None
+        self.fail_step = fail_step
         self.observation_space = side_space(kind)
         self.action_space = spaces.Discrete(2)
         self._t = 0
+        self.last_obs: Any = None
 
     def _obs(self) -> Any:
+        if self.fail is not None and self._t == self.fail_step:
+            if self.fail == "exit":
+                os._exit(3)
+            raise RuntimeError(f"boom in step {self._t} of env {self.env_index}")
         self.observation_space.seed(int(self.np_random.integers(1 << 30)))
-        return self.observation_space.sample()
+        self.last_obs = self.observation_space.sample()
+        return self.last_obs
 
     def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
         super().reset(seed=seed)

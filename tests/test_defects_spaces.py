@@ -355,3 +355,33 @@ def test_sampler_refuses_side_leaves(inference, snapshot):
     with pytest.raises(envfleet.ConfigError, match="Text"):
         envfleet.Sampler(factory, lambda obs: np.zeros(2, np.int64), 2, inference=inference)
     snapshot.assert_nothing_left()
+
+
+@pytest.mark.parametrize(
+    ("backend", "fail"),
+    [("processes", "raise"), ("processes", "exit"), ("serial", "raise"), ("threads", "raise")],
+)
+def test_side_leaves_after_restarts(make_env, backend, fail):
+    """With a restart policy, a rebuilt env (or a respawned worker's envs) reports its new
+    observation at the side leaves too: every row is each env's latest observation."""
+    factory = functools.partial(SideObsEnv, "dict_text_box", fail=fail, fail_index=2)
+    fleet = make_env(
+        factory,
+        NUM_ENVS,
+        backend=backend,
+        num_workers=2,
+        restart_policy=envfleet.RestartPolicy(max_restarts=100, window_s=60.0),
+    )
+    space = fleet.single_observation_space
+
+    def check(obs):
+        latest = fleet.get_attr("last_obs")
+        assert_same(obs, concatenate(space, latest, create_empty_array(space, NUM_ENVS)))
+
+    check(fleet.reset(seed=1)[0])
+    restarted = 0
+    for _ in range(30):
+        obs, _, _, _, info = fleet.step(np.zeros(NUM_ENVS, dtype=np.int64))
+        restarted += int(info.get("_env_restarted", np.zeros(1, bool)).sum())
+        check(obs)
+    assert restarted > 0
