@@ -748,3 +748,25 @@ class SideActionEnv(gym.Env):
         u = self.np_random.random()
         obs = np.array([len(word), sum(map(ord, word)) % 97, move[0] + u], dtype=np.float32)
         return obs, float(move[1]) + len(word), bool(u < 0.1), bool(0.1 <= u < 0.13), {}
+
+
+class ReusedGraphEnv(gym.Env):
+    """A Graph observation whose node array is one buffer the env rewrites in place on every
+    step (what copy=True must protect results from)."""
+
+    def __init__(self, env_index: int = 0):
+        self.env_index = env_index
+        self.observation_space = spaces.Graph(spaces.Box(-10.0, 10.0, (2,), np.float32), None)
+        self.action_space = spaces.Discrete(2)
+        self._nodes = np.zeros((3, 2), dtype=np.float32)
+
+    def _obs(self) -> Any:
+        self._nodes[...] = self.np_random.random((3, 2))
+        return spaces.GraphInstance(self._nodes, None, None)
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
+        super().reset(seed=seed)
+        return self._obs(), {}
+
+    def step(self, action: Any):
+        return self._obs(), 0.0, False, False, {}

@@ -18,7 +18,7 @@ from gymnasium.vector.utils import batch_space, concatenate, create_empty_array
 
 import envfleet
 import envfleet.speedups
-from tests.envs import BoundsEnv, SideActionEnv, SideObsEnv, sync_factories
+from tests.envs import BoundsEnv, ReusedGraphEnv, SideActionEnv, SideObsEnv, sync_factories
 from tests.helpers import assert_same
 from tests.test_differential import run_lockstep
 
@@ -385,3 +385,21 @@ def test_side_leaves_after_restarts(make_env, backend, fail):
         restarted += int(info.get("_env_restarted", np.zeros(1, bool)).sum())
         check(obs)
     assert restarted > 0
+
+
+@pytest.mark.parametrize("backend", ["serial", "threads", "processes"])
+def test_side_leaves_copy_true_results_are_the_callers(make_env, backend):
+    """copy=True: as SyncVectorEnv's deepcopy, a result's side-leaf values do not change when
+    the env rewrites the objects it returned."""
+    fleet = make_env(ReusedGraphEnv, 2, backend=backend, num_workers=2)
+    sync = SyncVectorEnv(sync_factories(ReusedGraphEnv, 2))
+    try:
+        got_first, want_first = fleet.reset(seed=0)[0], sync.reset(seed=0)[0]
+        kept = [g.nodes.copy() for g in got_first]
+        for _ in range(3):
+            assert_same(fleet.step(np.zeros(2, np.int64)), sync.step(np.zeros(2, np.int64)))
+        assert_same(got_first, want_first)
+        for graph, nodes in zip(got_first, kept, strict=True):
+            np.testing.assert_array_equal(graph.nodes, nodes)
+    finally:
+        sync.close()

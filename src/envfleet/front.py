@@ -16,6 +16,7 @@ import numbers
 import os
 import time
 from collections.abc import Callable, Iterable, Sequence
+from copy import deepcopy
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, cast, overload
 
@@ -1529,8 +1530,12 @@ class FleetVectorEnv(VectorEnv[Any, Any, np.ndarray]):
 
     def _fill_side(self, obs: Any, envs: Iterable[int]) -> Any:
         """``obs`` (a batched tree, ``None`` at the side leaves) with the side leaves of the
-        envs ``envs`` batched by gymnasium's ``concatenate``, as SyncVectorEnv batches them."""
+        envs ``envs`` batched by gymnasium's ``concatenate``, as SyncVectorEnv batches them;
+        with ``copy=True`` deep copies, as SyncVectorEnv's (an env in this process may
+        rewrite the objects it returned)."""
         rows = [cast(list[Any], self._side_rows[e]) for e in envs]
+        if self.copy:
+            rows = deepcopy(rows)
         batched = (
             concatenate(
                 space, [row[k] for row in rows], cast(Any, create_empty_array(space, len(rows)))
