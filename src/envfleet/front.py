@@ -192,6 +192,13 @@ def make(  # type: ignore[misc]  # the overloads stand for its keyword arguments
 ) -> FleetVectorEnv | TorchVectorEnv:
     """Create a vector env of ``num_envs`` sub-environments on ``backend``.
 
+    Every gymnasium space works, as with ``gymnasium.vector.SyncVectorEnv``. Array leaves
+    (Box, Discrete, MultiDiscrete, MultiBinary, in Dict and Tuple) live in shared buffers;
+    leaves without a fixed size (Text, Graph, Sequence, OneOf, custom ``Space`` subclasses)
+    travel pickled with each reply (observations) or command (actions) and are batched with
+    gymnasium's own ``concatenate``/``iterate``, as SyncVectorEnv batches them (tuples).
+    ``output="torch"`` and :class:`envfleet.Sampler` refuse those (``ConfigError``).
+
     Args:
         env: a gymnasium id (``"CartPole-v1"``, ``"ALE/Pong-v5"``), a zero-argument callable
             returning a ``gymnasium.Env``, or a list of such callables (one per env). A factory
@@ -282,7 +289,7 @@ def make(  # type: ignore[misc]  # the overloads stand for its keyword arguments
 
     Raises:
         ConfigError: any bad argument above, an unknown gymnasium id, an unpicklable factory
-            for ``processes`` or ``ray``, an observation or action space without a fixed size;
+            for ``processes`` or ``ray``, a bad ``observation_mode``;
             ``ray`` not installed, Ray not reachable, or actors asking for more resources
             than the Ray cluster has.
         SpaceMismatchError: the sub-environments' spaces differ (see ``observation_mode``;
