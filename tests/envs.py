@@ -708,10 +708,12 @@ class SideObsEnv(gym.Env):
 
 class BoundsEnv(gym.Env):
     """A Box observation whose bounds depend on ``env_index`` (same shape and dtype), or
-    whose shape does too with ``grow=True``."""
+    whose shape does too with ``grow=True``. Env 1 raises in its ``fail_step``-th step."""
 
-    def __init__(self, env_index: int = 0, grow: bool = False):
+    def __init__(self, env_index: int = 0, grow: bool = False, fail_step: int | None = None):
         self.env_index = env_index
+        self.fail_step = fail_step if env_index == 1 else None  # env 1 raises there
+        self._t = 0
         high = 1.0 + env_index
         shape = (2 + (env_index if grow else 0),)
         self.observation_space = spaces.Box(-high, high, shape, np.float32)
@@ -722,6 +724,9 @@ class BoundsEnv(gym.Env):
         return self.observation_space.sample() * 0 + self.np_random.random(), {}
 
     def step(self, action: Any):
+        self._t += 1
+        if self._t == self.fail_step:
+            raise RuntimeError(f"boom in step {self._t} of env {self.env_index}")
         u = self.np_random.random()
         obs = (self.np_random.random(self.observation_space.shape) * 0.5).astype(np.float32)
         return obs, float(u), bool(u < 0.1), False, {}

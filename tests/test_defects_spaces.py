@@ -180,7 +180,12 @@ def test_observation_mode_same_refuses_differing_spaces(backend, snapshot):
 
 @pytest.mark.parametrize(
     ("backend", "layout"),
-    [("serial", {}), ("threads", {"num_workers": 2}), ("processes", {"num_workers": 2})],
+    [
+        ("serial", {}),
+        ("threads", {"num_workers": 2}),
+        ("processes", {"num_workers": 2}),
+        ("ray", {"num_workers": 2}),
+    ],
 )
 def test_observation_mode_different_matches_sync(make_env, backend, layout):
     fleet = make_env(BoundsEnv, 3, backend=backend, observation_mode="different", **layout)
@@ -403,3 +408,24 @@ def test_side_leaves_copy_true_results_are_the_callers(make_env, backend):
             np.testing.assert_array_equal(graph.nodes, nodes)
     finally:
         sync.close()
+
+
+@pytest.mark.parametrize("backend", ["serial", "processes"])
+def test_observation_mode_different_survives_restarts(make_env, backend):
+    """A rebuilt env's space is checked as at start: with "different", same shape and dtype
+    (its bounds differ from env 0's)."""
+    factory = functools.partial(BoundsEnv, fail_step=3)
+    fleet = make_env(
+        factory,
+        3,
+        backend=backend,
+        num_workers=3,
+        observation_mode="different",
+        restart_policy=envfleet.RestartPolicy(max_restarts=10, window_s=60.0),
+    )
+    fleet.reset(seed=0)
+    restarted = 0
+    for _ in range(8):
+        *_, info = fleet.step(np.zeros(3, dtype=np.int64))
+        restarted += int(info.get("_env_restarted", np.zeros(1, bool)).sum())
+    assert restarted >= 2
