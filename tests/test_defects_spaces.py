@@ -146,6 +146,22 @@ def test_c_step_path_still_runs(make_env, monkeypatch, kind):
         assert counting.calls["write_rows"] >= 10
 
 
+@pytest.mark.parametrize("kind", [None, "dict_text_box"], ids=["cartpole", "side-leaves"])
+def test_c_step_round_still_runs(make_env, monkeypatch, kind):
+    """processes: the driver's C step round (one call per step) runs for plain spaces and
+    with side-leaf observations (their values come back as a reply to read)."""
+    if envfleet.speedups.speedups is None:
+        pytest.skip("envfleet._speedups is not built here")
+    counting = CountingSpeedups(envfleet.speedups.speedups)
+    monkeypatch.setattr(envfleet.speedups, "speedups", counting)
+    env = "CartPole-v1" if kind is None else functools.partial(SideObsEnv, kind)
+    fleet = make_env(env, NUM_ENVS, backend="processes", num_workers=2)
+    fleet.reset(seed=0)
+    for _ in range(10):
+        fleet.step(np.zeros(NUM_ENVS, dtype=np.int64))
+    assert counting.calls["step_round"] == 10
+
+
 @pytest.mark.parametrize("backend", ["serial", "processes"])
 def test_side_spaces_python_step_path_match_sync(make_env, monkeypatch, backend):
     monkeypatch.setattr(envfleet.speedups, "speedups", None)
