@@ -14,7 +14,6 @@ import logging
 import multiprocessing
 import numbers
 import os
-import time
 from collections.abc import Callable, Iterable, Sequence
 from copy import deepcopy
 from dataclasses import dataclass
@@ -960,7 +959,10 @@ class FleetVectorEnv(VectorEnv[Any, Any, np.ndarray]):
         env then awaits its next action.
 
         Args:
-            timeout: seconds to wait (default ``step_timeout``; ``None``: no bound).
+            timeout: seconds each env may take from the :meth:`send` (or
+                :meth:`async_reset`) that started it (default ``step_timeout``; ``None``: no
+                bound). An env past it raises :class:`StepTimeoutError` even while others
+                keep finishing.
 
         Returns:
             (observations ``[batch_size, *shape]``, rewards ``float64[batch_size]``,
@@ -990,12 +992,11 @@ class FleetVectorEnv(VectorEnv[Any, Any, np.ndarray]):
             )
         if timeout is None:
             timeout = self.step_timeout
-        deadline = None if timeout is None else time.monotonic() + timeout
         ranges = self._backend.ranges
         while len(self._ready) < need:
-            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
             try:
-                results = self._backend.collect_ready(remaining, self._steps)
+                # The backend bounds each worker's time from its own send by ``timeout``.
+                results = self._backend.collect_ready(timeout, self._steps)
             except EnvError as exc:
                 if not self.is_pool:
                     # batch_size == num_envs: as for step(), the whole batch is lost and every

@@ -223,6 +223,9 @@ class Backend(abc.ABC):
     def collect_ready(self, timeout: float | None, step: int) -> dict[int, Any]:
         """First-ready pool: wait until at least one submitted worker is done and return the
         results of every worker done by then. Workers may be submitted to while others run.
+        ``timeout``: seconds each worker may take from the :meth:`submit` that started it; a
+        worker past it raises :class:`StepTimeoutError` even while others keep replying, and
+        a dead worker raises :class:`EnvCrashedError` at the first call after its death.
 
         Raises: as :meth:`collect`.
         """

@@ -202,6 +202,7 @@ class ProcessesBackend(RemoteWorkersBackend):
         self.drop_kept()  # nothing kept back by a pool's env error yet
         self._any_raw: Any = None
         self._any_done: Any = None
+        self._sent_at = [0.0] * groups  # a pool's: when each worker was last sent a command
         if pool:
             assert not driver_group, "a first-ready pool has every env in a worker"
             self._any_raw = multiprocessing.sharedctypes.RawArray(ctypes.c_uint8, SEM_SLOT)
@@ -410,6 +411,10 @@ class ProcessesBackend(RemoteWorkersBackend):
                         continue  # the wait for its reply finds it dead and restarts it
                     self._pending = []
                     self._raise_crashed(g, step)
+        if self._any_done is not None:
+            now = time.monotonic()
+            for g in remote:
+                self._sent_at[g] = now
         # A pool adds to the workers still running; a synchronous call has none pending.
         self._pending = sorted(set(self._pending).union(remote)) if self._pending else remote
         self._local_result, self._local_failure = None, None
@@ -459,22 +464,36 @@ class ProcessesBackend(RemoteWorkersBackend):
             return kept
         if self._any_done is None:  # synchronous: every env is pending, wait for them all
             return self.collect(timeout, step)
-        deadline = None if timeout is None else time.monotonic() + timeout
-        procs, doorbells = self._procs, self._doorbells
+        procs, doorbells, sent_at = self._procs, self._doorbells, self._sent_at
 
         def alive() -> bool:
             return all(procs[g].is_alive() for g in self._pending)
 
         while True:
+            # Each pending worker has ``timeout`` seconds from its send: the wait ends at the
+            # first of those deadlines, and a worker past its own is late whatever the others
+            # reply meanwhile.
+            deadline = None
+            deadline_s = cast(float, timeout)
+            if timeout is not None:
+                deadline = min(sent_at[g] for g in self._pending) + timeout
             # A token per reply; a reply may be found before its token is taken (then a later
             # wait wakes with nothing new, and waits again).
-            if not Doorbell.wait(self._any_done, self._any_budget, deadline, alive):
-                for g in self._pending:
-                    if not procs[g].is_alive():
-                        self._raise_crashed(g, step)
-                self.ledger.timeouts += 1
-                self._raise_timeout(list(self._pending), cast(float, timeout))
+            woke = Doorbell.wait(self._any_done, self._any_budget, deadline, alive)
             ready = [g for g in self._pending if cast(Doorbell, doorbells[g]).done.acquire(False)]
+            # Every call looks at every pending worker: a dead or late one is reported even
+            # while others keep replying (an exited worker's reply was taken above, if any).
+            for g in self._pending:
+                if g not in ready and not procs[g].is_alive():
+                    self._raise_crashed(g, step)
+            if deadline is not None and (not woke or time.monotonic() >= deadline):
+                now = time.monotonic()
+                late = [
+                    g for g in self._pending if g not in ready and now >= sent_at[g] + deadline_s
+                ]
+                if late:
+                    self.ledger.timeouts += 1
+                    self._raise_timeout(late, deadline_s)
             if not ready:
                 continue
             self._pending = [g for g in self._pending if g not in ready]
@@ -501,19 +520,34 @@ class ProcessesBackend(RemoteWorkersBackend):
         deadline = None if timeout is None else time.monotonic() + timeout
         done = _Round() if done is None else done
         procs, doorbells, budgets = self._procs, self._doorbells, self._budgets
-        for g in pending:
-            proc, doorbell = procs[g], cast(Doorbell, doorbells[g])
-            if not Doorbell.wait(doorbell.done, budgets[g], deadline, proc.is_alive, spun_s):
-                if not proc.is_alive():
-                    done.crashed.append(g)
-                    if fail_fast:
-                        self._raise_crashed(g, step)
-                else:
-                    done.late.append(g)
+        # Every wait watches every worker still to reply: a death is seen at once, whatever
+        # the worker waited on is doing.
+        waiting = list(pending)
+
+        def alive() -> bool:
+            return all(procs[h].is_alive() for h in waiting)
+
+        while waiting:
+            g = waiting[0]
+            sem = cast(Doorbell, doorbells[g]).done
+            if Doorbell.wait(sem, budgets[g], deadline, alive, spun_s):
                 spun_s = None
+                waiting.pop(0)
+                self._read_reply(g, done, step, fail_fast)
                 continue
             spun_s = None
-            self._read_reply(g, done, step, fail_fast)
+            dead = [h for h in waiting if not procs[h].is_alive()]
+            for h in dead:
+                waiting.remove(h)
+                if h != g and cast(Doorbell, doorbells[h]).done.acquire(False):
+                    self._read_reply(h, done, step, fail_fast)  # it replied, then exited
+                    continue
+                done.crashed.append(h)
+                if fail_fast:
+                    self._raise_crashed(h, step)
+            if not dead:  # the deadline passed
+                waiting.pop(0)
+                done.late.append(g)
         if done.late:
             self.ledger.timeouts += 1
             if fail_fast:

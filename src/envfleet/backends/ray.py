@@ -26,6 +26,7 @@ import logging
 import math
 import os
 import sys
+import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -413,6 +414,7 @@ class RayBackend(RemoteWorkersBackend):
         self._timers = [StepTimer(row) for row in self._stats]
         self._actors: list[Any] = [None] * workers
         self._pending: dict[int, Any] = {}  # worker -> ObjectRef of its running command
+        self._sent_at: dict[int, float] = {}  # worker -> when it was last sent a command
         self._command = Command.STEP
         self.drop_kept()  # nothing kept back by a pool's env error yet
         self._closed = False
@@ -494,7 +496,9 @@ class RayBackend(RemoteWorkersBackend):
     def _submit(self, command: Command, payloads: Mapping[int, Any]) -> None:
         self._command = command
         actions = self.batch.actions
+        now = time.monotonic()
         for w in sorted(payloads):
+            self._sent_at[w] = now
             start, stop = self.ranges[w]
             rows = tree_slice(actions, start, stop) if command is Command.STEP else None
             # A dead actor's call returns a reference that raises when read: collect sees it.
@@ -530,12 +534,27 @@ class RayBackend(RemoteWorkersBackend):
             return self._collect(timeout, step)
         pending = self._pending
         refs = list(pending.values())
-        first, _ = ray.wait(refs, num_returns=1, timeout=timeout)
-        if not first:
-            self.ledger.timeouts += 1
-            self._raise_timeout(sorted(pending), cast(float, timeout))
+        # Each actor has ``timeout`` seconds from its own send: one past it is late even while
+        # others keep replying.
+        wait_s = None
+        if timeout is not None:
+            first_sent = min(self._sent_at[w] for w in pending)
+            wait_s = max(0.0, first_sent + timeout - time.monotonic())
+        first, _ = ray.wait(refs, num_returns=1, timeout=wait_s)
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
         ready_set = set(ready) | set(first)
+        if timeout is not None:
+            now = time.monotonic()
+            late = [
+                w
+                for w, ref in pending.items()
+                if ref not in ready_set and now >= self._sent_at[w] + timeout
+            ]
+            if late:
+                self.ledger.timeouts += 1
+                self._raise_timeout(sorted(late), timeout)
+        if not ready_set:
+            return {}
         done_refs = {w: ref for w, ref in pending.items() if ref in ready_set}
         for w in done_refs:
             del pending[w]

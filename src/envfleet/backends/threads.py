@@ -21,7 +21,7 @@ import queue
 import threading
 import time
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NoReturn, cast
 
 import gymnasium
 
@@ -74,6 +74,7 @@ class ThreadsBackend(InProcessBackend):
             self._threads[w] = thread
             thread.start()
         self._pending: list[int] = []
+        self._sent_at: dict[int, float] = {}  # when each thread was last sent a command
         self._local: dict[int, Any] = {}
         self._local_failures: dict[int, EnvFailure] = {}
 
@@ -106,7 +107,9 @@ class ThreadsBackend(InProcessBackend):
         parallel = command in (Command.STEP, Command.RESET)
         threaded = [w for w in payloads if w in self._inboxes and parallel]
         self._pending += threaded  # a first-ready pool submits while others run
+        now = time.monotonic()
         for w in threaded:
+            self._sent_at[w] = now
             self._inboxes[w].put((command, payloads[w]))
         for w in payloads:
             if w not in threaded:
@@ -144,11 +147,21 @@ class ThreadsBackend(InProcessBackend):
         self, timeout: float | None, ready_only: bool = False
     ) -> tuple[dict[int, Any], dict[int, EnvFailure]]:
         """Replies of every pending thread, or with ``ready_only`` of those done once at least
-        one is (or the calling thread ran one)."""
+        one is (or the calling thread ran one).
+
+        ``timeout``: seconds for the whole wait; with ``ready_only``, seconds each thread may
+        take from its own submit (a first-ready pool's), checked even while others reply.
+        """
         results, failures = self._local, self._local_failures
         self._local, self._local_failures = {}, {}
         waiting = set(self._pending)
-        deadline = None if timeout is None else time.monotonic() + timeout
+        sent_at = self._sent_at
+        if timeout is None or not waiting:
+            deadline = None
+        elif ready_only:
+            deadline = min(sent_at[w] for w in waiting) + timeout
+        else:
+            deadline = time.monotonic() + timeout
         while waiting:
             if ready_only and (results or failures):
                 remaining: float | None = 0.0
@@ -159,25 +172,40 @@ class ThreadsBackend(InProcessBackend):
             except queue.Empty:
                 if ready_only and (results or failures):
                     break
-                late = sorted(waiting)
-                envs = [e for w in late for e in range(*self.ranges[w])]
-                self.ledger.timeouts += 1
-                self._pending = late
-                self.close(0, True)
-                raise StepTimeoutError(
-                    f"threads {late} (sub-environments {envs}) did not answer within "
-                    f"{timeout} s; a thread cannot be killed: they were left behind and the "
-                    "vector env closed",
-                    envs,
-                    float(timeout if timeout is not None else 0.0),
-                ) from None
+                if not ready_only:
+                    self._raise_late(sorted(waiting), timeout)
+                deadline = min(sent_at[w] for w in waiting) + cast(float, timeout)
+                if time.monotonic() >= deadline:
+                    self._raise_late(self._late(waiting, cast(float, timeout)), timeout)
+                continue
             waiting.discard(w)
             self._pending.remove(w)
             if failure is None:
                 results[w] = result
             else:
                 failures[w] = failure
+        if ready_only and timeout is not None and waiting:
+            late = self._late(waiting, timeout)
+            if late:
+                self._raise_late(late, timeout)
         return dict(sorted(results.items())), failures
+
+    def _late(self, waiting: set[int], timeout: float) -> list[int]:
+        """The threads of ``waiting`` past ``timeout`` seconds since their submit."""
+        now = time.monotonic()
+        return sorted(w for w in waiting if now >= self._sent_at[w] + timeout)
+
+    def _raise_late(self, late: list[int], timeout: float | None) -> NoReturn:
+        envs = [e for w in late for e in range(*self.ranges[w])]
+        self.ledger.timeouts += 1
+        self.close(0, True)
+        raise StepTimeoutError(
+            f"threads {late} (sub-environments {envs}) did not answer within "
+            f"{timeout} s; a thread cannot be killed: they were left behind and the "
+            "vector env closed",
+            envs,
+            float(timeout if timeout is not None else 0.0),
+        ) from None
 
     def close(self, timeout: float | None, terminate: bool) -> None:
         """Stop the threads, then close the envs of every group whose thread has stopped.

@@ -1,0 +1,183 @@
+"""Regression tests of issue 17's supervision defects: a first-ready pool that lost a dead
+worker or a hung one, a crash reported only once a slow sibling finished, env errors counted
+differently by each backend, idle workers that burned CPU.
+
+Every test runs real worker processes (or threads, or Ray actors) and real faults.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+import pytest
+from gymnasium import spaces
+
+import envfleet
+from tests.envs import crash_process
+
+
+class FaultEnv(gym.Env):
+    """Env ``env_index`` does ``faults[env_index] = (how, at_step)`` at its ``at_step``-th
+    step since make (``how``: as :func:`tests.envs.crash_process`, ``"sigkill"``,
+    ``"sleep:S"`` to sleep S seconds, or ``"raise"`` to raise ``ValueError`` once); every
+    other env behaves.
+    Episodes never end."""
+
+    def __init__(self, env_index: int = 0, faults: dict[int, tuple[str, int]] | None = None):
+        self.env_index = env_index
+        self.fault = (faults or {}).get(env_index)
+        self.observation_space = spaces.Box(-1.0, 1.0, (2,), np.float32)
+        self.action_space = spaces.Discrete(2)
+        self._steps = 0
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
+        super().reset(seed=seed)
+        return self.np_random.uniform(-1.0, 1.0, 2).astype(np.float32), {}
+
+    def step(self, action: Any):
+        self._steps += 1
+        if self.fault is not None and self._steps == self.fault[1]:
+            how = self.fault[0]
+            if how.startswith("sleep:"):
+                time.sleep(float(how.split(":")[1]))
+            elif how == "sigkill":
+                os.kill(os.getpid(), signal.SIGKILL)
+                time.sleep(60)  # the signal is delivered before this returns
+            elif how == "raise":
+                raise ValueError(f"boom in step {self._steps} of env {self.env_index}")
+            else:
+                crash_process(how)
+        obs = self.np_random.uniform(-1.0, 1.0, 2).astype(np.float32)
+        return obs, 1.0, False, False, {}
+
+
+def fault_factory(faults: dict[int, tuple[str, int]]) -> Any:
+    def factory(env_index: int) -> FaultEnv:
+        return FaultEnv(env_index, faults)
+
+    return factory
+
+
+def _drive_pool(envs: Any, max_rounds: int, seconds: float) -> int:
+    """recv -> send with fixed actions until an error or ``max_rounds`` rounds / ``seconds``;
+    return the number of rounds done (only reached without an error)."""
+    envs.async_reset(seed=0)
+    deadline = time.monotonic() + seconds
+    for k in range(max_rounds):
+        _, _, _, _, info = envs.recv()
+        envs.send(np.zeros(len(info["env_id"]), dtype=np.int64), info["env_id"])
+        if time.monotonic() > deadline:
+            return k
+    return max_rounds
+
+
+@pytest.mark.parametrize("how", ["exit", "sigkill", "segfault"])
+def test_pool_reports_a_dead_worker(how: str, make_env: Any, snapshot: Any) -> None:
+    """Issue 17 item 1: the pool kept serving the other envs and never reported env 3."""
+    envs = make_env(
+        fault_factory({3: (how, 5)}), 4, backend="processes", batch_size=2, num_workers=4
+    )
+    with pytest.raises(envfleet.EnvCrashedError) as info:
+        _drive_pool(envs, max_rounds=2000, seconds=30)
+    err = info.value
+    assert err.env_indices == [3] and err.worker_index == 3
+    if how == "exit":
+        assert err.exitcode == 3
+    else:
+        assert err.signal == (9 if how == "sigkill" else 11)
+    assert envs.closed
+    snapshot.assert_nothing_left()
+
+
+@pytest.mark.parametrize("backend", ["processes", "threads"])
+def test_pool_reports_a_hung_worker_within_step_timeout(
+    backend: str, make_env: Any, snapshot: Any
+) -> None:
+    """Issue 17 item 2: with step_timeout=3, the pool served the other envs for good."""
+    envs = make_env(
+        fault_factory({3: ("sleep:60", 5)}),
+        4,
+        backend=backend,
+        batch_size=2,
+        num_workers=4,
+        step_timeout=3.0,
+    )
+    start = time.monotonic()
+    with pytest.raises(envfleet.StepTimeoutError) as info:
+        _drive_pool(envs, max_rounds=10**7, seconds=40)
+    assert 3 in info.value.env_indices
+    assert time.monotonic() - start < 15.0  # the hung send was at most a few rounds in
+    assert envs.closed
+    if backend == "processes":
+        snapshot.assert_nothing_left()
+
+
+def test_pool_reports_a_hung_worker_on_ray(make_env: Any) -> None:
+    """Issue 17 item 2 on Ray: the hung actor is reported within about step_timeout."""
+    envs = make_env(
+        fault_factory({1: ("sleep:60", 5)}),
+        4,
+        backend="ray",
+        batch_size=2,
+        num_workers=2,
+        step_timeout=3.0,
+    )
+    start = time.monotonic()
+    with pytest.raises(envfleet.StepTimeoutError) as info:
+        _drive_pool(envs, max_rounds=10**7, seconds=40)
+    assert 1 in info.value.env_indices
+    assert time.monotonic() - start < 20.0
+    assert envs.closed
+
+
+@pytest.mark.parametrize("mode", ["step", "pool"])
+def test_crash_is_reported_while_a_sibling_sleeps(mode: str, make_env: Any, snapshot: Any) -> None:
+    """Issue 17 item 3: env 0 sleeps 30 s and env 2 segfaults at step 5; the crash was
+    reported only once env 0 woke up."""
+    envs = make_env(
+        fault_factory({0: ("sleep:30", 5), 2: ("segfault", 5)}),
+        4,
+        backend="processes",
+        num_workers=4,
+        batch_size=4 if mode == "step" else 2,
+    )
+    if mode == "step":
+        envs.reset(seed=0)
+        for _ in range(4):
+            envs.step(np.zeros(4, dtype=np.int64))
+        start = time.monotonic()
+        with pytest.raises(envfleet.EnvCrashedError) as info:
+            envs.step(np.zeros(4, dtype=np.int64))
+    else:
+        start = time.monotonic()
+        with pytest.raises(envfleet.EnvCrashedError) as info:
+            _drive_pool(envs, max_rounds=2000, seconds=60)
+    assert time.monotonic() - start < 10.0  # not after env 0's 30 s
+    assert info.value.env_indices == [2] and info.value.signal == 11
+    snapshot.assert_nothing_left()
+
+
+def test_crash_is_reported_while_a_sibling_sleeps_with_restarts(make_env: Any) -> None:
+    """Issue 17 item 3 with a restart policy: the dead worker is noticed at once (its
+    restart does not wait for the sleeping one), and the step returns every env's result."""
+    envs = make_env(
+        fault_factory({0: ("sleep:4", 5), 2: ("segfault", 5)}),
+        4,
+        backend="processes",
+        num_workers=4,
+        restart_policy=envfleet.RestartPolicy(max_restarts=2),
+    )
+    envs.reset(seed=0)
+    for _ in range(4):
+        envs.step(np.zeros(4, dtype=np.int64))
+    start = time.monotonic()
+    _, _, _, truncated, info = envs.step(np.zeros(4, dtype=np.int64))
+    # The restart ran while env 0 slept: the step took about env 0's sleep, not the two added.
+    assert time.monotonic() - start < 4 + 3.5
+    assert truncated.tolist() == [False, False, True, False]
+    assert envs.stats.crashes == 1
