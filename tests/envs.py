@@ -621,3 +621,51 @@ class ValuesEnv(gym.Env):
         if self.result == "long":
             return (*values, None)
         return values
+
+
+class SlowEnv(IndexedEnv):
+    """An :class:`IndexedEnv` whose ``step`` and ``slow`` (a method for ``call``) sleep
+    ``delays.get(env_index, 0.0)`` seconds and whose ``reset`` sleeps
+    ``reset_delays.get(env_index, 0.0)``; ``3600`` stands for a hang."""
+
+    def __init__(
+        self,
+        env_index: int = -1,
+        delays: dict[int, float] | None = None,
+        reset_delays: dict[int, float] | None = None,
+    ):
+        super().__init__(env_index)
+        self.delay = (delays or {}).get(env_index, 0.0)
+        self.reset_delay = (reset_delays or {}).get(env_index, 0.0)
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
+        time.sleep(self.reset_delay)
+        return super().reset(seed=seed, options=options)
+
+    def step(self, action: Any):
+        time.sleep(self.delay)
+        return super().step(action)
+
+    def slow(self) -> int:
+        time.sleep(self.delay)
+        return self.env_index
+
+
+def raise_in_env(kind: str) -> None:
+    """Raise an exception of ``kind``: "value" (ValueError), "key" (KeyError), "os"
+    (OSError with an errno), "custom" (:class:`CustomEnvException` with a required argument)."""
+    if kind == "value":
+        raise ValueError("bad value in env")
+    if kind == "key":
+        raise KeyError("missing")
+    if kind == "os":
+        raise OSError(2, "no such thing")
+    raise CustomEnvException("custom", 7)
+
+
+class CustomEnvException(Exception):
+    """An exception whose ``__init__`` takes two required arguments."""
+
+    def __init__(self, text: str, code: int):
+        super().__init__(text, code)
+        self.code = code

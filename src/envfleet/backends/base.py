@@ -206,6 +206,14 @@ class Backend(abc.ABC):
             StepTimeoutError: ``timeout`` (seconds) expired; the backend is shut down.
         """
 
+    def inline_groups(self, command: Command) -> frozenset[int]:
+        """The groups :meth:`submit` runs in the calling thread, to the end, for ``command``.
+
+        No timeout can interrupt them; the front's asynchronous calls (``step_async`` and
+        friends) submit them at the wait instead, so that ``*_async`` returns at once.
+        """
+        return frozenset()
+
     def round(
         self, command: Command, payloads: Mapping[int, Any], timeout: float | None, step: int
     ) -> dict[int, Any]:

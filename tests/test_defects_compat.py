@@ -1,0 +1,145 @@
+"""Compatibility with code written for gymnasium's AsyncVectorEnv (issue 17, item 15).
+
+Timeouts of ``*_wait(timeout=)``, the error types gymnasium's callers catch
+(``multiprocessing.TimeoutError``, ``RuntimeError`` for space mismatches, the env's own
+exception type) and the warning of ``close()`` with a call pending.
+"""
+
+from __future__ import annotations
+
+import functools
+import multiprocessing
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+
+import envfleet
+from tests.envs import SlowEnv
+
+HANG = 3600.0
+
+
+def _slow(
+    delays: dict[int, float] | None = None, reset_delays: dict[int, float] | None = None
+) -> Any:
+    return functools.partial(SlowEnv, delays=delays, reset_delays=reset_delays)
+
+
+# Two envs, env 1 in a worker (process or thread) of its own, env 0 where the layout puts it.
+_WORKER_LAYOUTS = {
+    "processes": {"backend": "processes", "num_workers": 2, "driver_envs": 0},
+    "threads": {"backend": "threads", "num_workers": 2},
+}
+
+
+def _start(envs: envfleet.FleetVectorEnv, method: str) -> Any:
+    """Start ``method`` (step, reset or call) asynchronously; return its wait."""
+    if method == "step":
+        envs.reset(seed=0)
+        envs.step_async(np.zeros(envs.num_envs, dtype=np.int64))
+        return envs.step_wait
+    if method == "reset":
+        envs.reset_async(seed=0)
+        return envs.reset_wait
+    envs.reset(seed=0)
+    envs.call_async("slow")
+    return envs.call_wait
+
+
+@pytest.mark.parametrize(
+    "backend,method",
+    [
+        ("processes", "step"),
+        ("processes", "reset"),
+        ("processes", "call"),
+        ("threads", "step"),
+        ("threads", "reset"),
+    ],
+)
+def test_wait_timeout_raises_timeout_error(make_env, snapshot, backend, method):
+    """A ``*_wait(timeout=)`` on a hung worker raises, after about ``timeout`` seconds, an
+    error that is both envfleet's StepTimeoutError and gymnasium's multiprocessing.TimeoutError;
+    the vector env is closed and (processes) nothing is left behind."""
+    delays = {1: HANG} if method != "reset" else None
+    reset_delays = {1: HANG} if method == "reset" else None
+    envs = make_env(_slow(delays, reset_delays), 2, **_WORKER_LAYOUTS[backend])
+    if method == "reset":
+        started = time.monotonic()
+        wait = _start(envs, method)
+    else:
+        wait = _start(envs, method)
+        started = time.monotonic()
+    assert time.monotonic() - started < 5.0, "the *_async call waited for the hung env"
+    with pytest.raises(multiprocessing.TimeoutError) as raised:
+        wait(timeout=0.5)
+    elapsed = time.monotonic() - started
+    assert isinstance(raised.value, envfleet.StepTimeoutError)
+    assert 1 in raised.value.env_indices
+    assert 0.4 < elapsed < 10.0
+    assert envs.closed
+    envs.close(terminate=True)
+    if backend == "processes":
+        snapshot.assert_nothing_left()
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        {"backend": "processes", "num_workers": 1, "driver_envs": 1},
+        {"backend": "threads", "num_workers": 2},
+        {"backend": "serial"},
+    ],
+    ids=["processes-driver-block", "threads", "serial"],
+)
+@pytest.mark.parametrize("method", ["step", "reset"])
+def test_async_returns_at_once_and_wait_times_out(make_env, snapshot, layout, method):
+    """Env 0 steps in the calling thread (the driver's block, the inline thread group,
+    serial): ``*_async`` still returns at once, as gymnasium's does, and a wait whose
+    timeout the call overran raises the timeout error once env 0 is done (it cannot be
+    interrupted) instead of returning as if in time."""
+    delay = 1.5
+    delays = {0: delay} if method == "step" else None
+    reset_delays = {0: delay} if method == "reset" else None
+    envs = make_env(_slow(delays, reset_delays), 2, **layout)
+    if method == "step":
+        envs.reset(seed=0)
+    started = time.monotonic()
+    if method == "step":
+        envs.step_async(np.zeros(2, dtype=np.int64))
+    else:
+        envs.reset_async(seed=0)
+    assert time.monotonic() - started < delay / 2, "the *_async call ran env 0 to the end"
+    with pytest.raises(multiprocessing.TimeoutError) as raised:
+        (envs.step_wait if method == "step" else envs.reset_wait)(timeout=0.2)
+    assert isinstance(raised.value, envfleet.StepTimeoutError)
+    assert 0 in raised.value.env_indices
+    assert envs.closed
+    envs.close(terminate=True)
+    snapshot.assert_nothing_left()
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        {"backend": "processes", "num_workers": 1, "driver_envs": 1},
+        {"backend": "threads", "num_workers": 2},
+        {"backend": "serial"},
+    ],
+    ids=["processes-driver-block", "threads", "serial"],
+)
+def test_async_then_wait_in_time_gives_the_results(make_env, layout):
+    """Deferring the calling thread's envs to the wait changes no result."""
+    envs = make_env(_slow({0: 0.05, 1: 0.05}), 2, **layout)
+    envs.reset_async(seed=3)
+    obs, _ = envs.reset_wait(timeout=30)
+    envs.step_async(np.array([1, 0]))
+    _, rewards, *_ = envs.step_wait(timeout=30)
+    envs.call_async("slow")
+    assert envs.call_wait(timeout=30) == (0, 1)
+    ref = envfleet.make(_slow(), 2, backend="serial")
+    want, _ = ref.reset(seed=3)
+    ref.close()
+    np.testing.assert_array_equal(obs, want)
+    np.testing.assert_array_equal(rewards, [0.0, 1.0])
