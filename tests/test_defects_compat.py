@@ -12,6 +12,7 @@ import multiprocessing
 import time
 from typing import Any
 
+import gymnasium
 import numpy as np
 import pytest
 
@@ -143,3 +144,15 @@ def test_async_then_wait_in_time_gives_the_results(make_env, layout):
     ref.close()
     np.testing.assert_array_equal(obs, want)
     np.testing.assert_array_equal(rewards, [0.0, 1.0])
+
+
+@pytest.mark.parametrize("backend", ["processes", "threads", "serial"])
+def test_space_mismatch_is_a_runtime_error(snapshot, backend):
+    """Sub-environments with different spaces raise SpaceMismatchError, which gymnasium's
+    callers catch as ``RuntimeError`` (AsyncVectorEnv's type for it)."""
+    fns = [functools.partial(gymnasium.make, "CartPole-v1") for _ in range(3)]
+    fns[1] = functools.partial(gymnasium.make, "FrozenLake-v1")
+    with pytest.raises(RuntimeError) as raised:
+        envfleet.make(fns, backend=backend, num_workers=3)
+    assert isinstance(raised.value, envfleet.SpaceMismatchError)
+    snapshot.assert_nothing_left()

@@ -45,8 +45,11 @@ class ConfigError(EnvfleetError, ValueError):
     """
 
 
-class SpaceMismatchError(ConfigError):
-    """The sub-environments do not share one observation space and one action space."""
+class SpaceMismatchError(ConfigError, RuntimeError):
+    """The sub-environments do not share one observation space and one action space.
+
+    It also derives from ``RuntimeError``, the type gymnasium's AsyncVectorEnv raises for it.
+    """
 
 
 class InvalidArgumentError(EnvfleetError, ValueError, TypeError):
