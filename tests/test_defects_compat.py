@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import multiprocessing
+import re
 import time
 from typing import Any
 
@@ -155,4 +156,19 @@ def test_space_mismatch_is_a_runtime_error(snapshot, backend):
     with pytest.raises(RuntimeError) as raised:
         envfleet.make(fns, backend=backend, num_workers=3)
     assert isinstance(raised.value, envfleet.SpaceMismatchError)
+    snapshot.assert_nothing_left()
+
+
+@pytest.mark.parametrize("backend", ["processes", "threads", "serial"])
+@pytest.mark.parametrize("terminate", [False, True])
+@pytest.mark.parametrize("pending", ["step", "reset", "call"])
+def test_close_with_a_pending_call_warns_as_gymnasium(snapshot, backend, terminate, pending):
+    """``close()`` with a call pending warns with gymnasium's AsyncVectorEnv.close text and
+    category (``UserWarning`` through ``gymnasium.logger.warn``), terminating or not."""
+    envs = envfleet.make(_slow(), 2, backend=backend)
+    _start(envs, pending)
+    text = f"Calling `close` while waiting for a pending call to `{pending}` to complete."
+    with pytest.warns(UserWarning, match=re.escape(text)):
+        envs.close(terminate=terminate)
+    assert envs.closed
     snapshot.assert_nothing_left()

@@ -1303,9 +1303,19 @@ class FleetVectorEnv(VectorEnv[Any, Any, np.ndarray]):
             timeout: seconds the envs get to close before their workers are terminated, then
                 killed; ``None``: a default of a few seconds. Always bounded.
             terminate: ``True``: terminate the workers at once without closing the envs.
+
+        Warns:
+            UserWarning: a call is pending (gymnasium's AsyncVectorEnv text); without
+                ``terminate`` it is waited for (within ``timeout``) and its result dropped.
         """
+        if self._state is not AsyncState.DEFAULT:
+            # gymnasium's AsyncVectorEnv.close_extras: the same text, through its logger (a
+            # UserWarning), terminating or not.
+            gymnasium.logger.warn(
+                f"Calling `close` while waiting for a pending call to `{self._state.value}` "
+                "to complete."
+            )
         if self._state is not AsyncState.DEFAULT and not terminate:
-            logger.warning("closing while a call to `%s` is pending", self._state.value)
             try:
                 self._wait(self._state, "close", timeout if timeout is not None else 5.0)
             except Exception:  # the vector env is going away; the pending result is dropped
