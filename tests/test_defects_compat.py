@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import multiprocessing
+import pickle
 import re
 import time
 from typing import Any
@@ -18,7 +19,7 @@ import numpy as np
 import pytest
 
 import envfleet
-from tests.envs import SlowEnv
+from tests.envs import CustomEnvException, NewArgsException, SlowEnv, TypedRaisingEnv
 
 HANG = 3600.0
 
@@ -172,3 +173,98 @@ def test_close_with_a_pending_call_warns_as_gymnasium(snapshot, backend, termina
         envs.close(terminate=terminate)
     assert envs.closed
     snapshot.assert_nothing_left()
+
+
+_KINDS = {
+    "value": ValueError,
+    "key": KeyError,
+    "os": FileNotFoundError,
+    "custom": CustomEnvException,
+}
+
+
+def _assert_env_error(error: BaseException, kind: str, method: str = "step") -> None:
+    assert isinstance(error, envfleet.EnvError)
+    assert isinstance(error, _KINDS[kind])
+    assert (error.env_index, error.method) == (1, method)
+    assert str(error).startswith("sub-environment 1")  # EnvError's text, not KeyError's repr
+    assert isinstance(error.__cause__, _KINDS[kind])
+    if kind == "os":
+        assert (error.errno, error.strerror) == (2, "no such thing")
+    if kind == "custom":
+        assert error.code == 7
+    copy = pickle.loads(pickle.dumps(error))
+    assert type(copy) is type(error)
+    assert (copy.env_index, copy.worker_index, copy.method) == (1, error.worker_index, method)
+    assert str(copy) == str(error)
+
+
+@pytest.mark.parametrize("kind", sorted(_KINDS))
+@pytest.mark.parametrize(
+    "layout",
+    [
+        {"backend": "processes", "num_workers": 2, "driver_envs": 1},
+        {"backend": "threads", "num_workers": 2},
+        {"backend": "serial"},
+    ],
+    ids=["processes", "threads", "serial"],
+)
+def test_env_exception_is_also_of_its_own_type(make_env, layout, kind):
+    """An env's exception reaches the caller as an EnvError (with its fields) that is also an
+    instance of the env's exception type, so ``except ValueError`` written for gymnasium
+    catches it; it pickles, and the vector env stays usable."""
+    envs = make_env(functools.partial(TypedRaisingEnv, kind=kind), 3, **layout)
+    envs.reset(seed=0)
+    with pytest.raises(_KINDS[kind]) as raised:
+        envs.step(np.zeros(3, dtype=np.int64))
+    _assert_env_error(raised.value, kind)
+    with pytest.raises(_KINDS[kind]) as raised:
+        envs.reset(seed=0, options={"explode": True})
+    _assert_env_error(raised.value, kind, "reset")
+
+
+def test_env_exception_whose_type_refuses_envfleets_arguments_is_a_plain_env_error(make_env):
+    """A type whose ``__new__`` takes its own arguments cannot be instantiated as the
+    combined class: the error is then a plain EnvError, the original chained as its cause."""
+    envs = make_env(functools.partial(TypedRaisingEnv, kind="new"), 2, backend="serial")
+    envs.reset(seed=0)
+    with pytest.raises(envfleet.EnvError) as raised:
+        envs.step(np.zeros(2, dtype=np.int64))
+    assert type(raised.value) is envfleet.EnvError
+    assert isinstance(raised.value.__cause__, NewArgsException)
+
+
+def test_env_exception_type_on_ray(make_env):
+    envs = make_env(
+        functools.partial(TypedRaisingEnv, kind="value"), 2, backend="ray", num_workers=2
+    )
+    envs.reset(seed=0)
+    with pytest.raises(ValueError) as raised:
+        envs.step(np.zeros(2, dtype=np.int64))
+    _assert_env_error(raised.value, "value")
+
+
+def test_env_exception_type_in_process_env():
+    with envfleet.ProcessEnv(functools.partial(TypedRaisingEnv, kind="key", fail_index=0)) as penv:
+        penv.reset(seed=0)
+        with pytest.raises(KeyError) as raised:
+            penv.step(0)
+        assert isinstance(raised.value, envfleet.EnvError)
+        assert raised.value.env_index == 0
+
+
+def test_env_exception_type_in_sampler():
+    sampler = envfleet.Sampler(
+        functools.partial(TypedRaisingEnv, kind="custom"),
+        lambda o: np.zeros(len(o), dtype=np.int64),
+        2,
+        num_workers=2,
+    )
+    try:
+        with pytest.raises(CustomEnvException) as raised:
+            sampler.sample(10)
+        assert isinstance(raised.value, envfleet.EnvError)
+        assert raised.value.env_index == 1
+        assert raised.value.code == 7
+    finally:
+        sampler.close()

@@ -592,7 +592,7 @@ def _build(fn: Callable[[], gymnasium.Env[Any, Any]], env_index: int) -> gymnasi
     except ConfigError:
         raise
     except Exception as exc:
-        raise env_error(env_index, None, "make", f"{type(exc).__name__}: {exc}") from exc
+        raise env_error(env_index, None, "make", f"{type(exc).__name__}: {exc}", exc) from exc
     if not isinstance(env, gymnasium.Env):
         raise ConfigError(f"the factory returned {type(env).__name__}, not a gymnasium.Env")
     return env
