@@ -775,3 +775,81 @@ class ReusedGraphEnv(gym.Env):
 
     def step(self, action: Any):
         return self._obs(), 0.0, False, False, {}
+
+
+class SlowEnv(IndexedEnv):
+    """An :class:`IndexedEnv` whose ``step`` and ``slow`` (a method for ``call``) sleep
+    ``delays.get(env_index, 0.0)`` seconds and whose ``reset`` sleeps
+    ``reset_delays.get(env_index, 0.0)``; ``3600`` stands for a hang."""
+
+    def __init__(
+        self,
+        env_index: int = -1,
+        delays: dict[int, float] | None = None,
+        reset_delays: dict[int, float] | None = None,
+    ):
+        super().__init__(env_index)
+        self.delay = (delays or {}).get(env_index, 0.0)
+        self.reset_delay = (reset_delays or {}).get(env_index, 0.0)
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
+        time.sleep(self.reset_delay)
+        return super().reset(seed=seed, options=options)
+
+    def step(self, action: Any):
+        time.sleep(self.delay)
+        return super().step(action)
+
+    def slow(self) -> int:
+        time.sleep(self.delay)
+        return self.env_index
+
+
+class CustomEnvException(Exception):
+    """An exception whose ``__init__`` takes two required arguments."""
+
+    def __init__(self, text: str, code: int):
+        super().__init__(text, code)
+        self.code = code
+
+
+class NewArgsException(Exception):
+    """An exception whose ``__new__`` takes exactly one argument."""
+
+    def __new__(cls, text: str):
+        return super().__new__(cls, text)
+
+
+def raise_in_env(kind: str) -> None:
+    """Raise an exception of ``kind``: "value" (ValueError), "key" (KeyError), "os"
+    (OSError with an errno), "custom" (:class:`CustomEnvException`), "new"
+    (:class:`NewArgsException`)."""
+    if kind == "value":
+        raise ValueError("bad value in env")
+    if kind == "key":
+        raise KeyError("missing")
+    if kind == "os":
+        raise FileNotFoundError(2, "no such thing")
+    if kind == "new":
+        raise NewArgsException("new args")
+    raise CustomEnvException("custom", 7)
+
+
+class TypedRaisingEnv(IndexedEnv):
+    """An :class:`IndexedEnv` whose env ``fail_index`` raises ``raise_in_env(kind)`` in
+    ``step`` (and, with ``options={"explode": True}``, in ``reset``)."""
+
+    def __init__(self, env_index: int = -1, kind: str = "value", fail_index: int = 1):
+        super().__init__(env_index)
+        self.kind = kind
+        self.fail_index = fail_index
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
+        if self.env_index == self.fail_index and (options or {}).get("explode"):
+            raise_in_env(self.kind)
+        return super().reset(seed=seed, options=options)
+
+    def step(self, action: Any):
+        if self.env_index == self.fail_index:
+            raise_in_env(self.kind)
+        return super().step(action)

@@ -7,9 +7,11 @@ written against ``gymnasium.vector.AsyncVectorEnv`` keeps catching them.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import signal as _signal
 from collections.abc import Sequence
+from typing import Any
 
 import gymnasium.error
 
@@ -110,13 +112,106 @@ class EnvError(EnvfleetError):
 
     The original exception is chained as ``__cause__``; for a process backend its own
     ``__cause__`` is a :class:`RemoteTraceback` with the worker-side traceback text.
+
+    The error raised is also an instance of the original exception's type where that type
+    allows it (:func:`env_error_type`), so ``except ValueError`` written for gymnasium's
+    vector envs, which re-raise the env's own exception, still catches it.
     """
 
     def __init__(self, message: str, env_index: int, worker_index: int | None, method: str):
-        super().__init__(message)
+        # Not super(): in an env_error_type class that would run the original type's
+        # __init__, whose arguments are its own.
+        Exception.__init__(self, message)
         self.env_index = env_index
         self.worker_index = worker_index
         self.method = method
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        original = getattr(type(self), "original_type", None)
+        return (
+            _rebuild_env_error,
+            (original, str(self), self.env_index, self.worker_index, self.method),
+            self.__dict__,
+        )
+
+
+_ENV_ERROR_TYPES: dict[type[BaseException], type[EnvError]] = {}
+_OSERROR_FIELDS = ("errno", "strerror", "filename", "filename2")
+
+
+def env_error_type(original: type[BaseException] | None) -> type[EnvError]:
+    """:class:`EnvError`, or a cached subclass of both it and ``original``
+    (named ``EnvError[ValueError]`` etc.) where Python allows one.
+
+    ``original`` must be an ``Exception`` subclass that is not an envfleet error and whose
+    layout admits the second base; otherwise (``KeyboardInterrupt``, a ``TypeError`` on
+    class creation) it is plain :class:`EnvError`.
+    """
+    if (
+        original is None
+        or not issubclass(original, Exception)
+        or issubclass(original, EnvfleetError)
+    ):
+        return EnvError
+    cls = _ENV_ERROR_TYPES.get(original)
+    if cls is None:
+        try:
+            cls = type(
+                f"EnvError[{original.__name__}]",
+                (EnvError, original),
+                {
+                    "__module__": __name__,
+                    "__str__": BaseException.__str__,  # the message, not KeyError's repr
+                    "original_type": original,
+                },
+            )
+        except TypeError:  # layout conflict, a final class, a metaclass conflict
+            cls = EnvError
+        _ENV_ERROR_TYPES[original] = cls
+    return cls
+
+
+def make_env_error(
+    message: str,
+    env_index: int,
+    worker_index: int | None,
+    method: str,
+    original: BaseException | None = None,
+) -> EnvError:
+    """An :class:`EnvError` that is also of ``type(original)`` where possible
+    (:func:`env_error_type`), carrying ``original``'s attributes (its ``__dict__`` and, for
+    an ``OSError``, ``errno``/``strerror``/``filename``); plain :class:`EnvError` when the
+    original type's ``__new__`` refuses these arguments."""
+    cls = env_error_type(None if original is None else type(original))
+    if cls is EnvError:
+        return EnvError(message, env_index, worker_index, method)
+    try:
+        exc = cls(message, env_index, worker_index, method)
+    except Exception:  # the original type's __new__ wants arguments of its own
+        return EnvError(message, env_index, worker_index, method)
+    if isinstance(original, OSError):
+        for name in _OSERROR_FIELDS:
+            with contextlib.suppress(AttributeError, TypeError):
+                setattr(exc, name, getattr(original, name))
+    for name, value in getattr(original, "__dict__", {}).items():
+        if name not in exc.__dict__:
+            exc.__dict__[name] = value
+    return exc
+
+
+def _rebuild_env_error(
+    original: type[BaseException] | None,
+    message: str,
+    env_index: int,
+    worker_index: int | None,
+    method: str,
+) -> EnvError:
+    """Unpickle an :class:`EnvError` (its ``__dict__`` is restored by pickle)."""
+    cls = env_error_type(original)
+    try:
+        return cls(message, env_index, worker_index, method)
+    except Exception:
+        return EnvError(message, env_index, worker_index, method)
 
 
 def describe_exitcode(exitcode: int | None) -> str:

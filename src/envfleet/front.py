@@ -14,6 +14,7 @@ import logging
 import multiprocessing
 import numbers
 import os
+import time
 from collections.abc import Callable, Iterable, Sequence
 from copy import deepcopy
 from dataclasses import dataclass
@@ -66,6 +67,7 @@ from envfleet.errors import (
     PoolStateError,
     ResetNeededError,
     SpaceMismatchError,
+    StepTimeoutError,
 )
 from envfleet.protocol import (
     CallRequest,
@@ -660,7 +662,7 @@ def _build(fn: Callable[[], gymnasium.Env[Any, Any]], env_index: int) -> gymnasi
     except ConfigError:
         raise
     except Exception as exc:
-        raise env_error(env_index, None, "make", f"{type(exc).__name__}: {exc}") from exc
+        raise env_error(env_index, None, "make", f"{type(exc).__name__}: {exc}", exc) from exc
     if not isinstance(env, gymnasium.Env):
         raise ConfigError(f"the factory returned {type(env).__name__}, not a gymnasium.Env")
     return env
@@ -778,6 +780,8 @@ class FleetVectorEnv(VectorEnv[Any, Any, np.ndarray]):
         self.step_timeout = step_timeout
         self.copy = copy
         self._state = AsyncState.DEFAULT
+        # What an asynchronous call left for its wait to run in this thread (inline_groups).
+        self._deferred: tuple[Command, dict[int, Any]] | None = None
         self._single_env_infos = False  # set by envfleet.ProcessEnv (one env, infos unbatched)
         self._needs_reset = np.zeros(self.num_envs, dtype=np.bool_)
         self._steps = 0
@@ -1143,7 +1147,7 @@ class FleetVectorEnv(VectorEnv[Any, Any, np.ndarray]):
             payloads[w] = ResetRequest(seeds[start:stop], options, local_mask)
             self._backend.ledger.note_seeds(start, seeds[start:stop], local_mask)
         self._pick_slab(every_env=mask is None)
-        self._submit(Command.RESET, payloads)  # a backend may refuse it: nothing changes then
+        self._submit_async(Command.RESET, payloads)  # a backend may refuse it: nothing changes
         if mask is None:
             self._needs_reset[:] = False
         else:
@@ -1157,7 +1161,10 @@ class FleetVectorEnv(VectorEnv[Any, Any, np.ndarray]):
             NoAsyncCallError: no reset is pending.
             EnvError: an env raised in reset (its exception chained as ``__cause__``).
             EnvCrashedError: a worker died; the vector env is closed.
-            StepTimeoutError: the timeout expired; the vector env is closed.
+            StepTimeoutError: the timeout expired; the vector env is closed. Also a
+                ``multiprocessing.TimeoutError``, as gymnasium's. Envs stepped in this thread
+                (the driver's block, serial) cannot be interrupted: a timeout they overran is
+                raised once they are done.
         """
         results = self._wait(AsyncState.WAITING_RESET, "reset_wait", timeout)
         infos = self._infos(results)
@@ -1200,7 +1207,7 @@ class FleetVectorEnv(VectorEnv[Any, Any, np.ndarray]):
     def step_async(self, actions: Any) -> None:
         """Start a step; collect it with :meth:`step_wait` (gymnasium's AsyncVectorEnv API)."""
         self._prepare_step(actions, "step_async")
-        self._submit(Command.STEP, self._step_payloads)
+        self._submit_async(Command.STEP, self._step_payloads)
         self._state = AsyncState.WAITING_STEP
 
     def _prepare_step(self, actions: Any, name: str) -> None:
@@ -1250,7 +1257,8 @@ class FleetVectorEnv(VectorEnv[Any, Any, np.ndarray]):
             EnvError: an env raised in step or its autoreset; this batch is lost, the other
                 envs did step, and the vector env stays usable.
             EnvCrashedError: a worker died; the vector env is closed.
-            StepTimeoutError: the timeout expired; the vector env is closed.
+            StepTimeoutError: the timeout expired; the vector env is closed (as
+                :meth:`reset_wait`).
 
         With a ``restart_policy``, those failures rebuild what failed instead, within the
         policy's budget, and the step returns every env's result (see
@@ -1296,11 +1304,15 @@ class FleetVectorEnv(VectorEnv[Any, Any, np.ndarray]):
         """Start :meth:`call`; collect it with :meth:`call_wait`."""
         self._assert_idle("call_async")
         request = CallRequest(name, args, kwargs)
-        self._submit(Command.CALL, dict.fromkeys(self._every_group, request))
+        self._submit_async(Command.CALL, dict.fromkeys(self._every_group, request))
         self._state = AsyncState.WAITING_CALL
 
     def call_wait(self, timeout: float | None = None) -> tuple[Any, ...]:
-        """Wait for :meth:`call_async`; returns one result per env, in env order."""
+        """Wait for :meth:`call_async`; returns one result per env, in env order.
+
+        Raises:
+            EnvError: an env raised. StepTimeoutError: as :meth:`reset_wait`.
+        """
         results = self._wait(AsyncState.WAITING_CALL, "call_wait", timeout)
         return tuple(value for w in sorted(results) for value in results[w])
 
@@ -1401,14 +1413,25 @@ class FleetVectorEnv(VectorEnv[Any, Any, np.ndarray]):
             timeout: seconds the envs get to close before their workers are terminated, then
                 killed; ``None``: a default of a few seconds. Always bounded.
             terminate: ``True``: terminate the workers at once without closing the envs.
+
+        Warns:
+            UserWarning: a call is pending (gymnasium's AsyncVectorEnv text); without
+                ``terminate`` it is waited for (within ``timeout``) and its result dropped.
         """
+        if self._state is not AsyncState.DEFAULT:
+            # gymnasium's AsyncVectorEnv.close_extras: the same text, through its logger (a
+            # UserWarning), terminating or not.
+            gymnasium.logger.warn(
+                f"Calling `close` while waiting for a pending call to `{self._state.value}` "
+                "to complete."
+            )
         if self._state is not AsyncState.DEFAULT and not terminate:
-            logger.warning("closing while a call to `%s` is pending", self._state.value)
             try:
                 self._wait(self._state, "close", timeout if timeout is not None else 5.0)
             except Exception:  # the vector env is going away; the pending result is dropped
                 terminate = True
         self._state = AsyncState.DEFAULT
+        self._deferred = None
         if (self._env_state == _RUNNING).any() and not terminate:
             # Envs sent actions in a pool and not received: let them finish, then close.
             try:
@@ -1463,6 +1486,18 @@ class FleetVectorEnv(VectorEnv[Any, Any, np.ndarray]):
             self.closed = self._backend.closed
             raise
 
+    def _submit_async(self, command: Command, payloads: dict[int, Any]) -> None:
+        """Submit what runs elsewhere now; what the backend would run here, in the calling
+        thread (its ``inline_groups``), waits for :meth:`_wait`, so ``*_async`` returns at once
+        and the wait's timeout counts it (as gymnasium's AsyncVectorEnv, whose ``*_async``
+        only sends)."""
+        inline = self._backend.inline_groups(command)
+        later = {w: p for w, p in payloads.items() if w in inline}
+        now = {w: p for w, p in payloads.items() if w not in inline}
+        if now or not later:
+            self._submit(command, now)
+        self._deferred = (command, later) if later else None
+
     def _wait(self, expected: AsyncState, name: str, timeout: float | None) -> dict[int, Any]:
         self._assert_running()
         if self._state is not expected:
@@ -1470,16 +1505,43 @@ class FleetVectorEnv(VectorEnv[Any, Any, np.ndarray]):
                 f"Calling `{name}` without any prior call to `{expected.value}_async`.",
                 expected.value,
             )
+        explicit = timeout
         if timeout is None:
             timeout = self.step_timeout
+        started = time.monotonic()
+        deferred, self._deferred = self._deferred, None
         try:
-            return self._backend.collect(timeout, self._steps)
+            if deferred is not None:
+                self._submit(*deferred)  # runs here, to the end: no timeout can stop it
+                if timeout is not None:
+                    timeout = max(0.0, timeout - (time.monotonic() - started))
+            results = self._backend.collect(timeout, self._steps)
+            if deferred is not None and explicit is not None:
+                self._raise_late(deferred[1], explicit, time.monotonic() - started)
+            return results
         except BaseException:
             # A crash, a timeout or an interrupt may have shut the backend down.
             self.closed = self._backend.closed
             raise
         finally:
             self._state = AsyncState.DEFAULT
+
+    def _raise_late(self, groups: dict[int, Any], timeout: float, elapsed: float) -> None:
+        """A ``*_wait(timeout=)`` whose envs stepped in this thread ran past ``timeout``: they
+        could not be interrupted, so it is reported once they are done, as a timeout (the
+        results are dropped and the vector env closed, as after any timeout)."""
+        if elapsed <= timeout:
+            return
+        envs = [e for w in sorted(groups) for e in range(*self._backend.ranges[w])]
+        self._backend.ledger.timeouts += 1
+        self._backend.close(0, True)
+        raise StepTimeoutError(
+            f"the call did not finish within {timeout} s (it took {elapsed:.3f} s); "
+            f"sub-environments {envs} run in the calling thread and cannot be interrupted, "
+            "so it is reported once they are done; the vector env is closed",
+            envs,
+            float(timeout),
+        )
 
     def _infos(self, results: dict[int, Any]) -> dict[str, Any]:
         if self._side_spaces:

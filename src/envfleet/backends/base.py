@@ -22,6 +22,7 @@ from envfleet.errors import (
     RemoteTraceback,
     SpaceMismatchError,
     StepTimeoutError,
+    make_env_error,
 )
 from envfleet.protocol import Command, Failure, RemoteError
 from envfleet.supervisor import Ledger, StepTimer, StepTimeStats, log_env_restart, merge_events
@@ -125,11 +126,21 @@ def run_command(group: EnvGroup, command: Command, payload: Any, timer: StepTime
     return group.run(command, payload)
 
 
-def env_error(env_index: int, worker_index: int | None, method: str, cause_text: str) -> EnvError:
+def env_error(
+    env_index: int,
+    worker_index: int | None,
+    method: str,
+    cause_text: str,
+    original: BaseException | None = None,
+) -> EnvError:
+    """The :class:`EnvError` for an env that raised ``original`` (also of its type where
+    possible: :func:`envfleet.errors.make_env_error`)."""
     where = f"sub-environment {env_index}" + (
         f" (worker {worker_index})" if worker_index is not None else ""
     )
-    return EnvError(f"{where} raised in {method}: {cause_text}", env_index, worker_index, method)
+    return make_env_error(
+        f"{where} raised in {method}: {cause_text}", env_index, worker_index, method, original
+    )
 
 
 def mismatch_error(mismatch: tuple[int, str]) -> SpaceMismatchError:
@@ -144,7 +155,7 @@ def failure_error(failure: EnvFailure, note: str = "") -> EnvError:
     """The :class:`EnvError` for an env that raised in this process (no worker index)."""
     cause = failure.__cause__
     text = f"{type(cause).__name__}: {cause}" + (f" ({note})" if note else "")
-    return env_error(failure.env_index, None, failure.method, text)
+    return env_error(failure.env_index, None, failure.method, text, cause)
 
 
 def remote_env_error(error: RemoteError, worker_index: int, note: str) -> EnvError:
@@ -155,11 +166,12 @@ def remote_env_error(error: RemoteError, worker_index: int, note: str) -> EnvErr
     if error.exception is not None:
         with contextlib.suppress(Exception):
             cause = pickle.loads(error.exception)
+    original: BaseException | None = cause if isinstance(cause, BaseException) else None
     if not isinstance(cause, BaseException):
         cause = RuntimeError(f"{error.type_name}: {error.message}")
     cause.__cause__ = RemoteTraceback(error.traceback)
     text = f"{error.type_name}: {error.message}" + (f" ({note})" if note else "")
-    exc = env_error(error.env_index, worker_index, error.method, text)
+    exc = env_error(error.env_index, worker_index, error.method, text, original)
     exc.__cause__ = cause
     return exc
 
@@ -209,6 +221,14 @@ class Backend(abc.ABC):
             EnvCrashedError: a worker died; the backend is shut down.
             StepTimeoutError: ``timeout`` (seconds) expired; the backend is shut down.
         """
+
+    def inline_groups(self, command: Command) -> frozenset[int]:
+        """The groups :meth:`submit` runs in the calling thread, to the end, for ``command``.
+
+        No timeout can interrupt them; the front's asynchronous calls (``step_async`` and
+        friends) submit them at the wait instead, so that ``*_async`` returns at once.
+        """
+        return frozenset()
 
     def round(
         self, command: Command, payloads: Mapping[int, Any], timeout: float | None, step: int

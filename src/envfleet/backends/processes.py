@@ -312,6 +312,9 @@ class ProcessesBackend(RemoteWorkersBackend):
     def collect(self, timeout: float | None, step: int) -> dict[int, Any]:
         return self._guarded(self._collect, timeout, step)
 
+    def inline_groups(self, command: Command) -> frozenset[int]:
+        return frozenset((0,)) if self._local is not None else frozenset()
+
     def round(
         self, command: Command, payloads: Mapping[int, Any], timeout: float | None, step: int
     ) -> dict[int, Any]:

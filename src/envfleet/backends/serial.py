@@ -28,6 +28,9 @@ class SerialBackend(InProcessBackend):
             except EnvFailure as failure:
                 self._failures[w] = failure
 
+    def inline_groups(self, command: Command) -> frozenset[int]:
+        return frozenset(range(len(self.ranges)))
+
     def collect(self, timeout: float | None, step: int) -> dict[int, Any]:
         results, failures = self._results, self._failures
         self._results, self._failures = {}, {}

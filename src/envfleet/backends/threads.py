@@ -121,6 +121,11 @@ class ThreadsBackend(InProcessBackend):
                     self.close(0, True)  # the threads' replies would be read by the next call
                     raise
 
+    def inline_groups(self, command: Command) -> frozenset[int]:
+        if command in (Command.STEP, Command.RESET):
+            return frozenset(w for w in range(len(self.ranges)) if w not in self._inboxes)
+        return frozenset(range(len(self.ranges)))
+
     def collect(self, timeout: float | None, step: int) -> dict[int, Any]:
         try:
             results, failures = self._collect(timeout)

@@ -1,0 +1,270 @@
+"""Compatibility with code written for gymnasium's AsyncVectorEnv (issue 17, item 15).
+
+Timeouts of ``*_wait(timeout=)``, the error types gymnasium's callers catch
+(``multiprocessing.TimeoutError``, ``RuntimeError`` for space mismatches, the env's own
+exception type) and the warning of ``close()`` with a call pending.
+"""
+
+from __future__ import annotations
+
+import functools
+import multiprocessing
+import pickle
+import re
+import time
+from typing import Any
+
+import gymnasium
+import numpy as np
+import pytest
+
+import envfleet
+from tests.envs import CustomEnvException, NewArgsException, SlowEnv, TypedRaisingEnv
+
+HANG = 3600.0
+
+
+def _slow(
+    delays: dict[int, float] | None = None, reset_delays: dict[int, float] | None = None
+) -> Any:
+    return functools.partial(SlowEnv, delays=delays, reset_delays=reset_delays)
+
+
+# Two envs, env 1 in a worker (process or thread) of its own, env 0 where the layout puts it.
+_WORKER_LAYOUTS = {
+    "processes": {"backend": "processes", "num_workers": 2, "driver_envs": 0},
+    "threads": {"backend": "threads", "num_workers": 2},
+}
+
+
+def _start(envs: envfleet.FleetVectorEnv, method: str) -> Any:
+    """Start ``method`` (step, reset or call) asynchronously; return its wait."""
+    if method == "step":
+        envs.reset(seed=0)
+        envs.step_async(np.zeros(envs.num_envs, dtype=np.int64))
+        return envs.step_wait
+    if method == "reset":
+        envs.reset_async(seed=0)
+        return envs.reset_wait
+    envs.reset(seed=0)
+    envs.call_async("slow")
+    return envs.call_wait
+
+
+@pytest.mark.parametrize(
+    "backend,method",
+    [
+        ("processes", "step"),
+        ("processes", "reset"),
+        ("processes", "call"),
+        ("threads", "step"),
+        ("threads", "reset"),
+    ],
+)
+def test_wait_timeout_raises_timeout_error(make_env, snapshot, backend, method):
+    """A ``*_wait(timeout=)`` on a hung worker raises, after about ``timeout`` seconds, an
+    error that is both envfleet's StepTimeoutError and gymnasium's multiprocessing.TimeoutError;
+    the vector env is closed and (processes) nothing is left behind."""
+    delays = {1: HANG} if method != "reset" else None
+    reset_delays = {1: HANG} if method == "reset" else None
+    envs = make_env(_slow(delays, reset_delays), 2, **_WORKER_LAYOUTS[backend])
+    if method == "reset":
+        started = time.monotonic()
+        wait = _start(envs, method)
+    else:
+        wait = _start(envs, method)
+        started = time.monotonic()
+    assert time.monotonic() - started < 5.0, "the *_async call waited for the hung env"
+    with pytest.raises(multiprocessing.TimeoutError) as raised:
+        wait(timeout=0.5)
+    elapsed = time.monotonic() - started
+    assert isinstance(raised.value, envfleet.StepTimeoutError)
+    assert 1 in raised.value.env_indices
+    assert 0.4 < elapsed < 10.0
+    assert envs.closed
+    envs.close(terminate=True)
+    if backend == "processes":
+        snapshot.assert_nothing_left()
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        {"backend": "processes", "num_workers": 1, "driver_envs": 1},
+        {"backend": "threads", "num_workers": 2},
+        {"backend": "serial"},
+    ],
+    ids=["processes-driver-block", "threads", "serial"],
+)
+@pytest.mark.parametrize("method", ["step", "reset"])
+def test_async_returns_at_once_and_wait_times_out(make_env, snapshot, layout, method):
+    """Env 0 steps in the calling thread (the driver's block, the inline thread group,
+    serial): ``*_async`` still returns at once, as gymnasium's does, and a wait whose
+    timeout the call overran raises the timeout error once env 0 is done (it cannot be
+    interrupted) instead of returning as if in time."""
+    delay = 1.5
+    delays = {0: delay} if method == "step" else None
+    reset_delays = {0: delay} if method == "reset" else None
+    envs = make_env(_slow(delays, reset_delays), 2, **layout)
+    if method == "step":
+        envs.reset(seed=0)
+    started = time.monotonic()
+    if method == "step":
+        envs.step_async(np.zeros(2, dtype=np.int64))
+    else:
+        envs.reset_async(seed=0)
+    assert time.monotonic() - started < delay / 2, "the *_async call ran env 0 to the end"
+    with pytest.raises(multiprocessing.TimeoutError) as raised:
+        (envs.step_wait if method == "step" else envs.reset_wait)(timeout=0.2)
+    assert isinstance(raised.value, envfleet.StepTimeoutError)
+    assert 0 in raised.value.env_indices
+    assert envs.closed
+    envs.close(terminate=True)
+    snapshot.assert_nothing_left()
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        {"backend": "processes", "num_workers": 1, "driver_envs": 1},
+        {"backend": "threads", "num_workers": 2},
+        {"backend": "serial"},
+    ],
+    ids=["processes-driver-block", "threads", "serial"],
+)
+def test_async_then_wait_in_time_gives_the_results(make_env, layout):
+    """Deferring the calling thread's envs to the wait changes no result."""
+    envs = make_env(_slow({0: 0.05, 1: 0.05}), 2, **layout)
+    envs.reset_async(seed=3)
+    obs, _ = envs.reset_wait(timeout=30)
+    envs.step_async(np.array([1, 0]))
+    _, rewards, *_ = envs.step_wait(timeout=30)
+    envs.call_async("slow")
+    assert envs.call_wait(timeout=30) == (0, 1)
+    ref = envfleet.make(_slow(), 2, backend="serial")
+    want, _ = ref.reset(seed=3)
+    ref.close()
+    np.testing.assert_array_equal(obs, want)
+    np.testing.assert_array_equal(rewards, [0.0, 1.0])
+
+
+@pytest.mark.parametrize("backend", ["processes", "threads", "serial"])
+def test_space_mismatch_is_a_runtime_error(snapshot, backend):
+    """Sub-environments with different spaces raise SpaceMismatchError, which gymnasium's
+    callers catch as ``RuntimeError`` (AsyncVectorEnv's type for it)."""
+    fns = [functools.partial(gymnasium.make, "CartPole-v1") for _ in range(3)]
+    fns[1] = functools.partial(gymnasium.make, "FrozenLake-v1")
+    with pytest.raises(RuntimeError) as raised:
+        envfleet.make(fns, backend=backend, num_workers=3)
+    assert isinstance(raised.value, envfleet.SpaceMismatchError)
+    snapshot.assert_nothing_left()
+
+
+@pytest.mark.parametrize("backend", ["processes", "threads", "serial"])
+@pytest.mark.parametrize("terminate", [False, True])
+@pytest.mark.parametrize("pending", ["step", "reset", "call"])
+def test_close_with_a_pending_call_warns_as_gymnasium(snapshot, backend, terminate, pending):
+    """``close()`` with a call pending warns with gymnasium's AsyncVectorEnv.close text and
+    category (``UserWarning`` through ``gymnasium.logger.warn``), terminating or not."""
+    envs = envfleet.make(_slow(), 2, backend=backend)
+    _start(envs, pending)
+    text = f"Calling `close` while waiting for a pending call to `{pending}` to complete."
+    with pytest.warns(UserWarning, match=re.escape(text)):
+        envs.close(terminate=terminate)
+    assert envs.closed
+    snapshot.assert_nothing_left()
+
+
+_KINDS = {
+    "value": ValueError,
+    "key": KeyError,
+    "os": FileNotFoundError,
+    "custom": CustomEnvException,
+}
+
+
+def _assert_env_error(error: BaseException, kind: str, method: str = "step") -> None:
+    assert isinstance(error, envfleet.EnvError)
+    assert isinstance(error, _KINDS[kind])
+    assert (error.env_index, error.method) == (1, method)
+    assert str(error).startswith("sub-environment 1")  # EnvError's text, not KeyError's repr
+    assert isinstance(error.__cause__, _KINDS[kind])
+    if kind == "os":
+        assert (error.errno, error.strerror) == (2, "no such thing")
+    if kind == "custom":
+        assert error.code == 7
+    copy = pickle.loads(pickle.dumps(error))
+    assert type(copy) is type(error)
+    assert (copy.env_index, copy.worker_index, copy.method) == (1, error.worker_index, method)
+    assert str(copy) == str(error)
+
+
+@pytest.mark.parametrize("kind", sorted(_KINDS))
+@pytest.mark.parametrize(
+    "layout",
+    [
+        {"backend": "processes", "num_workers": 2, "driver_envs": 1},
+        {"backend": "threads", "num_workers": 2},
+        {"backend": "serial"},
+    ],
+    ids=["processes", "threads", "serial"],
+)
+def test_env_exception_is_also_of_its_own_type(make_env, layout, kind):
+    """An env's exception reaches the caller as an EnvError (with its fields) that is also an
+    instance of the env's exception type, so ``except ValueError`` written for gymnasium
+    catches it; it pickles, and the vector env stays usable."""
+    envs = make_env(functools.partial(TypedRaisingEnv, kind=kind), 3, **layout)
+    envs.reset(seed=0)
+    with pytest.raises(_KINDS[kind]) as raised:
+        envs.step(np.zeros(3, dtype=np.int64))
+    _assert_env_error(raised.value, kind)
+    with pytest.raises(_KINDS[kind]) as raised:
+        envs.reset(seed=0, options={"explode": True})
+    _assert_env_error(raised.value, kind, "reset")
+
+
+def test_env_exception_whose_type_refuses_envfleets_arguments_is_a_plain_env_error(make_env):
+    """A type whose ``__new__`` takes its own arguments cannot be instantiated as the
+    combined class: the error is then a plain EnvError, the original chained as its cause."""
+    envs = make_env(functools.partial(TypedRaisingEnv, kind="new"), 2, backend="serial")
+    envs.reset(seed=0)
+    with pytest.raises(envfleet.EnvError) as raised:
+        envs.step(np.zeros(2, dtype=np.int64))
+    assert type(raised.value) is envfleet.EnvError
+    assert isinstance(raised.value.__cause__, NewArgsException)
+
+
+def test_env_exception_type_on_ray(make_env):
+    envs = make_env(
+        functools.partial(TypedRaisingEnv, kind="value"), 2, backend="ray", num_workers=2
+    )
+    envs.reset(seed=0)
+    with pytest.raises(ValueError) as raised:
+        envs.step(np.zeros(2, dtype=np.int64))
+    _assert_env_error(raised.value, "value")
+
+
+def test_env_exception_type_in_process_env():
+    with envfleet.ProcessEnv(functools.partial(TypedRaisingEnv, kind="key", fail_index=0)) as penv:
+        penv.reset(seed=0)
+        with pytest.raises(KeyError) as raised:
+            penv.step(0)
+        assert isinstance(raised.value, envfleet.EnvError)
+        assert raised.value.env_index == 0
+
+
+def test_env_exception_type_in_sampler():
+    sampler = envfleet.Sampler(
+        functools.partial(TypedRaisingEnv, kind="custom"),
+        lambda o: np.zeros(len(o), dtype=np.int64),
+        2,
+        num_workers=2,
+    )
+    try:
+        with pytest.raises(CustomEnvException) as raised:
+            sampler.sample(10)
+        assert isinstance(raised.value, envfleet.EnvError)
+        assert raised.value.env_index == 1
+        assert raised.value.code == 7
+    finally:
+        sampler.close()
