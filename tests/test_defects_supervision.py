@@ -7,6 +7,7 @@ Every test runs real worker processes (or threads, or Ray actors) and real fault
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -181,3 +182,67 @@ def test_crash_is_reported_while_a_sibling_sleeps_with_restarts(make_env: Any) -
     assert time.monotonic() - start < 4 + 3.5
     assert truncated.tolist() == [False, False, True, False]
     assert envs.stats.crashes == 1
+
+
+def _fault_script(envs: Any, mode: str, rounds: int = 12) -> None:
+    """Drive ``envs`` (4 envs in 2 workers of 2) through ``rounds`` rounds, carrying on after
+    each EnvError as a user would; a pool goes on until every env stepped ``rounds`` times."""
+    if mode == "pool":
+        envs.async_reset(seed=0)
+        received = np.zeros(4, dtype=np.int64)
+        for _ in range(100 * rounds):
+            if received.min() > rounds:
+                break
+            try:
+                _, _, _, _, info = envs.recv()
+                ids = info["env_id"]
+                received[ids] += 1
+            except envfleet.EnvError as exc:
+                first = exc.env_index // 2 * 2
+                ids = np.array([first, first + 1])  # its block awaits actions again
+            envs.send(np.zeros(len(ids), dtype=np.int64), ids)
+    else:
+        envs.reset(seed=0)
+        for _ in range(rounds):
+            with contextlib.suppress(envfleet.EnvError):
+                envs.step(np.zeros(4, dtype=np.int64))
+
+
+def _counts(stats: Any) -> dict[str, Any]:
+    return {k: v for k, v in vars(stats).items() if k != "workers"}
+
+
+@pytest.mark.parametrize(
+    "faults",
+    [
+        {0: ("raise", 3), 1: ("raise", 3)},  # one block, in the same step
+        {1: ("raise", 3), 2: ("raise", 3)},  # two blocks, in the same step
+        {1: ("raise", 3), 2: ("raise", 4)},
+    ],
+    ids=["same-block", "two-blocks", "apart"],
+)
+@pytest.mark.parametrize("mode", ["pool", "sync", "sync-restarts", "sync-driver"])
+def test_every_backend_counts_each_env_error_once(
+    mode: str, faults: dict[int, tuple[str, int]], make_env: Any
+) -> None:
+    """Issue 17 item 12: two envs of one block raising in the same step counted 1 on serial
+    and threads, 2 on processes, in a pool. The same fault script now gives the same stats on
+    every backend and mode ("sync-driver": processes' default layout, the driver stepping
+    env 0's block itself)."""
+    seen = {}
+    for backend in ["serial", "threads", "processes", "ray"]:
+        kwargs: dict[str, Any] = {} if mode == "sync-driver" else {"num_workers": 2}
+        if mode == "pool":
+            kwargs["batch_size"] = 2
+        if mode == "sync-restarts":
+            kwargs["restart_policy"] = envfleet.RestartPolicy(max_restarts=10)
+        envs = make_env(fault_factory(faults), 4, backend=backend, **kwargs)
+        _fault_script(envs, "pool" if mode == "pool" else "sync")
+        seen[backend] = _counts(envs.stats)
+        envs.close()
+    errors = {backend: counts["env_errors"] for backend, counts in seen.items()}
+    # Without restarts each env raised once; a rebuilt env starts its step count again, so
+    # with restarts each rebuild is one more error.
+    expected = seen["serial"]["restarts"] if mode == "sync-restarts" else 2
+    assert errors == dict.fromkeys(seen, expected), seen
+    assert all(counts == seen["serial"] for counts in seen.values()), seen

@@ -13,7 +13,7 @@ import logging
 import math
 import numbers
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar, cast
 
@@ -294,6 +294,15 @@ class Ledger:
         each seeded by :func:`restart_seed` for its next restart."""
         seeds = [restart_seed(self.seeds[e], self.env_restarts[e] + 1) for e in env_indices]
         return RestartRequest([e - start for e in env_indices], seeds, after, rebuild)
+
+    def count_env_errors(self, failures: Iterable[Any]) -> None:
+        """Count each env exception in ``failures`` once (``stats.env_errors``), whichever
+        backend and mode reported it: an in-process group's ``EnvFailure`` (a
+        ``PartialFailure`` holds one per env that raised) or a worker's ``protocol.Failure``
+        (one ``RemoteError`` per env)."""
+        for failure in failures:
+            per_env = getattr(failure, "failures", None) or getattr(failure, "errors", None)
+            self.env_errors += len(per_env) if per_env else 1
 
     def snapshot(self, workers: tuple[StepTimeStats, ...]) -> FleetStats:
         return FleetStats(

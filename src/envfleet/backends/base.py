@@ -296,7 +296,7 @@ class RemoteWorkersBackend(Backend):
         if not failures:
             return results
         self._kept.update(results)
-        self.ledger.env_errors += sum(len(f.errors) for f in failures.values())
+        self.ledger.count_env_errors(failures.values())
         ordered = sorted(failures.items())
         self._kept_failures.extend(ordered[1:])
         w, failure = ordered[0]
@@ -351,7 +351,7 @@ class RemoteWorkersBackend(Backend):
         replaced. Returns every worker's result, the rebuilt envs' included.
         """
         ledger = self.ledger
-        ledger.env_errors += sum(len(f.errors) for f in done.failures.values())
+        ledger.count_env_errors(done.failures.values())
         failed_envs = {w: [e.env_index for e in f.errors] for w, f in sorted(done.failures.items())}
         respawn = sorted([*done.crashed, *done.late])
         note = ledger.refusal(

@@ -118,7 +118,7 @@ class InProcessBackend(Backend):
         failed = {
             w: getattr(failure, "failures", [failure]) for w, failure in sorted(failures.items())
         }
-        ledger.env_errors += sum(map(len, failed.values()))
+        ledger.count_env_errors(failures.values())
         note = ledger.refusal(
             self._command,
             all(isinstance(failure, PartialFailure) for failure in failures.values()),
@@ -148,7 +148,7 @@ class InProcessBackend(Backend):
     ) -> dict[int, Any]:
         """For a first-ready pool: ``results`` plus any kept from an earlier call; when an env
         failed, keep them for the next call and raise the first failure."""
-        self.ledger.env_errors += len(failures)
+        self.ledger.count_env_errors(failures.values())
         results = {**self._kept, **results}
         failures = {**self._kept_failures, **failures}
         self._kept, self._kept_failures = {}, {}

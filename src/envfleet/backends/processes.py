@@ -442,7 +442,8 @@ class ProcessesBackend(RemoteWorkersBackend):
         fail_fast = not self.ledger.restarts_on(self._command)
         done = self._collect_remote(timeout, step, fail_fast, done, spun_s)
         if local_failure is not None:
-            self.ledger.env_errors += len(getattr(local_failure, "failures", [local_failure]))
+            # Every env that raised counts, the workers' as well as the driver's own.
+            self.ledger.count_env_errors([local_failure, *done.failures.values()])
             raise failure_error(local_failure) from local_failure.__cause__
         results = self.settle(done, timeout, step) if done.failed else done.results
         if self._local is not None and local_result is not None:
