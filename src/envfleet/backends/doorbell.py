@@ -30,6 +30,7 @@ from envfleet import speedups as _speedups
 
 __all__ = [
     "BLOCK_SLICE_S",
+    "IDLE_SLICE_MAX_S",
     "SEM_SLOT",
     "TIGHT_SPIN_S",
     "Doorbell",
@@ -39,6 +40,10 @@ __all__ = [
 ]
 
 BLOCK_SLICE_S = 0.02  # seconds a blocked waiter sleeps before checking liveness again
+# An idle worker waits for its next command for as long as the driver likes: its slices grow
+# from BLOCK_SLICE_S to this, so a vector env that nobody steps costs ~0 CPU (a ring still
+# wakes it at once; only noticing the driver's death takes up to this long).
+IDLE_SLICE_MAX_S = 1.0
 TIGHT_SPIN_S = 20e-6  # seconds a wait polls without yielding the core (within its budget)
 _yield: Callable[[], None] = getattr(os, "sched_yield", lambda: None)
 SEM_SLOT = 64  # bytes reserved per semaphore in the shared region (glibc's sem_t: 32)
@@ -191,6 +196,7 @@ class Doorbell:
         deadline: float | None,
         alive: Callable[[], bool],
         spun_s: float | None = None,
+        max_slice_s: float = BLOCK_SLICE_S,
     ) -> bool:
         """Wait until ``sem`` is posted; ``False`` when ``deadline`` passed or ``alive()`` failed.
 
@@ -201,6 +207,8 @@ class Doorbell:
             alive: checked between blocking slices; a ``False`` ends the wait.
             spun_s: the caller already spun this long on ``sem`` (the C worker loop did):
                 block at once, and count those seconds in the wait's length.
+            max_slice_s: blocking slices double from :data:`BLOCK_SLICE_S` up to this
+                (seconds): how long a death may go unnoticed in a long wait.
         """
         if spun_s is None and type(sem) is SharedSem and sem.spin is not None:
             # The spin below, in C; it ran out only after budget_s seconds.
@@ -233,11 +241,12 @@ class Doorbell:
                     budget.caught()
                     return True
                 now = clock()
+        block_s = BLOCK_SLICE_S
         while True:
             if deadline is None:
-                slice_s = BLOCK_SLICE_S
+                slice_s = block_s
             else:
-                slice_s = min(BLOCK_SLICE_S, deadline - time.monotonic())
+                slice_s = min(block_s, deadline - time.monotonic())
                 if slice_s <= 0:
                     return bool(acquire(False))
             if acquire(True, slice_s):
@@ -245,3 +254,4 @@ class Doorbell:
                 return True
             if not alive():
                 return bool(acquire(False))
+            block_s = min(max_slice_s, block_s * 2)

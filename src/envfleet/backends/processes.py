@@ -57,6 +57,7 @@ from envfleet.backends.base import (
     run_command,
 )
 from envfleet.backends.doorbell import (
+    IDLE_SLICE_MAX_S,
     SEM_SLOT,
     TIGHT_SPIN_S,
     Doorbell,
@@ -843,7 +844,7 @@ class _Worker:
                     continue
                 taken = reason == _TAKEN  # else it spun out: block below
             if not taken and not Doorbell.wait(
-                request, self.budget, None, self.driver_alive, spun_s=spun_s
+                request, self.budget, None, self.driver_alive, spun_s, IDLE_SLICE_MAX_S
             ):
                 return  # the driver is gone
             command = _COMMANDS[control[_CMD]]
