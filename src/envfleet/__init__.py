@@ -19,6 +19,7 @@ from envfleet.errors import (
     RemoteTraceback,
     ResetNeededError,
     SpaceMismatchError,
+    StartTimeoutError,
     StepTimeoutError,
     UnsupportedError,
 )
@@ -54,6 +55,7 @@ __all__ = [
     "SamplerTimers",
     "SpaceMismatchError",
     "StepTimeStats",
+    "StartTimeoutError",
     "StepTimeoutError",
     "TimerStat",
     "UnsupportedError",

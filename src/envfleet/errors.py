@@ -29,6 +29,7 @@ __all__ = [
     "RemoteTraceback",
     "ResetNeededError",
     "SpaceMismatchError",
+    "StartTimeoutError",
     "StepTimeoutError",
     "UnsupportedError",
 ]
@@ -266,6 +267,25 @@ class StepTimeoutError(EnvfleetError, multiprocessing.TimeoutError):
     Attributes:
         env_indices: the sub-environments whose workers had not answered.
         timeout: the timeout that expired, in seconds.
+    """
+
+    def __init__(self, message: str, env_indices: Sequence[int], timeout: float):
+        super().__init__(message)
+        self.env_indices = list(env_indices)
+        self.timeout = timeout
+
+
+class StartTimeoutError(EnvfleetError, multiprocessing.TimeoutError):
+    """Sub-environments were not built within ``start_timeout`` seconds of ``make()``.
+
+    The workers building them were killed (threads, which cannot be killed, were left behind
+    as daemon threads) and nothing else is left: no process, no shared memory. Like
+    :class:`StepTimeoutError` it is also a ``multiprocessing.TimeoutError``.
+
+    Attributes:
+        env_indices: the sub-environments not built in time (with ``threads``, the one each
+            late thread was building and those after it in its block).
+        timeout: the ``start_timeout`` that expired, in seconds.
     """
 
     def __init__(self, message: str, env_indices: Sequence[int], timeout: float):

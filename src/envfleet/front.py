@@ -94,6 +94,7 @@ BACKENDS = ("serial", "threads", "processes", "ray", "envpool")
 # than SPARE_SLABS_MAX_BYTES of shared memory together.
 SPARE_SLABS = 2
 SPARE_SLABS_MIN_BYTES = 4 << 10
+DEFAULT_START_TIMEOUT = 60.0  # seconds for the workers to build their envs (make's start_timeout)
 SPARE_SLABS_MAX_BYTES = 256 << 20
 _LATER_BACKENDS: dict[str, str] = {}
 
@@ -179,6 +180,7 @@ def make(  # type: ignore[misc]  # the overloads stand for its keyword arguments
     autoreset_mode: AutoresetMode | str = AutoresetMode.NEXT_STEP,
     env_kwargs: dict[str, Any] | None = None,
     step_timeout: float | None = None,
+    start_timeout: float | None = DEFAULT_START_TIMEOUT,
     restart_policy: RestartPolicy | None = None,
     context: str | None = None,
     copy: bool = True,
@@ -233,8 +235,13 @@ def make(  # type: ignore[misc]  # the overloads stand for its keyword arguments
         step_timeout: seconds any step, reset or call may take before the workers still busy
             are killed and :class:`envfleet.StepTimeoutError` is raised; ``None``: no bound.
             With a timeout every env runs in a worker (``driver_envs=0``).
-            Building the envs at start is not bounded by it (a worker that dies while
-            starting is still reported at once).
+            Building the envs at start is bounded by ``start_timeout`` instead.
+        start_timeout: seconds the workers (processes, threads, Ray actors) may take to build
+            their envs (default 60); past it the workers are killed (threads are left
+            behind, as daemons) and :class:`envfleet.StartTimeoutError` names the envs not
+            built. ``None``: wait for good. Envs built in the calling thread are not bounded:
+            env 0 (built first, to learn the spaces), the ``processes`` driver's own block and
+            every ``serial`` env. A worker that dies while starting is reported at once.
         restart_policy: ``None``: fail fast (a typed error names what failed). A
             :class:`envfleet.RestartPolicy`: rebuild envs that raise in step or reset, and
             workers that die or run past the timeout, within its budget; the rebuilt envs
@@ -353,6 +360,10 @@ def make(  # type: ignore[misc]  # the overloads stand for its keyword arguments
             "a first-ready pool autoresets its envs, as EnvPool does: use "
             "AutoresetMode.NEXT_STEP or SAME_STEP"
         )
+    if start_timeout is not None and not (
+        isinstance(start_timeout, numbers.Real) and start_timeout > 0
+    ):
+        raise ConfigError(f"start_timeout must be None or seconds > 0, got {start_timeout!r}")
     if step_timeout is not None and not (
         isinstance(step_timeout, numbers.Real) and step_timeout > 0
     ):
@@ -449,6 +460,7 @@ def make(  # type: ignore[misc]  # the overloads stand for its keyword arguments
             worker_spin_s=plan.worker_spin_s,
             ledger=ledger,
             pool=pool,
+            start_timeout=start_timeout,
         )
     elif backend == "ray":
         from envfleet.backends.ray import RayBackend
@@ -461,6 +473,7 @@ def make(  # type: ignore[misc]  # the overloads stand for its keyword arguments
             ledger=ledger,
             pool=pool,
             first_env=first,
+            start_timeout=start_timeout,
         )
     elif backend == "threads":
         from envfleet.backends.threads import ThreadsBackend
@@ -471,6 +484,7 @@ def make(  # type: ignore[misc]  # the overloads stand for its keyword arguments
             first_env=first,
             ledger=ledger,
             inline_first=step_timeout is None and not pool,
+            start_timeout=start_timeout,
         )
     else:
         from envfleet.backends.serial import SerialBackend

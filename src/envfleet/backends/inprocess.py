@@ -69,18 +69,8 @@ class InProcessBackend(Backend):
         )
         self.groups: list[EnvGroup] = []
         try:
-            for start, stop in self.ranges:
-                group = EnvGroup(
-                    layout.bound_fns(start, stop),
-                    start,
-                    self.batch,
-                    layout.single_observation_space,
-                    layout.single_action_space,
-                    layout.autoreset_mode,
-                    first_env=first_env if start == 0 else None,
-                    same_observation_space=layout.same_observation_space,
-                )
-                self.groups.append(group)
+            self._build_groups(layout, first_env)
+            for group in self.groups:
                 mismatch = group.check_spaces()
                 if mismatch is not None:
                     raise mismatch_error(mismatch)
@@ -90,6 +80,33 @@ class InProcessBackend(Backend):
         except BaseException:
             self._close_groups()
             raise
+
+    def _build_groups(
+        self, layout: WorkerLayout, first_env: gymnasium.Env[Any, Any] | None
+    ) -> None:
+        """Build every group into ``self.groups``, in order, here (a subclass may build them
+        elsewhere); raise what a factory raised (``EnvFailure``)."""
+        for w in range(len(self.ranges)):
+            self.groups.append(self._new_group(layout, w, first_env))
+
+    def _new_group(
+        self,
+        layout: WorkerLayout,
+        w: int,
+        first_env: gymnasium.Env[Any, Any] | None,
+        fns: list[Any] | None = None,
+    ) -> EnvGroup:
+        start, stop = self.ranges[w]
+        return EnvGroup(
+            layout.bound_fns(start, stop) if fns is None else fns,
+            start,
+            self.batch,
+            layout.single_observation_space,
+            layout.single_action_space,
+            layout.autoreset_mode,
+            first_env=first_env if start == 0 else None,
+            same_observation_space=layout.same_observation_space,
+        )
 
     @property
     def closed(self) -> bool:

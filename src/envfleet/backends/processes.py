@@ -70,6 +70,8 @@ from envfleet.envgroup import EnvFailure, EnvGroup, PartialFailure
 from envfleet.errors import (
     EnvCrashedError,
     EnvfleetError,
+    StartTimeoutError,
+    StepTimeoutError,
     describe_exitcode,
 )
 from envfleet.protocol import Command, Failure, RemoteError, Status
@@ -173,6 +175,7 @@ class ProcessesBackend(RemoteWorkersBackend):
         worker_spin_s: float = DEFAULT_SPIN_S,
         ledger: Ledger | None = None,
         pool: bool = False,
+        start_timeout: float | None = None,
     ):
         self.ranges = list(layout.ranges)
         self.ledger = ledger if ledger is not None else Ledger(layout.num_envs, None)
@@ -249,7 +252,16 @@ class ProcessesBackend(RemoteWorkersBackend):
                 first_env.close()
                 first_env = None
             self._pending = list(self._remote)
-            self._check_ready(self._collect_remote(None, step=0, fail_fast=True))
+            try:
+                ready = self._collect_remote(start_timeout, step=0, fail_fast=True)
+            except StepTimeoutError as exc:
+                raise StartTimeoutError(
+                    f"sub-environments {exc.env_indices} were not built within "
+                    f"{start_timeout} s (start_timeout); their workers were killed",
+                    exc.env_indices,
+                    cast(float, start_timeout),
+                ) from None
+            self._check_ready(ready)
             self._step_round = self._bind_step_round()
         except EnvFailure as failure:
             self.close(timeout=None, terminate=True)
@@ -836,7 +848,7 @@ class _Worker:
                 # Command.STEP without payload; see _speedups.serve_steps).
                 try:
                     reason, spun_s, events = serve_steps()
-                except Exception as exc:
+                except BaseException as exc:  # an env's SystemExit too: report it
                     self.reply_failure(exc, group, _STEP)
                     continue
                 if reason == _STEPPED:
@@ -853,12 +865,12 @@ class _Worker:
             payload = pickle.loads(self.conn.recv_bytes()) if control[_CMD_PAYLOAD] else None
             try:
                 result = run_command(group, command, payload, timer)
-            except Exception as exc:
+            except BaseException as exc:  # an env's SystemExit too: report it
                 self.reply_failure(exc, group, command)
                 continue
             self.reply(Status.OK, result or None)
 
-    def reply_failure(self, exc: Exception, group: EnvGroup, command: Command) -> None:
+    def reply_failure(self, exc: BaseException, group: EnvGroup, command: Command) -> None:
         """Reply with what ``command`` raised: an env's failure, or a bug outside any env
         (reported against the group)."""
         if isinstance(exc, PartialFailure):

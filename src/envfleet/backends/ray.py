@@ -49,7 +49,7 @@ from envfleet.backends.base import (
 from envfleet.backends.processes import _remote_error
 from envfleet.buffers import Block, allocate_batch, batch_nbytes, tree_slice, tree_write
 from envfleet.envgroup import EnvFailure, EnvGroup, PartialFailure
-from envfleet.errors import ConfigError, EnvCrashedError, EnvfleetError
+from envfleet.errors import ConfigError, EnvCrashedError, EnvfleetError, StartTimeoutError
 from envfleet.protocol import Command, Failure, RemoteError, Status
 from envfleet.supervisor import (
     STATS_WORDS,
@@ -400,12 +400,14 @@ class RayBackend(RemoteWorkersBackend):
         ledger: Ledger | None = None,
         pool: bool = False,
         first_env: gymnasium.Env[Any, Any] | None = None,
+        start_timeout: float | None = None,
     ):
         self.ranges = list(layout.ranges)
         self.ledger = ledger if ledger is not None else Ledger(layout.num_envs, None)
         self._layout, self._blobs = layout, env_fn_blobs
         self._options = dict(actor_options or {})
         self._pool = pool
+        self._start_timeout = start_timeout
         self.batch = allocate_batch(
             layout.single_observation_space, layout.single_action_space, layout.num_envs, block
         )
@@ -454,11 +456,25 @@ class RayBackend(RemoteWorkersBackend):
         their envs; a dead one raises at once."""
         refs = {w: self._actors[w].ready.remote() for w in workers}
         waiting = list(refs.values())
+        timeout = self._start_timeout
+        deadline = None if timeout is None else time.monotonic() + timeout
         while True:
-            _, waiting = ray.wait(waiting, num_returns=len(waiting), timeout=_START_WARN_S)
+            wait_s = _START_WARN_S
+            if deadline is not None:
+                wait_s = max(0.0, min(wait_s, deadline - time.monotonic()))
+            _, waiting = ray.wait(waiting, num_returns=len(waiting), timeout=wait_s)
             if not waiting:
                 break
             late = [w for w, ref in refs.items() if ref in waiting]
+            if deadline is not None and time.monotonic() >= deadline:
+                envs = [e for w in late for e in range(*self.ranges[w])]
+                self.close(timeout=0, terminate=True)
+                raise StartTimeoutError(
+                    f"sub-environments {envs} were not built within {timeout} s "
+                    f"(start_timeout); their Ray actors {late} were killed",
+                    envs,
+                    cast(float, timeout),
+                )
             logger.warning(
                 "Ray actors %s have not started after %g s: is the cluster short of the "
                 "resources they ask for (%s)? Still waiting",

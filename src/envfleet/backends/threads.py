@@ -20,7 +20,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, NoReturn, cast
 
 import gymnasium
@@ -28,8 +28,8 @@ import gymnasium
 from envfleet.backends.base import WorkerLayout
 from envfleet.backends.inprocess import InProcessBackend
 from envfleet.buffers import Block
-from envfleet.envgroup import EnvFailure
-from envfleet.errors import EnvfleetError, StepTimeoutError
+from envfleet.envgroup import EnvFailure, EnvGroup
+from envfleet.errors import EnvfleetError, StartTimeoutError, StepTimeoutError
 from envfleet.protocol import Command
 from envfleet.supervisor import Ledger
 
@@ -50,6 +50,9 @@ class ThreadsBackend(InProcessBackend):
         layout, block, first_env, ledger: as :class:`InProcessBackend`.
         inline_first: run group 0 in the calling thread during :meth:`submit` (no timeout
             can then interrupt it).
+        start_timeout: seconds the threads may take to build groups 1 and up (group 0 is
+            built in the calling thread); ``None``: no bound. Past it
+            :class:`StartTimeoutError` is raised and the late threads are left behind.
     """
 
     def __init__(
@@ -60,7 +63,9 @@ class ThreadsBackend(InProcessBackend):
         ledger: Ledger | None = None,
         *,
         inline_first: bool = True,
+        start_timeout: float | None = None,
     ):
+        self._start_timeout = start_timeout
         super().__init__(layout, block, first_env, ledger)
         first_thread = 1 if inline_first else 0
         self._inboxes: dict[int, queue.SimpleQueue[tuple[Command, Any] | None]] = {}
@@ -78,6 +83,60 @@ class ThreadsBackend(InProcessBackend):
         self._local: dict[int, Any] = {}
         self._local_failures: dict[int, EnvFailure] = {}
 
+    def _build_groups(
+        self, layout: WorkerLayout, first_env: gymnasium.Env[Any, Any] | None
+    ) -> None:
+        """Group 0 here, every other group in a thread of its own, at the same time; bounded
+        by ``start_timeout``."""
+        n = len(self.ranges)
+        built: list[EnvGroup | None] = [None] * n
+        errors: dict[int, BaseException] = {}
+        building = [start for start, _ in self.ranges]  # per group: the env being built
+
+        def track(w: int, e: int, fn: Callable[[], Any]) -> Callable[[], Any]:
+            def call() -> Any:
+                building[w] = e
+                return fn()
+
+            return call
+
+        def build(w: int) -> None:
+            start, stop = self.ranges[w]
+            fns = [track(w, start + j, fn) for j, fn in enumerate(layout.bound_fns(start, stop))]
+            try:
+                built[w] = self._new_group(layout, w, None, fns)
+            except BaseException as exc:  # reported by the calling thread
+                errors[w] = exc
+
+        threads = {
+            w: threading.Thread(target=build, args=(w,), name=f"envfleet-build-{w}", daemon=True)
+            for w in range(1, n)
+        }
+        for thread in threads.values():
+            thread.start()
+        try:
+            built[0] = self._new_group(layout, 0, first_env)
+        except BaseException as exc:
+            errors[0] = exc
+        timeout = self._start_timeout
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for thread in threads.values():
+            thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        late = [w for w, thread in threads.items() if thread.is_alive()]
+        # What was built is closed by the caller if anything failed (a late thread's group,
+        # built after this gave up, is left with the thread).
+        self.groups = [g for g in built if g is not None]
+        if late:
+            envs = [e for w in late for e in range(building[w], self.ranges[w][1])]
+            raise StartTimeoutError(
+                f"sub-environments {envs} were not built within {timeout} s (start_timeout); "
+                f"a thread cannot be killed: threads {late} were left behind",
+                envs,
+                cast(float, timeout),
+            )
+        if errors:
+            raise errors[min(errors)]
+
     @property
     def num_workers(self) -> int:
         """Groups, each in its own thread (the calling thread's included)."""
@@ -94,7 +153,10 @@ class ThreadsBackend(InProcessBackend):
                 self._replies.put((w, self.run_group(w, command, payload), None))
             except EnvFailure as failure:
                 self._replies.put((w, None, failure))
-            except Exception as exc:  # a bug outside any env: report it against the group
+            except BaseException as exc:
+                # An env's SystemExit, KeyboardInterrupt or GeneratorExit (which EnvGroup lets
+                # through), or a bug outside any env: report it against the group, never let
+                # it end the thread silently (the caller would wait for good).
                 wrapped = EnvFailure(self.ranges[w][0], command.name.lower())
                 wrapped.__cause__ = exc
                 self._replies.put((w, None, wrapped))
@@ -236,7 +298,19 @@ class ThreadsBackend(InProcessBackend):
                 busy.append(w)
         if busy:
             logger.warning("threads %s are still busy; leaving their envs open", busy)
-        for w, group in enumerate(self.groups):
-            if w not in busy:
-                group.close()
+        # Each group closes in a thread of its own, so an env that hangs in close() cannot
+        # hold the caller past the deadline (it is left behind with its thread).
+        closers = [
+            threading.Thread(target=group.close, name=f"envfleet-close-{w}", daemon=True)
+            for w, group in enumerate(self.groups)
+            if w not in busy
+        ]
+        for closer in closers:
+            closer.start()
+        end = max(deadline, time.monotonic() + _IDLE_GRACE)
+        for closer in closers:
+            closer.join(max(0.0, end - time.monotonic()))
+        hung = [closer.name for closer in closers if closer.is_alive()]
+        if hung:
+            logger.warning("%s still running after the close timeout; left behind", hung)
         self.groups = []

@@ -1,0 +1,151 @@
+"""Regression tests of issue 17's start and threads defects: an env constructor that hangs
+(``start_timeout``), an env raising ``SystemExit``/``KeyboardInterrupt``/``GeneratorExit`` in
+a worker thread, an env hanging in ``close``.
+
+Real envs, real threads and worker processes, real hangs.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+import pytest
+from gymnasium import spaces
+
+import envfleet
+
+
+class StartEnv(gym.Env):
+    """Env ``hang_index`` sleeps ``hang_s`` seconds in its constructor (or, with
+    ``in_close``, in ``close``); env ``raise_index`` raises ``raise_type()`` in its
+    ``raise_after``-th step."""
+
+    def __init__(
+        self,
+        env_index: int = 0,
+        hang_index: int = -1,
+        hang_s: float = 1000.0,
+        in_close: bool = False,
+        raise_index: int = -1,
+        raise_type: type[BaseException] = SystemExit,
+        raise_after: int = 2,
+    ):
+        self.env_index = env_index
+        self.hang = env_index == hang_index
+        self.hang_s = hang_s
+        self.in_close = in_close
+        self.raises = raise_type if env_index == raise_index else None
+        self.raise_after = raise_after
+        if self.hang and not in_close:
+            time.sleep(hang_s)
+        self.observation_space = spaces.Box(-1.0, 1.0, (2,), np.float32)
+        self.action_space = spaces.Discrete(2)
+        self._steps = 0
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
+        super().reset(seed=seed)
+        return self.np_random.uniform(-1.0, 1.0, 2).astype(np.float32), {}
+
+    def step(self, action: Any):
+        self._steps += 1
+        if self.raises is not None and self._steps == self.raise_after:
+            raise self.raises()
+        return self.np_random.uniform(-1.0, 1.0, 2).astype(np.float32), 1.0, False, False, {}
+
+    def close(self) -> None:
+        if self.hang and self.in_close:
+            time.sleep(self.hang_s)
+
+
+def start_factory(**knobs: Any) -> Any:
+    def factory(env_index: int) -> StartEnv:
+        return StartEnv(env_index, **knobs)
+
+    return factory
+
+
+@pytest.mark.parametrize("backend", ["processes", "threads"])
+def test_start_timeout_bounds_a_hanging_constructor(
+    backend: str, snapshot: Any, make_env: Any
+) -> None:
+    """Issue 17 item 5: env 2's constructor sleeps 1000 s; make() hung for good."""
+    start = time.monotonic()
+    with pytest.raises(envfleet.StartTimeoutError) as info:
+        make_env(start_factory(hang_index=2), 4, backend=backend, num_workers=4, start_timeout=2.0)
+    assert time.monotonic() - start < 15.0
+    assert info.value.env_indices == [2] and info.value.timeout == 2.0
+    assert "2" in str(info.value) and "start_timeout" in str(info.value)
+    snapshot.assert_nothing_left()
+
+
+def test_start_timeout_on_ray(make_env: Any) -> None:
+    """Issue 17 item 5 on Ray: the actor building env 1 is killed after start_timeout."""
+    with pytest.raises(envfleet.StartTimeoutError) as info:
+        make_env(start_factory(hang_index=1), 2, backend="ray", num_workers=2, start_timeout=20.0)
+    assert info.value.env_indices == [1]
+
+
+@pytest.mark.parametrize("value", [0, -1.0, "5", float("nan")])
+def test_start_timeout_is_checked(value: Any) -> None:
+    with pytest.raises(envfleet.ConfigError, match="start_timeout"):
+        envfleet.make("CartPole-v1", 2, backend="serial", start_timeout=value)
+
+
+def test_start_timeout_none_waits_for_a_slow_constructor(make_env: Any) -> None:
+    envs = make_env(
+        start_factory(hang_index=1, hang_s=1.5),
+        2,
+        backend="processes",
+        num_workers=2,
+        start_timeout=None,
+    )
+    envs.reset(seed=0)
+
+
+@pytest.mark.parametrize("raised", [SystemExit, KeyboardInterrupt, GeneratorExit])
+@pytest.mark.parametrize("backend", ["threads", "processes"])
+def test_env_raising_a_base_exception_gives_an_env_error(
+    backend: str, raised: type[BaseException], make_env: Any, snapshot: Any
+) -> None:
+    """Issue 17 item 4: SystemExit inside an env's step ended its thread and the caller
+    waited for good. Now an EnvError carries it."""
+    envs = make_env(
+        start_factory(raise_index=1, raise_type=raised), 2, backend=backend, num_workers=2
+    )
+    envs.reset(seed=0)
+    envs.step(np.zeros(2, dtype=np.int64))
+    done = threading.Event()
+    caught: list[BaseException] = []
+
+    def step() -> None:
+        try:
+            envs.step(np.zeros(2, dtype=np.int64))
+        except BaseException as exc:
+            caught.append(exc)
+        done.set()
+
+    # In a thread of its own, so a regression fails the test instead of hanging it.
+    threading.Thread(target=step, daemon=True).start()
+    assert done.wait(30), "step() hung"
+    assert isinstance(caught[0], envfleet.EnvError), caught
+    assert caught[0].env_index == 1
+    assert isinstance(caught[0].__cause__, raised)
+    envs.close()
+    if backend == "processes":
+        snapshot.assert_nothing_left()
+
+
+def test_threads_close_returns_when_an_env_hangs_in_close() -> None:
+    """Issue 17 item 4: close() of a threads vector env whose env hangs in close()."""
+    envs = envfleet.make(
+        start_factory(hang_index=1, in_close=True), 2, backend="threads", num_workers=2
+    )
+    envs.reset(seed=0)
+    start = time.monotonic()
+    envs.close(timeout=2.0)
+    assert time.monotonic() - start < 6.0
+    assert envs.closed
