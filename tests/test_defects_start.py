@@ -149,3 +149,33 @@ def test_threads_close_returns_when_an_env_hangs_in_close() -> None:
     envs.close(timeout=2.0)
     assert time.monotonic() - start < 6.0
     assert envs.closed
+
+
+def returns_not_an_env(bad_index: int, bad: Any) -> Any:
+    def factory(env_index: int) -> Any:
+        return bad if env_index == bad_index else StartEnv(env_index)
+
+    return factory
+
+
+_NO_ENV_CASES = [
+    (backend, bad, bad_index)
+    for backend in ["serial", "threads", "processes"]
+    for bad in [None, "CartPole-v1"]
+    for bad_index in [0, 3]
+] + [("ray", None, 3)]  # one Ray case: its path is the processes one
+
+
+@pytest.mark.parametrize(("backend", "bad", "bad_index"), _NO_ENV_CASES)
+def test_factory_returning_no_env_is_a_config_error_naming_it(
+    backend: str, bad: Any, bad_index: int, snapshot: Any, make_env: Any
+) -> None:
+    """Issue 17 item 7: serial and threads raised AttributeError; processes an EnvError
+    naming sub-environment 2 when env 3 returned the bad object."""
+    with pytest.raises(envfleet.ConfigError) as info:
+        make_env(returns_not_an_env(bad_index, bad), 4, backend=backend, num_workers=2)
+    message = str(info.value)
+    assert f"sub-environment {bad_index} returned {bad!r}" in message
+    assert not isinstance(info.value, envfleet.EnvError)
+    if backend != "ray":
+        snapshot.assert_nothing_left()

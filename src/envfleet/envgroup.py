@@ -21,6 +21,7 @@ from gymnasium.vector.utils import batch_space, concatenate, create_empty_array,
 
 from envfleet import speedups as _speedups
 from envfleet.buffers import Batch, fill_side, is_leaf, side_leaves, side_values
+from envfleet.errors import ConfigError
 from envfleet.protocol import (
     CallRequest,
     Command,
@@ -63,6 +64,16 @@ class PartialFailure(EnvFailure):
         self.__cause__ = first.__cause__
         self.failures = failures
         self.events = events
+
+
+def not_an_env_error(returned: Any, env_index: int) -> ConfigError:
+    """The error for a factory that returned ``returned``, which is not a ``gymnasium.Env``."""
+    shown = repr(returned)
+    shown = shown if len(shown) <= 80 else shown[:77] + "..."
+    return ConfigError(
+        f"the factory of sub-environment {env_index} returned {shown} "
+        f"({type(returned).__qualname__}), not a gymnasium.Env"
+    )
 
 
 def spaces_mismatch(
@@ -157,10 +168,14 @@ class EnvGroup:
                 self.envs.append(first_env)
                 continue
             try:
-                self.envs.append(fn())
+                env = fn()
             except Exception as exc:
                 self.close()
                 raise EnvFailure(start + j, "make") from exc
+            if not isinstance(env, gymnasium.Env):
+                self.close()
+                raise not_an_env_error(env, start + j)
+            self.envs.append(env)
         self._env_obs: list[Any] = [None] * self.size
         self._rewards: list[Any] = [0.0] * self.size
         self._terminations: list[Any] = [False] * self.size

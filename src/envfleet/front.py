@@ -56,6 +56,7 @@ from envfleet.buffers import (
     tree_take,
     tree_write,
 )
+from envfleet.envgroup import not_an_env_error
 from envfleet.errors import (
     AlreadyPendingCallError,
     ClosedEnvironmentError,
@@ -678,7 +679,7 @@ def _build(fn: Callable[[], gymnasium.Env[Any, Any]], env_index: int) -> gymnasi
     except Exception as exc:
         raise env_error(env_index, None, "make", f"{type(exc).__name__}: {exc}", exc) from exc
     if not isinstance(env, gymnasium.Env):
-        raise ConfigError(f"the factory returned {type(env).__name__}, not a gymnasium.Env")
+        raise not_an_env_error(env, env_index)
     return env
 
 

@@ -17,6 +17,7 @@ from gymnasium.vector import AutoresetMode
 from envfleet.buffers import Batch
 from envfleet.envgroup import EnvFailure, EnvGroup
 from envfleet.errors import (
+    ConfigError,
     EnvError,
     EnvfleetError,
     RemoteTraceback,
@@ -34,6 +35,7 @@ __all__ = [
     "accepts_env_index",
     "bind_env_index",
     "remote_env_error",
+    "start_error",
     "run_command",
     "worker_ranges",
 ]
@@ -156,6 +158,18 @@ def failure_error(failure: EnvFailure, note: str = "") -> EnvError:
     cause = failure.__cause__
     text = f"{type(cause).__name__}: {cause}" + (f" ({note})" if note else "")
     return env_error(failure.env_index, None, failure.method, text, cause)
+
+
+def start_error(error: RemoteError, worker_index: int) -> EnvfleetError:
+    """The error for a worker that could not build its envs: a :class:`ConfigError` raised
+    there (a factory that returned no ``gymnasium.Env``) as itself, else the env's
+    :class:`EnvError` (:func:`remote_env_error`)."""
+    if error.exception is not None:
+        with contextlib.suppress(Exception):
+            cause = pickle.loads(error.exception)
+            if isinstance(cause, ConfigError):
+                return cause
+    return remote_env_error(error, worker_index, "")
 
 
 def remote_env_error(error: RemoteError, worker_index: int, note: str) -> EnvError:

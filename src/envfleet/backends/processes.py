@@ -53,8 +53,8 @@ from envfleet.backends.base import (
     bind_env_index,
     failure_error,
     mismatch_error,
-    remote_env_error,
     run_command,
+    start_error,
 )
 from envfleet.backends.doorbell import (
     IDLE_SLICE_MAX_S,
@@ -628,7 +628,7 @@ class ProcessesBackend(RemoteWorkersBackend):
         """Raise for the first worker that could not start (an env error or a space mismatch)."""
         if done.failures:
             g = min(done.failures)
-            raise remote_env_error(done.failures[g].errors[0], g, "")
+            raise start_error(done.failures[g].errors[0], g)
         for g in sorted(done.results):
             if done.results[g] is not None:
                 raise mismatch_error(done.results[g])

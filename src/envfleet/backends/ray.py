@@ -43,8 +43,8 @@ from envfleet.backends.base import (
     WorkerLayout,
     bind_env_index,
     mismatch_error,
-    remote_env_error,
     run_command,
+    start_error,
 )
 from envfleet.backends.processes import _remote_error
 from envfleet.buffers import Block, allocate_batch, batch_nbytes, tree_slice, tree_write
@@ -488,7 +488,7 @@ class RayBackend(RemoteWorkersBackend):
         """Raise for the first actor that could not start (an env error or a space mismatch)."""
         if done.failures:
             w = min(done.failures)
-            raise remote_env_error(done.failures[w].errors[0], w, "")
+            raise start_error(done.failures[w].errors[0], w)
         for w in sorted(done.results):
             if done.results[w] is not None:
                 raise mismatch_error(done.results[w])
