@@ -66,6 +66,19 @@ class PartialFailure(EnvFailure):
         self.events = events
 
 
+def info_as_now(info: dict[str, Any]) -> dict[str, Any]:
+    """``info`` as gymnasium's ``VectorEnv._add_info`` would batch it now: nested dicts and
+    array values copied (``_add_info`` builds new ones of each), other values shared."""
+    return {
+        key: info_as_now(value)
+        if isinstance(value, dict)
+        else value.copy()
+        if isinstance(value, np.ndarray)
+        else value
+        for key, value in info.items()
+    }
+
+
 def not_an_env_error(returned: Any, env_index: int) -> ConfigError:
     """The error for a factory that returned ``returned``, which is not a ``gymnasium.Env``."""
     shown = repr(returned)
@@ -322,7 +335,9 @@ class EnvGroup:
                         # Unpacked straight into the per-env slots: the hot line of the library.
                         env_obs[j], rewards[j], terms[j], truncs[j], env_info = env.step(action)
                         if same_step and (terms[j] or truncs[j]):
-                            final = {"final_obs": env_obs[j], "final_info": env_info}
+                            # The reset below may reuse and change the info dict: keep it as
+                            # it is now, as SyncVectorEnv's _add_info batches it before reset.
+                            final = {"final_obs": env_obs[j], "final_info": info_as_now(env_info)}
                             events.append((self.start + j, final))
                             env_obs[j], env_info = env.reset()
                 except Exception as exc:

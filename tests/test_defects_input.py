@@ -1,0 +1,78 @@
+"""Regression tests of issue 17's input and identity defects: an env that reuses its info
+dict under SAME_STEP autoreset, bad input that reached the envs, ``"module:EnvId"`` ids, a
+fork after make().
+
+Differential against gymnasium's SyncVectorEnv where results are compared.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+import pytest
+from gymnasium import spaces
+from gymnasium.vector import AutoresetMode, SyncVectorEnv
+
+from tests.helpers import assert_same
+
+BACKENDS = ["serial", "threads", "processes"]
+
+
+class ReusedInfoEnv(gym.Env):
+    """Returns one info dict object from every step and reset, changed in place each time
+    (a scalar, an array and a nested dict); episodes of ``3 + env_index`` steps."""
+
+    def __init__(self, env_index: int = 0):
+        self.env_index = env_index
+        self.observation_space = spaces.Box(-1.0, 1.0, (2,), np.float32)
+        self.action_space = spaces.Discrete(2)
+        self.info: dict[str, Any] = {"where": {}, "trace": np.zeros(2)}
+        self.t = 0
+
+    def _fill(self, phase: str) -> dict[str, Any]:
+        self.info["phase"] = phase
+        self.info["t"] = self.t
+        self.info["trace"][:] = (self.t, self.env_index)  # the same array, changed in place
+        self.info["where"]["phase"] = phase  # the same nested dict
+        return self.info
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
+        super().reset(seed=seed)
+        self.t = 0
+        return self.np_random.uniform(-1, 1, 2).astype(np.float32), self._fill("reset")
+
+    def step(self, action: Any):
+        self.t += 1
+        obs = self.np_random.uniform(-1, 1, 2).astype(np.float32)
+        return obs, float(self.t), self.t >= 3 + self.env_index, False, self._fill("step")
+
+
+def _reused_info_fns(num_envs: int) -> list[Any]:
+    return [lambda k=k: ReusedInfoEnv(k) for k in range(num_envs)]
+
+
+@pytest.mark.parametrize(
+    ("backend", "mode"),
+    [(b, m) for b in BACKENDS for m in AutoresetMode] + [("ray", AutoresetMode.SAME_STEP)],
+)
+def test_env_reusing_its_info_dict_matches_sync(
+    backend: str, mode: AutoresetMode, make_env: Any
+) -> None:
+    """Issue 17 item 9: under SAME_STEP, final_info showed the reset's values (the env had
+    changed the dict in place since the step that ended the episode)."""
+    num_envs = 3
+    ref = SyncVectorEnv(_reused_info_fns(num_envs), autoreset_mode=mode)
+    envs = make_env(_reused_info_fns(num_envs), num_envs, backend=backend, autoreset_mode=mode)
+    assert_same(envs.reset(seed=0), ref.reset(seed=0), "reset")
+    ended = np.zeros(num_envs, dtype=bool)
+    for i in range(12):
+        if mode is AutoresetMode.DISABLED and ended.any():
+            mask = {"reset_mask": ended}
+            assert_same(envs.reset(options=mask), ref.reset(options=mask), f"reset {i}")
+        actions = np.zeros(num_envs, dtype=np.int64)
+        want = ref.step(actions)
+        assert_same(envs.step(actions), want, f"step {i}")
+        ended = want[2] | want[3]
+    ref.close()
