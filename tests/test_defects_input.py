@@ -7,6 +7,7 @@ Differential against gymnasium's SyncVectorEnv where results are compared.
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import gymnasium as gym
@@ -15,6 +16,7 @@ import pytest
 from gymnasium import spaces
 from gymnasium.vector import AutoresetMode, SyncVectorEnv
 
+import envfleet
 from tests.helpers import assert_same
 
 BACKENDS = ["serial", "threads", "processes"]
@@ -76,3 +78,43 @@ def test_env_reusing_its_info_dict_matches_sync(
         assert_same(envs.step(actions), want, f"step {i}")
         ended = want[2] | want[3]
     ref.close()
+
+
+MODULE_ID = "tests.envs_registered:EnvfleetTest/ShortCartPole-v0"
+
+
+def _forget_registered_module() -> None:
+    """As in a fresh interpreter: neither the module nor its id are known."""
+    sys.modules.pop("tests.envs_registered", None)
+    gym.registry.pop("EnvfleetTest/ShortCartPole-v0", None)
+
+
+@pytest.mark.parametrize(
+    ("backend", "context"),
+    [
+        ("serial", None),
+        ("threads", None),
+        ("processes", None),
+        ("processes", "spawn"),
+        ("ray", None),
+    ],
+)
+def test_module_colon_env_id_imports_the_module(
+    backend: str, context: str | None, make_env: Any
+) -> None:
+    """Issue 17 item 11: "module:EnvId" ids failed with ConfigError: unknown environment id;
+    now the driver and every worker import the module first, as gymnasium.make does."""
+    _forget_registered_module()
+    kwargs = {} if context is None else {"context": context, "num_workers": 2}
+    envs = make_env(MODULE_ID, 2, backend=backend, **kwargs)
+    ref = SyncVectorEnv([lambda: gym.make(MODULE_ID) for _ in range(2)])
+    assert_same(envs.reset(seed=3), ref.reset(seed=3), "reset")
+    for i in range(25):  # past the registered 20-step limit
+        actions = np.array([i % 2, 1 - i % 2])
+        assert_same(envs.step(actions), ref.step(actions), f"step {i}")
+    ref.close()
+
+
+def test_module_colon_env_id_with_a_missing_module() -> None:
+    with pytest.raises(envfleet.ConfigError, match="no_such_module_here"):
+        envfleet.make("no_such_module_here:Foo-v0", 2, backend="serial")

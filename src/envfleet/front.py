@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import importlib
 import logging
 import multiprocessing
 import numbers
@@ -105,7 +106,8 @@ EnvFactory = Callable[..., gymnasium.Env[Any, Any]]
 class GymMake:
     """Picklable factory ``gymnasium.make(env_id, **env_kwargs)``.
 
-    Ids in the ``ALE/`` namespace import ``ale_py`` first, which registers the Atari envs.
+    Ids in the ``ALE/`` namespace import ``ale_py`` first, which registers the Atari envs;
+    ``"module:EnvId"`` ids import ``module`` first (in each worker too), as gymnasium does.
     """
 
     def __init__(self, env_id: str, env_kwargs: dict[str, Any] | None = None):
@@ -113,33 +115,47 @@ class GymMake:
         self.env_kwargs = dict(env_kwargs or {})
 
     def __call__(self) -> gymnasium.Env[Any, Any]:
-        register_namespace(self.env_id)
-        return gymnasium.make(self.env_id, **self.env_kwargs)
+        return gymnasium.make(register_namespace(self.env_id), **self.env_kwargs)
 
     def __repr__(self) -> str:
         return f"GymMake({self.env_id!r}, {self.env_kwargs!r})"
 
 
-def register_namespace(env_id: str) -> None:
-    """Import the package that registers ``env_id``'s namespace, where one is known (ALE)."""
+def register_namespace(env_id: str) -> str:
+    """Import what registers ``env_id`` and return the id without its module: the module of
+    a ``"module:EnvId"`` id (as ``gymnasium.make`` does), the package of a namespace where
+    one is known (ALE).
+
+    Raises:
+        ConfigError: the module, or the namespace's package, cannot be imported.
+    """
+    if ":" in env_id:
+        module, env_id = env_id.split(":", 1)
+        try:
+            importlib.import_module(module)
+        except ImportError as exc:
+            raise ConfigError(
+                f"cannot import module {module!r} of environment id {module}:{env_id}: {exc}"
+            ) from exc
     if env_id.startswith("ALE/"):
         try:
             import ale_py
         except ImportError as exc:
             raise ConfigError(f"{env_id!r} needs ale-py: pip install 'envfleet[atari]'") from exc
         gymnasium.register_envs(ale_py)
+    return env_id
 
 
 def check_env_id(env_id: str) -> None:
-    """Check that ``env_id`` is a registered gymnasium id, importing its namespace (ALE) first.
+    """Check that ``env_id`` is a registered gymnasium id, importing its namespace (ALE) or
+    its module (``"module:EnvId"``, gymnasium's form) first.
 
     Raises:
         ConfigError: the id is unknown, or it needs a package that is missing (``ALE/`` ids
             need ale-py: ``pip install 'envfleet[atari]'``).
     """
-    register_namespace(env_id)
     try:
-        gymnasium.spec(env_id)
+        gymnasium.spec(register_namespace(env_id))
     except gymnasium.error.Error as exc:
         raise ConfigError(f"unknown environment id {env_id!r}: {exc}") from exc
 
