@@ -7,6 +7,9 @@ Differential against gymnasium's SyncVectorEnv where results are compared.
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
 import sys
 from typing import Any
 
@@ -118,3 +121,69 @@ def test_module_colon_env_id_imports_the_module(
 def test_module_colon_env_id_with_a_missing_module() -> None:
     with pytest.raises(envfleet.ConfigError, match="no_such_module_here"):
         envfleet.make("no_such_module_here:Foo-v0", 2, backend="serial")
+
+
+# A driver that makes a vector env, forks a child that does ``CHILD`` and exits, then steps
+# on; it prints its results (and the child's) as JSON. Run in a fresh interpreter: the child
+# of a normal interpreter exit runs every exit handler, as a user's would.
+FORK_DRIVER = """
+import json, multiprocessing, os, sys
+import numpy as np
+import envfleet
+
+backend, child = sys.argv[1], sys.argv[2]
+kwargs = {"num_workers": 2, "context": "fork"} if backend == "processes" else {}
+envs = envfleet.make("CartPole-v1", 4, backend=backend, **kwargs)
+envs.reset(seed=0)
+envs.step(np.array([0, 1, 0, 1]))
+child_saw = None
+if child != "none":
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(read)
+        saw = "nothing"
+        if child == "step":
+            try:
+                envs.step(np.array([1, 1, 1, 1]))
+                saw = "stepped"
+            except envfleet.WrongProcessError as exc:
+                saw = f"WrongProcessError {exc.owner_pid}"
+        os.write(write, saw.encode())
+        os.close(write)
+        sys.exit(0)  # a normal interpreter exit: atexit handlers and finalizers run
+    os.close(write)
+    child_saw = os.read(read, 200).decode()
+    os.waitpid(pid, 0)
+obs = [envs.step(np.array([i % 2, 1, 0, 1]))[0].tolist() for i in range(20)]
+envs.close()
+print(json.dumps({"obs": obs, "child": child_saw, "pid": os.getpid()}))
+"""
+
+
+def _run_fork_driver(backend: str, child: str) -> dict[str, Any]:
+    out = subprocess.run(
+        [sys.executable, "-c", FORK_DRIVER, backend, child],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("child", ["exits", "step"])
+@pytest.mark.parametrize("backend", ["processes", "threads", "serial"])
+def test_fork_after_make_leaves_the_parent_untouched(backend: str, child: str) -> None:
+    """Issue 17 item 13: a child forked after make() that simply exited killed the parent's
+    workers (the parent's next step: EnvCrashedError ... SIGTERM); a child that stepped the
+    parent's vector env changed the parent's data. Now the parent's results are those of a
+    run without the fork, and the child gets WrongProcessError."""
+    want = _run_fork_driver(backend, "none")
+    got = _run_fork_driver(backend, child)
+    assert got["obs"] == want["obs"]
+    if child == "step":
+        assert got["child"] == f"WrongProcessError {got['pid']}"
+    else:
+        assert got["child"] == "nothing"

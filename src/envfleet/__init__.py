@@ -22,6 +22,7 @@ from envfleet.errors import (
     StartTimeoutError,
     StepTimeoutError,
     UnsupportedError,
+    WrongProcessError,
 )
 from envfleet.front import BACKENDS, FleetVectorEnv, make
 from envfleet.process_env import ProcessEnv
@@ -59,6 +60,7 @@ __all__ = [
     "StepTimeoutError",
     "TimerStat",
     "UnsupportedError",
+    "WrongProcessError",
     "__version__",
     "make",
 ]

@@ -32,6 +32,7 @@ __all__ = [
     "StartTimeoutError",
     "StepTimeoutError",
     "UnsupportedError",
+    "WrongProcessError",
 ]
 
 
@@ -304,6 +305,23 @@ class NoAsyncCallError(EnvfleetError, gymnasium.error.NoAsyncCallError):
 
 class ClosedEnvironmentError(EnvfleetError, gymnasium.error.ClosedEnvironmentError):
     """A call on a vector env that was closed (gymnasium's semantics)."""
+
+
+class WrongProcessError(EnvfleetError):
+    """A vector env used in a process forked from the one that made it (``os.fork``, a
+    ``fork``-started ``multiprocessing`` child, a torch ``DataLoader`` worker).
+
+    Its workers, shared memory and threads belong to the process that made it, which keeps
+    using them; the forked copy refuses every call (``close()`` does nothing there), so the
+    maker's results are exactly what they would have been without the fork.
+
+    Attributes:
+        owner_pid: the process that made the vector env.
+    """
+
+    def __init__(self, message: str, owner_pid: int):
+        super().__init__(message)
+        self.owner_pid = owner_pid
 
 
 class PoolStateError(EnvfleetError):

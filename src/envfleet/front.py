@@ -16,6 +16,7 @@ import multiprocessing
 import numbers
 import os
 import time
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from copy import deepcopy
 from dataclasses import dataclass
@@ -36,6 +37,7 @@ from gymnasium.vector.utils import (
 
 from envfleet.backends.base import (
     Backend,
+    DisownedBackend,
     WorkerLayout,
     accepts_env_index,
     bind_env_index,
@@ -701,6 +703,20 @@ def _build(fn: Callable[[], gymnasium.Env[Any, Any]], env_index: int) -> gymnasi
 
 _IDLE, _RUNNING, _READY = 0, 1, 2  # the first-ready pool's env states
 
+# Every vector env of this process, so that a forked child disowns them (below).
+_LIVE: weakref.WeakSet[FleetVectorEnv] = weakref.WeakSet()
+
+
+def _disown_after_fork() -> None:
+    """In a child forked from this process: its vector envs are the parent's. Each now
+    refuses every call (WrongProcessError) and closes nothing, and multiprocessing's exit
+    handler no longer counts their workers as this process's children to terminate."""
+    for venv in list(_LIVE):
+        venv._disown()
+
+
+os.register_at_fork(after_in_child=_disown_after_fork)
+
 
 _SCALAR_TYPES = (int, float, bool)
 
@@ -795,6 +811,8 @@ class FleetVectorEnv(VectorEnv[Any, Any, np.ndarray]):
         batch_size: int | None = None,
     ):
         self._backend = backend
+        self._owner_pid = os.getpid()
+        _LIVE.add(self)
         self.backend = backend_name
         self.num_envs = backend.batch.rewards.shape[0]
         self.num_workers = backend.num_workers
@@ -1471,6 +1489,15 @@ class FleetVectorEnv(VectorEnv[Any, Any, np.ndarray]):
                 terminate = True
         self._env_state[:] = _IDLE
         self._backend.close(timeout, terminate)
+
+    def _disown(self) -> None:
+        """See :func:`_disown_after_fork`: in a forked child only."""
+        backend = self._backend
+        if isinstance(backend, DisownedBackend):
+            return
+        with contextlib.suppress(Exception):
+            backend.disown()
+        self._backend = cast(Backend, DisownedBackend(self._owner_pid))
 
     def __enter__(self) -> FleetVectorEnv:
         return self

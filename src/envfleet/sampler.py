@@ -617,6 +617,7 @@ class Sampler:
         self._policy = policy
         self._timers = _Timers()
         self._closed = False
+        self._owner_pid = os.getpid()  # a forked copy of the sampler closes nothing (close)
         self._venv: FleetVectorEnv | None = None
         self._procs: list[Any] = []
         self._conns: list[Connection] = []
@@ -829,6 +830,8 @@ class Sampler:
         if self._closed:
             return
         self._closed = True
+        if os.getpid() != self._owner_pid:
+            return  # a forked copy: the workers are the maker's, which keeps using them
         if self._venv is not None:
             self._venv.close(timeout=timeout)
             return

@@ -6,6 +6,7 @@ import abc
 import contextlib
 import functools
 import inspect
+import os
 import pickle
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ from envfleet.errors import (
     RemoteTraceback,
     SpaceMismatchError,
     StepTimeoutError,
+    WrongProcessError,
     make_env_error,
 )
 from envfleet.protocol import Command, Failure, RemoteError
@@ -236,6 +238,10 @@ class Backend(abc.ABC):
             StepTimeoutError: ``timeout`` (seconds) expired; the backend is shut down.
         """
 
+    def disown(self) -> None:  # noqa: B027  (most backends hold nothing a fork could break)
+        """In a process forked from the one that made this backend: forget what is the
+        maker's (workers, threads) without touching it; the backend is not used again."""
+
     def inline_groups(self, command: Command) -> frozenset[int]:
         """The groups :meth:`submit` runs in the calling thread, to the end, for ``command``.
 
@@ -275,6 +281,27 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def close(self, timeout: float | None, terminate: bool) -> None:
         """Close every env and release every process and buffer; bounded by ``timeout``."""
+
+
+class DisownedBackend:
+    """What a vector env holds in a process forked from the one that made it: every use
+    raises :class:`WrongProcessError`; ``close`` does nothing (the maker's workers are not
+    this process's to close)."""
+
+    closed = False
+
+    def __init__(self, owner_pid: int):
+        self.owner_pid = owner_pid
+
+    def close(self, timeout: float | None, terminate: bool) -> None:
+        pass
+
+    def __getattr__(self, name: str) -> Any:
+        raise WrongProcessError(
+            f"this vector env was made by process {self.owner_pid} and cannot be used in "
+            f"process {os.getpid()}, forked from it: make one in this process instead",
+            self.owner_pid,
+        )
 
 
 class RemoteWorkersBackend(Backend):

@@ -644,6 +644,15 @@ class ProcessesBackend(RemoteWorkersBackend):
             proc.close()
         self._start_worker(g)
 
+    def disown(self) -> None:
+        # multiprocessing's exit handler terminates the daemonic processes it counts as this
+        # process's children; a child forked by os.fork() inherits the maker's list.
+        children = getattr(multiprocessing.process, "_children", None)
+        if children is not None:
+            for proc in self._procs:
+                children.discard(proc)
+        self._closed = True
+
     def close(self, timeout: float | None, terminate: bool) -> None:
         """Close in three bounded phases: ask, terminate, kill.
 
