@@ -380,6 +380,17 @@ def test_atari_pong(make_env, mode):
     sync.close()
 
 
+@pytest.mark.parametrize("mode", MODES, ids=lambda m: m.value)
+def test_car_racing_on_threads(make_env, mode):
+    """Issue 17 item 8: CarRacing-v3 on threads differed from SyncVectorEnv from the first
+    reset: SDL2_gfx's polygon fill (pygame.gfxdraw), called in every step and reset, is not
+    thread-safe; the threads backend now serializes it (threads.serialize_gfxdraw)."""
+    fleet = make_env("CarRacing-v3", 3, backend="threads", num_workers=3, autoreset_mode=mode)
+    sync = SyncVectorEnv([lambda: gym.make("CarRacing-v3")] * 3, autoreset_mode=mode)
+    run_lockstep(fleet, sync, steps=25, seed=0)
+    sync.close()
+
+
 @st.composite
 def layouts(draw, max_envs, driver_share=False):
     num_envs = draw(st.integers(1, max_envs))

@@ -9,6 +9,10 @@ Without a ``step_timeout`` the calling thread steps the first group itself while
 run. Only steps and resets run in parallel; ``call``, ``set_attr`` and ``render`` run group by
 group in the calling thread, as renderers such as pygame are not thread-safe.
 
+What is not thread-safe is serialized: pygame's ``gfxdraw`` polygon fills (SDL2_gfx keeps
+their scanline buffer in static memory, and pygame releases the GIL around them), which
+``CarRacing-v3`` calls in every step and reset (see :func:`serialize_gfxdraw`).
+
 A thread cannot be killed: after a timeout the vector env is closed and a hung thread is left
 behind (a daemon thread, it does not keep the interpreter alive), and restart policies rebuild
 only envs that raised, never hung ones.
@@ -16,8 +20,10 @@ only envs that raised, never hung ones.
 
 from __future__ import annotations
 
+import functools
 import logging
 import queue
+import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -33,7 +39,7 @@ from envfleet.errors import EnvfleetError, StartTimeoutError, StepTimeoutError
 from envfleet.protocol import Command
 from envfleet.supervisor import Ledger
 
-__all__ = ["DEFAULT_CLOSE_TIMEOUT", "ThreadsBackend"]
+__all__ = ["DEFAULT_CLOSE_TIMEOUT", "ThreadsBackend", "serialize_gfxdraw"]
 
 logger = logging.getLogger("envfleet")
 
@@ -41,6 +47,36 @@ DEFAULT_CLOSE_TIMEOUT = 5.0  # seconds for the threads to finish before close gi
 
 _IDLE_GRACE = 1.0  # seconds an idle thread gets to see the stop message, even when terminating
 _Reply = tuple[int, Any, "EnvFailure | None"]
+
+
+_GFXDRAW_LOCK = threading.Lock()
+
+
+def serialize_gfxdraw() -> None:
+    """Make the functions of ``pygame.gfxdraw``, once imported, run one at a time.
+
+    SDL2_gfx's filled polygons (``filled_polygon``, ``textured_polygon``, ``filled_trigon``,
+    ``pie``...) keep their scanline buffer in static memory and pygame releases the GIL while
+    they draw, so two threads drawing at once corrupt each other's pixels: ``CarRacing-v3``,
+    which draws its road so in every step and reset, gave other observations than
+    SyncVectorEnv from the first reset. Every ``gfxdraw`` function is wrapped in one lock (an
+    uncontended lock costs well under a microsecond beside a draw); done once per process.
+    """
+    gfxdraw = sys.modules.get("pygame.gfxdraw")
+    if gfxdraw is None or getattr(gfxdraw, "_envfleet_serialized", False):
+        return
+    for name in dir(gfxdraw):
+        draw = getattr(gfxdraw, name)
+        if name.startswith("_") or not callable(draw):
+            continue
+
+        @functools.wraps(draw)
+        def serialized(*args: Any, _draw: Callable[..., Any] = draw, **kwargs: Any) -> Any:
+            with _GFXDRAW_LOCK:
+                return _draw(*args, **kwargs)
+
+        setattr(gfxdraw, name, serialized)
+    setattr(gfxdraw, "_envfleet_serialized", True)  # noqa: B010  (a module: mypy)
 
 
 class ThreadsBackend(InProcessBackend):
@@ -67,6 +103,7 @@ class ThreadsBackend(InProcessBackend):
     ):
         self._start_timeout = start_timeout
         super().__init__(layout, block, first_env, ledger)
+        serialize_gfxdraw()  # the factories have imported what the envs draw with
         first_thread = 1 if inline_first else 0
         self._inboxes: dict[int, queue.SimpleQueue[tuple[Command, Any] | None]] = {}
         self._replies: queue.SimpleQueue[_Reply] = queue.SimpleQueue()
