@@ -187,3 +187,101 @@ def test_fork_after_make_leaves_the_parent_untouched(backend: str, child: str) -
         assert got["child"] == f"WrongProcessError {got['pid']}"
     else:
         assert got["child"] == "nothing"
+
+
+def _bad_calls(num_envs: int) -> dict[str, Any]:
+    """Each a call that must raise a typed EnvfleetError before anything reaches a worker."""
+    mask = np.zeros(num_envs, dtype=bool)
+    return {
+        "seed -1": lambda e: e.reset(seed=-1),
+        "seed list with -5": lambda e: e.reset(seed=[0, -5, 1]),
+        "seed list with 1.5": lambda e: e.reset(seed=[0, 1.5, 1]),
+        "seed list with '5'": lambda e: e.reset(seed=[0, "5", 1]),
+        "seed list too short": lambda e: e.reset(seed=[0, 1]),
+        "seed 1.5": lambda e: e.reset(seed=1.5),
+        "options not a dict": lambda e: e.reset(options=[("reset_mask", None)]),
+        "reset_mask all False": lambda e: e.reset(options={"reset_mask": mask}),
+        "reset_mask of ints": lambda e: e.reset(options={"reset_mask": mask.astype(int)}),
+        "reset_mask too short": lambda e: e.reset(options={"reset_mask": mask[:-1]}),
+        "action 2 for Discrete(2)": lambda e: e.step(np.array([0, 2, 1])),
+        "action -1 (int32)": lambda e: e.step(np.array([0, -1, 1], dtype=np.int32)),
+        "action list with 7": lambda e: e.step([0, 7, 1]),
+        "actions of floats": lambda e: e.step(np.array([0.0, 1.5, 1.0])),
+        "actions too few": lambda e: e.step(np.array([0, 1])),
+        "call(5)": lambda e: e.call(5),
+        "get_attr(None)": lambda e: e.get_attr(None),
+        "set_attr(7, 1)": lambda e: e.set_attr(7, 1),
+        "set_attr values too few": lambda e: e.set_attr("foo", [1, 2]),
+    }
+
+
+BAD_CALLS = list(_bad_calls(3))
+
+
+@pytest.mark.parametrize("backend", [*BACKENDS, "ray"])
+def test_bad_input_is_refused_and_changes_nothing(backend: str, make_env: Any) -> None:
+    """Issue 17 item 6: bad seeds, options, masks, actions and names reached the envs
+    (EnvError from a worker after some envs had reset or stepped) or were accepted. Each is
+    now a typed EnvfleetError raised before anything is sent, and the vector env then gives
+    exactly what SyncVectorEnv gives without the bad call."""
+    num_envs = 3
+    envs = make_env("CartPole-v1", num_envs, backend=backend, num_workers=num_envs)
+    ref = SyncVectorEnv([lambda: gym.make("CartPole-v1") for _ in range(num_envs)])
+    rng = np.random.default_rng(0)
+    assert_same(envs.reset(seed=0), ref.reset(seed=0), "reset")
+    for name, bad_call in _bad_calls(num_envs).items():
+        for _ in range(2):  # some steps, so that a partial reset would show
+            actions = rng.integers(0, 2, num_envs)
+            assert_same(envs.step(actions), ref.step(actions), f"step before {name}")
+        with pytest.raises(envfleet.EnvfleetError) as info:
+            bad_call(envs)
+        assert not isinstance(info.value, envfleet.EnvError), (name, info.value)
+        assert isinstance(info.value, (ValueError, TypeError)), (name, info.value)
+        actions = rng.integers(0, 2, num_envs)
+        assert_same(envs.step(actions), ref.step(actions), f"step after {name}")
+    assert_same(envs.reset(seed=5), ref.reset(seed=5), "reset at the end")
+    ref.close()
+
+
+BAD_SENDS = {
+    "action 2 for Discrete(2)": lambda e, ids: e.send(np.array([2, 0]), ids),
+    "actions of floats": lambda e, ids: e.send(np.array([0.5, 1.0]), ids),
+    "env id out of range": lambda e, ids: e.send(np.zeros(2, np.int64), np.array([0, 9])),
+    "env id -1": lambda e, ids: e.send(np.zeros(2, np.int64), np.array([-1, ids[0]])),
+    "repeated env ids": lambda e, ids: e.send(np.zeros(2, np.int64), np.array([ids[0]] * 2)),
+    "env ids of floats": lambda e, ids: e.send(np.zeros(2, np.int64), ids.astype(float)),
+    "async_reset seed -1": lambda e, ids: e.async_reset(seed=-1, env_ids=ids),
+}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bad_send_is_refused_and_changes_nothing(backend: str, make_env: Any) -> None:
+    """Issue 17 item 6, first-ready pool: an out-of-range action was sent to the env (it
+    raised there); every bad send is refused before anything is sent, and each env's results
+    are then those of a pool that never saw it (env e's k-th action is (e + k) % 2, so its
+    results depend on nothing else)."""
+    kwargs = {"batch_size": 2, "num_workers": 4}
+    envs = make_env("CartPole-v1", 4, backend=backend, **kwargs)
+    ref = make_env("CartPole-v1", 4, backend="serial", **kwargs)
+    results: dict[int, dict[int, list[Any]]] = {id(envs): {}, id(ref): {}}
+    for pool in (envs, ref):
+        pool.async_reset(seed=0)
+        results[id(pool)] = {e: [] for e in range(4)}
+    for name, bad_send in [*BAD_SENDS.items(), *[("none", None)] * 6]:
+        for pool in (envs, ref):
+            by_env = results[id(pool)]
+            obs, rewards, terminated, truncated, info = pool.recv()
+            ids = info["env_id"]
+            for k, e in enumerate(ids.tolist()):
+                by_env[e].append((obs[k].tobytes(), float(rewards[k]), bool(terminated[k])))
+            if pool is envs and bad_send is not None:
+                with pytest.raises(envfleet.EnvfleetError) as raised:
+                    bad_send(pool, ids)
+                assert not isinstance(raised.value, envfleet.EnvError), (name, raised.value)
+            actions = np.array([(e + len(by_env[e])) % 2 for e in ids.tolist()])
+            pool.send(actions, ids)
+    got, want = results[id(envs)], results[id(ref)]
+    for e in range(4):
+        n = min(len(got[e]), len(want[e]))
+        assert n >= 2, (e, len(got[e]), len(want[e]))
+        assert got[e][:n] == want[e][:n], f"sub-environment {e}"

@@ -863,6 +863,9 @@ class FleetVectorEnv(VectorEnv[Any, Any, np.ndarray]):
         # Action leaves without a fixed size: their values go to each worker with the step
         # command (EnvGroup.step's side_actions); the step's payloads, or every group's None.
         self._side_actions = bool(side_leaves(single_action_space))
+        # Integer actions out of the space are refused before anything is sent (the fast
+        # path's test; the general walk, _check_actions, checks every integer leaf).
+        self._out_of_range = _out_of_range_test(single_action_space) if self._action_leaf else None
         self._step_payloads: dict[int, Any] = self._every_group
         self._pool_side_actions: list[list[Any]] = [[] for _ in range(self.num_envs)]
 
@@ -974,6 +977,8 @@ class FleetVectorEnv(VectorEnv[Any, Any, np.ndarray]):
             and actions.shape == (n, *self._backend.batch.actions.shape[1:])
             and actions.dtype == self._backend.batch.actions.dtype
         ):
+            if self._out_of_range is not None and self._out_of_range(actions):
+                _raise_out_of_range(self.single_action_space, actions, "actions")
             self._backend.batch.actions[ids] = actions
         else:
             staged = create_empty_array(fixed_part(self.single_action_space), n)
@@ -1184,6 +1189,8 @@ class FleetVectorEnv(VectorEnv[Any, Any, np.ndarray]):
         """Start a reset; collect it with :meth:`reset_wait` (gymnasium's AsyncVectorEnv API)."""
         self._assert_idle("reset_async")
         seeds = self._seeds(seed)
+        if options is not None and not isinstance(options, dict):
+            raise InvalidArgumentError(f"options must be None or a dict, got {options!r}")
         mask = None
         if options is not None and "reset_mask" in options:
             options = dict(options)
@@ -1280,6 +1287,9 @@ class FleetVectorEnv(VectorEnv[Any, Any, np.ndarray]):
             # The common case, checked without the general walk; the same dtype, so the
             # assignment casts nothing (and costs ~0.1 µs against np.copyto's ~0.25).
             out[...] = actions
+            if self._out_of_range is not None and self._out_of_range(out):
+                # Nothing is sent; the next step writes every row again.
+                _raise_out_of_range(self.single_action_space, out, "actions")
         else:
             writes: list[tuple[np.ndarray, np.ndarray]] = []
             side: list[tuple[Any, ...]] = []
@@ -1352,6 +1362,7 @@ class FleetVectorEnv(VectorEnv[Any, Any, np.ndarray]):
     def call_async(self, name: str, *args: Any, **kwargs: Any) -> None:
         """Start :meth:`call`; collect it with :meth:`call_wait`."""
         self._assert_idle("call_async")
+        _check_name(name)
         request = CallRequest(name, args, kwargs)
         self._submit_async(Command.CALL, dict.fromkeys(self._every_group, request))
         self._state = AsyncState.WAITING_CALL
@@ -1413,6 +1424,7 @@ class FleetVectorEnv(VectorEnv[Any, Any, np.ndarray]):
             EnvError: an env raised while setting it.
         """
         self._assert_idle("set_attr")
+        _check_name(name)
         if not isinstance(values, (list, tuple)):
             values = [values] * self.num_envs
         if len(values) != self.num_envs:
@@ -1710,20 +1722,28 @@ class FleetVectorEnv(VectorEnv[Any, Any, np.ndarray]):
         self._slab_latest = self._slab_next = 0
 
     def _seeds(self, seed: int | Sequence[int | None] | None) -> list[int | None]:
+        """One seed per env, checked as gymnasium's ``np_random`` checks each (an int >= 0, or
+        ``None``) before anything is sent: a bad one raises :class:`InvalidArgumentError`."""
         if seed is None:
             return [None] * self.num_envs
-        if isinstance(seed, (int, np.integer)) and not isinstance(seed, bool):
-            return [int(seed) + i for i in range(self.num_envs)]
+        if _is_seed(seed):
+            return [int(cast(int, seed)) + i for i in range(self.num_envs)]
         if not isinstance(seed, Sequence) or isinstance(seed, str):
             raise InvalidArgumentError(
-                f"seed must be None, an int or a list of seeds, got {seed!r}"
+                f"seed must be None, an int >= 0 or a list of seeds, got {seed!r}"
             )
         if len(seed) != self.num_envs:
             raise InvalidArgumentError(
                 f"If seeds are passed as a list the length must match num_envs={self.num_envs} "
                 f"but got length={len(seed)}."
             )
-        return list(seed)
+        bad = [i for i, s in enumerate(seed) if s is not None and not _is_seed(s)]
+        if bad:
+            raise InvalidArgumentError(
+                f"seeds of sub-environments {bad} are not None or an int >= 0: "
+                f"{[seed[i] for i in bad]!r}"
+            )
+        return [None if s is None else int(s) for s in seed]
 
     def _reset_mask(self, mask: Any) -> np.ndarray:
         if not isinstance(mask, np.ndarray):
@@ -1744,6 +1764,63 @@ class FleetVectorEnv(VectorEnv[Any, Any, np.ndarray]):
                 f"value, got reset_mask={mask}"
             )
         return mask.copy()
+
+
+def _check_name(name: Any) -> None:
+    """An attribute or method name for call/get_attr/set_attr: a ``str``, else
+    :class:`InvalidArgumentError` before anything is sent."""
+    if not isinstance(name, str):
+        raise InvalidArgumentError(
+            f"the attribute or method name must be a str, got {type(name).__name__}: {name!r}"
+        )
+
+
+def _is_seed(seed: Any) -> bool:
+    """An int >= 0 (numpy's too, not a bool): what gymnasium's ``np_random`` accepts."""
+    return isinstance(seed, (int, np.integer)) and not isinstance(seed, bool) and bool(seed >= 0)
+
+
+def _action_bounds(space: gymnasium.Space[Any]) -> tuple[Any, Any] | None:
+    """(low, high) with every valid action in ``low <= a < high``, for the integer spaces
+    whose out-of-range actions no env can take (Discrete, MultiDiscrete, MultiBinary); ``None``
+    for the others (a Box action out of bounds is the env's to clip, as in gymnasium)."""
+    if isinstance(space, gymnasium.spaces.Discrete):
+        return int(space.start), int(space.start + space.n)
+    if isinstance(space, gymnasium.spaces.MultiDiscrete):
+        return space.start, space.start + space.nvec
+    if isinstance(space, gymnasium.spaces.MultiBinary):
+        return 0, 2
+    return None
+
+
+def _out_of_range_test(space: gymnasium.Space[Any]) -> Callable[[np.ndarray], bool] | None:
+    """A fast test of a batch of actions (an array of ``space``'s dtype) for a value out of
+    :func:`_action_bounds`: ~0.5 µs where the low bound is 0, one unsigned maximum."""
+    bounds = _action_bounds(space)
+    if bounds is None:
+        return None
+    low, high = bounds
+    dtype = np.dtype(space.dtype)
+    if dtype.kind in "iu" and np.all(np.asarray(low) == 0):
+        unsigned = np.dtype(dtype.str.replace("i", "u"))
+        if np.ndim(high) == 0:
+            top = unsigned.type(high)
+            largest = np.maximum.reduce
+            return lambda a: bool(largest(a.view(unsigned), axis=None) >= top)
+        tops = np.asarray(high).astype(unsigned)
+        return lambda a: bool((a.view(unsigned) >= tops).any())
+    return lambda a: bool(((a < low) | (a >= high)).any())
+
+
+def _raise_out_of_range(space: gymnasium.Space[Any], actions: np.ndarray, where: str) -> None:
+    """Raise :class:`InvalidActionError` naming the rows of ``actions`` out of range."""
+    low, high = cast(tuple[Any, Any], _action_bounds(space))
+    bad = (actions < low) | (actions >= high)
+    rows = np.flatnonzero(bad.reshape(len(actions), -1).any(axis=1)).tolist()
+    raise InvalidActionError(
+        f"{where}: rows {rows} are outside the action space {space} "
+        f"(values {actions[rows].tolist()}); nothing was sent"
+    )
 
 
 def _check_actions(
@@ -1800,4 +1877,11 @@ def _check_actions(
         raise InvalidActionError(
             f"{where}: dtype {value.dtype} cannot be converted to the action space's {out.dtype}"
         )
+    bounds = _action_bounds(space)
+    if (
+        bounds is not None
+        and value.size
+        and bool(((value < bounds[0]) | (value >= bounds[1])).any())
+    ):
+        _raise_out_of_range(space, value, where)
     writes.append((out, value))
