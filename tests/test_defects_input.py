@@ -203,9 +203,8 @@ def _bad_calls(num_envs: int) -> dict[str, Any]:
         "reset_mask all False": lambda e: e.reset(options={"reset_mask": mask}),
         "reset_mask of ints": lambda e: e.reset(options={"reset_mask": mask.astype(int)}),
         "reset_mask too short": lambda e: e.reset(options={"reset_mask": mask[:-1]}),
-        "action 2 for Discrete(2)": lambda e: e.step(np.array([0, 2, 1])),
-        "action -1 (int32)": lambda e: e.step(np.array([0, -1, 1], dtype=np.int32)),
-        "action list with 7": lambda e: e.step([0, 7, 1]),
+        # An integer action outside the space is not refused: gymnasium hands it to the env
+        # (whose own check may raise; some envs take it), and so does envfleet.
         "actions of floats": lambda e: e.step(np.array([0.0, 1.5, 1.0])),
         "actions too few": lambda e: e.step(np.array([0, 1])),
         "call(5)": lambda e: e.call(5),
@@ -224,6 +223,8 @@ def test_bad_input_is_refused_and_changes_nothing(backend: str, make_env: Any) -
     (EnvError from a worker after some envs had reset or stepped) or were accepted. Each is
     now a typed EnvfleetError raised before anything is sent, and the vector env then gives
     exactly what SyncVectorEnv gives without the bad call."""
+    # Integer actions outside the action space are not bad input here: SyncVectorEnv hands
+    # them to the env, and gymnasium's own vector tests step an env with one.
     num_envs = 3
     envs = make_env("CartPole-v1", num_envs, backend=backend, num_workers=num_envs)
     ref = SyncVectorEnv([lambda: gym.make("CartPole-v1") for _ in range(num_envs)])
@@ -244,7 +245,7 @@ def test_bad_input_is_refused_and_changes_nothing(backend: str, make_env: Any) -
 
 
 BAD_SENDS = {
-    "action 2 for Discrete(2)": lambda e, ids: e.send(np.array([2, 0]), ids),
+    "actions of strings": lambda e, ids: e.send(np.array(["a", "b"]), ids),
     "actions of floats": lambda e, ids: e.send(np.array([0.5, 1.0]), ids),
     "env id out of range": lambda e, ids: e.send(np.zeros(2, np.int64), np.array([0, 9])),
     "env id -1": lambda e, ids: e.send(np.zeros(2, np.int64), np.array([-1, ids[0]])),
@@ -256,8 +257,8 @@ BAD_SENDS = {
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_bad_send_is_refused_and_changes_nothing(backend: str, make_env: Any) -> None:
-    """Issue 17 item 6, first-ready pool: an out-of-range action was sent to the env (it
-    raised there); every bad send is refused before anything is sent, and each env's results
+    """Issue 17 item 6, first-ready pool: every bad send is refused before anything is sent
+    (before the fix an async_reset with seed -1 reached the envs), and each env's results
     are then those of a pool that never saw it (env e's k-th action is (e + k) % 2, so its
     results depend on nothing else)."""
     kwargs = {"batch_size": 2, "num_workers": 4}

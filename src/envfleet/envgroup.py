@@ -103,7 +103,13 @@ def spaces_mismatch(
     """
     if same_observation_space:
         if env.observation_space != observation_space:
-            return f"observation space {env.observation_space} != {observation_space}"
+            # gymnasium's words, so that code matching its message still does
+            return (
+                "observation_mode='same' however the sub-environments observation spaces are "
+                f"not equivalent. single_observation_space={observation_space}, "
+                f"sub-environment observation_space={env.observation_space}. If this is "
+                "intentional, use `observation_mode='different'` instead."
+            )
     elif not is_space_dtype_shape_equiv(env.observation_space, observation_space):
         return (
             f"observation space {env.observation_space} has another shape or dtype than "

@@ -405,8 +405,9 @@ def make(  # type: ignore[misc]  # the overloads stand for its keyword arguments
             )
     elif not (isinstance(observation_mode, str) and observation_mode in ("same", "different")):
         raise ConfigError(
-            "Invalid `observation_mode`, expected: 'same' or 'different' or tuple of batched "
-            f"and single observation space, actual got {observation_mode!r}"
+            # gymnasium's text (its pair is (observation_space, single_observation_space))
+            "Invalid `observation_mode`, expected: 'same' or 'different' or tuple of single "
+            f"and batch observation space, actual got {observation_mode}"
         )
     if backend == "ray":
         ray_plan = _plan_ray(num_envs, num_workers, ray_address, ray_options)
@@ -863,9 +864,6 @@ class FleetVectorEnv(VectorEnv[Any, Any, np.ndarray]):
         # Action leaves without a fixed size: their values go to each worker with the step
         # command (EnvGroup.step's side_actions); the step's payloads, or every group's None.
         self._side_actions = bool(side_leaves(single_action_space))
-        # Integer actions out of the space are refused before anything is sent (the fast
-        # path's test; the general walk, _check_actions, checks every integer leaf).
-        self._out_of_range = _out_of_range_test(single_action_space) if self._action_leaf else None
         self._step_payloads: dict[int, Any] = self._every_group
         self._pool_side_actions: list[list[Any]] = [[] for _ in range(self.num_envs)]
 
@@ -977,8 +975,6 @@ class FleetVectorEnv(VectorEnv[Any, Any, np.ndarray]):
             and actions.shape == (n, *self._backend.batch.actions.shape[1:])
             and actions.dtype == self._backend.batch.actions.dtype
         ):
-            if self._out_of_range is not None and self._out_of_range(actions):
-                _raise_out_of_range(self.single_action_space, actions, "actions")
             self._backend.batch.actions[ids] = actions
         else:
             staged = create_empty_array(fixed_part(self.single_action_space), n)
@@ -1287,9 +1283,6 @@ class FleetVectorEnv(VectorEnv[Any, Any, np.ndarray]):
             # The common case, checked without the general walk; the same dtype, so the
             # assignment casts nothing (and costs ~0.1 µs against np.copyto's ~0.25).
             out[...] = actions
-            if self._out_of_range is not None and self._out_of_range(out):
-                # Nothing is sent; the next step writes every row again.
-                _raise_out_of_range(self.single_action_space, out, "actions")
         else:
             writes: list[tuple[np.ndarray, np.ndarray]] = []
             side: list[tuple[Any, ...]] = []
@@ -1780,49 +1773,6 @@ def _is_seed(seed: Any) -> bool:
     return isinstance(seed, (int, np.integer)) and not isinstance(seed, bool) and bool(seed >= 0)
 
 
-def _action_bounds(space: gymnasium.Space[Any]) -> tuple[Any, Any] | None:
-    """(low, high) with every valid action in ``low <= a < high``, for the integer spaces
-    whose out-of-range actions no env can take (Discrete, MultiDiscrete, MultiBinary); ``None``
-    for the others (a Box action out of bounds is the env's to clip, as in gymnasium)."""
-    if isinstance(space, gymnasium.spaces.Discrete):
-        return int(space.start), int(space.start + space.n)
-    if isinstance(space, gymnasium.spaces.MultiDiscrete):
-        return space.start, space.start + space.nvec
-    if isinstance(space, gymnasium.spaces.MultiBinary):
-        return 0, 2
-    return None
-
-
-def _out_of_range_test(space: gymnasium.Space[Any]) -> Callable[[np.ndarray], bool] | None:
-    """A fast test of a batch of actions (an array of ``space``'s dtype) for a value out of
-    :func:`_action_bounds`: ~0.5 µs where the low bound is 0, one unsigned maximum."""
-    bounds = _action_bounds(space)
-    if bounds is None:
-        return None
-    low, high = bounds
-    dtype = np.dtype(space.dtype)
-    if dtype.kind in "iu" and np.all(np.asarray(low) == 0):
-        unsigned = np.dtype(dtype.str.replace("i", "u"))
-        if np.ndim(high) == 0:
-            top = unsigned.type(high)
-            largest = np.maximum.reduce
-            return lambda a: bool(largest(a.view(unsigned), axis=None) >= top)
-        tops = np.asarray(high).astype(unsigned)
-        return lambda a: bool((a.view(unsigned) >= tops).any())
-    return lambda a: bool(((a < low) | (a >= high)).any())
-
-
-def _raise_out_of_range(space: gymnasium.Space[Any], actions: np.ndarray, where: str) -> None:
-    """Raise :class:`InvalidActionError` naming the rows of ``actions`` out of range."""
-    low, high = cast(tuple[Any, Any], _action_bounds(space))
-    bad = (actions < low) | (actions >= high)
-    rows = np.flatnonzero(bad.reshape(len(actions), -1).any(axis=1)).tolist()
-    raise InvalidActionError(
-        f"{where}: rows {rows} are outside the action space {space} "
-        f"(values {actions[rows].tolist()}); nothing was sent"
-    )
-
-
 def _check_actions(
     space: gymnasium.Space[Any],
     out: Any,
@@ -1877,11 +1827,4 @@ def _check_actions(
         raise InvalidActionError(
             f"{where}: dtype {value.dtype} cannot be converted to the action space's {out.dtype}"
         )
-    bounds = _action_bounds(space)
-    if (
-        bounds is not None
-        and value.size
-        and bool(((value < bounds[0]) | (value >= bounds[1])).any())
-    ):
-        _raise_out_of_range(space, value, where)
     writes.append((out, value))
