@@ -853,3 +853,45 @@ class TypedRaisingEnv(IndexedEnv):
         if self.env_index == self.fail_index:
             raise_in_env(self.kind)
         return super().step(action)
+
+
+class FaultEnv(gym.Env):
+    """Env ``env_index`` does ``faults[env_index] = (how, at_step)`` at its ``at_step``-th
+    step since make (``how``: as :func:`tests.envs.crash_process`, ``"sigkill"``,
+    ``"sleep:S"`` to sleep S seconds, or ``"raise"`` to raise ``ValueError`` once); every
+    other env behaves.
+    Episodes never end."""
+
+    def __init__(self, env_index: int = 0, faults: dict[int, tuple[str, int]] | None = None):
+        self.env_index = env_index
+        self.fault = (faults or {}).get(env_index)
+        self.observation_space = spaces.Box(-1.0, 1.0, (2,), np.float32)
+        self.action_space = spaces.Discrete(2)
+        self._steps = 0
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
+        super().reset(seed=seed)
+        return self.np_random.uniform(-1.0, 1.0, 2).astype(np.float32), {}
+
+    def step(self, action: Any):
+        self._steps += 1
+        if self.fault is not None and self._steps == self.fault[1]:
+            how = self.fault[0]
+            if how.startswith("sleep:"):
+                time.sleep(float(how.split(":")[1]))
+            elif how == "sigkill":
+                os.kill(os.getpid(), signal.SIGKILL)
+                time.sleep(60)  # the signal is delivered before this returns
+            elif how == "raise":
+                raise ValueError(f"boom in step {self._steps} of env {self.env_index}")
+            else:
+                crash_process(how)
+        obs = self.np_random.uniform(-1.0, 1.0, 2).astype(np.float32)
+        return obs, 1.0, False, False, {}
+
+
+def fault_factory(faults: dict[int, tuple[str, int]]) -> Any:
+    def factory(env_index: int) -> FaultEnv:
+        return FaultEnv(env_index, faults)
+
+    return factory

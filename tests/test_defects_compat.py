@@ -87,7 +87,8 @@ def test_wait_timeout_raises_timeout_error(make_env, snapshot, backend, method):
         snapshot.assert_nothing_left()
 
 
-@pytest.mark.parametrize(
+# Layouts where env 0 runs in the calling thread (the driver's block, the inline group, serial).
+CALLING_THREAD_LAYOUTS = pytest.mark.parametrize(
     "layout",
     [
         {"backend": "processes", "num_workers": 1, "driver_envs": 1},
@@ -96,6 +97,9 @@ def test_wait_timeout_raises_timeout_error(make_env, snapshot, backend, method):
     ],
     ids=["processes-driver-block", "threads", "serial"],
 )
+
+
+@CALLING_THREAD_LAYOUTS
 @pytest.mark.parametrize("method", ["step", "reset"])
 def test_async_returns_at_once_and_wait_times_out(make_env, snapshot, layout, method):
     """Env 0 steps in the calling thread (the driver's block, the inline thread group,
@@ -123,15 +127,7 @@ def test_async_returns_at_once_and_wait_times_out(make_env, snapshot, layout, me
     snapshot.assert_nothing_left()
 
 
-@pytest.mark.parametrize(
-    "layout",
-    [
-        {"backend": "processes", "num_workers": 1, "driver_envs": 1},
-        {"backend": "threads", "num_workers": 2},
-        {"backend": "serial"},
-    ],
-    ids=["processes-driver-block", "threads", "serial"],
-)
+@CALLING_THREAD_LAYOUTS
 def test_async_then_wait_in_time_gives_the_results(make_env, layout):
     """Deferring the calling thread's envs to the wait changes no result."""
     envs = make_env(_slow({0: 0.05, 1: 0.05}), 2, **layout)

@@ -11,15 +11,14 @@ import threading
 import time
 from typing import Any
 
-import gymnasium as gym
 import numpy as np
 import pytest
-from gymnasium import spaces
 
 import envfleet
+from tests.envs import FaultEnv
 
 
-class StartEnv(gym.Env):
+class StartEnv(FaultEnv):
     """Env ``hang_index`` sleeps ``hang_s`` seconds in its constructor (or, with
     ``in_close``, in ``close``); env ``raise_index`` raises ``raise_type()`` in its
     ``raise_after``-th step."""
@@ -34,7 +33,7 @@ class StartEnv(gym.Env):
         raise_type: type[BaseException] = SystemExit,
         raise_after: int = 2,
     ):
-        self.env_index = env_index
+        super().__init__(env_index)
         self.hang = env_index == hang_index
         self.hang_s = hang_s
         self.in_close = in_close
@@ -42,19 +41,11 @@ class StartEnv(gym.Env):
         self.raise_after = raise_after
         if self.hang and not in_close:
             time.sleep(hang_s)
-        self.observation_space = spaces.Box(-1.0, 1.0, (2,), np.float32)
-        self.action_space = spaces.Discrete(2)
-        self._steps = 0
-
-    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
-        super().reset(seed=seed)
-        return self.np_random.uniform(-1.0, 1.0, 2).astype(np.float32), {}
 
     def step(self, action: Any):
-        self._steps += 1
-        if self.raises is not None and self._steps == self.raise_after:
+        if self.raises is not None and self._steps + 1 == self.raise_after:
             raise self.raises()
-        return self.np_random.uniform(-1.0, 1.0, 2).astype(np.float32), 1.0, False, False, {}
+        return super().step(action)
 
     def close(self) -> None:
         if self.hang and self.in_close:
