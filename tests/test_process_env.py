@@ -765,7 +765,8 @@ def test_close_ends_a_step_that_never_finishes(snapshot, tmp_path):
         penv = envfleet.ProcessEnv(functools.partial(GateEnv, str(tmp_path / "never")))
         penv.reset(seed=0)
         future = penv.step(0, blocking=False)
-        penv.close(timeout=0.2, terminate=terminate)
+        with pytest.warns(UserWarning, match="Calling `close` while waiting for a pending call"):
+            penv.close(timeout=0.2, terminate=terminate)
         assert penv.closed
         snapshot.assert_nothing_left()
         errors.append(future.exception(timeout=HANG_GUARD_S))
