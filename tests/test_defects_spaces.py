@@ -17,7 +17,7 @@ from gymnasium.vector import AutoresetMode, SyncVectorEnv
 from gymnasium.vector.utils import batch_space, concatenate, create_empty_array
 
 import envfleet
-import envfleet.speedups
+import envfleet._native
 from tests.envs import BoundsEnv, ReusedGraphEnv, SideActionEnv, SideObsEnv, sync_factories
 from tests.helpers import assert_same
 from tests.test_differential import run_lockstep
@@ -110,7 +110,7 @@ def test_side_spaces_pool_matches_single_envs(make_env):
 
 
 class CountingSpeedups:
-    """envfleet.speedups.speedups with a count of the calls of each C function."""
+    """envfleet._native.speedups with a count of the calls of each C function."""
 
     def __init__(self, module):
         self.module = module
@@ -132,10 +132,10 @@ class CountingSpeedups:
 def test_c_step_path_still_runs(make_env, monkeypatch, kind):
     """The C step loop runs for plain spaces (with its joined row write) and for spaces with
     side leaves too (their values are collected after it, in Python)."""
-    if envfleet.speedups.speedups is None:
+    if envfleet._native.speedups is None:
         pytest.skip("envfleet._speedups is not built here")
-    counting = CountingSpeedups(envfleet.speedups.speedups)
-    monkeypatch.setattr(envfleet.speedups, "speedups", counting)
+    counting = CountingSpeedups(envfleet._native.speedups)
+    monkeypatch.setattr(envfleet._native, "speedups", counting)
     env = "CartPole-v1" if kind is None else functools.partial(SideObsEnv, kind)
     fleet = make_env(env, NUM_ENVS, backend="serial")
     fleet.reset(seed=0)
@@ -150,10 +150,10 @@ def test_c_step_path_still_runs(make_env, monkeypatch, kind):
 def test_c_step_round_still_runs(make_env, monkeypatch, kind):
     """processes: the driver's C step round (one call per step) runs for plain spaces and
     with side-leaf observations (their values come back as a reply to read)."""
-    if envfleet.speedups.speedups is None:
+    if envfleet._native.speedups is None:
         pytest.skip("envfleet._speedups is not built here")
-    counting = CountingSpeedups(envfleet.speedups.speedups)
-    monkeypatch.setattr(envfleet.speedups, "speedups", counting)
+    counting = CountingSpeedups(envfleet._native.speedups)
+    monkeypatch.setattr(envfleet._native, "speedups", counting)
     env = "CartPole-v1" if kind is None else functools.partial(SideObsEnv, kind)
     fleet = make_env(env, NUM_ENVS, backend="processes", num_workers=2)
     fleet.reset(seed=0)
@@ -164,7 +164,7 @@ def test_c_step_round_still_runs(make_env, monkeypatch, kind):
 
 @pytest.mark.parametrize("backend", ["serial", "processes"])
 def test_side_spaces_python_step_path_match_sync(make_env, monkeypatch, backend):
-    monkeypatch.setattr(envfleet.speedups, "speedups", None)
+    monkeypatch.setattr(envfleet._native, "speedups", None)
     monkeypatch.setenv("ENVFLEET_NO_SPEEDUPS", "1")
     check_side_kind(make_env, "dict_text_box", backend, AutoresetMode.SAME_STEP, num_workers=2)
 

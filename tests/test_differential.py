@@ -20,9 +20,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import envfleet
-import envfleet.envgroup
-import envfleet.front
-import envfleet.speedups
+import envfleet._envgroup
+import envfleet._front.vector_env
+import envfleet._native
 from tests.envs import FormObsEnv, MixedObsEnv, NestedSpaceEnv, SparseInfoEnv, sync_factories
 from tests.helpers import assert_same
 
@@ -45,7 +45,7 @@ def spare_slabs_for_small_observations(monkeypatch, request):
     params = getattr(request.node, "callspec", None)
     layout = params.params.get("layout") if params is not None else None
     if layout != {"num_workers": 1}:
-        monkeypatch.setattr(envfleet.front, "SPARE_SLABS_MIN_BYTES", 0)
+        monkeypatch.setattr(envfleet._front.vector_env, "SPARE_SLABS_MIN_BYTES", 0)
 
 
 def gym_case(env_id: str, **kwargs: Any) -> tuple[Any, dict[str, Any] | None, Any]:
@@ -154,7 +154,7 @@ def test_matches_sync_vector_env(make_env, case, backend, layout, mode):
         assert seen["info_steps"] > 0
 
 
-# Without the C step path (envfleet.speedups): every case and mode on the serial backend and
+# Without the C step path (envfleet._native): every case and mode on the serial backend and
 # on the processes backend's default layout (the driver steps a share), through the Python
 # twins of the C functions. The tests above run with it, where it is built.
 PYTHON_PATH_LAYOUTS = [("serial", {"num_workers": 2}), ("processes", {})]
@@ -170,7 +170,7 @@ PYTHON_PATH_LAYOUTS = [("serial", {"num_workers": 2}), ("processes", {})]
 def test_python_step_path_matches_sync_vector_env(
     make_env, monkeypatch, case, backend, layout, mode
 ):
-    monkeypatch.setattr(envfleet.speedups, "speedups", None)
+    monkeypatch.setattr(envfleet._native, "speedups", None)
     monkeypatch.setenv("ENVFLEET_NO_SPEEDUPS", "1")
     test_matches_sync_vector_env(make_env, case, backend, layout, mode)
 
@@ -482,7 +482,7 @@ def test_contiguous_observations_are_written_without_numpy(make_env, monkeypatch
 def test_large_observation_rows_are_written_by_numpy(make_env, monkeypatch):
     """Rows larger than JOIN_MAX_BYTES (Atari frames) go through np.concatenate, which copies
     them once where the join would copy them twice; the results are the same."""
-    monkeypatch.setattr(envfleet.envgroup, "JOIN_MAX_BYTES", 4 * 4 * 4 - 1)  # 4 CartPole rows
+    monkeypatch.setattr(envfleet._envgroup, "JOIN_MAX_BYTES", 4 * 4 * 4 - 1)  # 4 CartPole rows
     sync = SyncVectorEnv([lambda: gym.make("CartPole-v1")] * 4)
     fleet = make_env("CartPole-v1", 4, backend="serial")
     calls = []

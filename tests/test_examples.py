@@ -13,7 +13,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from envfleet.rollout import EpisodeBatch  # noqa: E402
+from envfleet._rollout import EpisodeBatch  # noqa: E402
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 

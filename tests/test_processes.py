@@ -519,7 +519,7 @@ class InfoSizeEnv(gym.Env):
 def test_replies_in_the_mailbox_or_on_the_pipe(make_env):
     """A pickled reply that fits a worker's mailbox goes there, a larger one on the pipe;
     both give SyncVectorEnv's infos, in any mix across workers and steps."""
-    from envfleet.backends import processes
+    from envfleet._backends import processes
 
     assert processes.MAILBOX_BYTES < 100_000
     fleet = make_env(InfoSizeEnv, 4, num_workers=2, driver_envs=0)

@@ -21,7 +21,7 @@ import pytest
 from gymnasium.vector import AutoresetMode, SyncVectorEnv
 
 import envfleet
-import envfleet.speedups
+import envfleet._native
 from tests.envs import RaisingEnv, SparseInfoEnv, ValuesEnv, sync_factories
 from tests.helpers import assert_same
 
@@ -33,7 +33,7 @@ def test_speedups_are_built():
     silent fallback to Python would leave the C path untested."""
     if os.environ.get("ENVFLEET_NO_SPEEDUPS", "").strip() not in ("", "0"):
         pytest.skip("ENVFLEET_NO_SPEEDUPS is set")
-    assert envfleet.speedups.speedups is not None
+    assert envfleet._native.speedups is not None
 
 
 def lockstep(fleet: Any, sync: SyncVectorEnv, steps: int = 6) -> None:
@@ -204,13 +204,13 @@ def test_without_speedups_in_spawned_workers():
     envfleet still runs (as it does where the extension could not be built)."""
     script = textwrap.dedent(
         """
-        import numpy as np, envfleet, envfleet.speedups
-        assert envfleet.speedups.speedups is None
+        import numpy as np, envfleet, envfleet._native
+        assert envfleet._native.speedups is None
         envs = envfleet.make("CartPole-v1", 4, context="spawn", num_workers=2, driver_envs=0)
         envs.reset(seed=0)
         for _ in range(20):
             envs.step(np.zeros(4, dtype=np.int64))
-        flags = envs.apply(lambda env: __import__("envfleet.speedups").speedups.speedups)
+        flags = envs.apply(lambda env: __import__("envfleet._native").speedups.speedups)
         assert flags == (None,) * 4, flags
         envs.close()
         print("ok")

@@ -5,7 +5,7 @@ results are bit-identical to ``gymnasium.vector.SyncVectorEnv`` for the same see
 See DESIGN.md §5 for the public contract.
 """
 
-from envfleet.errors import (
+from envfleet._errors import (
     AlreadyPendingCallError,
     ClosedEnvironmentError,
     ConfigError,
@@ -24,11 +24,11 @@ from envfleet.errors import (
     UnsupportedError,
     WrongProcessError,
 )
-from envfleet.front import BACKENDS, FleetVectorEnv, make
-from envfleet.process_env import ProcessEnv
-from envfleet.rollout import EpisodeBatch
-from envfleet.sampler import Sampler, SamplerStats, SamplerTimers, TimerStat
-from envfleet.supervisor import FleetStats, RestartPolicy, StepTimeStats
+from envfleet._front.vector_env import BACKENDS, FleetVectorEnv, make
+from envfleet._process_env import ProcessEnv
+from envfleet._rollout import EpisodeBatch
+from envfleet._sampler import Sampler, SamplerStats, SamplerTimers, TimerStat
+from envfleet._supervisor import FleetStats, RestartPolicy, StepTimeStats
 
 __version__ = "0.1.0"
 

@@ -33,8 +33,8 @@ from typing import Any, Literal
 import gymnasium
 
 import envfleet
-from envfleet.errors import ConfigError, EnvfleetError
-from envfleet.front import check_env_id, register_namespace
+from envfleet._errors import ConfigError, EnvfleetError
+from envfleet._front.vector_env import check_env_id, register_namespace
 
 __all__ = [
     "ACTION_BANK",

@@ -13,7 +13,7 @@ from typing import Any
 
 import gymnasium
 
-from envfleet.backends.base import accepts_env_index
+from envfleet._backends.base import accepts_env_index
 
 __all__ = ["SHIM_METHOD", "SB3Shim", "ShimFactory"]
 

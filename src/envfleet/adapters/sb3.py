@@ -24,11 +24,11 @@ import gymnasium
 import numpy as np
 from gymnasium.vector import AutoresetMode
 
+from envfleet._buffers import tree_copy
+from envfleet._errors import ConfigError
+from envfleet._front.vector_env import FleetVectorEnv, GymMake, check_env_id, make
 from envfleet.adapters._sb3_shim import SHIM_METHOD, ShimFactory
 from envfleet.adapters.infos import split_infos
-from envfleet.buffers import tree_copy
-from envfleet.errors import ConfigError
-from envfleet.front import FleetVectorEnv, GymMake, check_env_id, make
 
 try:
     from stable_baselines3.common.vec_env.base_vec_env import (

@@ -31,8 +31,8 @@ from typing import Any
 
 from gymnasium.vector import AutoresetMode
 
-from envfleet.errors import ConfigError
-from envfleet.front import FleetVectorEnv, make
+from envfleet._errors import ConfigError
+from envfleet._front.vector_env import FleetVectorEnv, make
 
 try:
     from torchrl.envs import EnvBase, GymWrapper

@@ -19,10 +19,10 @@ from gymnasium.spaces.utils import is_space_dtype_shape_equiv
 from gymnasium.vector import AutoresetMode
 from gymnasium.vector.utils import batch_space, concatenate, create_empty_array, iterate
 
-from envfleet import speedups as _speedups
-from envfleet.buffers import Batch, fill_side, is_leaf, side_leaves, side_values
-from envfleet.errors import ConfigError
-from envfleet.protocol import (
+from envfleet import _native as _speedups
+from envfleet._buffers import Batch, fill_side, is_leaf, side_leaves, side_values
+from envfleet._errors import ConfigError
+from envfleet._protocol import (
     CallRequest,
     Command,
     InfoEvent,
@@ -238,7 +238,7 @@ class EnvGroup:
                         self._obs_row_bytes = out[0].nbytes
             self._obs_slabs.append((out, rows, raw, address))
         self._slab = self.buffers.slab
-        # The C step path (envfleet.speedups.speedups, or None): the step loop, and the
+        # The C step path (envfleet._native.speedups, or None): the step loop, and the
         # results written straight into the reward and done-flag rows at these addresses.
         self.fast = _speedups.speedups
         self._result_addresses: tuple[int, int, int] | None = None
@@ -292,7 +292,7 @@ class EnvGroup:
 
         Args:
             side_actions: for an action space with leaves without a fixed size (no buffer,
-                ``envfleet.buffers.side_leaves``), per such leaf the group's batched values
+                ``envfleet._buffers.side_leaves``), per such leaf the group's batched values
                 (one per env), as gymnasium's batched action holds them.
         """
         buf = self.buffers
@@ -394,7 +394,7 @@ class EnvGroup:
     def _write_observations(self, method: str, events: list[InfoEvent]) -> None:
         """Write every env's latest observation into the group's rows; with leaves without a
         fixed size, append each env's values there to ``events`` (as
-        :class:`~envfleet.protocol.SideValues` events).
+        :class:`~envfleet._protocol.SideValues` events).
 
         Raises:
             EnvFailure: an observation does not fit the observation space's buffer (wrong

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from envfleet.buffers import tree_scatter
+from envfleet._buffers import tree_scatter
 
 __all__ = ["EpisodeBatch", "Recorder", "final_observations", "unbatch_info"]
 

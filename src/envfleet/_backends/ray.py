@@ -38,7 +38,7 @@ import ray
 import ray.exceptions
 from gymnasium.vector import AutoresetMode
 
-from envfleet.backends.base import (
+from envfleet._backends.base import (
     RemoteWorkersBackend,
     WorkerLayout,
     bind_env_index,
@@ -46,12 +46,12 @@ from envfleet.backends.base import (
     run_command,
     start_error,
 )
-from envfleet.backends.processes import _remote_error
-from envfleet.buffers import Block, allocate_batch, batch_nbytes, tree_slice, tree_write
-from envfleet.envgroup import EnvFailure, EnvGroup, PartialFailure
-from envfleet.errors import ConfigError, EnvCrashedError, EnvfleetError, StartTimeoutError
-from envfleet.protocol import Command, Failure, RemoteError, Status
-from envfleet.supervisor import (
+from envfleet._backends.processes import _remote_error
+from envfleet._buffers import Block, allocate_batch, batch_nbytes, tree_slice, tree_write
+from envfleet._envgroup import EnvFailure, EnvGroup, PartialFailure
+from envfleet._errors import ConfigError, EnvCrashedError, EnvfleetError, StartTimeoutError
+from envfleet._protocol import Command, Failure, RemoteError, Status
+from envfleet._supervisor import (
     STATS_WORDS,
     Ledger,
     StepTimer,
@@ -373,7 +373,7 @@ class RayBackend(RemoteWorkersBackend):
     Args:
         layout: envs, spaces and blocks (``layout.ranges``: one per actor, in order).
         block: a private :class:`Block` (``shared=False``) sized by
-            :func:`envfleet.buffers.batch_nbytes`: the driver's batch.
+            :func:`envfleet._buffers.batch_nbytes`: the driver's batch.
         env_fn_blobs: per env, its factory cloudpickled.
         actor_options: passed to each actor's ``.options(...)`` (see :func:`plan_ray`).
         ledger: the supervisor's record; with a restart policy, envs that raise are rebuilt in

@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from envfleet import speedups as _speedups
+from envfleet import _native as _speedups
 
 __all__ = [
     "BLOCK_SLICE_S",
@@ -122,7 +122,7 @@ class SharedSem:
         self.address = address = ctypes.addressof(self.region) + self.offset
         self.ptr = ctypes.c_void_p(address)
         self._timedwait = _libc.sem_timedwait
-        # The C versions (envfleet.speedups) where built: a ctypes call costs ~0.3 µs, these
+        # The C versions (envfleet._native) where built: a ctypes call costs ~0.3 µs, these
         # ~0.05 µs, and the C spin polls every ~20 ns instead of every ~0.4 µs.
         fast = _speedups.speedups
         self.spin: Callable[[float, float], bool] | None = None

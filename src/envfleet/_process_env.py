@@ -18,8 +18,8 @@ import gymnasium
 import numpy as np
 from gymnasium.vector import AutoresetMode
 
-from envfleet.buffers import is_leaf
-from envfleet.errors import (
+from envfleet._buffers import is_leaf
+from envfleet._errors import (
     AlreadyPendingCallError,
     ClosedEnvironmentError,
     ConfigError,
@@ -27,7 +27,7 @@ from envfleet.errors import (
     EnvfleetError,
     ResetNeededError,
 )
-from envfleet.front import FleetVectorEnv, make
+from envfleet._front.vector_env import FleetVectorEnv, make
 
 __all__ = ["ProcessEnv"]
 

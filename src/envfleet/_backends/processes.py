@@ -1,9 +1,9 @@
 """``backend="processes"``: EnvGroups in worker processes, data in shared memory (DESIGN §1, §3).
 
 Each worker holds a contiguous block of envs. Observations, actions, rewards, terminations
-and truncations live in one shared :class:`envfleet.buffers.Block`; per worker, a few shared
+and truncations live in one shared :class:`envfleet._buffers.Block`; per worker, a few shared
 control words carry the :class:`Command` and the reply status, and a
-:class:`~envfleet.backends.doorbell.Doorbell` (two semaphores, spin-then-block) carries the
+:class:`~envfleet._backends.doorbell.Doorbell` (two semaphores, spin-then-block) carries the
 "go" and the "done". Only what does not fit the buffers is pickled: reset options, call
 arguments and results, non-empty infos, errors. Requests travel on the worker's pipe, after
 its doorbell rang; a reply goes in the worker's shared mailbox (:data:`MAILBOX_BYTES`) when
@@ -46,8 +46,8 @@ import gymnasium
 import numpy as np
 from gymnasium.vector import AutoresetMode
 
-from envfleet import speedups as _speedups
-from envfleet.backends.base import (
+from envfleet import _native as _speedups
+from envfleet._backends.base import (
     RemoteWorkersBackend,
     WorkerLayout,
     bind_env_index,
@@ -56,7 +56,7 @@ from envfleet.backends.base import (
     run_command,
     start_error,
 )
-from envfleet.backends.doorbell import (
+from envfleet._backends.doorbell import (
     IDLE_SLICE_MAX_S,
     SEM_SLOT,
     TIGHT_SPIN_S,
@@ -65,17 +65,17 @@ from envfleet.backends.doorbell import (
     SpinBudget,
     shared_semaphore,
 )
-from envfleet.buffers import Block, allocate_batch
-from envfleet.envgroup import EnvFailure, EnvGroup, PartialFailure
-from envfleet.errors import (
+from envfleet._buffers import Block, allocate_batch
+from envfleet._envgroup import EnvFailure, EnvGroup, PartialFailure
+from envfleet._errors import (
     EnvCrashedError,
     EnvfleetError,
     StartTimeoutError,
     StepTimeoutError,
     describe_exitcode,
 )
-from envfleet.protocol import Command, Failure, RemoteError, Status
-from envfleet.supervisor import (
+from envfleet._protocol import Command, Failure, RemoteError, Status
+from envfleet._supervisor import (
     BUCKETS_PER_OCTAVE,
     NUM_BUCKETS,
     STATS_WORDS,
@@ -144,7 +144,7 @@ class ProcessesBackend(RemoteWorkersBackend):
 
     Args:
         layout: envs, spaces and blocks (``layout.ranges``: one per group, in order).
-        block: a shared :class:`Block` sized by :func:`envfleet.buffers.batch_nbytes`.
+        block: a shared :class:`Block` sized by :func:`envfleet._buffers.batch_nbytes`.
         env_fn_blobs: per env, its factory cloudpickled (equal factories share one bytes object).
         context: a ``multiprocessing`` start method name or ``None`` for the platform default.
         driver_group: ``True``: the driver steps the first block itself (no process for it).
@@ -894,7 +894,7 @@ class _Worker:
     def _serve_steps(
         self, group: EnvGroup, timer: StepTimer
     ) -> Callable[[], tuple[int, float, Any]] | None:
-        """The C loop of plain steps (envfleet.speedups), bound to this worker; ``None`` where
+        """The C loop of plain steps (envfleet._native), bound to this worker; ``None`` where
         it is not built or the semaphores are not the shared POSIX ones it drives."""
         fast = group.fast
         sems = (self.doorbell.request, self.done, self.any_done)

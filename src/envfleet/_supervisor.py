@@ -19,9 +19,9 @@ from typing import Any, TypeVar, cast
 
 import numpy as np
 
-from envfleet import speedups as _speedups
-from envfleet.errors import ConfigError
-from envfleet.protocol import Command, InfoEvent, RestartRequest
+from envfleet import _native as _speedups
+from envfleet._errors import ConfigError
+from envfleet._protocol import Command, InfoEvent, RestartRequest
 
 logger = logging.getLogger("envfleet")
 
@@ -146,7 +146,7 @@ class StepTimer:
         self._words = row.data.cast("B").cast("d")
         fast = _speedups.speedups
         self.call: Callable[[Callable[[], _T]], _T]
-        """``fn()``, its time recorded when it returns (in C where envfleet.speedups is)."""
+        """``fn()``, its time recorded when it returns (in C where envfleet._native is)."""
         # (A subclass that overrides record() gets it called, so it times in Python.)
         if (
             fast is not None

@@ -1,5 +1,5 @@
 """Transports: move "run envs [a, b)" to where the EnvGroups live and bring completion back."""
 
-from envfleet.backends.base import Backend, WorkerLayout, worker_ranges
+from envfleet._backends.base import Backend, WorkerLayout, worker_ranges
 
 __all__ = ["Backend", "WorkerLayout", "worker_ranges"]

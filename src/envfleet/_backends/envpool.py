@@ -3,7 +3,7 @@
 EnvPool (https://envpool.readthedocs.io) steps its own C++ implementations of many tasks
 (``envpool.list_all_envs()``: ``"CartPole-v1"``, ``"Pendulum-v1"``, ``"Pong-v5"``, ...) on a
 pool of native threads. This backend drives one ``envpool.make(task_id, env_type="gymnasium")``
-pool and writes what it returns into envfleet's :class:`~envfleet.buffers.Batch`, so the front
+pool and writes what it returns into envfleet's :class:`~envfleet._buffers.Batch`, so the front
 (:class:`envfleet.FleetVectorEnv`) validates input, runs the call state machine and the
 first-ready pool bookkeeping, and raises the same typed errors as for every other backend.
 
@@ -53,8 +53,8 @@ import gymnasium
 import numpy as np
 from gymnasium.vector import AutoresetMode
 
-from envfleet.backends.base import Backend
-from envfleet.buffers import (
+from envfleet._backends.base import Backend
+from envfleet._buffers import (
     Block,
     allocate_batch,
     batch_nbytes,
@@ -62,9 +62,9 @@ from envfleet.buffers import (
     tree_scatter,
     tree_take,
 )
-from envfleet.errors import ConfigError, InvalidArgumentError, UnsupportedError
-from envfleet.protocol import Command, InfoEvent, ResetRequest
-from envfleet.supervisor import STATS_WORDS, Ledger, StepTimer, StepTimeStats, step_time_table
+from envfleet._errors import ConfigError, InvalidArgumentError, UnsupportedError
+from envfleet._protocol import Command, InfoEvent, ResetRequest
+from envfleet._supervisor import STATS_WORDS, Ledger, StepTimer, StepTimeStats, step_time_table
 
 __all__ = ["EnvPoolBackend", "make_envpool"]
 
@@ -155,7 +155,7 @@ def make_envpool(
             ``num_envs``/``batch_size``/``autoreset_mode``, an autoreset mode EnvPool cannot
             match, an option of another backend, reserved or rejected ``env_kwargs``.
     """
-    from envfleet.front import FleetVectorEnv
+    from envfleet._front.vector_env import FleetVectorEnv
 
     given = sorted(name for name, value in refused.items() if value is not None)
     if given:

@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from envfleet.backends.inprocess import InProcessBackend
-from envfleet.envgroup import EnvFailure
-from envfleet.protocol import Command
+from envfleet._backends.inprocess import InProcessBackend
+from envfleet._envgroup import EnvFailure
+from envfleet._protocol import Command
 
 __all__ = ["SerialBackend"]
 

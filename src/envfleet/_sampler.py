@@ -39,15 +39,15 @@ import numpy as np
 from gymnasium.vector import AutoresetMode
 from gymnasium.vector.utils import create_empty_array
 
-from envfleet.backends.base import (
+from envfleet._backends.base import (
     accepts_env_index,
     bind_env_index,
     remote_env_error,
     worker_ranges,
 )
-from envfleet.backends.processes import _die_with_parent, _remote_error
-from envfleet.buffers import side_leaves, tree_scatter
-from envfleet.errors import (
+from envfleet._backends.processes import _die_with_parent, _remote_error
+from envfleet._buffers import side_leaves, tree_scatter
+from envfleet._errors import (
     ClosedEnvironmentError,
     ConfigError,
     EnvCrashedError,
@@ -56,9 +56,9 @@ from envfleet.errors import (
     StepTimeoutError,
     describe_exitcode,
 )
-from envfleet.front import FleetVectorEnv, _factories, make, usable_cores
-from envfleet.protocol import RemoteError
-from envfleet.rollout import EpisodeBatch, Recorder, final_observations, step_infos, tree_rows
+from envfleet._front.vector_env import FleetVectorEnv, _factories, make, usable_cores
+from envfleet._protocol import RemoteError
+from envfleet._rollout import EpisodeBatch, Recorder, final_observations, step_infos, tree_rows
 
 __all__ = ["Sampler", "SamplerStats", "SamplerTimers", "TimerStat"]
 
@@ -247,7 +247,7 @@ def _check_recordable(
     observation_space: gymnasium.Space[Any], action_space: gymnasium.Space[Any]
 ) -> None:
     """Raise :class:`ConfigError` for spaces with leaves without a fixed size (Text, Graph,
-    ...: ``envfleet.buffers.side_leaves``), which episode arrays cannot record."""
+    ...: ``envfleet._buffers.side_leaves``), which episode arrays cannot record."""
     for what, space in (("observation", observation_space), ("action", action_space)):
         leaves = side_leaves(space)
         if leaves:

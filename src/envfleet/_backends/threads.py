@@ -31,13 +31,13 @@ from typing import Any, NoReturn, cast
 
 import gymnasium
 
-from envfleet.backends.base import WorkerLayout
-from envfleet.backends.inprocess import InProcessBackend
-from envfleet.buffers import Block
-from envfleet.envgroup import EnvFailure, EnvGroup
-from envfleet.errors import EnvfleetError, StartTimeoutError, StepTimeoutError
-from envfleet.protocol import Command
-from envfleet.supervisor import Ledger
+from envfleet._backends.base import WorkerLayout
+from envfleet._backends.inprocess import InProcessBackend
+from envfleet._buffers import Block
+from envfleet._envgroup import EnvFailure, EnvGroup
+from envfleet._errors import EnvfleetError, StartTimeoutError, StepTimeoutError
+from envfleet._protocol import Command
+from envfleet._supervisor import Ledger
 
 __all__ = ["DEFAULT_CLOSE_TIMEOUT", "ThreadsBackend", "serialize_gfxdraw"]
 

@@ -35,7 +35,7 @@ from gymnasium.vector.utils import (
     create_empty_array,
 )
 
-from envfleet.backends.base import (
+from envfleet._backends.base import (
     Backend,
     DisownedBackend,
     WorkerLayout,
@@ -44,7 +44,7 @@ from envfleet.backends.base import (
     env_error,
     worker_ranges,
 )
-from envfleet.buffers import (
+from envfleet._buffers import (
     Block,
     ObservationSlabs,
     batch_nbytes,
@@ -59,8 +59,8 @@ from envfleet.buffers import (
     tree_take,
     tree_write,
 )
-from envfleet.envgroup import not_an_env_error
-from envfleet.errors import (
+from envfleet._envgroup import not_an_env_error
+from envfleet._errors import (
     AlreadyPendingCallError,
     ClosedEnvironmentError,
     ConfigError,
@@ -73,7 +73,7 @@ from envfleet.errors import (
     SpaceMismatchError,
     StepTimeoutError,
 )
-from envfleet.protocol import (
+from envfleet._protocol import (
     CallRequest,
     Command,
     InfoEvent,
@@ -81,7 +81,7 @@ from envfleet.protocol import (
     SetAttrRequest,
     SideValues,
 )
-from envfleet.supervisor import FleetStats, Ledger, RestartPolicy
+from envfleet._supervisor import FleetStats, Ledger, RestartPolicy
 
 if TYPE_CHECKING:
     from envfleet.torch import TorchVectorEnv
@@ -91,7 +91,7 @@ __all__ = ["BACKENDS", "FleetVectorEnv", "make"]
 logger = logging.getLogger("envfleet")
 
 BACKENDS = ("serial", "threads", "processes", "ray", "envpool")
-# copy=True without a copy (envfleet.buffers.ObservationSlabs): spare observation buffers per
+# copy=True without a copy (envfleet._buffers.ObservationSlabs): spare observation buffers per
 # vector env, so a loop that keeps the last result while it steps never waits for a copy.
 # Only for batched observations of at least SPARE_SLABS_MIN_BYTES (handing a slab out costs
 # ~0.6 µs, copying 256 bytes ~0.3 µs, 3 MB ~80 µs), and none when the spares would take more
@@ -233,7 +233,7 @@ def make(  # type: ignore[misc]  # the overloads stand for its keyword arguments
             ``"envpool"``: ``env`` is an EnvPool task id (``"CartPole-v1"``, ``"Pong-v5"``;
             ``envpool.list_all_envs()``) run by EnvPool's native threads, ``env_kwargs`` go
             to ``envpool.make``; only ``num_envs``, ``batch_size``, ``autoreset_mode``,
-            ``env_kwargs`` and ``copy`` apply (see :mod:`envfleet.backends.envpool` for what
+            ``env_kwargs`` and ``copy`` apply (see :mod:`envfleet._backends.envpool` for what
             maps and what is refused; ``pip install 'envfleet[envpool]'``).
         num_workers: worker count, ``1 <= num_workers <= num_envs``; envs go to workers in
             contiguous blocks whose sizes differ by at most one. ``processes``: worker
@@ -273,7 +273,7 @@ def make(  # type: ignore[misc]  # the overloads stand for its keyword arguments
             ``serial``, ``threads`` and ``processes`` backends (outside a first-ready pool)
             the observations are not copied: the envs write each step's into a spare buffer
             that no earlier result uses, and the arrays returned are built over it (see
-            :class:`envfleet.buffers.ObservationSlabs`). ``False``: views of the shared
+            :class:`envfleet._buffers.ObservationSlabs`). ``False``: views of the shared
             buffers, valid until the next call.
         driver_envs: ``processes`` only: how many envs (the first block) the driver steps
             itself while the workers step theirs. Default: an equal share when neither
@@ -331,7 +331,7 @@ def make(  # type: ignore[misc]  # the overloads stand for its keyword arguments
         return make_with_output(make, arguments)
     backend = _check_backend(backend)
     if backend == "envpool":
-        from envfleet.backends.envpool import make_envpool
+        from envfleet._backends.envpool import make_envpool
 
         others: dict[str, Any] = {"num_workers": num_workers, "step_timeout": step_timeout}
         others |= {"restart_policy": restart_policy, "context": context}
@@ -467,7 +467,7 @@ def make(  # type: ignore[misc]  # the overloads stand for its keyword arguments
     nbytes = batch_nbytes(obs_space, act_space, num_envs, spare)
     backend_obj: Backend
     if backend == "processes":
-        from envfleet.backends.processes import ProcessesBackend
+        from envfleet._backends.processes import ProcessesBackend
 
         backend_obj = ProcessesBackend(
             layout,
@@ -483,7 +483,7 @@ def make(  # type: ignore[misc]  # the overloads stand for its keyword arguments
             start_timeout=start_timeout,
         )
     elif backend == "ray":
-        from envfleet.backends.ray import RayBackend
+        from envfleet._backends.ray import RayBackend
 
         backend_obj = RayBackend(
             layout,
@@ -496,7 +496,7 @@ def make(  # type: ignore[misc]  # the overloads stand for its keyword arguments
             start_timeout=start_timeout,
         )
     elif backend == "threads":
-        from envfleet.backends.threads import ThreadsBackend
+        from envfleet._backends.threads import ThreadsBackend
 
         backend_obj = ThreadsBackend(
             layout,
@@ -507,7 +507,7 @@ def make(  # type: ignore[misc]  # the overloads stand for its keyword arguments
             start_timeout=start_timeout,
         )
     else:
-        from envfleet.backends.serial import SerialBackend
+        from envfleet._backends.serial import SerialBackend
 
         backend_obj = SerialBackend(
             layout, Block(nbytes, shared=False, spare_slabs=spare), first_env=first, ledger=ledger
@@ -574,7 +574,7 @@ def plan_processes(
     ``num_envs - 1``) and the driver steps an equal share of the envs itself, so that every
     core steps envs and nobody idles on a round trip. Given ``num_workers`` alone, the driver
     steps none. Waiters spin at most ``spin_s`` seconds (default
-    :data:`envfleet.backends.processes.DEFAULT_SPIN_S`) and only while spinners do not
+    :data:`envfleet._backends.processes.DEFAULT_SPIN_S`) and only while spinners do not
     outnumber the cores: the driver spins only if ``num_workers + 1 <= cores``, the workers
     only if ``num_workers <= cores``.
 
@@ -582,7 +582,7 @@ def plan_processes(
         ConfigError: ``driver_envs`` outside ``[0, num_envs - num_workers]`` (every worker
             needs one env), or ``spin_s`` negative.
     """
-    from envfleet.backends.processes import DEFAULT_SPIN_S
+    from envfleet._backends.processes import DEFAULT_SPIN_S
 
     if spin_s is None:
         spin_s = DEFAULT_SPIN_S
@@ -629,15 +629,15 @@ def _plan_ray(
     ray_address: str | None,
     ray_options: dict[str, Any] | None,
 ) -> Any:
-    """Connect to Ray and plan the actors (:func:`envfleet.backends.ray.plan_ray`).
+    """Connect to Ray and plan the actors (:func:`envfleet._backends.ray.plan_ray`).
 
     Raises:
-        ConfigError: ray is not installed, or :func:`~envfleet.backends.ray.plan_ray`'s.
+        ConfigError: ray is not installed, or :func:`~envfleet._backends.ray.plan_ray`'s.
     """
     if ray_address is not None and not isinstance(ray_address, str):
         raise ConfigError(f"ray_address must be None or a string, got {ray_address!r}")
     try:
-        from envfleet.backends.ray import plan_ray
+        from envfleet._backends.ray import plan_ray
     except ImportError as exc:
         raise ConfigError(f"backend='ray' needs ray ({exc}): pip install 'envfleet[ray]'") from exc
     return plan_ray(num_envs, num_workers, ray_address, ray_options)
@@ -1644,7 +1644,7 @@ class FleetVectorEnv(VectorEnv[Any, Any, np.ndarray]):
         return tree_copy(obs) if self.copy else obs
 
     def _take_side(self, results: dict[int, Any]) -> dict[int, Any]:
-        """``results`` without their :class:`~envfleet.protocol.SideValues` events, whose
+        """``results`` without their :class:`~envfleet._protocol.SideValues` events, whose
         values become the envs' latest side-leaf values."""
         rows = self._side_rows
         kept: dict[int, Any] = {}

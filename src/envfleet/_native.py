@@ -6,9 +6,9 @@ Python twin next to it that gives the same results (the differential tests run b
 code only removes interpreter overhead around the env calls of the step path, it never changes
 what an env sees or what the caller gets.
 
-It is looked up when an :class:`~envfleet.envgroup.EnvGroup`, a doorbell semaphore, a
-:class:`~envfleet.supervisor.StepTimer` or a processes backend is built, so setting
-``envfleet.speedups.speedups = None`` before ``envfleet.make`` turns it off for that vector env
+It is looked up when an :class:`~envfleet._envgroup.EnvGroup`, a doorbell semaphore, a
+:class:`~envfleet._supervisor.StepTimer` or a processes backend is built, so setting
+``envfleet._native.speedups = None`` before ``envfleet.make`` turns it off for that vector env
 (and, under ``fork``, for its workers).
 """
 

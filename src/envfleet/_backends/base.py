@@ -15,9 +15,9 @@ from typing import Any, TypeVar, cast
 import gymnasium
 from gymnasium.vector import AutoresetMode
 
-from envfleet.buffers import Batch
-from envfleet.envgroup import EnvFailure, EnvGroup
-from envfleet.errors import (
+from envfleet._buffers import Batch
+from envfleet._envgroup import EnvFailure, EnvGroup
+from envfleet._errors import (
     ConfigError,
     EnvError,
     EnvfleetError,
@@ -27,8 +27,8 @@ from envfleet.errors import (
     WrongProcessError,
     make_env_error,
 )
-from envfleet.protocol import Command, Failure, RemoteError
-from envfleet.supervisor import Ledger, StepTimer, StepTimeStats, log_env_restart, merge_events
+from envfleet._protocol import Command, Failure, RemoteError
+from envfleet._supervisor import Ledger, StepTimer, StepTimeStats, log_env_restart, merge_events
 
 __all__ = [
     "Backend",
@@ -138,7 +138,7 @@ def env_error(
     original: BaseException | None = None,
 ) -> EnvError:
     """The :class:`EnvError` for an env that raised ``original`` (also of its type where
-    possible: :func:`envfleet.errors.make_env_error`)."""
+    possible: :func:`envfleet._errors.make_env_error`)."""
     where = f"sub-environment {env_index}" + (
         f" (worker {worker_index})" if worker_index is not None else ""
     )

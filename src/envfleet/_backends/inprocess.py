@@ -9,17 +9,17 @@ from typing import Any, cast
 import gymnasium
 import numpy as np
 
-from envfleet.backends.base import (
+from envfleet._backends.base import (
     Backend,
     WorkerLayout,
     failure_error,
     mismatch_error,
     run_command,
 )
-from envfleet.buffers import Block, allocate_batch
-from envfleet.envgroup import EnvFailure, EnvGroup, PartialFailure
-from envfleet.protocol import Command
-from envfleet.supervisor import (
+from envfleet._buffers import Block, allocate_batch
+from envfleet._envgroup import EnvFailure, EnvGroup, PartialFailure
+from envfleet._protocol import Command
+from envfleet._supervisor import (
     STATS_WORDS,
     Ledger,
     StepTimer,
