@@ -8,8 +8,10 @@ and worker inference.
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
+import threading
 import time
 from typing import Any
 
@@ -437,7 +439,7 @@ def test_env_error_is_raised_with_the_remote_traceback(inference: str) -> None:
 def test_worker_crash_is_reported_and_nothing_is_left(snapshot: Any) -> None:
     sampler = Sampler("CartPole-v1", PolePolicy(), 4, inference="worker", num_workers=2, seed=0)
     sampler.sample(20)
-    pid = sampler._procs[1].pid
+    pid = sampler.vector_env.apply(lambda env: os.getpid())[2]  # env 2's worker: worker 1
     os.kill(pid, signal.SIGKILL)
     with pytest.raises(envfleet.EnvCrashedError) as info:
         sampler.sample(100_000)
@@ -481,7 +483,7 @@ def test_close_leaves_nothing(snapshot: Any) -> None:
         (dict(inference="gpu"), "inference"),
         (dict(num_envs=0), "num_envs"),
         (dict(segment_length=0, inference="worker"), "segment_length"),
-        (dict(inference="worker", backend="serial"), "inference='driver'"),
+        (dict(inference="worker", batch_size=2), "inference='driver'"),
         (dict(background=True), "background"),
         (dict(autoreset_mode="next_step"), "SAME_STEP"),
         (dict(num_envs=5, batch_size=2, backend="serial"), "multiple of batch_size"),
@@ -562,3 +564,86 @@ def test_episode_batch_helpers() -> None:
     assert np.array_equal(nxt[last], a.last_observations)
     with pytest.raises(ValueError):
         EpisodeBatch.concatenate()
+
+
+# -- worker inference on the vector env's own workers (issue 18) ------------------------------
+
+
+@pytest.mark.parametrize(
+    "backend",
+    ["serial", "threads", "processes", pytest.param("ray", marks=pytest.mark.ray)],
+)
+def test_worker_inference_on_every_backend_matches_sync_vector_env(backend: str) -> None:
+    """The policy copies run in the backend's own workers, next to their envs: every env's
+    steps are those of a SyncVectorEnv with the same seeds and policy."""
+    if backend == "ray":
+        from tests.conftest import ensure_ray
+
+        ensure_ray()
+    with Sampler(
+        "CartPole-v1",
+        PolePolicy(),
+        6,
+        inference="worker",
+        backend=backend,
+        num_workers=2,
+        seed=SEED,
+        segment_length=16,
+    ) as sampler:
+        assert sampler.worker_ranges == ((0, 3), (3, 6))
+        batches = [sampler.sample(300), sampler.sample(100)]
+        for batch in batches:
+            check_segments(batch)
+        assert batches[0].num_steps >= 300 and batches[1].num_steps >= 100
+        # Every env stepped exactly as many steps in each round: 16 per round per env.
+        steps = np.bincount(np.concatenate([b.env_index for b in batches]), minlength=6)
+        assert (steps > 0).all()
+    assert_matches_model(batches, 6)
+
+
+class HangsAfter(gym.Wrapper):
+    """CartPole whose env ``hang_index`` blocks for good in its ``steps``-th step."""
+
+    def __init__(self, env_index: int, hang_index: int, steps: int):
+        super().__init__(gym.make("CartPole-v1"))
+        self.hangs = env_index == hang_index
+        self.steps = steps
+
+    def step(self, action: Any) -> Any:
+        self.steps -= 1
+        if self.hangs and self.steps <= 0:
+            threading.Event().wait()  # never set
+        return super().step(action)
+
+
+def test_worker_inference_reports_a_hung_env_while_other_workers_run(snapshot: Any) -> None:
+    """One env hangs, the other worker keeps delivering: the round's timeout still fires,
+    names the hung env's worker, and leaves nothing behind."""
+    factory = lambda env_index: HangsAfter(env_index, hang_index=3, steps=40)  # noqa: E731
+    sampler = Sampler(
+        factory, PolePolicy(), 4, inference="worker", num_workers=2, seed=0, timeout=2.0
+    )
+    with pytest.raises(envfleet.StepTimeoutError) as info:
+        for _ in range(100):
+            sampler.sample(64)
+    assert info.value.env_indices == [2, 3]
+    with pytest.raises(envfleet.ClosedEnvironmentError):
+        sampler.sample(1)
+    sampler.close()
+    snapshot.assert_nothing_left()
+
+
+class HangsInWorkers(gym.Wrapper):
+    """CartPole whose construction blocks for good in any process but ``driver_pid``'s."""
+
+    def __init__(self, driver_pid: int):
+        if os.getpid() != driver_pid:
+            threading.Event().wait()  # never set
+        super().__init__(gym.make("CartPole-v1"))
+
+
+def test_worker_inference_honours_the_start_timeout(snapshot: Any) -> None:
+    factory = functools.partial(HangsInWorkers, os.getpid())
+    with pytest.raises(envfleet.StartTimeoutError):
+        Sampler(factory, PolePolicy(), 2, inference="worker", num_workers=2, start_timeout=1.0)
+    snapshot.assert_nothing_left()

@@ -181,6 +181,9 @@ class EnvGroup:
         self._action_space = batch_space(single_action_space, self.size)
         self.buffers = batch.slice(self.start - batch_offset, self.stop - batch_offset)
         self._env_fns = list(env_fns)
+        # What tasks (Command.TASK) keep here between commands, by their own keys; gone when
+        # the group is rebuilt (a restarted worker).
+        self.task_state: dict[str, Any] = {}
         self.envs: list[gymnasium.Env[Any, Any]] = []
         for j, fn in enumerate(env_fns):
             if j == 0 and first_env is not None:
@@ -282,6 +285,8 @@ class EnvGroup:
             return self.render()
         if command is Command.RESTART:
             return self.restart(payload)
+        if command is Command.TASK:
+            return payload.function(self, payload.argument)
         raise ValueError(f"unknown command {command!r}")
 
     def step(self, side_actions: list[tuple[Any, ...]] | None = None) -> list[InfoEvent]:

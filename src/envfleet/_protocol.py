@@ -7,6 +7,7 @@ Data never travels here; it lives in the shared :class:`envfleet._buffers.Batch`
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,6 +52,7 @@ class Command(enum.IntEnum):
     RENDER = 5
     CLOSE = 6
     RESTART = 7
+    TASK = 8  # run a function with the whole group, in its worker (TaskRequest)
 
 
 class Status(enum.IntEnum):
@@ -82,6 +84,19 @@ class CallRequest:
     args: tuple[Any, ...] = ()
     kwargs: dict[str, Any] = field(default_factory=dict)
     function: bytes | None = None
+
+
+@dataclass
+class TaskRequest:
+    """Call ``function(group, argument)`` once, in the worker that holds the group.
+
+    ``function`` must pickle by reference (a module-level function) for the backends whose
+    workers are other processes; ``argument`` is pickled with it. What it returns travels back
+    to the front (pickled, for those backends). The Sampler's worker inference is such a task.
+    """
+
+    function: Callable[[Any, Any], Any]
+    argument: Any = None
 
 
 @dataclass

@@ -17,47 +17,30 @@ Every step is tagged with the version of the policy that chose its action. After
 
 from __future__ import annotations
 
-import collections
 import contextlib
-import enum
 import logging
-import multiprocessing
 import numbers
 import os
-import queue
-import signal
 import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from multiprocessing.connection import Connection, wait
-from typing import Any
+from typing import Any, Protocol
 
 import cloudpickle
 import gymnasium
 import numpy as np
-from gymnasium.vector import AutoresetMode
+from gymnasium.vector import AutoresetMode, VectorEnv
 from gymnasium.vector.utils import create_empty_array
 
-from envfleet._backends.base import (
-    accepts_env_index,
-    bind_env_index,
-    remote_env_error,
-    worker_ranges,
-)
-from envfleet._backends.processes import _die_with_parent, _remote_error
-from envfleet._buffers import side_leaves, tree_scatter
+from envfleet._buffers import side_leaves, tree_copy, tree_scatter, tree_write
+from envfleet._envgroup import EnvGroup
 from envfleet._errors import (
     ClosedEnvironmentError,
     ConfigError,
-    EnvCrashedError,
-    EnvError,
     InvalidArgumentError,
-    StepTimeoutError,
-    describe_exitcode,
 )
-from envfleet._front.vector_env import FleetVectorEnv, _factories, make, usable_cores
-from envfleet._protocol import RemoteError
+from envfleet._front.vector_env import FleetVectorEnv, make
 from envfleet._rollout import EpisodeBatch, Recorder, final_observations, step_infos, tree_rows
 
 __all__ = ["Sampler", "SamplerStats", "SamplerTimers", "TimerStat"]
@@ -146,24 +129,7 @@ class SamplerStats:
     env_update_steps_dropped: int = 0
 
 
-# -- messages between the driver and sampler workers -----------------------------------------
-
-
-class SamplerCommand(enum.Enum):
-    """What the driver asks a sampler worker."""
-
-    RUN = 1  # step and stream rollouts
-    PAUSE = 2  # stop stepping (keep the envs' state)
-    UPDATE_POLICY = 3  # payload: _PolicyUpdate
-    UPDATE_ENVS = 4  # payload: _EnvUpdate
-    EPISODES = 5  # payload: episodes to collect (int)
-    CLOSE = 6
-
-
-@dataclass
-class _Control:
-    command: SamplerCommand
-    payload: Any = None
+# -- what the driver and the workers' task exchange (worker inference) ------------------------
 
 
 @dataclass
@@ -174,16 +140,16 @@ class _PolicyUpdate:
 
 
 @dataclass
-class _EnvUpdate:
-    version: int
-    blob: bytes  # cloudpickled fn(vector_env) that applies the update
+class _RoundRequest:
+    """One round of worker inference, for one worker: its argument of :func:`_sampler_round`."""
 
-
-@dataclass
-class _Ready:
     worker: int
-    observation_space: gymnasium.Space[Any]
-    action_space: gymnasium.Space[Any]
+    steps: int  # steps per env (a rollout), or whole episodes wanted (``episodes``)
+    episodes: bool
+    restart: bool  # the envs were reset: start from the observations in the buffers
+    env_version: int
+    policy: _PolicyUpdate | None  # None: go on with the worker's policy
+    policy_seed: int | None  # seed of a new policy object (``seed(seed)``, when it has one)
 
 
 @dataclass
@@ -199,26 +165,6 @@ class _Episodes:
     worker: int
     batch: EpisodeBatch
     timers: dict[str, TimerStat]
-
-
-@dataclass
-class _WorkerFailed:
-    worker: int
-    error: RemoteError
-
-
-@dataclass
-class _WorkerSpec:
-    worker: int
-    start: int
-    env_fns: bytes  # cloudpickled list of factories (global env_index bound in the worker)
-    policy: bytes
-    policy_version: int
-    seeds: list[int | None]
-    policy_seed: int | None
-    segment_length: int
-    parent_pid: int
-    start_method: str
 
 
 # -- policy helpers --------------------------------------------------------------------------
@@ -323,8 +269,15 @@ class _ApplyToEnvs:
         venv.apply(self.fn)
 
 
+class _Steps(Protocol):
+    """What :func:`_step_and_record` steps: a vector env, or a worker's envs (_GroupEnvs)."""
+
+    def step(self, actions: Any) -> tuple[Any, np.ndarray, np.ndarray, np.ndarray, dict[str, Any]]:
+        """gymnasium's ``VectorEnv.step``."""
+
+
 def _step_and_record(
-    venv: FleetVectorEnv,
+    venv: _Steps,
     policy: Policy,
     obs: Any,
     ids: np.ndarray,
@@ -354,172 +307,114 @@ def _step_and_record(
     return next_obs, done
 
 
-# -- the sampler worker (worker inference) ---------------------------------------------------
+# -- the sampler's task in each worker (worker inference) -------------------------------------
+
+_STATE_KEY = "envfleet.sampler"  # the sampler's entry in the group's task_state
 
 
-class _ZeroArg:
-    """A factory called with no arguments (it hides any ``env_index`` parameter)."""
+class _BatchInfos:
+    """gymnasium's ``VectorEnv._add_info`` for a batch of ``num_envs`` rows."""
 
-    def __init__(self, fn: Callable[[], gymnasium.Env[Any, Any]]):
-        self.fn = fn
+    def __init__(self, num_envs: int):
+        self.num_envs = num_envs
 
-    def __call__(self) -> gymnasium.Env[Any, Any]:
-        return self.fn()
-
-
-def _worker_main(spec: _WorkerSpec, conn: Connection, control: Any) -> None:
-    _die_with_parent(spec.parent_pid, spec.start_method)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the driver's to handle
-    try:
-        _Worker(spec, conn, control).serve()
-    except (EOFError, BrokenPipeError, ConnectionResetError):
-        pass  # the driver is gone
-    finally:
-        conn.close()
+    def _add_info(self, infos: dict[str, Any], info: dict[str, Any], row: int) -> dict[str, Any]:
+        # gymnasium's own method, which calls itself for nested dicts (final_info)
+        return VectorEnv._add_info(self, infos, info, row)  # type: ignore[arg-type]
 
 
-class _Worker:
-    def __init__(self, spec: _WorkerSpec, conn: Connection, control: Any):
-        self.spec = spec
-        self.conn = conn
-        self.control = control
+class _GroupEnvs:
+    """A worker's envs (its EnvGroup, ``AutoresetMode.SAME_STEP``) as a vector env of their
+    own: what :func:`_step_and_record` steps, with SyncVectorEnv's results over those envs.
+    Each step runs the group's own step loop (the one a vector env step runs)."""
+
+    def __init__(self, group: EnvGroup):
+        self.group = group
+        self.num_envs = group.size
+        self._infos = _BatchInfos(group.size)
+
+    def observations(self) -> Any:
+        """A copy of the envs' current observations (the buffers' rows)."""
+        return tree_copy(self.group.buffers.observations)
+
+    def step(self, actions: Any) -> tuple[Any, np.ndarray, np.ndarray, np.ndarray, dict[str, Any]]:
+        group, buffers = self.group, self.group.buffers
+        tree_write(buffers.actions, actions)
+        events = group.step()
+        infos: dict[str, Any] = {}
+        for index, info in events:
+            infos = self._infos._add_info(infos, info, index - group.start)
+        obs = tree_copy(buffers.observations)
+        return obs, buffers.rewards, buffers.terminations, buffers.truncations, infos
+
+
+class _WorkerState:
+    """What the sampler keeps in a worker between rounds: its policy copy and its envs'
+    current observations."""
+
+    def __init__(self, group: EnvGroup):
+        self.envs = _GroupEnvs(group)
+        self.policy: Any = None  # installed by the first round's request
+        self.version = 0
+        self.ids = np.arange(group.start, group.stop)
+        self.obs: Any = None
         self.timers = _Timers()
-        self.recorder = Recorder()
-        self.policy_version = spec.policy_version
-        self.env_version = 0
-        self.steps_in_chunk = 0
-        self.venv: FleetVectorEnv | None = None
 
-    def fail(self, exc: BaseException, method: str) -> None:
-        cause = exc.__cause__ if isinstance(exc, EnvError) and exc.__cause__ else exc
-        # The worker's vector env counts its envs from 0: report the global index.
-        env_index = self.spec.start + (exc.env_index if isinstance(exc, EnvError) else 0)
-        method = exc.method if isinstance(exc, EnvError) else method
-        self.conn.send(_WorkerFailed(self.spec.worker, _remote_error(cause, env_index, method)))
-
-    def serve(self) -> None:
-        spec = self.spec
-        try:
-            fns = cloudpickle.loads(spec.env_fns)
-            # Bound to their global index, behind a zero-argument callable (make() must not
-            # bind the local index again).
-            bound = [
-                _ZeroArg(bind_env_index(fn, spec.start + j, accepts_env_index(fn)))
-                for j, fn in enumerate(fns)
-            ]
-            self.venv = make(
-                bound, len(bound), backend="serial", autoreset_mode=AutoresetMode.SAME_STEP
-            )
-            self.policy = cloudpickle.loads(spec.policy)
-            _seed_policy(self.policy, spec.policy_seed)
-            self.obs, _ = self.venv.reset(seed=spec.seeds)
-        except Exception as exc:
-            self.fail(exc, "make")
+    def install(self, request: _RoundRequest) -> None:
+        update = request.policy
+        if update is None:
             return
-        venv = self.venv
-        self.ids = np.arange(spec.start, spec.start + venv.num_envs)
-        self.conn.send(_Ready(spec.worker, venv.single_observation_space, venv.single_action_space))
-        running = False
-        try:
-            while True:
-                try:
-                    if running:
-                        message = self.control.get_nowait()
-                    else:
-                        with self.timers.time("waiting"):
-                            message = self.control.get(timeout=1.0)
-                except queue.Empty:
-                    if running:
-                        try:
-                            self.step(self.recorder)
-                        except Exception as exc:
-                            self.fail(exc, "step")
-                            return
-                        if self.steps_in_chunk >= spec.segment_length:
-                            self.flush()
-                    elif os.getppid() != spec.parent_pid:
-                        return  # the driver is gone
-                    continue
-                command = message.command
-                try:
-                    if command is SamplerCommand.CLOSE:
-                        return
-                    if command is SamplerCommand.RUN:
-                        running = True
-                    elif command is SamplerCommand.PAUSE:
-                        running = False
-                    elif command is SamplerCommand.UPDATE_POLICY:
-                        self.flush()
-                        self.update_policy(message.payload)
-                    elif command is SamplerCommand.UPDATE_ENVS:
-                        self.flush()
-                        update: _EnvUpdate = message.payload
-                        cloudpickle.loads(update.blob)(venv, spec.start)
-                        self.obs, _ = venv.reset()
-                        self.env_version = update.version
-                    elif command is SamplerCommand.EPISODES:
-                        self.flush()
-                        running = False
-                        self.episodes(int(message.payload))
-                except Exception as exc:
-                    self.fail(exc, command.name.lower())
-                    return
-        finally:
-            venv.close()
-
-    def update_policy(self, update: _PolicyUpdate) -> None:
         value = cloudpickle.loads(update.blob)
         if update.params:
             _load_params(self.policy, value)
         else:
             self.policy = value
-            _seed_policy(self.policy, _policy_seed(self.spec.policy_seed, update.version))
-        self.policy_version = update.version
+            _seed_policy(value, request.policy_seed)
+        self.version = update.version
 
     def step(self, recorder: Recorder) -> np.ndarray:
         """One step of every env, recorded; returns the envs whose episode ended."""
-        venv = self.venv
-        assert venv is not None
         self.obs, done = _step_and_record(
-            venv, self.policy, self.obs, self.ids, self.policy_version, recorder, self.timers
+            self.envs, self.policy, self.obs, self.ids, self.version, recorder, self.timers
         )
-        self.steps_in_chunk += 1
         return done
 
-    def flush(self) -> None:
-        """Send the steps recorded so far as one rollout."""
-        self.steps_in_chunk = 0
-        batch = self.recorder.build()
-        if batch is not None:
-            with self.timers.time("waiting"):
-                self.conn.send(
-                    _Rollout(self.spec.worker, batch, self.env_version, self.timers.snapshot())
-                )
-
-    def episodes(self, n: int) -> None:
-        """Reset every env and step until ``n`` episodes ended; send the first ``n`` to end
-        (by step, then env index), whole."""
-        venv = self.venv
-        assert venv is not None
-        self.obs, _ = venv.reset()
+    def episodes(self, n: int) -> EpisodeBatch:
+        """Step until ``n`` episodes ended; the first ``n`` to end (by step, then env index),
+        whole (the envs were reset just before)."""
         recorder = Recorder()
         ended: list[tuple[int, int]] = []  # (env, its k-th episode), in order of ending
-        counts = np.zeros(venv.num_envs, dtype=np.int64)
+        counts = np.zeros(self.envs.num_envs, dtype=np.int64)
         while len(ended) < n:
             done = self.step(recorder)
             for j in np.flatnonzero(done).tolist():
                 ended.append((j, int(counts[j])))
                 counts[j] += 1
-        self.steps_in_chunk = 0
         batch = recorder.build()
         assert batch is not None
-        self.conn.send(
-            _Episodes(
-                self.spec.worker,
-                _pick_episodes(batch, ended[:n], self.spec.start),
-                self.timers.snapshot(),
-            )
-        )
+        return _pick_episodes(batch, ended[:n], int(self.ids[0]))
+
+
+def _sampler_round(group: EnvGroup, request: _RoundRequest) -> _Rollout | _Episodes:
+    """The task (``Command.TASK``) a worker runs for one round of worker inference: step its
+    envs with its own copy of the policy, ``request.steps`` steps (a rollout) or until
+    ``request.steps`` episodes ended, and return them recorded."""
+    state: _WorkerState | None = group.task_state.get(_STATE_KEY)
+    if state is None:
+        if request.policy is None or request.policy.params:
+            raise RuntimeError("the sampler's policy copy in this worker is gone")
+        state = group.task_state[_STATE_KEY] = _WorkerState(group)
+    state.install(request)
+    if request.restart or state.obs is None:
+        state.obs = state.envs.observations()
+    if request.episodes:
+        return _Episodes(request.worker, state.episodes(request.steps), state.timers.snapshot())
+    recorder = Recorder()
+    for _ in range(request.steps):
+        state.step(recorder)
+    batch = recorder.build()
+    assert batch is not None
+    return _Rollout(request.worker, batch, request.env_version, state.timers.snapshot())
 
 
 def _pick_episodes(batch: EpisodeBatch, picks: list[tuple[int, int]], start: int) -> EpisodeBatch:
@@ -549,33 +444,40 @@ class Sampler:
             (cloudpickle); each worker gets its own copy, and a policy with a ``seed(seed)``
             method is seeded per worker (from ``seed``) so that their randomness differs.
         num_envs: number of sub-environments.
-        inference: ``"driver"``: the policy runs here, the envs in an envfleet vector env
-            (``backend``, ``batch_size``, ``num_workers``... via ``make_kwargs``).
-            ``"worker"``: the policy runs in ``num_workers`` sampler processes that stream
-            rollouts of ``segment_length`` steps per env.
-        num_workers: workers (vector-env workers for ``"driver"``, sampler processes for
-            ``"worker"``; default ``min(num_envs, usable cores)`` for ``"worker"``).
+        inference: ``"driver"``: the policy runs here, on every env's observations.
+            ``"worker"``: each worker of the vector env runs its own copy of the policy on its
+            envs, next to them, for ``segment_length`` steps per round, and hands the rollout
+            back (no round trip to the driver per step). Either way the envs live in an
+            envfleet vector env (:func:`envfleet.make`; ``backend``, ``num_workers``... via
+            ``make_kwargs``), with its supervision: timeouts, crash reports, restarts.
+        num_workers: the vector env's workers (:func:`envfleet.make`).
         seed: env ``i`` is reset with ``seed + i`` at the start (``None``: random).
         keep_stale: ``False``: steps of an older policy version are dropped and counted in
             :attr:`stats`. ``True``: they are returned with their ``policy_version`` tag (they
             do not count towards ``num_steps``).
         segment_length: ``"worker"``: steps per env a worker gathers before sending them.
-        background: ``"worker"``: keep stepping between :meth:`sample` calls (bounded by the
-            pipe: a worker waits when the driver does not read), as asynchronous actors do;
-            default ``False``: the workers step only during sampling.
+        background: ``"worker"``: keep stepping between :meth:`sample` calls (one round of
+            ``segment_length`` steps ahead), as asynchronous actors do; default ``False``: the
+            workers step only during sampling.
         progress: a progress bar (rich) on :meth:`sample`: ``None``: when stderr is a
             terminal and ``num_steps >= 10_000``; ``True``/``False``: always/never.
         env_kwargs, context: as :func:`envfleet.make`.
-        timeout: ``"worker"``: seconds to wait for any worker message before
-            :class:`envfleet.StepTimeoutError`; ``None``: no bound. ``"driver"``: pass
-            ``step_timeout`` in ``make_kwargs``.
-        make_kwargs: ``"driver"``: more arguments for :func:`envfleet.make` (``backend``,
-            ``batch_size``, ``step_timeout``, ``restart_policy``, ``copy``...). The sampler
-            uses ``AutoresetMode.SAME_STEP``. A first-ready pool needs ``num_envs`` to be a
-            multiple of ``batch_size``.
+        timeout: seconds a round of worker inference, or a step of driver inference, may
+            take before :class:`envfleet.StepTimeoutError` (the vector env's
+            ``step_timeout``); ``None``: no bound.
+        make_kwargs: more arguments for :func:`envfleet.make` (``backend``, ``batch_size``,
+            ``start_timeout``, ``restart_policy``, ``copy``...). The sampler uses
+            ``AutoresetMode.SAME_STEP``. A first-ready pool (``batch_size``, driver inference
+            only) needs ``num_envs`` to be a multiple of ``batch_size``.
 
     Raises:
         ConfigError: bad arguments, an unpicklable policy or factory for ``"worker"``.
+        StartTimeoutError: the envs were not built within ``start_timeout``.
+
+    Example::
+
+        sampler = envfleet.Sampler("CartPole-v1", policy, 8, inference="worker", seed=0)
+        batch = sampler.sample(4096)  # EpisodeBatch: observations [T, 4], rewards float64[T]
     """
 
     def __init__(
@@ -618,57 +520,61 @@ class Sampler:
         self._timers = _Timers()
         self._closed = False
         self._owner_pid = os.getpid()  # a forked copy of the sampler closes nothing (close)
-        self._venv: FleetVectorEnv | None = None
-        self._procs: list[Any] = []
-        self._conns: list[Connection] = []
-        self._controls: list[Any] = []
-        self._worker_timers: list[dict[str, TimerStat]] = []
-        self._carry: list[_Rollout] = []
-        self._inbox: collections.deque[Any] = collections.deque()  # read, not yet handled
-        self._running = False
+        self._envs_started = False
         self._background = bool(background)
         self._timeout = None if timeout is None else float(timeout)
-        if inference == "driver":
-            if background:
-                raise ConfigError("background is an option of inference='worker'")
-            self._venv = make(
-                env,
-                self.num_envs,
-                num_workers=num_workers,
-                autoreset_mode=AutoresetMode.SAME_STEP,
-                env_kwargs=env_kwargs,
-                context=context,
-                **make_kwargs,
-            )
-            venv = self._venv
-            self.single_observation_space = venv.single_observation_space
-            self.single_action_space = venv.single_action_space
+        if inference == "driver" and background:
+            raise ConfigError("background is an option of inference='worker'")
+        if inference == "worker":
+            if make_kwargs.get("batch_size") not in (None, self.num_envs):
+                raise ConfigError("batch_size (a first-ready pool) is for inference='driver'")
             try:
-                _check_recordable(venv.single_observation_space, venv.single_action_space)
-            except ConfigError:
-                venv.close()
-                raise
-            self.worker_ranges = venv.worker_ranges
-            if venv.is_pool and venv.num_envs % venv.batch_size:
-                venv.close()
-                raise ConfigError(
-                    "a Sampler over a first-ready pool needs num_envs to be a multiple of "
-                    f"batch_size (got {venv.num_envs} and {venv.batch_size}), so that it can "
-                    "drain the pool before an env update"
-                )
-            self._envs_started = False
-            self._obs: Any = None
-            self._pool_obs: Any = None
-            self._pool_actions: Any = None
-            self._pool_agent_infos: dict[str, np.ndarray] = {}
-            self._action_version = np.full(self.num_envs, -1, dtype=np.int64)
-            self._action_env_version = np.zeros(self.num_envs, dtype=np.int64)
-        else:
-            if make_kwargs:
-                raise ConfigError(
-                    f"{sorted(make_kwargs)} are options of inference='driver' (envfleet.make)"
-                )
-            self._start_workers(env, env_kwargs, num_workers, context, int(segment_length))
+                cloudpickle.dumps(policy)
+            except Exception as exc:
+                raise ConfigError(f"inference='worker' needs a picklable policy: {exc}") from exc
+            # The task reads its envs' observations from the buffers: no spare slabs.
+            make_kwargs["copy"] = False
+        if timeout is not None and "step_timeout" not in make_kwargs:
+            make_kwargs["step_timeout"] = timeout
+        venv = make(
+            env,
+            self.num_envs,
+            num_workers=num_workers,
+            autoreset_mode=AutoresetMode.SAME_STEP,
+            env_kwargs=env_kwargs,
+            context=context,
+            **make_kwargs,
+        )
+        self._venv: FleetVectorEnv = venv
+        self.single_observation_space = venv.single_observation_space
+        self.single_action_space = venv.single_action_space
+        try:
+            _check_recordable(venv.single_observation_space, venv.single_action_space)
+        except ConfigError:
+            venv.close()
+            raise
+        self.worker_ranges = venv.worker_ranges
+        if venv.is_pool and venv.num_envs % venv.batch_size:
+            venv.close()
+            raise ConfigError(
+                "a Sampler over a first-ready pool needs num_envs to be a multiple of "
+                f"batch_size (got {venv.num_envs} and {venv.batch_size}), so that it can "
+                "drain the pool before an env update"
+            )
+        # driver inference
+        self._obs: Any = None
+        self._pool_obs: Any = None
+        self._pool_actions: Any = None
+        self._pool_agent_infos: dict[str, np.ndarray] = {}
+        self._action_version = np.full(self.num_envs, -1, dtype=np.int64)
+        # worker inference
+        self._segment_length = int(segment_length)
+        self._worker_timers: list[dict[str, TimerStat]] = [{} for _ in self.worker_ranges]
+        self._worker_version = [-1] * len(self.worker_ranges)  # policy version each one has
+        self._update: _PolicyUpdate | None = None  # the last update_policy()'s
+        self._restart_workers = True  # their envs were reset: start from the buffers
+        self._in_flight = False  # a round runs in the workers (background)
+        self._carry: list[_Rollout] = []  # rollouts collected before an update, for sample()
 
     # -- public API ------------------------------------------------------------------------
 
@@ -683,14 +589,14 @@ class Sampler:
         return self._policy
 
     @property
-    def vector_env(self) -> FleetVectorEnv | None:
-        """``inference="driver"``: the vector env the envs step in."""
+    def vector_env(self) -> FleetVectorEnv:
+        """The vector env the envs step in (its ``stats``, ``worker_ranges``...)."""
         return self._venv
 
     @property
     def timers(self) -> SamplerTimers:
         """Timers of the driver and of each worker, merged (see :class:`SamplerTimers`)."""
-        if self._venv is not None and not self._venv.closed:
+        if self.inference == "driver" and not self._venv.closed:
             workers = [
                 {"env_step": TimerStat(s.count * s.mean_s if s.count else 0.0, s.count)}
                 for s in self._venv.stats.workers
@@ -721,7 +627,7 @@ class Sampler:
         self._check_open()
         num_steps = _integer(num_steps, "num_steps", InvalidArgumentError)
         with self._progress(int(num_steps)) as advance:
-            if self._venv is not None:
+            if self.inference == "driver":
                 batch = self._sample_driver(int(num_steps), advance)
             else:
                 batch = self._sample_workers(int(num_steps), advance)
@@ -743,7 +649,7 @@ class Sampler:
         """
         self._check_open()
         n_per_worker = _integer(n_per_worker, "n_per_worker", InvalidArgumentError)
-        if self._venv is not None:
+        if self.inference == "driver":
             batch = self._episodes_driver(int(n_per_worker))
         else:
             batch = self._episodes_workers(int(n_per_worker))
@@ -775,15 +681,13 @@ class Sampler:
         elif policy_or_params is not None:
             self._policy = policy_or_params
         version = self.stats.policy_version + 1
-        if self._venv is None:
+        if self.inference == "worker":
             value = policy_or_params if params else self._policy
             try:
                 blob = cloudpickle.dumps(value)
             except Exception as exc:
                 raise InvalidArgumentError(f"the policy update does not pickle: {exc}") from exc
-            self._broadcast(
-                _Control(SamplerCommand.UPDATE_POLICY, _PolicyUpdate(version, blob, params))
-            )
+            self._update = _PolicyUpdate(version, blob, params)  # sent with the next round
         self.stats.policy_version = version
         return version
 
@@ -811,18 +715,11 @@ class Sampler:
         self._check_open()
         apply = self._env_update(update)
         version = self.stats.env_version + 1
-        if self._venv is not None:
-            self._drain_pool()
-            apply(self._venv, 0)
-            self.stats.env_version = version
-            self._restart_driver_envs()
-        else:
-            try:
-                blob = cloudpickle.dumps(apply)
-            except Exception as exc:
-                raise InvalidArgumentError(f"the env update does not pickle: {exc}") from exc
-            self._broadcast(_Control(SamplerCommand.UPDATE_ENVS, _EnvUpdate(version, blob)))
-            self.stats.env_version = version
+        self._drain_pool()
+        self._settle_round()
+        apply(self._venv, 0)
+        self.stats.env_version = version
+        self._restart_envs()
         return version
 
     def close(self, timeout: float | None = None) -> None:
@@ -832,24 +729,11 @@ class Sampler:
         self._closed = True
         if os.getpid() != self._owner_pid:
             return  # a forked copy: the workers are the maker's, which keeps using them
-        if self._venv is not None:
-            self._venv.close(timeout=timeout)
-            return
-        for control in self._controls:
+        if self._in_flight and not self._venv.closed:
+            # A background round: its rollouts are dropped with the sampler.
             with contextlib.suppress(Exception):
-                control.put(_Control(SamplerCommand.CLOSE))
-        deadline = time.monotonic() + (5.0 if timeout is None else timeout)
-        for proc in self._procs:
-            proc.join(max(0.0, deadline - time.monotonic()))
-        for proc in self._procs:
-            if proc.is_alive():
-                proc.kill()
-                proc.join(1.0)
-        for control in self._controls:
-            control.cancel_join_thread()
-            control.close()
-        for conn in self._conns:
-            conn.close()
+                self._venv.run_in_workers_wait(5.0 if timeout is None else timeout)
+        self._venv.close(timeout=timeout, terminate=self._venv.closed)
 
     def __enter__(self) -> Sampler:
         return self
@@ -870,10 +754,9 @@ class Sampler:
 
     # -- driver inference ------------------------------------------------------------------
 
-    def _restart_driver_envs(self) -> None:
+    def _restart_envs(self) -> None:
         """Reset every env (at the start, with ``seed``; after an env update)."""
         venv = self._venv
-        assert venv is not None
         seed = None if self._envs_started else self.seed
         self._envs_started = True
         if venv.is_pool:
@@ -881,10 +764,11 @@ class Sampler:
             self._action_version[:] = -1
         else:
             self._obs, _ = venv.reset(seed=seed)
+            self._restart_workers = True
 
     def _sample_driver(self, num_steps: int, advance: Callable[[int], None]) -> EpisodeBatch:
         if not self._envs_started:
-            self._restart_driver_envs()
+            self._restart_envs()
         recorder = Recorder()
         current = 0
         while current < num_steps:
@@ -980,7 +864,7 @@ class Sampler:
             whole = np.ones(self.num_envs, dtype=np.bool_)
         else:
             if not self._envs_started:
-                self._restart_driver_envs()
+                self._restart_envs()
             whole = self._action_version < 0  # envs that just reset: their next episode is whole
         recorder = Recorder()
         worker_of = np.repeat(
@@ -1001,136 +885,54 @@ class Sampler:
 
     # -- worker inference ------------------------------------------------------------------
 
-    def _start_workers(
-        self,
-        env: Any,
-        env_kwargs: dict[str, Any] | None,
-        num_workers: int | None,
-        context: str | None,
-        segment_length: int,
-    ) -> None:
-        env_fns, default = _factories(env, env_kwargs)
-        if len(env_fns) == 1:
-            env_fns = env_fns * self.num_envs
-        elif len(env_fns) != self.num_envs:
-            raise ConfigError(f"got {len(env_fns)} env factories for num_envs={self.num_envs}")
-        if num_workers is None:
-            num_workers = min(self.num_envs, usable_cores())
-        num_workers = _integer(num_workers, "num_workers", ConfigError)
-        if num_workers > self.num_envs:
-            raise ConfigError(f"num_workers must be an integer in [1, {self.num_envs}]")
-        try:
-            policy_blob = cloudpickle.dumps(self._policy)
-        except Exception as exc:
-            raise ConfigError(f"inference='worker' needs a picklable policy: {exc}") from exc
-        if context is not None and context not in multiprocessing.get_all_start_methods():
-            raise ConfigError(f"context={context!r} is not a start method here")
-        ctx: Any = multiprocessing.get_context(context)
-        self.worker_ranges = tuple(worker_ranges(self.num_envs, int(num_workers)))
-        try:
-            for w, (start, stop) in enumerate(self.worker_ranges):
-                try:
-                    fns_blob = cloudpickle.dumps(list(env_fns[start:stop]))
-                except Exception as exc:
-                    raise ConfigError(f"the env factories do not pickle: {exc}") from exc
-                spec = _WorkerSpec(
-                    worker=w,
-                    start=start,
-                    env_fns=fns_blob,
-                    policy=policy_blob,
-                    policy_version=0,
-                    seeds=[
-                        None if self.seed is None else self.seed + i for i in range(start, stop)
-                    ],
-                    policy_seed=_policy_seed(self.seed, w),
-                    segment_length=segment_length,
-                    parent_pid=os.getpid(),
-                    start_method=ctx.get_start_method(),
-                )
-                parent_conn, child_conn = ctx.Pipe(duplex=False)
-                control = ctx.Queue()
-                proc = ctx.Process(
-                    target=_worker_main,
-                    args=(spec, child_conn, control),
-                    name=f"envfleet-sampler-{w}",
-                    daemon=True,
-                )
-                proc.start()
-                child_conn.close()
-                self._procs.append(proc)
-                self._conns.append(parent_conn)
-                self._controls.append(control)
-                self._worker_timers.append({})
-            ready = 0
-            while ready < len(self._procs):
-                message = self._receive(None)
-                if isinstance(message, _Ready):
-                    ready += 1
-                    self.single_observation_space = message.observation_space
-                    self.single_action_space = message.action_space
-                    _check_recordable(message.observation_space, message.action_space)
-        except BaseException:
-            self.close(timeout=1.0)
-            raise
+    def _requests(self, steps: int, episodes: bool) -> dict[int, _RoundRequest]:
+        """Each worker's part of the next round, with what it lacks of the current policy."""
+        version = self.stats.policy_version
+        update = self._update
+        requests = {}
+        for w, had in enumerate(self._worker_version):
+            policy: _PolicyUpdate | None = None
+            seed = _policy_seed(self.seed, w)
+            if had != version:
+                if update is not None and update.version == version and had == version - 1:
+                    policy = update  # the update itself: parameters, or a new policy object
+                else:  # a worker without the policy (the first round): a whole copy
+                    policy = _PolicyUpdate(version, cloudpickle.dumps(self._policy), False)
+                if version and not policy.params:
+                    seed = _policy_seed(seed, version)
+            requests[w] = _RoundRequest(
+                w, steps, episodes, self._restart_workers, self.stats.env_version, policy, seed
+            )
+            self._worker_version[w] = version
+        self._restart_workers = False
+        return requests
 
-    def _broadcast(self, message: _Control) -> None:
-        for control in self._controls:
-            control.put(message)
+    def _start_round(self, steps: int, episodes: bool = False) -> None:
+        if not self._envs_started:
+            self._restart_envs()
+        self._venv.run_in_workers_async(_sampler_round, self._requests(steps, episodes))
+        self._in_flight = True
 
-    def _receive(self, timeout: float | None) -> Any:
-        """The next message of any worker; workers with messages waiting are read in turn.
+    def _finish_round(self) -> list[Any]:
+        """The round's results, in worker order (its timers noted).
 
         Raises:
-            EnvError: a worker's env raised (the sampler is closed).
-            EnvCrashedError: a worker died (the sampler is closed).
-            StepTimeoutError: nothing came within ``timeout`` seconds (the sampler is closed).
+            EnvError, EnvCrashedError, StepTimeoutError: as the vector env's ``step``.
         """
-        while not self._inbox:
-            by_conn = {conn: w for w, conn in enumerate(self._conns)}
-            by_sentinel = {proc.sentinel: w for w, proc in enumerate(self._procs)}
-            ready = wait([*self._conns, *by_sentinel], timeout)
-            if not ready:
-                assert timeout is not None
-                self.close(timeout=1.0)
-                raise StepTimeoutError(
-                    f"no sampler worker sent anything within {timeout} s; workers closed",
-                    list(range(self.num_envs)),
-                    timeout,
-                )
-            dead = []
-            for r in ready:
-                if r in by_conn:
-                    try:
-                        self._inbox.append(r.recv())
-                    except (EOFError, OSError):
-                        dead.append(by_conn[r])
-                else:
-                    dead.append(by_sentinel[r])
-            failed = [m for m in self._inbox if isinstance(m, _WorkerFailed)]
-            if failed:
-                error = remote_env_error(failed[0].error, failed[0].worker, "sampler closed")
-                self.close(timeout=1.0)
-                raise error
-            if dead and not self._inbox:
-                self._crashed(min(dead))
-        message = self._inbox.popleft()
-        if isinstance(message, (_Rollout, _Episodes)):
+        with self._timers.time("waiting"):
+            try:
+                results = self._venv.run_in_workers_wait(self._timeout)
+            finally:
+                self._in_flight = False
+        out = [results[w] for w in sorted(results)]
+        for message in out:
             self._worker_timers[message.worker] = message.timers
-        return message
+        return out
 
-    def _crashed(self, w: int) -> None:
-        proc = self._procs[w]
-        proc.join(1.0)
-        start, stop = self.worker_ranges[w]
-        self.close(timeout=1.0)
-        raise EnvCrashedError(
-            f"sampler worker {w} (sub-environments {start}..{stop - 1}) died: "
-            f"{describe_exitcode(proc.exitcode)}",
-            env_indices=list(range(start, stop)),
-            worker_index=w,
-            exitcode=proc.exitcode,
-            step=self.stats.steps_returned,
-        )
+    def _settle_round(self) -> None:
+        """Collect a background round, keeping its rollouts for the next :meth:`sample`."""
+        if self._in_flight:
+            self._carry.extend(self._finish_round())
 
     def _accept(self, message: _Rollout, out: list[EpisodeBatch]) -> int:
         """Keep what is current of a rollout in ``out``; returns its current-version steps."""
@@ -1158,42 +960,32 @@ class Sampler:
         out: list[EpisodeBatch] = []
         current = 0
         carry, self._carry = self._carry, []
-        for message in carry:
-            n = self._accept(message, out)
-            current += n
-            advance(n)
-        if current < num_steps and not self._running:
-            self._broadcast(_Control(SamplerCommand.RUN))
-            self._running = True
-        while current < num_steps:
-            with self._timers.time("waiting"):
-                message = self._receive(self._timeout)
-            if isinstance(message, _Rollout):
+        while True:
+            for message in carry:
                 n = self._accept(message, out)
                 current += n
                 advance(n)
-        if not self._background:
-            self._broadcast(_Control(SamplerCommand.PAUSE))
-            self._running = False
+            if current >= num_steps:
+                break
+            if not self._in_flight:
+                self._start_round(self._segment_length)
+            carry = self._finish_round()
+        if self._background:
+            self._start_round(self._segment_length)
         return EpisodeBatch.concatenate(*out)
 
     def _episodes_workers(self, n: int) -> EpisodeBatch:
-        self._broadcast(_Control(SamplerCommand.EPISODES, n))
-        self._running = False
-        episodes: dict[int, EpisodeBatch] = {}
-        while len(episodes) < len(self._procs):
-            with self._timers.time("waiting"):
-                message = self._receive(self._timeout)
-            if isinstance(message, _Episodes):
-                episodes[message.worker] = message.batch
-            elif isinstance(message, _Rollout):
-                self._carry.append(message)  # streamed before the request: for sample()
-        return EpisodeBatch.concatenate(*(episodes[w] for w in sorted(episodes)))
+        self._settle_round()
+        if not self._envs_started:
+            self._restart_envs()
+        self._restart_envs()  # whole episodes: every env starts a new one
+        self._start_round(n, episodes=True)
+        return EpisodeBatch.concatenate(*(message.batch for message in self._finish_round()))
 
     # -- helpers ---------------------------------------------------------------------------
 
     def _check_open(self) -> None:
-        if self._closed or (self._venv is not None and self._venv.closed):
+        if self._closed or self._venv.closed:
             raise ClosedEnvironmentError("Trying to use a Sampler after close().")
 
     def _env_update(self, update: Any) -> Callable[[FleetVectorEnv, int], None]:

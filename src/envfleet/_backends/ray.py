@@ -319,7 +319,7 @@ class EnvfleetWorker:
         status = Status.OK
         try:
             result = run_command(group, command, payload, self.timer)
-            if command in (Command.CALL, Command.RENDER):
+            if command in (Command.CALL, Command.RENDER, Command.TASK):
                 cloudpickle.dumps(result)  # fails here, reported, rather than inside Ray
         except PartialFailure as failure:
             errors = [_remote_error(f, f.env_index, f.method) for f in failure.failures]
@@ -328,7 +328,11 @@ class EnvfleetWorker:
             error = _remote_error(failure, failure.env_index, failure.method)
             status, result = Status.ERROR, Failure([error])
         except Exception as exc:  # a bug outside any env, or a result that does not pickle
-            what = "pickling the result" if command in (Command.CALL, Command.RENDER) else None
+            what = (
+                "pickling the result"
+                if command in (Command.CALL, Command.RENDER, Command.TASK)
+                else None
+            )
             error = _remote_error(exc, group.start, what or command.name.lower())
             status, result = Status.ERROR, Failure([error])
         rows = None

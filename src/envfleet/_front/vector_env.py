@@ -17,7 +17,7 @@ import numbers
 import os
 import time
 import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from copy import deepcopy
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, cast, overload
@@ -80,6 +80,7 @@ from envfleet._protocol import (
     ResetRequest,
     SetAttrRequest,
     SideValues,
+    TaskRequest,
 )
 from envfleet._supervisor import FleetStats, Ledger, RestartPolicy
 
@@ -1396,6 +1397,46 @@ class FleetVectorEnv(VectorEnv[Any, Any, np.ndarray]):
         self._submit(Command.CALL, dict.fromkeys(self._every_group, request))
         self._state = AsyncState.WAITING_CALL
         return self.call_wait()
+
+    def run_in_workers_async(
+        self, function: Callable[[Any, Any], Any], arguments: Mapping[int, Any]
+    ) -> None:
+        """Start ``function(group, arguments[w])`` in each worker ``w`` named in ``arguments``,
+        where its envs live; collect the results with :meth:`run_in_workers_wait`.
+
+        Advanced, envfleet-internal interface (the :class:`envfleet.Sampler`'s worker
+        inference is built on it): ``group`` is the worker's ``EnvGroup``, which owns the
+        envs ``worker_ranges[w]`` and their rows of the buffers and steps them with the same
+        loop as :meth:`step`. The worker is watched as in a step: a crash, a hang past the
+        timeout or an env's exception is reported with the usual typed errors.
+
+        Args:
+            function: a module-level function (pickled by reference for worker processes).
+            arguments: worker index -> its argument (pickled for worker processes).
+
+        Raises:
+            InvalidArgumentError: a worker index outside ``range(len(worker_ranges))``.
+            AlreadyPendingCallError: another call is pending.
+        """
+        self._assert_idle("run_in_workers_async")
+        workers = range(len(self._backend.ranges))
+        if not arguments or any(w not in workers for w in arguments):
+            raise InvalidArgumentError(
+                f"run_in_workers needs worker indices in {workers}, got {sorted(arguments)}"
+            )
+        payloads = {w: TaskRequest(function, argument) for w, argument in arguments.items()}
+        self._submit_async(Command.TASK, payloads)
+        self._state = AsyncState.WAITING_CALL
+
+    def run_in_workers_wait(self, timeout: float | None = None) -> dict[int, Any]:
+        """Wait for :meth:`run_in_workers_async`: worker index -> what its function returned.
+
+        Raises:
+            NoAsyncCallError: nothing was started. EnvError: an env (or the function) raised.
+            EnvCrashedError: a worker died. StepTimeoutError: past ``timeout`` seconds
+            (default: ``step_timeout``); the vector env is then closed.
+        """
+        return self._wait(AsyncState.WAITING_CALL, "run_in_workers_wait", timeout)
 
     @property
     def worker_ranges(self) -> tuple[tuple[int, int], ...]:
