@@ -25,9 +25,10 @@ from envfleet._errors import (
     WrongProcessError,
 )
 from envfleet._front.vector_env import BACKENDS, FleetVectorEnv, make
+from envfleet._inference import SamplerStats, SamplerTimers, TimerStat
 from envfleet._process_env import ProcessEnv
 from envfleet._rollout import EpisodeBatch
-from envfleet._sampler import Sampler, SamplerStats, SamplerTimers, TimerStat
+from envfleet._sampler import Sampler
 from envfleet._supervisor import FleetStats, RestartPolicy, StepTimeStats
 
 __version__ = "0.1.0"

@@ -7,8 +7,11 @@ Two ways to run the policy:
   first-ready pool (``batch_size < num_envs``) the policy runs on one batch while the other
   envs step, as ML-Agents' step queue hands back whichever workers are ready.
 - ``inference="worker"`` (garage's MultiprocessingSampler): a picklable policy is copied into
-  worker processes, which step their envs and stream segments of rollouts back without a
-  round trip to the driver per step.
+  each worker of the vector env, which steps its envs with it and hands segments of rollouts
+  back without a round trip to the driver per step.
+
+Both run over an envfleet vector env, on any backend, with its supervision:
+:mod:`envfleet._driver_inference` and :mod:`envfleet._worker_inference` implement them.
 
 Every step is tagged with the version of the policy that chose its action. After
 :meth:`Sampler.update_policy`, steps of older versions are dropped and counted (or, with
@@ -22,149 +25,33 @@ import logging
 import numbers
 import os
 import sys
-import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import cloudpickle
 import gymnasium
 import numpy as np
-from gymnasium.vector import AutoresetMode, VectorEnv
-from gymnasium.vector.utils import create_empty_array
+from gymnasium.vector import AutoresetMode
 
-from envfleet._buffers import side_leaves, tree_copy, tree_scatter, tree_write
-from envfleet._envgroup import EnvGroup
-from envfleet._errors import (
-    ClosedEnvironmentError,
-    ConfigError,
-    InvalidArgumentError,
-)
+from envfleet._buffers import side_leaves
+from envfleet._driver_inference import DriverInference
+from envfleet._errors import ClosedEnvironmentError, ConfigError, InvalidArgumentError
 from envfleet._front.vector_env import FleetVectorEnv, make
-from envfleet._rollout import EpisodeBatch, Recorder, final_observations, step_infos, tree_rows
+from envfleet._inference import (
+    Inference,
+    Policy,
+    SamplerStats,
+    SamplerTimers,
+    Timers,
+    TimerStat,
+    load_params,
+)
+from envfleet._rollout import EpisodeBatch
+from envfleet._worker_inference import PolicyUpdate, WorkerInference
 
-__all__ = ["Sampler", "SamplerStats", "SamplerTimers", "TimerStat"]
+__all__ = ["Sampler"]
 
 logger = logging.getLogger("envfleet")
-
-Policy = Callable[[Any], Any]
-
-
-# -- timers ----------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class TimerStat:
-    """Time spent in one activity: ``total_s`` seconds over ``count`` calls."""
-
-    total_s: float = 0.0
-    count: int = 0
-
-    @property
-    def mean_s(self) -> float:
-        """Seconds per call (``nan`` before the first)."""
-        return self.total_s / self.count if self.count else float("nan")
-
-    def __add__(self, other: TimerStat) -> TimerStat:
-        return TimerStat(self.total_s + other.total_s, self.count + other.count)
-
-
-class _Timers:
-    """Named stopwatches: ``with timers.time("policy"): ...`` adds to ``policy``."""
-
-    def __init__(self) -> None:
-        self.totals: dict[str, list[float]] = {}
-
-    @contextlib.contextmanager
-    def time(self, name: str) -> Iterator[None]:
-        t0 = time.perf_counter()
-        try:
-            yield
-        finally:
-            entry = self.totals.setdefault(name, [0.0, 0])
-            entry[0] += time.perf_counter() - t0
-            entry[1] += 1
-
-    def snapshot(self) -> dict[str, TimerStat]:
-        return {name: TimerStat(total, int(count)) for name, (total, count) in self.totals.items()}
-
-
-@dataclass(frozen=True)
-class SamplerTimers:
-    """Where the sampler's time went, as ML-Agents' hierarchical timers merge its workers'.
-
-    Attributes:
-        driver: timers of this process: ``policy`` (driver inference), ``env_step`` (waiting
-            for the vector env), ``waiting`` (worker inference: waiting for rollouts).
-        workers: per worker, in worker order: ``env_step`` and ``policy`` (worker inference),
-            ``waiting`` (blocked handing rollouts over or paused); with driver inference,
-            ``env_step`` from the vector env's per-worker step times.
-        merged: the workers' timers summed by name.
-    """
-
-    driver: dict[str, TimerStat]
-    workers: list[dict[str, TimerStat]]
-    merged: dict[str, TimerStat]
-
-
-@dataclass
-class SamplerStats:
-    """Counters of a :class:`Sampler`.
-
-    Attributes:
-        policy_version: the current policy version (0 until the first update).
-        env_version: how many :meth:`Sampler.update_envs` calls have been made.
-        steps_returned: transitions returned by :meth:`Sampler.sample` and
-            :meth:`Sampler.sample_episodes`.
-        stale_steps_dropped: transitions of an older policy version, dropped.
-        stale_steps_kept: transitions of an older policy version, returned (``keep_stale``).
-        env_update_steps_dropped: transitions stepped before the last env update, dropped.
-    """
-
-    policy_version: int = 0
-    env_version: int = 0
-    steps_returned: int = 0
-    stale_steps_dropped: int = 0
-    stale_steps_kept: int = 0
-    env_update_steps_dropped: int = 0
-
-
-# -- what the driver and the workers' task exchange (worker inference) ------------------------
-
-
-@dataclass
-class _PolicyUpdate:
-    version: int
-    blob: bytes  # cloudpickled policy, or parameters when ``params``
-    params: bool
-
-
-@dataclass
-class _RoundRequest:
-    """One round of worker inference, for one worker: its argument of :func:`_sampler_round`."""
-
-    worker: int
-    steps: int  # steps per env (a rollout), or whole episodes wanted (``episodes``)
-    episodes: bool
-    restart: bool  # the envs were reset: start from the observations in the buffers
-    env_version: int
-    policy: _PolicyUpdate | None  # None: go on with the worker's policy
-    policy_seed: int | None  # seed of a new policy object (``seed(seed)``, when it has one)
-
-
-@dataclass
-class _Rollout:
-    worker: int
-    batch: EpisodeBatch
-    env_version: int
-    timers: dict[str, TimerStat]
-
-
-@dataclass
-class _Episodes:
-    worker: int
-    batch: EpisodeBatch
-    timers: dict[str, TimerStat]
 
 
 # -- policy helpers --------------------------------------------------------------------------
@@ -179,16 +66,6 @@ def _integer(value: Any, name: str, error: type[Exception], low: int | None = 1)
     return int(value)
 
 
-def _to_numpy(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {key: _to_numpy(v) for key, v in value.items()}
-    if isinstance(value, tuple):
-        return tuple(_to_numpy(v) for v in value)
-    if hasattr(value, "detach"):  # a torch tensor
-        value = value.detach().cpu().numpy()
-    return np.asarray(value)
-
-
 def _check_recordable(
     observation_space: gymnasium.Space[Any], action_space: gymnasium.Space[Any]
 ) -> None:
@@ -201,45 +78,6 @@ def _check_recordable(
                 f"the Sampler records {what}s into arrays; the {what} space {space} has "
                 f"leaves without a fixed size: {leaves}; use envfleet.make directly"
             )
-
-
-def _act(policy: Policy, observations: Any) -> tuple[Any, dict[str, np.ndarray]]:
-    """Run the policy: ``actions`` or ``(actions, agent_infos)`` as numpy."""
-    out = policy(observations)
-    if isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], dict):
-        actions, agent_infos = out
-        return _to_numpy(actions), {key: _to_numpy(v) for key, v in agent_infos.items()}
-    return _to_numpy(out), {}
-
-
-def _load_params(policy: Any, params: Any) -> None:
-    """Load ``params`` into ``policy``: ``load_state_dict`` (torch), ``set_params``, or garage's
-    ``set_param_values``.
-
-    Raises:
-        InvalidArgumentError: the policy has none of them.
-    """
-    for name in ("load_state_dict", "set_params", "set_param_values"):
-        method = getattr(policy, name, None)
-        if callable(method):
-            method(params)
-            return
-    raise InvalidArgumentError(
-        f"update_policy() got parameters, but the policy {policy!r} has no load_state_dict, "
-        "set_params or set_param_values to load them; pass a new policy instead"
-    )
-
-
-def _seed_policy(policy: Any, seed: int | None) -> None:
-    method = getattr(policy, "seed", None)
-    if callable(method):
-        method(seed)
-
-
-def _policy_seed(seed: int | None, worker: int) -> int | None:
-    if seed is None:
-        return None
-    return int(np.random.SeedSequence(seed, spawn_key=(worker,)).generate_state(1)[0])
 
 
 class _SetAttributes:
@@ -267,163 +105,6 @@ class _ApplyToEnvs:
 
     def __call__(self, venv: FleetVectorEnv, first_env: int) -> None:
         venv.apply(self.fn)
-
-
-class _Steps(Protocol):
-    """What :func:`_step_and_record` steps: a vector env, or a worker's envs (_GroupEnvs)."""
-
-    def step(self, actions: Any) -> tuple[Any, np.ndarray, np.ndarray, np.ndarray, dict[str, Any]]:
-        """gymnasium's ``VectorEnv.step``."""
-
-
-def _step_and_record(
-    venv: _Steps,
-    policy: Policy,
-    obs: Any,
-    ids: np.ndarray,
-    version: int,
-    recorder: Recorder,
-    timers: _Timers,
-) -> tuple[Any, np.ndarray]:
-    """One synchronous step of every env of ``venv`` (envs ``ids``) under ``policy``, recorded
-    with ``version``; returns the next observations and whether each episode ended."""
-    with timers.time("policy"):
-        actions, agent_infos = _act(policy, obs)
-    with timers.time("env_step"):
-        next_obs, rewards, terminated, truncated, info = venv.step(actions)
-    done = terminated | truncated
-    recorder.add(
-        ids,
-        obs,
-        actions,
-        rewards,
-        terminated,
-        truncated,
-        final_observations(next_obs, info, done),
-        np.full(len(ids), version),
-        agent_infos,
-        step_infos(info, ids, done),
-    )
-    return next_obs, done
-
-
-# -- the sampler's task in each worker (worker inference) -------------------------------------
-
-_STATE_KEY = "envfleet.sampler"  # the sampler's entry in the group's task_state
-
-
-class _BatchInfos:
-    """gymnasium's ``VectorEnv._add_info`` for a batch of ``num_envs`` rows."""
-
-    def __init__(self, num_envs: int):
-        self.num_envs = num_envs
-
-    def _add_info(self, infos: dict[str, Any], info: dict[str, Any], row: int) -> dict[str, Any]:
-        # gymnasium's own method, which calls itself for nested dicts (final_info)
-        return VectorEnv._add_info(self, infos, info, row)  # type: ignore[arg-type]
-
-
-class _GroupEnvs:
-    """A worker's envs (its EnvGroup, ``AutoresetMode.SAME_STEP``) as a vector env of their
-    own: what :func:`_step_and_record` steps, with SyncVectorEnv's results over those envs.
-    Each step runs the group's own step loop (the one a vector env step runs)."""
-
-    def __init__(self, group: EnvGroup):
-        self.group = group
-        self.num_envs = group.size
-        self._infos = _BatchInfos(group.size)
-
-    def observations(self) -> Any:
-        """A copy of the envs' current observations (the buffers' rows)."""
-        return tree_copy(self.group.buffers.observations)
-
-    def step(self, actions: Any) -> tuple[Any, np.ndarray, np.ndarray, np.ndarray, dict[str, Any]]:
-        group, buffers = self.group, self.group.buffers
-        tree_write(buffers.actions, actions)
-        events = group.step()
-        infos: dict[str, Any] = {}
-        for index, info in events:
-            infos = self._infos._add_info(infos, info, index - group.start)
-        obs = tree_copy(buffers.observations)
-        return obs, buffers.rewards, buffers.terminations, buffers.truncations, infos
-
-
-class _WorkerState:
-    """What the sampler keeps in a worker between rounds: its policy copy and its envs'
-    current observations."""
-
-    def __init__(self, group: EnvGroup):
-        self.envs = _GroupEnvs(group)
-        self.policy: Any = None  # installed by the first round's request
-        self.version = 0
-        self.ids = np.arange(group.start, group.stop)
-        self.obs: Any = None
-        self.timers = _Timers()
-
-    def install(self, request: _RoundRequest) -> None:
-        update = request.policy
-        if update is None:
-            return
-        value = cloudpickle.loads(update.blob)
-        if update.params:
-            _load_params(self.policy, value)
-        else:
-            self.policy = value
-            _seed_policy(value, request.policy_seed)
-        self.version = update.version
-
-    def step(self, recorder: Recorder) -> np.ndarray:
-        """One step of every env, recorded; returns the envs whose episode ended."""
-        self.obs, done = _step_and_record(
-            self.envs, self.policy, self.obs, self.ids, self.version, recorder, self.timers
-        )
-        return done
-
-    def episodes(self, n: int) -> EpisodeBatch:
-        """Step until ``n`` episodes ended; the first ``n`` to end (by step, then env index),
-        whole (the envs were reset just before)."""
-        recorder = Recorder()
-        ended: list[tuple[int, int]] = []  # (env, its k-th episode), in order of ending
-        counts = np.zeros(self.envs.num_envs, dtype=np.int64)
-        while len(ended) < n:
-            done = self.step(recorder)
-            for j in np.flatnonzero(done).tolist():
-                ended.append((j, int(counts[j])))
-                counts[j] += 1
-        batch = recorder.build()
-        assert batch is not None
-        return _pick_episodes(batch, ended[:n], int(self.ids[0]))
-
-
-def _sampler_round(group: EnvGroup, request: _RoundRequest) -> _Rollout | _Episodes:
-    """The task (``Command.TASK``) a worker runs for one round of worker inference: step its
-    envs with its own copy of the policy, ``request.steps`` steps (a rollout) or until
-    ``request.steps`` episodes ended, and return them recorded."""
-    state: _WorkerState | None = group.task_state.get(_STATE_KEY)
-    if state is None:
-        if request.policy is None or request.policy.params:
-            raise RuntimeError("the sampler's policy copy in this worker is gone")
-        state = group.task_state[_STATE_KEY] = _WorkerState(group)
-    state.install(request)
-    if request.restart or state.obs is None:
-        state.obs = state.envs.observations()
-    if request.episodes:
-        return _Episodes(request.worker, state.episodes(request.steps), state.timers.snapshot())
-    recorder = Recorder()
-    for _ in range(request.steps):
-        state.step(recorder)
-    batch = recorder.build()
-    assert batch is not None
-    return _Rollout(request.worker, batch, request.env_version, state.timers.snapshot())
-
-
-def _pick_episodes(batch: EpisodeBatch, picks: list[tuple[int, int]], start: int) -> EpisodeBatch:
-    """The segments of ``picks`` (local env, k-th ended episode of that env), in that order."""
-    complete = np.flatnonzero(batch.complete)
-    by_env: dict[int, list[int]] = {}
-    for s in complete.tolist():
-        by_env.setdefault(int(batch.env_index[s]) - start, []).append(s)
-    return batch.select([by_env[env][k] for env, k in picks])
 
 
 # -- the sampler -----------------------------------------------------------------------------
@@ -517,12 +198,9 @@ class Sampler:
         self.progress = progress
         self.stats = SamplerStats()
         self._policy = policy
-        self._timers = _Timers()
+        self._timers = Timers()
         self._closed = False
         self._owner_pid = os.getpid()  # a forked copy of the sampler closes nothing (close)
-        self._envs_started = False
-        self._background = bool(background)
-        self._timeout = None if timeout is None else float(timeout)
         if inference == "driver" and background:
             raise ConfigError("background is an option of inference='worker'")
         if inference == "worker":
@@ -561,20 +239,22 @@ class Sampler:
                 f"batch_size (got {venv.num_envs} and {venv.batch_size}), so that it can "
                 "drain the pool before an env update"
             )
-        # driver inference
-        self._obs: Any = None
-        self._pool_obs: Any = None
-        self._pool_actions: Any = None
-        self._pool_agent_infos: dict[str, np.ndarray] = {}
-        self._action_version = np.full(self.num_envs, -1, dtype=np.int64)
-        # worker inference
-        self._segment_length = int(segment_length)
-        self._worker_timers: list[dict[str, TimerStat]] = [{} for _ in self.worker_ranges]
-        self._worker_version = [-1] * len(self.worker_ranges)  # policy version each one has
-        self._update: _PolicyUpdate | None = None  # the last update_policy()'s
-        self._restart_workers = True  # their envs were reset: start from the buffers
-        self._in_flight = False  # a round runs in the workers (background)
-        self._carry: list[_Rollout] = []  # rollouts collected before an update, for sample()
+        self._inference: Inference
+        if inference == "driver":
+            self._inference = DriverInference(
+                venv, self.stats, self._timers, self.keep_stale, self.seed
+            )
+        else:
+            self._inference = WorkerInference(
+                venv,
+                self.stats,
+                self._timers,
+                self.keep_stale,
+                self.seed,
+                int(segment_length),
+                bool(background),
+                None if timeout is None else float(timeout),
+            )
 
     # -- public API ------------------------------------------------------------------------
 
@@ -596,13 +276,7 @@ class Sampler:
     @property
     def timers(self) -> SamplerTimers:
         """Timers of the driver and of each worker, merged (see :class:`SamplerTimers`)."""
-        if self.inference == "driver" and not self._venv.closed:
-            workers = [
-                {"env_step": TimerStat(s.count * s.mean_s if s.count else 0.0, s.count)}
-                for s in self._venv.stats.workers
-            ]
-        else:
-            workers = [dict(t) for t in self._worker_timers]
+        workers = self._inference.worker_timers()
         merged: dict[str, TimerStat] = {}
         for timers in workers:
             for name, stat in timers.items():
@@ -627,10 +301,7 @@ class Sampler:
         self._check_open()
         num_steps = _integer(num_steps, "num_steps", InvalidArgumentError)
         with self._progress(int(num_steps)) as advance:
-            if self.inference == "driver":
-                batch = self._sample_driver(int(num_steps), advance)
-            else:
-                batch = self._sample_workers(int(num_steps), advance)
+            batch = self._inference.sample(self._policy, int(num_steps), advance)
         self.stats.steps_returned += batch.num_steps
         return batch
 
@@ -649,10 +320,7 @@ class Sampler:
         """
         self._check_open()
         n_per_worker = _integer(n_per_worker, "n_per_worker", InvalidArgumentError)
-        if self.inference == "driver":
-            batch = self._episodes_driver(int(n_per_worker))
-        else:
-            batch = self._episodes_workers(int(n_per_worker))
+        batch = self._inference.episodes(self._policy, int(n_per_worker))
         self.stats.steps_returned += batch.num_steps
         return batch
 
@@ -677,7 +345,7 @@ class Sampler:
         self._check_open()
         params = policy_or_params is not None and not callable(policy_or_params)
         if params:
-            _load_params(self._policy, policy_or_params)
+            load_params(self._policy, policy_or_params)
         elif policy_or_params is not None:
             self._policy = policy_or_params
         version = self.stats.policy_version + 1
@@ -687,7 +355,7 @@ class Sampler:
                 blob = cloudpickle.dumps(value)
             except Exception as exc:
                 raise InvalidArgumentError(f"the policy update does not pickle: {exc}") from exc
-            self._update = _PolicyUpdate(version, blob, params)  # sent with the next round
+            self._inference.update_policy(PolicyUpdate(version, blob, params))
         self.stats.policy_version = version
         return version
 
@@ -715,11 +383,10 @@ class Sampler:
         self._check_open()
         apply = self._env_update(update)
         version = self.stats.env_version + 1
-        self._drain_pool()
-        self._settle_round()
+        self._inference.settle()
         apply(self._venv, 0)
         self.stats.env_version = version
-        self._restart_envs()
+        self._inference.restart_envs()
         return version
 
     def close(self, timeout: float | None = None) -> None:
@@ -729,11 +396,7 @@ class Sampler:
         self._closed = True
         if os.getpid() != self._owner_pid:
             return  # a forked copy: the workers are the maker's, which keeps using them
-        if self._in_flight and not self._venv.closed:
-            # A background round: its rollouts are dropped with the sampler.
-            with contextlib.suppress(Exception):
-                self._venv.run_in_workers_wait(5.0 if timeout is None else timeout)
-        self._venv.close(timeout=timeout, terminate=self._venv.closed)
+        self._inference.close(timeout)
 
     def __enter__(self) -> Sampler:
         return self
@@ -751,236 +414,6 @@ class Sampler:
             f"Sampler(inference={self.inference!r}, num_envs={self.num_envs}, "
             f"policy_version={self.policy_version})"
         )
-
-    # -- driver inference ------------------------------------------------------------------
-
-    def _restart_envs(self) -> None:
-        """Reset every env (at the start, with ``seed``; after an env update)."""
-        venv = self._venv
-        seed = None if self._envs_started else self.seed
-        self._envs_started = True
-        if venv.is_pool:
-            venv.async_reset(seed=seed)
-            self._action_version[:] = -1
-        else:
-            self._obs, _ = venv.reset(seed=seed)
-            self._restart_workers = True
-
-    def _sample_driver(self, num_steps: int, advance: Callable[[int], None]) -> EpisodeBatch:
-        if not self._envs_started:
-            self._restart_envs()
-        recorder = Recorder()
-        current = 0
-        while current < num_steps:
-            _, versions, _ = self._driver_step(recorder)
-            n = int(np.count_nonzero(versions == self.stats.policy_version))
-            current += n
-            advance(n)
-        batch = recorder.build()
-        assert batch is not None
-        return self._keep_current(batch)
-
-    def _driver_step(self, recorder: Recorder) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """One step (synchronous) or one recv and send (pool), recorded.
-
-        Returns:
-            (the envs of the recorded steps, their policy versions, whether their episode
-            ended).
-        """
-        venv = self._venv
-        assert venv is not None
-        version = self.stats.policy_version
-        if not venv.is_pool:
-            ids = np.arange(self.num_envs)
-            self._obs, done = _step_and_record(
-                venv, self._policy, self._obs, ids, version, recorder, self._timers
-            )
-            return ids, np.full(self.num_envs, version), done
-        with self._timers.time("env_step"):
-            next_obs, rewards, terminated, truncated, info = venv.recv()
-        ids = info["env_id"].astype(np.int64)
-        done = terminated | truncated
-        acted = np.flatnonzero(self._action_version[ids] >= 0)  # else: a reset's result
-        rows = ids[acted]
-        versions = self._action_version[rows]
-        if rows.size:
-            infos = step_infos(info, ids, done)
-            recorder.add(
-                rows,
-                tree_rows(self._pool_obs, rows),
-                tree_rows(self._pool_actions, rows),
-                rewards[acted],
-                terminated[acted],
-                truncated[acted],
-                tree_rows(final_observations(next_obs, info, done), acted),
-                versions,
-                {key: value[rows] for key, value in self._pool_agent_infos.items()},
-                [infos[k] for k in acted.tolist()],
-            )
-        with self._timers.time("policy"):
-            actions, agent_infos = _act(self._policy, next_obs)
-        self._remember_pool(ids, next_obs, actions, agent_infos)
-        with self._timers.time("env_step"):
-            venv.send(actions, ids)
-        self._action_version[ids] = version
-        return rows, versions, done[acted]
-
-    def _remember_pool(
-        self, ids: np.ndarray, obs: Any, actions: Any, agent_infos: dict[str, np.ndarray]
-    ) -> None:
-        """Keep, per env, the observation and action sent (their transition comes later)."""
-        venv = self._venv
-        assert venv is not None
-        if self._pool_obs is None:
-            self._pool_obs = create_empty_array(venv.single_observation_space, self.num_envs)
-            self._pool_actions = create_empty_array(venv.single_action_space, self.num_envs)
-        tree_scatter(self._pool_obs, ids, obs)
-        tree_scatter(self._pool_actions, ids, actions)
-        for key, value in agent_infos.items():
-            if key not in self._pool_agent_infos:
-                self._pool_agent_infos[key] = np.zeros(
-                    (self.num_envs, *value.shape[1:]), dtype=value.dtype
-                )
-            self._pool_agent_infos[key][ids] = value
-
-    def _drain_pool(self) -> None:
-        """Pool: receive every env in flight (their steps are dropped), so that all are idle."""
-        venv = self._venv
-        assert venv is not None
-        if not venv.is_pool or not self._envs_started:
-            return
-        for _ in range(venv.num_envs // venv.batch_size):
-            _, _, _, _, info = venv.recv()
-            dropped = int(np.count_nonzero(self._action_version[info["env_id"]] >= 0))
-            self.stats.env_update_steps_dropped += dropped
-        self._action_version[:] = -1
-
-    def _episodes_driver(self, n: int) -> EpisodeBatch:
-        venv = self._venv
-        assert venv is not None
-        if not venv.is_pool:
-            self._envs_started = True
-            self._obs, _ = venv.reset()
-            whole = np.ones(self.num_envs, dtype=np.bool_)
-        else:
-            if not self._envs_started:
-                self._restart_envs()
-            whole = self._action_version < 0  # envs that just reset: their next episode is whole
-        recorder = Recorder()
-        worker_of = np.repeat(
-            np.arange(len(self.worker_ranges)), [b - a for a, b in self.worker_ranges]
-        )
-        counts = np.zeros(self.num_envs, dtype=np.int64)  # episodes each env ended
-        picked: list[list[tuple[int, int]]] = [[] for _ in self.worker_ranges]
-        while any(len(p) < n for p in picked):
-            rows, _, done = self._driver_step(recorder)
-            for e in rows[done].tolist():
-                if whole[e] and len(picked[worker_of[e]]) < n:
-                    picked[worker_of[e]].append((e, int(counts[e])))
-                counts[e] += 1
-                whole[e] = True
-        batch = recorder.build()
-        assert batch is not None
-        return _pick_episodes(batch, [pick for worker in picked for pick in worker], 0)
-
-    # -- worker inference ------------------------------------------------------------------
-
-    def _requests(self, steps: int, episodes: bool) -> dict[int, _RoundRequest]:
-        """Each worker's part of the next round, with what it lacks of the current policy."""
-        version = self.stats.policy_version
-        update = self._update
-        requests = {}
-        for w, had in enumerate(self._worker_version):
-            policy: _PolicyUpdate | None = None
-            seed = _policy_seed(self.seed, w)
-            if had != version:
-                if update is not None and update.version == version and had == version - 1:
-                    policy = update  # the update itself: parameters, or a new policy object
-                else:  # a worker without the policy (the first round): a whole copy
-                    policy = _PolicyUpdate(version, cloudpickle.dumps(self._policy), False)
-                if version and not policy.params:
-                    seed = _policy_seed(seed, version)
-            requests[w] = _RoundRequest(
-                w, steps, episodes, self._restart_workers, self.stats.env_version, policy, seed
-            )
-            self._worker_version[w] = version
-        self._restart_workers = False
-        return requests
-
-    def _start_round(self, steps: int, episodes: bool = False) -> None:
-        if not self._envs_started:
-            self._restart_envs()
-        self._venv.run_in_workers_async(_sampler_round, self._requests(steps, episodes))
-        self._in_flight = True
-
-    def _finish_round(self) -> list[Any]:
-        """The round's results, in worker order (its timers noted).
-
-        Raises:
-            EnvError, EnvCrashedError, StepTimeoutError: as the vector env's ``step``.
-        """
-        with self._timers.time("waiting"):
-            try:
-                results = self._venv.run_in_workers_wait(self._timeout)
-            finally:
-                self._in_flight = False
-        out = [results[w] for w in sorted(results)]
-        for message in out:
-            self._worker_timers[message.worker] = message.timers
-        return out
-
-    def _settle_round(self) -> None:
-        """Collect a background round, keeping its rollouts for the next :meth:`sample`."""
-        if self._in_flight:
-            self._carry.extend(self._finish_round())
-
-    def _accept(self, message: _Rollout, out: list[EpisodeBatch]) -> int:
-        """Keep what is current of a rollout in ``out``; returns its current-version steps."""
-        batch = message.batch
-        if message.env_version < self.stats.env_version:
-            self.stats.env_update_steps_dropped += batch.num_steps
-            return 0
-        kept = self._keep_current(batch)
-        if kept.num_segments:
-            out.append(kept)
-        return int(kept.lengths[kept.policy_version == self.stats.policy_version].sum())
-
-    def _keep_current(self, batch: EpisodeBatch) -> EpisodeBatch:
-        current = batch.policy_version == self.stats.policy_version
-        if current.all():
-            return batch
-        stale = int(batch.lengths[~current].sum())
-        if self.keep_stale:
-            self.stats.stale_steps_kept += stale
-            return batch
-        self.stats.stale_steps_dropped += stale
-        return batch.select(current)
-
-    def _sample_workers(self, num_steps: int, advance: Callable[[int], None]) -> EpisodeBatch:
-        out: list[EpisodeBatch] = []
-        current = 0
-        carry, self._carry = self._carry, []
-        while True:
-            for message in carry:
-                n = self._accept(message, out)
-                current += n
-                advance(n)
-            if current >= num_steps:
-                break
-            if not self._in_flight:
-                self._start_round(self._segment_length)
-            carry = self._finish_round()
-        if self._background:
-            self._start_round(self._segment_length)
-        return EpisodeBatch.concatenate(*out)
-
-    def _episodes_workers(self, n: int) -> EpisodeBatch:
-        self._settle_round()
-        if not self._envs_started:
-            self._restart_envs()
-        self._restart_envs()  # whole episodes: every env starts a new one
-        self._start_round(n, episodes=True)
-        return EpisodeBatch.concatenate(*(message.batch for message in self._finish_round()))
 
     # -- helpers ---------------------------------------------------------------------------
 

@@ -1,0 +1,178 @@
+"""Driver inference (ML-Agents' SubprocessEnvManager, RLlib's EnvRunner): the policy runs in
+this process on batched observations; the envs step in the vector env, synchronously or as a
+first-ready pool whose envs step while the policy runs on the batch that came back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+from gymnasium.vector.utils import create_empty_array
+
+from envfleet._buffers import tree_scatter
+from envfleet._front.vector_env import FleetVectorEnv
+from envfleet._inference import (
+    Inference,
+    Policy,
+    SamplerStats,
+    Timers,
+    TimerStat,
+    act,
+    pick_episodes,
+    step_and_record,
+)
+from envfleet._rollout import EpisodeBatch, Recorder, final_observations, step_infos, tree_rows
+
+__all__ = ["DriverInference"]
+
+
+class DriverInference(Inference):
+    """The policy here, the envs in the vector env (see :class:`Inference`)."""
+
+    def __init__(
+        self,
+        venv: FleetVectorEnv,
+        stats: SamplerStats,
+        timers: Timers,
+        keep_stale: bool,
+        seed: int | None,
+    ):
+        super().__init__(venv, stats, timers, keep_stale, seed)
+        n = venv.num_envs
+        self.ids = np.arange(n)
+        self.obs: Any = None
+        # A pool's envs in flight: the observation and action sent to each, the agent infos
+        # that came with the action, and the policy version that chose it (-1: none).
+        self.pool_obs: Any = None
+        self.pool_actions: Any = None
+        self.pool_agent_infos: dict[str, np.ndarray] = {}
+        self.action_version = np.full(n, -1, dtype=np.int64)
+
+    def reset(self, seed: int | None) -> None:
+        if self.venv.is_pool:
+            self.venv.async_reset(seed=seed)
+            self.action_version[:] = -1
+        else:
+            self.obs, _ = self.venv.reset(seed=seed)
+
+    def sample(
+        self, policy: Policy, num_steps: int, advance: Callable[[int], None]
+    ) -> EpisodeBatch:
+        if not self.started:
+            self.restart_envs()
+        recorder = Recorder()
+        current = 0
+        while current < num_steps:
+            _, versions, _ = self.step(policy, recorder)
+            n = int(np.count_nonzero(versions == self.stats.policy_version))
+            current += n
+            advance(n)
+        batch = recorder.build()
+        assert batch is not None
+        return self.keep_current(batch)
+
+    def step(self, policy: Policy, recorder: Recorder) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """One step (synchronous) or one recv and send (pool), recorded.
+
+        Returns:
+            (the envs of the recorded steps, their policy versions, whether their episode
+            ended).
+        """
+        venv = self.venv
+        version = self.stats.policy_version
+        if not venv.is_pool:
+            self.obs, done = step_and_record(
+                venv, policy, self.obs, self.ids, version, recorder, self.timers
+            )
+            return self.ids, np.full(venv.num_envs, version), done
+        with self.timers.time("env_step"):
+            next_obs, rewards, terminated, truncated, info = venv.recv()
+        ids = info["env_id"].astype(np.int64)
+        done = terminated | truncated
+        acted = np.flatnonzero(self.action_version[ids] >= 0)  # else: a reset's result
+        rows = ids[acted]
+        versions = self.action_version[rows]
+        if rows.size:
+            infos = step_infos(info, ids, done)
+            recorder.add(
+                rows,
+                tree_rows(self.pool_obs, rows),
+                tree_rows(self.pool_actions, rows),
+                rewards[acted],
+                terminated[acted],
+                truncated[acted],
+                tree_rows(final_observations(next_obs, info, done), acted),
+                versions,
+                {key: value[rows] for key, value in self.pool_agent_infos.items()},
+                [infos[k] for k in acted.tolist()],
+            )
+        with self.timers.time("policy"):
+            actions, agent_infos = act(policy, next_obs)
+        self._remember(ids, next_obs, actions, agent_infos)
+        with self.timers.time("env_step"):
+            venv.send(actions, ids)
+        self.action_version[ids] = version
+        return rows, versions, done[acted]
+
+    def _remember(
+        self, ids: np.ndarray, obs: Any, actions: Any, agent_infos: dict[str, np.ndarray]
+    ) -> None:
+        """Keep, per env, the observation and action sent (their transition comes later)."""
+        venv, n = self.venv, self.venv.num_envs
+        if self.pool_obs is None:
+            self.pool_obs = create_empty_array(venv.single_observation_space, n)
+            self.pool_actions = create_empty_array(venv.single_action_space, n)
+        tree_scatter(self.pool_obs, ids, obs)
+        tree_scatter(self.pool_actions, ids, actions)
+        for key, value in agent_infos.items():
+            if key not in self.pool_agent_infos:
+                self.pool_agent_infos[key] = np.zeros((n, *value.shape[1:]), dtype=value.dtype)
+            self.pool_agent_infos[key][ids] = value
+
+    def settle(self) -> None:
+        """Pool: receive every env in flight (their steps are dropped), so that all are idle."""
+        venv = self.venv
+        if not venv.is_pool or not self.started:
+            return
+        for _ in range(venv.num_envs // venv.batch_size):
+            _, _, _, _, info = venv.recv()
+            dropped = int(np.count_nonzero(self.action_version[info["env_id"]] >= 0))
+            self.stats.env_update_steps_dropped += dropped
+        self.action_version[:] = -1
+
+    def episodes(self, policy: Policy, n: int) -> EpisodeBatch:
+        venv = self.venv
+        if not venv.is_pool:
+            self.started = True
+            self.obs, _ = venv.reset()
+            whole = np.ones(venv.num_envs, dtype=np.bool_)
+        else:
+            if not self.started:
+                self.restart_envs()
+            whole = self.action_version < 0  # envs that just reset: their next episode is whole
+        recorder = Recorder()
+        ranges = venv.worker_ranges
+        worker_of = np.repeat(np.arange(len(ranges)), [b - a for a, b in ranges])
+        counts = np.zeros(venv.num_envs, dtype=np.int64)  # episodes each env ended
+        picked: list[list[tuple[int, int]]] = [[] for _ in ranges]
+        while any(len(p) < n for p in picked):
+            rows, _, done = self.step(policy, recorder)
+            for e in rows[done].tolist():
+                if whole[e] and len(picked[worker_of[e]]) < n:
+                    picked[worker_of[e]].append((e, int(counts[e])))
+                counts[e] += 1
+                whole[e] = True
+        batch = recorder.build()
+        assert batch is not None
+        return pick_episodes(batch, [pick for worker in picked for pick in worker], 0)
+
+    def worker_timers(self) -> list[dict[str, TimerStat]]:
+        """Per worker, ``env_step`` from the vector env's per-worker step times."""
+        if self.venv.closed:
+            return []
+        return [
+            {"env_step": TimerStat(s.count * s.mean_s if s.count else 0.0, s.count)}
+            for s in self.venv.stats.workers
+        ]

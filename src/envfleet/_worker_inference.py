@@ -1,0 +1,332 @@
+"""Worker inference (garage's MultiprocessingSampler, Sample Factory's rollout workers): each
+worker of the vector env runs its own copy of the policy next to its envs.
+
+:func:`sampler_round` is the task (``Command.TASK``, through
+``FleetVectorEnv.run_in_workers_async``) that a worker runs for one round: it steps its envs
+(its ``EnvGroup``, with the group's own step loop) under its policy copy, records the steps
+and hands the rollout back. The policy copy and the envs' current observations stay in the
+group's ``task_state`` between rounds. :class:`WorkerInference` is the driver's side: it
+sends each worker what it lacks of the current policy with the round, and keeps one round in
+flight between ``sample`` calls with ``background``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import cloudpickle
+import numpy as np
+from gymnasium.vector import VectorEnv
+
+from envfleet._buffers import tree_copy, tree_write
+from envfleet._envgroup import EnvGroup
+from envfleet._front.vector_env import FleetVectorEnv
+from envfleet._inference import (
+    Inference,
+    Policy,
+    SamplerStats,
+    Timers,
+    TimerStat,
+    load_params,
+    pick_episodes,
+    policy_seed,
+    seed_policy,
+    step_and_record,
+)
+from envfleet._rollout import EpisodeBatch, Recorder
+
+__all__ = ["PolicyUpdate", "WorkerInference", "sampler_round"]
+
+
+# -- what the driver and the task exchange --------------------------------------------------
+
+
+@dataclass
+class PolicyUpdate:
+    version: int
+    blob: bytes  # cloudpickled policy, or parameters when ``params``
+    params: bool
+
+
+@dataclass
+class RoundRequest:
+    """One round of worker inference, for one worker: its argument of :func:`sampler_round`."""
+
+    worker: int
+    steps: int  # steps per env (a rollout), or whole episodes wanted (``episodes``)
+    episodes: bool
+    restart: bool  # the envs were reset: start from the observations in the buffers
+    env_version: int
+    policy: PolicyUpdate | None  # None: go on with the worker's policy
+    policy_seed: int | None  # seed of a new policy object (``seed(seed)``, when it has one)
+
+
+@dataclass
+class Rollout:
+    worker: int
+    batch: EpisodeBatch
+    env_version: int
+    timers: dict[str, TimerStat]
+
+
+@dataclass
+class Episodes:
+    worker: int
+    batch: EpisodeBatch
+    timers: dict[str, TimerStat]
+
+
+# -- the task, in each worker ----------------------------------------------------------------
+
+
+STATE_KEY = "envfleet.sampler"  # the sampler's entry in the group's task_state
+
+
+class BatchInfos:
+    """gymnasium's ``VectorEnv._add_info`` for a batch of ``num_envs`` rows."""
+
+    def __init__(self, num_envs: int):
+        self.num_envs = num_envs
+
+    def _add_info(self, infos: dict[str, Any], info: dict[str, Any], row: int) -> dict[str, Any]:
+        # gymnasium's own method, which calls itself for nested dicts (final_info)
+        return VectorEnv._add_info(self, infos, info, row)  # type: ignore[arg-type]
+
+
+class GroupEnvs:
+    """A worker's envs (its EnvGroup, ``AutoresetMode.SAME_STEP``) as a vector env of their
+    own: what :func:`step_and_record` steps, with SyncVectorEnv's results over those envs.
+    Each step runs the group's own step loop (the one a vector env step runs)."""
+
+    def __init__(self, group: EnvGroup):
+        self.group = group
+        self.num_envs = group.size
+        self._infos = BatchInfos(group.size)
+
+    def observations(self) -> Any:
+        """A copy of the envs' current observations (the buffers' rows)."""
+        return tree_copy(self.group.buffers.observations)
+
+    def step(self, actions: Any) -> tuple[Any, np.ndarray, np.ndarray, np.ndarray, dict[str, Any]]:
+        group, buffers = self.group, self.group.buffers
+        tree_write(buffers.actions, actions)
+        events = group.step()
+        infos: dict[str, Any] = {}
+        for index, info in events:
+            infos = self._infos._add_info(infos, info, index - group.start)
+        obs = tree_copy(buffers.observations)
+        return obs, buffers.rewards, buffers.terminations, buffers.truncations, infos
+
+
+class WorkerState:
+    """What the sampler keeps in a worker between rounds: its policy copy and its envs'
+    current observations."""
+
+    def __init__(self, group: EnvGroup):
+        self.envs = GroupEnvs(group)
+        self.policy: Any = None  # installed by the first round's request
+        self.version = 0
+        self.ids = np.arange(group.start, group.stop)
+        self.obs: Any = None
+        self.timers = Timers()
+
+    def install(self, request: RoundRequest) -> None:
+        update = request.policy
+        if update is None:
+            return
+        value = cloudpickle.loads(update.blob)
+        if update.params:
+            load_params(self.policy, value)
+        else:
+            self.policy = value
+            seed_policy(value, request.policy_seed)
+        self.version = update.version
+
+    def step(self, recorder: Recorder) -> np.ndarray:
+        """One step of every env, recorded; returns the envs whose episode ended."""
+        self.obs, done = step_and_record(
+            self.envs, self.policy, self.obs, self.ids, self.version, recorder, self.timers
+        )
+        return done
+
+    def episodes(self, n: int) -> EpisodeBatch:
+        """Step until ``n`` episodes ended; the first ``n`` to end (by step, then env index),
+        whole (the envs were reset just before)."""
+        recorder = Recorder()
+        ended: list[tuple[int, int]] = []  # (env, its k-th episode), in order of ending
+        counts = np.zeros(self.envs.num_envs, dtype=np.int64)
+        while len(ended) < n:
+            done = self.step(recorder)
+            for j in np.flatnonzero(done).tolist():
+                ended.append((j, int(counts[j])))
+                counts[j] += 1
+        batch = recorder.build()
+        assert batch is not None
+        return pick_episodes(batch, ended[:n], int(self.ids[0]))
+
+
+def sampler_round(group: EnvGroup, request: RoundRequest) -> Rollout | Episodes:
+    """The task (``Command.TASK``) a worker runs for one round of worker inference: step its
+    envs with its own copy of the policy, ``request.steps`` steps (a rollout) or until
+    ``request.steps`` episodes ended, and return them recorded."""
+    state: WorkerState | None = group.task_state.get(STATE_KEY)
+    if state is None:
+        if request.policy is None or request.policy.params:
+            raise RuntimeError("the sampler's policy copy in this worker is gone")
+        state = group.task_state[STATE_KEY] = WorkerState(group)
+    state.install(request)
+    if request.restart or state.obs is None:
+        state.obs = state.envs.observations()
+    if request.episodes:
+        return Episodes(request.worker, state.episodes(request.steps), state.timers.snapshot())
+    recorder = Recorder()
+    for _ in range(request.steps):
+        state.step(recorder)
+    batch = recorder.build()
+    assert batch is not None
+    return Rollout(request.worker, batch, request.env_version, state.timers.snapshot())
+
+
+# -- the driver's side -----------------------------------------------------------------------
+
+
+class WorkerInference(Inference):
+    """The policy in each worker, next to its envs (see :class:`Inference`).
+
+    Args:
+        policy: the sampler's policy (pickled for the workers' first round).
+        segment_length: steps per env in a round.
+        background: keep one round in flight between :meth:`sample` calls.
+        timeout: seconds a round may take (``None``: the vector env's ``step_timeout``).
+    """
+
+    def __init__(
+        self,
+        venv: FleetVectorEnv,
+        stats: SamplerStats,
+        timers: Timers,
+        keep_stale: bool,
+        seed: int | None,
+        segment_length: int,
+        background: bool,
+        timeout: float | None,
+    ):
+        super().__init__(venv, stats, timers, keep_stale, seed)
+        self.segment_length = segment_length
+        self.background = background
+        self.timeout = timeout
+        n = len(venv.worker_ranges)
+        self.timers_of: list[dict[str, TimerStat]] = [{} for _ in range(n)]
+        self.version_of = [-1] * n  # the policy version each worker has
+        self.update: PolicyUpdate | None = None  # the last update_policy()'s
+        self.restart = True  # the envs were reset: the workers start from the buffers
+        self.in_flight = False  # a round runs in the workers (background)
+        self.carry: list[Rollout] = []  # rollouts collected before an update, for sample()
+
+    def reset(self, seed: int | None) -> None:
+        self.venv.reset(seed=seed)
+        self.restart = True
+
+    def update_policy(self, update: Any) -> None:
+        self.update = update  # sent with the next round
+
+    def worker_timers(self) -> list[dict[str, TimerStat]]:
+        return [dict(t) for t in self.timers_of]
+
+    def close(self, timeout: float | None) -> None:
+        if self.in_flight and not self.venv.closed:
+            # A background round: its rollouts are dropped with the sampler.
+            with contextlib.suppress(Exception):  # going away, and so are its rollouts
+                self.venv.run_in_workers_wait(5.0 if timeout is None else timeout)
+        super().close(timeout)
+
+    def requests(self, policy: Policy, steps: int, episodes: bool) -> dict[int, RoundRequest]:
+        """Each worker's part of the next round, with what it lacks of the current policy."""
+        version = self.stats.policy_version
+        update = self.update
+        requests = {}
+        for w, had in enumerate(self.version_of):
+            sent: PolicyUpdate | None = None
+            seed = policy_seed(self.seed, w)
+            if had != version:
+                if update is not None and update.version == version and had == version - 1:
+                    sent = update  # the update itself: parameters, or a new policy object
+                else:  # a worker without the policy (the first round): a whole copy
+                    sent = PolicyUpdate(version, cloudpickle.dumps(policy), False)
+                if version and not sent.params:
+                    seed = policy_seed(seed, version)
+            requests[w] = RoundRequest(
+                w, steps, episodes, self.restart, self.stats.env_version, sent, seed
+            )
+            self.version_of[w] = version
+        self.restart = False
+        return requests
+
+    def start_round(self, policy: Policy, steps: int, episodes: bool = False) -> None:
+        if not self.started:
+            self.restart_envs()
+        self.venv.run_in_workers_async(sampler_round, self.requests(policy, steps, episodes))
+        self.in_flight = True
+
+    def finish_round(self) -> list[Any]:
+        """The round's results, in worker order (their timers noted).
+
+        Raises:
+            EnvError, EnvCrashedError, StepTimeoutError: as the vector env's ``step``.
+        """
+        with self.timers.time("waiting"):
+            try:
+                results = self.venv.run_in_workers_wait(self.timeout)
+            finally:
+                self.in_flight = False
+        out = [results[w] for w in sorted(results)]
+        for message in out:
+            self.timers_of[message.worker] = message.timers
+        return out
+
+    def settle(self) -> None:
+        """Collect a background round, keeping its rollouts for the next :meth:`sample`."""
+        if self.in_flight:
+            self.carry.extend(self.finish_round())
+
+    def accept(self, message: Rollout, out: list[EpisodeBatch]) -> int:
+        """Keep what is current of a rollout in ``out``; returns its current-version steps."""
+        batch = message.batch
+        if message.env_version < self.stats.env_version:
+            self.stats.env_update_steps_dropped += batch.num_steps
+            return 0
+        kept = self.keep_current(batch)
+        if kept.num_segments:
+            out.append(kept)
+        return int(kept.lengths[kept.policy_version == self.stats.policy_version].sum())
+
+    def sample(
+        self, policy: Policy, num_steps: int, advance: Callable[[int], None]
+    ) -> EpisodeBatch:
+        out: list[EpisodeBatch] = []
+        current = 0
+        carry, self.carry = self.carry, []
+        while True:
+            for message in carry:
+                n = self.accept(message, out)
+                current += n
+                advance(n)
+            if current >= num_steps:
+                break
+            if not self.in_flight:
+                self.start_round(policy, self.segment_length)
+            carry = self.finish_round()
+        if self.background:
+            self.start_round(policy, self.segment_length)
+        return EpisodeBatch.concatenate(*out)
+
+    def episodes(self, policy: Policy, n: int) -> EpisodeBatch:
+        self.settle()
+        if not self.started:
+            self.restart_envs()
+        self.restart_envs()  # whole episodes: every env starts a new one
+        self.start_round(policy, n, episodes=True)
+        return EpisodeBatch.concatenate(*(message.batch for message in self.finish_round()))
