@@ -46,6 +46,7 @@ from envfleet._backends.base import (
     worker_ranges,
 )
 from envfleet._backends.processes import _die_with_parent, _remote_error
+from envfleet._backends.registry import usable_cores
 from envfleet._buffers import side_leaves, tree_scatter
 from envfleet._errors import (
     ClosedEnvironmentError,
@@ -56,7 +57,9 @@ from envfleet._errors import (
     StepTimeoutError,
     describe_exitcode,
 )
-from envfleet._front.vector_env import FleetVectorEnv, _factories, make, usable_cores
+from envfleet._front.factories import env_factories
+from envfleet._front.make import make
+from envfleet._front.vector_env import FleetVectorEnv
 from envfleet._protocol import RemoteError
 from envfleet._rollout import EpisodeBatch, Recorder, final_observations, step_infos, tree_rows
 
@@ -1009,7 +1012,7 @@ class Sampler:
         context: str | None,
         segment_length: int,
     ) -> None:
-        env_fns, default = _factories(env, env_kwargs)
+        env_fns, default = env_factories(env, env_kwargs)
         if len(env_fns) == 1:
             env_fns = env_fns * self.num_envs
         elif len(env_fns) != self.num_envs:
