@@ -21,7 +21,7 @@ from gymnasium.vector import AutoresetMode, SyncVectorEnv
 from gymnasium.vector.utils import batch_space
 
 import envfleet
-import envfleet._front.vector_env
+import envfleet._front.results
 from tests.envs import NestedSpaceEnv, sync_factories
 from tests.helpers import assert_same
 
@@ -38,7 +38,7 @@ NUM_ENVS = 4
 def spare_slabs_for_small_observations(monkeypatch):
     """The observations here are below SPARE_SLABS_MIN_BYTES, where results are copied by
     default: give them spare slabs anyway (test_slabs_only_where_they_pay checks the rule)."""
-    monkeypatch.setattr(envfleet._front.vector_env, "SPARE_SLABS_MIN_BYTES", 0)
+    monkeypatch.setattr(envfleet._front.results, "SPARE_SLABS_MIN_BYTES", 0)
 
 
 class FrameEnv(gym.Env):
@@ -160,7 +160,7 @@ def slab_of(envs: Any, obs: np.ndarray) -> int | None:
 def test_results_are_handed_out_not_copied(make_env, backend):
     envs = make_env("CartPole-v1", NUM_ENVS, backend=backend, **LAYOUTS[backend])
     actions = np.zeros(NUM_ENVS, np.int64)
-    assert len(envs._backend.batch.observation_slabs) == 1 + envfleet._front.vector_env.SPARE_SLABS
+    assert len(envs._backend.batch.observation_slabs) == 1 + envfleet._front.results.SPARE_SLABS
     first, _ = envs.reset(seed=0)
     second = envs.step(actions)[0]
     # Both live results lie in spare slabs, different ones.
@@ -186,7 +186,7 @@ def test_slabs_only_where_they_pay(make_env, backend, monkeypatch):
     for envs in (views, pool):
         assert len(envs._backend.batch.observation_slabs) == 1
     # Small observations (CartPole's: 16 bytes an env) are copied: cheaper than a hand-out.
-    monkeypatch.setattr(envfleet._front.vector_env, "SPARE_SLABS_MIN_BYTES", 4 << 10)
+    monkeypatch.setattr(envfleet._front.results, "SPARE_SLABS_MIN_BYTES", 4 << 10)
     small = make_env("CartPole-v1", NUM_ENVS, backend=backend)
     assert small._backend.batch.slab is None
     # Frames (3 KiB an env, 12 KiB a batch) are handed out.
@@ -205,10 +205,8 @@ def test_slabs_only_where_they_pay(make_env, backend, monkeypatch):
     assert slab_of(frames, got) in (1, 2)
     sync.close()
     # Spare slabs larger than the cap together are not made; results are copies then.
-    monkeypatch.setattr(envfleet._front.vector_env, "SPARE_SLABS_MIN_BYTES", 0)
-    monkeypatch.setattr(
-        envfleet._front.vector_env, "SPARE_SLABS_MAX_BYTES", 2 * 4 * 4 * NUM_ENVS - 1
-    )
+    monkeypatch.setattr(envfleet._front.results, "SPARE_SLABS_MIN_BYTES", 0)
+    monkeypatch.setattr(envfleet._front.results, "SPARE_SLABS_MAX_BYTES", 2 * 4 * 4 * NUM_ENVS - 1)
     capped = make_env("CartPole-v1", NUM_ENVS, backend=backend)
     assert capped._backend.batch.slab is None
     first, _ = capped.reset(seed=0)
@@ -249,7 +247,7 @@ def started_pair(make_env: Any, backend: str) -> tuple[Any, SyncVectorEnv, Any, 
         space.seed(1)
         assert_same(fleet.reset(seed=2), sync.reset(seed=2), "reset")
         held = lockstep_steps(fleet, sync, space, 3)
-        assert fleet._slab_latest in (1, 2)
+        assert fleet._outputs.latest in (1, 2)
     except BaseException:
         sync.close()
         raise

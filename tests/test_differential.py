@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 import envfleet
 import envfleet._envgroup
-import envfleet._front.vector_env
+import envfleet._front.results
 import envfleet._native
 from tests.envs import FormObsEnv, MixedObsEnv, NestedSpaceEnv, SparseInfoEnv, sync_factories
 from tests.helpers import assert_same
@@ -45,7 +45,7 @@ def spare_slabs_for_small_observations(monkeypatch, request):
     params = getattr(request.node, "callspec", None)
     layout = params.params.get("layout") if params is not None else None
     if layout != {"num_workers": 1}:
-        monkeypatch.setattr(envfleet._front.vector_env, "SPARE_SLABS_MIN_BYTES", 0)
+        monkeypatch.setattr(envfleet._front.results, "SPARE_SLABS_MIN_BYTES", 0)
 
 
 def gym_case(env_id: str, **kwargs: Any) -> tuple[Any, dict[str, Any] | None, Any]:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import functools
 import os
+import subprocess
+import sys
 import threading
 
 import gymnasium as gym
@@ -16,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import envfleet
-from envfleet._front.vector_env import plan_processes
+from envfleet._backends.processes import plan_processes
 from tests.envs import (
     IndexedEnv,
     NestedSpaceEnv,
@@ -64,6 +66,44 @@ def test_config_error_is_envfleet_error_and_value_error():
 def test_unknown_backend(backend):
     with pytest.raises(envfleet.ConfigError, match="unknown backend"):
         envfleet.make("CartPole-v1", 2, backend=backend)
+
+
+def test_a_backend_is_one_registered_module(monkeypatch):
+    """The registry's worked example: a backend that registers itself is found by make(),
+    planned with the default plan and refused other backends' options; make() knows no
+    backend by name."""
+    from envfleet._backends import registry
+    from envfleet._backends.serial import SerialBackend
+
+    def build(request: registry.BuildRequest) -> SerialBackend:
+        return SerialBackend(
+            request.layout,
+            request.block(shared=False),
+            first_env=request.first_env,
+            ledger=request.ledger,
+        )
+
+    monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
+    registry.register(registry.BackendSpec("inline", build=build))
+    with pytest.raises(envfleet.ConfigError, match="options of backend='processes'"):
+        envfleet.make(IndexedEnv, 4, backend="inline", driver_envs=1)
+    envs = envfleet.make(IndexedEnv, 4, backend="inline", num_workers=2)
+    try:
+        assert envs.backend == "inline" and envs.worker_ranges == ((0, 2), (2, 4))
+        assert envs.get_attr("env_index") == (0, 1, 2, 3)
+    finally:
+        envs.close()
+    assert "inline" not in envfleet.BACKENDS  # the public tuple lists the built-in backends
+
+
+def test_registering_imports_neither_ray_nor_envpool():
+    code = (
+        "import sys, envfleet; from envfleet._backends import registry; "
+        "registry.lookup('processes'); registry.lookup('threads'); registry.lookup('serial'); "
+        "print(sorted(m for m in ('ray', 'envpool') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -719,7 +759,7 @@ class _Infos(VectorEnv):
 def test_flat_infos_match_gymnasium_add_info(case):
     """Where the fast path answers, it gives exactly what adding the infos one by one with
     gymnasium's VectorEnv._add_info gives (dtypes, values, masks, key order)."""
-    from envfleet._front.vector_env import _flat_infos
+    from envfleet._front.infos import flat_infos
 
     num_envs, events = case
     want: dict = {}
@@ -728,9 +768,9 @@ def test_flat_infos_match_gymnasium_add_info(case):
         for index, info in events:
             want = adder._add_info(want, info, index)
     except Exception:  # infos gymnasium cannot batch (an int array given a string or a dict)
-        assert _flat_infos(events, num_envs) is None
+        assert flat_infos(events, num_envs) is None
         return
-    got = _flat_infos(events, num_envs)
+    got = flat_infos(events, num_envs)
     if got is not None:
         assert_same(got, want)
         assert len({id(value) for value in got.values()}) == len(got)  # no shared arrays
@@ -738,15 +778,15 @@ def test_flat_infos_match_gymnasium_add_info(case):
 
 def test_flat_infos_take_atari_infos():
     """Atari's infos (the same int keys from every env, every step) take the fast path."""
-    from envfleet._front.vector_env import _flat_infos
+    from envfleet._front.infos import flat_infos
 
     info = {"lives": 3, "episode_frame_number": 8, "frame_number": 12}
     for indices in ([0, 1, 2, 3], [1, 3]):
         events = [(i, dict(info, lives=i)) for i in indices]
-        got = _flat_infos(events, 4)
+        got = flat_infos(events, 4)
         assert got is not None
         want: dict = {}
         for index, env_info in events:
             want = _Infos(4)._add_info(want, env_info, index)
         assert_same(got, want)
-    assert _flat_infos([(0, info), (1, dict(info, lives=3.0))], 2) is None  # int and float
+    assert flat_infos([(0, info), (1, dict(info, lives=3.0))], 2) is None  # int and float

@@ -24,7 +24,8 @@ from envfleet._errors import (
     UnsupportedError,
     WrongProcessError,
 )
-from envfleet._front.vector_env import BACKENDS, FleetVectorEnv, make
+from envfleet._front.make import BACKENDS, make
+from envfleet._front.vector_env import FleetVectorEnv
 from envfleet._inference import SamplerStats, SamplerTimers, TimerStat
 from envfleet._process_env import ProcessEnv
 from envfleet._rollout import EpisodeBatch

@@ -27,7 +27,8 @@ from envfleet._errors import (
     EnvfleetError,
     ResetNeededError,
 )
-from envfleet._front.vector_env import FleetVectorEnv, make
+from envfleet._front.make import make
+from envfleet._front.vector_env import FleetVectorEnv
 
 __all__ = ["ProcessEnv"]
 

@@ -16,8 +16,9 @@ from typing import Any
 import numpy as np
 
 from envfleet._buffers import tree_scatter
+from envfleet._front.infos import split_infos
 
-__all__ = ["EpisodeBatch", "Recorder", "final_observations", "unbatch_info"]
+__all__ = ["EpisodeBatch", "Recorder", "final_observations", "step_infos"]
 
 
 # -- trees of arrays (dict / tuple / ndarray, as gymnasium batches a space) ------------------
@@ -58,35 +59,22 @@ def tree_len(tree: Any) -> int:
 _SKIP_INFO = ("final_obs", "final_info", "env_id")
 
 
-def unbatch_info(info: dict[str, Any], i: int, skip: Sequence[str] = ()) -> dict[str, Any]:
-    """Env ``i``'s own info from a vector info in gymnasium's convention (``info[key]`` with
-    its ``info["_key"]`` mask), recursively for nested dicts; keys in ``skip`` are left out."""
-    out: dict[str, Any] = {}
-    for key, value in info.items():
-        if key.startswith("_") or key in skip:
-            continue
-        mask = info.get("_" + key)
-        if mask is not None and not mask[i]:
-            continue
-        out[key] = unbatch_info(value, i) if isinstance(value, dict) else value[i]
-    return out
-
-
 def step_infos(info: dict[str, Any], rows: np.ndarray, done: np.ndarray) -> list[dict[str, Any]]:
-    """Per row ``k`` of a vector info (env ``rows[k]``), the info of the step itself.
+    """Per row ``k`` of a vector info (env ``rows[k]``), the info of the step itself
+    (:func:`envfleet._front.infos.split_infos`).
 
     With ``AutoresetMode.SAME_STEP``, an env whose episode ended reports its step's info under
     ``final_info`` (the rest is its reset info): that is what is returned for it.
     """
+    n = len(rows)
     if not info or all(key in _SKIP_INFO or key.startswith("_") for key in info):
-        return [{} for _ in range(len(rows))]
+        return [{} for _ in range(n)]
+    out = split_infos(info, n, _SKIP_INFO)
     final = info.get("final_info")
-    out = []
-    for k in range(len(rows)):
-        if done[k] and final is not None:
-            out.append(unbatch_info(final, k))
-        else:
-            out.append(unbatch_info(info, k, _SKIP_INFO))
+    if final is not None and done.any():
+        finals = split_infos(final, n)
+        for k in np.flatnonzero(done).tolist():
+            out[k] = finals[k]
     return out
 
 

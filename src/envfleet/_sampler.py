@@ -36,7 +36,8 @@ from gymnasium.vector import AutoresetMode
 from envfleet._buffers import side_leaves
 from envfleet._driver_inference import DriverInference
 from envfleet._errors import ClosedEnvironmentError, ConfigError, InvalidArgumentError
-from envfleet._front.vector_env import FleetVectorEnv, make
+from envfleet._front.make import make
+from envfleet._front.vector_env import FleetVectorEnv
 from envfleet._inference import (
     Inference,
     Policy,

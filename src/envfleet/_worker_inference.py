@@ -19,10 +19,10 @@ from typing import Any
 
 import cloudpickle
 import numpy as np
-from gymnasium.vector import VectorEnv
 
 from envfleet._buffers import tree_copy, tree_write
 from envfleet._envgroup import EnvGroup
+from envfleet._front.infos import batch_infos
 from envfleet._front.vector_env import FleetVectorEnv
 from envfleet._inference import (
     Inference,
@@ -85,17 +85,6 @@ class Episodes:
 STATE_KEY = "envfleet.sampler"  # the sampler's entry in the group's task_state
 
 
-class BatchInfos:
-    """gymnasium's ``VectorEnv._add_info`` for a batch of ``num_envs`` rows."""
-
-    def __init__(self, num_envs: int):
-        self.num_envs = num_envs
-
-    def _add_info(self, infos: dict[str, Any], info: dict[str, Any], row: int) -> dict[str, Any]:
-        # gymnasium's own method, which calls itself for nested dicts (final_info)
-        return VectorEnv._add_info(self, infos, info, row)  # type: ignore[arg-type]
-
-
 class GroupEnvs:
     """A worker's envs (its EnvGroup, ``AutoresetMode.SAME_STEP``) as a vector env of their
     own: what :func:`step_and_record` steps, with SyncVectorEnv's results over those envs.
@@ -104,7 +93,6 @@ class GroupEnvs:
     def __init__(self, group: EnvGroup):
         self.group = group
         self.num_envs = group.size
-        self._infos = BatchInfos(group.size)
 
     def observations(self) -> Any:
         """A copy of the envs' current observations (the buffers' rows)."""
@@ -113,10 +101,8 @@ class GroupEnvs:
     def step(self, actions: Any) -> tuple[Any, np.ndarray, np.ndarray, np.ndarray, dict[str, Any]]:
         group, buffers = self.group, self.group.buffers
         tree_write(buffers.actions, actions)
-        events = group.step()
-        infos: dict[str, Any] = {}
-        for index, info in events:
-            infos = self._infos._add_info(infos, info, index - group.start)
+        start = group.start
+        infos = batch_infos([(i - start, info) for i, info in group.step()], self.num_envs)
         obs = tree_copy(buffers.observations)
         return obs, buffers.rewards, buffers.terminations, buffers.truncations, infos
 

@@ -34,7 +34,7 @@ import gymnasium
 
 import envfleet
 from envfleet._errors import ConfigError, EnvfleetError
-from envfleet._front.vector_env import check_env_id, register_namespace
+from envfleet._front.factories import check_env_id, register_namespace
 
 __all__ = [
     "ACTION_BANK",

@@ -54,6 +54,7 @@ import numpy as np
 from gymnasium.vector import AutoresetMode
 
 from envfleet._backends.base import Backend
+from envfleet._backends.registry import BackendSpec, NativeRequest, register
 from envfleet._buffers import (
     Block,
     allocate_batch,
@@ -63,10 +64,11 @@ from envfleet._buffers import (
     tree_take,
 )
 from envfleet._errors import ConfigError, InvalidArgumentError, UnsupportedError
+from envfleet._front.infos import InfoAdder, columns_infos, split_infos
 from envfleet._protocol import Command, InfoEvent, ResetRequest
 from envfleet._supervisor import STATS_WORDS, Ledger, StepTimer, StepTimeStats, step_time_table
 
-__all__ = ["EnvPoolBackend", "make_envpool"]
+__all__ = ["EnvPoolBackend", "open_envpool"]
 
 # envpool.make arguments that envfleet sets itself.
 _RESERVED_KWARGS = {
@@ -122,89 +124,63 @@ def _as_int(value: Any, low: int, high: int) -> bool:
     )
 
 
-def make_envpool(
-    task_id: Any,
-    num_envs: int | None,
-    *,
-    batch_size: int | None,
-    autoreset_mode: AutoresetMode | str,
-    env_kwargs: dict[str, Any] | None,
-    copy: bool,
-    refused: Mapping[str, Any],
-) -> Any:
-    """Build a :class:`envfleet.FleetVectorEnv` over an EnvPool pool (``make(..., backend=
-    "envpool")``; see :func:`envfleet.make` and this module's docstring for the mapping).
+def _refusal(names: Sequence[str]) -> ConfigError:
+    """make()'s options given that EnvPool cannot honour (the registry's ``refusal``)."""
+    return ConfigError(
+        f"{', '.join(names)}: not an option of backend='envpool' (EnvPool runs its envs on "
+        "its own native threads: set env_kwargs={'num_threads': ...}; it cannot bound, "
+        "restart or isolate them)"
+    )
 
-    Args:
-        task_id: an EnvPool task id (``envpool.list_all_envs()``).
-        num_envs: sub-environments, default 1.
-        batch_size: ``None``/``num_envs``: synchronous; ``1 <= batch_size < num_envs``: a
-            first-ready pool over EnvPool's asynchronous mode.
-        autoreset_mode: ``NEXT_STEP`` (EnvPool's own), ``SAME_STEP`` or ``DISABLED``
-            (synchronous only).
-        env_kwargs: keyword arguments for ``envpool.make`` (``seed``, ``num_threads``,
-            ``thread_affinity_offset``, ``max_episode_steps``, task options such as Atari's
-            ``stack_num``/``frame_skip``, ``render_mode``), except ``num_envs``,
-            ``batch_size`` and ``env_type``.
-        copy: as :func:`envfleet.make`.
-        refused: other backends' options as given (name -> value); any not ``None`` is refused.
+
+def open_envpool(request: NativeRequest) -> EnvPoolBackend:
+    """The backend of ``make(task_id, num_envs, backend="envpool", ...)`` over an EnvPool pool
+    (see :func:`envfleet.make` and this module's docstring for the mapping).
+
+    ``request`` holds make()'s ``env`` (an EnvPool task id, ``envpool.list_all_envs()``),
+    ``num_envs`` (default 1), ``batch_size`` (``None``/``num_envs``: synchronous;
+    ``1 <= batch_size < num_envs``: a first-ready pool over EnvPool's asynchronous mode),
+    ``autoreset_mode`` (``NEXT_STEP``, EnvPool's own; ``SAME_STEP`` or ``DISABLED`` in
+    synchronous mode only) and ``env_kwargs`` (for ``envpool.make``: ``seed``,
+    ``num_threads``, ``thread_affinity_offset``, ``max_episode_steps``, task options such as
+    Atari's ``stack_num``/``frame_skip``, ``render_mode``; not ``num_envs``, ``batch_size``
+    or ``env_type``).
 
     Raises:
         ConfigError: envpool is not installed (``pip install 'envfleet[envpool]'``), an
             unknown task id (or gymnasium's ``ALE/`` id, naming EnvPool's), a bad
             ``num_envs``/``batch_size``/``autoreset_mode``, an autoreset mode EnvPool cannot
-            match, an option of another backend, reserved or rejected ``env_kwargs``.
+            match, reserved or rejected ``env_kwargs``.
     """
-    from envfleet._front.vector_env import FleetVectorEnv
-
-    given = sorted(name for name, value in refused.items() if value is not None)
-    if given:
-        raise ConfigError(
-            f"{', '.join(given)}: not an option of backend='envpool' (EnvPool runs its envs on "
-            "its own native threads: set env_kwargs={'num_threads': ...}; it cannot bound, "
-            "restart or isolate them)"
-        )
     envpool = _import_envpool()
-    task_id = _check_task(envpool, task_id)
-    if num_envs is None:
-        num_envs = 1
+    task_id = _check_task(envpool, request.env)
+    num_envs = 1 if request.num_envs is None else request.num_envs
     if not _as_int(num_envs, 1, 2**31 - 1):
         raise ConfigError(f"num_envs must be an integer >= 1, got {num_envs!r}")
     num_envs = int(num_envs)
+    batch_size = request.batch_size
     if batch_size is not None and not _as_int(batch_size, 1, num_envs):
         raise ConfigError(f"batch_size must be None or an integer in [1, {num_envs}]")
     batch = num_envs if batch_size is None else int(batch_size)
     pool = batch < num_envs
     try:
-        mode = AutoresetMode(autoreset_mode)
+        mode = AutoresetMode(request.autoreset_mode)
     except ValueError as exc:
-        raise ConfigError(f"unknown autoreset_mode {autoreset_mode!r}") from exc
+        raise ConfigError(f"unknown autoreset_mode {request.autoreset_mode!r}") from exc
     if pool and mode is not AutoresetMode.NEXT_STEP:
         raise ConfigError(
             f"autoreset_mode={mode.name}: a first-ready pool on backend='envpool' takes only "
             "AutoresetMode.NEXT_STEP, EnvPool's own autoreset (its fixed-size native batch "
             "cannot wait for the extra step SAME_STEP needs, and a pool always autoresets)"
         )
-    kwargs = dict(env_kwargs or {})
+    kwargs = dict(request.env_kwargs or {})
     reserved = sorted(set(kwargs) & set(_RESERVED_KWARGS))
     if reserved:
         raise ConfigError(
             f"env_kwargs {reserved}: set by envfleet for backend='envpool' "
             "(use make's num_envs and batch_size)"
         )
-    backend = EnvPoolBackend(envpool, task_id, num_envs, batch, mode, kwargs)
-    return FleetVectorEnv(
-        backend,
-        backend_name="envpool",
-        single_observation_space=backend.single_observation_space,
-        single_action_space=backend.single_action_space,
-        metadata=backend.metadata,
-        render_mode=backend.render_mode,
-        autoreset_mode=mode,
-        step_timeout=None,
-        copy=copy,
-        batch_size=batch,
-    )
+    return EnvPoolBackend(envpool, task_id, num_envs, batch, mode, kwargs)
 
 
 class EnvPoolBackend(Backend):
@@ -380,7 +356,8 @@ class EnvPoolBackend(Backend):
 
     def collect(self, timeout: float | None, step: int) -> dict[int, Any]:
         """Receive the synchronous step or reset: ``{0: infos}``, the infos already in
-        gymnasium's vector convention over every env (see :meth:`FleetVectorEnv._infos`).
+        gymnasium's vector convention over every env (:func:`envfleet._front.infos.vector_infos`
+        takes them as they are).
         ``timeout`` is ignored: EnvPool's ``recv`` cannot be bounded. In a first-ready pool
         it returns ``{}`` at once (``close()`` lets EnvPool finish what is running)."""
         command, self._command = self._command, None
@@ -392,12 +369,12 @@ class EnvPoolBackend(Backend):
         obs, reward, terminated, truncated, info = self._pool.recv()
         ids = info["env_id"]
         in_order = self._write(ids, obs, reward, terminated, truncated)
-        infos = self._vector_infos(info, ids, in_order)
+        infos = columns_infos(info, ids, self.num_envs, in_order, _SKIP_INFO)
         if command is Command.STEP:
             if self.autoreset_mode is AutoresetMode.SAME_STEP:
-                adder = _Adder(self.num_envs)
+                adder = InfoAdder(self.num_envs)
                 for e, info_e in self._same_step(ids, obs, terminated, truncated, info):
-                    adder.add(infos, info_e, e)
+                    infos = adder.add(infos, info_e, e)
             self._timer.record(time.perf_counter() - self._t0)
         return {0: infos}
 
@@ -409,7 +386,7 @@ class EnvPoolBackend(Backend):
         obs, reward, terminated, truncated, info = self._pool.recv()
         ids = info["env_id"]
         self._write(ids, obs, reward, terminated, truncated)
-        rows = _info_rows(info, len(ids))
+        rows = split_infos(info, len(ids), _SKIP_INFO)
         if self.is_pool:
             return {int(e): [(int(e), row)] for e, row in zip(ids.tolist(), rows, strict=True)}
         events: list[InfoEvent] = [(int(e), row) for e, row in zip(ids.tolist(), rows, strict=True)]
@@ -462,36 +439,6 @@ class EnvPoolBackend(Backend):
             self._resetting[reset_ids] = False
         return in_order
 
-    def _vector_infos(
-        self, info: dict[str, Any], ids: np.ndarray, in_order: bool
-    ) -> dict[str, Any]:
-        """EnvPool's batched ``info`` for envs ``ids`` as ``VectorEnv._add_info`` would build
-        it from one info dict per env (same keys, dtypes and masks)."""
-        out: dict[str, Any] = {}
-        for key, value in info.items():
-            if key in _SKIP_INFO:
-                continue
-            if isinstance(value, dict):
-                out[key] = self._vector_infos(value, ids, in_order)
-            else:
-                array = np.asarray(value)
-                dtype = _vector_dtype(array)
-                if in_order and dtype == array.dtype:
-                    out[key] = array.copy()
-                else:
-                    column = np.zeros((self.num_envs, *array.shape[1:]), dtype=dtype)
-                    if dtype is object:
-                        column[:] = None
-                        for k, e in enumerate(ids.tolist()):
-                            column[e] = array[k]
-                    else:
-                        column[ids] = array
-                    out[key] = column
-            mask = np.zeros(self.num_envs, dtype=np.bool_)
-            mask[ids] = True
-            out[f"_{key}"] = mask
-        return out
-
     def _same_step(
         self,
         ids: np.ndarray,
@@ -509,7 +456,7 @@ class EnvPoolBackend(Backend):
             return []
         rows = np.flatnonzero(done)
         done_ids = ids[rows]
-        all_rows = _info_rows(info, len(ids))
+        all_rows = split_infos(info, len(ids), _SKIP_INFO)
         final = {
             int(ids[k]): {"final_obs": _row(obs, int(k)), "final_info": all_rows[int(k)]}
             for k in rows.tolist()
@@ -520,52 +467,14 @@ class EnvPoolBackend(Backend):
         reset_obs, _, _, _, reset_info = self._pool.recv()
         got = reset_info["env_id"]
         tree_scatter(self.batch.observations, got, reset_obs)
-        reset_rows = dict(zip(got.tolist(), _info_rows(reset_info, len(got)), strict=True))
+        reset_rows = dict(
+            zip(got.tolist(), split_infos(reset_info, len(got), _SKIP_INFO), strict=True)
+        )
         events: list[InfoEvent] = []
         for e in sorted(final):
             events.append((e, final[e]))
             events.append((e, reset_rows[e]))
         return events
-
-
-class _Adder:
-    """``gymnasium.vector.VectorEnv._add_info`` for ``num_envs`` rows."""
-
-    def __init__(self, num_envs: int):
-        self.num_envs = num_envs
-
-    def _add_info(
-        self, infos: dict[str, Any], info: dict[str, Any], env_num: int
-    ) -> dict[str, Any]:
-        return gymnasium.vector.VectorEnv._add_info(self, infos, info, env_num)  # type: ignore[arg-type]
-
-    def add(self, infos: dict[str, Any], info: dict[str, Any], env_num: int) -> None:
-        """Add ``info`` of env ``env_num`` to ``infos`` in place."""
-        self._add_info(infos, info, env_num)
-
-
-def _vector_dtype(array: np.ndarray) -> Any:
-    """The dtype ``VectorEnv._add_info`` gives a key whose per-env values are rows of
-    ``array``: the array's for ndarray rows and numpy numbers, ``object`` otherwise (e.g.
-    ``np.bool_`` scalars)."""
-    if array.ndim > 1 or np.issubdtype(array.dtype, np.number):
-        return array.dtype
-    return object
-
-
-def _info_rows(info: dict[str, Any], n: int) -> list[dict[str, Any]]:
-    """EnvPool's batched ``info`` as one dict per row (without its env_id bookkeeping)."""
-    rows: list[dict[str, Any]] = [{} for _ in range(n)]
-    for key, value in info.items():
-        if key in _SKIP_INFO:
-            continue
-        if isinstance(value, dict):
-            for k, sub in enumerate(_info_rows(value, n)):
-                rows[k][key] = sub
-        else:
-            for k in range(n):
-                rows[k][key] = value[k]
-    return rows
 
 
 def _row(tree: Any, k: int) -> Any:
@@ -591,3 +500,13 @@ def seeds_of(seed: int | Sequence[int] | None, num_envs: int) -> list[int] | Non
     if isinstance(seed, Sequence):
         return [int(s) for s in seed]
     return [int(seed) + i for i in range(num_envs)]
+
+
+register(
+    BackendSpec(
+        "envpool",
+        native=open_envpool,
+        refuses=("num_workers", "step_timeout", "restart_policy", "context", "observation_mode"),
+        refusal=_refusal,
+    )
+)

@@ -958,3 +958,148 @@ def _worker_main(spec: _WorkerSpec, conn: Connection, parent_conn: Connection) -
         if group is not None:
             group.close()
         conn.close()
+
+
+# -- plan and registration (envfleet._backends.registry) -------------------------------------
+
+import numbers  # noqa: E402
+
+from envfleet._backends.base import worker_ranges  # noqa: E402
+from envfleet._backends.registry import (  # noqa: E402
+    BackendSpec,
+    BuildRequest,
+    Plan,
+    PlanRequest,
+    register,
+    usable_cores,
+)
+from envfleet._errors import ConfigError  # noqa: E402
+
+
+@dataclass
+class ProcessesPlan:
+    """How the processes backend lays out its envs (see :func:`plan_processes`)."""
+
+    ranges: list[tuple[int, int]]  # one block per group; the driver's first when driver_envs
+    num_workers: int
+    driver_envs: int
+    driver_spin_s: float
+    worker_spin_s: float
+
+
+def _is_int(value: Any, low: int, high: int) -> bool:
+    return (
+        isinstance(value, numbers.Integral)
+        and not isinstance(value, bool)
+        and low <= int(value) <= high
+    )
+
+
+def plan_processes(
+    num_envs: int,
+    num_workers: int | None,
+    driver_envs: int | None,
+    spin_s: float | None,
+    cores: int,
+) -> ProcessesPlan:
+    """Choose worker count, the driver's share and spin budgets for the processes backend.
+
+    Defaults (DESIGN §3): with ``c`` usable cores, ``c - 1`` workers (at least 1, at most
+    ``num_envs - 1``) and the driver steps an equal share of the envs itself, so that every
+    core steps envs and nobody idles on a round trip. Given ``num_workers`` alone, the driver
+    steps none. Waiters spin at most ``spin_s`` seconds (default :data:`DEFAULT_SPIN_S`) and
+    only while spinners do not outnumber the cores: the driver spins only if
+    ``num_workers + 1 <= cores``, the workers only if ``num_workers <= cores``.
+
+    Raises:
+        ConfigError: ``driver_envs`` outside ``[0, num_envs - num_workers]`` (every worker
+            needs one env), or ``spin_s`` negative.
+    """
+    if spin_s is None:
+        spin_s = DEFAULT_SPIN_S
+    if not (isinstance(spin_s, numbers.Real) and spin_s >= 0):
+        raise ConfigError(f"spin_s must be None or seconds >= 0, got {spin_s!r}")
+    if driver_envs is not None and not _is_int(driver_envs, 0, num_envs - 1):
+        raise ConfigError(
+            f"driver_envs must be an integer in [0, {num_envs - 1}] (at least one env must go "
+            f"to a worker; use backend='serial' to step every env in the driver), got "
+            f"{driver_envs!r}"
+        )
+    if num_workers is None:
+        if driver_envs is None:
+            num_workers = max(1, min(num_envs - 1, cores - 1))
+            driver_envs = num_envs // (num_workers + 1) if num_envs > 1 and cores > 1 else 0
+            if driver_envs == 0:
+                num_workers = max(1, min(num_envs, cores))
+        else:
+            num_workers = max(1, min(num_envs - driver_envs, cores - 1 if driver_envs else cores))
+    elif driver_envs is None:
+        driver_envs = 0
+    if num_workers > num_envs - driver_envs:
+        raise ConfigError(
+            f"{num_workers} workers cannot share the {num_envs - driver_envs} envs the driver "
+            f"does not step (driver_envs={driver_envs})"
+        )
+    ranges = [(0, driver_envs)] if driver_envs else []
+    ranges += [
+        (driver_envs + a, driver_envs + b)
+        for a, b in worker_ranges(num_envs - driver_envs, num_workers)
+    ]
+    return ProcessesPlan(
+        ranges=ranges,
+        num_workers=num_workers,
+        driver_envs=driver_envs,
+        driver_spin_s=float(spin_s) if num_workers + 1 <= cores else 0.0,
+        worker_spin_s=float(spin_s) if num_workers <= cores else 0.0,
+    )
+
+
+def _plan(request: PlanRequest) -> Plan:
+    """:func:`plan_processes` for make()'s arguments: a first-ready pool, a timeout or a
+    restart policy put every env in a worker (only a worker can be stopped or rebuilt)."""
+    driver_envs = request.options["driver_envs"]
+    if request.pool and driver_envs:
+        raise ConfigError("a first-ready pool steps every env in a worker (driver_envs=0)")
+    if request.step_timeout is not None or request.restart_policy is not None:
+        if driver_envs:
+            raise ConfigError(
+                "step_timeout and restart_policy cannot cover envs the driver steps "
+                "itself; use driver_envs=0 (the default when either is set)"
+            )
+        driver_envs = 0
+    plan = plan_processes(
+        request.num_envs,
+        request.num_workers,
+        driver_envs,
+        request.options["spin_s"],
+        usable_cores(),
+    )
+    return Plan(plan.ranges, plan)
+
+
+def _build(request: BuildRequest) -> ProcessesBackend:
+    plan: ProcessesPlan = request.plan.details
+    return ProcessesBackend(
+        request.layout,
+        request.block(shared=True),
+        request.blobs,
+        request.context,
+        driver_group=plan.driver_envs > 0,
+        first_env=request.first_env,
+        driver_spin_s=plan.driver_spin_s,
+        worker_spin_s=plan.worker_spin_s,
+        ledger=request.ledger,
+        pool=request.pool,
+        start_timeout=request.start_timeout,
+    )
+
+
+register(
+    BackendSpec(
+        "processes",
+        build=_build,
+        plan=_plan,
+        options=("driver_envs", "spin_s"),
+        pickles_factories=True,
+    )
+)

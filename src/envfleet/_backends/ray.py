@@ -752,3 +752,54 @@ def _reason(exc: BaseException) -> str:
     """The first lines of Ray's account of an actor's death, on one line."""
     text = " ".join(str(exc).split())
     return text[:300] + ("..." if len(text) > 300 else "")
+
+
+# -- plan and registration (envfleet._backends.registry) -------------------------------------
+
+from envfleet._backends.base import worker_ranges  # noqa: E402
+from envfleet._backends.registry import (  # noqa: E402
+    BackendSpec,
+    BuildRequest,
+    Plan,
+    PlanRequest,
+    register,
+)
+
+
+def _plan(request: PlanRequest) -> Plan:
+    """Connect to Ray (``ray_address``) and plan the actors (:func:`plan_ray`).
+
+    Raises:
+        ConfigError: ``ray_address`` is not a string, or :func:`plan_ray`'s errors.
+    """
+    address = request.options["ray_address"]
+    if address is not None and not isinstance(address, str):
+        raise ConfigError(f"ray_address must be None or a string, got {address!r}")
+    plan = plan_ray(request.num_envs, request.num_workers, address, request.options["ray_options"])
+    return Plan(worker_ranges(request.num_envs, plan.num_workers), plan)
+
+
+def _build(request: BuildRequest) -> RayBackend:
+    plan: RayPlan = request.plan.details
+    return RayBackend(
+        request.layout,
+        request.block(shared=False),
+        request.blobs,
+        actor_options=plan.actor_options,
+        ledger=request.ledger,
+        pool=request.pool,
+        first_env=request.first_env,
+        start_timeout=request.start_timeout,
+    )
+
+
+register(
+    BackendSpec(
+        "ray",
+        build=_build,
+        plan=_plan,
+        options=("ray_address", "ray_options"),
+        pickles_factories=True,
+        spare_slabs=False,  # the actors' results are copied into the block, not written there
+    )
+)

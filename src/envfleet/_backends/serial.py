@@ -43,3 +43,20 @@ class SerialBackend(InProcessBackend):
 
     def close(self, timeout: float | None, terminate: bool) -> None:
         self._close_groups()
+
+
+# -- registration (envfleet._backends.registry) ----------------------------------------------
+
+from envfleet._backends.registry import BackendSpec, BuildRequest, register  # noqa: E402
+
+
+def _build(request: BuildRequest) -> SerialBackend:
+    return SerialBackend(
+        request.layout,
+        request.block(shared=False),
+        first_env=request.first_env,
+        ledger=request.ledger,
+    )
+
+
+register(BackendSpec("serial", build=_build))

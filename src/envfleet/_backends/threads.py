@@ -351,3 +351,36 @@ class ThreadsBackend(InProcessBackend):
         if hung:
             logger.warning("%s still running after the close timeout; left behind", hung)
         self.groups = []
+
+
+# -- registration (envfleet._backends.registry) ----------------------------------------------
+
+from envfleet._backends.base import worker_ranges  # noqa: E402
+from envfleet._backends.registry import (  # noqa: E402
+    BackendSpec,
+    BuildRequest,
+    Plan,
+    PlanRequest,
+    register,
+    usable_cores,
+)
+
+
+def _plan(request: PlanRequest) -> Plan:
+    """``num_workers`` threads, default one per usable core (at most one per env)."""
+    num_workers = request.num_workers or min(request.num_envs, usable_cores())
+    return Plan(worker_ranges(request.num_envs, num_workers))
+
+
+def _build(request: BuildRequest) -> ThreadsBackend:
+    return ThreadsBackend(
+        request.layout,
+        request.block(shared=False),
+        first_env=request.first_env,
+        ledger=request.ledger,
+        inline_first=request.step_timeout is None and not request.pool,
+        start_timeout=request.start_timeout,
+    )
+
+
+register(BackendSpec("threads", build=_build, plan=_plan))

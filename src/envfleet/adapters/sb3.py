@@ -26,7 +26,9 @@ from gymnasium.vector import AutoresetMode
 
 from envfleet._buffers import tree_copy
 from envfleet._errors import ConfigError
-from envfleet._front.vector_env import FleetVectorEnv, GymMake, check_env_id, make
+from envfleet._front.factories import GymMake, check_env_id
+from envfleet._front.make import make
+from envfleet._front.vector_env import FleetVectorEnv
 from envfleet.adapters._sb3_shim import SHIM_METHOD, ShimFactory
 from envfleet.adapters.infos import split_infos
 

@@ -32,7 +32,8 @@ from typing import Any
 from gymnasium.vector import AutoresetMode
 
 from envfleet._errors import ConfigError
-from envfleet._front.vector_env import FleetVectorEnv, make
+from envfleet._front.make import make
+from envfleet._front.vector_env import FleetVectorEnv
 
 try:
     from torchrl.envs import EnvBase, GymWrapper

@@ -1,0 +1,279 @@
+"""The backend registry: each backend module registers its name, its options, its plan and its
+constructor; :func:`envfleet.make` looks a backend up here and knows none by name.
+
+A backend module ends with one :func:`register` call. The registry imports a backend's module
+the first time that backend is asked for (:func:`lookup`), so ``import envfleet`` imports
+neither ray nor envpool. Options every backend shares (``num_workers``, ``batch_size``,
+``step_timeout``, ``start_timeout``, ``restart_policy``, ``context``, ``copy``,
+``observation_mode``, ...) stay :func:`envfleet.make`'s; a backend declares only the options
+it alone takes and those shared ones it refuses.
+
+Adding a backend is one new module, ``envfleet/_backends/inline.py``, plus its line in
+:data:`BUILTIN`::
+
+    from envfleet._backends.inprocess import InProcessBackend
+    from envfleet._backends.registry import BackendSpec, BuildRequest, register
+
+
+    class InlineBackend(InProcessBackend):
+        ...  # submit / collect / collect_ready / close (see envfleet._backends.base.Backend)
+
+
+    def _build(request: BuildRequest) -> InlineBackend:
+        return InlineBackend(
+            request.layout, request.block(shared=False), first_env=request.first_env,
+            ledger=request.ledger,
+        )
+
+
+    register(BackendSpec("inline", build=_build))
+
+``make(env, 8, backend="inline")`` then plans its workers with the default plan (one worker
+unless ``num_workers`` says otherwise), builds env 0 to learn the spaces, and calls ``_build``.
+A backend with options of its own names them (``options=("driver_envs", "spin_s")``) and reads
+them in its plan (``request.options``), raising :class:`~envfleet.ConfigError` for bad values.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import gymnasium
+import psutil
+
+from envfleet._backends.base import Backend, WorkerLayout, worker_ranges
+from envfleet._buffers import Block
+from envfleet._errors import ConfigError
+from envfleet._supervisor import Ledger, RestartPolicy
+
+__all__ = [
+    "BACKENDS",
+    "BUILTIN",
+    "BackendSpec",
+    "BuildRequest",
+    "NativeRequest",
+    "Plan",
+    "PlanRequest",
+    "lookup",
+    "register",
+    "usable_cores",
+]
+
+# Built-in backends, in the order envfleet.BACKENDS lists them: name -> (module, what installs
+# its missing packages).
+BUILTIN: dict[str, tuple[str, str]] = {
+    "serial": ("envfleet._backends.serial", ""),
+    "threads": ("envfleet._backends.threads", ""),
+    "processes": ("envfleet._backends.processes", ""),
+    "ray": ("envfleet._backends.ray", "pip install 'envfleet[ray]'"),
+    "envpool": ("envfleet._backends.envpool", "pip install 'envfleet[envpool]'"),
+}
+BACKENDS = tuple(BUILTIN)
+
+_REGISTRY: dict[str, BackendSpec] = {}
+
+
+def usable_cores() -> int:
+    """Cores this process may run on (its CPU affinity), at least 1."""
+    try:
+        return max(1, len(psutil.Process().cpu_affinity() or []))
+    except (AttributeError, psutil.Error):
+        return max(1, os.cpu_count() or 1)
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    """What a backend's plan gets from :func:`envfleet.make`, checked there.
+
+    Attributes:
+        num_envs: sub-environments (>= 1).
+        num_workers: ``None`` (the backend's default) or ``1 <= num_workers <= num_envs``.
+        pool: a first-ready pool (``batch_size < num_envs``).
+        step_timeout: seconds (> 0) or ``None``.
+        restart_policy: ``None`` or an :class:`envfleet.RestartPolicy`.
+        options: the backend's own options (:attr:`BackendSpec.options`) as given, ``None``
+            where not given.
+    """
+
+    num_envs: int
+    num_workers: int | None
+    pool: bool
+    step_timeout: float | None
+    restart_policy: RestartPolicy | None
+    options: Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How a backend lays out its envs: ``ranges``, per group of envs (a worker), the
+    ``[start, stop)`` env indices it holds, contiguous and in order; ``details``: whatever
+    else the backend's constructor needs (e.g. the processes backend's driver share)."""
+
+    ranges: list[tuple[int, int]]
+    details: Any = None
+
+    @property
+    def num_workers(self) -> int:
+        return len(self.ranges)
+
+
+@dataclass
+class BuildRequest:
+    """What a backend's constructor gets from :func:`envfleet.make`.
+
+    Attributes:
+        layout: the factories, spaces, autoreset mode and ``plan.ranges``.
+        plan: the backend's own :class:`Plan`.
+        nbytes: the bytes of the batch's block (:func:`envfleet._buffers.batch_nbytes`).
+        spare_slabs: spare observation slabs to allocate (0 unless
+            :attr:`BackendSpec.spare_slabs`).
+        first_env: env 0, built by make() to learn the spaces; the backend keeps it or closes
+            it once its workers are up.
+        ledger: the supervisor's ledger for this vector env.
+        blobs: the factories cloudpickled, one per env (:attr:`BackendSpec.pickles_factories`),
+            else empty.
+        pool: a first-ready pool.
+        context: a ``multiprocessing`` start method or ``None``.
+        step_timeout, start_timeout: seconds or ``None``.
+    """
+
+    layout: WorkerLayout
+    plan: Plan
+    nbytes: int
+    spare_slabs: int
+    first_env: gymnasium.Env[Any, Any]
+    ledger: Ledger
+    blobs: list[bytes]
+    pool: bool
+    context: str | None
+    step_timeout: float | None
+    start_timeout: float | None
+
+    def block(self, shared: bool) -> Block:
+        """The batch's memory: shared between processes or not, with the spare slabs."""
+        return Block(self.nbytes, shared=shared, spare_slabs=self.spare_slabs)
+
+
+@dataclass(frozen=True)
+class NativeRequest:
+    """What a backend that builds its own envs (:attr:`BackendSpec.native`) gets: make()'s
+    ``env``, ``num_envs``, ``batch_size``, ``autoreset_mode`` and ``env_kwargs`` as given."""
+
+    env: Any
+    num_envs: Any
+    batch_size: Any
+    autoreset_mode: Any
+    env_kwargs: dict[str, Any] | None
+
+
+def default_plan(request: PlanRequest) -> Plan:
+    """``num_workers`` (default 1) workers over contiguous blocks of envs."""
+    return Plan(worker_ranges(request.num_envs, request.num_workers or 1))
+
+
+def _refusal(spec: BackendSpec, names: Sequence[str]) -> ConfigError:
+    """The default error for ``names`` given to backend ``spec``: the options of the backend
+    that owns the first of them, or that they are not options of ``spec``."""
+    for other in list(_REGISTRY.values()) + [_load(n) for n in BUILTIN if n not in _REGISTRY]:
+        if other is not None and names[0] in other.options:
+            return ConfigError(
+                f"{' and '.join(other.options)} are options of backend={other.name!r}"
+            )
+    return ConfigError(f"{', '.join(names)}: not an option of backend={spec.name!r}")
+
+
+@dataclass(frozen=True)
+class BackendSpec:
+    """A backend as :func:`envfleet.make` sees it.
+
+    Attributes:
+        name: the ``backend=`` name.
+        build: the constructor: a :class:`BuildRequest` to a started
+            :class:`~envfleet._backends.base.Backend`.
+        plan: make()'s checked arguments (:class:`PlanRequest`) to a :class:`Plan`; raises
+            :class:`~envfleet.ConfigError` for bad options. Default :func:`default_plan`.
+        options: the make() keyword arguments only this backend takes.
+        refuses: make()'s shared options this backend does not take.
+        refusal: the error for options given that the backend does not take (its own words);
+            default: they are another backend's.
+        pickles_factories: the envs are built in other processes from cloudpickled factories.
+        spare_slabs: the envs write into the block the front reads, so ``copy=True`` results
+            can be handed out without a copy (:class:`envfleet._buffers.ObservationSlabs`).
+        native: for a backend that builds its own envs from ``env`` (EnvPool's task ids): a
+            :class:`NativeRequest` to a started backend that also has ``batch_size``,
+            ``autoreset_mode``, ``single_observation_space``, ``single_action_space``,
+            ``metadata`` and ``render_mode``; ``build`` and ``plan`` are then unused.
+    """
+
+    name: str
+    build: Callable[[BuildRequest], Backend] | None = None
+    plan: Callable[[PlanRequest], Plan] = default_plan
+    options: tuple[str, ...] = ()
+    refuses: tuple[str, ...] = ()
+    refusal: Callable[[Sequence[str]], ConfigError] | None = None
+    pickles_factories: bool = False
+    spare_slabs: bool = True
+    native: Callable[[NativeRequest], Any] | None = field(default=None)
+
+    def own_options(
+        self, backend_options: Mapping[str, Any], shared: Mapping[str, Any]
+    ) -> dict[str, Any]:
+        """This backend's options out of make()'s ``backend_options`` (every backend's own
+        options, ``None`` where not given), after checking ``shared`` (make()'s shared options
+        a backend may refuse, ``None`` where not given).
+
+        Raises:
+            ConfigError: another backend's option or a refused one was given.
+        """
+        given = {**backend_options, **shared}
+        bad = sorted(
+            name
+            for name, value in given.items()
+            if value is not None
+            and name not in self.options
+            and (name in self.refuses or name in backend_options)
+        )
+        if bad:
+            raise self.refusal(bad) if self.refusal is not None else _refusal(self, bad)
+        return {name: backend_options.get(name) for name in self.options}
+
+
+def register(spec: BackendSpec) -> BackendSpec:
+    """Make ``spec`` available to ``make(backend=spec.name)`` (a backend module's last line)."""
+    _REGISTRY[spec.name] = spec
+    return spec
+
+
+def _load(name: str) -> BackendSpec | None:
+    """Import a built-in backend's module (it registers itself); ``None`` if it cannot be."""
+    try:
+        return lookup(name)
+    except ConfigError:
+        return None
+
+
+def lookup(name: str) -> BackendSpec:
+    """The backend registered as ``name``, importing its module first if it is a built-in.
+
+    Raises:
+        ConfigError: an unknown name (listing the backends), or a package the backend needs
+            is missing (what installs it).
+    """
+    spec = _REGISTRY.get(name) if isinstance(name, str) else None
+    if spec is not None:
+        return spec
+    if not isinstance(name, str) or name not in BUILTIN:
+        names = list(dict.fromkeys([*BUILTIN, *_REGISTRY]))
+        raise ConfigError(f"unknown backend {name!r}; available backends: {', '.join(names)}")
+    module, install = BUILTIN[name]
+    try:
+        importlib.import_module(module)
+    except ImportError as exc:
+        raise ConfigError(
+            f"backend={name!r} needs {exc.name or 'a missing package'} ({exc}): {install}"
+        ) from exc
+    return _REGISTRY[name]

@@ -1,0 +1,399 @@
+"""make(): the front's one way in (DESIGN §2, layer 1). It checks make()'s own arguments,
+looks the backend up in the registry (:mod:`envfleet._backends.registry`; it knows no backend
+by name), lets the backend check its options and plan its workers, builds env 0 to learn the
+spaces, and wraps the backend the registry built in a :class:`FleetVectorEnv`.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import numbers
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Literal, cast, overload
+
+import gymnasium
+from gymnasium.vector import AutoresetMode
+from gymnasium.vector.utils import batch_differing_spaces
+
+from envfleet._backends.base import WorkerLayout, accepts_env_index, bind_env_index
+from envfleet._backends.registry import (
+    BACKENDS,
+    BackendSpec,
+    BuildRequest,
+    NativeRequest,
+    PlanRequest,
+    lookup,
+)
+from envfleet._buffers import batch_nbytes
+from envfleet._errors import ConfigError, EnvError, SpaceMismatchError
+from envfleet._front.factories import (
+    EnvFactory,
+    build_env,
+    env_factories,
+    pickle_factories,
+)
+from envfleet._front.results import spare_slab_count
+from envfleet._front.vector_env import FleetVectorEnv
+from envfleet._supervisor import Ledger, RestartPolicy
+
+if TYPE_CHECKING:
+    from envfleet.torch import TorchVectorEnv
+
+__all__ = ["BACKENDS", "DEFAULT_START_TIMEOUT", "make"]
+
+DEFAULT_START_TIMEOUT = 60.0  # seconds for the workers to build their envs (make's start_timeout)
+
+
+# make()'s type by output=; **kwargs stands for make()'s other keyword arguments.
+@overload
+def make(
+    env: str | EnvFactory | Sequence[EnvFactory],
+    num_envs: int | None = None,
+    *,
+    output: Literal["numpy"] = "numpy",
+    **kwargs: Any,
+) -> FleetVectorEnv: ...
+@overload
+def make(
+    env: str | EnvFactory | Sequence[EnvFactory],
+    num_envs: int | None = None,
+    *,
+    output: Literal["torch"],
+    **kwargs: Any,
+) -> TorchVectorEnv: ...
+
+
+def make(  # type: ignore[misc]  # the overloads stand for its keyword arguments with **kwargs
+    env: str | EnvFactory | Sequence[EnvFactory],
+    num_envs: int | None = None,
+    *,
+    backend: str = "processes",
+    num_workers: int | None = None,
+    batch_size: int | None = None,
+    autoreset_mode: AutoresetMode | str = AutoresetMode.NEXT_STEP,
+    env_kwargs: dict[str, Any] | None = None,
+    step_timeout: float | None = None,
+    start_timeout: float | None = DEFAULT_START_TIMEOUT,
+    restart_policy: RestartPolicy | None = None,
+    context: str | None = None,
+    copy: bool = True,
+    driver_envs: int | None = None,
+    spin_s: float | None = None,
+    ray_address: str | None = None,
+    ray_options: dict[str, Any] | None = None,
+    output: str = "numpy",
+    device: Any = None,
+    pin_memory: bool = False,
+    observation_mode: str | tuple[gymnasium.Space[Any], gymnasium.Space[Any]] = "same",
+) -> FleetVectorEnv | TorchVectorEnv:
+    """Create a vector env of ``num_envs`` sub-environments on ``backend``.
+
+    Every gymnasium space works, as with ``gymnasium.vector.SyncVectorEnv``. Array leaves
+    (Box, Discrete, MultiDiscrete, MultiBinary, in Dict and Tuple) live in shared buffers;
+    leaves without a fixed size (Text, Graph, Sequence, OneOf, custom ``Space`` subclasses)
+    travel pickled with each reply (observations) or command (actions) and are batched with
+    gymnasium's own ``concatenate``/``iterate``, as SyncVectorEnv batches them (tuples).
+    ``output="torch"`` and :class:`envfleet.Sampler` refuse those (``ConfigError``).
+
+    Args:
+        env: a gymnasium id (``"CartPole-v1"``, ``"ALE/Pong-v5"``), a zero-argument callable
+            returning a ``gymnasium.Env``, or a list of such callables (one per env). A factory
+            that accepts a keyword ``env_index`` is called with the env's global index.
+        num_envs: number of sub-environments; default 1, or ``len(env)`` for a list.
+        backend: ``"serial"`` (in this process), ``"threads"`` (one thread per block of envs
+            in this process; for envs that release the GIL), ``"processes"`` (worker
+            processes over shared memory) or ``"ray"`` (Ray actors, on this machine or across
+            a Ray cluster's nodes; ``pip install 'envfleet[ray]'``).
+            ``"envpool"``: ``env`` is an EnvPool task id (``"CartPole-v1"``, ``"Pong-v5"``;
+            ``envpool.list_all_envs()``) run by EnvPool's native threads, ``env_kwargs`` go
+            to ``envpool.make``; only ``num_envs``, ``batch_size``, ``autoreset_mode``,
+            ``env_kwargs`` and ``copy`` apply (see :mod:`envfleet._backends.envpool` for what
+            maps and what is refused; ``pip install 'envfleet[envpool]'``).
+        num_workers: worker count, ``1 <= num_workers <= num_envs``; envs go to workers in
+            contiguous blocks whose sizes differ by at most one. ``processes``: worker
+            processes, default usable cores - 1 with the driver stepping a share (see
+            ``driver_envs``); ``threads``: threads, default ``min(num_envs, usable
+            cores)``; ``serial``: blocks stepped in turn, default 1; ``ray``: actors,
+            default ``min(num_envs, the Ray cluster's CPUs)``.
+        batch_size: ``None`` or ``num_envs``: synchronous. ``1 <= batch_size < num_envs``: a
+            first-ready pool, EnvPool's asynchronous interface: :meth:`~FleetVectorEnv.
+            async_reset`, :meth:`~FleetVectorEnv.send` and :meth:`~FleetVectorEnv.recv`, which
+            returns the first ``batch_size`` envs to finish, with ``info["env_id"]``. A worker
+            hands its envs back together, so by default a pool puts one env in each worker
+            (``processes``) or thread (``threads``): a slow env then holds up no other.
+            Fewer workers (``num_workers``) cost fewer processes, but each env waits for the
+            others of its block.
+        autoreset_mode: a ``gymnasium.vector.AutoresetMode`` (or its string value).
+        env_kwargs: keyword arguments for ``gymnasium.make``; only with a gymnasium id.
+        step_timeout: seconds any step, reset or call may take before the workers still busy
+            are killed and :class:`envfleet.StepTimeoutError` is raised; ``None``: no bound.
+            With a timeout every env runs in a worker (``driver_envs=0``).
+            Building the envs at start is bounded by ``start_timeout`` instead.
+        start_timeout: seconds the workers (processes, threads, Ray actors) may take to build
+            their envs (default 60); past it the workers are killed (threads are left
+            behind, as daemons) and :class:`envfleet.StartTimeoutError` names the envs not
+            built. ``None``: wait for good. Envs built in the calling thread are not bounded:
+            env 0 (built first, to learn the spaces), the ``processes`` driver's own block and
+            every ``serial`` env. A worker that dies while starting is reported at once.
+        restart_policy: ``None``: fail fast (a typed error names what failed). A
+            :class:`envfleet.RestartPolicy`: rebuild envs that raise in step or reset, and
+            workers that die or run past the timeout, within its budget; the rebuilt envs
+            return ``truncated=True`` and ``info["env_restarted"]``. With ``processes``, every
+            env then runs in a worker (``driver_envs=0``).
+        context: ``multiprocessing`` start method (``"fork"``, ``"spawn"``, ``"forkserver"``);
+            default: the platform's.
+        copy: ``True``: step/reset return observations, rewards and done flags that are the
+            caller's, like gymnasium's copies; no later call changes them. With the
+            ``serial``, ``threads`` and ``processes`` backends (outside a first-ready pool)
+            the observations are not copied: the envs write each step's into a spare buffer
+            that no earlier result uses, and the arrays returned are built over it (see
+            :class:`envfleet._buffers.ObservationSlabs`). ``False``: views of the shared
+            buffers, valid until the next call.
+        driver_envs: ``processes`` only: how many envs (the first block) the driver steps
+            itself while the workers step theirs. Default: an equal share when neither
+            ``num_workers``, ``step_timeout`` nor ``restart_policy`` is given (see
+            :func:`envfleet._backends.processes.plan_processes`), else 0.
+            Those envs live in the driver process: their exceptions are reported as usual,
+            but a native crash in them (a segfault) takes the driver down, and no timeout can
+            stop them; set 0 to isolate every env in a worker.
+        spin_s: ``processes`` only: the most seconds a wait polls before it blocks
+            (default 0.002); the budget adapts to the waits seen, and is 0 wherever spinners
+            would outnumber the cores.
+        ray_address: ``ray`` only: the cluster to join when this process is not connected to
+            Ray yet (``ray.init(address=...)``): ``None`` starts a local one, ``"auto"`` joins
+            the one started on this machine with ``ray start``. envfleet never shuts a
+            cluster down; a local one it started lives until the interpreter exits.
+        ray_options: ``ray`` only: options of each actor (Ray's ``.options(...)``):
+            ``num_cpus`` (default 1, or an even share of the cluster's CPUs when there are
+            more workers than CPUs), ``num_gpus``, ``resources={"simulator": 1}`` (place
+            actors only on nodes that have that custom resource), ``scheduling_strategy``
+            (default ``"SPREAD"``: across the nodes), ``runtime_env``, ...
+        output: ``"numpy"`` (gymnasium's types) or ``"torch"``: observations, rewards and
+            done flags as torch tensors, and TensorDicts on request, from an
+            :class:`envfleet.torch.TorchVectorEnv` (``pip install 'envfleet[torch]'``). With
+            ``copy=False`` on the CPU they are zero-copy views of the shared buffers, valid
+            until the next call; see :mod:`envfleet.torch` for every copy semantics.
+        device: ``output="torch"`` only: where results go (``"cuda"``); default the CPU.
+        pin_memory: ``output="torch"`` only: stage results in pinned memory (needs CUDA).
+        observation_mode: as gymnasium 1.4's SyncVectorEnv/AsyncVectorEnv argument.
+            ``"same"``: every env's observation space must equal env 0's, and
+            ``observation_space`` is ``batch_space`` of it. ``"different"``: the spaces may
+            differ in their parameters (bounds) but must share shape and dtype
+            (``is_space_dtype_shape_equiv``); ``single_observation_space`` is env 0's and
+            ``observation_space`` gymnasium's ``batch_differing_spaces`` of every env's. A
+            pair ``(observation_space, single_observation_space)``: used as given, every
+            env's space sharing the single one's shape and dtype.
+
+    Returns:
+        A :class:`FleetVectorEnv`, a ``gymnasium.vector.VectorEnv``; a
+        :class:`envfleet.torch.TorchVectorEnv` over one for ``output="torch"``.
+
+    Raises:
+        ConfigError: any bad argument above (an unknown backend, an option of another
+            backend or one the backend refuses), an unknown gymnasium id, an unpicklable factory
+            for ``processes`` or ``ray``, a bad ``observation_mode``;
+            ``ray`` not installed, Ray not reachable, or actors asking for more resources
+            than the Ray cluster has.
+        SpaceMismatchError: the sub-environments' spaces differ (see ``observation_mode``;
+            also a ``RuntimeError``, as gymnasium raises).
+        EnvError: a factory raised (``method == "make"``).
+        EnvCrashedError: a worker died while building its envs.
+    """
+    if output != "numpy" or device is not None or pin_memory:
+        arguments = dict(locals())  # make()'s arguments, every one
+        from envfleet.torch import make_with_output
+
+        return make_with_output(make, arguments)
+    spec = lookup(backend)
+    options = spec.own_options(
+        {"driver_envs": driver_envs, "spin_s": spin_s}
+        | {"ray_address": ray_address, "ray_options": ray_options},
+        {"num_workers": num_workers, "step_timeout": step_timeout, "context": context}
+        | {"restart_policy": restart_policy}
+        | {"observation_mode": None if observation_mode == "same" else observation_mode},
+    )
+    if spec.native is not None:
+        native = NativeRequest(env, num_envs, batch_size, autoreset_mode, env_kwargs)
+        return _native_vector_env(spec, native, copy)
+    env_fns, num_envs = _env_list(env, env_kwargs, num_envs)
+    pool = _check_batching(num_envs, num_workers, batch_size, restart_policy)
+    if pool and num_workers is None:
+        num_workers = num_envs  # one env per worker: each env is handed back when it finishes
+    mode = _check_mode(autoreset_mode, pool)
+    _check_limits(start_timeout, step_timeout, restart_policy, context)
+    explicit = _check_observation_mode(observation_mode)
+    plan = spec.plan(
+        PlanRequest(num_envs, num_workers, pool, step_timeout, restart_policy, options)
+    )
+    accepts = [accepts_env_index(fn) for fn in env_fns]
+    blobs = pickle_factories(env_fns) if spec.pickles_factories else []
+    # As gymnasium's vector envs do, env 0 is built here first: it gives the spaces and
+    # metadata. The backend keeps it as env 0 where it steps env 0 in this process, and
+    # closes it once its workers are up otherwise.
+    first = build_env(bind_env_index(env_fns[0], 0, accepts[0]), 0)
+    obs_space = cast(tuple, observation_mode)[1] if explicit else first.observation_space
+    act_space = first.action_space
+    metadata, render_mode = dict(first.metadata), first.render_mode
+    same = observation_mode == "same"
+    layout = WorkerLayout(env_fns, accepts, obs_space, act_space, mode, plan.ranges, same)
+    spare = spare_slab_count(obs_space, num_envs, copy, pool, spec.spare_slabs)
+    nbytes = batch_nbytes(obs_space, act_space, num_envs, spare)
+    ledger = Ledger(num_envs, restart_policy)
+    timeouts = {"step_timeout": step_timeout, "start_timeout": start_timeout}
+    build = BuildRequest(
+        layout, plan, nbytes, spare, first, ledger, blobs, pool, context, **timeouts
+    )
+    assert spec.build is not None  # every backend but a native one has a constructor
+    venv = FleetVectorEnv(
+        spec.build(build),
+        backend_name=spec.name,
+        single_observation_space=obs_space,
+        single_action_space=act_space,
+        metadata=metadata,
+        render_mode=render_mode,
+        autoreset_mode=mode,
+        step_timeout=None if step_timeout is None else float(step_timeout),
+        copy=copy,
+        batch_size=num_envs if batch_size is None else int(batch_size),
+    )
+    return _batch_observation_space(venv, observation_mode)
+
+
+def _is_int(value: Any, low: int, high: int) -> bool:
+    return (
+        isinstance(value, numbers.Integral)
+        and not isinstance(value, bool)
+        and low <= int(value) <= high
+    )
+
+
+def _env_list(
+    env: str | EnvFactory | Sequence[EnvFactory], env_kwargs: dict[str, Any] | None, num_envs: Any
+) -> tuple[list[EnvFactory], int]:
+    """One factory per env, and ``num_envs`` checked (default 1, or the list's length)."""
+    env_fns, default_num_envs = env_factories(env, env_kwargs)
+    if num_envs is None:
+        num_envs = default_num_envs
+    if isinstance(num_envs, bool) or not isinstance(num_envs, numbers.Integral) or num_envs < 1:
+        raise ConfigError(f"num_envs must be an integer >= 1, got {num_envs!r}")
+    num_envs = int(num_envs)
+    if len(env_fns) == 1:
+        env_fns = env_fns * num_envs
+    elif len(env_fns) != num_envs:
+        raise ConfigError(f"got {len(env_fns)} env factories for num_envs={num_envs}")
+    return env_fns, num_envs
+
+
+def _check_batching(
+    num_envs: int, num_workers: Any, batch_size: Any, restart_policy: RestartPolicy | None
+) -> bool:
+    """Check ``num_workers`` and ``batch_size``; returns whether make() builds a first-ready
+    pool (``batch_size < num_envs``)."""
+    if num_workers is not None and not _is_int(num_workers, 1, num_envs):
+        raise ConfigError(f"num_workers must be an integer in [1, {num_envs}], got {num_workers!r}")
+    if batch_size is not None and not _is_int(batch_size, 1, num_envs):
+        raise ConfigError(f"batch_size must be None or an integer in [1, {num_envs}]")
+    pool = batch_size is not None and batch_size < num_envs
+    if pool and restart_policy is not None:
+        raise ConfigError("restart_policy is not available with a first-ready pool yet")
+    return pool
+
+
+def _check_mode(autoreset_mode: AutoresetMode | str, pool: bool) -> AutoresetMode:
+    try:
+        mode = (
+            autoreset_mode
+            if isinstance(autoreset_mode, AutoresetMode)
+            else AutoresetMode(autoreset_mode)
+        )
+    except ValueError as exc:
+        raise ConfigError(f"unknown autoreset_mode {autoreset_mode!r}") from exc
+    if pool and mode is AutoresetMode.DISABLED:
+        raise ConfigError(
+            "a first-ready pool autoresets its envs, as EnvPool does: use "
+            "AutoresetMode.NEXT_STEP or SAME_STEP"
+        )
+    return mode
+
+
+def _check_limits(
+    start_timeout: float | None,
+    step_timeout: float | None,
+    restart_policy: RestartPolicy | None,
+    context: str | None,
+) -> None:
+    """Check the timeouts, the restart policy and the start method."""
+    if start_timeout is not None and not (
+        isinstance(start_timeout, numbers.Real) and start_timeout > 0
+    ):
+        raise ConfigError(f"start_timeout must be None or seconds > 0, got {start_timeout!r}")
+    if step_timeout is not None and not (
+        isinstance(step_timeout, numbers.Real) and step_timeout > 0
+    ):
+        raise ConfigError(f"step_timeout must be None or seconds > 0, got {step_timeout!r}")
+    if restart_policy is not None and not isinstance(restart_policy, RestartPolicy):
+        raise ConfigError(
+            f"restart_policy must be None or an envfleet.RestartPolicy, got {restart_policy!r}"
+        )
+    if context is not None and context not in multiprocessing.get_all_start_methods():
+        raise ConfigError(
+            f"context={context!r} is not a start method here; "
+            f"choose from {multiprocessing.get_all_start_methods()}"
+        )
+
+
+def _check_observation_mode(observation_mode: Any) -> bool:
+    """Check ``observation_mode``; returns whether it is a pair of spaces."""
+    if isinstance(observation_mode, tuple) and len(observation_mode) == 2:
+        if not all(isinstance(s_, gymnasium.Space) for s_ in observation_mode):
+            raise ConfigError(
+                "observation_mode: expected both elements of the pair to be Spaces, got "
+                f"{[type(s_).__name__ for s_ in observation_mode]}"
+            )
+        return True
+    if not (isinstance(observation_mode, str) and observation_mode in ("same", "different")):
+        raise ConfigError(
+            # gymnasium's text (its pair is (observation_space, single_observation_space))
+            "Invalid `observation_mode`, expected: 'same' or 'different' or tuple of single "
+            f"and batch observation space, actual got {observation_mode}"
+        )
+    return False
+
+
+def _batch_observation_space(venv: FleetVectorEnv, observation_mode: Any) -> FleetVectorEnv:
+    """Set ``venv``'s observation mode and, for a pair or ``"different"``, its batched
+    observation space (closing it if the spaces cannot be batched)."""
+    venv.observation_mode = observation_mode
+    if isinstance(observation_mode, tuple):
+        venv.observation_space = observation_mode[0]
+    elif observation_mode == "different":
+        try:
+            venv.observation_space = batch_differing_spaces(
+                list(venv.get_attr("observation_space"))
+            )
+        except BaseException as exc:
+            venv.close(terminate=True)
+            if isinstance(exc, Exception) and not isinstance(exc, EnvError):
+                raise SpaceMismatchError(
+                    f"observation_mode='different': the observation spaces cannot be batched: {exc}"
+                ) from exc
+            raise
+    return venv
+
+
+def _native_vector_env(spec: BackendSpec, request: NativeRequest, copy: bool) -> FleetVectorEnv:
+    """The vector env over a backend that builds its own envs (:attr:`BackendSpec.native`)."""
+    assert spec.native is not None
+    backend = spec.native(request)
+    return FleetVectorEnv(
+        backend,
+        backend_name=spec.name,
+        single_observation_space=backend.single_observation_space,
+        single_action_space=backend.single_action_space,
+        metadata=backend.metadata,
+        render_mode=backend.render_mode,
+        autoreset_mode=backend.autoreset_mode,
+        step_timeout=None,
+        copy=copy,
+        batch_size=backend.batch_size,
+    )
