@@ -362,8 +362,6 @@ def make(  # type: ignore[misc]  # the overloads stand for its keyword arguments
     if batch_size is not None and not _is_int(batch_size, 1, num_envs):
         raise ConfigError(f"batch_size must be None or an integer in [1, {num_envs}]")
     pool = batch_size is not None and batch_size < num_envs
-    if pool and restart_policy is not None:
-        raise ConfigError("restart_policy is not available with a first-ready pool yet")
     if pool and num_workers is None:
         num_workers = num_envs  # one env per worker: each env is handed back when it finishes
     try:
