@@ -93,6 +93,11 @@ class RestartPolicy:
     Errors in ``call``, ``get_attr``, ``set_attr`` and ``render`` are the caller's and are not
     restarted: they raise as without a policy.
 
+    In a first-ready pool (``batch_size < num_envs``) the same holds for each worker's own
+    command (``send`` steps, ``async_reset`` resets): the rebuilt envs come back from
+    ``recv`` flagged as above while the other workers keep running. Threads cannot be killed:
+    on ``backend="threads"`` a hung env fails fast whatever the policy.
+
     Args:
         max_restarts: restarts allowed within any ``window_s`` seconds (>= 0; 0 never restarts).
         window_s: the window, in seconds (> 0).

@@ -258,6 +258,9 @@ class Backend(abc.ABC):
         ``timeout``: seconds each worker may take from the :meth:`submit` that started it; a
         worker past it raises :class:`StepTimeoutError` even while others keep replying, and
         a dead worker raises :class:`EnvCrashedError` at the first call after its death.
+        With a restart policy (``ledger.policy``) they, and envs that raise, are rebuilt
+        within its budget instead, and their results returned, flagged
+        (:meth:`envfleet._supervisor.Supervisor.ready`).
 
         Raises: as :meth:`collect`.
         """

@@ -92,6 +92,7 @@ from envfleet._workers import (
     join_all,
     remote_error,
     spawn,
+    watch,
 )
 
 __all__ = ["DEFAULT_CLOSE_TIMEOUT", "DEFAULT_SPIN_S", "ProcessesBackend"]
@@ -507,11 +508,11 @@ class ProcessesBackend(Backend):
             done = Round()
             # Every call looks at every pending worker: a dead or late one is reported even
             # while others keep replying (an exited worker's reply was taken above, if any).
-            for g in self._pending:
-                if g not in ready and not procs[g].is_alive():
-                    if fail_fast:
-                        supervisor.crashed(g, step)
-                    done.crashed[g] = ""
+            unread = [g for g in self._pending if g not in ready]
+            for exit_ in watch([procs[g] for g in unread]).dead:
+                if fail_fast:
+                    supervisor.crashed(unread[exit_.index], step)
+                done.crashed[unread[exit_.index]] = ""
             if deadline is not None and (not woke or time.monotonic() >= deadline):
                 waiting = [g for g in self._pending if g not in ready and g not in done.crashed]
                 late = supervisor.late(waiting, timeout)
@@ -563,7 +564,7 @@ class ProcessesBackend(Backend):
                 self._read_reply(g, done, step, fail_fast)
                 continue
             spun_s = None
-            dead = [h for h in waiting if not procs[h].is_alive()]
+            dead = [waiting[exit_.index] for exit_ in watch([procs[h] for h in waiting]).dead]
             for h in dead:
                 waiting.remove(h)
                 if h != g and cast(Doorbell, doorbells[h]).done.acquire(False):
