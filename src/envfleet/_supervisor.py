@@ -17,6 +17,7 @@ import collections
 import logging
 import numbers
 import time
+import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, NoReturn, Protocol, TypeVar, cast
@@ -365,7 +366,9 @@ class Supervisor:
     """
 
     def __init__(self, backend: Supervised):
-        self.backend = backend
+        # A proxy: the backend holds its supervisor, and a reference cycle would keep its
+        # processes, pipes and buffers until the garbage collector runs.
+        self.backend: Supervised = cast(Supervised, weakref.proxy(backend))
         self.ledger = backend.ledger
         self.sent_at: dict[int, float] = {}  # a pool's: worker -> when it was sent a command
         self.commands: dict[int, Command] = {}  # a pool's: worker -> the command it runs
