@@ -83,8 +83,10 @@ def test_a_backend_is_one_registered_module(monkeypatch):
             ledger=request.ledger,
         )
 
-    monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
-    registry.register(registry.BackendSpec("inline", build=build))
+    spec = registry.BackendSpec("inline", build=build)
+    # Only "inline" is undone after the test: the built-in backends registered meanwhile stay.
+    monkeypatch.setitem(registry._REGISTRY, "inline", None)
+    assert registry.register(spec) is spec
     with pytest.raises(envfleet.ConfigError, match="options of backend='processes'"):
         envfleet.make(IndexedEnv, 4, backend="inline", driver_envs=1)
     envs = envfleet.make(IndexedEnv, 4, backend="inline", num_workers=2)

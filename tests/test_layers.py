@@ -15,13 +15,6 @@ import envfleet
 
 ROOT = Path(envfleet.__file__).parent
 
-# Underscore names still taken across modules, each to be removed by the helper that owns the
-# importing module (issue 18: one worker-process toolkit with public names). The merge of that
-# work empties this list; test_allowed_underscore_uses_are_still_there keeps it honest.
-ALLOWED_UNDERSCORE_USES = {
-    ("envfleet._backends.ray", "envfleet._backends.processes", "_remote_error"),
-}
-
 # Third-party packages whose absence leaves a module of an optional extra unimportable.
 OPTIONAL = {"ray", "torch", "tensordict", "torchrl", "stable_baselines3", "envpool", "ale_py"}
 
@@ -188,16 +181,9 @@ def test_no_import_cycles():
 
 def test_no_module_uses_another_modules_underscore_names():
     uses = {use for imports in IMPORTS.values() for use in imports.underscore_uses()}
-    unexpected = sorted(use for use in uses if use[:3] not in ALLOWED_UNDERSCORE_USES)
-    assert unexpected == [], "\n".join(
-        f"{importer} line {line}: {module}.{name}" for importer, module, name, line in unexpected
+    assert sorted(uses) == [], "\n".join(
+        f"{importer} line {line}: {module}.{name}" for importer, module, name, line in sorted(uses)
     )
-
-
-def test_allowed_underscore_uses_are_still_there():
-    """An entry of the allow-list that no module needs any more must leave the list."""
-    uses = {use[:3] for imports in IMPORTS.values() for use in imports.underscore_uses()}
-    assert sorted(ALLOWED_UNDERSCORE_USES - uses) == []
 
 
 def test_the_checks_see_a_cycle_and_an_underscore_use():

@@ -440,14 +440,6 @@ def test_a_slow_env_never_holds_up_the_others(make_env, backend, tmp_path):
         pytest.param("threads", {"batch_size": -1}, id="batch-negative"),
         pytest.param("serial", {"batch_size": 2.0}, id="batch-float"),
         pytest.param(
-            "serial", {"batch_size": 2, "restart_policy": envfleet.RestartPolicy()}, id="restart"
-        ),
-        pytest.param(
-            "processes",
-            {"batch_size": 2, "restart_policy": envfleet.RestartPolicy()},
-            id="restart-processes",
-        ),
-        pytest.param(
             "threads", {"batch_size": 2, "autoreset_mode": AutoresetMode.DISABLED}, id="disabled"
         ),
         pytest.param("serial", {"batch_size": 3, "autoreset_mode": "Disabled"}, id="disabled-str"),

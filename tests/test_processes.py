@@ -544,3 +544,66 @@ def test_replies_in_the_mailbox_or_on_the_pipe(make_env):
         assert seen == {0, processes._IN_MAILBOX, processes._ON_PIPE}
     finally:
         sync.close()
+
+
+# -- the worker-process toolkit (envfleet._workers) ------------------------------------------
+
+
+def _exit_with(code: int) -> None:
+    os._exit(code)
+
+
+def _sleep_then_send(conn: multiprocessing.connection.Connection) -> None:
+    conn.send("hello")
+    time.sleep(30)
+
+
+def test_workers_watch_reports_deaths_with_exit_codes_and_readable_pipes():
+    from envfleet._workers import join_all, spawn, watch
+
+    exits = spawn("fork", _exit_with, (3,), "envfleet-test-exit")
+    reader, writer = multiprocessing.Pipe(duplex=False)
+    talker = spawn("fork", _sleep_then_send, (writer,), "envfleet-test-talker")
+    writer.close()
+    try:
+        join_all([exits], 10.0)
+        assert reader.poll(10.0)  # the talker has sent: both events are there for one watch
+        found = watch([exits, talker], [reader], timeout=10.0)
+        assert [(d.index, d.exitcode) for d in found.dead] == [(0, 3)]
+        assert found.readable == [0] and reader.recv() == "hello"
+        talker.kill()
+        join_all([talker], 10.0)
+        found = watch([exits, talker], timeout=0)
+        assert [(d.index, d.exitcode) for d in found.dead] == [(0, 3), (1, -signal.SIGKILL)]
+    finally:
+        talker.kill()
+        talker.join()
+        reader.close()
+
+
+def test_workers_remote_error_carries_the_exception_and_its_traceback():
+    from envfleet._errors import RemoteTraceback
+    from envfleet._workers import remote_cause, remote_error
+
+    def boom() -> None:
+        raise KeyError("the key")
+
+    try:
+        boom()
+    except KeyError as exc:
+        error = remote_error(exc, 5, "step")
+    assert (error.env_index, error.method, error.type_name) == (5, "step", "KeyError")
+    assert "in boom" in error.traceback
+    cause, original = remote_cause(error)
+    assert cause is original and isinstance(cause, KeyError) and cause.args == ("the key",)
+    assert isinstance(cause.__cause__, RemoteTraceback)
+    assert "in boom" in str(cause.__cause__)
+
+    class Unpicklable(Exception):
+        def __reduce__(self):
+            raise TypeError("no")
+
+    error = remote_error(Unpicklable("x"), 1, "reset")
+    assert error.exception is None
+    cause, original = remote_cause(error)
+    assert original is None and isinstance(cause, RuntimeError) and "Unpicklable: x" in str(cause)

@@ -1,27 +1,47 @@
-"""The supervisor (DESIGN §2, layer 5; §4): restart policy, restart budget and statistics.
+"""The supervisor (DESIGN §2, layer 5; §4): what happens when a worker or an env fails.
 
-The transports do the mechanics (a process backend kills and respawns a worker, an EnvGroup
-rebuilds one env); this module decides whether a restart may happen, derives the seeds of
-rebuilt envs, and keeps the counters and step-time statistics that ``envs.stats`` reports.
+One implementation for every backend (serial, threads, processes, ray) and mode (a
+synchronous round, a first-ready pool's): liveness is reported to it in a :class:`Round`
+(what one wait on the workers found: results, env failures, dead workers, late workers), and
+:class:`Supervisor` decides. It keeps per worker the deadline bookkeeping of a pool (when each
+worker was sent its command), applies the restart policy within its budget (rebuilding only
+what failed, through the backend's mechanics: :class:`Supervised`), and has the one "broken"
+path: shut the backend down and raise the typed error (:class:`~envfleet.EnvCrashedError`,
+:class:`~envfleet.StepTimeoutError`, :class:`~envfleet.EnvError`). :class:`Ledger` keeps the
+counters and seeds; the step-time statistics live in :mod:`envfleet._stats`.
 """
 
 from __future__ import annotations
 
 import collections
-import functools
 import logging
-import math
 import numbers
 import time
+import weakref
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
-from typing import Any, TypeVar, cast
+from dataclasses import dataclass
+from typing import Any, NoReturn, Protocol, TypeVar, cast
 
 import numpy as np
 
-from envfleet import _native as _speedups
-from envfleet._errors import ConfigError
-from envfleet._protocol import Command, InfoEvent, RestartRequest
+from envfleet._envgroup import PartialFailure
+from envfleet._errors import (
+    ConfigError,
+    EnvCrashedError,
+    EnvError,
+    EnvfleetError,
+    StepTimeoutError,
+)
+from envfleet._protocol import Command, Failure, InfoEvent, RestartRequest
+from envfleet._stats import (
+    BUCKETS_PER_OCTAVE,
+    NUM_BUCKETS,
+    STATS_WORDS,
+    FleetStats,
+    StepTimer,
+    StepTimeStats,
+    step_time_table,
+)
 
 logger = logging.getLogger("envfleet")
 
@@ -34,10 +54,14 @@ __all__ = [
     "NUM_BUCKETS",
     "STATS_WORDS",
     "FleetStats",
+    "Ledger",
     "RestartBudget",
     "RestartPolicy",
+    "Round",
     "StepTimeStats",
     "StepTimer",
+    "Supervised",
+    "Supervisor",
     "log_env_restart",
     "merge_events",
     "restart_seed",
@@ -69,6 +93,11 @@ class RestartPolicy:
 
     Errors in ``call``, ``get_attr``, ``set_attr`` and ``render`` are the caller's and are not
     restarted: they raise as without a policy.
+
+    In a first-ready pool (``batch_size < num_envs``) the same holds for each worker's own
+    command (``send`` steps, ``async_reset`` resets): the rebuilt envs come back from
+    ``recv`` flagged as above while the other workers keep running. Threads cannot be killed:
+    on ``backend="threads"`` a hung env fails fast whatever the policy.
 
     Args:
         max_restarts: restarts allowed within any ``window_s`` seconds (>= 0; 0 never restarts).
@@ -126,119 +155,6 @@ class RestartBudget:
         )
 
 
-# -- step-time statistics ----------------------------------------------------------------------
-
-BUCKETS_PER_OCTAVE = 4
-NUM_BUCKETS = 128  # quarter octaves from 1 µs: up to 2**32 µs (about 71 minutes)
-STATS_WORDS = 2 + NUM_BUCKETS  # per worker: count, total seconds, histogram
-
-
-class StepTimer:
-    """Records one worker's step times into its row of a float64 ``[workers, STATS_WORDS]``
-    array (shared memory for process backends, so the driver reads it at any time)."""
-
-    __slots__ = ("_words", "call", "row")
-
-    def __init__(self, row: np.ndarray):
-        self.row = row
-        # Written through a memoryview of the row: a worker records once per step, and three
-        # numpy scalar updates cost ~0.7 µs there against ~0.35 µs this way.
-        self._words = row.data.cast("B").cast("d")
-        fast = _speedups.speedups
-        self.call: Callable[[Callable[[], _T]], _T]
-        """``fn()``, its time recorded when it returns (in C where envfleet._native is)."""
-        # (A subclass that overrides record() gets it called, so it times in Python.)
-        if (
-            fast is not None
-            and type(self).record is StepTimer.record
-            and row.flags.c_contiguous
-            and row.dtype == np.float64
-        ):
-            self.call = functools.partial(
-                fast.timed_call, row.ctypes.data, BUCKETS_PER_OCTAVE, NUM_BUCKETS
-            )
-        else:
-            self.call = self._call
-
-    def _call(self, fn: Callable[[], _T]) -> _T:
-        t0 = time.perf_counter()
-        result = fn()
-        self.record(time.perf_counter() - t0)
-        return result
-
-    def record(self, seconds: float) -> None:
-        words = self._words
-        words[0] += 1.0
-        words[1] += seconds
-        us = seconds * 1e6  # its quarter-octave bucket; bucket 0 holds everything up to 1 µs
-        b = 0 if us <= 1.0 else min(NUM_BUCKETS - 1, int(BUCKETS_PER_OCTAVE * math.log2(us)))
-        words[2 + b] += 1.0
-
-
-@dataclass(frozen=True)
-class StepTimeStats:
-    """Step times of one worker: how long its EnvGroup took to step its envs, per batch.
-
-    Attributes:
-        count: batches stepped.
-        mean_s, p50_s, p99_s: mean, median and 99th percentile in seconds (``nan`` before the
-            first step). The percentiles come from a quarter-octave histogram: within about
-            ±9 %.
-    """
-
-    count: int
-    mean_s: float
-    p50_s: float
-    p99_s: float
-
-
-def _quantile(hist: np.ndarray, count: float, q: float) -> float:
-    cumulative = np.cumsum(hist)
-    b = int(np.searchsorted(cumulative, q * count, side="left"))
-    return 2.0 ** ((b + 0.5) / BUCKETS_PER_OCTAVE) * 1e-6
-
-
-def step_time_table(rows: np.ndarray) -> tuple[StepTimeStats, ...]:
-    """:class:`StepTimeStats` per row of a ``[workers, STATS_WORDS]`` array, read now."""
-    out = []
-    for row in np.array(rows, dtype=np.float64, copy=True):  # one snapshot of every row
-        count = float(row[0])
-        if count <= 0:
-            out.append(StepTimeStats(0, math.nan, math.nan, math.nan))
-            continue
-        hist = row[2:]
-        out.append(
-            StepTimeStats(
-                int(count),
-                float(row[1]) / count,
-                _quantile(hist, count, 0.5),
-                _quantile(hist, count, 0.99),
-            )
-        )
-    return tuple(out)
-
-
-@dataclass(frozen=True)
-class FleetStats:
-    """What the supervisor has seen so far (``envs.stats``; a snapshot, readable at any time).
-
-    Attributes:
-        restarts: envs and workers rebuilt under the restart policy.
-        env_restarts: per env index, how often it was rebuilt (only envs rebuilt at least once).
-        timeouts: waits that ran past their timeout.
-        crashes: workers found dead.
-        env_errors: exceptions raised by envs (restarted or not).
-        workers: per worker, its step-time statistics, in worker order.
-    """
-
-    restarts: int = 0
-    env_restarts: dict[int, int] = field(default_factory=dict)
-    timeouts: int = 0
-    crashes: int = 0
-    env_errors: int = 0
-    workers: tuple[StepTimeStats, ...] = ()
-
-
 class Ledger:
     """The driver's record of failures and restarts, and of each env's last seed."""
 
@@ -267,15 +183,21 @@ class Ledger:
         """Whether a failure of ``command`` is restarted under the policy (step and reset)."""
         return self.policy is not None and command in RESTARTABLE
 
-    def refusal(self, command: Command, only_envs_failed: bool, count: int) -> str | None:
-        """Grant ``count`` restarts after ``command`` failed (``None``; the budget is spent),
+    def refusal(
+        self, commands: Command | Iterable[Command], only_envs_failed: bool, count: int
+    ) -> str | None:
+        """Grant ``count`` restarts after ``commands`` failed (``None``; the budget is spent),
         or refuse them, returning the note for the fail-fast error: empty when nothing is
         restarted at all, the budget's message when it is exhausted.
 
-        ``only_envs_failed``: every failure is an env's own, the rest of its group completed
-        (else the group's state is unknown and it cannot be rebuilt in place).
+        ``commands``: the command, or each failed worker's (a first-ready pool's workers may
+        run different ones). ``only_envs_failed``: every failure is an env's own, the rest of
+        its group completed (else the group's state is unknown and it cannot be rebuilt in
+        place).
         """
-        if not (self.restarts_on(command) and only_envs_failed):
+        if isinstance(commands, Command):
+            commands = (commands,)
+        if not (only_envs_failed and all(self.restarts_on(c) for c in commands)):
             return ""
         if not self.allow(count):
             return cast(RestartBudget, self.budget).describe()
@@ -329,3 +251,304 @@ def merge_events(*lists: list[InfoEvent] | None) -> list[InfoEvent] | None:
     """Info events of one group from several lists, in env order (``None`` when none)."""
     events = [event for events in lists for event in events or ()]
     return sorted(events, key=lambda event: event[0]) or None
+
+
+# -- after a round: the one implementation of every backend's supervision ----------------------
+
+
+class Round:
+    """What one wait on the workers found (a plain class: one is made per round).
+
+    Attributes:
+        results: worker -> its reply (what travels back to the front).
+        failures: worker -> its failure: a ``protocol.Failure`` from a worker elsewhere, an
+            ``EnvFailure`` (a ``PartialFailure`` for some envs) from a group in this process.
+        crashed: worker -> why it died (Ray's reason; empty where the exit code says it),
+            in the order found.
+        late: workers past their timeout, in worker order.
+    """
+
+    __slots__ = ("crashed", "failures", "late", "results")
+
+    def __init__(self) -> None:
+        self.results: dict[int, Any] = {}
+        self.failures: dict[int, Any] = {}
+        self.crashed: dict[int, str] = {}
+        self.late: list[int] = []
+
+    @property
+    def failed(self) -> bool:
+        return bool(self.failures or self.crashed or self.late)
+
+
+def failed_envs(failure: Any) -> list[tuple[int, str, str, str]]:
+    """``(env index, method, type name, message)`` of each env that failed in ``failure``
+    (a ``protocol.Failure`` or an ``EnvFailure``, see :class:`Round`)."""
+    if isinstance(failure, Failure):
+        return [(e.env_index, e.method, e.type_name, e.message) for e in failure.errors]
+    per_env = failure.failures if isinstance(failure, PartialFailure) else [failure]
+    return [(f.env_index, f.method, type(f.__cause__).__name__, str(f.__cause__)) for f in per_env]
+
+
+def _only_envs_failed(failure: Any) -> bool:
+    """Whether only some envs of the group failed, the others completed (see Ledger.refusal)."""
+    if isinstance(failure, Failure):
+        return failure.partial
+    return isinstance(failure, PartialFailure)
+
+
+def _events(failure: Any) -> list[InfoEvent] | None:
+    """The infos of the envs that completed beside the failed ones."""
+    if isinstance(failure, (Failure, PartialFailure)):
+        return failure.events
+    return None
+
+
+class Supervised(Protocol):
+    """The mechanics a backend lends its :class:`Supervisor`; the decisions are the
+    supervisor's.
+
+    Attributes:
+        ranges: ``[start, stop)`` of envs per worker.
+        ledger: the counters and seeds (shared with the front).
+        late_what: how a timeout names the late workers (``"workers"``, ``"threads"``).
+        late_fate: what became of them (``"they were killed"``).
+    """
+
+    ranges: Any
+    ledger: Ledger
+    late_what: str
+    late_fate: str
+
+    def close(self, timeout: float | None, terminate: bool) -> None:
+        """Shut down: every worker, process and buffer."""
+
+    def env_error(self, w: int, failure: Any, note: str) -> EnvError:
+        """The typed error of worker ``w``'s first failed env (``note``: why not restarted),
+        its exception chained as ``__cause__``."""
+        ...
+
+    def crash_error(
+        self, w: int, step: int, note: str, reason: str, starting: bool
+    ) -> EnvCrashedError:
+        """The typed error of worker ``w``, found dead after ``step`` steps (or while
+        ``starting``); ``reason``: what :class:`Round` noted."""
+        ...
+
+    def replace_workers(
+        self, workers: list[int], done: Round, timeout: float | None, step: int
+    ) -> None:
+        """Kill ``workers`` (dead or hung) and start new ones with their envs, ready to serve;
+        leave every other worker's pending command as it is. Shut down and raise when one
+        cannot start."""
+
+    def restart_envs(
+        self, requests: dict[int, RestartRequest], timeout: float | None, step: int
+    ) -> Round:
+        """Run each worker's :class:`RestartRequest` and wait for those workers only."""
+        ...
+
+
+class Supervisor:
+    """Every backend's decisions after a round with failures, in one place (DESIGN §4).
+
+    - **Deadlines** of a first-ready pool: when each worker was sent its command
+      (:meth:`sent`), the first deadline to wait for (:meth:`deadline`), who is past it
+      (:meth:`late`).
+    - **The one broken path**: :meth:`crashed`, :meth:`timed_out`, :meth:`broken` shut the
+      backend down and raise the typed error; :meth:`guarded` does so for anything but an
+      envfleet error (an interrupt between sending and reading could leave a stale reply).
+    - **After a round** (:meth:`settle`, and :meth:`ready` for a pool): rebuild what failed
+      within the restart policy's budget, or raise. Env errors leave the backend usable; a
+      dead or hung worker shuts it down unless it is replaced.
+    - **A pool's kept results**: a pool reports one env error per call; what a round read
+      beside it waits here for the next calls, so nothing finished is lost.
+    """
+
+    def __init__(self, backend: Supervised):
+        # A proxy: the backend holds its supervisor, and a reference cycle would keep its
+        # processes, pipes and buffers until the garbage collector runs.
+        self.backend: Supervised = cast(Supervised, weakref.proxy(backend))
+        self.ledger = backend.ledger
+        self.sent_at: dict[int, float] = {}  # a pool's: worker -> when it was sent a command
+        self.commands: dict[int, Command] = {}  # a pool's: worker -> the command it runs
+        self._kept: dict[int, Any] = {}
+        self._kept_failures: dict[int, Any] = {}
+
+    # -- deadlines --------------------------------------------------------------------------
+
+    def sent(self, workers: Iterable[int], command: Command) -> None:
+        """Note that ``workers`` were sent ``command`` now."""
+        now = time.monotonic()
+        for w in workers:
+            self.sent_at[w] = now
+            self.commands[w] = command
+
+    def deadline(self, workers: Iterable[int], timeout: float | None) -> float | None:
+        """The first of ``workers``' deadlines (``time.monotonic()`` seconds), each ``timeout``
+        seconds from its own send; ``None`` without a timeout or a worker."""
+        sent = [self.sent_at[w] for w in workers]
+        if timeout is None or not sent:
+            return None
+        return min(sent) + timeout
+
+    def late(self, workers: Iterable[int], timeout: float | None) -> list[int]:
+        """The workers of ``workers`` past ``timeout`` seconds since their send, in order."""
+        if timeout is None:
+            return []
+        now = time.monotonic()
+        return sorted(w for w in workers if now >= self.sent_at[w] + timeout)
+
+    # -- the one broken path ------------------------------------------------------------------
+
+    def guarded(self, call: Callable[..., _T], *args: Any) -> _T:
+        """``call(*args)``; shut down if it ends with anything but an envfleet error.
+
+        Interrupted (Ctrl-C) or broken between sending commands to workers and reading their
+        replies, a later call could read a stale reply, so the backend shuts down instead.
+        """
+        try:
+            return call(*args)
+        except EnvfleetError:
+            raise
+        except BaseException:
+            self.backend.close(timeout=0, terminate=True)
+            raise
+
+    def broken(self, error: EnvfleetError) -> NoReturn:
+        """Shut the backend down and raise ``error``."""
+        self.backend.close(timeout=0, terminate=True)
+        raise error
+
+    def crashed(
+        self, w: int, step: int, note: str = "", reason: str = "", starting: bool = False
+    ) -> NoReturn:
+        """Count worker ``w``'s death, shut down and raise :class:`EnvCrashedError`."""
+        self.ledger.crashes += 1
+        self.broken(self.backend.crash_error(w, step, note, reason, starting))
+
+    def timed_out(
+        self, late: list[int], timeout: float | None, note: str = "", counted: bool = False
+    ) -> NoReturn:
+        """Count the timeout (unless ``counted``), shut down (the late workers are killed or,
+        threads, left behind) and raise :class:`StepTimeoutError`."""
+        backend = self.backend
+        if not counted:
+            self.ledger.timeouts += 1
+        envs = [e for w in late for e in range(*backend.ranges[w])]
+        backend.close(timeout=0, terminate=True)
+        raise StepTimeoutError(
+            f"{backend.late_what} {late} (sub-environments {envs}) did not answer within "
+            f"{timeout} s; {note + '; ' if note else ''}{backend.late_fate} and the vector "
+            "env closed",
+            envs,
+            float(timeout if timeout is not None else 0.0),
+        ) from None
+
+    # -- after a round ------------------------------------------------------------------------
+
+    def settle(
+        self,
+        done: Round,
+        timeout: float | None,
+        step: int,
+        command: Command | None,
+        pool: bool = False,
+    ) -> dict[int, Any]:
+        """Rebuild what failed in ``done`` when the restart policy allows it, else raise.
+
+        ``command``: what every worker ran; ``None``: each its own (:meth:`sent`, a pool).
+        ``pool``: when env errors are not restarted, keep the round's other results and
+        failures for the next calls (:meth:`take_kept`).
+
+        Returns every worker's result, the rebuilt envs' included: their infos carry
+        ``env_restarted`` (see :class:`RestartPolicy`).
+
+        Raises:
+            EnvError: an env raised and is not restarted (the backend stays usable), or a
+                rebuilt env failed again (the backend is shut down).
+            EnvCrashedError, StepTimeoutError: a worker died or ran late and is not
+                restarted; the backend is shut down.
+        """
+        backend, ledger = self.backend, self.ledger
+        if not done.failed:
+            return done.results
+        ledger.count_env_errors(done.failures.values())
+        if done.late:
+            ledger.timeouts += 1
+        failed = {w: [e[0] for e in failed_envs(f)] for w, f in sorted(done.failures.items())}
+        respawn = sorted([*done.crashed, *done.late])
+        after = {
+            w: command if command is not None else self.commands[w] for w in [*failed, *respawn]
+        }
+        note = ledger.refusal(
+            after.values(),
+            all(_only_envs_failed(f) for f in done.failures.values()),
+            len(respawn) + sum(map(len, failed.values())),
+        )
+        if note is not None:
+            if done.crashed:
+                w = next(iter(done.crashed))
+                self.crashed(w, step, note, reason=done.crashed[w])
+            if done.late:
+                self.timed_out(done.late, timeout, note, counted=True)
+            w = min(done.failures)
+            if pool:
+                self._kept.update(done.results)
+                self._kept_failures.update((v, f) for v, f in done.failures.items() if v != w)
+            raise backend.env_error(w, done.failures[w], note)
+        ledger.crashes += len(done.crashed)
+        for f in done.failures.values():
+            for env_index, method, type_name, message in failed_envs(f):
+                log_env_restart(env_index, method, type_name, message)
+        if respawn:
+            backend.replace_workers(respawn, done, timeout, step)
+            for w in respawn:
+                failed[w] = list(range(*backend.ranges[w]))
+        requests = {
+            w: ledger.restart_request(backend.ranges[w][0], envs, after[w], w not in respawn)
+            for w, envs in failed.items()
+        }
+        restarted = backend.restart_envs(requests, timeout, step)
+        if restarted.failures:
+            w = min(restarted.failures)
+            self.broken(backend.env_error(w, restarted.failures[w], ""))
+        results = done.results
+        for w, envs in failed.items():
+            if w in respawn:
+                ledger.restarted(envs)
+            else:
+                for e in envs:
+                    ledger.restarted([e])
+            results[w] = merge_events(_events(done.failures.get(w)), restarted.results.get(w))
+        return results
+
+    def ready(self, done: Round, timeout: float | None, step: int) -> dict[int, Any]:
+        """A first-ready pool's round: :meth:`settle` it with each worker's own command; then
+        return what is ready, this round's and what earlier calls kept (:meth:`take_kept`).
+
+        Without a restart policy (or when it does not cover the failure) one env error is
+        raised per call and the rest is kept for the next calls.
+        """
+        if done.failed:
+            self._kept.update(self.settle(done, timeout, step, None, pool=True))
+        else:
+            self._kept.update(done.results)
+        return self.take_kept()
+
+    def has_kept(self) -> bool:
+        """Whether earlier pool rounds kept results or errors for the next calls."""
+        return bool(self._kept or self._kept_failures)
+
+    def take_kept(self) -> dict[int, Any]:
+        """Raise the next kept env error (:class:`EnvError`, in worker order), else return
+        the kept results (worker -> result) and forget them."""
+        if self._kept_failures:
+            w = min(self._kept_failures)
+            raise self.backend.env_error(w, self._kept_failures.pop(w), "")
+        kept, self._kept = self._kept, {}
+        return kept
+
+    def drop_kept(self) -> None:
+        """Forget what :meth:`ready` kept."""
+        self._kept, self._kept_failures = {}, {}

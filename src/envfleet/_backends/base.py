@@ -10,7 +10,7 @@ import os
 import pickle
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar, cast
+from typing import Any
 
 import gymnasium
 from gymnasium.vector import AutoresetMode
@@ -21,18 +21,16 @@ from envfleet._errors import (
     ConfigError,
     EnvError,
     EnvfleetError,
-    RemoteTraceback,
     SpaceMismatchError,
-    StepTimeoutError,
     WrongProcessError,
     make_env_error,
 )
-from envfleet._protocol import Command, Failure, RemoteError
-from envfleet._supervisor import Ledger, StepTimer, StepTimeStats, log_env_restart, merge_events
+from envfleet._protocol import Command, RemoteError
+from envfleet._supervisor import Ledger, StepTimer, StepTimeStats
+from envfleet._workers import remote_cause
 
 __all__ = [
     "Backend",
-    "RemoteWorkersBackend",
     "WorkerLayout",
     "accepts_env_index",
     "bind_env_index",
@@ -43,7 +41,6 @@ __all__ = [
 ]
 
 EnvFn = Callable[..., gymnasium.Env[Any, Any]]
-_T = TypeVar("_T")
 
 
 def worker_ranges(num_envs: int, num_workers: int) -> list[tuple[int, int]]:
@@ -177,15 +174,8 @@ def start_error(error: RemoteError, worker_index: int) -> EnvfleetError:
 def remote_env_error(error: RemoteError, worker_index: int, note: str) -> EnvError:
     """The :class:`EnvError` for an env error reported by a worker: the remote exception
     (unpickled, else rebuilt as a ``RuntimeError``) chained as ``__cause__``, with the remote
-    traceback as its own cause."""
-    cause: BaseException | None = None
-    if error.exception is not None:
-        with contextlib.suppress(Exception):
-            cause = pickle.loads(error.exception)
-    original: BaseException | None = cause if isinstance(cause, BaseException) else None
-    if not isinstance(cause, BaseException):
-        cause = RuntimeError(f"{error.type_name}: {error.message}")
-    cause.__cause__ = RemoteTraceback(error.traceback)
+    traceback as its own cause (:func:`envfleet._workers.remote_cause`)."""
+    cause, original = remote_cause(error)
     text = f"{error.type_name}: {error.message}" + (f" ({note})" if note else "")
     exc = env_error(error.env_index, worker_index, error.method, text, original)
     exc.__cause__ = cause
@@ -203,6 +193,8 @@ class Backend(abc.ABC):
     batch: Batch
     ranges: Sequence[tuple[int, int]]
     ledger: Ledger  # failures, restarts and seeds, for the supervisor and ``envs.stats``
+    late_what = "workers"  # how a timeout names the late workers (Supervisor.timed_out)
+    late_fate = "they were killed"  # what became of them
 
     @property
     def num_workers(self) -> int:
@@ -266,13 +258,19 @@ class Backend(abc.ABC):
         ``timeout``: seconds each worker may take from the :meth:`submit` that started it; a
         worker past it raises :class:`StepTimeoutError` even while others keep replying, and
         a dead worker raises :class:`EnvCrashedError` at the first call after its death.
+        With a restart policy (``ledger.policy``) they, and envs that raise, are rebuilt
+        within its budget instead, and their results returned, flagged
+        (:meth:`envfleet._supervisor.Supervisor.ready`).
 
         Raises: as :meth:`collect`.
         """
         return self.collect(timeout, step)
 
-    def drop_kept(self) -> None:  # noqa: B027  (a backend that keeps nothing has nothing to do)
+    def drop_kept(self) -> None:
         """Forget results and errors :meth:`collect_ready` kept for its next calls."""
+        supervisor = getattr(self, "supervisor", None)
+        if supervisor is not None:
+            supervisor.drop_kept()
 
     @abc.abstractmethod
     def step_times(self) -> tuple[StepTimeStats, ...]:
@@ -302,139 +300,3 @@ class DisownedBackend:
             f"process {os.getpid()}, forked from it: make one in this process instead",
             self.owner_pid,
         )
-
-
-class RemoteWorkersBackend(Backend):
-    """The supervisor's decision for backends whose workers live apart (``processes``,
-    ``ray``), written once: after a round in which envs raised or workers died or hung,
-    rebuild them within the restart policy's budget, or raise the typed error."""
-
-    _command: Command
-    # A first-ready pool reports one env error per call: what a round read beside it waits
-    # here for the next calls, so nothing finished is lost and every failed block is reported.
-    _kept: dict[int, Any]  # worker -> reply
-    _kept_failures: list[tuple[int, Failure]]  # (worker, failure), in worker order
-
-    def drop_kept(self) -> None:
-        self._kept, self._kept_failures = {}, []
-
-    def _take_kept(self) -> dict[int, Any] | None:
-        """What an earlier pool round kept: raise its next env error (:class:`EnvError`),
-        else return its replies and forget them; ``None`` when nothing is kept."""
-        if self._kept_failures:
-            w, failure = self._kept_failures.pop(0)
-            raise remote_env_error(failure.errors[0], w, "")
-        if self._kept:
-            kept, self._kept = self._kept, {}
-            return kept
-        return None
-
-    def _ready_replies(
-        self, results: dict[int, Any], failures: dict[int, Failure]
-    ) -> dict[int, Any]:
-        """A pool round's replies; with env failures, raise the first worker's error
-        (:class:`EnvError`) and keep the rest, replies and failures, for the next calls."""
-        if not failures:
-            return results
-        self._kept.update(results)
-        self.ledger.count_env_errors(failures.values())
-        ordered = sorted(failures.items())
-        self._kept_failures.extend(ordered[1:])
-        w, failure = ordered[0]
-        raise remote_env_error(failure.errors[0], w, "")
-
-    @abc.abstractmethod
-    def _raise_crashed_worker(self, done: Any, step: int, note: str) -> None:
-        """Shut down and raise :class:`EnvCrashedError` for the first dead worker of ``done``."""
-
-    _late_noun = "workers"  # how a timeout names the late workers
-
-    def _guarded(self, call: Callable[..., _T], *args: Any) -> _T:
-        """``call(*args)``; shut down if it ends with anything but an envfleet error.
-
-        Interrupted (Ctrl-C) or broken between sending commands to workers and reading their
-        replies, a later call could read a stale reply, so the backend shuts down instead.
-        """
-        try:
-            return call(*args)
-        except EnvfleetError:
-            raise
-        except BaseException:
-            self.close(timeout=0, terminate=True)
-            raise
-
-    def _raise_timeout(self, late: list[int], timeout: float, note: str = "") -> None:
-        """Shut down and raise :class:`StepTimeoutError` for the late workers."""
-        envs = [e for w in late for e in range(*self.ranges[w])]
-        self.close(timeout=0, terminate=True)
-        raise StepTimeoutError(
-            f"{self._late_noun} {late} (sub-environments {envs}) did not answer within "
-            f"{timeout} s; {note + '; ' if note else ''}they were killed and the vector env closed",
-            envs,
-            timeout,
-        )
-
-    @abc.abstractmethod
-    def _replace_workers(
-        self, workers: list[int], done: Any, timeout: float | None, step: int
-    ) -> None:
-        """Kill ``workers`` and start new ones with their envs, ready to serve (shut down and
-        raise if one cannot start)."""
-
-    @abc.abstractmethod
-    def _run_restarts(self, requests: dict[int, Any], timeout: float | None, step: int) -> Any:
-        """Send ``Command.RESTART`` with ``requests`` and wait for every reply (a round)."""
-
-    def settle(self, done: Any, timeout: float | None, step: int) -> dict[int, Any]:
-        """Rebuild what failed in ``done`` when the restart policy allows it, else raise.
-
-        Env errors leave the backend usable; a dead or hung worker shuts it down unless it is
-        replaced. Returns every worker's result, the rebuilt envs' included.
-        """
-        ledger = self.ledger
-        ledger.count_env_errors(done.failures.values())
-        failed_envs = {w: [e.env_index for e in f.errors] for w, f in sorted(done.failures.items())}
-        respawn = sorted([*done.crashed, *done.late])
-        note = ledger.refusal(
-            self._command,
-            all(f.partial for f in done.failures.values()),
-            len(respawn) + sum(map(len, failed_envs.values())),
-        )
-        if note is not None:
-            if done.crashed:
-                self._raise_crashed_worker(done, step, note)
-            if done.late:
-                self._raise_timeout(done.late, cast(float, timeout), note)
-            w = min(done.failures)
-            raise remote_env_error(done.failures[w].errors[0], w, note)
-        ledger.crashes += len(done.crashed)
-        for f in done.failures.values():
-            for error in f.errors:
-                log_env_restart(error.env_index, error.method, error.type_name, error.message)
-        if respawn:
-            self._replace_workers(respawn, done, timeout, step)
-            for w in respawn:
-                failed_envs[w] = list(range(*self.ranges[w]))
-        requests = {
-            w: ledger.restart_request(self.ranges[w][0], envs, self._command, w not in respawn)
-            for w, envs in failed_envs.items()
-        }
-        command = self._command
-        restarted = self._run_restarts(requests, timeout, step)
-        self._command = command
-        if restarted.failures:
-            w = min(restarted.failures)
-            exc = remote_env_error(restarted.failures[w].errors[0], w, "")
-            self.close(timeout=0, terminate=True)
-            raise exc
-        results = done.results
-        for w, envs in failed_envs.items():
-            if w in respawn:
-                ledger.restarted(envs)
-            else:
-                for e in envs:
-                    ledger.restarted([e])
-            failure = done.failures.get(w)
-            events = None if failure is None else failure.events
-            results[w] = merge_events(events, restarted.results.get(w))
-        return results

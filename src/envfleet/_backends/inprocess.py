@@ -1,10 +1,11 @@
 """What the in-process backends (``serial``, ``threads``) share: EnvGroups built in the
-driver, step-time statistics, and the restart of envs that raised (DESIGN §4)."""
+driver, step-time statistics, and the mechanics of rebuilding envs that raised; the decisions
+are the supervisor's (:class:`envfleet._supervisor.Supervisor`, DESIGN §4)."""
 
 from __future__ import annotations
 
 import logging
-from typing import Any, cast
+from typing import Any
 
 import gymnasium
 import numpy as np
@@ -17,15 +18,16 @@ from envfleet._backends.base import (
     run_command,
 )
 from envfleet._buffers import Block, allocate_batch
-from envfleet._envgroup import EnvFailure, EnvGroup, PartialFailure
-from envfleet._protocol import Command
+from envfleet._envgroup import EnvFailure, EnvGroup
+from envfleet._errors import EnvCrashedError, EnvError
+from envfleet._protocol import Command, RestartRequest
 from envfleet._supervisor import (
     STATS_WORDS,
     Ledger,
+    Round,
     StepTimer,
     StepTimeStats,
-    log_env_restart,
-    merge_events,
+    Supervisor,
     step_time_table,
 )
 
@@ -59,8 +61,7 @@ class InProcessBackend(Backend):
         self._stats = np.zeros((len(self.ranges), STATS_WORDS))
         self._timers = [StepTimer(row) for row in self._stats]
         self._command = Command.STEP
-        self._kept: dict[int, Any] = {}  # pool results held back by an error (ready_results)
-        self._kept_failures: dict[int, EnvFailure] = {}
+        self.supervisor = Supervisor(self)
         self.batch = allocate_batch(
             layout.single_observation_space,
             layout.single_action_space,
@@ -115,15 +116,14 @@ class InProcessBackend(Backend):
     def step_times(self) -> tuple[StepTimeStats, ...]:
         return step_time_table(self._stats)
 
-    def drop_kept(self) -> None:
-        self._kept, self._kept_failures = {}, {}
-
     def run_group(self, w: int, command: Command, payload: Any) -> Any:
         """Run ``command`` on group ``w`` here and now (timing its steps)."""
         return run_command(self.groups[w], command, payload, self._timers[w])
 
-    def settle(self, results: dict[int, Any], failures: dict[int, EnvFailure]) -> dict[int, Any]:
-        """Rebuild the envs that raised when the restart policy allows it, else raise.
+    def settle(
+        self, results: dict[int, Any], failures: dict[int, EnvFailure], step: int
+    ) -> dict[int, Any]:
+        """The supervisor's decision on a synchronous round (:meth:`Supervisor.settle`).
 
         Raises:
             EnvError: the first failure, when not restarted (the backend stays usable), or a
@@ -131,52 +131,52 @@ class InProcessBackend(Backend):
         """
         if not failures:
             return results
-        ledger = self.ledger
-        failed = {
-            w: getattr(failure, "failures", [failure]) for w, failure in sorted(failures.items())
-        }
-        ledger.count_env_errors(failures.values())
-        note = ledger.refusal(
-            self._command,
-            all(isinstance(failure, PartialFailure) for failure in failures.values()),
-            sum(map(len, failed.values())),
-        )
-        if note is not None:
-            first = failures[min(failures)]
-            raise failure_error(first, note) from first.__cause__
-        for w, envs in failed.items():
-            for f in envs:
-                cause = f.__cause__
-                log_env_restart(f.env_index, f.method, type(cause).__name__, str(cause))
-            indices = [f.env_index for f in envs]
-            request = ledger.restart_request(self.ranges[w][0], indices, self._command, True)
-            try:
-                events = self.groups[w].restart(request)
-            except EnvFailure as failure:
-                self.close(None, True)  # the group is half rebuilt: give up, as processes do
-                raise failure_error(failure) from failure.__cause__
-            for e in indices:
-                ledger.restarted([e])
-            results[w] = merge_events(cast(PartialFailure, failures[w]).events, events)
-        return results
+        return self.supervisor.settle(self._round(results, failures), None, step, self._command)
 
     def ready_results(
-        self, results: dict[int, Any], failures: dict[int, EnvFailure]
+        self, results: dict[int, Any], failures: dict[int, EnvFailure], step: int
     ) -> dict[int, Any]:
-        """For a first-ready pool: ``results`` plus any kept from an earlier call; when an env
-        failed, keep them for the next call and raise the first failure."""
-        self.ledger.count_env_errors(failures.values())
-        results = {**self._kept, **results}
-        failures = {**self._kept_failures, **failures}
-        self._kept, self._kept_failures = {}, {}
-        if failures:
-            # One error per call; the rest waits for the next calls, so each is reported.
-            self._kept = results
-            w = min(failures)
-            first = failures.pop(w)
-            self._kept_failures = failures
-            raise failure_error(first) from first.__cause__
-        return results
+        """For a first-ready pool: ``results`` plus any kept from an earlier call, the envs
+        that raised rebuilt under the restart policy; else one env error per call, the rest
+        kept for the next calls (:meth:`Supervisor.ready`)."""
+        return self.supervisor.ready(self._round(results, failures), None, step)
+
+    @staticmethod
+    def _round(results: dict[int, Any], failures: dict[int, EnvFailure]) -> Round:
+        done = Round()
+        done.results, done.failures = results, failures
+        return done
+
+    # -- the mechanics the supervisor uses (Supervised) ---------------------------------------
+
+    def env_error(self, w: int, failure: Any, note: str) -> EnvError:
+        exc = failure_error(failure, note)
+        exc.__cause__ = failure.__cause__
+        return exc
+
+    def crash_error(
+        self, w: int, step: int, note: str, reason: str, starting: bool
+    ) -> EnvCrashedError:
+        raise AssertionError("an in-process group cannot die on its own")
+
+    def replace_workers(
+        self, workers: list[int], done: Round, timeout: float | None, step: int
+    ) -> None:
+        raise AssertionError("an in-process group is rebuilt env by env, never replaced")
+
+    def restart_envs(
+        self, requests: dict[int, RestartRequest], timeout: float | None, step: int
+    ) -> Round:
+        """Rebuild the envs of each request in its group, here; stop at the first that
+        fails (the group is half rebuilt: the supervisor gives up)."""
+        done = Round()
+        for w, request in requests.items():
+            try:
+                done.results[w] = self.groups[w].restart(request)
+            except EnvFailure as failure:
+                done.failures[w] = failure
+                break
+        return done
 
     def _close_groups(self) -> None:
         self._closed = True

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import ctypes.util
 import functools
 import logging
 import multiprocessing
@@ -35,7 +34,6 @@ import pickle
 import signal
 import sys
 import time
-import traceback
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -48,11 +46,12 @@ from gymnasium.vector import AutoresetMode
 
 from envfleet import _native as _speedups
 from envfleet._backends.base import (
-    RemoteWorkersBackend,
+    Backend,
     WorkerLayout,
     bind_env_index,
     failure_error,
     mismatch_error,
+    remote_env_error,
     run_command,
     start_error,
 )
@@ -69,20 +68,31 @@ from envfleet._buffers import Block, allocate_batch
 from envfleet._envgroup import EnvFailure, EnvGroup, PartialFailure
 from envfleet._errors import (
     EnvCrashedError,
+    EnvError,
     EnvfleetError,
     StartTimeoutError,
     StepTimeoutError,
     describe_exitcode,
 )
-from envfleet._protocol import Command, Failure, RemoteError, Status
+from envfleet._protocol import Command, Failure, RestartRequest, Status
 from envfleet._supervisor import (
     BUCKETS_PER_OCTAVE,
     NUM_BUCKETS,
     STATS_WORDS,
     Ledger,
+    Round,
     StepTimer,
     StepTimeStats,
+    Supervisor,
     step_time_table,
+)
+from envfleet._workers import (
+    die_with_parent,
+    failure_reply,
+    join_all,
+    remote_error,
+    spawn,
+    watch,
 )
 
 __all__ = ["DEFAULT_CLOSE_TIMEOUT", "DEFAULT_SPIN_S", "ProcessesBackend"]
@@ -139,7 +149,7 @@ class _WorkerSpec:
     same_observation_space: bool = True
 
 
-class ProcessesBackend(RemoteWorkersBackend):
+class ProcessesBackend(Backend):
     """Worker processes holding contiguous blocks of envs over one shared block.
 
     Args:
@@ -203,10 +213,9 @@ class ProcessesBackend(RemoteWorkersBackend):
         )
         self._stats = _stats_rows(self._stats_raw)
         self._local_timer = StepTimer(self._stats[0])
-        self.drop_kept()  # nothing kept back by a pool's env error yet
+        self.supervisor = Supervisor(self)
         self._any_raw: Any = None
         self._any_done: Any = None
-        self._sent_at = [0.0] * groups  # a pool's: when each worker was last sent a command
         if pool:
             assert not driver_group, "a first-ready pool has every env in a worker"
             self._any_raw = multiprocessing.sharedctypes.RawArray(ctypes.c_uint8, SEM_SLOT)
@@ -303,13 +312,9 @@ class ProcessesBackend(RemoteWorkersBackend):
             same_observation_space=layout.same_observation_space,
         )
         parent_conn, child_conn = self._ctx.Pipe(duplex=True)
-        proc = self._ctx.Process(
-            target=_worker_main,
-            args=(spec, child_conn, parent_conn),
-            name=f"envfleet-worker-{g}",
-            daemon=True,
+        proc = spawn(
+            self._ctx, _worker_main, (spec, child_conn, parent_conn), f"envfleet-worker-{g}"
         )
-        proc.start()
         child_conn.close()
         self._procs[g], self._conns[g], self._doorbells[g] = proc, parent_conn, doorbell
 
@@ -320,10 +325,10 @@ class ProcessesBackend(RemoteWorkersBackend):
         return self._closed
 
     def submit(self, command: Command, payloads: Mapping[int, Any], step: int) -> None:
-        self._guarded(self._submit, command, payloads, step)
+        self.supervisor.guarded(self._submit, command, payloads, step)
 
     def collect(self, timeout: float | None, step: int) -> dict[int, Any]:
-        return self._guarded(self._collect, timeout, step)
+        return self.supervisor.guarded(self._collect, timeout, step)
 
     def inline_groups(self, command: Command) -> frozenset[int]:
         return frozenset((0,)) if self._local is not None else frozenset()
@@ -331,7 +336,7 @@ class ProcessesBackend(RemoteWorkersBackend):
     def round(
         self, command: Command, payloads: Mapping[int, Any], timeout: float | None, step: int
     ) -> dict[int, Any]:
-        return self._guarded(self._round, command, payloads, timeout, step)
+        return self.supervisor.guarded(self._round, command, payloads, timeout, step)
 
     def _round(
         self, command: Command, payloads: Mapping[int, Any], timeout: float | None, step: int
@@ -359,7 +364,7 @@ class ProcessesBackend(RemoteWorkersBackend):
             if self._local is not None and local_result is not None:
                 results[0] = local_result
             return results
-        done = _Round()
+        done = Round()
         fail_fast = not self.ledger.restarts_on(_STEP)
         for i in range(taken):
             if i in unread:
@@ -426,11 +431,9 @@ class ProcessesBackend(RemoteWorkersBackend):
                     if self.ledger.restarts_on(command):
                         continue  # the wait for its reply finds it dead and restarts it
                     self._pending = []
-                    self._raise_crashed(g, step)
-        if self._any_done is not None:
-            now = time.monotonic()
-            for g in remote:
-                self._sent_at[g] = now
+                    self.supervisor.crashed(g, step)
+        if self._any_done is not None and command is not Command.RESTART:
+            self.supervisor.sent(remote, command)  # a pool's deadlines and restarts
         # A pool adds to the workers still running; a synchronous call has none pending.
         self._pending = sorted(set(self._pending).union(remote)) if self._pending else remote
         self._local_result, self._local_failure = None, None
@@ -447,7 +450,7 @@ class ProcessesBackend(RemoteWorkersBackend):
         self,
         timeout: float | None,
         step: int,
-        done: _Round | None = None,
+        done: Round | None = None,
         spun_s: float | None = None,
     ) -> dict[int, Any]:
         local_result, local_failure = self._local_result, self._local_failure
@@ -458,7 +461,11 @@ class ProcessesBackend(RemoteWorkersBackend):
             # Every env that raised counts, the workers' as well as the driver's own.
             self.ledger.count_env_errors([local_failure, *done.failures.values()])
             raise failure_error(local_failure) from local_failure.__cause__
-        results = self.settle(done, timeout, step) if done.failed else done.results
+        results = (
+            self.supervisor.settle(done, timeout, step, self._command)
+            if done.failed
+            else done.results
+        )
         if self._local is not None and local_result is not None:
             results[0] = local_result
         return results
@@ -473,15 +480,18 @@ class ProcessesBackend(RemoteWorkersBackend):
             EnvCrashedError: a pending worker died; the backend is shut down.
             StepTimeoutError: no worker replied within ``timeout`` seconds; shut down.
         """
-        return self._guarded(self._collect_ready, timeout, step)
+        return self.supervisor.guarded(self._collect_ready, timeout, step)
 
     def _collect_ready(self, timeout: float | None, step: int) -> dict[int, Any]:
-        kept = self._take_kept()
-        if kept is not None:
-            return kept
+        supervisor = self.supervisor
+        if supervisor.has_kept():
+            return supervisor.take_kept()
         if self._any_done is None:  # synchronous: every env is pending, wait for them all
-            return self.collect(timeout, step)
-        procs, doorbells, sent_at = self._procs, self._doorbells, self._sent_at
+            return self._collect(timeout, step)
+        procs, doorbells = self._procs, self._doorbells
+        # Without a restart policy a dead or late worker raises at once; with one, it is
+        # noted in the round and the supervisor rebuilds it.
+        fail_fast = self.ledger.policy is None
 
         def alive() -> bool:
             return all(procs[g].is_alive() for g in self._pending)
@@ -490,52 +500,53 @@ class ProcessesBackend(RemoteWorkersBackend):
             # Each pending worker has ``timeout`` seconds from its send: the wait ends at the
             # first of those deadlines, and a worker past its own is late whatever the others
             # reply meanwhile.
-            deadline = None
-            deadline_s = cast(float, timeout)
-            if timeout is not None:
-                deadline = min(sent_at[g] for g in self._pending) + timeout
+            deadline = supervisor.deadline(self._pending, timeout)
             # A token per reply; a reply may be found before its token is taken (then a later
             # wait wakes with nothing new, and waits again).
             woke = Doorbell.wait(self._any_done, self._any_budget, deadline, alive)
             ready = [g for g in self._pending if cast(Doorbell, doorbells[g]).done.acquire(False)]
+            done = Round()
             # Every call looks at every pending worker: a dead or late one is reported even
             # while others keep replying (an exited worker's reply was taken above, if any).
-            for g in self._pending:
-                if g not in ready and not procs[g].is_alive():
-                    self._raise_crashed(g, step)
+            unread = [g for g in self._pending if g not in ready]
+            for exit_ in watch([procs[g] for g in unread]).dead:
+                if fail_fast:
+                    supervisor.crashed(unread[exit_.index], step)
+                done.crashed[unread[exit_.index]] = ""
             if deadline is not None and (not woke or time.monotonic() >= deadline):
-                now = time.monotonic()
-                late = [
-                    g for g in self._pending if g not in ready and now >= sent_at[g] + deadline_s
-                ]
+                waiting = [g for g in self._pending if g not in ready and g not in done.crashed]
+                late = supervisor.late(waiting, timeout)
                 if late:
-                    self.ledger.timeouts += 1
-                    self._raise_timeout(late, deadline_s)
-            if not ready:
+                    if fail_fast:
+                        supervisor.timed_out(late, timeout)
+                    done.late = late
+            if not ready and not done.failed:
                 continue
-            self._pending = [g for g in self._pending if g not in ready]
-            done = self._read_replies(ready, step, fail_fast=True)
-            return self._ready_replies(done.results, done.failures)
+            gone = {*ready, *done.crashed, *done.late}
+            self._pending = [g for g in self._pending if g not in gone]
+            for g in ready:
+                self._read_reply(g, done, step, fail_fast)
+            return supervisor.ready(done, timeout, step)
 
     def _collect_remote(
         self,
         timeout: float | None,
         step: int,
         fail_fast: bool,
-        done: _Round | None = None,
+        done: Round | None = None,
         spun_s: float | None = None,
-    ) -> _Round:
+    ) -> Round:
         """Wait for every pending worker and read its reply.
 
         ``fail_fast``: a dead worker or the timeout raises at once (and closes the backend);
         otherwise they are noted in the returned round, and so are env failures, for
-        :meth:`settle`. ``done``: the round so far (what step_round read); ``spun_s``: the
+        the supervisor. ``done``: the round so far (what step_round read); ``spun_s``: the
         first pending worker's reply was already spun for that long.
         """
         pending = self._pending
         self._pending = []
         deadline = None if timeout is None else time.monotonic() + timeout
-        done = _Round() if done is None else done
+        done = Round() if done is None else done
         procs, doorbells, budgets = self._procs, self._doorbells, self._budgets
         # Every wait watches every worker still to reply: a death is seen at once, whatever
         # the worker waited on is doing.
@@ -553,31 +564,23 @@ class ProcessesBackend(RemoteWorkersBackend):
                 self._read_reply(g, done, step, fail_fast)
                 continue
             spun_s = None
-            dead = [h for h in waiting if not procs[h].is_alive()]
+            dead = [waiting[exit_.index] for exit_ in watch([procs[h] for h in waiting]).dead]
             for h in dead:
                 waiting.remove(h)
                 if h != g and cast(Doorbell, doorbells[h]).done.acquire(False):
                     self._read_reply(h, done, step, fail_fast)  # it replied, then exited
                     continue
-                done.crashed.append(h)
+                done.crashed[h] = ""
                 if fail_fast:
-                    self._raise_crashed(h, step)
+                    self.supervisor.crashed(h, step)
             if not dead:  # the deadline passed
                 waiting.pop(0)
                 done.late.append(g)
-        if done.late:
-            self.ledger.timeouts += 1
-            if fail_fast:
-                self._raise_timeout(done.late, cast(float, timeout))
+        if done.late and fail_fast:
+            self.supervisor.timed_out(done.late, timeout)
         return done
 
-    def _read_replies(self, groups: list[int], step: int, fail_fast: bool) -> _Round:
-        done = _Round()
-        for g in groups:
-            self._read_reply(g, done, step, fail_fast)
-        return done
-
-    def _read_reply(self, g: int, done: _Round, step: int, fail_fast: bool) -> None:
+    def _read_reply(self, g: int, done: Round, step: int, fail_fast: bool) -> None:
         """Read the reply of worker ``g``, whose done semaphore was just taken, into ``done``."""
         words = self._words[g]  # its items are Python ints (a numpy int64 compares slowly)
         status = words[_STATUS]
@@ -589,42 +592,67 @@ class ProcessesBackend(RemoteWorkersBackend):
             try:
                 payload = pickle.loads(cast(Connection, self._conns[g]).recv_bytes())
             except (EOFError, OSError):
-                done.crashed.append(g)
+                done.crashed[g] = ""
                 if fail_fast:
-                    self._raise_crashed(g, step)
+                    self.supervisor.crashed(g, step)
                 return
         if status == _ERROR:
             done.failures[g] = cast(Failure, payload)
         else:
             done.results[g] = payload
 
-    # -- the hooks of RemoteWorkersBackend.settle (the supervisor's restart flow) -----------
+    # -- the mechanics the supervisor uses (Supervised) ---------------------------------------
 
-    def _raise_crashed_worker(self, done: _Round, step: int, note: str) -> None:
-        self._raise_crashed(done.crashed[0], step, note)
+    def env_error(self, w: int, failure: Any, note: str) -> EnvError:
+        return remote_env_error(cast(Failure, failure).errors[0], w, note)
 
-    def _replace_workers(
-        self, workers: list[int], done: _Round, timeout: float | None, step: int
+    def crash_error(
+        self, w: int, step: int, note: str, reason: str, starting: bool
+    ) -> EnvCrashedError:
+        proc = self._procs[w]
+        proc.join(_KILL_GRACE)
+        exitcode = proc.exitcode
+        start, stop = self.ranges[w]
+        return EnvCrashedError(
+            f"worker {w} (sub-environments {start}..{stop - 1}) died with "
+            f"{describe_exitcode(exitcode)} after {step} steps; "
+            f"{note + '; ' if note else ''}the vector env was closed",
+            env_indices=range(start, stop),
+            worker_index=w,
+            exitcode=exitcode,
+            step=step,
+        )
+
+    def replace_workers(
+        self, workers: list[int], done: Round, timeout: float | None, step: int
     ) -> None:
         for g in workers:
             why = "died" if g in done.crashed else "did not answer in time"
             logger.warning("worker %d %s; restarting it and its envs", g, why)
             self._respawn(g)
+        others = [g for g in self._pending if g not in workers]  # a pool's, still running
         self._pending = workers
         ready = self._collect_remote(timeout, step, fail_fast=True)
+        self._pending = others
         try:
             self._check_ready(ready)
         except EnvfleetError:  # a rebuilt worker could not start: give up
             self.close(timeout=0, terminate=True)
             raise
 
-    def _run_restarts(self, requests: dict[int, Any], timeout: float | None, step: int) -> _Round:
+    def restart_envs(
+        self, requests: dict[int, RestartRequest], timeout: float | None, step: int
+    ) -> Round:
         command = self._command
+        others = [g for g in self._pending if g not in requests]  # a pool's, still running
+        self._pending = []
         self._submit(Command.RESTART, requests, step)
         self._command = command
-        return self._collect_remote(timeout, step, fail_fast=True)
+        done = self._collect_remote(timeout, step, fail_fast=True)
+        self._pending = others
+        return done
 
-    def _check_ready(self, done: _Round) -> None:
+    def _check_ready(self, done: Round) -> None:
         """Raise for the first worker that could not start (an env error or a space mismatch)."""
         if done.failures:
             g = min(done.failures)
@@ -678,11 +706,11 @@ class ProcessesBackend(RemoteWorkersBackend):
         if self._local is not None:
             self._local.close()
         if graceful:
-            _join_all(procs, DEFAULT_CLOSE_TIMEOUT if timeout is None else timeout)
+            join_all(procs, DEFAULT_CLOSE_TIMEOUT if timeout is None else timeout)
         for proc in procs:
             if proc.is_alive():
                 proc.terminate()
-        _join_all(procs, _KILL_GRACE)
+        join_all(procs, _KILL_GRACE)
         for proc in procs:
             if proc.is_alive():
                 proc.kill()
@@ -699,84 +727,8 @@ class ProcessesBackend(RemoteWorkersBackend):
         # its last reference goes: drop ours now that no worker is left.
         self._doorbells = [None] * len(self._doorbells)
 
-    # -- helpers --------------------------------------------------------------------------
-
-    def _raise_crashed(self, g: int, step: int, note: str = "") -> None:
-        self.ledger.crashes += 1
-        proc = self._procs[g]
-        proc.join(_KILL_GRACE)
-        exitcode = proc.exitcode
-        start, stop = self.ranges[g]
-        self.close(timeout=0, terminate=True)
-        raise EnvCrashedError(
-            f"worker {g} (sub-environments {start}..{stop - 1}) died with "
-            f"{describe_exitcode(exitcode)} after {step} steps; "
-            f"{note + '; ' if note else ''}the vector env was closed",
-            env_indices=range(start, stop),
-            worker_index=g,
-            exitcode=exitcode,
-            step=step,
-        )
-
-
-class _Round:
-    """What one wait on the workers found (a plain class: made once per step)."""
-
-    __slots__ = ("crashed", "failures", "late", "results")
-
-    def __init__(self) -> None:
-        self.results: dict[int, Any] = {}
-        self.failures: dict[int, Failure] = {}
-        self.crashed: list[int] = []
-        self.late: list[int] = []
-
-    @property
-    def failed(self) -> bool:
-        return bool(self.failures or self.crashed or self.late)
-
-
-def _join_all(procs: list[Any], timeout: float) -> None:
-    """Join every process, all within one ``timeout`` in seconds."""
-    deadline = time.monotonic() + timeout
-    for proc in procs:
-        proc.join(max(0.0, deadline - time.monotonic()))
-
 
 # -- worker side ----------------------------------------------------------------------------
-
-_PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent(parent_pid: int, start_method: str) -> None:
-    """Ask Linux to SIGKILL this process when the driver dies; exit if it already has.
-
-    Under forkserver the worker's parent is the fork server, not the driver; there the
-    worker relies on its pipe: the driver's death closes it.
-    """
-    if start_method == "forkserver" or not sys.platform.startswith("linux"):
-        return
-    with contextlib.suppress(Exception):
-        libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() != parent_pid:  # the driver died before prctl took effect
-        os._exit(0)
-
-
-def _remote_error(failure: BaseException, env_index: int, method: str) -> RemoteError:
-    cause = failure.__cause__ if isinstance(failure, EnvFailure) else failure
-    assert cause is not None
-    tb = "".join(traceback.format_exception(type(cause), cause, cause.__traceback__))
-    blob: bytes | None
-    try:
-        blob = pickle.dumps(cause, pickle.HIGHEST_PROTOCOL)
-        pickle.loads(blob)  # some exceptions pickle but do not unpickle
-    except Exception:
-        blob = None
-    return RemoteError(env_index, method, type(cause).__qualname__, str(cause), tb, blob)
-
-
-def _failure_reply(error: RemoteError) -> Failure:
-    return Failure([error])
 
 
 def _word_view(row: np.ndarray) -> memoryview:
@@ -830,7 +782,7 @@ class _Worker:
             status = Status.ERROR
             self.control[_STATUS] = status
             blob = pickle.dumps(
-                _failure_reply(_remote_error(exc, self.spec.start, "pickling the result")),
+                failure_reply(remote_error(exc, self.spec.start, "pickling the result")),
                 pickle.HIGHEST_PROTOCOL,
             )
         size = len(blob)
@@ -883,13 +835,13 @@ class _Worker:
         """Reply with what ``command`` raised: an env's failure, or a bug outside any env
         (reported against the group)."""
         if isinstance(exc, PartialFailure):
-            errors = [_remote_error(f, f.env_index, f.method) for f in exc.failures]
+            errors = [remote_error(f, f.env_index, f.method) for f in exc.failures]
             self.reply(Status.ERROR, Failure(errors, exc.events or None, partial=True))
         elif isinstance(exc, EnvFailure):
-            self.reply(Status.ERROR, _failure_reply(_remote_error(exc, exc.env_index, exc.method)))
+            self.reply(Status.ERROR, failure_reply(remote_error(exc, exc.env_index, exc.method)))
         else:
-            error = _remote_error(exc, group.start, command.name.lower())
-            self.reply(Status.ERROR, _failure_reply(error))
+            error = remote_error(exc, group.start, command.name.lower())
+            self.reply(Status.ERROR, failure_reply(error))
 
     def _serve_steps(
         self, group: EnvGroup, timer: StepTimer
@@ -920,7 +872,7 @@ class _Worker:
 
 def _worker_main(spec: _WorkerSpec, conn: Connection, parent_conn: Connection) -> None:
     parent_conn.close()  # inherited under fork; only the driver may hold it
-    _die_with_parent(spec.parent_pid, spec.start_method)
+    die_with_parent(spec.parent_pid, spec.start_method)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the driver's to handle
     worker = _Worker(spec, conn)
     group: EnvGroup | None = None
@@ -944,11 +896,11 @@ def _worker_main(spec: _WorkerSpec, conn: Connection, parent_conn: Connection) -
             )
             mismatch = group.check_spaces()
         except EnvFailure as failure:
-            error = _remote_error(failure, failure.env_index, failure.method)
-            worker.reply(Status.ERROR, _failure_reply(error))
+            error = remote_error(failure, failure.env_index, failure.method)
+            worker.reply(Status.ERROR, failure_reply(error))
             return
         except Exception as exc:
-            worker.reply(Status.ERROR, _failure_reply(_remote_error(exc, spec.start, "make")))
+            worker.reply(Status.ERROR, failure_reply(remote_error(exc, spec.start, "make")))
             return
         worker.reply(Status.READY, mismatch)
         worker.serve(group)

@@ -28,7 +28,7 @@ import os
 import sys
 import time
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, cast
 
 import cloudpickle
@@ -39,25 +39,34 @@ import ray.exceptions
 from gymnasium.vector import AutoresetMode
 
 from envfleet._backends.base import (
-    RemoteWorkersBackend,
+    Backend,
     WorkerLayout,
     bind_env_index,
     mismatch_error,
+    remote_env_error,
     run_command,
     start_error,
 )
-from envfleet._backends.processes import _remote_error
 from envfleet._buffers import Block, allocate_batch, batch_nbytes, tree_slice, tree_write
 from envfleet._envgroup import EnvFailure, EnvGroup, PartialFailure
-from envfleet._errors import ConfigError, EnvCrashedError, EnvfleetError, StartTimeoutError
-from envfleet._protocol import Command, Failure, RemoteError, Status
+from envfleet._errors import (
+    ConfigError,
+    EnvCrashedError,
+    EnvError,
+    EnvfleetError,
+    StartTimeoutError,
+)
+from envfleet._protocol import Command, Failure, RemoteError, RestartRequest, Status
 from envfleet._supervisor import (
     STATS_WORDS,
     Ledger,
+    Round,
     StepTimer,
     StepTimeStats,
+    Supervisor,
     step_time_table,
 )
+from envfleet._workers import remote_error
 
 __all__ = ["DEFAULT_CLOSE_TIMEOUT", "EnvfleetWorker", "RayBackend", "RayPlan", "plan_ray"]
 
@@ -299,10 +308,10 @@ class EnvfleetWorker:
             )
             self.startup = (Status.READY, self.group.check_spaces())
         except EnvFailure as failure:
-            error = _remote_error(failure, failure.env_index, failure.method)
+            error = remote_error(failure, failure.env_index, failure.method)
             self.startup = (Status.ERROR, Failure([error]))
         except Exception as exc:
-            self.startup = (Status.ERROR, Failure([_remote_error(exc, spec.start, "make")]))
+            self.startup = (Status.ERROR, Failure([remote_error(exc, spec.start, "make")]))
 
     def ready(self) -> _Reply:
         """Whether the envs were built: READY with a space mismatch or ``None``, or ERROR."""
@@ -322,10 +331,10 @@ class EnvfleetWorker:
             if command in (Command.CALL, Command.RENDER, Command.TASK):
                 cloudpickle.dumps(result)  # fails here, reported, rather than inside Ray
         except PartialFailure as failure:
-            errors = [_remote_error(f, f.env_index, f.method) for f in failure.failures]
+            errors = [remote_error(f, f.env_index, f.method) for f in failure.failures]
             status, result = Status.ERROR, Failure(errors, failure.events or None, partial=True)
         except EnvFailure as failure:
-            error = _remote_error(failure, failure.env_index, failure.method)
+            error = remote_error(failure, failure.env_index, failure.method)
             status, result = Status.ERROR, Failure([error])
         except Exception as exc:  # a bug outside any env, or a result that does not pickle
             what = (
@@ -333,7 +342,7 @@ class EnvfleetWorker:
                 if command in (Command.CALL, Command.RENDER, Command.TASK)
                 else None
             )
-            error = _remote_error(exc, group.start, what or command.name.lower())
+            error = remote_error(exc, group.start, what or command.name.lower())
             status, result = Status.ERROR, Failure([error])
         rows = None
         if command in _DATA_COMMANDS:
@@ -357,21 +366,7 @@ _RemoteWorker: Any = ray.remote(EnvfleetWorker)
 # -- the driver side ----------------------------------------------------------------------------
 
 
-@dataclass
-class _Round:
-    """What one wait on the actors found."""
-
-    results: dict[int, Any] = field(default_factory=dict)
-    failures: dict[int, Failure] = field(default_factory=dict)
-    crashed: dict[int, str] = field(default_factory=dict)  # worker -> Ray's reason
-    late: list[int] = field(default_factory=list)
-
-    @property
-    def failed(self) -> bool:
-        return bool(self.failures or self.crashed or self.late)
-
-
-class RayBackend(RemoteWorkersBackend):
+class RayBackend(Backend):
     """One Ray actor per block of envs; results come back through Ray's object store.
 
     Args:
@@ -392,7 +387,7 @@ class RayBackend(RemoteWorkersBackend):
         EnvCrashedError: an actor died while starting.
     """
 
-    _late_noun = "Ray actors of workers"
+    late_what = "Ray actors of workers"
 
     def __init__(
         self,
@@ -420,9 +415,8 @@ class RayBackend(RemoteWorkersBackend):
         self._timers = [StepTimer(row) for row in self._stats]
         self._actors: list[Any] = [None] * workers
         self._pending: dict[int, Any] = {}  # worker -> ObjectRef of its running command
-        self._sent_at: dict[int, float] = {}  # worker -> when it was last sent a command
         self._command = Command.STEP
-        self.drop_kept()  # nothing kept back by a pool's env error yet
+        self.supervisor = Supervisor(self)
         self._closed = False
         try:
             for w in range(workers):
@@ -455,7 +449,7 @@ class RayBackend(RemoteWorkersBackend):
         )
         self._actors[w] = _RemoteWorker.options(**self._options).remote(spec)
 
-    def _await_ready(self, workers: Iterable[int], step: int) -> _Round:
+    def _await_ready(self, workers: Iterable[int], step: int) -> Round:
         """Wait (unbounded, warning while Ray cannot place them) for the actors to build
         their envs; a dead one raises at once."""
         refs = {w: self._actors[w].ready.remote() for w in workers}
@@ -488,7 +482,7 @@ class RayBackend(RemoteWorkersBackend):
             )
         return self._wait(refs, None, step, fail_fast=True, starting=True)
 
-    def _check_ready(self, done: _Round) -> None:
+    def _check_ready(self, done: Round) -> None:
         """Raise for the first actor that could not start (an env error or a space mismatch)."""
         if done.failures:
             w = min(done.failures)
@@ -511,27 +505,31 @@ class RayBackend(RemoteWorkersBackend):
         return step_time_table(self._stats)
 
     def submit(self, command: Command, payloads: Mapping[int, Any], step: int) -> None:
-        self._guarded(self._submit, command, payloads)
+        self.supervisor.guarded(self._submit, command, payloads)
 
     def _submit(self, command: Command, payloads: Mapping[int, Any]) -> None:
         self._command = command
         actions = self.batch.actions
-        now = time.monotonic()
+        if command is not Command.RESTART:
+            self.supervisor.sent(payloads, command)
         for w in sorted(payloads):
-            self._sent_at[w] = now
             start, stop = self.ranges[w]
             rows = tree_slice(actions, start, stop) if command is Command.STEP else None
             # A dead actor's call returns a reference that raises when read: collect sees it.
             self._pending[w] = self._actors[w].run.remote((command, payloads[w], rows))
 
     def collect(self, timeout: float | None, step: int) -> dict[int, Any]:
-        return self._guarded(self._collect, timeout, step)
+        return self.supervisor.guarded(self._collect, timeout, step)
 
     def _collect(self, timeout: float | None, step: int) -> dict[int, Any]:
         refs, self._pending = self._pending, {}
         fail_fast = not self.ledger.restarts_on(self._command)
         done = self._wait(refs, timeout, step, fail_fast)
-        results = self.settle(done, timeout, step) if done.failed else done.results
+        results = (
+            self.supervisor.settle(done, timeout, step, self._command)
+            if done.failed
+            else done.results
+        )
         return dict(sorted(results.items()))
 
     def collect_ready(self, timeout: float | None, step: int) -> dict[int, Any]:
@@ -544,42 +542,37 @@ class RayBackend(RemoteWorkersBackend):
             EnvCrashedError: a pending actor died; the backend is shut down.
             StepTimeoutError: no actor replied within ``timeout`` seconds; shut down.
         """
-        return self._guarded(self._collect_ready, timeout, step)
+        return self.supervisor.guarded(self._collect_ready, timeout, step)
 
     def _collect_ready(self, timeout: float | None, step: int) -> dict[int, Any]:
-        kept = self._take_kept()
-        if kept is not None:
-            return kept
+        supervisor = self.supervisor
+        if supervisor.has_kept():
+            return supervisor.take_kept()
         if not self._pool:  # synchronous send/recv: every env is pending, wait for them all
             return self._collect(timeout, step)
+        # Without a restart policy a dead or late actor raises at once; with one, it is noted
+        # in the round and the supervisor replaces it.
+        fail_fast = self.ledger.policy is None
         pending = self._pending
         refs = list(pending.values())
         # Each actor has ``timeout`` seconds from its own send: one past it is late even while
         # others keep replying.
-        wait_s = None
-        if timeout is not None:
-            first_sent = min(self._sent_at[w] for w in pending)
-            wait_s = max(0.0, first_sent + timeout - time.monotonic())
+        deadline = supervisor.deadline(pending, timeout)
+        wait_s = None if deadline is None else max(0.0, deadline - time.monotonic())
         first, _ = ray.wait(refs, num_returns=1, timeout=wait_s)
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
         ready_set = set(ready) | set(first)
-        if timeout is not None:
-            now = time.monotonic()
-            late = [
-                w
-                for w, ref in pending.items()
-                if ref not in ready_set and now >= self._sent_at[w] + timeout
-            ]
-            if late:
-                self.ledger.timeouts += 1
-                self._raise_timeout(sorted(late), timeout)
-        if not ready_set:
+        late = supervisor.late([w for w, ref in pending.items() if ref not in ready_set], timeout)
+        if late and fail_fast:
+            supervisor.timed_out(late, timeout)
+        if not ready_set and not late:
             return {}
         done_refs = {w: ref for w, ref in pending.items() if ref in ready_set}
-        for w in done_refs:
+        for w in [*done_refs, *late]:
             del pending[w]
-        done = self._wait(done_refs, None, step, fail_fast=True)
-        return dict(sorted(self._ready_replies(done.results, done.failures).items()))
+        done = self._wait(done_refs, None, step, fail_fast)
+        done.late = late
+        return dict(sorted(supervisor.ready(done, timeout, step).items()))
 
     # -- waiting and reading replies ----------------------------------------------------------
 
@@ -590,14 +583,14 @@ class RayBackend(RemoteWorkersBackend):
         step: int,
         fail_fast: bool,
         starting: bool = False,
-    ) -> _Round:
+    ) -> Round:
         """Wait up to ``timeout`` seconds for the replies ``refs`` (worker -> ObjectRef), in
         worker order, and read them; an actor's death ends its wait at once.
 
         ``fail_fast``: a dead actor or the timeout raises at once (and closes the backend);
-        otherwise they are noted in the returned round, with env failures, for :meth:`settle`.
+        otherwise they are noted in the returned round, with env failures, for the supervisor.
         """
-        done = _Round()
+        done = Round()
         if not refs:
             return done
         order = list(refs.values())
@@ -617,14 +610,12 @@ class RayBackend(RemoteWorkersBackend):
             if ref in finished:
                 self._read(w, ref, done, step, fail_fast, starting)
         done.late = sorted(w for w, ref in refs.items() if ref not in finished)
-        if done.late:
-            self.ledger.timeouts += 1
-            if fail_fast:
-                self._raise_timeout(done.late, cast(float, timeout))
+        if done.late and fail_fast:
+            self.supervisor.timed_out(done.late, timeout)
         return done
 
     def _read(
-        self, w: int, ref: Any, done: _Round, step: int, fail_fast: bool, starting: bool
+        self, w: int, ref: Any, done: Round, step: int, fail_fast: bool, starting: bool
     ) -> None:
         try:
             reply = ray.get(ref)
@@ -645,11 +636,11 @@ class RayBackend(RemoteWorkersBackend):
             reason = _reason(exc)
             done.crashed[w] = reason
             if fail_fast:
-                self._raise_crashed(w, step, reason=reason, starting=starting)
+                self.supervisor.crashed(w, step, reason=reason, starting=starting)
             return
         self._take(w, reply, done, starting)
 
-    def _take(self, w: int, reply: _Reply, done: _Round, starting: bool) -> None:
+    def _take(self, w: int, reply: _Reply, done: Round, starting: bool) -> None:
         """Write the rows of worker ``w``'s reply into the batch; note its result."""
         status, payload, rows, seconds = reply
         if rows is not None:
@@ -666,16 +657,28 @@ class RayBackend(RemoteWorkersBackend):
         if self._command is Command.STEP and not starting:
             self._timers[w].record(seconds)
 
-    # -- the supervisor's part ------------------------------------------------------------------
+    # -- the mechanics the supervisor uses (Supervised) ---------------------------------------
 
-    # -- the hooks of RemoteWorkersBackend.settle (the supervisor's restart flow) -----------
+    def env_error(self, w: int, failure: Any, note: str) -> EnvError:
+        return remote_env_error(cast(Failure, failure).errors[0], w, note)
 
-    def _raise_crashed_worker(self, done: _Round, step: int, note: str) -> None:
-        w = min(done.crashed)
-        self._raise_crashed(w, step, note, reason=done.crashed[w])
+    def crash_error(
+        self, w: int, step: int, note: str, reason: str, starting: bool
+    ) -> EnvCrashedError:
+        start, stop = self.ranges[w]
+        when = "while starting" if starting else f"after {step} steps"
+        return EnvCrashedError(
+            f"the Ray actor of worker {w} (sub-environments {start}..{stop - 1}) died {when}"
+            f"{f' ({reason})' if reason else ''}; {note + '; ' if note else ''}"
+            "the vector env was closed",
+            env_indices=range(start, stop),
+            worker_index=w,
+            exitcode=None,
+            step=step,
+        )
 
-    def _replace_workers(
-        self, workers: list[int], done: _Round, timeout: float | None, step: int
+    def replace_workers(
+        self, workers: list[int], done: Round, timeout: float | None, step: int
     ) -> None:
         for w in workers:
             why = f"died ({done.crashed[w]})" if w in done.crashed else "did not answer in time"
@@ -689,27 +692,16 @@ class RayBackend(RemoteWorkersBackend):
             self.close(timeout=0, terminate=True)
             raise
 
-    def _run_restarts(self, requests: dict[int, Any], timeout: float | None, step: int) -> _Round:
+    def restart_envs(
+        self, requests: dict[int, RestartRequest], timeout: float | None, step: int
+    ) -> Round:
+        command = self._command
         self._submit(Command.RESTART, requests)
-        refs, self._pending = self._pending, {}
-        return self._wait(refs, timeout, step, fail_fast=True)
-
-    def _raise_crashed(
-        self, w: int, step: int, note: str = "", reason: str = "", starting: bool = False
-    ) -> None:
-        self.ledger.crashes += 1
-        start, stop = self.ranges[w]
-        self.close(timeout=0, terminate=True)
-        when = "while starting" if starting else f"after {step} steps"
-        raise EnvCrashedError(
-            f"the Ray actor of worker {w} (sub-environments {start}..{stop - 1}) died {when}"
-            f"{f' ({reason})' if reason else ''}; {note + '; ' if note else ''}"
-            "the vector env was closed",
-            env_indices=range(start, stop),
-            worker_index=w,
-            exitcode=None,
-            step=step,
-        )
+        refs = {w: self._pending.pop(w) for w in requests}  # a pool's others still run
+        try:
+            return self._wait(refs, timeout, step, fail_fast=True)
+        finally:
+            self._command = command
 
     # -- close ----------------------------------------------------------------------------------
 

@@ -22,6 +22,7 @@ class SerialBackend(InProcessBackend):
         # Added to the results not yet collected: a first-ready pool submits several times.
         self._results, self._failures = dict(self._results), dict(self._failures)
         self._command = command
+        self.supervisor.sent(payloads, command)  # a pool's restarts rebuild after it
         for w in sorted(payloads):
             try:
                 self._results[w] = self.run_group(w, command, payloads[w])
@@ -34,12 +35,12 @@ class SerialBackend(InProcessBackend):
     def collect(self, timeout: float | None, step: int) -> dict[int, Any]:
         results, failures = self._results, self._failures
         self._results, self._failures = {}, {}
-        return self.settle(results, failures)
+        return self.settle(results, failures, step)
 
     def collect_ready(self, timeout: float | None, step: int) -> dict[int, Any]:
         results, failures = self._results, self._failures
         self._results, self._failures = {}, {}
-        return self.ready_results(results, failures)
+        return self.ready_results(results, failures, step)
 
     def close(self, timeout: float | None, terminate: bool) -> None:
         self._close_groups()

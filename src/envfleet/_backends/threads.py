@@ -35,7 +35,7 @@ from envfleet._backends.base import WorkerLayout
 from envfleet._backends.inprocess import InProcessBackend
 from envfleet._buffers import Block
 from envfleet._envgroup import EnvFailure, EnvGroup
-from envfleet._errors import EnvfleetError, StartTimeoutError, StepTimeoutError
+from envfleet._errors import StartTimeoutError
 from envfleet._protocol import Command
 from envfleet._supervisor import Ledger
 
@@ -82,6 +82,9 @@ def serialize_gfxdraw() -> None:
 class ThreadsBackend(InProcessBackend):
     """One thread per EnvGroup (the calling thread runs group 0 when ``inline_first``).
 
+    Its supervisor rebuilds envs that raise (restart policy), in a synchronous round and in a
+    first-ready pool; a thread past the timeout ends the vector env (it cannot be killed).
+
     Args:
         layout, block, first_env, ledger: as :class:`InProcessBackend`.
         inline_first: run group 0 in the calling thread during :meth:`submit` (no timeout
@@ -116,7 +119,6 @@ class ThreadsBackend(InProcessBackend):
             self._threads[w] = thread
             thread.start()
         self._pending: list[int] = []
-        self._sent_at: dict[int, float] = {}  # when each thread was last sent a command
         self._local: dict[int, Any] = {}
         self._local_failures: dict[int, EnvFailure] = {}
 
@@ -174,6 +176,9 @@ class ThreadsBackend(InProcessBackend):
         if errors:
             raise errors[min(errors)]
 
+    late_what = "threads"
+    late_fate = "a thread cannot be killed: they were left behind"
+
     @property
     def num_workers(self) -> int:
         """Groups, each in its own thread (the calling thread's included)."""
@@ -206,9 +211,8 @@ class ThreadsBackend(InProcessBackend):
         parallel = command in (Command.STEP, Command.RESET)
         threaded = [w for w in payloads if w in self._inboxes and parallel]
         self._pending += threaded  # a first-ready pool submits while others run
-        now = time.monotonic()
+        self.supervisor.sent(payloads, command)
         for w in threaded:
-            self._sent_at[w] = now
             self._inboxes[w].put((command, payloads[w]))
         for w in payloads:
             if w not in threaded:
@@ -226,26 +230,14 @@ class ThreadsBackend(InProcessBackend):
         return frozenset(range(len(self.ranges)))
 
     def collect(self, timeout: float | None, step: int) -> dict[int, Any]:
-        try:
-            results, failures = self._collect(timeout)
-        except EnvfleetError:
-            raise
-        except BaseException:
-            self.close(0, True)
-            raise
-        return self.settle(results, failures)
+        results, failures = self.supervisor.guarded(self._collect, timeout)
+        return self.settle(results, failures, step)
 
     def collect_ready(self, timeout: float | None, step: int) -> dict[int, Any]:
-        if self._kept or self._kept_failures:
-            return self.ready_results({}, {})
-        try:
-            results, failures = self._collect(timeout, ready_only=True)
-        except EnvfleetError:
-            raise
-        except BaseException:
-            self.close(0, True)
-            raise
-        return self.ready_results(results, failures)
+        if self.supervisor.has_kept():
+            return self.supervisor.take_kept()
+        results, failures = self.supervisor.guarded(self._collect, timeout, True)
+        return self.ready_results(results, failures, step)
 
     def _collect(
         self, timeout: float | None, ready_only: bool = False
@@ -259,11 +251,11 @@ class ThreadsBackend(InProcessBackend):
         results, failures = self._local, self._local_failures
         self._local, self._local_failures = {}, {}
         waiting = set(self._pending)
-        sent_at = self._sent_at
+        supervisor = self.supervisor
         if timeout is None or not waiting:
             deadline = None
         elif ready_only:
-            deadline = min(sent_at[w] for w in waiting) + timeout
+            deadline = supervisor.deadline(waiting, timeout)
         else:
             deadline = time.monotonic() + timeout
         while waiting:
@@ -278,9 +270,10 @@ class ThreadsBackend(InProcessBackend):
                     break
                 if not ready_only:
                     self._raise_late(sorted(waiting), timeout)
-                deadline = min(sent_at[w] for w in waiting) + cast(float, timeout)
-                if time.monotonic() >= deadline:
-                    self._raise_late(self._late(waiting, cast(float, timeout)), timeout)
+                late = supervisor.late(waiting, timeout)
+                if late:
+                    self._raise_late(late, timeout)
+                deadline = supervisor.deadline(waiting, timeout)
                 continue
             waiting.discard(w)
             self._pending.remove(w)
@@ -289,27 +282,14 @@ class ThreadsBackend(InProcessBackend):
             else:
                 failures[w] = failure
         if ready_only and timeout is not None and waiting:
-            late = self._late(waiting, timeout)
+            late = supervisor.late(waiting, timeout)
             if late:
                 self._raise_late(late, timeout)
         return dict(sorted(results.items())), failures
 
-    def _late(self, waiting: set[int], timeout: float) -> list[int]:
-        """The threads of ``waiting`` past ``timeout`` seconds since their submit."""
-        now = time.monotonic()
-        return sorted(w for w in waiting if now >= self._sent_at[w] + timeout)
-
     def _raise_late(self, late: list[int], timeout: float | None) -> NoReturn:
-        envs = [e for w in late for e in range(*self.ranges[w])]
-        self.ledger.timeouts += 1
-        self.close(0, True)
-        raise StepTimeoutError(
-            f"threads {late} (sub-environments {envs}) did not answer within "
-            f"{timeout} s; a thread cannot be killed: they were left behind and the "
-            "vector env closed",
-            envs,
-            float(timeout if timeout is not None else 0.0),
-        ) from None
+        # A thread cannot be killed: under a restart policy too, a hung one ends the vector env.
+        self.supervisor.timed_out(late, timeout)
 
     def close(self, timeout: float | None, terminate: bool) -> None:
         """Stop the threads, then close the envs of every group whose thread has stopped.

@@ -216,7 +216,7 @@ def make(  # type: ignore[misc]  # the overloads stand for its keyword arguments
         native = NativeRequest(env, num_envs, batch_size, autoreset_mode, env_kwargs)
         return _native_vector_env(spec, native, copy)
     env_fns, num_envs = _env_list(env, env_kwargs, num_envs)
-    pool = _check_batching(num_envs, num_workers, batch_size, restart_policy)
+    pool = _check_batching(num_envs, num_workers, batch_size)
     if pool and num_workers is None:
         num_workers = num_envs  # one env per worker: each env is handed back when it finishes
     mode = _check_mode(autoreset_mode, pool)
@@ -284,19 +284,14 @@ def _env_list(
     return env_fns, num_envs
 
 
-def _check_batching(
-    num_envs: int, num_workers: Any, batch_size: Any, restart_policy: RestartPolicy | None
-) -> bool:
+def _check_batching(num_envs: int, num_workers: Any, batch_size: Any) -> bool:
     """Check ``num_workers`` and ``batch_size``; returns whether make() builds a first-ready
     pool (``batch_size < num_envs``)."""
     if num_workers is not None and not _is_int(num_workers, 1, num_envs):
         raise ConfigError(f"num_workers must be an integer in [1, {num_envs}], got {num_workers!r}")
     if batch_size is not None and not _is_int(batch_size, 1, num_envs):
         raise ConfigError(f"batch_size must be None or an integer in [1, {num_envs}]")
-    pool = batch_size is not None and batch_size < num_envs
-    if pool and restart_policy is not None:
-        raise ConfigError("restart_policy is not available with a first-ready pool yet")
-    return pool
+    return batch_size is not None and batch_size < num_envs
 
 
 def _check_mode(autoreset_mode: AutoresetMode | str, pool: bool) -> AutoresetMode:

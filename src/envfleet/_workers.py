@@ -1,0 +1,199 @@
+"""The worker-process toolkit (DESIGN §2, layer 3): spawn, die with the parent, report, watch.
+
+Every worker process envfleet starts goes through these few functions:
+
+- :func:`spawn` starts a daemonic process with a chosen ``multiprocessing`` start method;
+- :func:`die_with_parent`, called first thing in the worker, makes it exit when the driver
+  dies, also when the driver is SIGKILLed (Linux's ``PR_SET_PDEATHSIG``);
+- :func:`remote_error` turns an exception raised in a worker into a picklable
+  :class:`~envfleet._protocol.RemoteError` that carries its traceback; the driver rebuilds it
+  (:func:`remote_cause`) and chains it as ``__cause__`` of the typed error it raises, as
+  ``concurrent.futures.ProcessPoolExecutor`` does;
+- :func:`watch` waits on many connections and process sentinels at once, with a deadline, and
+  reports which processes died, with their exit codes (:func:`join_all` joins them all within
+  one timeout).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ctypes.util
+import multiprocessing
+import multiprocessing.connection
+import os
+import pickle
+import signal
+import sys
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from typing import Any
+
+from envfleet._envgroup import EnvFailure
+from envfleet._errors import RemoteTraceback
+from envfleet._protocol import Failure, RemoteError
+
+__all__ = [
+    "Exit",
+    "Watch",
+    "die_with_parent",
+    "failure_reply",
+    "join_all",
+    "remote_cause",
+    "remote_error",
+    "spawn",
+    "watch",
+]
+
+_PR_SET_PDEATHSIG = 1
+
+
+def spawn(
+    start_method: str | None | Any,
+    target: Callable[..., Any],
+    args: tuple[Any, ...],
+    name: str,
+) -> Any:
+    """Start ``target(*args)`` in a new daemonic process and return it (started).
+
+    Args:
+        start_method: ``"fork"``, ``"spawn"``, ``"forkserver"``, ``None`` (the platform's),
+            or a ``multiprocessing`` context already chosen.
+        target, args: what the process runs; ``args`` must pickle under ``spawn`` and
+            ``forkserver``.
+        name: the process name (``ps`` and logs show it).
+
+    Raises:
+        ValueError: ``start_method`` is not a start method of this platform.
+    """
+    ctx: Any = (
+        multiprocessing.get_context(start_method)
+        if start_method is None or isinstance(start_method, str)
+        else start_method
+    )
+    proc = ctx.Process(target=target, args=args, name=name, daemon=True)
+    proc.start()
+    return proc
+
+
+def die_with_parent(parent_pid: int, start_method: str) -> None:
+    """Ask Linux to SIGKILL this process when the driver dies; exit if it already has.
+
+    Call it first in the worker. Under forkserver the worker's parent is the fork server, not
+    the driver; there the worker relies on its pipe: the driver's death closes it.
+    """
+    if start_method == "forkserver" or not sys.platform.startswith("linux"):
+        return
+    with contextlib.suppress(Exception):
+        libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent_pid:  # the driver died before prctl took effect
+        os._exit(0)
+
+
+def remote_error(failure: BaseException, env_index: int, method: str) -> RemoteError:
+    """What a worker sends back for an exception: type, message, formatted traceback and the
+    exception itself pickled (``None`` when it does not pickle and unpickle).
+
+    ``failure``: the exception, or an :class:`~envfleet._envgroup.EnvFailure` whose
+    ``__cause__`` is the env's exception (then that one is reported).
+    """
+    cause = failure.__cause__ if isinstance(failure, EnvFailure) else failure
+    assert cause is not None
+    tb = "".join(traceback.format_exception(type(cause), cause, cause.__traceback__))
+    blob: bytes | None
+    try:
+        blob = pickle.dumps(cause, pickle.HIGHEST_PROTOCOL)
+        pickle.loads(blob)  # some exceptions pickle but do not unpickle
+    except Exception:
+        blob = None
+    return RemoteError(env_index, method, type(cause).__qualname__, str(cause), tb, blob)
+
+
+def failure_reply(error: RemoteError) -> Failure:
+    """The reply of a worker whose command failed with one error."""
+    return Failure([error])
+
+
+def remote_cause(error: RemoteError) -> tuple[BaseException, BaseException | None]:
+    """The driver's side of :func:`remote_error`: ``(cause, original)``.
+
+    ``cause`` is the remote exception unpickled (else a ``RuntimeError`` naming its type and
+    message), with the remote traceback as its ``__cause__``
+    (:class:`~envfleet._errors.RemoteTraceback`); chain it as ``__cause__`` of the error
+    raised. ``original`` is the unpickled exception, ``None`` when it did not unpickle.
+    """
+    cause: Any = None
+    if error.exception is not None:
+        with contextlib.suppress(Exception):
+            cause = pickle.loads(error.exception)
+    original = cause if isinstance(cause, BaseException) else None
+    if original is None:
+        cause = RuntimeError(f"{error.type_name}: {error.message}")
+    cause.__cause__ = RemoteTraceback(error.traceback)
+    return cause, original
+
+
+@dataclass(frozen=True)
+class Exit:
+    """A process found dead: its position in the list watched and its exit code (negative:
+    killed by signal ``-exitcode``)."""
+
+    index: int
+    exitcode: int | None
+
+
+@dataclass
+class Watch:
+    """What one :func:`watch` found: ``readable`` connections (positions in the list given)
+    and ``dead`` processes, each in list order."""
+
+    readable: list[int] = field(default_factory=list)
+    dead: list[Exit] = field(default_factory=list)
+
+
+def watch(
+    procs: Sequence[Any],
+    conns: Sequence[Connection] = (),
+    timeout: float | None = 0.0,
+) -> Watch:
+    """Wait until a connection of ``conns`` is readable or a process of ``procs`` has exited,
+    at most ``timeout`` seconds (``None``: for good; ``0``: look now); report both.
+
+    One ``multiprocessing.connection.wait`` covers every connection and every process
+    sentinel. Deaths are confirmed with ``waitpid`` (``is_alive``) for every process, so one
+    whose sentinel is still held open by a child it forked is reported too (at the latest
+    when the wait ends).
+    """
+    objects: list[Any] = [*conns, *(p.sentinel for p in procs)]
+    if objects and timeout != 0.0:
+        multiprocessing.connection.wait(objects, timeout)
+    found = Watch()
+    for i, conn in enumerate(conns):
+        with contextlib.suppress(OSError, ValueError):  # a closed connection: not readable
+            if conn.poll():
+                found.readable.append(i)
+    for i, proc in enumerate(procs):
+        if not proc.is_alive():
+            found.dead.append(Exit(i, proc.exitcode))
+    return found
+
+
+def join_all(procs: Sequence[Any], timeout: float) -> None:
+    """Wait until every process has exited, all within one ``timeout`` in seconds (one wait
+    on their sentinels at a time, whichever exits first)."""
+    deadline = time.monotonic() + timeout
+    waiting = list(procs)
+    while waiting:
+        remaining = deadline - time.monotonic()
+        found = watch(waiting, timeout=max(0.0, remaining))
+        gone = {exit_.index for exit_ in found.dead}
+        waiting = [p for i, p in enumerate(waiting) if i not in gone]
+        if remaining <= 0:
+            break
+    for proc in procs:  # reap what exited (sets exitcode)
+        if not proc.is_alive():
+            proc.join(0)
