@@ -647,3 +647,121 @@ def test_worker_inference_honours_the_start_timeout(snapshot: Any) -> None:
     with pytest.raises(envfleet.StartTimeoutError):
         Sampler(factory, PolePolicy(), 2, inference="worker", num_workers=2, start_timeout=1.0)
     snapshot.assert_nothing_left()
+
+
+# -- worker inference under a restart policy (issue 18: one supervisor) -----------------------
+
+
+class OnceFaultEnv(gym.Env):
+    """Random 2-d observations (seeded), episodes of ``length`` steps. Env ``fault_index``
+    does ``how`` (``"raise"`` or ``"sigkill"`` of its process) in its ``at_step``-th step,
+    once per ``marker`` file: a rebuilt env does not fault again."""
+
+    def __init__(self, env_index: int, marker: str, how: str, fault_index: int, at_step: int):
+        self.observation_space = spaces.Box(-1.0, 1.0, (2,), np.float32)
+        self.action_space = spaces.Discrete(2)
+        self.faulty = how != "none" and env_index == fault_index
+        self.marker, self.how, self.at_step = marker, how, at_step
+        self.length = 7 + env_index
+        self._steps = self._t = 0
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> Any:
+        super().reset(seed=seed)
+        self._t = 0
+        return self.np_random.uniform(-1.0, 1.0, 2).astype(np.float32), {"t": 0}
+
+    def step(self, action: Any) -> Any:
+        self._steps += 1
+        self._t += 1
+        if self.faulty and self._steps == self.at_step and not os.path.exists(self.marker):
+            open(self.marker, "w").close()
+            if self.how == "sigkill":
+                os.kill(os.getpid(), signal.SIGKILL)
+                time.sleep(60)  # the signal is delivered before this returns
+            raise ValueError(f"boom in step {self._steps}")
+        obs = self.np_random.uniform(-1.0, 1.0, 2).astype(np.float32)
+        return obs, float(action), False, self._t >= self.length, {"t": self._t}
+
+
+def sign_policy(obs: np.ndarray) -> np.ndarray:
+    return (obs[:, 0] > 0).astype(np.int64)
+
+
+def env_stream(batches: list[EpisodeBatch], e: int) -> dict[str, np.ndarray]:
+    """Env ``e``'s steps, in order, from a list of batches."""
+    batch = EpisodeBatch.concatenate(*batches)
+    rows = np.concatenate(
+        [
+            np.arange(s, s + n)
+            for s, n in zip(batch.starts, batch.lengths, strict=True)
+            if batch.env_index[np.searchsorted(batch.starts, s)] == e
+        ]
+        or [np.zeros(0, dtype=np.int64)]
+    )
+    return {
+        "obs": batch.observations[rows],
+        "act": batch.actions[rows],
+        "rew": batch.rewards[rows],
+        "trunc": batch.truncated[rows],
+        "next": batch.next_observations[rows],
+    }
+
+
+def run_with_fault(marker: str, how: str, fault_index: int, **kwargs: Any) -> tuple[Any, Any]:
+    factory = functools.partial(
+        OnceFaultEnv, marker=marker, how=how, fault_index=fault_index, at_step=13
+    )
+    with Sampler(
+        lambda env_index: factory(env_index),
+        sign_policy,
+        4,
+        inference="worker",
+        num_workers=2,
+        seed=3,
+        segment_length=8,
+        restart_policy=envfleet.RestartPolicy(max_restarts=2, window_s=600.0),
+        **kwargs,
+    ) as sampler:
+        batches = [sampler.sample(64) for _ in range(6)]
+        return batches, sampler.stats
+
+
+@pytest.mark.parametrize(
+    ("how", "backend"),
+    [("raise", "processes"), ("sigkill", "processes"), ("raise", "threads")],
+)
+def test_worker_inference_restarts_what_failed_and_leaves_the_rest(
+    how: str, backend: str, tmp_path: Any
+) -> None:
+    """An env raises, or its worker is SIGKILLed, in the middle of a round: the restart policy
+    rebuilds it; every env outside the failed worker (and, for an exception, every env of it
+    but the one that raised) yields exactly the steps of a run without the fault; every env
+    keeps producing data."""
+    clean, _ = run_with_fault(str(tmp_path / "none"), "none", 1, backend=backend)
+    faulty, stats = run_with_fault(str(tmp_path / "fault"), how, 1, backend=backend)
+    assert stats.env_restarts == (1 if how == "raise" else 2)  # the worker's two envs
+    untouched = [0, 2, 3] if how == "raise" else [2, 3]
+    for e in range(4):
+        got, want = env_stream(faulty, e), env_stream(clean, e)
+        assert len(got["rew"]) >= 20, f"env {e} stopped producing data"
+        if e in untouched:
+            n = min(len(got["rew"]), len(want["rew"]))
+            for key in got:
+                assert np.array_equal(got[key][:n], want[key][:n]), f"env {e} {key}"
+    for batch in faulty:
+        check_segments(batch)
+    if how == "raise":
+        # The env that raised ends its episode there, truncated and flagged, on the
+        # observation it acted on; its next episode starts from its restart.
+        joined = EpisodeBatch.concatenate(*faulty)
+        flagged = [k for k, info in enumerate(joined.env_infos) if info.get("env_restarted")]
+        assert len(flagged) == 1
+        k = flagged[0]
+        assert joined.truncated[k] and not joined.terminated[k] and joined.rewards[k] == 0.0
+        stream = env_stream(faulty, 1)
+        want = env_stream(clean, 1)
+        fault_step = 12  # the 13th step since make
+        for key in ("obs", "act"):
+            assert np.array_equal(stream[key][: fault_step + 1], want[key][: fault_step + 1])
+        assert stream["trunc"][fault_step]
+        assert np.array_equal(stream["next"][fault_step], stream["obs"][fault_step])

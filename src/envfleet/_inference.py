@@ -105,6 +105,7 @@ class SamplerStats:
         stale_steps_dropped: transitions of an older policy version, dropped.
         stale_steps_kept: transitions of an older policy version, returned (``keep_stale``).
         env_update_steps_dropped: transitions stepped before the last env update, dropped.
+        env_restarts: envs the vector env's restart policy rebuilt during worker inference.
     """
 
     policy_version: int = 0
@@ -113,6 +114,7 @@ class SamplerStats:
     stale_steps_dropped: int = 0
     stale_steps_kept: int = 0
     env_update_steps_dropped: int = 0
+    env_restarts: int = 0
 
 
 # -- policy helpers --------------------------------------------------------------------------

@@ -150,7 +150,13 @@ class Sampler:
         make_kwargs: more arguments for :func:`envfleet.make` (``backend``, ``batch_size``,
             ``start_timeout``, ``restart_policy``, ``copy``...). The sampler uses
             ``AutoresetMode.SAME_STEP``. A first-ready pool (``batch_size``, driver inference
-            only) needs ``num_envs`` to be a multiple of ``batch_size``.
+            only) needs ``num_envs`` to be a multiple of ``batch_size``. With a
+            ``restart_policy``, worker inference goes on past what the policy rebuilds: an env
+            that raised ends its episode on that step (``truncated``, its ``env_infos`` entry
+            ``{"env_restarted": True}``, its last observation the one it acted on) and its
+            worker's other envs lose nothing; a worker that died or hung loses the steps of
+            its round, and its envs start new episodes. Every other worker's data is what it
+            would have been; :attr:`stats` counts the rebuilt envs (``env_restarts``).
 
     Raises:
         ConfigError: bad arguments, an unpicklable policy or factory for ``"worker"``.

@@ -45,7 +45,8 @@ from envfleet._stats import (
 
 logger = logging.getLogger("envfleet")
 
-RESTARTABLE = (Command.STEP, Command.RESET)  # the commands whose failures a policy restarts
+# The commands whose failures a policy restarts (a task: the Sampler's worker inference).
+RESTARTABLE = (Command.STEP, Command.RESET, Command.TASK)
 
 _T = TypeVar("_T")
 
@@ -180,7 +181,7 @@ class Ledger:
         return self.budget is not None and self.budget.take(count)
 
     def restarts_on(self, command: Command) -> bool:
-        """Whether a failure of ``command`` is restarted under the policy (step and reset)."""
+        """Whether a failure of ``command`` is restarted under the policy (:data:`RESTARTABLE`)."""
         return self.policy is not None and command in RESTARTABLE
 
     def refusal(

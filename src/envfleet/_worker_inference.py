@@ -21,7 +21,7 @@ import cloudpickle
 import numpy as np
 
 from envfleet._buffers import tree_copy, tree_write
-from envfleet._envgroup import EnvGroup
+from envfleet._envgroup import EnvGroup, PartialFailure
 from envfleet._front.infos import batch_infos
 from envfleet._front.vector_env import FleetVectorEnv
 from envfleet._inference import (
@@ -36,7 +36,7 @@ from envfleet._inference import (
     seed_policy,
     step_and_record,
 )
-from envfleet._rollout import EpisodeBatch, Recorder
+from envfleet._rollout import EpisodeBatch, Recorder, tree_map
 
 __all__ = ["PolicyUpdate", "WorkerInference", "sampler_round"]
 
@@ -83,6 +83,10 @@ class Episodes:
 
 
 STATE_KEY = "envfleet.sampler"  # the sampler's entry in the group's task_state
+# The step info of an env whose episode an exception ended (it is restarted, or the sampler
+# fails): as the vector env flags a restarted env.
+RESTART = "env_restarted"
+RESTARTED = {RESTART: True}
 
 
 class GroupEnvs:
@@ -93,6 +97,8 @@ class GroupEnvs:
     def __init__(self, group: EnvGroup):
         self.group = group
         self.num_envs = group.size
+        self.obs: Any = None  # the observations the next actions are chosen on
+        self.failure: PartialFailure | None = None  # envs that raised in the last step
 
     def observations(self) -> Any:
         """A copy of the envs' current observations (the buffers' rows)."""
@@ -102,7 +108,22 @@ class GroupEnvs:
         group, buffers = self.group, self.group.buffers
         tree_write(buffers.actions, actions)
         start = group.start
-        infos = batch_infos([(i - start, info) for i, info in group.step()], self.num_envs)
+        try:
+            events = group.step()
+            self.failure = None
+        except PartialFailure as failure:
+            # The other envs stepped: their transitions are kept. Those that raised end their
+            # episode here, truncated and flagged, as the vector env reports a restarted env;
+            # their final observation is the one they acted on.
+            self.failure = failure
+            events = list(failure.events or ())
+            for f in failure.failures:
+                j = f.env_index - start
+                buffers.rewards[j], buffers.terminations[j], buffers.truncations[j] = 0, 0, 1
+                final = tree_map(lambda a, j=j: a[j].copy(), self.obs)
+                events.append((f.env_index, {"final_obs": final, "final_info": RESTARTED}))
+            events.sort(key=lambda event: event[0])
+        infos = batch_infos([(i - start, info) for i, info in events], self.num_envs)
         obs = tree_copy(buffers.observations)
         return obs, buffers.rewards, buffers.terminations, buffers.truncations, infos
 
@@ -118,6 +139,10 @@ class WorkerState:
         self.ids = np.arange(group.start, group.stop)
         self.obs: Any = None
         self.timers = Timers()
+        # A round cut by an env's exception: its steps so far (the failing one included), and
+        # the env version they belong to, returned with the next round.
+        self.salvage: Recorder | None = None
+        self.salvage_env_version = 0
 
     def install(self, request: RoundRequest) -> None:
         update = request.policy
@@ -132,10 +157,18 @@ class WorkerState:
         self.version = update.version
 
     def step(self, recorder: Recorder) -> np.ndarray:
-        """One step of every env, recorded; returns the envs whose episode ended."""
+        """One step of every env, recorded; returns the envs whose episode ended.
+
+        Raises:
+            PartialFailure: envs raised; the step is recorded (those envs truncated).
+        """
+        envs = self.envs
+        envs.obs = self.obs
         self.obs, done = step_and_record(
-            self.envs, self.policy, self.obs, self.ids, self.version, recorder, self.timers
+            envs, self.policy, self.obs, self.ids, self.version, recorder, self.timers
         )
+        if envs.failure is not None:
+            raise envs.failure
         return done
 
     def episodes(self, n: int) -> EpisodeBatch:
@@ -167,10 +200,25 @@ def sampler_round(group: EnvGroup, request: RoundRequest) -> Rollout | Episodes:
     if request.restart or state.obs is None:
         state.obs = state.envs.observations()
     if request.episodes:
-        return Episodes(request.worker, state.episodes(request.steps), state.timers.snapshot())
+        try:
+            episodes = state.episodes(request.steps)
+        except PartialFailure:
+            state.obs = None  # the driver asks again, from a reset
+            raise
+        return Episodes(request.worker, episodes, state.timers.snapshot())
     recorder = Recorder()
-    for _ in range(request.steps):
-        state.step(recorder)
+    if state.salvage is not None and state.salvage_env_version == request.env_version:
+        recorder = state.salvage
+    state.salvage = None
+    try:
+        for _ in range(request.steps):
+            state.step(recorder)
+    except PartialFailure:
+        # Reported to the supervisor, which rebuilds the envs or gives up; the steps so far
+        # come back with the next round, which starts from the envs' observations then.
+        state.salvage, state.salvage_env_version = recorder, request.env_version
+        state.obs = None
+        raise
     batch = recorder.build()
     assert batch is not None
     return Rollout(request.worker, batch, request.env_version, state.timers.snapshot())
@@ -208,13 +256,14 @@ class WorkerInference(Inference):
         self.timers_of: list[dict[str, TimerStat]] = [{} for _ in range(n)]
         self.version_of = [-1] * n  # the policy version each worker has
         self.update: PolicyUpdate | None = None  # the last update_policy()'s
-        self.restart = True  # the envs were reset: the workers start from the buffers
+        # Per worker: its envs were reset or rebuilt, so it starts from the buffers' rows.
+        self.restart_of = [True] * n
         self.in_flight = False  # a round runs in the workers (background)
         self.carry: list[Rollout] = []  # rollouts collected before an update, for sample()
 
     def reset(self, seed: int | None) -> None:
         self.venv.reset(seed=seed)
-        self.restart = True
+        self.restart_of = [True] * len(self.restart_of)
 
     def update_policy(self, update: Any) -> None:
         self.update = update  # sent with the next round
@@ -245,10 +294,10 @@ class WorkerInference(Inference):
                 if version and not sent.params:
                     seed = policy_seed(seed, version)
             requests[w] = RoundRequest(
-                w, steps, episodes, self.restart, self.stats.env_version, sent, seed
+                w, steps, episodes, self.restart_of[w], self.stats.env_version, sent, seed
             )
             self.version_of[w] = version
-        self.restart = False
+            self.restart_of[w] = False
         return requests
 
     def start_round(self, policy: Policy, steps: int, episodes: bool = False) -> None:
@@ -268,9 +317,19 @@ class WorkerInference(Inference):
                 results = self.venv.run_in_workers_wait(self.timeout)
             finally:
                 self.in_flight = False
-        out = [results[w] for w in sorted(results)]
-        for message in out:
-            self.timers_of[message.worker] = message.timers
+        out = []
+        for w in sorted(results):
+            message = results[w]
+            if isinstance(message, (Rollout, Episodes)):
+                self.timers_of[w] = message.timers
+                out.append(message)
+                continue
+            # The restart policy rebuilt this worker's failed envs, or the whole worker: the
+            # result is their restart's infos. A rebuilt worker lost its policy copy and its
+            # round; a worker whose envs raised keeps the steps so far for the next round.
+            # Either way its next round starts from the envs' observations in the buffers.
+            self.version_of[w] = -1
+            self.stats.env_restarts += sum(1 for _, info in message or () if info.get(RESTART))
         return out
 
     def settle(self) -> None:
@@ -313,6 +372,10 @@ class WorkerInference(Inference):
         self.settle()
         if not self.started:
             self.restart_envs()
-        self.restart_envs()  # whole episodes: every env starts a new one
-        self.start_round(policy, n, episodes=True)
-        return EpisodeBatch.concatenate(*(message.batch for message in self.finish_round()))
+        while True:
+            self.restart_envs()  # whole episodes: every env starts a new one
+            self.start_round(policy, n, episodes=True)
+            episodes = self.finish_round()
+            if len(episodes) == len(self.version_of):
+                return EpisodeBatch.concatenate(*(message.batch for message in episodes))
+            # A worker's envs were restarted: its episodes are not whole; ask every one again.
