@@ -204,13 +204,13 @@ def test_without_speedups_in_spawned_workers():
     envfleet still runs (as it does where the extension could not be built)."""
     script = textwrap.dedent(
         """
-        import numpy as np, envfleet, envfleet._native
+        import importlib, numpy as np, envfleet, envfleet._native
         assert envfleet._native.speedups is None
         envs = envfleet.make("CartPole-v1", 4, context="spawn", num_workers=2, driver_envs=0)
         envs.reset(seed=0)
         for _ in range(20):
             envs.step(np.zeros(4, dtype=np.int64))
-        flags = envs.apply(lambda env: __import__("envfleet._native").speedups.speedups)
+        flags = envs.apply(lambda env: importlib.import_module("envfleet._native").speedups)
         assert flags == (None,) * 4, flags
         envs.close()
         print("ok")

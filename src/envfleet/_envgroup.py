@@ -238,9 +238,12 @@ class EnvGroup:
                         self._obs_row_bytes = out[0].nbytes
             self._obs_slabs.append((out, rows, raw, address))
         self._slab = self.buffers.slab
-        # The C step path (envfleet._native.speedups, or None): the step loop, and the
-        # results written straight into the reward and done-flag rows at these addresses.
-        self.fast = _speedups.speedups
+        # The C step path (envfleet._native; None where the Python twin runs): the step loop,
+        # and the results written straight into the reward and done-flag rows at these
+        # addresses.
+        self._step_envs = _speedups.function("step_envs")
+        self._c_write_results = _speedups.function("write_results")
+        self._c_write_rows = _speedups.function("write_rows")
         self._result_addresses: tuple[int, int, int] | None = None
         results = (self.buffers.rewards, self.buffers.terminations, self.buffers.truncations)
         dtypes = (np.dtype(np.float64), np.dtype(np.bool_), np.dtype(np.bool_))
@@ -315,12 +318,12 @@ class EnvGroup:
         same_step = self._same_step
         events: list[InfoEvent] = []
         failures: list[EnvFailure] | None = None
-        fast = self.fast
-        if fast is not None and not same_step:
+        step_envs = self._step_envs
+        if step_envs is not None and not same_step:
             # The loop below, in C (_speedups.step_envs).
             j, start, flags = 0, self.start, autoreset if resets else None
             while True:
-                failed = fast.step_envs(
+                failed = step_envs(
                     envs, actions, j, env_obs, rewards, terms, truncs, events, start, _unpack, flags
                 )
                 if failed is None:
@@ -365,11 +368,11 @@ class EnvGroup:
         return events
 
     def _write_results(self) -> None:
-        fast, addresses = self.fast, self._result_addresses
+        write_results, addresses = self._c_write_results, self._result_addresses
         if (
-            fast is not None
+            write_results is not None
             and addresses is not None
-            and fast.write_results(
+            and write_results(
                 self._rewards, self._terminations, self._truncations, *addresses, self._autoreset
             )
         ):
@@ -424,11 +427,11 @@ class EnvGroup:
     def _write_observation_rows(self) -> None:
         out, rows, raw, address = self._obs_slabs[0 if self._slab is None else self._slab.item(0)]
         if rows is not None:
-            fast = self.fast
+            write_rows = self._c_write_rows
             if (
                 address
-                and fast is not None
-                and fast.write_rows(
+                and write_rows is not None
+                and write_rows(
                     self._env_obs,
                     np.ndarray,
                     self._obs_dtype,

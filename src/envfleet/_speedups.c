@@ -34,6 +34,36 @@
 #define CPU_RELAX() ((void)0)
 #endif
 
+/* Calls of each function in this process, for the tests that notice a fast path that stopped
+ * running: counters() -> {name: calls}, reset_counters(). Updated with the GIL held. */
+enum { F_POST, F_TRYWAIT, F_SPIN, F_TIMED_CALL, F_SERVE_STEPS, F_STEP_ROUND, F_STEP_ENVS,
+       F_WRITE_RESULTS, F_WRITE_ROWS, F_COUNT };
+static const char *const function_names[F_COUNT] = {
+    "post", "trywait", "spin", "timed_call", "serve_steps", "step_round", "step_envs",
+    "write_results", "write_rows",
+};
+static unsigned long long calls[F_COUNT];
+
+static PyObject *
+sp_counters(PyObject *self, PyObject *unused)
+{
+    PyObject *out = PyDict_New();
+    for (int f = 0; out != NULL && f < F_COUNT; f++) {
+        PyObject *n = PyLong_FromUnsignedLongLong(calls[f]);
+        if (n == NULL || PyDict_SetItemString(out, function_names[f], n) < 0)
+            Py_CLEAR(out);
+        Py_XDECREF(n);
+    }
+    return out;
+}
+
+static PyObject *
+sp_reset_counters(PyObject *self, PyObject *unused)
+{
+    memset(calls, 0, sizeof calls);
+    Py_RETURN_NONE;
+}
+
 /* numpy's scalar types whose conversion is done here exactly as numpy does it; registered by
  * envfleet/speedups.py at import (this module does not import numpy). */
 static PyTypeObject *np_bool_type = NULL;
@@ -65,6 +95,7 @@ monotonic_s(void)
 static PyObject *
 sp_post(PyObject *self, PyObject *arg)
 {
+    calls[F_POST]++;
     void *sem;
     if (!as_address(arg, &sem))
         return NULL;
@@ -76,6 +107,7 @@ sp_post(PyObject *self, PyObject *arg)
 static PyObject *
 sp_trywait(PyObject *self, PyObject *arg)
 {
+    calls[F_TRYWAIT]++;
     void *sem;
     if (!as_address(arg, &sem))
         return NULL;
@@ -119,6 +151,7 @@ spin_take(sem_t *sem, double tight_s, double spin_s)
 static PyObject *
 sp_spin(PyObject *self, PyObject *args)
 {
+    calls[F_SPIN]++;
     PyObject *address;
     double tight_s, spin_s;
     void *p;
@@ -160,6 +193,7 @@ record_time(double *words, double seconds, int per_octave, int num_buckets)
 static PyObject *
 sp_timed_call(PyObject *self, PyObject *args)
 {
+    calls[F_TIMED_CALL]++;
     PyObject *wa, *fn;
     int per_octave, num_buckets;
     void *words;
@@ -208,6 +242,7 @@ get_double(PyObject *obj, const char *name, int *ok)
 static PyObject *
 sp_serve_steps(PyObject *self, PyObject *args)
 {
+    calls[F_SERVE_STEPS]++;
     PyObject *ra, *da, *aa, *ca, *step, *ta, *budget;
     double tight_s;
     long long step_code, ok_code;
@@ -345,6 +380,7 @@ budget_caught(PyObject *budget, double budget_s)
 static PyObject *
 sp_step_round(PyObject *self, PyObject *args)
 {
+    calls[F_STEP_ROUND]++;
     PyObject *requests, *dones, *controls, *budgets, *local, *env_failure;
     double tight_s;
     long long step_code, ok_code;
@@ -462,6 +498,7 @@ as_tuple(PyObject *result, Py_ssize_t count, PyObject *unpack)
 static PyObject *
 sp_step_envs(PyObject *self, PyObject *args)
 {
+    calls[F_STEP_ENVS]++;
     PyObject *envs, *actions, *env_obs, *rewards, *terms, *truncs, *events, *unpack, *autoreset;
     Py_ssize_t j, start;
     if (!PyArg_ParseTuple(args, "O!OnO!O!O!O!O!nOO", &PyList_Type, &envs, &actions, &j,
@@ -604,6 +641,7 @@ flag_value(PyObject *f, char *out)
 static PyObject *
 sp_write_results(PyObject *self, PyObject *args)
 {
+    calls[F_WRITE_RESULTS]++;
     PyObject *rewards, *terms, *truncs, *ra, *ta, *ua, *autoreset;
     void *rp, *tp, *up;
     if (!PyArg_ParseTuple(args, "O!O!O!OOOO!", &PyList_Type, &rewards, &PyList_Type, &terms,
@@ -662,6 +700,7 @@ typedef struct {
 static PyObject *
 sp_write_rows(PyObject *self, PyObject *args)
 {
+    calls[F_WRITE_ROWS]++;
     PyObject *env_obs, *ndarray, *dtype, *shape, *address;
     Py_ssize_t row_bytes;
     void *dest;
@@ -721,6 +760,8 @@ static PyMethodDef methods[] = {
     {"serve_steps", sp_serve_steps, METH_VARARGS, "_Worker.serve's loop for plain steps."},
     {"timed_call", sp_timed_call, METH_VARARGS, "StepTimer.call."},
     {"step_round", sp_step_round, METH_VARARGS, "ProcessesBackend's step round."},
+    {"counters", sp_counters, METH_NOARGS, "counters() -> {name: calls in this process}."},
+    {"reset_counters", sp_reset_counters, METH_NOARGS, "reset_counters(): zero them."},
     {"register_types", sp_register_types, METH_VARARGS,
      "register_types(numpy.bool_, numpy.float32)."},
     {NULL, NULL, 0, NULL},

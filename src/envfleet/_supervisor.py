@@ -144,18 +144,18 @@ class StepTimer:
         # Written through a memoryview of the row: a worker records once per step, and three
         # numpy scalar updates cost ~0.7 µs there against ~0.35 µs this way.
         self._words = row.data.cast("B").cast("d")
-        fast = _speedups.speedups
+        timed_call = _speedups.function("timed_call")
         self.call: Callable[[Callable[[], _T]], _T]
         """``fn()``, its time recorded when it returns (in C where envfleet._native is)."""
         # (A subclass that overrides record() gets it called, so it times in Python.)
         if (
-            fast is not None
+            timed_call is not None
             and type(self).record is StepTimer.record
             and row.flags.c_contiguous
             and row.dtype == np.float64
         ):
             self.call = functools.partial(
-                fast.timed_call, row.ctypes.data, BUCKETS_PER_OCTAVE, NUM_BUCKETS
+                timed_call, row.ctypes.data, BUCKETS_PER_OCTAVE, NUM_BUCKETS
             )
         else:
             self.call = self._call

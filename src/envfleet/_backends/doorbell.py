@@ -124,18 +124,23 @@ class SharedSem:
         self._timedwait = _libc.sem_timedwait
         # The C versions (envfleet._native) where built: a ctypes call costs ~0.3 µs, these
         # ~0.05 µs, and the C spin polls every ~20 ns instead of every ~0.4 µs.
-        fast = _speedups.speedups
-        self.spin: Callable[[float, float], bool] | None = None
-        self._post: Callable[[], Any]
+        post, trywait = _speedups.function("post"), _speedups.function("trywait")
+        spin = _speedups.function("spin")
+        self.spin: Callable[[float, float], bool] | None = (
+            None if spin is None else functools.partial(spin, address)
+        )
+        ptr = self.ptr
+        self._post: Callable[[], Any] = (
+            functools.partial(_libc.sem_post, ptr)
+            if post is None
+            else functools.partial(post, address)
+        )
         self._poll: Callable[[], bool]
-        if fast is not None:
-            self._post = functools.partial(fast.post, address)
-            self._poll = functools.partial(fast.trywait, address)
-            self.spin = functools.partial(fast.spin, address)
+        if trywait is not None:
+            self._poll = functools.partial(trywait, address)
         else:
-            ptr, trywait = self.ptr, _libc.sem_trywait
-            self._post = functools.partial(_libc.sem_post, ptr)
-            self._poll = lambda: bool(trywait(ptr) == 0)
+            libc_trywait = _libc.sem_trywait
+            self._poll = lambda: bool(libc_trywait(ptr) == 0)
 
     def __getstate__(self) -> tuple[Any, int]:
         return self.region, self.offset
