@@ -201,9 +201,9 @@ def run_micro(names: list[str], repeats: int) -> list[dict[str, Any]]:
             {
                 "function": n,
                 "workload": MICRO[n][0],
-                "c_us": statistics.median(c),
-                "python_us": statistics.median(py),
-                "ratio": statistics.median(p / q for p, q in zip(py, c, strict=True)),
+                "c_us": min(c),
+                "python_us": min(py),
+                "ratio": min(py) / min(c),
             }
         )
     return rows
@@ -245,12 +245,20 @@ def measure_sps(envs: Any, seconds: float, pool: bool) -> float:
 
 
 def run_end_to_end(
-    env_id: str, num_envs: int, names: list[str], repeats: int, seconds: float, pool: bool
+    env_id: str,
+    num_envs: int,
+    names: list[str],
+    repeats: int,
+    seconds: float,
+    pool: bool,
+    together: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     """Each configuration against "all C" in pairs of adjacent windows, the order of each
     pair alternating; a configuration's gain is the median over its pairs."""
     configs: dict[str, set[str]] = {"all C": set(), "all C (again)": set(), "no C": set(names)}
     configs.update({f"all but {n}": {n} for n in names})
+    if together:
+        configs[f"all but {', '.join(together)}"] = set(together)
     kwargs: dict[str, Any] = {"backend": "processes"}
     if pool:
         kwargs["batch_size"] = num_envs // 2
@@ -338,14 +346,20 @@ def main() -> None:
     parser.add_argument("--micro-repeats", type=int, default=9)
     parser.add_argument("--envs", nargs="*", default=["cartpole", "pong", "pool"])
     parser.add_argument("--out", default="speedups")
+    parser.add_argument(
+        "--together", default="", help="also measure these functions off at once (a,b,...)"
+    )
     args = parser.parse_args()
     names = pieces()
+    together = tuple(n for n in args.together.split(",") if n)
     micro = run_micro(names, args.micro_repeats)
     for envs in _alive:
         envs.close()
     tables = []
     if "cartpole" in args.envs:
-        tables.append(run_end_to_end("CartPole-v1", 16, names, args.repeats, args.seconds, False))
+        tables.append(
+            run_end_to_end("CartPole-v1", 16, names, args.repeats, args.seconds, False, together)
+        )
     if "pong" in args.envs and importlib.util.find_spec("ale_py") is not None:
         import ale_py
 

@@ -9,6 +9,7 @@ of the buffer's dtype, 5-tuples) and for those it hands back to numpy and Python
 from __future__ import annotations
 
 import functools
+import importlib
 import os
 import subprocess
 import sys
@@ -222,3 +223,47 @@ def test_without_speedups_in_spawned_workers():
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "ok"
+
+
+# -- the C path runs: its counters advance ---------------------------------------------------
+
+COUNTED_STEPS = 20
+
+
+def c_counters() -> dict[str, int]:
+    """Calls of each C function in this process."""
+    module = envfleet._native.speedups
+    assert module is not None
+    calls: dict[str, int] = module.counters()
+    return calls
+
+
+def _worker_counters(env: Any) -> tuple[int, dict[str, int]]:
+    return os.getpid(), importlib.import_module("envfleet._native").speedups.counters()
+
+
+def worker_counters(fleet: Any) -> dict[int, dict[str, int]]:
+    """Each worker process's C counters, by pid (envs in the driver left out)."""
+    return {pid: calls for pid, calls in fleet.apply(_worker_counters) if pid != os.getpid()}
+
+
+def step_cartpole(fleet: Any) -> None:
+    fleet.reset(seed=0)
+    for t in range(COUNTED_STEPS):
+        fleet.step(np.full(fleet.num_envs, t % 2, dtype=np.int64))
+
+
+def test_processes_runs_the_c_round_and_worker_loop(make_env):
+    """CartPole-v1 x16 on processes with default settings: every step goes through the
+    driver's C step round, and each worker enters its C loop of plain steps."""
+    if envfleet._native.speedups is None:
+        pytest.skip("envfleet._speedups is not built here")
+    fleet = make_env("CartPole-v1", 16, backend="processes")
+    fleet.reset(seed=0)
+    driver, workers = c_counters(), worker_counters(fleet)
+    assert workers, "no env runs in a worker process"
+    step_cartpole(fleet)
+    driver_after, workers_after = c_counters(), worker_counters(fleet)
+    assert driver_after["step_round"] - driver["step_round"] == COUNTED_STEPS
+    for pid, calls in workers_after.items():
+        assert calls["serve_steps"] > workers[pid]["serve_steps"], f"worker {pid}"

@@ -6,11 +6,13 @@ Python twin next to its caller that is the reference: the C code only removes in
 overhead around the env calls of the step path, it never changes what an env sees or what the
 caller gets (``tests/test_speedups_properties.py`` compares the two on random inputs).
 
-Callers look a function up with :func:`function` when an :class:`~envfleet._envgroup.EnvGroup`,
-a doorbell semaphore, a :class:`~envfleet._supervisor.StepTimer` or a processes backend is
-built, so setting ``envfleet._native.speedups = None`` (or naming functions in
-:data:`disabled`) before ``envfleet.make`` turns them off for that vector env (and, under
-``fork``, for its workers).
+It holds what measurably pays end to end (``benchmarks/speedups.py``): ``write_results`` and
+``write_rows`` (an EnvGroup's result and observation writes), ``serve_steps`` (a processes
+worker's loop of plain steps) and ``step_round`` (the processes driver's step round). Callers
+look a function up with :func:`function` when an :class:`~envfleet._envgroup.EnvGroup` or a
+processes backend (driver or worker) is built, so setting ``envfleet._native.speedups = None``
+(or naming functions in :data:`disabled`) before ``envfleet.make`` turns them off for that
+vector env (and, under ``fork``, for its workers).
 
 The module counts the calls of each of its functions (``speedups.counters()``, a dict of
 name to calls in this process; ``speedups.reset_counters()``): the tests use it to notice a

@@ -8,7 +8,6 @@ rebuilt envs, and keeps the counters and step-time statistics that ``envs.stats`
 from __future__ import annotations
 
 import collections
-import functools
 import logging
 import math
 import numbers
@@ -19,7 +18,6 @@ from typing import Any, TypeVar, cast
 
 import numpy as np
 
-from envfleet import _native as _speedups
 from envfleet._errors import ConfigError
 from envfleet._protocol import Command, InfoEvent, RestartRequest
 
@@ -137,30 +135,16 @@ class StepTimer:
     """Records one worker's step times into its row of a float64 ``[workers, STATS_WORDS]``
     array (shared memory for process backends, so the driver reads it at any time)."""
 
-    __slots__ = ("_words", "call", "row")
+    __slots__ = ("_words", "row")
 
     def __init__(self, row: np.ndarray):
         self.row = row
         # Written through a memoryview of the row: a worker records once per step, and three
         # numpy scalar updates cost ~0.7 µs there against ~0.35 µs this way.
         self._words = row.data.cast("B").cast("d")
-        timed_call = _speedups.function("timed_call")
-        self.call: Callable[[Callable[[], _T]], _T]
-        """``fn()``, its time recorded when it returns (in C where envfleet._native is)."""
-        # (A subclass that overrides record() gets it called, so it times in Python.)
-        if (
-            timed_call is not None
-            and type(self).record is StepTimer.record
-            and row.flags.c_contiguous
-            and row.dtype == np.float64
-        ):
-            self.call = functools.partial(
-                timed_call, row.ctypes.data, BUCKETS_PER_OCTAVE, NUM_BUCKETS
-            )
-        else:
-            self.call = self._call
 
-    def _call(self, fn: Callable[[], _T]) -> _T:
+    def call(self, fn: Callable[[], _T]) -> _T:
+        """``fn()``, its time recorded when it returns."""
         t0 = time.perf_counter()
         result = fn()
         self.record(time.perf_counter() - t0)

@@ -26,8 +26,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from envfleet import _native as _speedups
-
 __all__ = [
     "BLOCK_SLICE_S",
     "IDLE_SLICE_MAX_S",
@@ -122,25 +120,9 @@ class SharedSem:
         self.address = address = ctypes.addressof(self.region) + self.offset
         self.ptr = ctypes.c_void_p(address)
         self._timedwait = _libc.sem_timedwait
-        # The C versions (envfleet._native) where built: a ctypes call costs ~0.3 µs, these
-        # ~0.05 µs, and the C spin polls every ~20 ns instead of every ~0.4 µs.
-        post, trywait = _speedups.function("post"), _speedups.function("trywait")
-        spin = _speedups.function("spin")
-        self.spin: Callable[[float, float], bool] | None = (
-            None if spin is None else functools.partial(spin, address)
-        )
-        ptr = self.ptr
-        self._post: Callable[[], Any] = (
-            functools.partial(_libc.sem_post, ptr)
-            if post is None
-            else functools.partial(post, address)
-        )
-        self._poll: Callable[[], bool]
-        if trywait is not None:
-            self._poll = functools.partial(trywait, address)
-        else:
-            libc_trywait = _libc.sem_trywait
-            self._poll = lambda: bool(libc_trywait(ptr) == 0)
+        ptr, trywait = self.ptr, _libc.sem_trywait
+        self._post = functools.partial(_libc.sem_post, ptr)
+        self._poll: Callable[[], bool] = lambda: bool(trywait(ptr) == 0)
 
     def __getstate__(self) -> tuple[Any, int]:
         return self.region, self.offset
@@ -215,13 +197,6 @@ class Doorbell:
             max_slice_s: blocking slices double from :data:`BLOCK_SLICE_S` up to this
                 (seconds): how long a death may go unnoticed in a long wait.
         """
-        if spun_s is None and type(sem) is SharedSem and sem.spin is not None:
-            # The spin below, in C; it ran out only after budget_s seconds.
-            if sem.spin(TIGHT_SPIN_S, budget.budget_s):
-                if budget.budget_s < budget.max_s:
-                    budget.caught()
-                return True
-            spun_s = budget.budget_s
         acquire = sem.acquire
         clock = time.perf_counter
         if spun_s is not None:
