@@ -1,14 +1,17 @@
-"""The C step path (envfleet._speedups) against its Python twins, on random inputs.
+"""Each C function of envfleet._speedups against its Python twin, on random inputs.
 
-The Python implementation is the reference. Two processes-backend vector envs of the same
-scripted envs are made once, one with the C functions and one with their Python twins
-(``envfleet._native.speedups = None`` while it is made; its forked workers inherit that); each
-example gives both the same random script (rewards of many types and values, NaN included,
-numpy scalars, bools and ints as done flags, observations of random dtypes, shapes and
-contiguity, results in other containers or of the wrong length, env exceptions) and asserts
-the same results, bit for bit, or the same error. The driver's block and a worker each hold
-envs, so both the driver's C step round (``step_round``) and the worker's C loop
-(``serve_steps``) run; every example checks the round ran in C.
+The Python implementation is the reference. For each function, two vector envs of the same
+scripted envs are made once: one with the C function, one with its Python twin (named in
+``envfleet._native.disabled``, or ``envfleet._native.speedups = None``, while it is made;
+forked workers inherit that). Each example gives both the same random script (rewards of
+many types and values, NaN included, numpy scalars, bools and ints as done flags,
+observations of random dtypes, shapes, contiguity and array subclasses, results in other
+containers or of the wrong length, env exceptions) and asserts the same results, bit for bit,
+or the same error; and that the C side really ran the function (its counter advanced).
+
+- ``write_results``, ``write_rows``: the serial backend, the one function off on one side.
+- ``step_round``, ``serve_steps``: the processes backend with the driver's block and a worker
+  each holding envs, every C function off on one side.
 """
 
 from __future__ import annotations
@@ -92,6 +95,10 @@ DTYPES = ["float32", "float64", "float16", "int8", "uint8", "int64", "bool"]
 SHAPES = [(3,), (3,), (3,), (2,), (1, 3), (3, 1)]
 
 
+class SubArray(np.ndarray):
+    """An ndarray subclass: numpy writes it, the C row write leaves it to numpy."""
+
+
 @st.composite
 def observations(draw: st.DrawFn) -> np.ndarray:
     dtype = np.dtype(draw(st.sampled_from(DTYPES)))
@@ -102,10 +109,9 @@ def observations(draw: st.DrawFn) -> np.ndarray:
         values[0, ...] = np.nan  # NaN casts to integer dtypes as numpy decides
     with np.errstate(invalid="ignore"):
         full = values.astype(dtype) if dtype != np.bool_ else values > 0
-    # Row 0 of a (2, ...) array is C-contiguous; a [::2] slice of its transpose is not.
-    if draw(st.booleans()):
-        return full[0]
-    return np.ascontiguousarray(full.T)[..., 0].T if len(shape) > 1 else full[::-1][1]
+    # Row 0 of a (2, ...) array is C-contiguous; a column of its transpose is not.
+    obs = full[0] if draw(st.booleans()) else np.ascontiguousarray(full.T)[..., 0].T
+    return obs.view(SubArray) if draw(st.integers(0, 4)) == 0 else obs
 
 
 infos = st.one_of(
@@ -118,7 +124,40 @@ entries = st.one_of(
     ),
     st.tuples(st.just("raise"), st.sampled_from(["boom", "bang"])),
 )
-scripts = st.lists(st.lists(entries, min_size=1, max_size=3), min_size=NUM_ENVS, max_size=NUM_ENVS)
+
+
+def float32_row(seed: int, contiguous: bool) -> np.ndarray:
+    """A float32 observation of the space's shape, C-contiguous or a strided column."""
+    column = np.random.default_rng(seed).random((3, 2), np.float32)[:, 0]
+    return np.ascontiguousarray(column) if contiguous else column
+
+
+# The values the C writes take over (plain floats, ints, bools, numpy.float32/float64 rewards;
+# bool and numpy.bool_ flags; exact, C-contiguous float32 rows of the space's shape).
+plain_entries = st.tuples(
+    st.just("ok"),
+    st.tuples(
+        st.builds(float32_row, st.integers(0, 2**32), st.booleans()),
+        st.one_of(
+            st.floats(),
+            st.integers(-(2**70), 2**70),
+            st.booleans(),
+            st.floats(width=32).map(np.float32),
+            st.floats().map(np.float64),
+        ),
+        st.one_of(st.booleans(), st.booleans().map(np.bool_)),
+        st.one_of(st.booleans(), st.booleans().map(np.bool_)),
+        infos,
+    ),
+)
+
+
+def script_of(entry: st.SearchStrategy[Any]) -> st.SearchStrategy[list[list[Any]]]:
+    per_env = st.lists(entry, min_size=1, max_size=3)
+    return st.lists(per_env, min_size=NUM_ENVS, max_size=NUM_ENVS)
+
+
+scripts = st.one_of(script_of(plain_entries), script_of(entries))
 
 
 # -- the pair of vector envs -----------------------------------------------------------------
@@ -141,6 +180,24 @@ def pair() -> Iterator[tuple[Any, Any]]:
     slow.close(terminate=True)
 
 
+@pytest.fixture(scope="module")
+def serial_pairs() -> Iterator[dict[str, tuple[Any, Any]]]:
+    """For each EnvGroup write in C: (with it, without it), on the serial backend."""
+    pairs = {}
+    for name in ("write_results", "write_rows"):
+        fast = envfleet.make(ScriptedEnv, NUM_ENVS, backend="serial")
+        saved = envfleet._native.disabled
+        envfleet._native.disabled = frozenset({name})
+        try:
+            pairs[name] = fast, envfleet.make(ScriptedEnv, NUM_ENVS, backend="serial")
+        finally:
+            envfleet._native.disabled = saved
+    yield pairs
+    for pair in pairs.values():
+        for envs in pair:
+            envs.close()
+
+
 def outcome(call: Any) -> tuple[str, Any]:
     """What a call returned, or the error it raised, in a comparable form."""
     try:
@@ -156,22 +213,55 @@ def counters() -> dict[str, int]:
     return calls
 
 
-@settings(
-    max_examples=40,
-    deadline=None,
-    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
-)
-@given(script=scripts, steps=st.integers(1, MAX_STEPS), actions=st.integers(0, 2**NUM_ENVS - 1))
-def test_processes_step_round_and_worker_loop_match_python(pair, script, steps, actions):
+def run_both(pair: tuple[Any, Any], script: list[Any], steps: int, actions: int) -> int:
+    """Reset and step both vector envs of ``pair`` alike, asserting the same outcomes; the
+    number of steps that returned."""
     fast, slow = pair
     for envs in pair:
         envs.set_attr("script", script)
     assert_same(fast.reset(seed=3), slow.reset(seed=3), "reset")
     batch = np.array([(actions >> i) & 1 for i in range(NUM_ENVS)], dtype=np.int64)
-    before = counters()["step_round"]
     for t in range(steps):
         got, want = outcome(lambda: fast.step(batch)), outcome(lambda: slow.step(batch))
         assert_same(got, want, f"step {t}")
         if got[0] == "raised":
-            break
+            return t
+    return steps
+
+
+PROPERTIES = settings(
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+
+
+@pytest.mark.parametrize("name", ["write_results", "write_rows"])
+@settings(PROPERTIES, max_examples=150)
+@given(script=scripts, steps=st.integers(1, MAX_STEPS), actions=st.integers(0, 2**NUM_ENVS - 1))
+def test_envgroup_writes_match_python(serial_pairs, name, script, steps, actions):
+    before = counters()[name]
+    run_both(serial_pairs[name], script, steps, actions)
+    plain = all(kind == "ok" and is_plain(values) for env in script for kind, values in env)
+    if plain:  # the C function wrote every step (its counter counts the writes it did)
+        assert counters()[name] - before == steps + (name == "write_rows"), f"{name} in C"
+
+
+def is_plain(values: tuple[Any, ...]) -> bool:
+    obs, reward, terminated, truncated, _ = values
+    return (
+        type(obs) is np.ndarray
+        and obs.dtype == np.float32
+        and obs.shape == (3,)
+        and obs.flags.c_contiguous
+        and type(reward) in (float, int, bool, np.float32, np.float64)
+        and not (type(reward) is int and abs(reward) > 2**1023)
+        and all(type(f) in (bool, np.bool_) for f in (terminated, truncated))
+    )
+
+
+@settings(PROPERTIES, max_examples=40)
+@given(script=scripts, steps=st.integers(1, MAX_STEPS), actions=st.integers(0, 2**NUM_ENVS - 1))
+def test_processes_step_round_and_worker_loop_match_python(pair, script, steps, actions):
+    before = counters()["step_round"]
+    run_both(pair, script, steps, actions)
     assert counters()["step_round"] > before, "the driver's C step round did not run"

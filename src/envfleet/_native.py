@@ -15,8 +15,9 @@ processes backend (driver or worker) is built, so setting ``envfleet._native.spe
 vector env (and, under ``fork``, for its workers).
 
 The module counts the calls of each of its functions (``speedups.counters()``, a dict of
-name to calls in this process; ``speedups.reset_counters()``): the tests use it to notice a
-fast path that silently stopped running.
+name to calls in this process; ``speedups.reset_counters()``; the two writes count only the
+calls where they wrote rather than handing back to numpy): the tests use it to notice a fast
+path that silently stopped running.
 """
 
 from __future__ import annotations

@@ -35,7 +35,8 @@
 #endif
 
 /* Calls of each function in this process, for the tests that notice a fast path that stopped
- * running: counters() -> {name: calls}, reset_counters(). Updated with the GIL held. */
+ * running: counters() -> {name: calls}, reset_counters(). write_results and write_rows count
+ * only the calls where they wrote (not those handed back to numpy). Updated with the GIL held. */
 enum { F_SERVE_STEPS, F_STEP_ROUND, F_WRITE_RESULTS, F_WRITE_ROWS, F_COUNT };
 static const char *const function_names[F_COUNT] = {
     "serve_steps", "step_round", "write_results", "write_rows",
@@ -463,7 +464,6 @@ flag_value(PyObject *f, char *out)
 static PyObject *
 sp_write_results(PyObject *self, PyObject *args)
 {
-    calls[F_WRITE_RESULTS]++;
     PyObject *rewards, *terms, *truncs, *ra, *ta, *ua, *autoreset;
     void *rp, *tp, *up;
     if (!PyArg_ParseTuple(args, "O!O!O!OOOO!", &PyList_Type, &rewards, &PyList_Type, &terms,
@@ -494,6 +494,7 @@ sp_write_results(PyObject *self, PyObject *args)
         if (set_item(autoreset, j, (tbuf[j] || ubuf[j]) ? Py_True : Py_False) < 0)
             return NULL;
     }
+    calls[F_WRITE_RESULTS]++;
     Py_RETURN_TRUE;
 }
 
@@ -522,7 +523,6 @@ typedef struct {
 static PyObject *
 sp_write_rows(PyObject *self, PyObject *args)
 {
-    calls[F_WRITE_ROWS]++;
     PyObject *env_obs, *ndarray, *dtype, *shape, *address;
     Py_ssize_t row_bytes;
     void *dest;
@@ -556,6 +556,7 @@ sp_write_rows(PyObject *self, PyObject *args)
         ndarray_head *a = (ndarray_head *)PyList_GET_ITEM(env_obs, j);
         memcpy((char *)dest + j * row_bytes, a->data, (size_t)row_bytes);
     }
+    calls[F_WRITE_ROWS]++;
     Py_RETURN_TRUE;
 }
 
