@@ -1,9 +1,11 @@
 """The optional C step path (envfleet._speedups) against its Python twins and SyncVectorEnv.
 
-Each test runs twice through the ``step_path`` fixture: with the C functions, and with them
+Most tests run twice through the ``step_path`` fixture: with the C functions, and with them
 turned off. Both must give SyncVectorEnv's results bit for bit, and the same errors, for the
 values and forms where the C code takes over (plain floats and bools, contiguous observations
-of the buffer's dtype, 5-tuples) and for those it hands back to numpy and Python.
+of the buffer's dtype) and for those it hands back to numpy and Python. The last ones read the
+C module's call counters: on every backend that has a C path, a real vector env must go
+through it (nothing else notices when a fast path silently stops running).
 """
 
 from __future__ import annotations
