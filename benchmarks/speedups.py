@@ -6,9 +6,10 @@ C function and with its Python twin, turned off one piece at a time through
 ``fork``, the default start method on Linux):
 
 - **micro** (per call, µs): the caller of that one function, with the function in C and in
-  Python (an EnvGroup step of CartPole-v1 x16, its result and observation writes, a StepTimer
-  call, a doorbell post + poll, a doorbell wait on a posted semaphore, and a processes no-op
-  step round trip for the worker loop and the driver's round);
+  Python (an EnvGroup of CartPole-v1 x16's result and observation writes, and a processes
+  no-op step round trip for the worker loop and the driver's round). The functions dropped
+  after this measured within noise end to end (the env step loop, the doorbell's post, poll
+  and spin, StepTimer.call) had theirs here too: ``benchmarks/results/speedups.md``;
 - **end to end** (steps/s): CartPole-v1 x16 and ALE/Pong-v5 x8 (when ale-py is installed) on
   the processes backend with default settings, and CartPole-v1 x16 as a first-ready pool
   (``batch_size=8``), with every C function ("all C"), with none ("no C"), and with all but
@@ -44,8 +45,6 @@ from gymnasium import spaces
 
 import envfleet
 import envfleet._native as native
-from envfleet._backends.doorbell import Doorbell, SpinBudget
-from envfleet._supervisor import STATS_WORDS, StepTimer
 
 MICRO_CALLS = 2000
 WARMUP_STEPS = 20  # untimed steps at the start of each window: the workers wake up
@@ -73,8 +72,7 @@ def pieces() -> list[str]:
     """The C module's step-path functions (those the callers look up)."""
     if native.speedups is None:
         raise SystemExit("envfleet._speedups is not built (or ENVFLEET_NO_SPEEDUPS is set)")
-    skip = {"register_types", "counters", "reset_counters"}
-    return sorted(n for n in dir(native.speedups) if not n.startswith("_") and n not in skip)
+    return sorted(n for n in dir(native.speedups) if n in MICRO)
 
 
 @contextlib.contextmanager
@@ -107,10 +105,6 @@ def serial_group(off: set[str]) -> Any:
     return envs._backend.groups[0]
 
 
-def micro_step_envs(off: set[str]) -> Callable[[], Any]:
-    return serial_group(off).step
-
-
 def micro_write_results(off: set[str]) -> Callable[[], Any]:
     group = serial_group(off)
     group.step()
@@ -123,43 +117,6 @@ def micro_write_rows(off: set[str]) -> Callable[[], Any]:
     return group._write_observation_rows
 
 
-def micro_timed_call(off: set[str]) -> Callable[[], Any]:
-    with without(off):
-        timer = StepTimer(np.zeros(STATS_WORDS))
-    return lambda: timer.call(int)
-
-
-def _doorbell(off: set[str]) -> Doorbell:
-    import multiprocessing
-    import multiprocessing.sharedctypes
-
-    ctx = multiprocessing.get_context("fork")
-    region = multiprocessing.sharedctypes.RawArray("b", 256)
-    with without(off):
-        return Doorbell(ctx, region, 0)
-
-
-def micro_post_poll(off: set[str]) -> Callable[[], Any]:
-    sem = _doorbell(off).request
-
-    def call() -> None:
-        sem.release()
-        sem.acquire(False)
-
-    return call
-
-
-def micro_spin(off: set[str]) -> Callable[[], Any]:
-    sem = _doorbell(off).request
-    budget, alive = SpinBudget(1e-4), lambda: True
-
-    def call() -> None:
-        sem.release()
-        Doorbell.wait(sem, budget, None, alive)
-
-    return call
-
-
 def micro_round_trip(off: set[str]) -> Callable[[], Any]:
     with without(off):
         envs = envfleet.make(NoopEnv, 2, backend="processes")
@@ -170,13 +127,8 @@ def micro_round_trip(off: set[str]) -> Callable[[], Any]:
 
 
 MICRO: dict[str, tuple[str, Callable[[set[str]], Callable[[], Any]]]] = {
-    "step_envs": ("EnvGroup.step, CartPole-v1 x16", micro_step_envs),
     "write_results": ("EnvGroup._write_results, x16", micro_write_results),
     "write_rows": ("EnvGroup._write_observation_rows, x16", micro_write_rows),
-    "timed_call": ("StepTimer.call(int)", micro_timed_call),
-    "post": ("SharedSem release + poll", micro_post_poll),
-    "trywait": ("SharedSem release + poll", micro_post_poll),
-    "spin": ("Doorbell.wait on a posted semaphore", micro_spin),
     "serve_steps": ("processes no-op step, NoopEnv x2", micro_round_trip),
     "step_round": ("processes no-op step, NoopEnv x2", micro_round_trip),
 }
