@@ -120,16 +120,6 @@ def spaces_mismatch(
     return None
 
 
-def _unpack(result: Any, count: int) -> tuple[Any, ...]:
-    """A step (``count`` 5) or reset (2) result that is not such a tuple, unpacked (or
-    refused) as Python unpacks it; for the C step loop."""
-    if count == 5:
-        obs, reward, terminated, truncated, info = result
-        return obs, reward, terminated, truncated, info
-    obs, info = result
-    return obs, info
-
-
 def _failure(env_index: int, method: str, exc: Exception) -> EnvFailure:
     failure = EnvFailure(env_index, method)
     failure.__cause__ = exc
@@ -241,9 +231,10 @@ class EnvGroup:
                         self._obs_row_bytes = out[0].nbytes
             self._obs_slabs.append((out, rows, raw, address))
         self._slab = self.buffers.slab
-        # The C step path (envfleet._native.speedups, or None): the step loop, and the
-        # results written straight into the reward and done-flag rows at these addresses.
-        self.fast = _speedups.speedups
+        # The C step path (envfleet._native; None where the Python twin runs): the results
+        # written straight into the reward and done-flag rows at these addresses.
+        self._c_write_results = _speedups.function("write_results")
+        self._c_write_rows = _speedups.function("write_rows")
         self._result_addresses: tuple[int, int, int] | None = None
         results = (self.buffers.rewards, self.buffers.terminations, self.buffers.truncations)
         dtypes = (np.dtype(np.float64), np.dtype(np.bool_), np.dtype(np.bool_))
@@ -320,45 +311,29 @@ class EnvGroup:
         same_step = self._same_step
         events: list[InfoEvent] = []
         failures: list[EnvFailure] | None = None
-        fast = self.fast
-        if fast is not None and not same_step:
-            # The loop below, in C (_speedups.step_envs).
-            j, start, flags = 0, self.start, autoreset if resets else None
-            while True:
-                failed = fast.step_envs(
-                    envs, actions, j, env_obs, rewards, terms, truncs, events, start, _unpack, flags
-                )
-                if failed is None:
-                    break
-                j, exc = failed
-                failures = failures or []
-                failures.append(_failure(start + j, "step", exc))
-                rewards[j], terms[j], truncs[j] = 0.0, False, False
-                j += 1
-        else:
-            for j, action in enumerate(actions):
-                env = envs[j]
-                try:
-                    if resets and autoreset[j]:
-                        env_obs[j], env_info = env.reset()
-                        rewards[j], terms[j], truncs[j] = 0.0, False, False
-                    else:
-                        # Unpacked straight into the per-env slots: the hot line of the library.
-                        env_obs[j], rewards[j], terms[j], truncs[j], env_info = env.step(action)
-                        if same_step and (terms[j] or truncs[j]):
-                            # The reset below may reuse and change the info dict: keep it as
-                            # it is now, as SyncVectorEnv's _add_info batches it before reset.
-                            final = {"final_obs": env_obs[j], "final_info": info_as_now(env_info)}
-                            events.append((self.start + j, final))
-                            env_obs[j], env_info = env.reset()
-                except Exception as exc:
-                    # The other envs still step: their data must not depend on this one's fault.
-                    failures = failures or []
-                    failures.append(_failure(self.start + j, "step", exc))
+        for j, action in enumerate(actions):
+            env = envs[j]
+            try:
+                if resets and autoreset[j]:
+                    env_obs[j], env_info = env.reset()
                     rewards[j], terms[j], truncs[j] = 0.0, False, False
-                    continue
-                if env_info:
-                    events.append((self.start + j, env_info))
+                else:
+                    # Unpacked straight into the per-env slots: the hot line of the library.
+                    env_obs[j], rewards[j], terms[j], truncs[j], env_info = env.step(action)
+                    if same_step and (terms[j] or truncs[j]):
+                        # The reset below may reuse and change the info dict: keep it as it
+                        # is now, as SyncVectorEnv's _add_info batches it before reset.
+                        final = {"final_obs": env_obs[j], "final_info": info_as_now(env_info)}
+                        events.append((self.start + j, final))
+                        env_obs[j], env_info = env.reset()
+            except Exception as exc:
+                # The other envs still step: their data must not depend on this one's fault.
+                failures = failures or []
+                failures.append(_failure(self.start + j, "step", exc))
+                rewards[j], terms[j], truncs[j] = 0.0, False, False
+                continue
+            if env_info:
+                events.append((self.start + j, env_info))
         if failures is not None:
             keep = [autoreset[f.env_index - self.start] for f in failures]
             self._write_results()
@@ -370,11 +345,11 @@ class EnvGroup:
         return events
 
     def _write_results(self) -> None:
-        fast, addresses = self.fast, self._result_addresses
+        write_results, addresses = self._c_write_results, self._result_addresses
         if (
-            fast is not None
+            write_results is not None
             and addresses is not None
-            and fast.write_results(
+            and write_results(
                 self._rewards, self._terminations, self._truncations, *addresses, self._autoreset
             )
         ):
@@ -429,11 +404,11 @@ class EnvGroup:
     def _write_observation_rows(self) -> None:
         out, rows, raw, address = self._obs_slabs[0 if self._slab is None else self._slab.item(0)]
         if rows is not None:
-            fast = self.fast
+            write_rows = self._c_write_rows
             if (
                 address
-                and fast is not None
-                and fast.write_rows(
+                and write_rows is not None
+                and write_rows(
                     self._env_obs,
                     np.ndarray,
                     self._obs_dtype,

@@ -1,26 +1,36 @@
 """The optional C step path (``envfleet._speedups``, built from ``_speedups.c``).
 
 :data:`speedups` is the loaded module, or ``None`` when it was not built (no C compiler at
-install time) or ``ENVFLEET_NO_SPEEDUPS=1`` is set in the environment. Every use of it has a
-Python twin next to it that gives the same results (the differential tests run both): the C
-code only removes interpreter overhead around the env calls of the step path, it never changes
-what an env sees or what the caller gets.
+install time) or ``ENVFLEET_NO_SPEEDUPS=1`` is set in the environment. Every C function has a
+Python twin next to its caller that is the reference: the C code only removes interpreter
+overhead around the env calls of the step path, it never changes what an env sees or what the
+caller gets (``tests/test_speedups_properties.py`` compares the two on random inputs).
 
-It is looked up when an :class:`~envfleet._envgroup.EnvGroup`, a doorbell semaphore, a
-:class:`~envfleet._supervisor.StepTimer` or a processes backend is built, so setting
-``envfleet._native.speedups = None`` before ``envfleet.make`` turns it off for that vector env
-(and, under ``fork``, for its workers).
+It holds what measurably pays end to end (``benchmarks/speedups.py``): ``write_results`` and
+``write_rows`` (an EnvGroup's result and observation writes), ``serve_steps`` (a processes
+worker's loop of plain steps) and ``step_round`` (the processes driver's step round). Callers
+look a function up with :func:`function` when an :class:`~envfleet._envgroup.EnvGroup` or a
+processes backend (driver or worker) is built, so setting ``envfleet._native.speedups = None``
+(or naming functions in :data:`disabled`) before ``envfleet.make`` turns them off for that
+vector env (and, under ``fork``, for its workers).
+
+The module counts the calls of each of its functions (``speedups.counters()``, a dict of
+name to calls in this process; ``speedups.reset_counters()``; the two writes count only the
+calls where they wrote rather than handing back to numpy): the tests use it to notice a fast
+path that silently stopped running.
 """
 
 from __future__ import annotations
 
 import importlib
 import os
+from collections.abc import Callable
 from types import ModuleType
+from typing import Any
 
 import numpy as np
 
-__all__ = ["speedups"]
+__all__ = ["disabled", "function", "speedups"]
 
 
 def _load() -> ModuleType | None:
@@ -36,3 +46,20 @@ def _load() -> ModuleType | None:
 
 
 speedups: ModuleType | None = _load()
+
+disabled: frozenset[str] = frozenset()
+"""Names of C functions whose Python twin runs instead (``benchmarks/speedups.py`` measures
+each piece this way)."""
+
+
+def function(name: str) -> Callable[..., Any] | None:
+    """The C function ``name`` of :data:`speedups`, or ``None`` where the caller runs its
+    Python twin (the module is not loaded, or ``name`` is in :data:`disabled`).
+
+    Example: ``step_round = envfleet._native.function("step_round")``.
+    """
+    module = speedups
+    if module is None or name in disabled:
+        return None
+    fn: Callable[..., Any] = getattr(module, name)
+    return fn

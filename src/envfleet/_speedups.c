@@ -5,15 +5,15 @@
  * caller, and the differential tests run both. Nothing here changes what an env sees or what
  * the caller gets; it only removes interpreter overhead around the env calls:
  *
- *   post, trywait, spin    process-shared POSIX semaphores at raw addresses (doorbell.py)
- *   step_envs              EnvGroup.step's loop: env.step(action) per env, or env.reset() for
- *                          NEXT_STEP's autoreset, unpacked into the group's result lists,
- *                          non-empty infos queued (envgroup.py)
- *   write_results          those lists into the float64/bool buffers, and the autoreset flags
- *   write_rows             the observations into the group's rows of the observation buffer
- *   timed_call             a call timed into a StepTimer's row (supervisor.py)
- *   serve_steps            the processes worker's loop of plain steps (processes.py)
- *   step_round             the processes driver's ring, own block and spin of a step (same)
+ *   write_results   EnvGroup's per-env result lists into its float64/bool buffers, and the
+ *                   autoreset flags (_envgroup.py)
+ *   write_rows      the observations into the group's rows of the observation buffer (same)
+ *   serve_steps     the processes worker's loop of plain steps (_backends/processes.py)
+ *   step_round      the processes driver's ring, own block and spin of a step (same)
+ *
+ * Only what measurably pays end to end is here (benchmarks/speedups.py measures each function
+ * against its Python twin; the env step loop, the doorbell's post/poll/spin and StepTimer.call
+ * were measured within noise and run in Python only).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -34,8 +34,37 @@
 #define CPU_RELAX() ((void)0)
 #endif
 
+/* Calls of each function in this process, for the tests that notice a fast path that stopped
+ * running: counters() -> {name: calls}, reset_counters(). write_results and write_rows count
+ * only the calls where they wrote (not those handed back to numpy). Updated with the GIL held. */
+enum { F_SERVE_STEPS, F_STEP_ROUND, F_WRITE_RESULTS, F_WRITE_ROWS, F_COUNT };
+static const char *const function_names[F_COUNT] = {
+    "serve_steps", "step_round", "write_results", "write_rows",
+};
+static unsigned long long calls[F_COUNT];
+
+static PyObject *
+sp_counters(PyObject *self, PyObject *unused)
+{
+    PyObject *out = PyDict_New();
+    for (int f = 0; out != NULL && f < F_COUNT; f++) {
+        PyObject *n = PyLong_FromUnsignedLongLong(calls[f]);
+        if (n == NULL || PyDict_SetItemString(out, function_names[f], n) < 0)
+            Py_CLEAR(out);
+        Py_XDECREF(n);
+    }
+    return out;
+}
+
+static PyObject *
+sp_reset_counters(PyObject *self, PyObject *unused)
+{
+    memset(calls, 0, sizeof calls);
+    Py_RETURN_NONE;
+}
+
 /* numpy's scalar types whose conversion is done here exactly as numpy does it; registered by
- * envfleet/speedups.py at import (this module does not import numpy). */
+ * envfleet/_native.py at import (this module does not import numpy). */
 static PyTypeObject *np_bool_type = NULL;
 static PyTypeObject *np_float32_type = NULL;
 
@@ -60,29 +89,7 @@ monotonic_s(void)
     return (double)t.tv_sec + (double)t.tv_nsec * 1e-9;
 }
 
-/* -- semaphores --------------------------------------------------------------------------- */
-
-static PyObject *
-sp_post(PyObject *self, PyObject *arg)
-{
-    void *sem;
-    if (!as_address(arg, &sem))
-        return NULL;
-    if (sem_post((sem_t *)sem) != 0)
-        return PyErr_SetFromErrno(PyExc_OSError);
-    Py_RETURN_NONE;
-}
-
-static PyObject *
-sp_trywait(PyObject *self, PyObject *arg)
-{
-    void *sem;
-    if (!as_address(arg, &sem))
-        return NULL;
-    if (sem_trywait((sem_t *)sem) == 0)
-        Py_RETURN_TRUE;
-    Py_RETURN_FALSE;
-}
+/* -- spinning on a semaphore --------------------------------------------------------------- */
 
 /* Take the semaphore, polling for at most spin_s seconds: back to back for the first tight_s,
  * then yielding the core between polls. 1 when taken, 0 when the budget ran out. Called
@@ -114,30 +121,7 @@ spin_take(sem_t *sem, double tight_s, double spin_s)
     }
 }
 
-/* spin(address, tight_s, spin_s) -> bool: spin_take, for Doorbell.wait (the caller blocks
- * when it returns False). */
-static PyObject *
-sp_spin(PyObject *self, PyObject *args)
-{
-    PyObject *address;
-    double tight_s, spin_s;
-    void *p;
-    if (!PyArg_ParseTuple(args, "Odd", &address, &tight_s, &spin_s))
-        return NULL;
-    if (!as_address(address, &p))
-        return NULL;
-    if (sem_trywait((sem_t *)p) == 0)
-        Py_RETURN_TRUE;
-    int taken;
-    Py_BEGIN_ALLOW_THREADS
-    taken = spin_take((sem_t *)p, tight_s, spin_s);
-    Py_END_ALLOW_THREADS
-    if (taken)
-        Py_RETURN_TRUE;
-    Py_RETURN_FALSE;
-}
-
-/* -- step timers --------------------------------------------------------------------------- */
+/* -- step times (StepTimer.record, _supervisor.py) ----------------------------------------- */
 
 /* StepTimer.record: count, total seconds, and the quarter-octave histogram bucket (bucket 0
  * holds everything up to 1 µs) of a float64 stats row. */
@@ -153,25 +137,6 @@ record_time(double *words, double seconds, int per_octave, int num_buckets)
         b = f >= num_buckets - 1 ? num_buckets - 1 : (int)f;
     }
     words[2 + b] += 1.0;
-}
-
-/* timed_call(words, per_octave, num_buckets, fn) -> fn(): StepTimer.call; the time of a
- * call that returns is recorded in the stats row at address ``words``. */
-static PyObject *
-sp_timed_call(PyObject *self, PyObject *args)
-{
-    PyObject *wa, *fn;
-    int per_octave, num_buckets;
-    void *words;
-    if (!PyArg_ParseTuple(args, "OiiO", &wa, &per_octave, &num_buckets, &fn))
-        return NULL;
-    if (!as_address(wa, &words))
-        return NULL;
-    double t0 = monotonic_s();
-    PyObject *result = PyObject_CallNoArgs(fn);
-    if (result != NULL)
-        record_time((double *)words, monotonic_s() - t0, per_octave, num_buckets);
-    return result;
 }
 
 /* -- the processes worker's loop ----------------------------------------------------------- */
@@ -208,6 +173,7 @@ get_double(PyObject *obj, const char *name, int *ok)
 static PyObject *
 sp_serve_steps(PyObject *self, PyObject *args)
 {
+    calls[F_SERVE_STEPS]++;
     PyObject *ra, *da, *aa, *ca, *step, *ta, *budget;
     double tight_s;
     long long step_code, ok_code;
@@ -345,6 +311,7 @@ budget_caught(PyObject *budget, double budget_s)
 static PyObject *
 sp_step_round(PyObject *self, PyObject *args)
 {
+    calls[F_STEP_ROUND]++;
     PyObject *requests, *dones, *controls, *budgets, *local, *env_failure;
     double tight_s;
     long long step_code, ok_code;
@@ -428,120 +395,13 @@ fail:
     return NULL;
 }
 
-/* -- EnvGroup.step -------------------------------------------------------------------------- */
+/* -- EnvGroup's result and observation writes ------------------------------------------- */
 
 static int
 set_item(PyObject *list, Py_ssize_t j, PyObject *item)
 {
     Py_INCREF(item);
     return PyList_SetItem(list, j, item); /* steals the new reference, drops the old item */
-}
-
-/* The ``count``-tuple an env call returned, or ``unpack(result, count)``'s for anything else
- * (which unpacks it, or raises, exactly as Python's tuple unpacking does). */
-static PyObject *
-as_tuple(PyObject *result, Py_ssize_t count, PyObject *unpack)
-{
-    if (result == NULL || (PyTuple_CheckExact(result) && PyTuple_GET_SIZE(result) == count))
-        return result;
-    PyObject *unpacked = PyObject_CallFunction(unpack, "On", result, count);
-    Py_DECREF(result);
-    return unpacked;
-}
-
-/* step_envs(envs, actions, j, env_obs, rewards, terms, truncs, events, start, unpack,
- *           autoreset) -> None | (j, exc)
- *
- * EnvGroup.step's loop, in modes other than SAME_STEP. For each env from index j on:
- * action = next(actions); when ``autoreset`` (a list, or None) flags the env, (obs, info) =
- * envs[j].reset() and reward 0.0, not terminated, not truncated (NEXT_STEP's autoreset),
- * else (obs, reward, terminated, truncated, info) = envs[j].step(action); stored at [j] of the
- * four result lists; (start + j, info) appended to events when info is truthy. Returns None
- * when every env stepped; (j, exc) when env j raised the Exception exc (the caller records it
- * and calls again from j + 1). */
-static PyObject *
-sp_step_envs(PyObject *self, PyObject *args)
-{
-    PyObject *envs, *actions, *env_obs, *rewards, *terms, *truncs, *events, *unpack, *autoreset;
-    Py_ssize_t j, start;
-    if (!PyArg_ParseTuple(args, "O!OnO!O!O!O!O!nOO", &PyList_Type, &envs, &actions, &j,
-                          &PyList_Type, &env_obs, &PyList_Type, &rewards, &PyList_Type, &terms,
-                          &PyList_Type, &truncs, &PyList_Type, &events, &start, &unpack,
-                          &autoreset))
-        return NULL;
-    static PyObject *step_name = NULL, *reset_name = NULL, *zero = NULL;
-    if (step_name == NULL && (step_name = PyUnicode_InternFromString("step")) == NULL)
-        return NULL;
-    if (reset_name == NULL && (reset_name = PyUnicode_InternFromString("reset")) == NULL)
-        return NULL;
-    if (zero == NULL && (zero = PyFloat_FromDouble(0.0)) == NULL)
-        return NULL;
-    Py_ssize_t n = PyList_GET_SIZE(envs);
-    if (PyList_GET_SIZE(env_obs) != n || PyList_GET_SIZE(rewards) != n ||
-        PyList_GET_SIZE(terms) != n || PyList_GET_SIZE(truncs) != n ||
-        (autoreset != Py_None && (!PyList_Check(autoreset) || PyList_GET_SIZE(autoreset) != n))) {
-        PyErr_SetString(PyExc_ValueError, "step_envs: lists of the wrong length");
-        return NULL;
-    }
-    for (; j < n; j++) {
-        PyObject *action = PyIter_Next(actions);
-        if (action == NULL) {
-            if (!PyErr_Occurred())
-                break; /* fewer actions than envs: as enumerate() stops */
-            return NULL;
-        }
-        int resets = 0;
-        if (autoreset != Py_None && (resets = PyObject_IsTrue(PyList_GET_ITEM(autoreset, j))) < 0) {
-            Py_DECREF(action);
-            return NULL;
-        }
-        PyObject *env = PyList_GET_ITEM(envs, j);
-        Py_INCREF(env);
-        PyObject *result;
-        if (resets)
-            result = as_tuple(PyObject_CallMethodNoArgs(env, reset_name), 2, unpack);
-        else
-            result = as_tuple(PyObject_CallMethodOneArg(env, step_name, action), 5, unpack);
-        Py_DECREF(env);
-        Py_DECREF(action);
-        if (result == NULL) {
-            PyObject *exc = catch_exception(PyExc_Exception);
-            if (exc == NULL)
-                return NULL;
-            return Py_BuildValue("(nN)", j, exc);
-        }
-        int stored;
-        if (resets)
-            stored = set_item(env_obs, j, PyTuple_GET_ITEM(result, 0)) == 0 &&
-                     set_item(rewards, j, zero) == 0 && set_item(terms, j, Py_False) == 0 &&
-                     set_item(truncs, j, Py_False) == 0;
-        else
-            stored = set_item(env_obs, j, PyTuple_GET_ITEM(result, 0)) == 0 &&
-                     set_item(rewards, j, PyTuple_GET_ITEM(result, 1)) == 0 &&
-                     set_item(terms, j, PyTuple_GET_ITEM(result, 2)) == 0 &&
-                     set_item(truncs, j, PyTuple_GET_ITEM(result, 3)) == 0;
-        if (!stored) {
-            Py_DECREF(result);
-            return NULL;
-        }
-        PyObject *info = PyTuple_GET_ITEM(result, resets ? 1 : 4);
-        int truthy = PyObject_IsTrue(info);
-        if (truthy < 0) {
-            Py_DECREF(result);
-            return NULL;
-        }
-        if (truthy) {
-            PyObject *event = Py_BuildValue("(nO)", start + j, info);
-            if (event == NULL || PyList_Append(events, event) < 0) {
-                Py_XDECREF(event);
-                Py_DECREF(result);
-                return NULL;
-            }
-            Py_DECREF(event);
-        }
-        Py_DECREF(result);
-    }
-    Py_RETURN_NONE;
 }
 
 /* One reward as numpy writes it into a float64 buffer, for the types where that is plain C
@@ -634,6 +494,7 @@ sp_write_results(PyObject *self, PyObject *args)
         if (set_item(autoreset, j, (tbuf[j] || ubuf[j]) ? Py_True : Py_False) < 0)
             return NULL;
     }
+    calls[F_WRITE_RESULTS]++;
     Py_RETURN_TRUE;
 }
 
@@ -695,6 +556,7 @@ sp_write_rows(PyObject *self, PyObject *args)
         ndarray_head *a = (ndarray_head *)PyList_GET_ITEM(env_obs, j);
         memcpy((char *)dest + j * row_bytes, a->data, (size_t)row_bytes);
     }
+    calls[F_WRITE_ROWS]++;
     Py_RETURN_TRUE;
 }
 
@@ -712,15 +574,12 @@ sp_register_types(PyObject *self, PyObject *args)
 }
 
 static PyMethodDef methods[] = {
-    {"post", sp_post, METH_O, "post(address): sem_post the semaphore at address."},
-    {"trywait", sp_trywait, METH_O, "trywait(address) -> bool: sem_trywait."},
-    {"spin", sp_spin, METH_VARARGS, "spin(address, tight_s, spin_s) -> bool."},
-    {"step_envs", sp_step_envs, METH_VARARGS, "EnvGroup.step's plain loop."},
     {"write_results", sp_write_results, METH_VARARGS, "EnvGroup._write_results."},
     {"write_rows", sp_write_rows, METH_VARARGS, "EnvGroup's observation rows, memcpy'd."},
     {"serve_steps", sp_serve_steps, METH_VARARGS, "_Worker.serve's loop for plain steps."},
-    {"timed_call", sp_timed_call, METH_VARARGS, "StepTimer.call."},
     {"step_round", sp_step_round, METH_VARARGS, "ProcessesBackend's step round."},
+    {"counters", sp_counters, METH_NOARGS, "counters() -> {name: calls in this process}."},
+    {"reset_counters", sp_reset_counters, METH_NOARGS, "reset_counters(): zero them."},
     {"register_types", sp_register_types, METH_VARARGS,
      "register_types(numpy.bool_, numpy.float32)."},
     {NULL, NULL, 0, NULL},

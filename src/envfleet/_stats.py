@@ -7,7 +7,6 @@ shared memory where workers are processes); :func:`step_time_table` reads every 
 
 from __future__ import annotations
 
-import functools
 import math
 import time
 from collections.abc import Callable
@@ -15,8 +14,6 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 import numpy as np
-
-from envfleet import _native as _speedups
 
 _T = TypeVar("_T")
 
@@ -39,30 +36,16 @@ class StepTimer:
     """Records one worker's step times into its row of a float64 ``[workers, STATS_WORDS]``
     array (shared memory for process backends, so the driver reads it at any time)."""
 
-    __slots__ = ("_words", "call", "row")
+    __slots__ = ("_words", "row")
 
     def __init__(self, row: np.ndarray):
         self.row = row
         # Written through a memoryview of the row: a worker records once per step, and three
         # numpy scalar updates cost ~0.7 µs there against ~0.35 µs this way.
         self._words = row.data.cast("B").cast("d")
-        fast = _speedups.speedups
-        self.call: Callable[[Callable[[], _T]], _T]
-        """``fn()``, its time recorded when it returns (in C where envfleet._native is)."""
-        # (A subclass that overrides record() gets it called, so it times in Python.)
-        if (
-            fast is not None
-            and type(self).record is StepTimer.record
-            and row.flags.c_contiguous
-            and row.dtype == np.float64
-        ):
-            self.call = functools.partial(
-                fast.timed_call, row.ctypes.data, BUCKETS_PER_OCTAVE, NUM_BUCKETS
-            )
-        else:
-            self.call = self._call
 
-    def _call(self, fn: Callable[[], _T]) -> _T:
+    def call(self, fn: Callable[[], _T]) -> _T:
+        """``fn()``, its time recorded when it returns."""
         t0 = time.perf_counter()
         result = fn()
         self.record(time.perf_counter() - t0)

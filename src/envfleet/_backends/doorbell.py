@@ -26,8 +26,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from envfleet import _native as _speedups
-
 __all__ = [
     "BLOCK_SLICE_S",
     "IDLE_SLICE_MAX_S",
@@ -122,20 +120,9 @@ class SharedSem:
         self.address = address = ctypes.addressof(self.region) + self.offset
         self.ptr = ctypes.c_void_p(address)
         self._timedwait = _libc.sem_timedwait
-        # The C versions (envfleet._native) where built: a ctypes call costs ~0.3 µs, these
-        # ~0.05 µs, and the C spin polls every ~20 ns instead of every ~0.4 µs.
-        fast = _speedups.speedups
-        self.spin: Callable[[float, float], bool] | None = None
-        self._post: Callable[[], Any]
-        self._poll: Callable[[], bool]
-        if fast is not None:
-            self._post = functools.partial(fast.post, address)
-            self._poll = functools.partial(fast.trywait, address)
-            self.spin = functools.partial(fast.spin, address)
-        else:
-            ptr, trywait = self.ptr, _libc.sem_trywait
-            self._post = functools.partial(_libc.sem_post, ptr)
-            self._poll = lambda: bool(trywait(ptr) == 0)
+        ptr, trywait = self.ptr, _libc.sem_trywait
+        self._post = functools.partial(_libc.sem_post, ptr)
+        self._poll: Callable[[], bool] = lambda: bool(trywait(ptr) == 0)
 
     def __getstate__(self) -> tuple[Any, int]:
         return self.region, self.offset
@@ -210,13 +197,6 @@ class Doorbell:
             max_slice_s: blocking slices double from :data:`BLOCK_SLICE_S` up to this
                 (seconds): how long a death may go unnoticed in a long wait.
         """
-        if spun_s is None and type(sem) is SharedSem and sem.spin is not None:
-            # The spin below, in C; it ran out only after budget_s seconds.
-            if sem.spin(TIGHT_SPIN_S, budget.budget_s):
-                if budget.budget_s < budget.max_s:
-                    budget.caught()
-                return True
-            spun_s = budget.budget_s
         acquire = sem.acquire
         clock = time.perf_counter
         if spun_s is not None:

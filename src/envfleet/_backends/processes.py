@@ -378,10 +378,10 @@ class ProcessesBackend(Backend):
     def _bind_step_round(self) -> Callable[[], tuple[Any, Any, int, list[int], float]] | None:
         """_speedups.step_round bound to this backend's workers, or ``None`` where it does not
         apply (no C step path, not the shared POSIX semaphores, a first-ready pool)."""
-        fast = _speedups.speedups
+        step_round = _speedups.function("step_round")
         doorbells = [self._doorbells[g] for g in self._remote]
         if (
-            fast is None
+            step_round is None
             or self._any_done is not None
             or not all(
                 type(d.request) is SharedSem and type(d.done) is SharedSem
@@ -393,7 +393,7 @@ class ProcessesBackend(Backend):
         if self._local is not None:
             local = functools.partial(self._local_timer.call, self._local.step)
         return functools.partial(
-            fast.step_round,
+            step_round,
             tuple(cast(Doorbell, d).request.address for d in doorbells),
             tuple(cast(Doorbell, d).done.address for d in doorbells),
             tuple(int(self._control[g].ctypes.data) for g in self._remote),
@@ -848,13 +848,13 @@ class _Worker:
     ) -> Callable[[], tuple[int, float, Any]] | None:
         """The C loop of plain steps (envfleet._native), bound to this worker; ``None`` where
         it is not built or the semaphores are not the shared POSIX ones it drives."""
-        fast = group.fast
+        serve_steps = _speedups.function("serve_steps")
         sems = (self.doorbell.request, self.done, self.any_done)
-        if fast is None or not all(s is None or type(s) is SharedSem for s in sems):
+        if serve_steps is None or not all(s is None or type(s) is SharedSem for s in sems):
             return None
         any_done = None if self.any_done is None else self.any_done.address
         return functools.partial(
-            fast.serve_steps,
+            serve_steps,
             self.doorbell.request.address,
             self.done.address,
             any_done,
