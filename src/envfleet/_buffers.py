@@ -29,6 +29,7 @@ from gymnasium import spaces
 from gymnasium.vector.utils import create_empty_array
 
 from envfleet._errors import ConfigError
+from envfleet._trees import tree_slice
 
 __all__ = [
     "ALIGN",
@@ -44,11 +45,6 @@ __all__ = [
     "side_leaves",
     "side_values",
     "observation_nbytes",
-    "tree_copy",
-    "tree_scatter",
-    "tree_slice",
-    "tree_take",
-    "tree_write",
 ]
 
 ALIGN = 64  # bytes; one cache line, so workers never share a line at a block boundary
@@ -385,63 +381,3 @@ def _build(template: Any, refs: list[weakref.ref[np.ndarray]]) -> Any:
         leaf = np.ndarray(shape, dtype, buffer=raw, offset=offset)
     refs.append(weakref.ref(leaf))
     return leaf
-
-
-def tree_slice(tree: Any, start: int, stop: int) -> Any:
-    """Views ``[start:stop]`` along the first axis of every array in a nested dict/tuple
-    (``None``, a side leaf without a buffer, stays ``None``)."""
-    if isinstance(tree, np.ndarray):
-        return tree[start:stop]
-    if tree is None:
-        return None
-    if isinstance(tree, dict):
-        return {key: tree_slice(value, start, stop) for key, value in tree.items()}
-    if isinstance(tree, tuple):
-        return tuple(tree_slice(value, start, stop) for value in tree)
-    raise TypeError(f"cannot slice {type(tree).__name__}")
-
-
-def tree_copy(tree: Any) -> Any:
-    """Copy every array of a nested dict/tuple (what ``copy.deepcopy`` gives, faster)."""
-    if tree is None:
-        return None  # a side leaf without a buffer
-    if isinstance(tree, np.ndarray):
-        return tree.copy()
-    if isinstance(tree, dict):
-        return {key: tree_copy(value) for key, value in tree.items()}
-    if isinstance(tree, tuple):
-        return tuple(tree_copy(value) for value in tree)
-    raise TypeError(f"cannot copy {type(tree).__name__}")
-
-
-def tree_write(dst: Any, src: Any) -> None:
-    """Copy ``src`` into the arrays of ``dst`` (same nested dict/tuple structure)."""
-    if isinstance(dst, dict):
-        for key, value in dst.items():
-            tree_write(value, src[key])
-    elif isinstance(dst, tuple):
-        for value, rows in zip(dst, src, strict=True):
-            tree_write(value, rows)
-    elif dst is not None:  # None: a side leaf without a buffer
-        dst[...] = src
-
-
-def tree_take(tree: Any, ids: np.ndarray) -> Any:
-    """Rows ``ids`` of every leaf of a batched tree, gathered into new arrays (one copy)."""
-    if isinstance(tree, dict):
-        return {key: tree_take(value, ids) for key, value in tree.items()}
-    if isinstance(tree, tuple):
-        return tuple(tree_take(value, ids) for value in tree)
-    return None if tree is None else np.take(tree, ids, axis=0)
-
-
-def tree_scatter(tree: Any, ids: np.ndarray, values: Any) -> None:
-    """Write the rows of ``values`` (a tree shaped like ``tree``) into rows ``ids`` of ``tree``."""
-    if isinstance(tree, dict):
-        for key, value in tree.items():
-            tree_scatter(value, ids, values[key])
-    elif isinstance(tree, tuple):
-        for value, rows in zip(tree, values, strict=True):
-            tree_scatter(value, ids, rows)
-    elif tree is not None:  # None: a side leaf without a buffer
-        tree[ids] = values

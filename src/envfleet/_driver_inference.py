@@ -11,7 +11,6 @@ from typing import Any
 import numpy as np
 from gymnasium.vector.utils import create_empty_array
 
-from envfleet._buffers import tree_scatter
 from envfleet._front.vector_env import FleetVectorEnv
 from envfleet._inference import (
     Inference,
@@ -23,7 +22,8 @@ from envfleet._inference import (
     pick_episodes,
     step_and_record,
 )
-from envfleet._rollout import EpisodeBatch, Recorder, final_observations, step_infos, tree_rows
+from envfleet._rollout import EpisodeBatch, Recorder, final_observations, step_infos
+from envfleet._trees import tree_rows, tree_scatter
 
 __all__ = ["DriverInference"]
 

@@ -9,49 +9,15 @@ the policy version changes, or where a sample stops. The layout follows garage's
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from envfleet._buffers import tree_scatter
 from envfleet._front.infos import split_infos
+from envfleet._trees import tree_concat, tree_map, tree_rows, tree_scatter
 
 __all__ = ["EpisodeBatch", "Recorder", "final_observations", "step_infos"]
-
-
-# -- trees of arrays (dict / tuple / ndarray, as gymnasium batches a space) ------------------
-
-
-def tree_map(fn: Callable[..., Any], tree: Any, *rest: Any) -> Any:
-    """``fn`` applied leaf by leaf to trees of the same structure."""
-    if isinstance(tree, dict):
-        return {key: tree_map(fn, value, *(r[key] for r in rest)) for key, value in tree.items()}
-    if isinstance(tree, tuple):
-        return tuple(tree_map(fn, value, *(r[i] for r in rest)) for i, value in enumerate(tree))
-    return fn(tree, *rest)
-
-
-def tree_concat(trees: Sequence[Any]) -> Any:
-    """Leaves of ``trees`` concatenated along axis 0."""
-    first = trees[0]
-    if isinstance(first, dict):
-        return {key: tree_concat([t[key] for t in trees]) for key in first}
-    if isinstance(first, tuple):
-        return tuple(tree_concat([t[i] for t in trees]) for i in range(len(first)))
-    return np.concatenate([np.asarray(t) for t in trees], axis=0)
-
-
-def tree_rows(tree: Any, rows: Any) -> Any:
-    """Rows ``rows`` (an index array or slice) of every leaf."""
-    return tree_map(lambda leaf: leaf[rows], tree)
-
-
-def tree_len(tree: Any) -> int:
-    while isinstance(tree, (dict, tuple)):
-        tree = next(iter(tree.values())) if isinstance(tree, dict) else tree[0]
-    return len(tree)
 
 
 # -- infos -----------------------------------------------------------------------------------

@@ -20,7 +20,6 @@ from typing import Any
 import cloudpickle
 import numpy as np
 
-from envfleet._buffers import tree_copy, tree_write
 from envfleet._envgroup import EnvGroup, PartialFailure
 from envfleet._front.infos import batch_infos
 from envfleet._front.vector_env import FleetVectorEnv
@@ -36,7 +35,8 @@ from envfleet._inference import (
     seed_policy,
     step_and_record,
 )
-from envfleet._rollout import EpisodeBatch, Recorder, tree_map
+from envfleet._rollout import EpisodeBatch, Recorder
+from envfleet._trees import tree_copy, tree_row, tree_write
 
 __all__ = ["PolicyUpdate", "WorkerInference", "sampler_round"]
 
@@ -120,7 +120,7 @@ class GroupEnvs:
             for f in failure.failures:
                 j = f.env_index - start
                 buffers.rewards[j], buffers.terminations[j], buffers.truncations[j] = 0, 0, 1
-                final = tree_map(lambda a, j=j: a[j].copy(), self.obs)
+                final = tree_row(self.obs, j)
                 events.append((f.env_index, {"final_obs": final, "final_info": RESTARTED}))
             events.sort(key=lambda event: event[0])
         infos = batch_infos([(i - start, info) for i, info in events], self.num_envs)

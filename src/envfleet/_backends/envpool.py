@@ -60,13 +60,12 @@ from envfleet._buffers import (
     allocate_batch,
     batch_nbytes,
     check_fixed_size,
-    tree_scatter,
-    tree_take,
 )
 from envfleet._errors import ConfigError, InvalidArgumentError, UnsupportedError
 from envfleet._front.infos import InfoAdder, columns_infos, split_infos
 from envfleet._protocol import Command, InfoEvent, ResetRequest
 from envfleet._supervisor import STATS_WORDS, Ledger, StepTimer, StepTimeStats, step_time_table
+from envfleet._trees import tree_map, tree_row, tree_scatter, tree_take
 
 __all__ = ["EnvPoolBackend", "open_envpool"]
 
@@ -458,11 +457,11 @@ class EnvPoolBackend(Backend):
         done_ids = ids[rows]
         all_rows = split_infos(info, len(ids), _SKIP_INFO)
         final = {
-            int(ids[k]): {"final_obs": _row(obs, int(k)), "final_info": all_rows[int(k)]}
+            int(ids[k]): {"final_obs": tree_row(obs, int(k)), "final_info": all_rows[int(k)]}
             for k in rows.tolist()
         }
         if self._dummy_action is None:
-            self._dummy_action = _zeros_like(self.batch.actions)
+            self._dummy_action = tree_map(np.zeros_like, self.batch.actions)
         self._pool.send(tree_take(self._dummy_action, done_ids), env_id=done_ids)
         reset_obs, _, _, _, reset_info = self._pool.recv()
         got = reset_info["env_id"]
@@ -475,22 +474,6 @@ class EnvPoolBackend(Backend):
             events.append((e, final[e]))
             events.append((e, reset_rows[e]))
         return events
-
-
-def _row(tree: Any, k: int) -> Any:
-    if isinstance(tree, dict):
-        return {key: _row(value, k) for key, value in tree.items()}
-    if isinstance(tree, tuple):
-        return tuple(_row(value, k) for value in tree)
-    return np.array(tree[k], copy=True)
-
-
-def _zeros_like(tree: Any) -> Any:
-    if isinstance(tree, dict):
-        return {key: _zeros_like(value) for key, value in tree.items()}
-    if isinstance(tree, tuple):
-        return tuple(_zeros_like(value) for value in tree)
-    return np.zeros_like(tree)
 
 
 def seeds_of(seed: int | Sequence[int] | None, num_envs: int) -> list[int] | None:

@@ -47,7 +47,7 @@ from envfleet._backends.base import (
     run_command,
     start_error,
 )
-from envfleet._buffers import Block, allocate_batch, batch_nbytes, tree_slice, tree_write
+from envfleet._buffers import Block, allocate_batch, batch_nbytes
 from envfleet._envgroup import EnvFailure, EnvGroup, PartialFailure
 from envfleet._errors import (
     ConfigError,
@@ -66,6 +66,7 @@ from envfleet._supervisor import (
     Supervisor,
     step_time_table,
 )
+from envfleet._trees import tree_slice, tree_write
 from envfleet._workers import remote_error
 
 __all__ = ["DEFAULT_CLOSE_TIMEOUT", "EnvfleetWorker", "RayBackend", "RayPlan", "plan_ray"]

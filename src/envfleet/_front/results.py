@@ -25,10 +25,9 @@ from envfleet._buffers import (
     fill_side,
     observation_nbytes,
     side_leaves,
-    tree_copy,
-    tree_write,
 )
 from envfleet._protocol import SideValues
+from envfleet._trees import tree_copy, tree_write
 
 __all__ = ["SPARE_SLABS", "ResultBuffers", "spare_slab_count"]
 

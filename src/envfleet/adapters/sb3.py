@@ -24,11 +24,11 @@ import gymnasium
 import numpy as np
 from gymnasium.vector import AutoresetMode
 
-from envfleet._buffers import tree_copy
 from envfleet._errors import ConfigError
 from envfleet._front.factories import GymMake, check_env_id
 from envfleet._front.make import make
 from envfleet._front.vector_env import FleetVectorEnv
+from envfleet._trees import tree_copy, tree_row
 from envfleet.adapters._sb3_shim import SHIM_METHOD, ShimFactory
 from envfleet.adapters.infos import split_infos
 
@@ -166,7 +166,7 @@ class SB3VecEnv(VecEnv):
             final_obs = info.pop("final_obs", None)
             step_info = dict(info.pop("final_info", {}))
             if final_obs is None:  # rebuilt by a restart policy: no last observation
-                final_obs = _row(observations, i)
+                final_obs = tree_row(observations, i)
                 step_info["env_restarted"] = info.pop("env_restarted", True)
             self.reset_infos[i] = info
             step_info["TimeLimit.truncated"] = bool(truncated[i] and not terminated[i])
@@ -266,16 +266,6 @@ class SB3VecEnv(VecEnv):
 
     def __repr__(self) -> str:
         return f"SB3VecEnv({self.fleet!r})"
-
-
-def _row(observations: Any, i: int) -> Any:
-    """A copy of env ``i``'s observation in batched observations."""
-    if isinstance(observations, dict):
-        return {k: _row(v, i) for k, v in observations.items()}
-    if isinstance(observations, tuple):
-        return tuple(_row(v, i) for v in observations)
-    row = observations[i]
-    return row.copy() if isinstance(row, np.ndarray) else row
 
 
 def _shim_factories(
