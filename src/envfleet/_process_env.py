@@ -117,7 +117,7 @@ class ProcessEnv:
             autoreset_mode=AutoresetMode.DISABLED,
             **self._make_args,
         )
-        venv._single_env_infos = True
+        venv.unbatched_infos = True
         self.observation_space: gymnasium.Space[Any] = venv.single_observation_space
         self.action_space: gymnasium.Space[Any] = venv.single_action_space
         self.metadata: dict[str, Any] = dict(venv.metadata)

@@ -114,7 +114,8 @@ class FleetVectorEnv(FirstReadyPool, VectorEnv[Any, Any, np.ndarray]):
         self._state = AsyncState.DEFAULT
         # What an asynchronous call left for its wait to run in this thread (inline_groups).
         self._deferred: tuple[Command, dict[int, Any]] | None = None
-        self._single_env_infos = False  # set by envfleet.ProcessEnv (one env, infos unbatched)
+        # True: one env's own info dict, not batched (set by envfleet.ProcessEnv).
+        self.unbatched_infos = False
         self._needs_reset = np.zeros(self.num_envs, dtype=np.bool_)
         self._steps = 0
         self.closed = False
@@ -619,6 +620,6 @@ class FleetVectorEnv(FirstReadyPool, VectorEnv[Any, Any, np.ndarray]):
     def _infos(self, results: dict[int, Any]) -> dict[str, Any]:
         if self._outputs.side_spaces:
             results = self._outputs.take_side(results)
-        if self._single_env_infos:
+        if self.unbatched_infos:
             return one_env_info(results)  # envfleet.ProcessEnv: the one env's own info dict
         return vector_infos(results, self.num_envs)
