@@ -33,12 +33,12 @@ from envfleet._protocol import Command
 from envfleet._supervisor import Round
 from envfleet._workers import join_all, spawn
 
-__all__ = ["DEFAULT_CLOSE_TIMEOUT", "KILL_GRACE", "WorkerProcesses"]
+__all__ = ["DEFAULT_CLOSE_TIMEOUT", "WorkerProcesses"]
 
 logger = logging.getLogger("envfleet")
 
 DEFAULT_CLOSE_TIMEOUT = 5.0  # seconds for workers to close their envs before being terminated
-KILL_GRACE = 1.0  # seconds between SIGTERM and SIGKILL
+_KILL_GRACE = 1.0  # seconds between SIGTERM and SIGKILL
 
 
 class WorkerProcesses(Backend):
@@ -122,7 +122,7 @@ class WorkerProcesses(Backend):
         self, w: int, step: int, note: str, reason: str, starting: bool
     ) -> EnvCrashedError:
         proc = self._procs[w]
-        proc.join(KILL_GRACE)
+        proc.join(_KILL_GRACE)
         exitcode = proc.exitcode
         start, stop = self.ranges[w]
         return EnvCrashedError(
@@ -149,7 +149,7 @@ class WorkerProcesses(Backend):
 
         Without ``terminate`` and with no call pending, each worker is asked to close its envs
         and gets ``timeout`` seconds (default :data:`DEFAULT_CLOSE_TIMEOUT`) to exit. Workers
-        still alive then (or at once with ``terminate``) get SIGTERM and :data:`KILL_GRACE`
+        still alive then (or at once with ``terminate``) get SIGTERM and :data:`_KILL_GRACE`
         seconds, then SIGKILL. Some envs catch SIGTERM (SDL does), hence the last phase. The
         driver's own envs, if any, are closed in the driver.
         """
@@ -173,7 +173,7 @@ class WorkerProcesses(Backend):
         for proc in procs:
             if proc.is_alive():
                 proc.terminate()
-        join_all(procs, KILL_GRACE)
+        join_all(procs, _KILL_GRACE)
         for proc in procs:
             if proc.is_alive():
                 proc.kill()
