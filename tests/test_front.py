@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import envfleet
-from envfleet._backends.processes import plan_processes
+from envfleet._backends.processes_plan import plan_processes
 from tests.envs import (
     IndexedEnv,
     NestedSpaceEnv,

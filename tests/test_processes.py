@@ -519,12 +519,12 @@ class InfoSizeEnv(gym.Env):
 def test_replies_in_the_mailbox_or_on_the_pipe(make_env):
     """A pickled reply that fits a worker's mailbox goes there, a larger one on the pipe;
     both give SyncVectorEnv's infos, in any mix across workers and steps."""
-    from envfleet._backends import processes
+    from envfleet._backends import processes_worker as processes
 
     assert processes.MAILBOX_BYTES < 100_000
     fleet = make_env(InfoSizeEnv, 4, num_workers=2, driver_envs=0)
     sync = SyncVectorEnv(sync_factories(InfoSizeEnv, 4))
-    where = fleet._backend._control[:, processes._REPLY_PAYLOAD]
+    where = fleet._backend._control[:, processes.REPLY_PAYLOAD]
     try:
         assert_same(fleet.reset(seed=3), sync.reset(seed=3), "reset")
         seen = set()
@@ -535,13 +535,11 @@ def test_replies_in_the_mailbox_or_on_the_pipe(make_env):
             for g, (start, stop) in enumerate(fleet._backend.ranges):
                 sizes = set(actions[start:stop].tolist())
                 want = (
-                    processes._ON_PIPE
-                    if 2 in sizes
-                    else (processes._IN_MAILBOX if 1 in sizes else 0)
+                    processes.ON_PIPE if 2 in sizes else (processes.IN_MAILBOX if 1 in sizes else 0)
                 )
                 assert where[g] == want, (t, g, actions)
                 seen.add(want)
-        assert seen == {0, processes._IN_MAILBOX, processes._ON_PIPE}
+        assert seen == {0, processes.IN_MAILBOX, processes.ON_PIPE}
     finally:
         sync.close()
 

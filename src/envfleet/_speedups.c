@@ -8,8 +8,9 @@
  *   write_results   EnvGroup's per-env result lists into its float64/bool buffers, and the
  *                   autoreset flags (_envgroup.py)
  *   write_rows      the observations into the group's rows of the observation buffer (same)
- *   serve_steps     the processes worker's loop of plain steps (_backends/processes.py)
- *   step_round      the processes driver's ring, own block and spin of a step (same)
+ *   serve_steps     the processes worker's loop of plain steps (_backends/processes_worker.py)
+ *   step_round      the processes driver's ring, own block and spin of a step
+ *                   (_backends/processes.py)
  *
  * Only what measurably pays end to end is here (benchmarks/speedups.py measures each function
  * against its Python twin; the env step loop, the doorbell's post/poll/spin and StepTimer.call

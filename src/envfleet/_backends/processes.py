@@ -19,6 +19,12 @@ Every wait also watches the workers: a worker that dies (segfault, ``os._exit``,
 raises :class:`envfleet.EnvCrashedError` within one blocking slice instead of hanging. Workers
 exit when the driver dies: Linux SIGKILLs them (``PR_SET_PDEATHSIG``), and a blocked worker
 also checks between slices that the driver is still there.
+
+This module holds the driver's side (:class:`ProcessesBackend`: its rounds, the C step round,
+the first-ready pool) and the registration; starting, restarting and closing the worker
+processes is :mod:`envfleet._backends.processes_lifecycle` (the backend's base class); the
+worker process and the shared-memory layout both sides read are
+:mod:`envfleet._backends.processes_worker`; the plan is :mod:`envfleet._backends.processes_plan`.
 """
 
 from __future__ import annotations
@@ -29,34 +35,24 @@ import functools
 import logging
 import multiprocessing
 import multiprocessing.sharedctypes
-import os
 import pickle
-import signal
 import sys
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any, cast
 
-import cloudpickle
 import gymnasium
-import numpy as np
-from gymnasium.vector import AutoresetMode
 
 from envfleet import _native as _speedups
 from envfleet._backends.base import (
-    Backend,
     WorkerLayout,
-    bind_env_index,
     failure_error,
     mismatch_error,
     remote_env_error,
     run_command,
-    start_error,
 )
 from envfleet._backends.doorbell import (
-    IDLE_SLICE_MAX_S,
     SEM_SLOT,
     TIGHT_SPIN_S,
     Doorbell,
@@ -64,20 +60,41 @@ from envfleet._backends.doorbell import (
     SpinBudget,
     shared_semaphore,
 )
+from envfleet._backends.processes_lifecycle import DEFAULT_CLOSE_TIMEOUT, WorkerProcesses
+from envfleet._backends.processes_plan import DEFAULT_SPIN_S, ProcessesPlan, plan_processes
+from envfleet._backends.processes_worker import (
+    CMD,
+    CMD_PAYLOAD,
+    GROUP_BYTES,
+    IN_MAILBOX,
+    MAILBOX_BYTES,
+    REPLY_BYTES,
+    REPLY_PAYLOAD,
+    STATUS,
+    control_words,
+    mailbox,
+    stats_rows,
+    word_view,
+)
+from envfleet._backends.registry import (
+    BackendSpec,
+    BuildRequest,
+    Plan,
+    PlanRequest,
+    register,
+    usable_cores,
+)
 from envfleet._buffers import Block, allocate_batch
-from envfleet._envgroup import EnvFailure, EnvGroup, PartialFailure
+from envfleet._envgroup import EnvFailure, EnvGroup
 from envfleet._errors import (
-    EnvCrashedError,
+    ConfigError,
     EnvError,
     EnvfleetError,
     StartTimeoutError,
     StepTimeoutError,
-    describe_exitcode,
 )
 from envfleet._protocol import Command, Failure, RestartRequest, Status
 from envfleet._supervisor import (
-    BUCKETS_PER_OCTAVE,
-    NUM_BUCKETS,
     STATS_WORDS,
     Ledger,
     Round,
@@ -86,70 +103,17 @@ from envfleet._supervisor import (
     Supervisor,
     step_time_table,
 )
-from envfleet._workers import (
-    die_with_parent,
-    failure_reply,
-    join_all,
-    remote_error,
-    spawn,
-    watch,
-)
+from envfleet._workers import watch
 
 __all__ = ["DEFAULT_CLOSE_TIMEOUT", "DEFAULT_SPIN_S", "ProcessesBackend"]
 
 logger = logging.getLogger("envfleet")
 
-
-DEFAULT_CLOSE_TIMEOUT = 5.0  # seconds for workers to close their envs before being terminated
-DEFAULT_SPIN_S = 0.002  # the most a wait polls before it blocks, in seconds
-_KILL_GRACE = 1.0  # seconds between SIGTERM and SIGKILL
-
-MAILBOX_BYTES = 64 << 10  # per worker: a pickled reply up to this size skips the pipe
-
-# Per group in the control region: 8 int64 control words (one cache line, so workers never
-# share a line), then the doorbell's two semaphores.
-_WORDS = 8
-_GROUP_BYTES = 8 * _WORDS + 2 * SEM_SLOT
-_CMD, _CMD_PAYLOAD, _STATUS, _REPLY_PAYLOAD, _REPLY_BYTES = 0, 1, 2, 3, 4
-_ON_PIPE, _IN_MAILBOX = 1, 2  # where a reply's payload is (_REPLY_PAYLOAD; 0: none)
-_COMMANDS = {int(c): c for c in Command}  # control word -> Command, without Enum's lookup
-# The hot path's Enum members as module globals: an Enum member lookup costs ~70 ns.
-_STEP, _CLOSE, _ERROR = Command.STEP, Command.CLOSE, int(Status.ERROR)
-_SPUN_OUT, _TAKEN, _STEPPED = 0, 1, 2  # why _speedups.serve_steps returned
+# The hot path's Enum members as module globals (an Enum member lookup is slow).
+_STEP, _ERROR = Command.STEP, int(Status.ERROR)
 
 
-def _control_words(region: Any) -> np.ndarray:
-    """int64 ``[groups, _WORDS]`` view of the control words in the control region."""
-    raw = np.frombuffer(region, dtype=np.uint8).reshape(-1, _GROUP_BYTES)
-    return raw[:, : 8 * _WORDS].view(np.int64)
-
-
-@dataclass
-class _WorkerSpec:
-    """What a worker process receives at start (pickled once, when spawning)."""
-
-    group_index: int
-    start: int
-    stop: int
-    env_fns: list[bytes]  # cloudpickled factories, one per env of the worker
-    accepts_index: list[bool]
-    single_observation_space: gymnasium.Space[Any]
-    single_action_space: gymnasium.Space[Any]
-    num_envs: int
-    autoreset_mode: AutoresetMode
-    block: Block
-    control: Any  # the control region: RawArray of _GROUP_BYTES bytes per group
-    mailboxes: Any  # RawArray of MAILBOX_BYTES bytes per group
-    stats: Any  # step-time statistics: RawArray of STATS_WORDS doubles per group
-    doorbell: Doorbell
-    any_done: Any  # first-ready pool: posted after every reply, whichever worker's; else None
-    spin_s: float
-    parent_pid: int
-    start_method: str
-    same_observation_space: bool = True
-
-
-class ProcessesBackend(Backend):
+class ProcessesBackend(WorkerProcesses):
     """Worker processes holding contiguous blocks of envs over one shared block.
 
     Args:
@@ -199,19 +163,19 @@ class ProcessesBackend(Backend):
         groups = len(self.ranges)
         # Per group: one cache line of control words, then the doorbell's two semaphores.
         self._control_raw: Any = multiprocessing.sharedctypes.RawArray(
-            ctypes.c_uint8, groups * _GROUP_BYTES
+            ctypes.c_uint8, groups * GROUP_BYTES
         )
-        self._control = _control_words(self._control_raw)
+        self._control = control_words(self._control_raw)
         # The same words as one int64 memoryview per group: ~2x cheaper to write than numpy.
-        self._words = [_word_view(row) for row in self._control]
+        self._words = [word_view(row) for row in self._control]
         self._mail_raw: Any = multiprocessing.sharedctypes.RawArray(
             ctypes.c_uint8, groups * MAILBOX_BYTES
         )
-        self._mailboxes = [_mailbox(self._mail_raw, g) for g in range(groups)]
+        self._mailboxes = [mailbox(self._mail_raw, g) for g in range(groups)]
         self._stats_raw: Any = multiprocessing.sharedctypes.RawArray(
             ctypes.c_double, groups * STATS_WORDS
         )
-        self._stats = _stats_rows(self._stats_raw)
+        self._stats = stats_rows(self._stats_raw)
         self._local_timer = StepTimer(self._stats[0])
         self.supervisor = Supervisor(self)
         self._any_raw: Any = None
@@ -240,7 +204,7 @@ class ProcessesBackend(Backend):
                 stream.flush()
         try:
             for g in self._remote:
-                self._start_worker(g)
+                self.start_worker(g)
             if driver_group:
                 # Built while the workers build theirs; env 0 is the one make() already built.
                 env0, first_env = first_env, None  # the group owns it now
@@ -270,7 +234,7 @@ class ProcessesBackend(Backend):
                     exc.env_indices,
                     cast(float, start_timeout),
                 ) from None
-            self._check_ready(ready)
+            self.check_ready(ready)
             self._step_round = self._bind_step_round()
         except EnvFailure as failure:
             self.close(timeout=None, terminate=True)
@@ -285,38 +249,6 @@ class ProcessesBackend(Backend):
     def num_workers(self) -> int:
         """Worker processes (the driver's own block, if any, is not one)."""
         return len(self._remote)
-
-    def _start_worker(self, g: int) -> None:
-        layout, blobs = self._layout, self._blobs
-        start, stop = self.ranges[g]
-        doorbell = Doorbell(self._ctx, self._control_raw, g * _GROUP_BYTES + 8 * _WORDS)
-        spec = _WorkerSpec(
-            group_index=g,
-            start=start,
-            stop=stop,
-            env_fns=blobs[start:stop],
-            accepts_index=list(layout.accepts_index[start:stop]),
-            single_observation_space=layout.single_observation_space,
-            single_action_space=layout.single_action_space,
-            num_envs=layout.num_envs,
-            autoreset_mode=layout.autoreset_mode,
-            block=self.block,
-            control=self._control_raw,
-            mailboxes=self._mail_raw,
-            stats=self._stats_raw,
-            doorbell=doorbell,
-            any_done=self._any_done,
-            spin_s=self._worker_spin_s,
-            parent_pid=os.getpid(),
-            start_method=self._ctx.get_start_method(),
-            same_observation_space=layout.same_observation_space,
-        )
-        parent_conn, child_conn = self._ctx.Pipe(duplex=True)
-        proc = spawn(
-            self._ctx, _worker_main, (spec, child_conn, parent_conn), f"envfleet-worker-{g}"
-        )
-        child_conn.close()
-        self._procs[g], self._conns[g], self._doorbells[g] = proc, parent_conn, doorbell
 
     # -- Backend --------------------------------------------------------------------------
 
@@ -419,8 +351,8 @@ class ProcessesBackend(Backend):
         code = int(command)
         for g in remote:
             payload = payloads[g]
-            words[g][_CMD] = code
-            words[g][_CMD_PAYLOAD] = payload is not None
+            words[g][CMD] = code
+            words[g][CMD_PAYLOAD] = payload is not None
             self._doorbells[g].request.release()  # type: ignore[union-attr]
             if payload is not None:
                 try:
@@ -583,11 +515,11 @@ class ProcessesBackend(Backend):
     def _read_reply(self, g: int, done: Round, step: int, fail_fast: bool) -> None:
         """Read the reply of worker ``g``, whose done semaphore was just taken, into ``done``."""
         words = self._words[g]  # its items are Python ints (a numpy int64 compares slowly)
-        status = words[_STATUS]
+        status = words[STATUS]
         payload = None
-        where = words[_REPLY_PAYLOAD]
-        if where == _IN_MAILBOX:
-            payload = pickle.loads(self._mailboxes[g][: words[_REPLY_BYTES]])
+        where = words[REPLY_PAYLOAD]
+        if where == IN_MAILBOX:
+            payload = pickle.loads(self._mailboxes[g][: words[REPLY_BYTES]])
         elif where:
             try:
                 payload = pickle.loads(cast(Connection, self._conns[g]).recv_bytes())
@@ -606,36 +538,19 @@ class ProcessesBackend(Backend):
     def env_error(self, w: int, failure: Any, note: str) -> EnvError:
         return remote_env_error(cast(Failure, failure).errors[0], w, note)
 
-    def crash_error(
-        self, w: int, step: int, note: str, reason: str, starting: bool
-    ) -> EnvCrashedError:
-        proc = self._procs[w]
-        proc.join(_KILL_GRACE)
-        exitcode = proc.exitcode
-        start, stop = self.ranges[w]
-        return EnvCrashedError(
-            f"worker {w} (sub-environments {start}..{stop - 1}) died with "
-            f"{describe_exitcode(exitcode)} after {step} steps; "
-            f"{note + '; ' if note else ''}the vector env was closed",
-            env_indices=range(start, stop),
-            worker_index=w,
-            exitcode=exitcode,
-            step=step,
-        )
-
     def replace_workers(
         self, workers: list[int], done: Round, timeout: float | None, step: int
     ) -> None:
         for g in workers:
             why = "died" if g in done.crashed else "did not answer in time"
             logger.warning("worker %d %s; restarting it and its envs", g, why)
-            self._respawn(g)
+            self.respawn(g)
         others = [g for g in self._pending if g not in workers]  # a pool's, still running
         self._pending = workers
         ready = self._collect_remote(timeout, step, fail_fast=True)
         self._pending = others
         try:
-            self._check_ready(ready)
+            self.check_ready(ready)
         except EnvfleetError:  # a rebuilt worker could not start: give up
             self.close(timeout=0, terminate=True)
             raise
@@ -652,358 +567,8 @@ class ProcessesBackend(Backend):
         self._pending = others
         return done
 
-    def _check_ready(self, done: Round) -> None:
-        """Raise for the first worker that could not start (an env error or a space mismatch)."""
-        if done.failures:
-            g = min(done.failures)
-            raise start_error(done.failures[g].errors[0], g)
-        for g in sorted(done.results):
-            if done.results[g] is not None:
-                raise mismatch_error(done.results[g])
 
-    def _respawn(self, g: int) -> None:
-        """Kill worker ``g`` (dead or hung) and start a new one for the same envs."""
-        proc = self._procs[g]
-        if proc.is_alive():
-            proc.kill()
-        proc.join()
-        cast(Connection, self._conns[g]).close()
-        with contextlib.suppress(ValueError):
-            proc.close()
-        self._start_worker(g)
-
-    def disown(self) -> None:
-        # multiprocessing's exit handler terminates the daemonic processes it counts as this
-        # process's children; a child forked by os.fork() inherits the maker's list.
-        children = getattr(multiprocessing.process, "_children", None)
-        if children is not None:
-            for proc in self._procs:
-                children.discard(proc)
-        self._closed = True
-
-    def close(self, timeout: float | None, terminate: bool) -> None:
-        """Close in three bounded phases: ask, terminate, kill.
-
-        Without ``terminate`` and with no call pending, each worker is asked to close its envs
-        and gets ``timeout`` seconds (default :data:`DEFAULT_CLOSE_TIMEOUT`) to exit. Workers
-        still alive then (or at once with ``terminate``) get SIGTERM and :data:`_KILL_GRACE`
-        seconds, then SIGKILL. Some envs catch SIGTERM (SDL does), hence the last phase. The
-        driver's own envs, if any, are closed in the driver.
-        """
-        if self._closed:
-            return
-        self._closed = True
-        procs = [p for p in self._procs if p is not None]
-        graceful = not terminate and not self._pending
-        if self._pending and not terminate:
-            logger.warning("closing while workers %s are busy; terminating them", self._pending)
-        if graceful:
-            for g in self._remote:
-                if self._procs[g].is_alive():
-                    self._control[g, _CMD] = Command.CLOSE
-                    self._control[g, _CMD_PAYLOAD] = 0
-                    cast(Doorbell, self._doorbells[g]).ring_request()
-        if self._local is not None:
-            self._local.close()
-        if graceful:
-            join_all(procs, DEFAULT_CLOSE_TIMEOUT if timeout is None else timeout)
-        for proc in procs:
-            if proc.is_alive():
-                proc.terminate()
-        join_all(procs, _KILL_GRACE)
-        for proc in procs:
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
-        for conn in self._conns:
-            if conn is not None:
-                conn.close()
-        for proc in procs:
-            with contextlib.suppress(ValueError):
-                proc.close()
-        self._pending = []
-        # Where the doorbells fall back to multiprocessing semaphores (no process-shared
-        # sem_init), each is a named /dev/shm entry under spawn and forkserver, unlinked when
-        # its last reference goes: drop ours now that no worker is left.
-        self._doorbells = [None] * len(self._doorbells)
-
-
-# -- worker side ----------------------------------------------------------------------------
-
-
-def _word_view(row: np.ndarray) -> memoryview:
-    """The int64 words of one group's control row as a memoryview (format ``q``)."""
-    return row.data.cast("B").cast("q")
-
-
-def _mailbox(region: Any, g: int) -> memoryview:
-    """The bytes of group ``g``'s mailbox in the mailboxes region."""
-    return memoryview(region).cast("B")[g * MAILBOX_BYTES : (g + 1) * MAILBOX_BYTES]
-
-
-def _stats_rows(region: Any) -> np.ndarray:
-    return np.frombuffer(region, dtype=np.float64).reshape(-1, STATS_WORDS)
-
-
-class _Worker:
-    """The worker side of one group: wait for the doorbell, run the command, reply."""
-
-    def __init__(self, spec: _WorkerSpec, conn: Connection):
-        self.spec = spec
-        self.conn = conn
-        self.g = spec.group_index
-        self.control = _word_view(_control_words(spec.control)[self.g])
-        self.mailbox = _mailbox(spec.mailboxes, self.g)
-        self.doorbell = spec.doorbell
-        self.done, self.any_done = spec.doorbell.done, spec.any_done
-        self.budget = SpinBudget(spec.spin_s)
-        self.watch_ppid = spec.start_method != "forkserver"
-
-    def driver_alive(self) -> bool:
-        if self.watch_ppid and os.getppid() != self.spec.parent_pid:
-            return False
-        # Between commands nothing is due on the pipe: readable means end-of-file.
-        return not self.conn.poll()
-
-    def ring_done(self) -> None:
-        self.done.release()
-        if self.any_done is not None:
-            self.any_done.release()
-
-    def reply(self, status: Status, payload: Any) -> None:
-        self.control[_STATUS] = status
-        if payload is None:
-            self.control[_REPLY_PAYLOAD] = 0
-            self.ring_done()
-            return
-        try:
-            blob = pickle.dumps(payload, pickle.HIGHEST_PROTOCOL)
-        except Exception as exc:
-            status = Status.ERROR
-            self.control[_STATUS] = status
-            blob = pickle.dumps(
-                failure_reply(remote_error(exc, self.spec.start, "pickling the result")),
-                pickle.HIGHEST_PROTOCOL,
-            )
-        size = len(blob)
-        if size <= MAILBOX_BYTES:
-            # The driver reads it once the ring is seen: the semaphore orders the writes.
-            self.mailbox[:size] = blob
-            self.control[_REPLY_BYTES] = size
-            self.control[_REPLY_PAYLOAD] = _IN_MAILBOX
-            self.ring_done()
-            return
-        self.control[_REPLY_PAYLOAD] = _ON_PIPE
-        self.ring_done()  # before sending: a large payload must not block the ring
-        self.conn.send_bytes(blob)
-
-    def serve(self, group: EnvGroup) -> None:
-        control, request = self.control, self.doorbell.request
-        timer = StepTimer(_stats_rows(self.spec.stats)[self.g])
-        serve_steps = self._serve_steps(group, timer)
-        while True:
-            spun_s: float | None = None
-            taken = False
-            if serve_steps is not None:
-                # Plain steps loop in C until something else is due (the loop below, for
-                # Command.STEP without payload; see _speedups.serve_steps).
-                try:
-                    reason, spun_s, events = serve_steps()
-                except BaseException as exc:  # an env's SystemExit too: report it
-                    self.reply_failure(exc, group, _STEP)
-                    continue
-                if reason == _STEPPED:
-                    self.reply(Status.OK, events)
-                    continue
-                taken = reason == _TAKEN  # else it spun out: block below
-            if not taken and not Doorbell.wait(
-                request, self.budget, None, self.driver_alive, spun_s, IDLE_SLICE_MAX_S
-            ):
-                return  # the driver is gone
-            command = _COMMANDS[control[_CMD]]
-            if command is _CLOSE:
-                return
-            payload = pickle.loads(self.conn.recv_bytes()) if control[_CMD_PAYLOAD] else None
-            try:
-                result = run_command(group, command, payload, timer)
-            except BaseException as exc:  # an env's SystemExit too: report it
-                self.reply_failure(exc, group, command)
-                continue
-            self.reply(Status.OK, result or None)
-
-    def reply_failure(self, exc: BaseException, group: EnvGroup, command: Command) -> None:
-        """Reply with what ``command`` raised: an env's failure, or a bug outside any env
-        (reported against the group)."""
-        if isinstance(exc, PartialFailure):
-            errors = [remote_error(f, f.env_index, f.method) for f in exc.failures]
-            self.reply(Status.ERROR, Failure(errors, exc.events or None, partial=True))
-        elif isinstance(exc, EnvFailure):
-            self.reply(Status.ERROR, failure_reply(remote_error(exc, exc.env_index, exc.method)))
-        else:
-            error = remote_error(exc, group.start, command.name.lower())
-            self.reply(Status.ERROR, failure_reply(error))
-
-    def _serve_steps(
-        self, group: EnvGroup, timer: StepTimer
-    ) -> Callable[[], tuple[int, float, Any]] | None:
-        """The C loop of plain steps (envfleet._native), bound to this worker; ``None`` where
-        it is not built or the semaphores are not the shared POSIX ones it drives."""
-        serve_steps = _speedups.function("serve_steps")
-        sems = (self.doorbell.request, self.done, self.any_done)
-        if serve_steps is None or not all(s is None or type(s) is SharedSem for s in sems):
-            return None
-        any_done = None if self.any_done is None else self.any_done.address
-        return functools.partial(
-            serve_steps,
-            self.doorbell.request.address,
-            self.done.address,
-            any_done,
-            _control_words(self.spec.control)[self.g].ctypes.data,
-            group.step,
-            timer.row.ctypes.data,
-            self.budget,
-            TIGHT_SPIN_S,
-            int(Command.STEP),
-            int(Status.OK),
-            BUCKETS_PER_OCTAVE,
-            NUM_BUCKETS,
-        )
-
-
-def _worker_main(spec: _WorkerSpec, conn: Connection, parent_conn: Connection) -> None:
-    parent_conn.close()  # inherited under fork; only the driver may hold it
-    die_with_parent(spec.parent_pid, spec.start_method)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the driver's to handle
-    worker = _Worker(spec, conn)
-    group: EnvGroup | None = None
-    try:
-        try:
-            fns = [
-                bind_env_index(cloudpickle.loads(blob), spec.start + j, spec.accepts_index[j])
-                for j, blob in enumerate(spec.env_fns)
-            ]
-            batch = allocate_batch(
-                spec.single_observation_space, spec.single_action_space, spec.num_envs, spec.block
-            )
-            group = EnvGroup(
-                fns,
-                spec.start,
-                batch,
-                spec.single_observation_space,
-                spec.single_action_space,
-                spec.autoreset_mode,
-                same_observation_space=spec.same_observation_space,
-            )
-            mismatch = group.check_spaces()
-        except EnvFailure as failure:
-            error = remote_error(failure, failure.env_index, failure.method)
-            worker.reply(Status.ERROR, failure_reply(error))
-            return
-        except Exception as exc:
-            worker.reply(Status.ERROR, failure_reply(remote_error(exc, spec.start, "make")))
-            return
-        worker.reply(Status.READY, mismatch)
-        worker.serve(group)
-    except (EOFError, BrokenPipeError, ConnectionResetError):
-        pass  # the driver is gone
-    finally:
-        if group is not None:
-            group.close()
-        conn.close()
-
-
-# -- plan and registration (envfleet._backends.registry) -------------------------------------
-
-import numbers  # noqa: E402
-
-from envfleet._backends.base import worker_ranges  # noqa: E402
-from envfleet._backends.registry import (  # noqa: E402
-    BackendSpec,
-    BuildRequest,
-    Plan,
-    PlanRequest,
-    register,
-    usable_cores,
-)
-from envfleet._errors import ConfigError  # noqa: E402
-
-
-@dataclass
-class ProcessesPlan:
-    """How the processes backend lays out its envs (see :func:`plan_processes`)."""
-
-    ranges: list[tuple[int, int]]  # one block per group; the driver's first when driver_envs
-    num_workers: int
-    driver_envs: int
-    driver_spin_s: float
-    worker_spin_s: float
-
-
-def _is_int(value: Any, low: int, high: int) -> bool:
-    return (
-        isinstance(value, numbers.Integral)
-        and not isinstance(value, bool)
-        and low <= int(value) <= high
-    )
-
-
-def plan_processes(
-    num_envs: int,
-    num_workers: int | None,
-    driver_envs: int | None,
-    spin_s: float | None,
-    cores: int,
-) -> ProcessesPlan:
-    """Choose worker count, the driver's share and spin budgets for the processes backend.
-
-    Defaults (DESIGN §3): with ``c`` usable cores, ``c - 1`` workers (at least 1, at most
-    ``num_envs - 1``) and the driver steps an equal share of the envs itself, so that every
-    core steps envs and nobody idles on a round trip. Given ``num_workers`` alone, the driver
-    steps none. Waiters spin at most ``spin_s`` seconds (default :data:`DEFAULT_SPIN_S`) and
-    only while spinners do not outnumber the cores: the driver spins only if
-    ``num_workers + 1 <= cores``, the workers only if ``num_workers <= cores``.
-
-    Raises:
-        ConfigError: ``driver_envs`` outside ``[0, num_envs - num_workers]`` (every worker
-            needs one env), or ``spin_s`` negative.
-    """
-    if spin_s is None:
-        spin_s = DEFAULT_SPIN_S
-    if not (isinstance(spin_s, numbers.Real) and spin_s >= 0):
-        raise ConfigError(f"spin_s must be None or seconds >= 0, got {spin_s!r}")
-    if driver_envs is not None and not _is_int(driver_envs, 0, num_envs - 1):
-        raise ConfigError(
-            f"driver_envs must be an integer in [0, {num_envs - 1}] (at least one env must go "
-            f"to a worker; use backend='serial' to step every env in the driver), got "
-            f"{driver_envs!r}"
-        )
-    if num_workers is None:
-        if driver_envs is None:
-            num_workers = max(1, min(num_envs - 1, cores - 1))
-            driver_envs = num_envs // (num_workers + 1) if num_envs > 1 and cores > 1 else 0
-            if driver_envs == 0:
-                num_workers = max(1, min(num_envs, cores))
-        else:
-            num_workers = max(1, min(num_envs - driver_envs, cores - 1 if driver_envs else cores))
-    elif driver_envs is None:
-        driver_envs = 0
-    if num_workers > num_envs - driver_envs:
-        raise ConfigError(
-            f"{num_workers} workers cannot share the {num_envs - driver_envs} envs the driver "
-            f"does not step (driver_envs={driver_envs})"
-        )
-    ranges = [(0, driver_envs)] if driver_envs else []
-    ranges += [
-        (driver_envs + a, driver_envs + b)
-        for a, b in worker_ranges(num_envs - driver_envs, num_workers)
-    ]
-    return ProcessesPlan(
-        ranges=ranges,
-        num_workers=num_workers,
-        driver_envs=driver_envs,
-        driver_spin_s=float(spin_s) if num_workers + 1 <= cores else 0.0,
-        worker_spin_s=float(spin_s) if num_workers <= cores else 0.0,
-    )
+# -- registration (envfleet._backends.registry) ---------------------------------------------
 
 
 def _plan(request: PlanRequest) -> Plan:

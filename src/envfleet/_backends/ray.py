@@ -17,38 +17,35 @@ dies (segfault, ``os._exit``, ``ray.kill``, its node lost) is an :class:`envflee
 reason); a wait past the timeout kills the late actors and raises
 :class:`envfleet.StepTimeoutError`. A restart policy rebuilds envs inside their actor and
 replaces dead or hung actors with new ones (placed by the same options).
+
+This module holds the driver's side (:class:`RayBackend`) and the registration; the actor is
+:mod:`envfleet._backends.ray_actor`, the plan (connecting to Ray, the worker count, the
+actors' options) :mod:`envfleet._backends.ray_plan`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import math
-import os
-import sys
 import time
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
 from typing import Any, cast
 
-import cloudpickle
 import gymnasium
 import numpy as np
 import ray
 import ray.exceptions
-from gymnasium.vector import AutoresetMode
 
 from envfleet._backends.base import (
     Backend,
     WorkerLayout,
-    bind_env_index,
     mismatch_error,
     remote_env_error,
-    run_command,
     start_error,
 )
-from envfleet._buffers import Block, allocate_batch, batch_nbytes
-from envfleet._envgroup import EnvFailure, EnvGroup, PartialFailure
+from envfleet._backends.ray_actor import ActorSpec, RemoteWorker, Reply
+from envfleet._backends.ray_plan import RayPlan, plan_ray
+from envfleet._buffers import Block, allocate_batch
 from envfleet._errors import (
     ConfigError,
     EnvCrashedError,
@@ -67,301 +64,14 @@ from envfleet._supervisor import (
     step_time_table,
 )
 from envfleet._trees import tree_slice, tree_write
-from envfleet._workers import remote_error
 
-__all__ = ["DEFAULT_CLOSE_TIMEOUT", "EnvfleetWorker", "RayBackend", "RayPlan", "plan_ray"]
+__all__ = ["DEFAULT_CLOSE_TIMEOUT", "RayBackend", "RayPlan", "plan_ray"]
 
 logger = logging.getLogger("envfleet")
 
 DEFAULT_CLOSE_TIMEOUT = 5.0  # seconds for the actors to close their envs before being killed
 _KILL_GRACE = 2.0  # seconds close() waits for Ray to confirm that killed actors are gone
 _START_WARN_S = 30.0  # seconds between warnings while actors wait to be placed
-# Actor options envfleet owns: Ray restarting actors or retrying tasks on its own, or running
-# two commands at once, would break the supervisor's accounting and the EnvGroup's state.
-_RESERVED_OPTIONS = ("max_restarts", "max_task_retries", "max_concurrency", "concurrency_groups")
-_DATA_COMMANDS = (Command.STEP, Command.RESET, Command.RESTART)
-
-# What every actor call returns: (status, payload, the group's rows or None, step seconds).
-_Reply = tuple[Status, Any, Any, float]
-
-
-# -- planning (called by make) ------------------------------------------------------------------
-
-
-@dataclass
-class RayPlan:
-    """Worker count and actor options for the Ray backend (see :func:`plan_ray`)."""
-
-    num_workers: int
-    actor_options: dict[str, Any]
-    started: bool  # whether make() connected to (or started) Ray itself
-
-
-def connect(address: str | None) -> bool:
-    """Connect to Ray unless this process already is: ``ray.init(address=address)``.
-
-    ``address=None`` starts a local cluster (or joins the one ``RAY_ADDRESS`` names);
-    ``"auto"`` joins the cluster started on this machine with ``ray start``;
-    ``"ray://host:10001"`` goes through Ray Client. Returns whether it connected now. A
-    cluster envfleet starts lives until this interpreter exits (or ``ray.shutdown()``); envfleet
-    never shuts down a cluster.
-
-    Raises:
-        ConfigError: Ray could not connect or start.
-    """
-    if ray.is_initialized():
-        if address is not None:
-            logger.debug("ray is already initialized; ignoring ray_address=%r", address)
-        return False
-    logger.info(
-        "starting a local Ray cluster" if address is None else "connecting to Ray at %s", address
-    )
-    try:
-        ray.init(address=address, include_dashboard=False)
-    except (ConnectionError, ValueError, RuntimeError, TimeoutError) as exc:
-        raise ConfigError(f"cannot connect to Ray at {address!r}: {exc}") from exc
-    return True
-
-
-def plan_ray(
-    num_envs: int,
-    num_workers: int | None,
-    address: str | None,
-    options: Mapping[str, Any] | None,
-) -> RayPlan:
-    """Connect to Ray and choose the worker count and each actor's options.
-
-    Defaults: ``num_workers = min(num_envs, the cluster's CPUs)``; each actor asks for
-    ``num_cpus=1`` when every actor fits the CPUs free now, else for the largest share of a
-    CPU with which they fit (Ray's CPUs are logical: a share packs more actors per core), else
-    (no CPU free: other actors hold them all) for none, with a warning; and
-    ``scheduling_strategy="SPREAD"``. ``options`` override these and go to the actor's
-    ``.options(...)`` (``num_cpus``, ``num_gpus``, ``resources={"simulator": 1}``,
-    ``scheduling_strategy``, ``runtime_env``, ``memory``, ...). Actors that fit the cluster
-    but not what is free now wait for it (:class:`RayBackend` warns while they wait).
-
-    Raises:
-        ConfigError: ``options`` is not a mapping, holds an option envfleet owns
-            (``max_restarts``, ``max_task_retries``, ``max_concurrency``), an option Ray
-            rejects, or asks for resources with which ``num_workers`` actors cannot all fit
-            on the cluster's nodes alive now, even idle (they would never start); Ray could
-            not connect.
-    """
-    if options is not None and not isinstance(options, Mapping):
-        raise ConfigError(f"ray_options must be None or a dict, got {type(options).__name__}")
-    options = dict(options or {})
-    reserved = sorted(set(options) & set(_RESERVED_OPTIONS))
-    if reserved:
-        raise ConfigError(
-            f"ray_options {reserved} are envfleet's to set: it restarts actors itself "
-            "(restart_policy) and runs one command at a time in each"
-        )
-    started = connect(address)
-    nodes = [dict(node["Resources"]) for node in ray.nodes() if node.get("Alive")]
-    cpus = sum(float(node.get("CPU", 0.0)) for node in nodes)
-    if num_workers is None:
-        num_workers = max(1, min(num_envs, int(cpus)))
-    actor_options: dict[str, Any] = {"scheduling_strategy": "SPREAD", **options}
-    try:
-        asked: dict[str, float] = {
-            "GPU": float(actor_options.get("num_gpus") or 0.0),
-            **{str(k): float(v) for k, v in (actor_options.get("resources") or {}).items()},
-        }
-    except (TypeError, ValueError, AttributeError) as exc:
-        raise ConfigError(f"ray_options: bad resource amounts ({exc})") from exc
-    if "num_cpus" in options:
-        asked["CPU"] = float(options["num_cpus"] or 0.0)
-    else:
-        free = _free_resources(nodes)
-        share = _cpu_share(free, asked, num_workers)
-        if share == 0.0:
-            logger.warning(
-                "the Ray cluster has no CPU free for %d actors (other actors hold them): "
-                "they ask for none (pass ray_options={'num_cpus': ...} to wait instead)",
-                num_workers,
-            )
-        actor_options["num_cpus"] = asked["CPU"] = share
-    fit = _actors_fitting(nodes, asked)
-    if fit < num_workers:
-        wanted = ", ".join(f"{amount:g} {name}" for name, amount in asked.items() if amount)
-        raise ConfigError(
-            f"{num_workers} Ray actors asking for {wanted} each cannot all be placed: the "
-            f"cluster's {len(nodes)} nodes hold {fit} of them (they have "
-            f"{_describe(nodes, asked)}); lower num_workers or the amounts in ray_options "
-            "(fractions work, e.g. num_cpus=0.5), or add nodes"
-        )
-    try:
-        _RemoteWorker.options(**actor_options)
-    except (ValueError, TypeError) as exc:
-        raise ConfigError(f"ray_options rejected by Ray: {exc}") from exc
-    return RayPlan(num_workers, actor_options, started)
-
-
-def _actors_fitting(nodes: list[dict[str, float]], asked: Mapping[str, float]) -> int:
-    """How many actors asking for ``asked`` (resource -> amount) the nodes hold in all."""
-    wanted = {name: amount for name, amount in asked.items() if amount > 0}
-    if not wanted:
-        return sys.maxsize if nodes else 0
-    return sum(
-        min(int(float(node.get(name, 0.0)) / amount + 1e-9) for name, amount in wanted.items())
-        for node in nodes
-    )
-
-
-def _free_resources(nodes: list[dict[str, float]]) -> list[dict[str, float]]:
-    """The resources free now on each live node (Ray's developer API; the nodes' totals
-    where it is not there, as through Ray Client)."""
-    try:
-        from ray._private.state import available_resources_per_node
-
-        return [dict(free) for free in available_resources_per_node().values()]
-    except Exception:
-        return nodes
-
-
-def _cpu_share(nodes: list[dict[str, float]], asked: Mapping[str, float], workers: int) -> float:
-    """1 CPU, or the largest share of a CPU (in Ray's 1e-4 steps) with which ``workers``
-    actors also asking for ``asked`` fit ``nodes``, or 0."""
-    if _actors_fitting(nodes, {**asked, "CPU": 1.0}) >= workers:
-        return 1.0
-    shares = {
-        math.floor(float(node.get("CPU", 0.0)) / k * 1e4) / 1e4
-        for node in nodes
-        for k in range(1, workers + 1)
-    }
-    for share in sorted(shares, reverse=True):
-        if 0 < share < 1 and _actors_fitting(nodes, {**asked, "CPU": share}) >= workers:
-            return share
-    return 0.0
-
-
-def _describe(nodes: list[dict[str, float]], asked: Mapping[str, float]) -> str:
-    names = [name for name, amount in asked.items() if amount]
-    return "; ".join(
-        ", ".join(f"{float(node.get(name, 0.0)):g} {name}" for name in names) for node in nodes
-    )
-
-
-# -- the actor --------------------------------------------------------------------------------
-
-
-@dataclass
-class _ActorSpec:
-    """What an actor receives at creation."""
-
-    worker_index: int
-    start: int
-    stop: int
-    env_fns: list[bytes]  # cloudpickled factories, one per env of the block
-    accepts_index: list[bool]
-    single_observation_space: gymnasium.Space[Any]
-    single_action_space: gymnasium.Space[Any]
-    autoreset_mode: AutoresetMode
-    same_observation_space: bool = True
-
-
-class _LastStepTimer(StepTimer):
-    """A StepTimer over a private row that also keeps the last step's seconds (sent back)."""
-
-    __slots__ = ("seconds",)
-
-    def __init__(self) -> None:
-        super().__init__(np.zeros(STATS_WORDS))
-        self.seconds = 0.0
-
-    def record(self, seconds: float) -> None:
-        super().record(seconds)
-        self.seconds = seconds
-
-
-class EnvfleetWorker:
-    """The Ray actor of one worker: an EnvGroup over buffers of the block's K rows.
-
-    Every method returns ``(status, payload, rows, seconds)``: ``rows`` is ``None`` or the
-    block's (observations, rewards ``float64[K]``, terminations ``bool[K]``, truncations
-    ``bool[K]``); ``seconds`` the last step's duration.
-    """
-
-    def __init__(self, spec: _ActorSpec):
-        self.spec = spec
-        self.group: EnvGroup | None = None
-        self.timer = _LastStepTimer()
-        self.batch: Any = None
-        self.startup: tuple[Status, Any]
-        try:
-            fns = [
-                bind_env_index(cloudpickle.loads(blob), spec.start + j, spec.accepts_index[j])
-                for j, blob in enumerate(spec.env_fns)
-            ]
-            size = spec.stop - spec.start
-            obs_space, act_space = spec.single_observation_space, spec.single_action_space
-            block = Block(batch_nbytes(obs_space, act_space, size), shared=False)
-            self.batch = allocate_batch(obs_space, act_space, size, block)
-            self.group = EnvGroup(
-                fns,
-                spec.start,
-                self.batch,
-                obs_space,
-                act_space,
-                spec.autoreset_mode,
-                batch_offset=spec.start,
-                same_observation_space=spec.same_observation_space,
-            )
-            self.startup = (Status.READY, self.group.check_spaces())
-        except EnvFailure as failure:
-            error = remote_error(failure, failure.env_index, failure.method)
-            self.startup = (Status.ERROR, Failure([error]))
-        except Exception as exc:
-            self.startup = (Status.ERROR, Failure([remote_error(exc, spec.start, "make")]))
-
-    def ready(self) -> _Reply:
-        """Whether the envs were built: READY with a space mismatch or ``None``, or ERROR."""
-        status, payload = self.startup
-        return status, payload, None, 0.0
-
-    def run(self, message: tuple[Command, Any, Any]) -> _Reply:
-        """Run ``(command, payload, actions)`` on the group; ``actions`` (the block's rows)
-        come with a step. (One argument: Ray serializes each argument on its own.)"""
-        command, payload, actions = message
-        group = cast(EnvGroup, self.group)
-        if actions is not None:
-            tree_write(group.buffers.actions, actions)
-        status = Status.OK
-        try:
-            result = run_command(group, command, payload, self.timer)
-            if command in (Command.CALL, Command.RENDER, Command.TASK):
-                cloudpickle.dumps(result)  # fails here, reported, rather than inside Ray
-        except PartialFailure as failure:
-            errors = [remote_error(f, f.env_index, f.method) for f in failure.failures]
-            status, result = Status.ERROR, Failure(errors, failure.events or None, partial=True)
-        except EnvFailure as failure:
-            error = remote_error(failure, failure.env_index, failure.method)
-            status, result = Status.ERROR, Failure([error])
-        except Exception as exc:  # a bug outside any env, or a result that does not pickle
-            what = (
-                "pickling the result"
-                if command in (Command.CALL, Command.RENDER, Command.TASK)
-                else None
-            )
-            error = remote_error(exc, group.start, what or command.name.lower())
-            status, result = Status.ERROR, Failure([error])
-        rows = None
-        if command in _DATA_COMMANDS:
-            b = self.batch
-            rows = (b.observations, b.rewards, b.terminations, b.truncations)
-        return status, result or None, rows, self.timer.seconds
-
-    def where(self) -> tuple[str, int]:
-        """(Ray node id, process id) of this actor."""
-        return ray.get_runtime_context().get_node_id(), os.getpid()
-
-    def close(self) -> None:
-        if self.group is not None:
-            self.group.close()
-            self.group = None
-
-
-_RemoteWorker: Any = ray.remote(EnvfleetWorker)
 
 
 # -- the driver side ----------------------------------------------------------------------------
@@ -437,7 +147,7 @@ class RayBackend(Backend):
     def _start_actor(self, w: int) -> None:
         layout = self._layout
         start, stop = self.ranges[w]
-        spec = _ActorSpec(
+        spec = ActorSpec(
             worker_index=w,
             start=start,
             stop=stop,
@@ -448,7 +158,7 @@ class RayBackend(Backend):
             autoreset_mode=layout.autoreset_mode,
             same_observation_space=layout.same_observation_space,
         )
-        self._actors[w] = _RemoteWorker.options(**self._options).remote(spec)
+        self._actors[w] = RemoteWorker.options(**self._options).remote(spec)
 
     def _await_ready(self, workers: Iterable[int], step: int) -> Round:
         """Wait (unbounded, warning while Ray cannot place them) for the actors to build
@@ -641,7 +351,7 @@ class RayBackend(Backend):
             return
         self._take(w, reply, done, starting)
 
-    def _take(self, w: int, reply: _Reply, done: Round, starting: bool) -> None:
+    def _take(self, w: int, reply: Reply, done: Round, starting: bool) -> None:
         """Write the rows of worker ``w``'s reply into the batch; note its result."""
         status, payload, rows, seconds = reply
         if rows is not None:

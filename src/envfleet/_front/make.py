@@ -152,7 +152,7 @@ def make(  # type: ignore[misc]  # the overloads stand for its keyword arguments
         driver_envs: ``processes`` only: how many envs (the first block) the driver steps
             itself while the workers step theirs. Default: an equal share when neither
             ``num_workers``, ``step_timeout`` nor ``restart_policy`` is given (see
-            :func:`envfleet._backends.processes.plan_processes`), else 0.
+            :func:`envfleet._backends.processes_plan.plan_processes`), else 0.
             Those envs live in the driver process: their exceptions are reported as usual,
             but a native crash in them (a segfault) takes the driver down, and no timeout can
             stop them; set 0 to isolate every env in a worker.

@@ -1,0 +1,286 @@
+"""The worker side of ``backend="processes"`` and the shared memory both sides read.
+
+The layout of the control region (per group: control words, then the doorbell's semaphores),
+the mailboxes and the step-time statistics, read by the driver
+(:class:`envfleet._backends.processes.ProcessesBackend`) and by each worker; what a worker
+receives at start (:class:`WorkerSpec`); and the worker process itself (:func:`worker_main`,
+spawned by reference: it stays importable at this path): build the group's envs, then wait
+for the doorbell, run the command, reply, with plain steps looping in C where
+``envfleet._speedups`` is built (``serve_steps``).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import pickle
+import signal
+from collections.abc import Callable
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+import cloudpickle
+import gymnasium
+import numpy as np
+from gymnasium.vector import AutoresetMode
+
+from envfleet import _native as _speedups
+from envfleet._backends.base import bind_env_index, run_command
+from envfleet._backends.doorbell import (
+    IDLE_SLICE_MAX_S,
+    SEM_SLOT,
+    TIGHT_SPIN_S,
+    Doorbell,
+    SharedSem,
+    SpinBudget,
+)
+from envfleet._buffers import Block, allocate_batch
+from envfleet._envgroup import EnvFailure, EnvGroup, PartialFailure
+from envfleet._protocol import Command, Failure, Status
+from envfleet._supervisor import BUCKETS_PER_OCTAVE, NUM_BUCKETS, STATS_WORDS, StepTimer
+from envfleet._workers import die_with_parent, failure_reply, remote_error
+
+__all__ = [
+    "CMD",
+    "CMD_PAYLOAD",
+    "GROUP_BYTES",
+    "IN_MAILBOX",
+    "MAILBOX_BYTES",
+    "ON_PIPE",
+    "REPLY_BYTES",
+    "REPLY_PAYLOAD",
+    "STATUS",
+    "WORDS",
+    "WorkerSpec",
+    "control_words",
+    "mailbox",
+    "stats_rows",
+    "word_view",
+    "worker_main",
+]
+
+MAILBOX_BYTES = 64 << 10  # per worker: a pickled reply up to this size skips the pipe
+
+# Per group in the control region: 8 int64 control words (one cache line, so workers never
+# share a line), then the doorbell's two semaphores.
+WORDS = 8
+GROUP_BYTES = 8 * WORDS + 2 * SEM_SLOT
+CMD, CMD_PAYLOAD, STATUS, REPLY_PAYLOAD, REPLY_BYTES = 0, 1, 2, 3, 4
+ON_PIPE, IN_MAILBOX = 1, 2  # where a reply's payload is (REPLY_PAYLOAD; 0: none)
+_COMMANDS = {int(c): c for c in Command}  # control word -> Command, without Enum's lookup
+# The hot path's Enum members as module globals: an Enum member lookup costs ~70 ns.
+_STEP, _CLOSE = Command.STEP, Command.CLOSE
+_SPUN_OUT, _TAKEN, _STEPPED = 0, 1, 2  # why _speedups.serve_steps returned
+
+
+def control_words(region: Any) -> np.ndarray:
+    """int64 ``[groups, WORDS]`` view of the control words in the control region."""
+    raw = np.frombuffer(region, dtype=np.uint8).reshape(-1, GROUP_BYTES)
+    return raw[:, : 8 * WORDS].view(np.int64)
+
+
+def word_view(row: np.ndarray) -> memoryview:
+    """The int64 words of one group's control row as a memoryview (format ``q``)."""
+    return row.data.cast("B").cast("q")
+
+
+def mailbox(region: Any, g: int) -> memoryview:
+    """The bytes of group ``g``'s mailbox in the mailboxes region."""
+    return memoryview(region).cast("B")[g * MAILBOX_BYTES : (g + 1) * MAILBOX_BYTES]
+
+
+def stats_rows(region: Any) -> np.ndarray:
+    return np.frombuffer(region, dtype=np.float64).reshape(-1, STATS_WORDS)
+
+
+@dataclass
+class WorkerSpec:
+    """What a worker process receives at start (pickled once, when spawning)."""
+
+    group_index: int
+    start: int
+    stop: int
+    env_fns: list[bytes]  # cloudpickled factories, one per env of the worker
+    accepts_index: list[bool]
+    single_observation_space: gymnasium.Space[Any]
+    single_action_space: gymnasium.Space[Any]
+    num_envs: int
+    autoreset_mode: AutoresetMode
+    block: Block
+    control: Any  # the control region: RawArray of GROUP_BYTES bytes per group
+    mailboxes: Any  # RawArray of MAILBOX_BYTES bytes per group
+    stats: Any  # step-time statistics: RawArray of STATS_WORDS doubles per group
+    doorbell: Doorbell
+    any_done: Any  # first-ready pool: posted after every reply, whichever worker's; else None
+    spin_s: float
+    parent_pid: int
+    start_method: str
+    same_observation_space: bool = True
+
+
+class _Worker:
+    """The worker side of one group: wait for the doorbell, run the command, reply."""
+
+    def __init__(self, spec: WorkerSpec, conn: Connection):
+        self.spec = spec
+        self.conn = conn
+        self.g = spec.group_index
+        self.control = word_view(control_words(spec.control)[self.g])
+        self.mailbox = mailbox(spec.mailboxes, self.g)
+        self.doorbell = spec.doorbell
+        self.done, self.any_done = spec.doorbell.done, spec.any_done
+        self.budget = SpinBudget(spec.spin_s)
+        self.watch_ppid = spec.start_method != "forkserver"
+
+    def driver_alive(self) -> bool:
+        if self.watch_ppid and os.getppid() != self.spec.parent_pid:
+            return False
+        # Between commands nothing is due on the pipe: readable means end-of-file.
+        return not self.conn.poll()
+
+    def ring_done(self) -> None:
+        self.done.release()
+        if self.any_done is not None:
+            self.any_done.release()
+
+    def reply(self, status: Status, payload: Any) -> None:
+        self.control[STATUS] = status
+        if payload is None:
+            self.control[REPLY_PAYLOAD] = 0
+            self.ring_done()
+            return
+        try:
+            blob = pickle.dumps(payload, pickle.HIGHEST_PROTOCOL)
+        except Exception as exc:
+            status = Status.ERROR
+            self.control[STATUS] = status
+            blob = pickle.dumps(
+                failure_reply(remote_error(exc, self.spec.start, "pickling the result")),
+                pickle.HIGHEST_PROTOCOL,
+            )
+        size = len(blob)
+        if size <= MAILBOX_BYTES:
+            # The driver reads it once the ring is seen: the semaphore orders the writes.
+            self.mailbox[:size] = blob
+            self.control[REPLY_BYTES] = size
+            self.control[REPLY_PAYLOAD] = IN_MAILBOX
+            self.ring_done()
+            return
+        self.control[REPLY_PAYLOAD] = ON_PIPE
+        self.ring_done()  # before sending: a large payload must not block the ring
+        self.conn.send_bytes(blob)
+
+    def serve(self, group: EnvGroup) -> None:
+        control, request = self.control, self.doorbell.request
+        timer = StepTimer(stats_rows(self.spec.stats)[self.g])
+        serve_steps = self._serve_steps(group, timer)
+        while True:
+            spun_s: float | None = None
+            taken = False
+            if serve_steps is not None:
+                # Plain steps loop in C until something else is due (the loop below, for
+                # Command.STEP without payload; see _speedups.serve_steps).
+                try:
+                    reason, spun_s, events = serve_steps()
+                except BaseException as exc:  # an env's SystemExit too: report it
+                    self.reply_failure(exc, group, _STEP)
+                    continue
+                if reason == _STEPPED:
+                    self.reply(Status.OK, events)
+                    continue
+                taken = reason == _TAKEN  # else it spun out: block below
+            if not taken and not Doorbell.wait(
+                request, self.budget, None, self.driver_alive, spun_s, IDLE_SLICE_MAX_S
+            ):
+                return  # the driver is gone
+            command = _COMMANDS[control[CMD]]
+            if command is _CLOSE:
+                return
+            payload = pickle.loads(self.conn.recv_bytes()) if control[CMD_PAYLOAD] else None
+            try:
+                result = run_command(group, command, payload, timer)
+            except BaseException as exc:  # an env's SystemExit too: report it
+                self.reply_failure(exc, group, command)
+                continue
+            self.reply(Status.OK, result or None)
+
+    def reply_failure(self, exc: BaseException, group: EnvGroup, command: Command) -> None:
+        """Reply with what ``command`` raised: an env's failure, or a bug outside any env
+        (reported against the group)."""
+        if isinstance(exc, PartialFailure):
+            errors = [remote_error(f, f.env_index, f.method) for f in exc.failures]
+            self.reply(Status.ERROR, Failure(errors, exc.events or None, partial=True))
+        elif isinstance(exc, EnvFailure):
+            self.reply(Status.ERROR, failure_reply(remote_error(exc, exc.env_index, exc.method)))
+        else:
+            error = remote_error(exc, group.start, command.name.lower())
+            self.reply(Status.ERROR, failure_reply(error))
+
+    def _serve_steps(
+        self, group: EnvGroup, timer: StepTimer
+    ) -> Callable[[], tuple[int, float, Any]] | None:
+        """The C loop of plain steps (envfleet._native), bound to this worker; ``None`` where
+        it is not built or the semaphores are not the shared POSIX ones it drives."""
+        serve_steps = _speedups.function("serve_steps")
+        sems = (self.doorbell.request, self.done, self.any_done)
+        if serve_steps is None or not all(s is None or type(s) is SharedSem for s in sems):
+            return None
+        any_done = None if self.any_done is None else self.any_done.address
+        return functools.partial(
+            serve_steps,
+            self.doorbell.request.address,
+            self.done.address,
+            any_done,
+            control_words(self.spec.control)[self.g].ctypes.data,
+            group.step,
+            timer.row.ctypes.data,
+            self.budget,
+            TIGHT_SPIN_S,
+            int(Command.STEP),
+            int(Status.OK),
+            BUCKETS_PER_OCTAVE,
+            NUM_BUCKETS,
+        )
+
+
+def worker_main(spec: WorkerSpec, conn: Connection, parent_conn: Connection) -> None:
+    parent_conn.close()  # inherited under fork; only the driver may hold it
+    die_with_parent(spec.parent_pid, spec.start_method)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the driver's to handle
+    worker = _Worker(spec, conn)
+    group: EnvGroup | None = None
+    try:
+        try:
+            fns = [
+                bind_env_index(cloudpickle.loads(blob), spec.start + j, spec.accepts_index[j])
+                for j, blob in enumerate(spec.env_fns)
+            ]
+            batch = allocate_batch(
+                spec.single_observation_space, spec.single_action_space, spec.num_envs, spec.block
+            )
+            group = EnvGroup(
+                fns,
+                spec.start,
+                batch,
+                spec.single_observation_space,
+                spec.single_action_space,
+                spec.autoreset_mode,
+                same_observation_space=spec.same_observation_space,
+            )
+            mismatch = group.check_spaces()
+        except EnvFailure as failure:
+            error = remote_error(failure, failure.env_index, failure.method)
+            worker.reply(Status.ERROR, failure_reply(error))
+            return
+        except Exception as exc:
+            worker.reply(Status.ERROR, failure_reply(remote_error(exc, spec.start, "make")))
+            return
+        worker.reply(Status.READY, mismatch)
+        worker.serve(group)
+    except (EOFError, BrokenPipeError, ConnectionResetError):
+        pass  # the driver is gone
+    finally:
+        if group is not None:
+            group.close()
+        conn.close()

@@ -1,0 +1,152 @@
+"""The Ray actor of ``backend="ray"``: one worker's EnvGroup over buffers of its block's rows.
+
+:class:`EnvfleetWorker` builds the block's envs when Ray creates it and runs one command at a
+time; every method returns a :data:`Reply`. The driver's side is
+:class:`envfleet._backends.ray.RayBackend`; :data:`RemoteWorker` is the class as a Ray actor.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, cast
+
+import cloudpickle
+import gymnasium
+import numpy as np
+import ray
+from gymnasium.vector import AutoresetMode
+
+from envfleet._backends.base import bind_env_index, run_command
+from envfleet._buffers import Block, allocate_batch, batch_nbytes
+from envfleet._envgroup import EnvFailure, EnvGroup, PartialFailure
+from envfleet._protocol import Command, Failure, Status
+from envfleet._supervisor import STATS_WORDS, StepTimer
+from envfleet._trees import tree_write
+from envfleet._workers import remote_error
+
+__all__ = ["ActorSpec", "EnvfleetWorker", "RemoteWorker", "Reply"]
+
+_DATA_COMMANDS = (Command.STEP, Command.RESET, Command.RESTART)
+
+# What every actor call returns: (status, payload, the group's rows or None, step seconds).
+Reply = tuple[Status, Any, Any, float]
+
+
+@dataclass
+class ActorSpec:
+    """What an actor receives at creation."""
+
+    worker_index: int
+    start: int
+    stop: int
+    env_fns: list[bytes]  # cloudpickled factories, one per env of the block
+    accepts_index: list[bool]
+    single_observation_space: gymnasium.Space[Any]
+    single_action_space: gymnasium.Space[Any]
+    autoreset_mode: AutoresetMode
+    same_observation_space: bool = True
+
+
+class _LastStepTimer(StepTimer):
+    """A StepTimer over a private row that also keeps the last step's seconds (sent back)."""
+
+    __slots__ = ("seconds",)
+
+    def __init__(self) -> None:
+        super().__init__(np.zeros(STATS_WORDS))
+        self.seconds = 0.0
+
+    def record(self, seconds: float) -> None:
+        super().record(seconds)
+        self.seconds = seconds
+
+
+class EnvfleetWorker:
+    """The Ray actor of one worker: an EnvGroup over buffers of the block's K rows.
+
+    Every method returns ``(status, payload, rows, seconds)``: ``rows`` is ``None`` or the
+    block's (observations, rewards ``float64[K]``, terminations ``bool[K]``, truncations
+    ``bool[K]``); ``seconds`` the last step's duration.
+    """
+
+    def __init__(self, spec: ActorSpec):
+        self.spec = spec
+        self.group: EnvGroup | None = None
+        self.timer = _LastStepTimer()
+        self.batch: Any = None
+        self.startup: tuple[Status, Any]
+        try:
+            fns = [
+                bind_env_index(cloudpickle.loads(blob), spec.start + j, spec.accepts_index[j])
+                for j, blob in enumerate(spec.env_fns)
+            ]
+            size = spec.stop - spec.start
+            obs_space, act_space = spec.single_observation_space, spec.single_action_space
+            block = Block(batch_nbytes(obs_space, act_space, size), shared=False)
+            self.batch = allocate_batch(obs_space, act_space, size, block)
+            self.group = EnvGroup(
+                fns,
+                spec.start,
+                self.batch,
+                obs_space,
+                act_space,
+                spec.autoreset_mode,
+                batch_offset=spec.start,
+                same_observation_space=spec.same_observation_space,
+            )
+            self.startup = (Status.READY, self.group.check_spaces())
+        except EnvFailure as failure:
+            error = remote_error(failure, failure.env_index, failure.method)
+            self.startup = (Status.ERROR, Failure([error]))
+        except Exception as exc:
+            self.startup = (Status.ERROR, Failure([remote_error(exc, spec.start, "make")]))
+
+    def ready(self) -> Reply:
+        """Whether the envs were built: READY with a space mismatch or ``None``, or ERROR."""
+        status, payload = self.startup
+        return status, payload, None, 0.0
+
+    def run(self, message: tuple[Command, Any, Any]) -> Reply:
+        """Run ``(command, payload, actions)`` on the group; ``actions`` (the block's rows)
+        come with a step. (One argument: Ray serializes each argument on its own.)"""
+        command, payload, actions = message
+        group = cast(EnvGroup, self.group)
+        if actions is not None:
+            tree_write(group.buffers.actions, actions)
+        status = Status.OK
+        try:
+            result = run_command(group, command, payload, self.timer)
+            if command in (Command.CALL, Command.RENDER, Command.TASK):
+                cloudpickle.dumps(result)  # fails here, reported, rather than inside Ray
+        except PartialFailure as failure:
+            errors = [remote_error(f, f.env_index, f.method) for f in failure.failures]
+            status, result = Status.ERROR, Failure(errors, failure.events or None, partial=True)
+        except EnvFailure as failure:
+            error = remote_error(failure, failure.env_index, failure.method)
+            status, result = Status.ERROR, Failure([error])
+        except Exception as exc:  # a bug outside any env, or a result that does not pickle
+            what = (
+                "pickling the result"
+                if command in (Command.CALL, Command.RENDER, Command.TASK)
+                else None
+            )
+            error = remote_error(exc, group.start, what or command.name.lower())
+            status, result = Status.ERROR, Failure([error])
+        rows = None
+        if command in _DATA_COMMANDS:
+            b = self.batch
+            rows = (b.observations, b.rewards, b.terminations, b.truncations)
+        return status, result or None, rows, self.timer.seconds
+
+    def where(self) -> tuple[str, int]:
+        """(Ray node id, process id) of this actor."""
+        return ray.get_runtime_context().get_node_id(), os.getpid()
+
+    def close(self) -> None:
+        if self.group is not None:
+            self.group.close()
+            self.group = None
+
+
+RemoteWorker: Any = ray.remote(EnvfleetWorker)
