@@ -273,6 +273,22 @@ def test_processes_runs_the_c_round_and_worker_loop(make_env):
             assert calls[name] - workers[pid][name] >= COUNTED_STEPS, f"worker {pid}: {name}"
 
 
+@pytest.mark.parametrize("context", ["spawn", "forkserver"])
+def test_spawned_workers_run_the_c_writes(make_env, context):
+    """Workers that unpickle the spaces (spawn, forkserver; also the default once a library
+    such as torchrl sets the start method) write their rows in C too: their buffer's dtype
+    is an equal but distinct object, and the step path compares dtypes by identity."""
+    if envfleet._native.speedups is None:
+        pytest.skip("envfleet._speedups is not built here")
+    fleet = make_env("CartPole-v1", 4, backend="processes", num_workers=2, context=context)
+    fleet.reset(seed=0)
+    workers = worker_counters(fleet)
+    step_cartpole(fleet)
+    for pid, calls in worker_counters(fleet).items():
+        for name in ("write_results", "write_rows"):
+            assert calls[name] - workers[pid][name] >= COUNTED_STEPS, f"worker {pid}: {name}"
+
+
 @pytest.mark.parametrize("backend", ["serial", "threads"])
 def test_in_process_backends_run_the_c_writes(make_env, backend):
     """CartPole-v1 x16 on serial and threads: each group's step writes its results and its

@@ -225,7 +225,11 @@ class EnvGroup:
                 flat = out.reshape((-1, *out.shape[2:]))
                 if np.shares_memory(flat, out):  # a view (the group's rows are contiguous)
                     self._obs_shape, rows = tuple(out.shape[1:]), flat
-                    self._obs_dtype = out.dtype
+                    # Compared by identity on the step path: numpy's own object for the
+                    # type, as envs' arrays carry it (a space unpickled in a spawned worker
+                    # gives an equal dtype that is another object).
+                    canonical = np.dtype(out.dtype.type)
+                    self._obs_dtype = canonical if canonical == out.dtype else out.dtype
                     if out.flags.c_contiguous and out.nbytes <= JOIN_MAX_BYTES:
                         raw, address = out.data.cast("B"), out.ctypes.data
                         self._obs_row_bytes = out[0].nbytes
