@@ -167,7 +167,7 @@ def _run_fork_driver(backend: str, child: str) -> dict[str, Any]:
         capture_output=True,
         text=True,
         timeout=120,
-        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+        cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
     )
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])

@@ -168,7 +168,7 @@ def test_factory_returning_non_env(backend, snapshot):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_space_without_fixed_size(backend, snapshot):
-    # Issue 17: such leaves travel beside the shared buffers (tests/test_defects_spaces.py).
+    # Issue 17: such leaves travel beside the shared buffers (tests/contract/test_spaces.py).
     with envfleet.make(TextObsEnv, 2, backend=backend) as envs:
         assert envs.reset(seed=0)[0] == ("abc", "abc")
         assert envs.step(np.zeros(2, dtype=np.int64))[0] == ("abc", "abc")

@@ -14,7 +14,7 @@ from types import ModuleType
 
 import pytest
 
-SOAK_PATH = Path(__file__).resolve().parent.parent / "benchmarks" / "soak.py"
+SOAK_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "soak.py"
 CHECKED = ("fds", "shm", "children", "zombies", "threads")
 
 

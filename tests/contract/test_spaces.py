@@ -18,9 +18,9 @@ from gymnasium.vector.utils import batch_space, concatenate, create_empty_array
 
 import envfleet
 import envfleet._native
+from tests.contract.test_differential import run_lockstep
 from tests.envs import BoundsEnv, ReusedGraphEnv, SideActionEnv, SideObsEnv, sync_factories
 from tests.helpers import assert_same
-from tests.test_differential import run_lockstep
 
 NUM_ENVS = 4
 STEPS = 60
