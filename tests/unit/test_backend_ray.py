@@ -33,6 +33,7 @@ from tests.unit import test_pool, test_supervisor
 from tests.unit.test_supervisor import Model, _assert_result, _assert_stats, _flaky, _marker, _play
 
 ray = pytest.importorskip("ray")
+pytestmark = pytest.mark.ray  # every test here runs on a real local Ray cluster
 
 ROOT = Path(__file__).resolve().parents[2]
 POLICY = envfleet.RestartPolicy(max_restarts=10, window_s=600.0)
