@@ -62,11 +62,14 @@ RAY_CPUS = 2  # logical CPUs of the tests' local Ray cluster (the development ma
 
 
 def ensure_ray() -> None:
-    """Start the tests' local Ray cluster, unless this process is connected to Ray already."""
+    """Start the tests' local Ray cluster, unless this process is connected to Ray already.
+
+    ``address="local"``: always a cluster of its own, never one that another test run on this
+    machine started (``ray.init()`` alone would join that one)."""
     import ray
 
     if not ray.is_initialized():
-        ray.init(num_cpus=RAY_CPUS, include_dashboard=False, log_to_driver=False)
+        ray.init(address="local", num_cpus=RAY_CPUS, include_dashboard=False, log_to_driver=False)
 
 
 @pytest.fixture

@@ -62,6 +62,7 @@ BACKENDS = [
         {"backend": "processes", "context": "spawn"},
         workers="processes",
         cheap=False,
+        marks=(pytest.mark.slow,),  # each worker a fresh interpreter
     ),
     Backend("ray", {"backend": "ray"}, workers="actors", cheap=False, marks=(pytest.mark.ray,)),
 ]

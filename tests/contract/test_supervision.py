@@ -187,6 +187,7 @@ def test_every_backend_counts_each_env_error_once(
     assert all(counts == seen["serial"] for counts in seen.values()), seen
 
 
+@pytest.mark.slow
 def test_idle_workers_cost_no_cpu(make_env: Any) -> None:
     """Issue 17 item 14: workers waiting for the next command woke every 20 ms to check the
     driver (64 workers: ~19 % of a core). A vector env nobody steps now costs ~0 CPU.

@@ -43,6 +43,7 @@ soak = _load_soak()
         ),
     ],
 )
+@pytest.mark.slow
 def test_soak_is_flat(context: str | None) -> None:
     config = soak.SoakConfig(
         env_id="CartPole-v1",

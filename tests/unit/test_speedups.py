@@ -210,7 +210,7 @@ def test_without_speedups_in_spawned_workers():
         envs.reset(seed=0)
         for _ in range(20):
             envs.step(np.zeros(4, dtype=np.int64))
-        flags = envs.apply(lambda env: __import__("envfleet._native").speedups.speedups)
+        flags = envs.apply(lambda env: __import__("envfleet._native")._native.speedups)
         assert flags == (None,) * 4, flags
         envs.close()
         print("ok")

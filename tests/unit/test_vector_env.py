@@ -651,6 +651,7 @@ def test_render_cartpole_rgb_array(make_env, backend):
 
 
 @pytest.mark.atari
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_render_pong_rgb_array(make_env, backend):
     """rgb_array rendering of a real gymnasium env that needs no pygame (ALE)."""
@@ -714,6 +715,7 @@ class _Infos(VectorEnv):
         self.num_envs = num_envs
 
 
+@pytest.mark.slow
 @given(info_events())
 @settings(max_examples=300, deadline=None)
 def test_flat_infos_match_gymnasium_add_info(case):
