@@ -74,3 +74,21 @@ def test_close_with_a_pending_call_warns_as_gymnasium(
     assert envs.closed
     if backend.owns_processes:
         snapshot.assert_nothing_left()
+
+
+@pytest.mark.backends(pool=True)
+def test_close_with_pool_envs_in_flight_leaves_nothing(
+    make_env: Any, snapshot: Any, backend: Any
+) -> None:
+    """A first-ready pool closed while envs it sent actions to are still stepping."""
+    envs = make_env(IndexedEnv, 4, **backend.options, batch_size=2, **_layout(backend))
+    envs.async_reset(seed=0)
+    for _ in range(3):
+        *_, info = envs.recv()
+        envs.send(np.zeros(len(info["env_id"]), dtype=np.int64), info["env_id"])
+    envs.close()
+    assert envs.closed
+    with pytest.raises(envfleet.ClosedEnvironmentError):
+        envs.recv()
+    if backend.owns_processes:
+        snapshot.assert_nothing_left()
