@@ -1,4 +1,12 @@
-"""Fixtures shared by the envfleet tests."""
+"""Fixtures shared by the envfleet tests, and the ``ray`` marker's guard.
+
+Layout: tests/unit/ (one file per module), tests/contract/ (the backend contract: every
+backend passes it; tests/contract/conftest.py lists the backends), tests/integration/
+(adapters, the Sampler, ProcessEnv, the command line, examples, soak, EnvPool, gymnasium
+compatibility). The fast run, ``python -m pytest -q -m "not ray and not slow"``, starts no
+Ray: every test that starts Ray carries the ``ray`` marker, and a test without it that starts
+Ray fails.
+"""
 
 from __future__ import annotations
 
@@ -14,12 +22,13 @@ from tests.helpers import Snapshot
 
 
 @pytest.fixture
-def make_env() -> Iterator[Callable[..., envfleet.FleetVectorEnv]]:
+def make_env(request: pytest.FixtureRequest) -> Iterator[Callable[..., envfleet.FleetVectorEnv]]:
     """``envfleet.make`` whose vector envs are closed when the test ends, even when it fails."""
     created: list[envfleet.FleetVectorEnv] = []
 
     def make(*args: Any, **kwargs: Any) -> envfleet.FleetVectorEnv:
         if kwargs.get("backend") == "ray":
+            _require_ray_marker(request.node)
             ensure_ray()
         envs = envfleet.make(*args, **kwargs)
         created.append(envs)
@@ -53,16 +62,20 @@ RAY_CPUS = 2  # logical CPUs of the tests' local Ray cluster (the development ma
 
 
 def ensure_ray() -> None:
-    """Start the tests' local Ray cluster, unless this process is connected to Ray already."""
+    """Start the tests' local Ray cluster, unless this process is connected to Ray already.
+
+    ``address="local"``: always a cluster of its own, never one that another test run on this
+    machine started (``ray.init()`` alone would join that one)."""
     import ray
 
     if not ray.is_initialized():
-        ray.init(num_cpus=RAY_CPUS, include_dashboard=False, log_to_driver=False)
+        ray.init(address="local", num_cpus=RAY_CPUS, include_dashboard=False, log_to_driver=False)
 
 
 @pytest.fixture
-def ray_cluster() -> Any:
+def ray_cluster(request: pytest.FixtureRequest) -> Any:
     """A real local Ray cluster (started once per test module); yields the ``ray`` module."""
+    _require_ray_marker(request.node)
     ensure_ray()
     import ray
 
@@ -77,3 +90,37 @@ def _shutdown_ray_after_module() -> Iterator[None]:
     ray = sys.modules.get("ray")
     if ray is not None and ray.is_initialized():
         ray.shutdown()
+
+
+def _ray_running() -> bool:
+    ray = sys.modules.get("ray")
+    return ray is not None and bool(ray.is_initialized())
+
+
+def _require_ray_marker(node: pytest.Item) -> None:
+    if node.get_closest_marker("ray") is None:
+        pytest.fail(f"{node.nodeid} starts Ray without the ray marker (@pytest.mark.ray)")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark ``ray`` every test that asks for the ``ray_cluster`` fixture or runs on the ray
+    backend by a parameter (the contract's backends carry their marks themselves)."""
+    for item in items:
+        callspec = getattr(item, "callspec", None)
+        params = callspec.params.values() if callspec is not None else ()
+        uses_fixture = "ray_cluster" in getattr(item, "fixturenames", ())
+        if uses_fixture or any(isinstance(v, str) and v == "ray" for v in params):
+            item.add_marker(pytest.mark.ray)
+
+
+@pytest.fixture(autouse=True)
+def _ray_only_where_marked(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Fail a test that started Ray (through ``envfleet.make`` or ``ray.init``) without the
+    ``ray`` marker: the fast run (``-m "not ray"``) must start no Ray."""
+    if request.node.get_closest_marker("ray") is not None:
+        yield
+        return
+    before = _ray_running()
+    yield
+    if not before and _ray_running():
+        pytest.fail(f"{request.node.nodeid} started Ray without the ray marker (@pytest.mark.ray)")

@@ -107,3 +107,18 @@ def wait_gone(pids: list[int], timeout: float) -> list[int]:
         if not alive or time.monotonic() > deadline:
             return alive
         time.sleep(0.05)
+
+
+def start_pending_call(envs: Any, method: str) -> Any:
+    """Start ``method`` (``"step"``, ``"reset"`` or ``"call"`` of ``slow``, a method of
+    :class:`tests.envs.SlowEnv`) asynchronously on a vector env; return its wait."""
+    if method == "step":
+        envs.reset(seed=0)
+        envs.step_async(np.zeros(envs.num_envs, dtype=np.int64))
+        return envs.step_wait
+    if method == "reset":
+        envs.reset_async(seed=0)
+        return envs.reset_wait
+    envs.reset(seed=0)
+    envs.call_async("slow")
+    return envs.call_wait

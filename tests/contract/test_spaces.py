@@ -18,9 +18,9 @@ from gymnasium.vector.utils import batch_space, concatenate, create_empty_array
 
 import envfleet
 import envfleet._native
+from tests.contract.test_differential import run_lockstep
 from tests.envs import BoundsEnv, ReusedGraphEnv, SideActionEnv, SideObsEnv, sync_factories
 from tests.helpers import assert_same
-from tests.test_differential import run_lockstep
 
 NUM_ENVS = 4
 STEPS = 60
@@ -28,9 +28,9 @@ KINDS = ["text", "graph", "sequence", "sequence_stack", "oneof", "dict_text_box"
 MID_RESETS = {20: (np.array([True, False, True, False]), 99)}
 
 
-def check_side_kind(make_env, kind, backend, mode, **layout):
+def check_side_kind(make_env, kind, options, mode, **layout):
     factory = functools.partial(SideObsEnv, kind)
-    fleet = make_env(factory, NUM_ENVS, backend=backend, autoreset_mode=mode, **layout)
+    fleet = make_env(factory, NUM_ENVS, **options, autoreset_mode=mode, **layout)
     sync = SyncVectorEnv(sync_factories(factory, NUM_ENVS), autoreset_mode=mode)
     try:
         assert fleet.single_observation_space == sync.single_observation_space
@@ -41,35 +41,39 @@ def check_side_kind(make_env, kind, backend, mode, **layout):
     assert seen["ended"] > 0
 
 
-@pytest.mark.parametrize("mode", list(AutoresetMode), ids=lambda m: m.value)
-@pytest.mark.parametrize("kind", KINDS)
-def test_side_spaces_serial_match_sync(make_env, kind, mode):
-    check_side_kind(make_env, kind, "serial", mode, num_workers=2)
+def side_kind_cases(backend):
+    """Every kind on serial; on the other backends the kinds that travel in distinct ways
+    (every mode where workers start fast, one representative case elsewhere)."""
+    if not backend.cheap:
+        return [("dict_text_box", AutoresetMode.SAME_STEP)]
+    kinds = (
+        KINDS if backend.id == "serial" else ["dict_text_box", "graph", "sequence_stack", "custom"]
+    )
+    return [(kind, mode) for kind in kinds for mode in AutoresetMode]
 
 
-@pytest.mark.parametrize("mode", list(AutoresetMode), ids=lambda m: m.value)
-@pytest.mark.parametrize("kind", ["dict_text_box", "graph", "sequence_stack", "custom"])
-@pytest.mark.parametrize("backend", ["threads", "processes"])
-def test_side_spaces_other_backends_match_sync(make_env, backend, kind, mode):
-    check_side_kind(make_env, kind, backend, mode, num_workers=2)
+@pytest.mark.per_backend("kind, mode", side_kind_cases)
+def test_side_spaces_match_sync(make_env, backend, kind, mode):
+    check_side_kind(make_env, kind, backend.options, mode, num_workers=2)
 
 
 @pytest.mark.parametrize("kind", ["text", "oneof"])
 def test_side_spaces_processes_driver_share_match_sync(make_env, kind):
     # The driver steps its own block (driver_envs) while the workers step theirs.
     check_side_kind(
-        make_env, kind, "processes", AutoresetMode.NEXT_STEP, num_workers=1, driver_envs=2
+        make_env,
+        kind,
+        {"backend": "processes"},
+        AutoresetMode.NEXT_STEP,
+        num_workers=1,
+        driver_envs=2,
     )
 
 
-def test_side_spaces_ray_match_sync(make_env):
-    check_side_kind(make_env, "dict_text_box", "ray", AutoresetMode.SAME_STEP, num_workers=2)
-
-
-@pytest.mark.parametrize("backend", ["serial", "processes"])
+@pytest.mark.backends("serial", "processes")
 def test_side_spaces_copy_false_match_sync(make_env, backend):
     factory = functools.partial(SideObsEnv, "dict_text_box")
-    fleet = make_env(factory, NUM_ENVS, backend=backend, num_workers=2, copy=False)
+    fleet = make_env(factory, NUM_ENVS, **backend.options, num_workers=2, copy=False)
     sync = SyncVectorEnv(sync_factories(factory, NUM_ENVS), copy=False)
     try:
         run_lockstep(fleet, sync, steps=STEPS, seed=3)
@@ -162,11 +166,13 @@ def test_c_step_round_still_runs(make_env, monkeypatch, kind):
     assert counting.calls["step_round"] == 10
 
 
-@pytest.mark.parametrize("backend", ["serial", "processes"])
+@pytest.mark.backends("serial", "processes")
 def test_side_spaces_python_step_path_match_sync(make_env, monkeypatch, backend):
     monkeypatch.setattr(envfleet._native, "speedups", None)
     monkeypatch.setenv("ENVFLEET_NO_SPEEDUPS", "1")
-    check_side_kind(make_env, "dict_text_box", backend, AutoresetMode.SAME_STEP, num_workers=2)
+    check_side_kind(
+        make_env, "dict_text_box", backend.options, AutoresetMode.SAME_STEP, num_workers=2
+    )
 
 
 def test_torch_output_refuses_side_leaves(snapshot):
@@ -182,29 +188,21 @@ def test_torch_output_refuses_side_leaves(snapshot):
 # -- observation_mode (gymnasium 1.4's SyncVectorEnv/AsyncVectorEnv argument) --------------
 
 
-@pytest.mark.parametrize("backend", ["serial", "processes"])
+@pytest.mark.backends("serial", "processes")
 def test_observation_mode_same_refuses_differing_spaces(backend, snapshot):
     """The default "same" refuses sub-environments whose spaces differ, with gymnasium's
     error type (RuntimeError), as a typed envfleet error naming the env."""
     with pytest.raises(RuntimeError):
         SyncVectorEnv(sync_factories(BoundsEnv, 3))
     with pytest.raises(envfleet.SpaceMismatchError, match="sub-environment 1") as info:
-        envfleet.make(BoundsEnv, 3, backend=backend, num_workers=3)
+        envfleet.make(BoundsEnv, 3, **backend.options, num_workers=3)
     assert isinstance(info.value, RuntimeError)
     snapshot.assert_nothing_left()
 
 
-@pytest.mark.parametrize(
-    ("backend", "layout"),
-    [
-        ("serial", {}),
-        ("threads", {"num_workers": 2}),
-        ("processes", {"num_workers": 2}),
-        ("ray", {"num_workers": 2}),
-    ],
-)
-def test_observation_mode_different_matches_sync(make_env, backend, layout):
-    fleet = make_env(BoundsEnv, 3, backend=backend, observation_mode="different", **layout)
+def test_observation_mode_different_matches_sync(make_env, backend):
+    layout = {"num_workers": 2} if backend.workers else {}
+    fleet = make_env(BoundsEnv, 3, **backend.options, observation_mode="different", **layout)
     sync = SyncVectorEnv(sync_factories(BoundsEnv, 3), observation_mode="different")
     try:
         assert fleet.observation_mode == "different"
@@ -234,7 +232,7 @@ def test_observation_mode_different_cartpole_wrappers(make_env):
         sync.close()
 
 
-@pytest.mark.parametrize("backend", ["serial", "processes"])
+@pytest.mark.backends("serial", "processes")
 def test_observation_mode_different_refuses_other_shapes(backend, snapshot):
     """Spaces must still share shape and dtype (gymnasium: ValueError from
     batch_differing_spaces, which runs before its RuntimeError check)."""
@@ -242,7 +240,7 @@ def test_observation_mode_different_refuses_other_shapes(backend, snapshot):
     with pytest.raises(ValueError):
         SyncVectorEnv(sync_factories(factory, 2), observation_mode="different")
     with pytest.raises(envfleet.SpaceMismatchError, match="sub-environment 1") as info:
-        envfleet.make(factory, 2, backend=backend, num_workers=2, observation_mode="different")
+        envfleet.make(factory, 2, **backend.options, num_workers=2, observation_mode="different")
     assert isinstance(info.value, ValueError)
     snapshot.assert_nothing_left()
 
@@ -278,9 +276,9 @@ def test_observation_mode_bad_values_are_refused():
 # -- action spaces without a fixed size ------------------------------------------------------
 
 
-def check_side_actions(make_env, kind, backend, mode, steps=40, **layout):
+def check_side_actions(make_env, kind, options, mode, steps=40, **layout):
     factory = functools.partial(SideActionEnv, kind)
-    fleet = make_env(factory, NUM_ENVS, backend=backend, autoreset_mode=mode, **layout)
+    fleet = make_env(factory, NUM_ENVS, **options, autoreset_mode=mode, **layout)
     sync = SyncVectorEnv(sync_factories(factory, NUM_ENVS), autoreset_mode=mode)
     try:
         assert fleet.action_space == sync.action_space
@@ -290,24 +288,20 @@ def check_side_actions(make_env, kind, backend, mode, steps=40, **layout):
     assert seen["ended"] > 0
 
 
-@pytest.mark.parametrize("mode", list(AutoresetMode), ids=lambda m: m.value)
-@pytest.mark.parametrize("kind", ["text", "dict"])
-@pytest.mark.parametrize(
-    ("backend", "layout"),
-    [
-        ("serial", {"num_workers": 2}),
-        ("threads", {"num_workers": 2}),
-        ("processes", {"num_workers": 2}),
-        ("processes", {"num_workers": 1, "driver_envs": 2}),
-    ],
-    ids=["serial", "threads", "processes", "processes-driver-share"],
-)
+def side_action_cases(backend):
+    """Every kind and mode where workers start fast (the processes backend also with the
+    driver stepping a share); one case elsewhere."""
+    if not backend.cheap:
+        return [("dict", AutoresetMode.NEXT_STEP, {"num_workers": 2})]
+    layouts = [{"num_workers": 2}]
+    if backend.id == "processes":
+        layouts.append({"num_workers": 1, "driver_envs": 2})
+    return [(k, m, lay) for lay in layouts for k in ["text", "dict"] for m in AutoresetMode]
+
+
+@pytest.mark.per_backend("kind, mode, layout", side_action_cases)
 def test_side_actions_match_sync(make_env, backend, layout, kind, mode):
-    check_side_actions(make_env, kind, backend, mode, **layout)
-
-
-def test_side_actions_ray_match_sync(make_env):
-    check_side_actions(make_env, "dict", "ray", AutoresetMode.NEXT_STEP, num_workers=2)
+    check_side_actions(make_env, kind, backend.options, mode, **layout)
 
 
 def test_side_actions_of_the_wrong_length_are_refused(make_env):
@@ -378,9 +372,9 @@ def test_sampler_refuses_side_leaves(inference, snapshot):
     snapshot.assert_nothing_left()
 
 
-@pytest.mark.parametrize(
-    ("backend", "fail"),
-    [("processes", "raise"), ("processes", "exit"), ("serial", "raise"), ("threads", "raise")],
+@pytest.mark.backends("serial", "threads", "processes")
+@pytest.mark.per_backend(
+    "fail", lambda backend: ["raise", "exit"] if backend.workers == "processes" else ["raise"]
 )
 def test_side_leaves_after_restarts(make_env, backend, fail):
     """With a restart policy, a rebuilt env (or a respawned worker's envs) reports its new
@@ -389,7 +383,7 @@ def test_side_leaves_after_restarts(make_env, backend, fail):
     fleet = make_env(
         factory,
         NUM_ENVS,
-        backend=backend,
+        **backend.options,
         num_workers=2,
         restart_policy=envfleet.RestartPolicy(max_restarts=100, window_s=60.0),
     )
@@ -408,11 +402,11 @@ def test_side_leaves_after_restarts(make_env, backend, fail):
     assert restarted > 0
 
 
-@pytest.mark.parametrize("backend", ["serial", "threads", "processes"])
+@pytest.mark.backends("serial", "threads", "processes")
 def test_side_leaves_copy_true_results_are_the_callers(make_env, backend):
     """copy=True: as SyncVectorEnv's deepcopy, a result's side-leaf values do not change when
     the env rewrites the objects it returned."""
-    fleet = make_env(ReusedGraphEnv, 2, backend=backend, num_workers=2)
+    fleet = make_env(ReusedGraphEnv, 2, **backend.options, num_workers=2)
     sync = SyncVectorEnv(sync_factories(ReusedGraphEnv, 2))
     try:
         got_first, want_first = fleet.reset(seed=0)[0], sync.reset(seed=0)[0]
@@ -426,7 +420,7 @@ def test_side_leaves_copy_true_results_are_the_callers(make_env, backend):
         sync.close()
 
 
-@pytest.mark.parametrize("backend", ["serial", "processes"])
+@pytest.mark.backends("serial", "processes")
 def test_observation_mode_different_survives_restarts(make_env, backend):
     """A rebuilt env's space is checked as at start: with "different", same shape and dtype
     (its bounds differ from env 0's)."""
@@ -434,7 +428,7 @@ def test_observation_mode_different_survives_restarts(make_env, backend):
     fleet = make_env(
         factory,
         3,
-        backend=backend,
+        **backend.options,
         num_workers=3,
         observation_mode="different",
         restart_policy=envfleet.RestartPolicy(max_restarts=10, window_s=60.0),

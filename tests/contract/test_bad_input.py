@@ -22,8 +22,6 @@ from gymnasium.vector import AutoresetMode, SyncVectorEnv
 import envfleet
 from tests.helpers import assert_same
 
-BACKENDS = ["serial", "threads", "processes"]
-
 
 class ReusedInfoEnv(gym.Env):
     """Returns one info dict object from every step and reset, changed in place each time
@@ -58,18 +56,19 @@ def _reused_info_fns(num_envs: int) -> list[Any]:
     return [lambda k=k: ReusedInfoEnv(k) for k in range(num_envs)]
 
 
-@pytest.mark.parametrize(
-    ("backend", "mode"),
-    [(b, m) for b in BACKENDS for m in AutoresetMode] + [("ray", AutoresetMode.SAME_STEP)],
-)
+def reused_info_modes(backend: Any) -> list[AutoresetMode]:
+    return list(AutoresetMode) if backend.cheap else [AutoresetMode.SAME_STEP]
+
+
+@pytest.mark.per_backend("mode", reused_info_modes)
 def test_env_reusing_its_info_dict_matches_sync(
-    backend: str, mode: AutoresetMode, make_env: Any
+    backend: Any, mode: AutoresetMode, make_env: Any
 ) -> None:
     """Issue 17 item 9: under SAME_STEP, final_info showed the reset's values (the env had
     changed the dict in place since the step that ended the episode)."""
     num_envs = 3
     ref = SyncVectorEnv(_reused_info_fns(num_envs), autoreset_mode=mode)
-    envs = make_env(_reused_info_fns(num_envs), num_envs, backend=backend, autoreset_mode=mode)
+    envs = make_env(_reused_info_fns(num_envs), num_envs, **backend.options, autoreset_mode=mode)
     assert_same(envs.reset(seed=0), ref.reset(seed=0), "reset")
     ended = np.zeros(num_envs, dtype=bool)
     for i in range(12):
@@ -92,24 +91,12 @@ def _forget_registered_module() -> None:
     gym.registry.pop("EnvfleetTest/ShortCartPole-v0", None)
 
 
-@pytest.mark.parametrize(
-    ("backend", "context"),
-    [
-        ("serial", None),
-        ("threads", None),
-        ("processes", None),
-        ("processes", "spawn"),
-        ("ray", None),
-    ],
-)
-def test_module_colon_env_id_imports_the_module(
-    backend: str, context: str | None, make_env: Any
-) -> None:
+def test_module_colon_env_id_imports_the_module(backend: Any, make_env: Any) -> None:
     """Issue 17 item 11: "module:EnvId" ids failed with ConfigError: unknown environment id;
     now the driver and every worker import the module first, as gymnasium.make does."""
     _forget_registered_module()
-    kwargs = {} if context is None else {"context": context, "num_workers": 2}
-    envs = make_env(MODULE_ID, 2, backend=backend, **kwargs)
+    kwargs = {"num_workers": 2} if "context" in backend.options else {}
+    envs = make_env(MODULE_ID, 2, **backend.options, **kwargs)
     ref = SyncVectorEnv([lambda: gym.make(MODULE_ID) for _ in range(2)])
     assert_same(envs.reset(seed=3), ref.reset(seed=3), "reset")
     for i in range(25):  # past the registered 20-step limit
@@ -167,21 +154,21 @@ def _run_fork_driver(backend: str, child: str) -> dict[str, Any]:
         capture_output=True,
         text=True,
         timeout=120,
-        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+        cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
     )
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 @pytest.mark.parametrize("child", ["exits", "step"])
-@pytest.mark.parametrize("backend", ["processes", "threads", "serial"])
-def test_fork_after_make_leaves_the_parent_untouched(backend: str, child: str) -> None:
+@pytest.mark.backends("processes", "threads", "serial")
+def test_fork_after_make_leaves_the_parent_untouched(backend: Any, child: str) -> None:
     """Issue 17 item 13: a child forked after make() that simply exited killed the parent's
     workers (the parent's next step: EnvCrashedError ... SIGTERM); a child that stepped the
     parent's vector env changed the parent's data. Now the parent's results are those of a
     run without the fork, and the child gets WrongProcessError."""
-    want = _run_fork_driver(backend, "none")
-    got = _run_fork_driver(backend, child)
+    want = _run_fork_driver(backend.name, "none")
+    got = _run_fork_driver(backend.name, child)
     assert got["obs"] == want["obs"]
     if child == "step":
         assert got["child"] == f"WrongProcessError {got['pid']}"
@@ -217,8 +204,7 @@ def _bad_calls(num_envs: int) -> dict[str, Any]:
 BAD_CALLS = list(_bad_calls(3))
 
 
-@pytest.mark.parametrize("backend", [*BACKENDS, "ray"])
-def test_bad_input_is_refused_and_changes_nothing(backend: str, make_env: Any) -> None:
+def test_bad_input_is_refused_and_changes_nothing(backend: Any, make_env: Any) -> None:
     """Issue 17 item 6: bad seeds, options, masks, actions and names reached the envs
     (EnvError from a worker after some envs had reset or stepped) or were accepted. Each is
     now a typed EnvfleetError raised before anything is sent, and the vector env then gives
@@ -226,7 +212,7 @@ def test_bad_input_is_refused_and_changes_nothing(backend: str, make_env: Any) -
     # Integer actions outside the action space are not bad input here: SyncVectorEnv hands
     # them to the env, and gymnasium's own vector tests step an env with one.
     num_envs = 3
-    envs = make_env("CartPole-v1", num_envs, backend=backend, num_workers=num_envs)
+    envs = make_env("CartPole-v1", num_envs, **backend.options, num_workers=num_envs)
     ref = SyncVectorEnv([lambda: gym.make("CartPole-v1") for _ in range(num_envs)])
     rng = np.random.default_rng(0)
     assert_same(envs.reset(seed=0), ref.reset(seed=0), "reset")
@@ -255,14 +241,14 @@ BAD_SENDS = {
 }
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_bad_send_is_refused_and_changes_nothing(backend: str, make_env: Any) -> None:
+@pytest.mark.backends(pool=True, cheap=True)
+def test_bad_send_is_refused_and_changes_nothing(backend: Any, make_env: Any) -> None:
     """Issue 17 item 6, first-ready pool: every bad send is refused before anything is sent
     (before the fix an async_reset with seed -1 reached the envs), and each env's results
     are then those of a pool that never saw it (env e's k-th action is (e + k) % 2, so its
     results depend on nothing else)."""
     kwargs = {"batch_size": 2, "num_workers": 4}
-    envs = make_env("CartPole-v1", 4, backend=backend, **kwargs)
+    envs = make_env("CartPole-v1", 4, **backend.options, **kwargs)
     ref = make_env("CartPole-v1", 4, backend="serial", **kwargs)
     results: dict[int, dict[int, list[Any]]] = {id(envs): {}, id(ref): {}}
     for pool in (envs, ref):

@@ -1,6 +1,6 @@
 """``backend="ray"``: Ray actors holding EnvGroups, on a real local Ray cluster.
 
-The differential suite (tests/test_differential.py) checks that the Ray backend is
+The differential suite (tests/contract/test_differential.py) checks that the Ray backend is
 bit-identical to SyncVectorEnv. Here: placement and options, every kind of fault (an env
 raises, an actor segfaults, exits, is killed or hangs), close leaves no actor alive, the
 restart policy, the first-ready pool, a two-node cluster with a custom resource and joining a
@@ -26,15 +26,16 @@ from gymnasium import spaces
 from gymnasium.vector import AutoresetMode, SyncVectorEnv
 
 import envfleet
-from tests import test_pool, test_supervisor
 from tests.conftest import RAY_CPUS
 from tests.envs import CrashEnv, FlakyEnv, IndexedEnv, RaisingEnv, sync_factories
 from tests.helpers import assert_same, wait_gone
-from tests.test_supervisor import Model, _assert_result, _assert_stats, _flaky, _marker, _play
+from tests.unit import test_pool, test_supervisor
+from tests.unit.test_supervisor import Model, _assert_result, _assert_stats, _flaky, _marker, _play
 
 ray = pytest.importorskip("ray")
+pytestmark = pytest.mark.ray  # every test here runs on a real local Ray cluster
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 POLICY = envfleet.RestartPolicy(max_restarts=10, window_s=600.0)
 GONE = 30.0  # seconds: a hang guard for processes to exit, never a speed bound
 

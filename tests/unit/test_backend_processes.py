@@ -25,7 +25,7 @@ import envfleet
 from tests.envs import CrashEnv, IndexedEnv, RaisingEnv, sync_factories
 from tests.helpers import assert_same, wait_gone
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 ENVS_FILE = "envs.py"
 
 # (num_envs, num_workers, failing env index, its worker)

@@ -14,7 +14,7 @@ from types import ModuleType
 
 import pytest
 
-SOAK_PATH = Path(__file__).resolve().parent.parent / "benchmarks" / "soak.py"
+SOAK_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "soak.py"
 CHECKED = ("fds", "shm", "children", "zombies", "threads")
 
 
@@ -43,6 +43,7 @@ soak = _load_soak()
         ),
     ],
 )
+@pytest.mark.slow
 def test_soak_is_flat(context: str | None) -> None:
     config = soak.SoakConfig(
         env_id="CartPole-v1",

@@ -59,20 +59,23 @@ def start_factory(**knobs: Any) -> Any:
     return factory
 
 
-@pytest.mark.parametrize("backend", ["processes", "threads"])
+@pytest.mark.backends("processes", "threads")
 def test_start_timeout_bounds_a_hanging_constructor(
-    backend: str, snapshot: Any, make_env: Any
+    backend: Any, snapshot: Any, make_env: Any
 ) -> None:
     """Issue 17 item 5: env 2's constructor sleeps 1000 s; make() hung for good."""
     start = time.monotonic()
     with pytest.raises(envfleet.StartTimeoutError) as info:
-        make_env(start_factory(hang_index=2), 4, backend=backend, num_workers=4, start_timeout=2.0)
+        make_env(
+            start_factory(hang_index=2), 4, **backend.options, num_workers=4, start_timeout=2.0
+        )
     assert time.monotonic() - start < 15.0
     assert info.value.env_indices == [2] and info.value.timeout == 2.0
     assert "2" in str(info.value) and "start_timeout" in str(info.value)
     snapshot.assert_nothing_left()
 
 
+@pytest.mark.ray
 def test_start_timeout_on_ray(make_env: Any) -> None:
     """Issue 17 item 5 on Ray: the actor building env 1 is killed after start_timeout."""
     with pytest.raises(envfleet.StartTimeoutError) as info:
@@ -98,14 +101,14 @@ def test_start_timeout_none_waits_for_a_slow_constructor(make_env: Any) -> None:
 
 
 @pytest.mark.parametrize("raised", [SystemExit, KeyboardInterrupt, GeneratorExit])
-@pytest.mark.parametrize("backend", ["threads", "processes"])
+@pytest.mark.backends("threads", "processes")
 def test_env_raising_a_base_exception_gives_an_env_error(
-    backend: str, raised: type[BaseException], make_env: Any, snapshot: Any
+    backend: Any, raised: type[BaseException], make_env: Any, snapshot: Any
 ) -> None:
     """Issue 17 item 4: SystemExit inside an env's step ended its thread and the caller
     waited for good. Now an EnvError carries it."""
     envs = make_env(
-        start_factory(raise_index=1, raise_type=raised), 2, backend=backend, num_workers=2
+        start_factory(raise_index=1, raise_type=raised), 2, **backend.options, num_workers=2
     )
     envs.reset(seed=0)
     envs.step(np.zeros(2, dtype=np.int64))
@@ -126,7 +129,7 @@ def test_env_raising_a_base_exception_gives_an_env_error(
     assert caught[0].env_index == 1
     assert isinstance(caught[0].__cause__, raised)
     envs.close()
-    if backend == "processes":
+    if backend.workers == "processes":
         snapshot.assert_nothing_left()
 
 
@@ -149,24 +152,22 @@ def returns_not_an_env(bad_index: int, bad: Any) -> Any:
     return factory
 
 
-_NO_ENV_CASES = [
-    (backend, bad, bad_index)
-    for backend in ["serial", "threads", "processes"]
-    for bad in [None, "CartPole-v1"]
-    for bad_index in [0, 3]
-] + [("ray", None, 3)]  # one Ray case: its path is the processes one
+def _no_env_cases(backend: Any) -> list[tuple[Any, int]]:
+    if not backend.cheap:  # one case: its path is the processes one
+        return [(None, 3)]
+    return [(bad, bad_index) for bad in [None, "CartPole-v1"] for bad_index in [0, 3]]
 
 
-@pytest.mark.parametrize(("backend", "bad", "bad_index"), _NO_ENV_CASES)
+@pytest.mark.per_backend("bad, bad_index", _no_env_cases)
 def test_factory_returning_no_env_is_a_config_error_naming_it(
-    backend: str, bad: Any, bad_index: int, snapshot: Any, make_env: Any
+    backend: Any, bad: Any, bad_index: int, snapshot: Any, make_env: Any
 ) -> None:
     """Issue 17 item 7: serial and threads raised AttributeError; processes an EnvError
     naming sub-environment 2 when env 3 returned the bad object."""
     with pytest.raises(envfleet.ConfigError) as info:
-        make_env(returns_not_an_env(bad_index, bad), 4, backend=backend, num_workers=2)
+        make_env(returns_not_an_env(bad_index, bad), 4, **backend.options, num_workers=2)
     message = str(info.value)
     assert f"sub-environment {bad_index} returned {bad!r}" in message
     assert not isinstance(info.value, envfleet.EnvError)
-    if backend != "ray":
+    if backend.owns_processes:
         snapshot.assert_nothing_left()

@@ -210,7 +210,7 @@ def test_factory_returning_non_env(backend, snapshot):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_space_without_fixed_size(backend, snapshot):
-    # Issue 17: such leaves travel beside the shared buffers (tests/test_defects_spaces.py).
+    # Issue 17: such leaves travel beside the shared buffers (tests/contract/test_spaces.py).
     with envfleet.make(TextObsEnv, 2, backend=backend) as envs:
         assert envs.reset(seed=0)[0] == ("abc", "abc")
         assert envs.step(np.zeros(2, dtype=np.int64))[0] == ("abc", "abc")
@@ -693,6 +693,7 @@ def test_render_cartpole_rgb_array(make_env, backend):
 
 
 @pytest.mark.atari
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_render_pong_rgb_array(make_env, backend):
     """rgb_array rendering of a real gymnasium env that needs no pygame (ALE)."""
@@ -756,6 +757,7 @@ class _Infos(VectorEnv):
         self.num_envs = num_envs
 
 
+@pytest.mark.slow
 @given(info_events())
 @settings(max_examples=300, deadline=None)
 def test_flat_infos_match_gymnasium_add_info(case):

@@ -33,7 +33,7 @@ from envfleet._supervisor import STATS_WORDS, StepTimer, restart_seed, step_time
 from tests.envs import FlakyEnv, sync_factories
 from tests.helpers import assert_same, wait_gone
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 POLICY = envfleet.RestartPolicy(max_restarts=10, window_s=600.0)
 NEXT, SAME, DISABLED = AutoresetMode.NEXT_STEP, AutoresetMode.SAME_STEP, AutoresetMode.DISABLED
 MODES = [NEXT, SAME, DISABLED]

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import functools
 import multiprocessing
-import pickle
-import re
 import time
 from typing import Any
 
@@ -20,6 +18,7 @@ import pytest
 
 import envfleet
 from tests.envs import CustomEnvException, NewArgsException, SlowEnv, TypedRaisingEnv
+from tests.helpers import start_pending_call
 
 HANG = 3600.0
 
@@ -35,20 +34,6 @@ _WORKER_LAYOUTS = {
     "processes": {"backend": "processes", "num_workers": 2, "driver_envs": 0},
     "threads": {"backend": "threads", "num_workers": 2},
 }
-
-
-def _start(envs: envfleet.FleetVectorEnv, method: str) -> Any:
-    """Start ``method`` (step, reset or call) asynchronously; return its wait."""
-    if method == "step":
-        envs.reset(seed=0)
-        envs.step_async(np.zeros(envs.num_envs, dtype=np.int64))
-        return envs.step_wait
-    if method == "reset":
-        envs.reset_async(seed=0)
-        return envs.reset_wait
-    envs.reset(seed=0)
-    envs.call_async("slow")
-    return envs.call_wait
 
 
 @pytest.mark.parametrize(
@@ -70,9 +55,9 @@ def test_wait_timeout_raises_timeout_error(make_env, snapshot, backend, method):
     envs = make_env(_slow(delays, reset_delays), 2, **_WORKER_LAYOUTS[backend])
     if method == "reset":
         started = time.monotonic()
-        wait = _start(envs, method)
+        wait = start_pending_call(envs, method)
     else:
-        wait = _start(envs, method)
+        wait = start_pending_call(envs, method)
         started = time.monotonic()
     assert time.monotonic() - started < 5.0, "the *_async call waited for the hung env"
     with pytest.raises(multiprocessing.TimeoutError) as raised:
@@ -156,69 +141,6 @@ def test_space_mismatch_is_a_runtime_error(snapshot, backend):
     snapshot.assert_nothing_left()
 
 
-@pytest.mark.parametrize("backend", ["processes", "threads", "serial"])
-@pytest.mark.parametrize("terminate", [False, True])
-@pytest.mark.parametrize("pending", ["step", "reset", "call"])
-def test_close_with_a_pending_call_warns_as_gymnasium(snapshot, backend, terminate, pending):
-    """``close()`` with a call pending warns with gymnasium's AsyncVectorEnv.close text and
-    category (``UserWarning`` through ``gymnasium.logger.warn``), terminating or not."""
-    envs = envfleet.make(_slow(), 2, backend=backend)
-    _start(envs, pending)
-    text = f"Calling `close` while waiting for a pending call to `{pending}` to complete."
-    with pytest.warns(UserWarning, match=re.escape(text)):
-        envs.close(terminate=terminate)
-    assert envs.closed
-    snapshot.assert_nothing_left()
-
-
-_KINDS = {
-    "value": ValueError,
-    "key": KeyError,
-    "os": FileNotFoundError,
-    "custom": CustomEnvException,
-}
-
-
-def _assert_env_error(error: BaseException, kind: str, method: str = "step") -> None:
-    assert isinstance(error, envfleet.EnvError)
-    assert isinstance(error, _KINDS[kind])
-    assert (error.env_index, error.method) == (1, method)
-    assert str(error).startswith("sub-environment 1")  # EnvError's text, not KeyError's repr
-    assert isinstance(error.__cause__, _KINDS[kind])
-    if kind == "os":
-        assert (error.errno, error.strerror) == (2, "no such thing")
-    if kind == "custom":
-        assert error.code == 7
-    copy = pickle.loads(pickle.dumps(error))
-    assert type(copy) is type(error)
-    assert (copy.env_index, copy.worker_index, copy.method) == (1, error.worker_index, method)
-    assert str(copy) == str(error)
-
-
-@pytest.mark.parametrize("kind", sorted(_KINDS))
-@pytest.mark.parametrize(
-    "layout",
-    [
-        {"backend": "processes", "num_workers": 2, "driver_envs": 1},
-        {"backend": "threads", "num_workers": 2},
-        {"backend": "serial"},
-    ],
-    ids=["processes", "threads", "serial"],
-)
-def test_env_exception_is_also_of_its_own_type(make_env, layout, kind):
-    """An env's exception reaches the caller as an EnvError (with its fields) that is also an
-    instance of the env's exception type, so ``except ValueError`` written for gymnasium
-    catches it; it pickles, and the vector env stays usable."""
-    envs = make_env(functools.partial(TypedRaisingEnv, kind=kind), 3, **layout)
-    envs.reset(seed=0)
-    with pytest.raises(_KINDS[kind]) as raised:
-        envs.step(np.zeros(3, dtype=np.int64))
-    _assert_env_error(raised.value, kind)
-    with pytest.raises(_KINDS[kind]) as raised:
-        envs.reset(seed=0, options={"explode": True})
-    _assert_env_error(raised.value, kind, "reset")
-
-
 def test_env_exception_whose_type_refuses_envfleets_arguments_is_a_plain_env_error(make_env):
     """A type whose ``__new__`` takes its own arguments cannot be instantiated as the
     combined class: the error is then a plain EnvError, the original chained as its cause."""
@@ -228,16 +150,6 @@ def test_env_exception_whose_type_refuses_envfleets_arguments_is_a_plain_env_err
         envs.step(np.zeros(2, dtype=np.int64))
     assert type(raised.value) is envfleet.EnvError
     assert isinstance(raised.value.__cause__, NewArgsException)
-
-
-def test_env_exception_type_on_ray(make_env):
-    envs = make_env(
-        functools.partial(TypedRaisingEnv, kind="value"), 2, backend="ray", num_workers=2
-    )
-    envs.reset(seed=0)
-    with pytest.raises(ValueError) as raised:
-        envs.step(np.zeros(2, dtype=np.int64))
-    _assert_env_error(raised.value, "value")
 
 
 def test_env_exception_type_in_process_env():

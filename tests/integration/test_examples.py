@@ -15,7 +15,7 @@ pytest.importorskip("torch")
 
 from envfleet._rollout import EpisodeBatch  # noqa: E402
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
 def _load(name: str) -> ModuleType:

@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 import envfleet
+from tests.contract.conftest import Backend
 from tests.envs import FaultEnv
 
 GUARD = 90.0  # seconds for a whole run: a hang guard, never a speed bound
@@ -156,13 +157,13 @@ def test_processes_pool_rebuilds_every_env_of_a_dead_worker(make_env: Any, tmp_p
     assert envs.stats.env_restarts == {2: 1, 3: 1} and envs.stats.restarts == 1
 
 
-@pytest.mark.parametrize("backend", ["serial", "threads", "processes"])
+@pytest.mark.backends("serial", "threads", "processes")
 @pytest.mark.parametrize("num_workers", [4, 2])
 def test_pool_rebuilds_an_env_that_raised(
-    backend: str, num_workers: int, make_env: Any, tmp_path: Any
+    backend: Backend, num_workers: int, make_env: Any, tmp_path: Any
 ) -> None:
     """Only the env that raised is rebuilt, also when it shares its worker with another."""
-    kwargs = {"backend": backend, "restart_policy": POLICY, "num_workers": num_workers}
+    kwargs = {**backend.options, "restart_policy": POLICY, "num_workers": num_workers}
     envs, got = run(make_env, {1: ("raise", 5)}, tmp_path, **kwargs)
     _, clean = run(make_env, {}, **kwargs)
     assert_rebuilt(got, clean, {1}, at_step=5)
@@ -196,26 +197,29 @@ def test_threads_pool_hang_still_ends_the_vector_env(make_env: Any) -> None:
     assert 2 in info.value.env_indices and envs.closed
 
 
-@pytest.mark.parametrize(
-    ("backend", "how", "error"),
-    [
-        ("processes", "sigkill", envfleet.EnvCrashedError),
-        ("processes", "ctypes-segfault", envfleet.EnvCrashedError),
-        ("processes", "raise", envfleet.EnvError),
-        ("threads", "raise", envfleet.EnvError),
-        ("serial", "raise", envfleet.EnvError),
-        ("processes", "sleep:60", envfleet.StepTimeoutError),
-    ],
-)
+def exhaustion_cases(backend: Backend) -> list[tuple[str, type[Exception]]]:
+    """Every backend: an env that raises; where a worker can die alone, a crash and a hang."""
+    cases: list[tuple[str, type[Exception]]] = [("raise", envfleet.EnvError)]
+    if backend.workers == "processes":
+        cases += [
+            ("sigkill", envfleet.EnvCrashedError),
+            ("ctypes-segfault", envfleet.EnvCrashedError),
+            ("sleep:60", envfleet.StepTimeoutError),
+        ]
+    return cases
+
+
+@pytest.mark.backends("serial", "threads", "processes")
+@pytest.mark.per_backend("how, error", exhaustion_cases)
 def test_pool_budget_exhaustion_raises_the_typed_error(
-    backend: str, how: str, error: type[Exception], make_env: Any, snapshot: Any
+    backend: Backend, how: str, error: type[Exception], make_env: Any, snapshot: Any
 ) -> None:
     """One restart allowed; env 1 fails, is rebuilt, and fails again 3 steps later: that
     failure raises what it would raise without a policy, naming the exhausted budget."""
     envs = make_env(
         faulty({1: (how, 3)}),
         NUM_ENVS,
-        backend=backend,
+        **backend.options,
         batch_size=2,
         restart_policy=envfleet.RestartPolicy(max_restarts=1, window_s=600.0),
         step_timeout=2.0 if how.startswith("sleep") else None,
@@ -229,10 +233,11 @@ def test_pool_budget_exhaustion_raises_the_typed_error(
     else:
         assert envs.closed
     envs.close()
-    if backend == "processes":
+    if backend.owns_processes:
         snapshot.assert_nothing_left()
 
 
+@pytest.mark.ray
 @pytest.mark.parametrize("how", ["sigkill", "raise", "sleep:60"])
 def test_ray_pool_rebuilds(how: str, make_env: Any, tmp_path: Any) -> None:
     kwargs: dict[str, Any] = {"backend": "ray", "num_workers": 2, "restart_policy": POLICY}

@@ -2,7 +2,8 @@
 
 DESIGN §5: for every backend, the same seeds and actions give bit-identical observations,
 rewards, terminations, truncations and infos to SyncVectorEnv, in every autoreset mode,
-whatever num_workers is.
+whatever num_workers is. ``backend`` is the contract's (tests/contract/conftest.py): each test
+runs on every entry of its BACKENDS unless it names the ones it is about.
 """
 
 from __future__ import annotations
@@ -30,7 +31,6 @@ NUM_ENVS = 5
 WORKERS = [1, 2, NUM_ENVS]  # one worker, a count that does not divide NUM_ENVS, one per env
 STEPS = 300
 MODES = list(AutoresetMode)
-BACKENDS = ["serial", "threads", "processes", "ray"]
 MID_EPISODE_RESETS = {  # step -> (reset mask, seed)
     40: (np.array([True, False, True, False, False]), 1234),
     117: (np.array([False, True, False, False, True]), None),
@@ -67,6 +67,7 @@ ENV_CASES = {
     "MountainCarContinuous-v0": gym_case("MountainCarContinuous-v0", max_episode_steps=80),
     "FrozenLake-v1": gym_case("FrozenLake-v1"),
     "Taxi-v4": gym_case("Taxi-v4", max_episode_steps=50),
+    "LunarLander-v3": gym_case("LunarLander-v3", max_episode_steps=100),
     "nested": custom_case(NestedSpaceEnv),
     "sparse-info": custom_case(SparseInfoEnv),
     "mixed-obs": custom_case(MixedObsEnv),
@@ -112,25 +113,41 @@ def run_lockstep(fleet, sync, *, steps: int, seed: int, mid_episode_resets=None)
     return seen
 
 
-# (backend, layout arguments): every backend with several worker counts, and the processes
-# backend also with its defaults (the driver steps a share of the envs) and an explicit share.
-# Ray runs a representative subset instead (test_ray_matches_sync_vector_env): each actor is a
-# new process, slow to start on the 2-core machine.
-LAYOUTS = [(b, {"num_workers": w}) for b in BACKENDS if b != "ray" for w in WORKERS] + [
-    ("processes", {}),
-    ("processes", {"num_workers": 2, "driver_envs": 2}),
+# Every case in every mode with several worker counts on the backends whose workers start
+# fast, and the processes backend also with its defaults (the driver steps a share of the
+# envs) and an explicit share. The others (spawned interpreters, Ray actors: each worker a new
+# process, slow to start on the 2-core machine) run a representative subset, LIGHT_CASES.
+def worker_layouts(backend) -> list[dict[str, Any]]:
+    extra = [{}, {"num_workers": 2, "driver_envs": 2}] if backend.id == "processes" else []
+    return [{"num_workers": w} for w in WORKERS] + extra
+
+
+# Every env case in NEXT_STEP mode; every mode for the cases with nested spaces and sparse
+# infos of many types (what the workers send back besides the rows); one worker, one per env
+# and the default.
+LIGHT_CASES = [(case, AutoresetMode.NEXT_STEP, {"num_workers": 2}) for case in ENV_CASES] + [
+    (case, mode, {"num_workers": 2})
+    for case in ("nested", "sparse-info")
+    for mode in (AutoresetMode.SAME_STEP, AutoresetMode.DISABLED)
+]
+LIGHT_CASES += [
+    ("CartPole-v1", AutoresetMode.SAME_STEP, {"num_workers": 1}),
+    ("nested", AutoresetMode.NEXT_STEP, {"num_workers": NUM_ENVS}),
+    ("sparse-info", AutoresetMode.DISABLED, {}),
 ]
 
 
-@pytest.mark.parametrize("mode", MODES, ids=lambda m: m.value)
-@pytest.mark.parametrize(
-    ("backend", "layout"), LAYOUTS, ids=[f"{b}-{sorted(lay.items())}" for b, lay in LAYOUTS]
-)
-@pytest.mark.parametrize("case", list(ENV_CASES))
+def differential_cases(backend) -> list[tuple[str, AutoresetMode, dict[str, Any]]]:
+    if not backend.cheap:
+        return LIGHT_CASES
+    return [(c, m, lay) for c in ENV_CASES for m in MODES for lay in worker_layouts(backend)]
+
+
+@pytest.mark.per_backend("case, mode, layout", differential_cases)
 def test_matches_sync_vector_env(make_env, case, backend, layout, mode):
     env, env_kwargs, sync_fns = ENV_CASES[case]
     fleet = make_env(
-        env, NUM_ENVS, backend=backend, autoreset_mode=mode, env_kwargs=env_kwargs, **layout
+        env, NUM_ENVS, **backend.options, autoreset_mode=mode, env_kwargs=env_kwargs, **layout
     )
     sync = SyncVectorEnv(sync_fns(NUM_ENVS), autoreset_mode=mode)
     try:
@@ -157,16 +174,13 @@ def test_matches_sync_vector_env(make_env, case, backend, layout, mode):
 # Without the C step path (envfleet._native): every case and mode on the serial backend and
 # on the processes backend's default layout (the driver steps a share), through the Python
 # twins of the C functions. The tests above run with it, where it is built.
-PYTHON_PATH_LAYOUTS = [("serial", {"num_workers": 2}), ("processes", {})]
+def python_path_cases(backend) -> list[tuple[str, AutoresetMode, dict[str, Any]]]:
+    layout = {"num_workers": 2} if backend.id == "serial" else {}
+    return [(c, m, layout) for c in ENV_CASES for m in MODES]
 
 
-@pytest.mark.parametrize("mode", MODES, ids=lambda m: m.value)
-@pytest.mark.parametrize(
-    ("backend", "layout"),
-    PYTHON_PATH_LAYOUTS,
-    ids=[f"{b}-{sorted(lay.items())}" for b, lay in PYTHON_PATH_LAYOUTS],
-)
-@pytest.mark.parametrize("case", list(ENV_CASES))
+@pytest.mark.backends("serial", "processes")
+@pytest.mark.per_backend("case, mode, layout", python_path_cases)
 def test_python_step_path_matches_sync_vector_env(
     make_env, monkeypatch, case, backend, layout, mode
 ):
@@ -175,34 +189,9 @@ def test_python_step_path_matches_sync_vector_env(
     test_matches_sync_vector_env(make_env, case, backend, layout, mode)
 
 
-# Ray: every env case in NEXT_STEP mode; every mode for the cases with nested spaces and
-# sparse infos of many types (what the actors send back besides the rows); one worker, one
-# per env and the default (one per cluster CPU).
-RAY_CASES = [(case, AutoresetMode.NEXT_STEP, {"num_workers": 2}) for case in ENV_CASES] + [
-    (case, mode, {"num_workers": 2})
-    for case in ("nested", "sparse-info")
-    for mode in (AutoresetMode.SAME_STEP, AutoresetMode.DISABLED)
-]
-RAY_CASES += [
-    ("CartPole-v1", AutoresetMode.SAME_STEP, {"num_workers": 1}),
-    ("nested", AutoresetMode.NEXT_STEP, {"num_workers": NUM_ENVS}),
-    ("sparse-info", AutoresetMode.DISABLED, {}),
-]
-
-
-@pytest.mark.parametrize(
-    ("case", "mode", "layout"),
-    RAY_CASES,
-    ids=[f"{c}-{m.value}-{sorted(lay.items())}" for c, m, lay in RAY_CASES],
-)
-def test_ray_matches_sync_vector_env(make_env, case, mode, layout):
-    test_matches_sync_vector_env(make_env, case, "ray", layout, mode)
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
 def test_masked_reset_mid_episode_next_step(make_env, backend):
     """A masked reset mid-episode in NEXT_STEP mode, also of an env waiting for its autoreset."""
-    fleet = make_env(SparseInfoEnv, 4, backend=backend, num_workers=2)
+    fleet = make_env(SparseInfoEnv, 4, **backend.options, num_workers=2)
     sync = SyncVectorEnv(sync_factories(SparseInfoEnv, 4))
     assert_same(fleet.reset(seed=3), sync.reset(seed=3), "reset")
     rng = np.random.default_rng(0)
@@ -223,9 +212,8 @@ def test_masked_reset_mid_episode_next_step(make_env, backend):
     assert resets_of_ended > 0  # the masked resets also cleared pending autoresets
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 def test_reset_with_list_of_seeds(make_env, backend):
-    fleet = make_env("CartPole-v1", 4, backend=backend, num_workers=2)
+    fleet = make_env("CartPole-v1", 4, **backend.options, num_workers=2)
     sync = SyncVectorEnv([lambda: gym.make("CartPole-v1")] * 4)
     seeds = [11, 5, 11, 2**31]
     assert_same(fleet.reset(seed=seeds), sync.reset(seed=list(seeds)), "reset")
@@ -239,9 +227,8 @@ def test_reset_with_list_of_seeds(make_env, backend):
     sync.close()
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 def test_reset_with_some_seeds_none(make_env, backend):
-    fleet = make_env("CartPole-v1", 3, backend=backend, num_workers=3)
+    fleet = make_env("CartPole-v1", 3, **backend.options, num_workers=3)
     sync = SyncVectorEnv([lambda: gym.make("CartPole-v1")] * 3)
     obs, info = fleet.reset(seed=[7, None, 9])
     want_obs, want_info = sync.reset(seed=[7, None, 9])
@@ -253,11 +240,10 @@ def test_reset_with_some_seeds_none(make_env, backend):
     sync.close()
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("env", ["CartPole-v1", NestedSpaceEnv], ids=["CartPole", "nested"])
 def test_reset_seed_none_structure(make_env, backend, env):
     """seed=None is random: only the structure can be compared with SyncVectorEnv."""
-    fleet = make_env(env, 4, backend=backend, num_workers=2)
+    fleet = make_env(env, 4, **backend.options, num_workers=2)
     fns = [lambda: gym.make(env)] * 4 if isinstance(env, str) else sync_factories(env, 4)
     sync = SyncVectorEnv(fns)
     obs, info = fleet.reset(seed=None)
@@ -288,10 +274,9 @@ def _assert_same_structure(got: Any, want: Any) -> None:
         assert got.shape == want.shape and got.dtype == want.dtype
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 def test_copy_false_returns_views_copy_true_does_not(make_env, backend):
-    views = make_env("CartPole-v1", 3, backend=backend, num_workers=2, copy=False)
-    copies = make_env("CartPole-v1", 3, backend=backend, num_workers=2, copy=True)
+    views = make_env("CartPole-v1", 3, **backend.options, num_workers=2, copy=False)
+    copies = make_env("CartPole-v1", 3, **backend.options, num_workers=2, copy=True)
     left, right = np.zeros(3, np.int64), np.ones(3, np.int64)
 
     obs_reset, _ = views.reset(seed=0)
@@ -318,9 +303,8 @@ def test_copy_false_returns_views_copy_true_does_not(make_env, backend):
     assert not np.shares_memory(c_trunc1, c_trunc2)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 def test_copy_false_nested_views(make_env, backend):
-    fleet = make_env(NestedSpaceEnv, 3, backend=backend, num_workers=3, copy=False)
+    fleet = make_env(NestedSpaceEnv, 3, **backend.options, num_workers=3, copy=False)
     sync = SyncVectorEnv(sync_factories(NestedSpaceEnv, 3), copy=False)
     space = batch_space(sync.single_action_space, 3)
     space.seed(0)
@@ -365,14 +349,16 @@ def test_start_methods(make_env, context, case):
     assert fleet.get_attr("spec")[0] == sync.get_attr("spec")[0]
 
 
+def pong_modes(backend) -> list[AutoresetMode]:
+    return [AutoresetMode.NEXT_STEP, AutoresetMode.SAME_STEP][: 2 if backend.cheap else 1]
+
+
 @pytest.mark.atari
-@pytest.mark.parametrize(
-    "mode", [AutoresetMode.NEXT_STEP, AutoresetMode.SAME_STEP], ids=lambda m: m.value
-)
-def test_atari_pong(make_env, mode):
+@pytest.mark.per_backend("mode", pong_modes)
+def test_atari_pong(make_env, backend, mode):
     ale_py = pytest.importorskip("ale_py")
     gym.register_envs(ale_py)
-    fleet = make_env("ALE/Pong-v5", 2, backend="processes", num_workers=2, autoreset_mode=mode)
+    fleet = make_env("ALE/Pong-v5", 2, **backend.options, num_workers=2, autoreset_mode=mode)
     sync = SyncVectorEnv([lambda: gym.make("ALE/Pong-v5")] * 2, autoreset_mode=mode)
     assert fleet.single_observation_space.shape == (210, 160, 3)
     seen = run_lockstep(fleet, sync, steps=50, seed=0)
@@ -442,7 +428,7 @@ def test_any_layout_processes(layout):
         ("float32", "float32-swapped"),
     ],
 )
-@pytest.mark.parametrize("backend", ["serial", "processes"])
+@pytest.mark.backends("serial", "processes")
 def test_observation_forms_match_sync_vector_env(make_env, backend, forms, step_path):
     """Groups whose observations are all C-contiguous arrays of the buffer's dtype write them
     as joined bytes (memcpy'd, with the C step path); a strided, Fortran-ordered, subclassed,
@@ -450,7 +436,7 @@ def test_observation_forms_match_sync_vector_env(make_env, backend, forms, step_
     casts). Both give SyncVectorEnv's bytes."""
     factory = functools.partial(FormObsEnv, forms=forms)
     sync = SyncVectorEnv(sync_factories(factory, 6))
-    fleet = make_env(factory, 6, backend=backend, num_workers=2)
+    fleet = make_env(factory, 6, **backend.options, num_workers=2)
     assert_same(fleet.reset(seed=3), sync.reset(seed=3))
     for t in range(20):
         actions = np.array([(t + i) % 2 for i in range(6)])
@@ -502,13 +488,12 @@ def test_large_observation_rows_are_written_by_numpy(make_env, monkeypatch):
     assert len(calls) == 10
 
 
-@pytest.mark.parametrize(("backend", "layout"), [("serial", {}), ("processes", {})])
-def test_wrong_observation_shape_raises_as_sync_vector_env(make_env, backend, layout):
+def test_wrong_observation_shape_raises_as_sync_vector_env(make_env, backend):
     """An observation of the wrong shape is refused, as SyncVectorEnv's np.stack refuses it,
     whatever fast path writes the observations; the error names the env."""
     factory = functools.partial(MixedObsEnv, bad_shape_at=3)
     sync = SyncVectorEnv(sync_factories(factory, 4))
-    fleet = make_env(factory, 4, backend=backend, **layout)
+    fleet = make_env(factory, 4, **backend.options)
     sync.reset(seed=0)
     fleet.reset(seed=0)
     actions = np.zeros(4, dtype=np.int64)

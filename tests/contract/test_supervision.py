@@ -33,11 +33,10 @@ def _drive_pool(envs: Any, max_rounds: int, seconds: float) -> int:
 
 
 @pytest.mark.parametrize("how", ["exit", "sigkill", "segfault"])
-def test_pool_reports_a_dead_worker(how: str, make_env: Any, snapshot: Any) -> None:
+@pytest.mark.backends(processes=True)
+def test_pool_reports_a_dead_worker(how: str, backend: Any, make_env: Any, snapshot: Any) -> None:
     """Issue 17 item 1: the pool kept serving the other envs and never reported env 3."""
-    envs = make_env(
-        fault_factory({3: (how, 5)}), 4, backend="processes", batch_size=2, num_workers=4
-    )
+    envs = make_env(fault_factory({3: (how, 5)}), 4, **backend.options, batch_size=2, num_workers=4)
     with pytest.raises(envfleet.EnvCrashedError) as info:
         _drive_pool(envs, max_rounds=2000, seconds=30)
     err = info.value
@@ -50,17 +49,18 @@ def test_pool_reports_a_dead_worker(how: str, make_env: Any, snapshot: Any) -> N
     snapshot.assert_nothing_left()
 
 
-@pytest.mark.parametrize(
-    ("backend", "num_workers", "hung"), [("processes", 4, 3), ("threads", 4, 3), ("ray", 2, 1)]
+@pytest.mark.backends(workers=True, pool=True)
+@pytest.mark.per_backend(
+    "num_workers, hung", lambda backend: [(2, 1)] if backend.name == "ray" else [(4, 3)]
 )
 def test_pool_reports_a_hung_worker_within_step_timeout(
-    backend: str, num_workers: int, hung: int, make_env: Any, snapshot: Any
+    backend: Any, num_workers: int, hung: int, make_env: Any, snapshot: Any
 ) -> None:
     """Issue 17 item 2: with step_timeout=3, the pool served the other envs for good."""
     envs = make_env(
         fault_factory({hung: ("sleep:60", 5)}),
         4,
-        backend=backend,
+        **backend.options,
         batch_size=2,
         num_workers=num_workers,
         step_timeout=3.0,
@@ -71,7 +71,7 @@ def test_pool_reports_a_hung_worker_within_step_timeout(
     assert hung in info.value.env_indices
     assert time.monotonic() - start < 20.0  # the hung send was at most a few rounds in
     assert envs.closed
-    if backend == "processes":
+    if backend.workers == "processes":
         snapshot.assert_nothing_left()
 
 
@@ -162,22 +162,22 @@ def _counts(stats: Any) -> dict[str, Any]:
 )
 @pytest.mark.parametrize("mode", ["pool", "sync", "sync-restarts", "sync-driver"])
 def test_every_backend_counts_each_env_error_once(
-    mode: str, faults: dict[int, tuple[str, int]], make_env: Any
+    mode: str, faults: dict[int, tuple[str, int]], backend: Any, make_env: Any
 ) -> None:
     """Issue 17 item 12: two envs of one block raising in the same step counted 1 on serial
     and threads, 2 on processes, in a pool. The same fault script now gives the same stats on
     every backend and mode ("sync-driver": processes' default layout, the driver stepping
     env 0's block itself)."""
     seen = {}
-    for backend in ["serial", "threads", "processes", "ray"]:
+    for name, options in [("serial", {"backend": "serial"}), (str(backend), backend.options)]:
         kwargs: dict[str, Any] = {} if mode == "sync-driver" else {"num_workers": 2}
         if mode == "pool":
             kwargs["batch_size"] = 2
         if mode == "sync-restarts":
             kwargs["restart_policy"] = envfleet.RestartPolicy(max_restarts=10)
-        envs = make_env(fault_factory(faults), 4, backend=backend, **kwargs)
+        envs = make_env(fault_factory(faults), 4, **options, **kwargs)
         _fault_script(envs, "pool" if mode == "pool" else "sync")
-        seen[backend] = _counts(envs.stats)
+        seen[name] = _counts(envs.stats)
         envs.close()
     errors = {backend: counts["env_errors"] for backend, counts in seen.items()}
     # Without restarts each env raised once; a rebuilt env starts its step count again, so
@@ -187,6 +187,7 @@ def test_every_backend_counts_each_env_error_once(
     assert all(counts == seen["serial"] for counts in seen.values()), seen
 
 
+@pytest.mark.slow
 def test_idle_workers_cost_no_cpu(make_env: Any) -> None:
     """Issue 17 item 14: workers waiting for the next command woke every 20 ms to check the
     driver (64 workers: ~19 % of a core). A vector env nobody steps now costs ~0 CPU.

@@ -1,0 +1,135 @@
+"""The backend contract's failure model (DESIGN §4), on every backend.
+
+An env that raises in ``step`` or ``reset`` gives an ``EnvError`` naming it that is also of
+the env's own exception type; a worker that dies (exit, SIGKILL, segfault) gives an
+``EnvCrashedError`` naming its envs, and one that hangs a ``StepTimeoutError``; either closes
+the vector env and leaves nothing behind. Real envs, real workers, real faults; timeouts
+are hang guards and ``step_timeout`` values, never speed bounds.
+"""
+
+from __future__ import annotations
+
+import functools
+import multiprocessing
+import pickle
+import signal
+from typing import Any
+
+import numpy as np
+import pytest
+
+import envfleet
+from tests.envs import CustomEnvException, TypedRaisingEnv, fault_factory
+
+KINDS = {
+    "value": ValueError,
+    "key": KeyError,
+    "os": FileNotFoundError,
+    "custom": CustomEnvException,
+}
+
+
+def _zeros(n: int) -> np.ndarray:
+    return np.zeros(n, dtype=np.int64)
+
+
+def assert_env_error(error: BaseException, kind: str, method: str = "step") -> None:
+    """``error`` is env 1's EnvError for ``raise_in_env(kind)`` in ``method``: of the env's
+    exception type too, with its fields, and it pickles."""
+    assert isinstance(error, envfleet.EnvError)
+    assert isinstance(error, KINDS[kind])
+    assert (error.env_index, error.method) == (1, method)
+    assert str(error).startswith("sub-environment 1")  # EnvError's text, not KeyError's repr
+    assert isinstance(error.__cause__, KINDS[kind])
+    if kind == "os":
+        assert (error.errno, error.strerror) == (2, "no such thing")
+    if kind == "custom":
+        assert error.code == 7
+    copy = pickle.loads(pickle.dumps(error))
+    assert type(copy) is type(error)
+    assert (copy.env_index, copy.worker_index, copy.method) == (1, error.worker_index, method)
+    assert str(copy) == str(error)
+
+
+def raising_layout(backend: Any) -> dict[str, Any]:
+    """Env 1 in a worker of its own where the backend has workers (processes: env 0 in the
+    driver's block)."""
+    if backend.workers == "processes":
+        return {"num_workers": 2, "driver_envs": 1}
+    return {"num_workers": 2} if backend.workers else {}
+
+
+@pytest.mark.per_backend("kind", lambda backend: sorted(KINDS) if backend.cheap else ["value"])
+def test_env_exception_is_also_of_its_own_type(make_env: Any, backend: Any, kind: str) -> None:
+    """An env's exception reaches the caller as an EnvError (with its fields) that is also an
+    instance of the env's exception type, so ``except ValueError`` written for gymnasium
+    catches it; it pickles, and the vector env stays usable."""
+    envs = make_env(
+        functools.partial(TypedRaisingEnv, kind=kind),
+        3,
+        **backend.options,
+        **raising_layout(backend),
+    )
+    envs.reset(seed=0)
+    with pytest.raises(KINDS[kind]) as raised:
+        envs.step(_zeros(3))
+    assert_env_error(raised.value, kind)
+    with pytest.raises(KINDS[kind]) as raised:
+        envs.reset(seed=0, options={"explode": True})
+    assert_env_error(raised.value, kind, "reset")
+    assert not envs.closed
+    obs, _ = envs.reset(seed=1)
+    assert obs.shape[0] == 3
+
+
+@pytest.mark.backends(isolated=True)
+@pytest.mark.parametrize("how", ["exit", "sigkill", "segfault"])
+def test_worker_death_is_an_env_crashed_error_naming_its_envs(
+    make_env: Any, snapshot: Any, backend: Any, how: str
+) -> None:
+    """Env 1's worker dies in env 1's third step: that step raises EnvCrashedError naming
+    env 1 and its worker; the vector env is closed and (own processes) nothing is left."""
+    envs = make_env(fault_factory({1: (how, 3)}), 2, **backend.options, num_workers=2)
+    envs.reset(seed=0)
+    for _ in range(2):
+        envs.step(_zeros(2))
+    with pytest.raises(envfleet.EnvCrashedError) as info:
+        envs.step(_zeros(2))
+    err = info.value
+    assert (err.env_indices, err.env_index, err.worker_index) == ([1], 1, 1)
+    if backend.workers == "processes":
+        if how == "exit":
+            assert (err.exitcode, err.signal) == (3, None)
+        else:
+            assert err.signal == (signal.SIGKILL if how == "sigkill" else signal.SIGSEGV)
+    assert envs.closed and envs.stats.crashes == 1
+    with pytest.raises(envfleet.ClosedEnvironmentError):
+        envs.step(_zeros(2))
+    if backend.owns_processes:
+        snapshot.assert_nothing_left()
+
+
+@pytest.mark.backends(workers=True)
+def test_hung_env_is_a_step_timeout_error_naming_it(
+    make_env: Any, snapshot: Any, backend: Any
+) -> None:
+    """Env 1 sleeps far past ``step_timeout`` in its third step: that step raises
+    StepTimeoutError (also gymnasium's multiprocessing.TimeoutError) naming env 1, and the
+    vector env is closed."""
+    envs = make_env(
+        fault_factory({1: ("sleep:60", 3)}),
+        2,
+        **backend.options,
+        num_workers=2,
+        step_timeout=2.0,
+    )
+    envs.reset(seed=0)
+    for _ in range(2):
+        envs.step(_zeros(2))
+    with pytest.raises(envfleet.StepTimeoutError) as info:
+        envs.step(_zeros(2))
+    assert isinstance(info.value, multiprocessing.TimeoutError)
+    assert (info.value.env_indices, info.value.timeout) == ([1], 2.0)
+    assert envs.closed
+    if backend.workers == "processes":
+        snapshot.assert_nothing_left()

@@ -1,0 +1,142 @@
+"""The public surface: ``envfleet.__all__`` pinned, every public name documented, ``py.typed``
+shipped, the public modules importable and every other module underscore-private.
+
+A change here is a change of the public API: additions only (issue 18), and on purpose.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.resources
+import inspect
+import pkgutil
+import subprocess
+import sys
+
+import pytest
+
+import envfleet
+
+ALL = [
+    "AlreadyPendingCallError",
+    "BACKENDS",
+    "ClosedEnvironmentError",
+    "ConfigError",
+    "EnvCrashedError",
+    "EnvError",
+    "EnvfleetError",
+    "EpisodeBatch",
+    "FleetStats",
+    "FleetVectorEnv",
+    "InvalidActionError",
+    "InvalidArgumentError",
+    "NoAsyncCallError",
+    "PoolStateError",
+    "ProcessEnv",
+    "RemoteTraceback",
+    "ResetNeededError",
+    "RestartPolicy",
+    "Sampler",
+    "SamplerStats",
+    "SamplerTimers",
+    "SpaceMismatchError",
+    "StartTimeoutError",
+    "StepTimeStats",
+    "StepTimeoutError",
+    "TimerStat",
+    "UnsupportedError",
+    "WrongProcessError",
+    "__version__",
+    "make",
+]
+
+# Public modules besides envfleet itself, and the libraries each needs (extras).
+PUBLIC_MODULES = {
+    "envfleet.adapters": [],
+    "envfleet.adapters.infos": [],
+    "envfleet.adapters.sb3": ["stable_baselines3", "torch"],
+    "envfleet.adapters.torchrl": ["torchrl", "tensordict", "torch"],
+    "envfleet.bench": [],
+    "envfleet.cli": [],
+    "envfleet.torch": ["torch", "tensordict"],
+}
+
+
+def test_all_is_pinned() -> None:
+    assert sorted(envfleet.__all__) == ALL
+    assert len(set(envfleet.__all__)) == len(envfleet.__all__)
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_each_public_name_is_importable_and_documented(name: str) -> None:
+    namespace: dict[str, object] = {}
+    exec(f"from envfleet import {name}", namespace)
+    obj = namespace[name]
+    assert obj is getattr(envfleet, name)
+    if name == "__version__":
+        assert isinstance(obj, str) and obj
+    elif name == "BACKENDS":
+        assert isinstance(obj, tuple) and all(isinstance(b, str) for b in obj)
+    else:
+        assert inspect.isclass(obj) or inspect.isfunction(obj), name
+        assert inspect.getdoc(obj), f"envfleet.{name} has no docstring"
+
+
+def test_py_typed_ships() -> None:
+    """PEP 561: the marker sits in the package (and pyproject's package-data ships it)."""
+    assert importlib.resources.files("envfleet").joinpath("py.typed").is_file()
+
+
+def test_py_typed_is_package_data() -> None:
+    tomllib = pytest.importorskip("tomllib")
+    root = importlib.resources.files("envfleet")
+    pyproject = root.joinpath("..", "..", "pyproject.toml")
+    if not pyproject.is_file():
+        pytest.skip("envfleet is installed, not run from its source tree")
+    config = tomllib.loads(pyproject.read_text())
+    assert "py.typed" in config["tool"]["setuptools"]["package-data"]["envfleet"]
+
+
+@pytest.mark.parametrize("module", sorted(PUBLIC_MODULES))
+def test_public_module_imports(module: str) -> None:
+    for requirement in PUBLIC_MODULES[module]:
+        pytest.importorskip(requirement)
+    imported = importlib.import_module(module)
+    assert inspect.getdoc(imported), f"{module} has no docstring"
+
+
+def _all_modules() -> list[str]:
+    names = ["envfleet"]
+    for info in pkgutil.walk_packages(envfleet.__path__, "envfleet."):
+        names.append(info.name)
+    return names
+
+
+def test_every_other_module_is_private() -> None:
+    """A module that is neither public nor underscore-private (at some level of its dotted
+    name) would be public by accident."""
+    accidental = [
+        name
+        for name in _all_modules()
+        if name != "envfleet"
+        and name not in PUBLIC_MODULES
+        and not any(part.startswith("_") for part in name.split(".")[1:])
+    ]
+    assert accidental == []
+
+
+def test_public_modules_exist() -> None:
+    assert set(PUBLIC_MODULES) <= set(_all_modules())
+
+
+def test_importing_envfleet_imports_no_extra() -> None:
+    """``import envfleet`` pulls in none of the optional libraries (they are extras)."""
+    code = (
+        "import sys, envfleet; "
+        "print(sorted(m for m in ('torch', 'ray', 'stable_baselines3', 'torchrl', 'envpool') "
+        "if m in sys.modules))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    )
+    assert out.stdout.strip() == "[]"
