@@ -37,7 +37,23 @@ __all__ = [
 
 
 class EnvfleetError(Exception):
-    """Base class of every error envfleet raises."""
+    """Base class of every error envfleet raises.
+
+    Every one pickles with its fields (``env_indices``, ``timeout``...), also those whose
+    constructor takes more than the message: it is rebuilt from its class, ``args`` and
+    attributes, not by calling the constructor again (``Exception``'s own pickling passes
+    only ``args``).
+    """
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _rebuild_error, (type(self), self.args, self.__dict__)
+
+
+def _rebuild_error(cls: type[BaseException], args: tuple[Any, ...], state: dict[str, Any]) -> Any:
+    error = cls.__new__(cls, *args)
+    error.args = args
+    error.__dict__.update(state)
+    return error
 
 
 class ConfigError(EnvfleetError, ValueError):

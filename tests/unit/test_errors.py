@@ -83,12 +83,6 @@ def test_errors_pickle_with_their_fields(error: Exception) -> None:
     assert vars(copy) == vars(error)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=TypeError,
-    reason="errors whose __init__ takes more than the message do not unpickle (found by the "
-    "tests helper, issue 18): Exception.__reduce__ passes only args",
-)
 @pytest.mark.parametrize(
     "error",
     [
@@ -101,5 +95,8 @@ def test_errors_pickle_with_their_fields(error: Exception) -> None:
     ids=lambda e: type(e).__name__,
 )
 def test_errors_with_keyword_fields_pickle(error: Exception) -> None:
+    """Errors whose constructor takes more than the message pickle too (a worker's or a Ray
+    actor's error travels pickled)."""
     copy = _roundtrip(error)
+    assert type(copy) is type(error) and str(copy) == str(error)
     assert vars(copy) == vars(error)
