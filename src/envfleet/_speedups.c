@@ -11,10 +11,13 @@
  *   serve_steps     the processes worker's loop of plain steps (_backends/processes_worker.py)
  *   step_round      the processes driver's ring, own block and spin of a step
  *                   (_backends/processes.py)
+ *   timed_call      StepTimer.call: a group's step timed into its stats row, where a backend
+ *                   steps the group itself (serial, threads, Ray actors, the driver's block)
  *
  * Only what measurably pays end to end is here (benchmarks/speedups.py measures each function
- * against its Python twin; the env step loop, the doorbell's post/poll/spin and StepTimer.call
- * were measured within noise and run in Python only).
+ * against its Python twin; the env step loop and the doorbell's post/poll/spin were measured
+ * within noise and run in Python only; timed_call pays on the serial no-op round trip,
+ * benchmarks/compare_commits.py).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -38,9 +41,9 @@
 /* Calls of each function in this process, for the tests that notice a fast path that stopped
  * running: counters() -> {name: calls}, reset_counters(). write_results and write_rows count
  * only the calls where they wrote (not those handed back to numpy). Updated with the GIL held. */
-enum { F_SERVE_STEPS, F_STEP_ROUND, F_WRITE_RESULTS, F_WRITE_ROWS, F_COUNT };
+enum { F_SERVE_STEPS, F_STEP_ROUND, F_TIMED_CALL, F_WRITE_RESULTS, F_WRITE_ROWS, F_COUNT };
 static const char *const function_names[F_COUNT] = {
-    "serve_steps", "step_round", "write_results", "write_rows",
+    "serve_steps", "step_round", "timed_call", "write_results", "write_rows",
 };
 static unsigned long long calls[F_COUNT];
 
@@ -138,6 +141,27 @@ record_time(double *words, double seconds, int per_octave, int num_buckets)
         b = f >= num_buckets - 1 ? num_buckets - 1 : (int)f;
     }
     words[2 + b] += 1.0;
+}
+
+/* timed_call(words, per_octave, num_buckets, fn) -> fn(): StepTimer.call (_stats.py), for the
+ * groups stepped by run_command (serial, threads, Ray actors, the processes driver's block);
+ * the time of a call that returns is recorded in the stats row at address ``words``. */
+static PyObject *
+sp_timed_call(PyObject *self, PyObject *args)
+{
+    PyObject *wa, *fn;
+    int per_octave, num_buckets;
+    void *words;
+    if (!PyArg_ParseTuple(args, "OiiO", &wa, &per_octave, &num_buckets, &fn))
+        return NULL;
+    if (!as_address(wa, &words))
+        return NULL;
+    calls[F_TIMED_CALL]++;
+    double t0 = monotonic_s();
+    PyObject *result = PyObject_CallNoArgs(fn);
+    if (result != NULL)
+        record_time((double *)words, monotonic_s() - t0, per_octave, num_buckets);
+    return result;
 }
 
 /* -- the processes worker's loop ----------------------------------------------------------- */
@@ -579,6 +603,7 @@ static PyMethodDef methods[] = {
     {"write_rows", sp_write_rows, METH_VARARGS, "EnvGroup's observation rows, memcpy'd."},
     {"serve_steps", sp_serve_steps, METH_VARARGS, "_Worker.serve's loop for plain steps."},
     {"step_round", sp_step_round, METH_VARARGS, "ProcessesBackend's step round."},
+    {"timed_call", sp_timed_call, METH_VARARGS, "StepTimer.call."},
     {"counters", sp_counters, METH_NOARGS, "counters() -> {name: calls in this process}."},
     {"reset_counters", sp_reset_counters, METH_NOARGS, "reset_counters(): zero them."},
     {"register_types", sp_register_types, METH_VARARGS,

@@ -16,6 +16,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from typing import Any
 
 import gymnasium as gym
@@ -292,15 +293,43 @@ def test_spawned_workers_run_the_c_writes(make_env, context):
 @pytest.mark.parametrize("backend", ["serial", "threads"])
 def test_in_process_backends_run_the_c_writes(make_env, backend):
     """CartPole-v1 x16 on serial and threads: each group's step writes its results and its
-    observation rows in C."""
+    observation rows in C, and is timed in C (each worker's stats row counts every step)."""
     if envfleet._native.speedups is None:
         pytest.skip("envfleet._speedups is not built here")
     fleet = make_env("CartPole-v1", 16, backend=backend)
     before = c_counters()
     step_cartpole(fleet)
     after = c_counters()
-    for name in ("write_results", "write_rows"):
+    for name in ("write_results", "write_rows", "timed_call"):
         assert after[name] - before[name] >= COUNTED_STEPS, name
+    assert all(w.count >= COUNTED_STEPS for w in fleet.stats.workers)
+
+
+def test_timed_call_records_as_its_python_twin():
+    """C timed_call and StepTimer's Python twin record a call the same way: one count, its
+    seconds, and the quarter-octave bucket of those seconds (StepTimer.record's)."""
+    if envfleet._native.speedups is None:
+        pytest.skip("envfleet._speedups is not built here")
+    from envfleet._stats import STATS_WORDS, StepTimer
+
+    rows = np.zeros((2, STATS_WORDS))
+    c_timer = StepTimer(rows[0])
+    envfleet._native.disabled = frozenset({"timed_call"})
+    try:
+        python_timer = StepTimer(rows[1])
+    finally:
+        envfleet._native.disabled = frozenset()
+    assert c_timer.call != python_timer.call  # one in C, one in Python
+    for seconds in (0.0, 0.0004, 0.003):
+        before = rows.copy()
+        assert c_timer.call(lambda s=seconds: time.sleep(s) or "c") == "c"
+        assert python_timer.call(lambda s=seconds: time.sleep(s) or "py") == "py"
+        for k in range(2):
+            got = rows[k] - before[k]
+            assert got[0] == 1.0 and got[1] > 0.0
+            reference = np.zeros(STATS_WORDS)
+            StepTimer(reference).record(got[1])
+            assert np.array_equal(got[2:], reference[2:]), (k, seconds)
 
 
 def test_the_c_module_holds_what_pays():
@@ -308,7 +337,13 @@ def test_the_c_module_holds_what_pays():
     one back is a measured decision (with its property test and its counter test)."""
     if envfleet._native.speedups is None:
         pytest.skip("envfleet._speedups is not built here")
-    assert set(c_counters()) == {"serve_steps", "step_round", "write_results", "write_rows"}
+    assert set(c_counters()) == {
+        "serve_steps",
+        "step_round",
+        "timed_call",
+        "write_results",
+        "write_rows",
+    }
     for name in c_counters():
         assert envfleet._native.function(name) is getattr(envfleet._native.speedups, name)
 

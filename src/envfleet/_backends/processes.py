@@ -393,11 +393,7 @@ class ProcessesBackend(WorkerProcesses):
             # Every env that raised counts, the workers' as well as the driver's own.
             self.ledger.count_env_errors([local_failure, *done.failures.values()])
             raise failure_error(local_failure) from local_failure.__cause__
-        results = (
-            self.supervisor.settle(done, timeout, step, self._command)
-            if done.failed
-            else done.results
-        )
+        results = self.supervisor.settle(done, timeout, step, self._command)
         if self._local is not None and local_result is not None:
             results[0] = local_result
         return results

@@ -236,11 +236,7 @@ class RayBackend(Backend):
         refs, self._pending = self._pending, {}
         fail_fast = not self.ledger.restarts_on(self._command)
         done = self._wait(refs, timeout, step, fail_fast)
-        results = (
-            self.supervisor.settle(done, timeout, step, self._command)
-            if done.failed
-            else done.results
-        )
+        results = self.supervisor.settle(done, timeout, step, self._command)
         return dict(sorted(results.items()))
 
     def collect_ready(self, timeout: float | None, step: int) -> dict[int, Any]:

@@ -22,7 +22,8 @@ class SerialBackend(InProcessBackend):
         # Added to the results not yet collected: a first-ready pool submits several times.
         self._results, self._failures = dict(self._results), dict(self._failures)
         self._command = command
-        self.supervisor.sent(payloads, command)  # a pool's restarts rebuild after it
+        if self.ledger.policy is not None:  # a pool's restarts rebuild after its command
+            self.supervisor.sent(payloads, command)
         for w in sorted(payloads):
             try:
                 self._results[w] = self.run_group(w, command, payloads[w])
