@@ -19,11 +19,20 @@ class SerialBackend(InProcessBackend):
     _failures: dict[int, EnvFailure] = {}  # noqa: RUF012
 
     def submit(self, command: Command, payloads: Mapping[int, Any], step: int) -> None:
+        self.supervisor.sent(payloads, command)  # a pool's envs fail and restart after it
+        self._run(command, payloads)
+
+    def round(
+        self, command: Command, payloads: Mapping[int, Any], timeout: float | None, step: int
+    ) -> dict[int, Any]:
+        # Synchronous: settled with this very command, so there is no send to note.
+        self._run(command, payloads)
+        return self.collect(timeout, step)
+
+    def _run(self, command: Command, payloads: Mapping[int, Any]) -> None:
         # Added to the results not yet collected: a first-ready pool submits several times.
         self._results, self._failures = dict(self._results), dict(self._failures)
         self._command = command
-        if self.ledger.policy is not None:  # a pool's restarts rebuild after its command
-            self.supervisor.sent(payloads, command)
         for w in sorted(payloads):
             try:
                 self._results[w] = self.run_group(w, command, payloads[w])
