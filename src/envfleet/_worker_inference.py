@@ -46,6 +46,8 @@ __all__ = ["PolicyUpdate", "WorkerInference", "sampler_round"]
 
 @dataclass
 class PolicyUpdate:
+    """A policy version for the workers: the policy object, or parameters for their copies."""
+
     version: int
     blob: bytes  # cloudpickled policy, or parameters when ``params``
     params: bool
@@ -66,6 +68,8 @@ class RoundRequest:
 
 @dataclass
 class Rollout:
+    """A worker's round of ``steps`` steps per env, recorded, with its timers."""
+
     worker: int
     batch: EpisodeBatch
     env_version: int
@@ -74,6 +78,8 @@ class Rollout:
 
 @dataclass
 class Episodes:
+    """A worker's whole episodes (``Sampler.sample_episodes``), with its timers."""
+
     worker: int
     batch: EpisodeBatch
     timers: dict[str, TimerStat]
@@ -85,8 +91,8 @@ class Episodes:
 STATE_KEY = "envfleet.sampler"  # the sampler's entry in the group's task_state
 # The step info of an env whose episode an exception ended (it is restarted, or the sampler
 # fails): as the vector env flags a restarted env.
-RESTART = "env_restarted"
-RESTARTED = {RESTART: True}
+RESTARTED_KEY = "env_restarted"
+RESTARTED = {RESTARTED_KEY: True}
 
 
 class GroupEnvs:
@@ -329,7 +335,9 @@ class WorkerInference(Inference):
             # round; a worker whose envs raised keeps the steps so far for the next round.
             # Either way its next round starts from the envs' observations in the buffers.
             self.version_of[w] = -1
-            self.stats.env_restarts += sum(1 for _, info in message or () if info.get(RESTART))
+            self.stats.env_restarts += sum(
+                1 for _, info in message or () if info.get(RESTARTED_KEY)
+            )
         return out
 
     def settle(self) -> None:
