@@ -192,3 +192,66 @@ def test_the_machine_plan_differs_from_the_one_core_plan() -> None:
     assert got["usable"] == cores
     assert got["driver_envs"] == 4 // (min(3, cores - 1) + 1)
     assert got["threads_workers"] == min(4, cores)
+
+
+# Pinned to one core: a local Ray cluster that make() starts has one CPU, so one actor.
+RAY_ONE_CORE = """
+import json, os
+os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+import ray
+import envfleet
+from tests.envs import IndexedEnv
+with envfleet.make(IndexedEnv, 4, backend="ray") as envs:
+    out = {"cpus": ray.cluster_resources().get("CPU"), "ray_workers": envs.num_workers}
+ray.shutdown()
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.ray
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs sched_setaffinity")
+def test_a_local_ray_cluster_has_the_usable_cores(
+    monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """Ray counts the host's CPUs (or its cgroup quota), not the affinity mask: make() starts
+    its local cluster with the usable cores. RAY_TMPDIR of its own: ``ray.init()`` would join
+    a cluster another test run on this machine started, and that one keeps its CPUs."""
+    pytest.importorskip("ray")
+    if registry_usable_cores() < 2:
+        pytest.skip("needs two usable cores to tell one core's cluster from the machine's")
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setenv("RAY_TMPDIR", str(tmp_path_factory.mktemp("ray")))
+    got = _plan_in_subprocess(RAY_ONE_CORE)
+    assert got == {"cpus": 1.0, "ray_workers": 1}
+
+
+# Pinned to one core, joining a running cluster of three CPUs that RAY_ADDRESS names: that
+# cluster keeps its CPUs (Ray refuses num_cpus when it joins one).
+RAY_JOIN = """
+import json, os
+os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+import ray
+from ray.cluster_utils import Cluster
+import envfleet
+from tests.envs import IndexedEnv
+cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 3, "include_dashboard": False})
+os.environ["RAY_ADDRESS"] = cluster.address
+try:
+    with envfleet.make(IndexedEnv, 4, backend="ray") as envs:
+        out = {"cpus": ray.cluster_resources().get("CPU"), "ray_workers": envs.num_workers}
+finally:
+    ray.shutdown()
+    cluster.shutdown()
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.ray
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs sched_setaffinity")
+def test_joining_a_cluster_keeps_its_cpus(
+    monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    pytest.importorskip("ray")
+    monkeypatch.setenv("RAY_TMPDIR", str(tmp_path_factory.mktemp("ray")))
+    got = _plan_in_subprocess(RAY_JOIN)
+    assert got == {"cpus": 3.0, "ray_workers": 3}
