@@ -13,6 +13,7 @@ from typing import Any
 import ray
 
 from envfleet._backends.ray_actor import RemoteWorker
+from envfleet._cores import usable_cores
 from envfleet._errors import ConfigError
 
 __all__ = ["RayPlan", "connect", "plan_ray"]
@@ -36,7 +37,8 @@ class RayPlan:
 def connect(address: str | None) -> bool:
     """Connect to Ray unless this process already is: ``ray.init(address=address)``.
 
-    ``address=None`` starts a local cluster (or joins the one ``RAY_ADDRESS`` names);
+    ``address=None`` starts a local cluster whose CPUs are the cores this process may use
+    (:func:`envfleet._cores.usable_cores`), or joins the one ``RAY_ADDRESS`` names;
     ``"auto"`` joins the cluster started on this machine with ``ray start``;
     ``"ray://host:10001"`` goes through Ray Client. Returns whether it connected now. A
     cluster envfleet starts lives until this interpreter exits (or ``ray.shutdown()``); envfleet
@@ -53,10 +55,26 @@ def connect(address: str | None) -> bool:
         "starting a local Ray cluster" if address is None else "connecting to Ray at %s", address
     )
     try:
-        ray.init(address=address, include_dashboard=False)
+        if address is None:
+            _init_local()
+        else:
+            ray.init(address=address, include_dashboard=False)
     except (ConnectionError, ValueError, RuntimeError, TimeoutError) as exc:
         raise ConfigError(f"cannot connect to Ray at {address!r}: {exc}") from exc
     return True
+
+
+def _init_local() -> None:
+    """``ray.init()`` with the cores this process may use as a new local cluster's CPUs (Ray
+    counts the host's, or its cgroup quota, but not this process's affinity). Ray refuses
+    ``num_cpus`` when ``address=None`` finds a cluster to join (``RAY_ADDRESS``, or one
+    started on this machine): that one keeps its own CPUs."""
+    try:
+        ray.init(include_dashboard=False, num_cpus=usable_cores())
+    except ValueError:
+        if ray.is_initialized():
+            raise
+        ray.init(include_dashboard=False)
 
 
 def plan_ray(

@@ -37,14 +37,13 @@ them in its plan (``request.options``), raising :class:`~envfleet.ConfigError` f
 from __future__ import annotations
 
 import importlib
-import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import gymnasium
-import psutil
 
+from envfleet import _cores
 from envfleet._backends.base import Backend, WorkerLayout, worker_ranges
 from envfleet._buffers import Block
 from envfleet._errors import ConfigError
@@ -78,11 +77,10 @@ _REGISTRY: dict[str, BackendSpec] = {}
 
 
 def usable_cores() -> int:
-    """Cores this process may run on (its CPU affinity), at least 1."""
-    try:
-        return max(1, len(psutil.Process().cpu_affinity() or []))
-    except (AttributeError, psutil.Error):
-        return max(1, os.cpu_count() or 1)
+    """Cores this process may use, at least 1: the smaller of its CPU affinity and its cgroup
+    v2 ``cpu.max`` quota (see :func:`envfleet._cores.usable_cores`); the plans' worker counts
+    and spin budgets read this, never ``os.cpu_count()``."""
+    return _cores.usable_cores()
 
 
 @dataclass(frozen=True)

@@ -114,7 +114,11 @@ def make(  # type: ignore[misc]  # the overloads stand for its keyword arguments
             processes, default usable cores - 1 with the driver stepping a share (see
             ``driver_envs``); ``threads``: threads, default ``min(num_envs, usable
             cores)``; ``serial``: blocks stepped in turn, default 1; ``ray``: actors,
-            default ``min(num_envs, the Ray cluster's CPUs)``.
+            default ``min(num_envs, the Ray cluster's CPUs)`` (a local cluster envfleet
+            starts has the usable cores). Usable cores: those this process may run on, the
+            smaller of its CPU affinity (``taskset``, ``os.sched_setaffinity``) and its
+            cgroup v2 ``cpu.max`` quota rounded up (a container's CPU limit), at least 1;
+            never the host's ``os.cpu_count()``.
         batch_size: ``None`` or ``num_envs``: synchronous. ``1 <= batch_size < num_envs``: a
             first-ready pool, EnvPool's asynchronous interface: :meth:`~FleetVectorEnv.
             async_reset`, :meth:`~FleetVectorEnv.send` and :meth:`~FleetVectorEnv.recv`, which

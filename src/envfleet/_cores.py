@@ -1,0 +1,138 @@
+"""The cores this process may use: its CPU affinity and a cgroup v2 ``cpu.max`` quota, the
+smaller of the two (:func:`usable_cores`).
+
+Worker counts and spin budgets read :func:`usable_cores`, never the host's ``os.cpu_count()``:
+in a container limited to two CPUs on a 64-core host, or a job pinned to a few cores with
+``taskset``, only those cores run the workers, and more busy workers than that only take turns.
+
+The quota is read from cgroup v2: the process's cgroup path is the ``0::<path>`` line of
+``/proc/self/cgroup``, and ``<root>/<path>/cpu.max`` (and each parent's, up to ``<root>``)
+holds ``"<quota> <period>"`` in microseconds, or ``"max <period>"`` for no quota. A quota of
+``q`` per period ``p`` lets the cgroup run ``q / p`` cores' worth, rounded up here (at least 1).
+Under cgroup v1, or where no cgroup file can be read, the affinity alone counts.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+import psutil
+
+__all__ = [
+    "CGROUP_ROOT",
+    "PROC_CGROUP",
+    "affinity_cores",
+    "cpu_max_cores",
+    "quota_cores",
+    "usable_cores",
+]
+
+CGROUP_ROOT = "/sys/fs/cgroup"  # where the cgroup v2 hierarchy is mounted
+PROC_CGROUP = "/proc/self/cgroup"  # this process's cgroups, one line per hierarchy
+
+
+def affinity_cores() -> int:
+    """The cores in this process's CPU affinity mask (``os.sched_getaffinity``; psutil where
+    Python has no such call; ``os.cpu_count()`` where neither can say), at least 1.
+
+    Example:
+        >>> affinity_cores() >= 1
+        True
+    """
+    if hasattr(os, "sched_getaffinity"):
+        try:
+            return max(1, len(os.sched_getaffinity(0)))
+        except OSError:
+            pass
+    try:
+        return max(1, len(psutil.Process().cpu_affinity() or []))
+    except (AttributeError, NotImplementedError, psutil.Error):
+        return max(1, os.cpu_count() or 1)
+
+
+def cpu_max_cores(text: str) -> int | None:
+    """The cores a cgroup v2 ``cpu.max`` file's contents grant: ``ceil(quota / period)``, at
+    least 1; ``None`` for no quota (``"max"``) or contents that are not a quota.
+
+    Args:
+        text: the file's contents, ``"<quota> <period>"`` (microseconds, integers) or
+            ``"max <period>"``; a lone ``"<quota>"`` takes the kernel's default period
+            (100000).
+
+    Example:
+        >>> cpu_max_cores("150000 100000"), cpu_max_cores("50000 100000"), cpu_max_cores("max")
+        (2, 1, None)
+    """
+    fields = text.split()
+    if not fields or len(fields) > 2 or fields[0] == "max":
+        return None
+    try:
+        quota = int(fields[0])
+        period = int(fields[1]) if len(fields) == 2 else 100_000
+    except ValueError:
+        return None
+    if quota <= 0 or period <= 0:
+        return None
+    return max(1, math.ceil(quota / period))
+
+
+def _cgroup_v2_path(proc_cgroup: str) -> str | None:
+    """This process's cgroup v2 path (the ``0::<path>`` line), or ``None`` without one."""
+    try:
+        lines = Path(proc_cgroup).read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        hierarchy, _, rest = line.partition(":")
+        controllers, _, path = rest.partition(":")
+        if hierarchy == "0" and controllers == "":
+            return path
+    return None
+
+
+def quota_cores(root: str = CGROUP_ROOT, proc_cgroup: str = PROC_CGROUP) -> int | None:
+    """The cores this process's cgroup v2 CPU quota grants: the smallest :func:`cpu_max_cores`
+    of its cgroup's ``cpu.max`` and every parent's up to ``root`` (a parent's quota bounds
+    its children); ``None`` where there is no quota, no cgroup v2 line or no file to read.
+
+    Args:
+        root: where the cgroup v2 hierarchy is mounted.
+        proc_cgroup: the file that lists this process's cgroups.
+
+    Example:
+        >>> quota_cores(root="/nonexistent") is None
+        True
+    """
+    path = _cgroup_v2_path(proc_cgroup)
+    if path is None:
+        return None
+    parts = [part for part in path.split("/") if part not in ("", ".", "..")]
+    found: list[int] = []
+    for depth in range(len(parts), -1, -1):
+        try:
+            text = Path(root, *parts[:depth], "cpu.max").read_text()
+        except OSError:
+            continue
+        cores = cpu_max_cores(text)
+        if cores is not None:
+            found.append(cores)
+    return min(found) if found else None
+
+
+def usable_cores(root: str = CGROUP_ROOT, proc_cgroup: str = PROC_CGROUP) -> int:
+    """The cores this process may use: the smaller of :func:`affinity_cores` and
+    :func:`quota_cores` (the affinity alone where there is no quota), at least 1.
+
+    Args:
+        root: where the cgroup v2 hierarchy is mounted (tests point it at a temporary tree).
+        proc_cgroup: the file that lists this process's cgroups.
+
+    Example:
+        >>> 1 <= usable_cores() <= (os.cpu_count() or 1)
+        True
+    """
+    cores = affinity_cores()
+    quota = quota_cores(root, proc_cgroup)
+    return cores if quota is None else max(1, min(cores, quota))
