@@ -31,7 +31,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
 import gymnasium
@@ -77,6 +77,8 @@ __all__ = [
     "measure_policy_loop",
     "measure_system",
     "overlap_bound",
+    "policy_report_dict",
+    "policy_table",
     "require_torch",
     "timed_loop",
     "usable_cores",
@@ -603,6 +605,45 @@ def measure_policy_loop(
         bound,
         tuple(results),
     )
+
+
+def policy_report_dict(report: PolicyLoopReport) -> dict[str, Any]:
+    """A learner's-loop report as a JSON-ready dict (``nan`` becomes ``None``): the fields of
+    :class:`PolicyLoopReport`, ``bound`` and ``results`` nested as dicts."""
+
+    def clean(value: Any) -> Any:
+        if isinstance(value, float) and value != value:
+            return None
+        if isinstance(value, dict):
+            return {k: clean(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [clean(v) for v in value]
+        return value
+
+    return dict(clean(asdict(report)))
+
+
+def policy_table(report: PolicyLoopReport) -> str:
+    """A learner's-loop report as Markdown: a line on the workload and its bound, then a table
+    of ``system | steps/s | of bound | vs best gym`` (a skipped system says why)."""
+    b = report.bound
+    lines = [
+        f"{report.env_id} x{report.num_envs}, {report.policy} policy: bound "
+        f"{b.steps_per_s:,.0f} steps/s (T_p = {b.t_policy_s * 1e6:,.0f} us, "
+        f"t_env = {b.t_env_s * 1e6:,.1f} us, {b.cores} cores); {report.seconds:g} s per "
+        f"system, {report.repeats} repetition(s), medians",
+        "",
+        "| system | steps/s | of bound | vs best gym |",
+        "|---|---:|---:|---:|",
+    ]
+    for r in report.results:
+        if r.skipped is not None:
+            lines.append(f"| {r.system} | not installed: {r.skipped} | - | - |")
+        else:
+            lines.append(
+                f"| {r.system} | {r.steps_per_s:,.0f} | {r.of_bound:.2f} | {r.vs_best_gym:.2f} |"
+            )
+    return "\n".join(lines) + "\n"
 
 
 def measure_bound(workload: Any, *, seed: int = 0, seconds: float = 0.5) -> PolicyBound:

@@ -225,7 +225,14 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _bench_policy(args: argparse.Namespace) -> int:
-    from envfleet.bench import check_workload, measure_policy_loop, require_torch, workloads
+    from envfleet.bench import (
+        check_workload,
+        measure_policy_loop,
+        policy_report_dict,
+        policy_table,
+        require_torch,
+        workloads,
+    )
 
     if not args.systems:
         return _error("nothing to measure: --systems is 'none'")
@@ -265,43 +272,6 @@ def _bench_policy(args: argparse.Namespace) -> int:
         for r in reports:
             print(policy_table(r))
     return 0
-
-
-def policy_report_dict(report: PolicyLoopReport) -> dict[str, Any]:
-    """A learner's-loop report as a JSON-ready dict (``nan`` becomes ``None``)."""
-
-    def clean(value: Any) -> Any:
-        if isinstance(value, float) and value != value:
-            return None
-        if isinstance(value, dict):
-            return {k: clean(v) for k, v in value.items()}
-        if isinstance(value, (list, tuple)):
-            return [clean(v) for v in value]
-        return value
-
-    return dict(clean(asdict(report)))
-
-
-def policy_table(report: PolicyLoopReport) -> str:
-    """A learner's-loop report as a Markdown table, with a line on its bound above it."""
-    b = report.bound
-    lines = [
-        f"{report.env_id} x{report.num_envs}, {report.policy} policy: bound "
-        f"{b.steps_per_s:,.0f} steps/s (T_p = {b.t_policy_s * 1e6:,.0f} us, "
-        f"t_env = {b.t_env_s * 1e6:,.1f} us, {b.cores} cores); {report.seconds:g} s per "
-        f"system, {report.repeats} repetition(s), medians",
-        "",
-        "| system | steps/s | of bound | vs best gym |",
-        "|---|---:|---:|---:|",
-    ]
-    for r in report.results:
-        if r.skipped is not None:
-            lines.append(f"| {r.system} | not installed: {r.skipped} | - | - |")
-        else:
-            lines.append(
-                f"| {r.system} | {r.steps_per_s:,.0f} | {r.of_bound:.2f} | {r.vs_best_gym:.2f} |"
-            )
-    return "\n".join(lines) + "\n"
 
 
 def _error(message: str, status: int = 2) -> int:
