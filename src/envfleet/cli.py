@@ -2,7 +2,10 @@
 
 ``envfleet bench [ENV_ID ...]`` measures env steps per second of envfleet's backends and of
 gymnasium's vector envs (see :mod:`envfleet.bench`) and prints a table, or one JSON document
-with ``--json``. This module is the only place where envfleet prints.
+with ``--json``. ``envfleet bench --policy {mlp,cnn}`` measures the learner's loop instead
+(observations -> a torch policy -> step; :func:`envfleet.bench.measure_policy_loop`): every
+system's steps/s, its fraction of the overlap bound and its ratio to the faster gymnasium
+loop. This module is the only place where envfleet prints.
 
 Exit status: 0 on success, 1 when a system failed while being measured, 2 for bad arguments
 (argparse's convention; also an unknown env id or a missing ale-py), 130 on Ctrl-C.
@@ -21,9 +24,11 @@ import envfleet
 from envfleet import ConfigError
 from envfleet.bench import (
     BASELINES,
+    POLICY_SYSTEMS,
     BenchError,
     BenchProgress,
     BenchResult,
+    PolicyLoopReport,
     baseline_ratios,
     check_env_id,
     measure,
@@ -77,9 +82,9 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--num-envs",
         type=_positive_int,
-        default=16,
+        default=None,
         metavar="N",
-        help="sub-environments per system (default: 16)",
+        help="sub-environments per system (default: 16; with --policy cnn: 8)",
     )
     bench.add_argument(
         "--backends",
@@ -111,6 +116,30 @@ def _parser() -> argparse.ArgumentParser:
         "--json",
         action="store_true",
         help="print one JSON document (a list of results with ratios) instead of the table",
+    )
+    bench.add_argument(
+        "--policy",
+        choices=("mlp", "cnn"),
+        default=None,
+        help=(
+            "measure the learner's loop with CleanRL's PPO actor (needs torch): mlp (64-64 "
+            "tanh; default env CartPole-v1 x16) or cnn (Nature CNN; default env ALE/Pong-v5 "
+            "x8, Atari-preprocessed); --backends and --baselines do not apply"
+        ),
+    )
+    bench.add_argument(
+        "--systems",
+        type=_names(POLICY_SYSTEMS, "system"),
+        default=list(POLICY_SYSTEMS),
+        metavar="LIST",
+        help=f"with --policy: comma-separated systems (default: {','.join(POLICY_SYSTEMS)})",
+    )
+    bench.add_argument(
+        "--repeats",
+        type=_positive_int,
+        default=1,
+        metavar="R",
+        help="with --policy: repetitions, systems interleaved; medians are reported (default: 1)",
     )
     return parser
 
@@ -157,6 +186,10 @@ def _names(available: Sequence[str], kind: str) -> Any:
 
 
 def _bench(args: argparse.Namespace) -> int:
+    if args.policy is not None:
+        return _bench_policy(args)
+    if args.num_envs is None:
+        args.num_envs = 16
     env_ids: list[str] = list(dict.fromkeys(args.env_ids)) or [DEFAULT_ENV_ID]
     systems: list[str] = [*args.backends, *args.baselines]
     if not systems:
@@ -188,6 +221,56 @@ def _bench(args: argparse.Namespace) -> int:
         sys.stdout.write(json.dumps(doc, indent=2) + "\n")
     else:
         _print_table(results, ratios, args)
+    return 0
+
+
+def _bench_policy(args: argparse.Namespace) -> int:
+    from envfleet.bench import (
+        check_workload,
+        measure_policy_loop,
+        policy_report_dict,
+        policy_table,
+        require_torch,
+        workloads,
+    )
+
+    if not args.systems:
+        return _error("nothing to measure: --systems is 'none'")
+    try:
+        require_torch()
+        chosen = workloads(args.policy, list(dict.fromkeys(args.env_ids)), args.num_envs)
+        for w in chosen:
+            check_env_id(w.env_id)
+            check_workload(w)
+    except ConfigError as exc:
+        return _error(str(exc))
+    reports: list[PolicyLoopReport] = []
+    show = not args.json and sys.stderr.isatty()
+
+    def on_progress(name: str, system: str, rep: int) -> None:
+        if show:
+            print(f"  {name}: {system} (repetition {rep + 1})", file=sys.stderr)
+
+    try:
+        for w in chosen:
+            reports.append(
+                measure_policy_loop(
+                    w, args.systems, args.seconds, repeats=args.repeats, progress=on_progress
+                )
+            )
+    except ConfigError as exc:
+        return _error(str(exc))
+    except BenchError as exc:
+        return _error(str(exc), status=1)
+    except KeyboardInterrupt:
+        print("envfleet bench: interrupted", file=sys.stderr)
+        return 130
+    if args.json:
+        doc = [policy_report_dict(r) for r in reports]
+        sys.stdout.write(json.dumps(doc, indent=2) + "\n")
+    else:
+        for r in reports:
+            print(policy_table(r))
     return 0
 
 

@@ -5,6 +5,7 @@ Only structure and consistency are checked, never speed (DESIGN §6: no timed as
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -159,3 +160,95 @@ def test_bench_atari():
     check_results(
         json.loads(proc.stdout), "ALE/Pong-v5", 2, ["processes", "gym-sync"], ["gym-sync"]
     )
+
+
+# -- envfleet bench --policy (the learner's loop) ------------------------------------------
+
+POLICY_SYSTEMS = [
+    "gym-sync", "gym-async", "puffer-sync", "puffer-async", "envfleet", "envfleet-pool",
+    "sampler-driver", "sampler-worker",
+]  # fmt: skip
+
+
+def check_policy_report(report: dict, env_id: str, num_envs: int, policy: str) -> None:
+    assert (report["env_id"], report["num_envs"], report["policy"]) == (env_id, num_envs, policy)
+    bound = report["bound"]
+    assert bound["t_policy_s"] > 0 and bound["t_env_s"] > 0 and bound["cores"] >= 1
+    expected = num_envs / max(
+        bound["t_policy_s"], (bound["t_policy_s"] + num_envs * bound["t_env_s"]) / bound["cores"]
+    )
+    assert math.isclose(bound["steps_per_s"], expected, rel_tol=1e-9)
+    assert [r["system"] for r in report["results"]] == POLICY_SYSTEMS
+    for r in report["results"]:
+        if r["skipped"] is not None:  # PufferLib not installed
+            assert r["system"].startswith("puffer")
+            assert "pip install pufferlib-core" in r["skipped"]
+            assert r["steps_per_s"] is None and r["runs"] == []
+            continue
+        assert r["steps_per_s"] > 0
+        assert math.isclose(r["of_bound"], r["steps_per_s"] / bound["steps_per_s"], rel_tol=1e-9)
+        assert r["vs_best_gym"] > 0
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="needs torch")
+def test_bench_policy_mlp_prints_every_system():
+    proc = run("bench", "--policy", "mlp", "--num-envs", "2", "--seconds", "0.1")
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "CartPole-v1 x2, mlp policy: bound" in out
+    for column in ("steps/s", "of bound", "vs best gym"):
+        assert column in out
+    rows = [line for line in out.splitlines() if line.startswith("| ") and "---" not in line]
+    assert [row.split("|")[1].strip() for row in rows[1:]] == POLICY_SYSTEMS
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="needs torch")
+def test_bench_policy_json():
+    proc = run(
+        "bench", "--policy", "mlp", "LunarLander-v3", "--num-envs", "2", "--seconds", "0.1",
+        "--repeats", "2", "--json",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)
+    assert len(doc) == 1
+    check_policy_report(doc[0], "LunarLander-v3", 2, "mlp")
+    assert doc[0]["repeats"] == 2
+
+
+@pytest.mark.atari
+def test_bench_policy_cnn_prints_every_system():
+    pytest.importorskip("torch")
+    pytest.importorskip("ale_py")
+    pytest.importorskip("cv2")  # AtariPreprocessing resizes with OpenCV
+    proc = run("bench", "--policy", "cnn", "--num-envs", "2", "--seconds", "0.1", "--json")
+    assert proc.returncode == 0, proc.stderr
+    check_policy_report(json.loads(proc.stdout)[0], "ALE/Pong-v5", 2, "cnn")
+
+
+def test_bench_policy_without_torch_says_how_to_install_it():
+    code = (
+        "import sys; sys.modules['torch'] = None\n"
+        "from envfleet.cli import main\n"
+        "sys.exit(main(['bench', '--policy', 'mlp']))\n"
+    )
+    proc = run(cmd=[sys.executable, "-c", code])
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1
+    assert "pip install 'envfleet[torch]'" in lines[0]
+    assert proc.stdout == ""
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["bench", "--policy", "rnn"],
+        ["bench", "--policy", "mlp", "--systems", "gym-sync,bogus"],
+        ["bench", "--policy", "mlp", "--repeats", "0"],
+    ],
+)
+def test_bad_policy_arguments_exit_2(argv, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    assert "error" in capsys.readouterr().err
