@@ -38,6 +38,7 @@ import gymnasium
 import numpy as np
 
 import envfleet
+from envfleet import _cores
 from envfleet._bench_policies import (
     POLICY_KINDS,
     TORCH_INSTALL,
@@ -414,14 +415,9 @@ _GYM_LOOPS = ("gym-sync", "gym-async")
 
 
 def usable_cores() -> int:
-    """The number of cores this process may run on: its CPU affinity where the platform has
-    one (``os.sched_getaffinity``), else ``os.cpu_count()`` (at least 1)."""
-    import os
-
-    getaffinity = getattr(os, "sched_getaffinity", None)
-    if getaffinity is not None:
-        return max(1, len(getaffinity(0)))
-    return max(1, os.cpu_count() or 1)
+    """The number of cores this process may run on: the smaller of its CPU affinity and its
+    cgroup's CPU quota (:func:`envfleet._cores.usable_cores`, what envfleet's defaults use)."""
+    return _cores.usable_cores()
 
 
 def overlap_bound(num_envs: int, t_policy: float, t_env: float, cores: int) -> float:
