@@ -125,7 +125,7 @@ def check_workload(workload: Workload) -> None:
     if workload.atari and importlib.util.find_spec("cv2") is None:
         raise ConfigError(
             f"the Atari preprocessing of {workload.env_id} needs OpenCV: "
-            "pip install opencv-python-headless (or: pip install 'gymnasium[other]')"
+            "pip install 'envfleet[atari]' (or: pip install opencv-python-headless)"
         )
 
 
