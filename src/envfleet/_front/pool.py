@@ -63,7 +63,14 @@ class FirstReadyPool:
         self._pool_started = False
         self._in_flight: dict[int, np.ndarray] = {}  # worker -> its envs in its pending command
         ranges = self._backend.ranges
-        self._group_of = np.repeat(np.arange(len(ranges)), [stop - start for start, stop in ranges])
+        sizes = [stop - start for start, stop in ranges]
+        self._group_of = np.repeat(np.arange(len(ranges)), sizes)
+        self._group_of_list: list[int] = self._group_of.tolist()
+        self._group_sizes = np.array(sizes)
+        # Per group, its envs (shared by every command sent to it; never written).
+        self._group_envs = [np.arange(start, stop) for start, stop in ranges]
+        for envs in self._group_envs:
+            envs.flags.writeable = False
         # Action leaves without a fixed size: per env, its values until its worker steps.
         self._pool_side_actions: list[list[Any]] = [[] for _ in range(self.num_envs)]
 
@@ -186,21 +193,26 @@ class FirstReadyPool:
                 self._pool_side_actions[e] = [values[k] for values in side]
         self._has_action[ids] = True
         self._outputs.drop_slabs()
+        # The groups of ``ids`` whose every env now has its action: those step.
+        group_of = self._group_of_list
+        touched = {group_of[e] for e in ids.tolist()}
+        sizes = self._group_sizes
+        full = np.bincount(self._group_of[self._has_action], minlength=len(sizes)) == sizes
         payloads: dict[int, Any] = {}
-        for w in np.unique(self._group_of[ids]).tolist():
-            start, stop = self._backend.ranges[w]
-            if self._has_action[start:stop].all():
+        for w in sorted(touched):
+            if full[w]:
                 payloads[w] = None
                 if self._side_actions:  # as EnvGroup.step's side_actions
+                    start, stop = self._backend.ranges[w]
                     rows = self._pool_side_actions[start:stop]
                     payloads[w] = [tuple(values) for values in zip(*rows, strict=True)]
         if payloads:
             self._submit(Command.STEP, payloads)
+            stepping = np.concatenate([self._group_envs[w] for w in payloads])
+            self._env_state[stepping] = RUNNING
+            self._has_action[stepping] = False
             for w in payloads:
-                start, stop = self._backend.ranges[w]
-                self._env_state[start:stop] = RUNNING
-                self._has_action[start:stop] = False
-                self._in_flight[w] = np.arange(start, stop)
+                self._in_flight[w] = self._group_envs[w]
 
     def recv(
         self, timeout: float | None = None
@@ -267,29 +279,37 @@ class FirstReadyPool:
                 raise
             if self._outputs.side_spaces:
                 results = self._outputs.take_side(results)
-            for w in sorted(results):
-                envs = self._in_flight.pop(w)
-                self._env_state[envs] = READY
-                self._ready.extend(envs.tolist())
-                for index, info in results[w] or ():
-                    self._ready_infos.setdefault(index, []).append(info)
-        ids = np.array([self._ready.popleft() for _ in range(need)], dtype=np.int32)
+            if not results:
+                continue
+            flying, ready_infos = self._in_flight, self._ready_infos
+            done = [flying.pop(w) for w in sorted(results)]
+            envs = done[0] if len(done) == 1 else np.concatenate(done)
+            self._env_state[envs] = READY
+            self._ready.extend(envs.tolist())
+            for events in results.values():  # an env's infos all come from its one worker
+                for index, info in events or ():
+                    ready_infos.setdefault(index, []).append(info)
+        popleft = self._ready.popleft
+        ids_list = [popleft() for _ in range(need)]
+        ids = np.array(ids_list, dtype=np.int32)
         self._env_state[ids] = IDLE
         self._steps += 1
         batch = self._backend.batch
-        run = ids[0] + need - 1 == ids[-1] and bool(np.all(np.diff(ids) == 1))
-        if run and not self.copy:
-            rows = slice(int(ids[0]), int(ids[0]) + need)
-            obs = tree_slice(batch.observations, rows.start, rows.stop)
+        first = ids_list[0]
+        if not self.copy and ids_list == list(range(first, first + need)):  # one run: views
+            obs = tree_slice(batch.observations, first, first + need)
         else:
             obs = tree_take(batch.observations, ids)
         if self._outputs.side_spaces:
-            obs = self._outputs.fill_side(obs, ids.tolist(), self.copy)
+            obs = self._outputs.fill_side(obs, ids_list, self.copy)
         # Row k of the batch is env ids[k]; an env may have several infos (a reset's, then a
         # step's), added in order.
-        events = [
-            (k, info) for k, e in enumerate(ids.tolist()) for info in self._ready_infos.pop(e, ())
-        ]
+        ready_infos = self._ready_infos
+        events = (
+            [(k, info) for k, e in enumerate(ids_list) for info in ready_infos.pop(e, ())]
+            if ready_infos
+            else []
+        )
         infos = batch_infos(events, need)
         infos["env_id"] = ids
         return obs, batch.rewards[ids], batch.terminations[ids], batch.truncations[ids], infos
