@@ -2,9 +2,9 @@
 
 Two workloads (issue 19's): ``CartPole-v1`` x16 with an MLP 64-64 tanh policy, and
 ``ALE/Pong-v5`` x8 (``frameskip=1`` + ``AtariPreprocessing(frame_skip=4, screen_size=84,
-grayscale_obs=True)`` + ``FrameStackObservation(4)``, observations / 255; without OpenCV, ALE's
-own ``frameskip=4`` grayscale frames resized by nearest rows and columns) with the Nature CNN.
-torch runs with one thread; actions are sampled from a Categorical over the policy's logits.
+grayscale_obs=True)`` + ``FrameStackObservation(4)``, observations / 255) with the Nature CNN:
+the workloads and CleanRL's actors of ``envfleet bench --policy`` (``envfleet.bench``). torch
+runs with one thread; actions are sampled from a Categorical over the policy's logits.
 
 Systems, on ``backend="processes"`` with make()'s defaults otherwise:
 
@@ -41,100 +41,23 @@ from typing import Any
 import gymnasium
 import numpy as np
 import torch
-from torch import nn
 
 import envfleet
+from envfleet.bench import TorchPolicy, make_env
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
-def cartpole() -> gymnasium.Env[Any, Any]:
-    return gymnasium.make("CartPole-v1")
-
-
-class Resize84(gymnasium.ObservationWrapper[Any, Any, Any]):
-    """Grayscale 210x160 frames to 84x84 by nearest rows and columns (numpy; no OpenCV)."""
-
-    ROWS = np.linspace(0, 209, 84).round().astype(np.intp)
-    COLS = np.linspace(0, 159, 84).round().astype(np.intp)
-
-    def __init__(self, env: gymnasium.Env[Any, Any]):
-        super().__init__(env)
-        self.observation_space = gymnasium.spaces.Box(0, 255, (84, 84), np.uint8)
-
-    def observation(self, observation: np.ndarray) -> np.ndarray:
-        return observation[self.ROWS[:, None], self.COLS]
-
-
-def pong() -> gymnasium.Env[Any, Any]:
-    import ale_py
-
-    gymnasium.register_envs(ale_py)
-    env: gymnasium.Env[Any, Any]
-    try:
-        import cv2  # noqa: F401  (AtariPreprocessing needs OpenCV)
-    except ImportError:
-        env = Resize84(gymnasium.make("ALE/Pong-v5", frameskip=4, obs_type="grayscale"))
-    else:
-        env = gymnasium.make("ALE/Pong-v5", frameskip=1)
-        env = gymnasium.wrappers.AtariPreprocessing(
-            env, frame_skip=4, screen_size=84, grayscale_obs=True
-        )
-    return gymnasium.wrappers.FrameStackObservation(env, 4)
-
-
-def mlp_policy(obs_dim: int, n_actions: int) -> nn.Module:
-    return nn.Sequential(
-        nn.Linear(obs_dim, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, n_actions)
-    )
-
-
-class NatureCNN(nn.Module):
-    """CleanRL's Atari actor: the Nature CNN, then a linear layer to the logits."""
-
-    def __init__(self, n_actions: int):
-        super().__init__()
-        self.net = nn.Sequential(
-            nn.Conv2d(4, 32, 8, stride=4),
-            nn.ReLU(),
-            nn.Conv2d(32, 64, 4, stride=2),
-            nn.ReLU(),
-            nn.Conv2d(64, 64, 3, stride=1),
-            nn.ReLU(),
-            nn.Flatten(),
-            nn.Linear(64 * 7 * 7, 512),
-            nn.ReLU(),
-            nn.Linear(512, n_actions),
-        )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.net(x / 255.0)
-
-
+# The benchmark's workloads and CleanRL's actors, as envfleet bench --policy builds them.
 WORKLOADS: dict[str, tuple[Callable[[], gymnasium.Env[Any, Any]], int, str]] = {
-    "CartPole-v1": (cartpole, 16, "mlp"),
-    "ALE/Pong-v5": (pong, 8, "cnn"),
+    "CartPole-v1": (functools.partial(make_env, "CartPole-v1"), 16, "mlp"),
+    "ALE/Pong-v5": (functools.partial(make_env, "ALE/Pong-v5", True), 8, "cnn"),
 }
 
 
 def make_act(kind: str, env: gymnasium.Env[Any, Any]) -> Callable[[np.ndarray], np.ndarray]:
-    """obs batch (numpy) -> sampled actions (int64 numpy)."""
-    n_actions = int(env.action_space.n)  # type: ignore[attr-defined]
-    torch.manual_seed(0)
-    if kind == "mlp":
-        model: nn.Module = mlp_policy(int(np.prod(env.observation_space.shape or ())), n_actions)
-    else:
-        model = NatureCNN(n_actions)
-    model.eval()
-
-    def act(obs: np.ndarray) -> np.ndarray:
-        with torch.inference_mode():
-            x = torch.as_tensor(obs, dtype=torch.float32)
-            logits = model(x)
-            actions = torch.distributions.Categorical(logits=logits).sample()
-        return actions.numpy()
-
-    return act
+    """obs batch (numpy) -> sampled actions (int64 numpy): envfleet.bench.TorchPolicy."""
+    return TorchPolicy(kind, env.observation_space, env.action_space, seed=0)
 
 
 Rate = tuple[float, float]  # (steps/s, the driver's CPU µs per env step)
