@@ -1,0 +1,504 @@
+"""The learner's loop of ``envfleet bench --policy``: every system of :data:`POLICY_SYSTEMS`
+stepped with a torch policy choosing the actions, against the overlap bound (see
+:mod:`envfleet.bench`, which re-exports it).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import gymnasium
+import numpy as np
+
+import envfleet
+from envfleet import _cores
+from envfleet._bench_core import ACTION_BANK, bench_error, check_args
+from envfleet._bench_policies import (
+    TorchPolicy,
+    check_workload,
+    require_torch,
+)
+from envfleet._errors import ConfigError
+from envfleet._front.factories import check_env_id
+
+__all__ = [
+    "POLICY_SYSTEMS",
+    "PUFFER_INSTALL",
+    "PolicyBound",
+    "PolicyLoopReport",
+    "PolicyLoopResult",
+    "measure_bound",
+    "measure_policy_loop",
+    "overlap_bound",
+    "policy_report_dict",
+    "policy_table",
+    "usable_cores",
+]
+
+#: The systems of the learner's-loop benchmark, in the order of its table.
+POLICY_SYSTEMS: tuple[str, ...] = (
+    "gym-sync",
+    "gym-async",
+    "puffer-sync",
+    "puffer-async",
+    "envfleet",
+    "envfleet-pool",
+    "sampler-driver",
+    "sampler-worker",
+)
+#: What to install for the PufferLib rows when pufferlib is missing.
+PUFFER_INSTALL = "pip install pufferlib-core --no-deps"
+_GYM_LOOPS = ("gym-sync", "gym-async")
+
+
+def usable_cores() -> int:
+    """The number of cores this process may run on: the smaller of its CPU affinity and its
+    cgroup's CPU quota (:func:`envfleet._cores.usable_cores`, what envfleet's defaults use)."""
+    return _cores.usable_cores()
+
+
+def overlap_bound(num_envs: int, t_policy: float, t_env: float, cores: int) -> float:
+    """The overlap bound of a learner's loop, in env steps per second.
+
+    ``num_envs / max(t_policy, (t_policy + num_envs * t_env) / cores)``: the policy's work on
+    one batch and the envs' work on one step of every env, perfectly overlapped on ``cores``
+    cores, with the policy's batch never split. No loop can beat it.
+
+    Args:
+        num_envs: envs per batch (``N``).
+        t_policy: seconds the policy takes for one batch of ``N`` observations (``T_p``).
+        t_env: seconds one env takes for one step in a plain loop.
+        cores: cores available (:func:`usable_cores`).
+
+    Raises:
+        ConfigError: ``num_envs`` or ``cores`` below 1, a negative time, or both times 0.
+
+    Example::
+
+        overlap_bound(16, 141e-6, 8.2e-6, 2)  # 16 / max(141e-6, 136.1e-6) = 113475.2
+    """
+    if num_envs < 1 or cores < 1:
+        raise ConfigError(f"num_envs and cores must be >= 1, got {num_envs} and {cores}")
+    if t_policy < 0 or t_env < 0 or t_policy + t_env <= 0:
+        raise ConfigError(f"times must be >= 0 and not both 0, got {t_policy} and {t_env}")
+    return num_envs / max(t_policy, (t_policy + num_envs * t_env) / cores)
+
+
+@dataclass(frozen=True)
+class PolicyBound:
+    """The measured overlap bound of one workload (see :func:`overlap_bound`).
+
+    Attributes:
+        t_policy_s: median seconds of the policy on one batch of ``num_envs`` observations.
+        t_env_s: seconds per step of one env in a plain loop (autoresetting, random actions).
+        cores: cores this process may use.
+        steps_per_s: the bound, env steps per second.
+    """
+
+    t_policy_s: float
+    t_env_s: float
+    cores: int
+    steps_per_s: float
+
+
+@dataclass(frozen=True)
+class PolicyLoopResult:
+    """One system's throughput in the learner's loop on one workload.
+
+    Attributes:
+        system: a name from :data:`POLICY_SYSTEMS`.
+        steps_per_s: median over repetitions of env steps per second (``nan`` when skipped).
+        of_bound: ``steps_per_s`` over the workload's bound.
+        vs_best_gym: median over repetitions of this system's steps/s over the faster of
+            gymnasium's two loops in the same repetition (``nan`` without a gymnasium loop).
+        runs: steps/s of each repetition.
+        skipped: why the system was not measured (e.g. how to install it), else ``None``.
+    """
+
+    system: str
+    steps_per_s: float
+    of_bound: float
+    vs_best_gym: float
+    runs: tuple[float, ...]
+    skipped: str | None = None
+
+
+@dataclass(frozen=True)
+class PolicyLoopReport:
+    """The learner's-loop measurement of one workload: its bound and one row per system.
+
+    Attributes:
+        env_id, num_envs, policy: the workload (``policy`` is ``"mlp"`` or ``"cnn"``).
+        seconds: timed seconds per system and repetition.
+        repeats: repetitions (systems interleaved within each).
+        bound: the measured :class:`PolicyBound`.
+        results: one :class:`PolicyLoopResult` per system, in the order asked.
+    """
+
+    env_id: str
+    num_envs: int
+    policy: str
+    seconds: float
+    repeats: int
+    bound: PolicyBound
+    results: tuple[PolicyLoopResult, ...]
+
+
+def measure_policy_loop(
+    workload: Any,
+    systems: Sequence[str] = POLICY_SYSTEMS,
+    seconds: float = 2.0,
+    *,
+    repeats: int = 1,
+    seed: int = 0,
+    warmup_s: float = 0.25,
+    progress: Callable[[str, str, int], None] | None = None,
+) -> PolicyLoopReport:
+    """Measure the learner's loop (observations -> torch policy -> step) of every system.
+
+    Each system is built, warmed up, timed for ``seconds`` and closed; within a repetition
+    the systems run one after the other, and each repetition starts one system later (so no
+    system always follows the same one). The bound is measured first. A PufferLib system is
+    skipped, with :data:`PUFFER_INSTALL` as its reason, when pufferlib is missing.
+
+    Loops: ``gym-*``, ``puffer-sync``, ``envfleet``: ``actions = policy(obs)``,
+    ``obs = envs.step(actions)[0]``; ``envfleet-pool`` (``batch_size = num_envs // 2``) and
+    ``puffer-async``: ``recv`` -> policy -> ``send``; ``sampler-*``: ``Sampler.sample(n)``,
+    counting the transitions returned.
+
+    Args:
+        workload: a :class:`Workload` (see :func:`workloads`).
+        systems: names from :data:`POLICY_SYSTEMS`.
+        seconds: timed seconds per system and repetition (> 0).
+        repeats: repetitions (>= 1); steps/s and ratios are medians over them.
+        seed: seed of the envs' reset and of the policy.
+        warmup_s: untimed seconds before each timed window (capped at ``seconds / 2``).
+        progress: called with ``(workload name, system, repetition)`` before each system.
+
+    Returns:
+        A :class:`PolicyLoopReport`.
+
+    Raises:
+        ConfigError: torch, ale-py or OpenCV missing (the message says how to install it),
+            an unknown env id or system, bad numbers.
+        BenchError: a system failed while being built or run.
+    """
+    require_torch()
+    check_env_id(workload.env_id)
+    check_workload(workload)
+    check_args(workload.num_envs, seconds, warmup_s)
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise ConfigError(f"repeats must be an integer >= 1, got {repeats!r}")
+    for system in systems:
+        if system not in POLICY_SYSTEMS:
+            raise ConfigError(
+                f"unknown system {system!r}; available systems: {', '.join(POLICY_SYSTEMS)}"
+            )
+    systems = list(dict.fromkeys(systems))
+    if not systems:
+        raise ConfigError("no system to measure")
+    bound = measure_bound(workload, seed=seed)
+    skipped = {s: PUFFER_INSTALL for s in systems if s.startswith("puffer") and not _has_puffer()}
+    active = [s for s in systems if s not in skipped]
+    runs: dict[str, list[float]] = {s: [] for s in active}
+    ratios: dict[str, list[float]] = {s: [] for s in active}
+    for rep in range(repeats):
+        shift = rep % len(active) if active else 0
+        for system in active[shift:] + active[:shift]:
+            if progress is not None:
+                progress(workload.name, system, rep)
+            runs[system].append(
+                _measure_loop(workload, system, seconds, min(warmup_s, seconds / 2), seed)
+            )
+        best_gym = max((runs[s][-1] for s in _GYM_LOOPS if s in runs), default=math.nan)
+        for system in active:
+            ratios[system].append(runs[system][-1] / best_gym)
+    results = []
+    for system in systems:
+        if system in skipped:
+            nan = math.nan
+            results.append(PolicyLoopResult(system, nan, nan, nan, (), skipped[system]))
+            continue
+        rate = _median(runs[system])
+        results.append(
+            PolicyLoopResult(
+                system,
+                rate,
+                rate / bound.steps_per_s,
+                _median(ratios[system]),
+                tuple(runs[system]),
+            )
+        )
+    return PolicyLoopReport(
+        workload.env_id,
+        workload.num_envs,
+        workload.policy,
+        float(seconds),
+        repeats,
+        bound,
+        tuple(results),
+    )
+
+
+def policy_report_dict(report: PolicyLoopReport) -> dict[str, Any]:
+    """A learner's-loop report as a JSON-ready dict (``nan`` becomes ``None``): the fields of
+    :class:`PolicyLoopReport`, ``bound`` and ``results`` nested as dicts."""
+
+    def clean(value: Any) -> Any:
+        if isinstance(value, float) and value != value:
+            return None
+        if isinstance(value, dict):
+            return {k: clean(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [clean(v) for v in value]
+        return value
+
+    return dict(clean(asdict(report)))
+
+
+def policy_table(report: PolicyLoopReport) -> str:
+    """A learner's-loop report as Markdown: a line on the workload and its bound, then a table
+    of ``system | steps/s | of bound | vs best gym`` (a skipped system says why)."""
+    b = report.bound
+    lines = [
+        f"{report.env_id} x{report.num_envs}, {report.policy} policy: bound "
+        f"{b.steps_per_s:,.0f} steps/s (T_p = {b.t_policy_s * 1e6:,.0f} us, "
+        f"t_env = {b.t_env_s * 1e6:,.1f} us, {b.cores} cores); {report.seconds:g} s per "
+        f"system, {report.repeats} repetition(s), medians",
+        "",
+        "| system | steps/s | of bound | vs best gym |",
+        "|---|---:|---:|---:|",
+    ]
+    for r in report.results:
+        if r.skipped is not None:
+            lines.append(f"| {r.system} | not installed: {r.skipped} | - | - |")
+        else:
+            lines.append(
+                f"| {r.system} | {r.steps_per_s:,.0f} | {r.of_bound:.2f} | {r.vs_best_gym:.2f} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def measure_bound(workload: Any, *, seed: int = 0, seconds: float = 0.5) -> PolicyBound:
+    """Measure ``T_p`` and ``t_env`` of a workload and its overlap bound.
+
+    ``T_p``: the median time of the policy on a batch of ``num_envs`` observations (one
+    env's reset observation repeated), over about ``seconds``. ``t_env``: one env stepped in a
+    plain loop with random actions drawn in advance (reset at each episode's end) for about
+    ``seconds``, its seconds per step.
+
+    Raises:
+        ConfigError: torch missing. BenchError: the env failed.
+    """
+    try:
+        env = workload.factory()()
+    except Exception as exc:
+        raise bench_error(exc, "building", "bound", workload.env_id) from exc
+    try:
+        obs, _ = env.reset(seed=seed)
+        policy = TorchPolicy(workload.policy, env.observation_space, env.action_space, seed)
+        batch = np.repeat(np.asarray(obs)[None], workload.num_envs, axis=0)
+        times: list[float] = []
+        deadline = time.perf_counter() + seconds
+        for i in range(1_000_000):
+            t0 = time.perf_counter()
+            policy(batch)
+            t1 = time.perf_counter()
+            if i >= 3:  # warm-up calls
+                times.append(t1 - t0)
+            if t1 >= deadline and len(times) >= 5:
+                break
+        t_policy = _median(times)
+        env.action_space.seed(seed)
+        bank = [env.action_space.sample() for _ in range(ACTION_BANK)]
+        steps = 0
+        t0 = time.perf_counter()
+        while True:
+            for _ in range(16):
+                _, _, terminated, truncated, _ = env.step(bank[steps % ACTION_BANK])
+                steps += 1
+                if terminated or truncated:
+                    env.reset()
+            elapsed = time.perf_counter() - t0
+            if elapsed >= seconds:
+                break
+        t_env = elapsed / steps
+    except ConfigError:
+        raise
+    except Exception as exc:
+        raise bench_error(exc, "measuring the bound of", "bound", workload.env_id) from exc
+    finally:
+        env.close()
+    cores = usable_cores()
+    return PolicyBound(
+        t_policy, t_env, cores, overlap_bound(workload.num_envs, t_policy, t_env, cores)
+    )
+
+
+def _median(values: Sequence[float]) -> float:
+    import statistics
+
+    return float(statistics.median(values)) if values else math.nan
+
+
+def _has_puffer() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("pufferlib") is not None
+
+
+def _measure_loop(workload: Any, system: str, seconds: float, warmup_s: float, seed: int) -> float:
+    """Env steps per second of one system's learner loop on ``workload``."""
+    n = workload.num_envs
+    factory = workload.factory()
+    probe = factory()
+    try:
+        obs_space, act_space = probe.observation_space, probe.action_space
+    finally:
+        probe.close()
+    policy = TorchPolicy(workload.policy, obs_space, act_space, seed)
+    closers: list[Callable[[], None]] = []
+    finished = False
+    try:
+        try:
+            advance = _loop(system, factory, n, policy, seed, closers)
+        except ConfigError:
+            raise
+        except Exception as exc:
+            raise bench_error(exc, "building", system, workload.env_id) from exc
+        try:
+            steps, elapsed = _time_advance(advance, seconds, warmup_s)
+        except Exception as exc:
+            raise bench_error(exc, "running", system, workload.env_id) from exc
+        finished = True
+    finally:
+        for close in closers:
+            try:
+                close()
+            except Exception as exc:
+                if finished:
+                    raise bench_error(exc, "closing", system, workload.env_id) from exc
+    return steps / elapsed
+
+
+def _time_advance(advance: Callable[[], int], seconds: float, warmup_s: float) -> tuple[int, float]:
+    """Call ``advance`` (which returns env steps taken) through a warm-up (at least one call),
+    then for ``seconds``; returns (env steps in the timed window, its length in seconds)."""
+    t0 = time.perf_counter()
+    while True:
+        advance()
+        if time.perf_counter() - t0 >= warmup_s:
+            break
+    steps = 0
+    t0 = time.perf_counter()
+    while True:
+        steps += advance()
+        elapsed = time.perf_counter() - t0
+        if elapsed >= seconds:
+            return steps, elapsed
+
+
+def _loop(
+    system: str,
+    factory: Callable[[], Any],
+    n: int,
+    policy: Callable[[Any], Any],
+    seed: int,
+    closers: list[Callable[[], None]],
+) -> Callable[[], int]:
+    """Build ``system`` and return its loop's one iteration (returning env steps taken);
+    what must be closed goes into ``closers``."""
+    if system in ("gym-sync", "gym-async", "envfleet"):
+        envs: Any
+        if system == "envfleet":
+            envs = envfleet.make(factory, n)
+        elif system == "gym-sync":
+            envs = gymnasium.vector.SyncVectorEnv([factory] * n)
+        else:
+            envs = gymnasium.vector.AsyncVectorEnv([factory] * n)
+        closers.append(envs.close)
+        obs = envs.reset(seed=seed)[0]
+
+        def plain() -> int:
+            nonlocal obs
+            obs = envs.step(policy(obs))[0]
+            return n
+
+        return plain
+    if system == "envfleet-pool":
+        batch = max(1, n // 2)
+        pool = envfleet.make(factory, n, batch_size=batch)
+        closers.append(pool.close)
+        pool.async_reset(seed=seed)
+
+        def pool_step() -> int:
+            obs, _, _, _, info = pool.recv()
+            pool.send(policy(obs), info["env_id"])
+            return batch
+
+        return pool_step
+    if system in ("sampler-driver", "sampler-worker"):
+        inference = system.removeprefix("sampler-")
+        sampler = envfleet.Sampler(
+            factory, policy, n, inference=inference, seed=seed, progress=False
+        )
+        closers.append(sampler.close)
+        chunk = n * 64
+
+        def sample() -> int:
+            return int(sampler.sample(chunk).num_steps)
+
+        return sample
+    return _puffer_loop(system, factory, n, policy, seed, closers)
+
+
+def _puffer_loop(
+    system: str,
+    factory: Callable[[], Any],
+    n: int,
+    policy: Callable[[Any], Any],
+    seed: int,
+    closers: list[Callable[[], None]],
+) -> Callable[[], int]:
+    """PufferLib 3's ``Multiprocessing`` vector env: ``puffer-sync``, one worker stepped in a
+    plain loop; ``puffer-async``, two workers (when ``n`` is even), ``recv``/``send`` of half
+    the envs."""
+    import functools
+
+    import pufferlib.emulation
+    import pufferlib.vector
+
+    creator = functools.partial(pufferlib.emulation.GymnasiumPufferEnv, env_creator=factory)
+    if system == "puffer-sync":
+        venv = pufferlib.vector.make(
+            creator, num_envs=n, num_workers=1, batch_size=n,
+            backend=pufferlib.vector.Multiprocessing,
+        )  # fmt: skip
+        closers.append(venv.close)
+        obs = venv.reset(seed=seed)[0]
+
+        def plain() -> int:
+            nonlocal obs
+            obs = venv.step(policy(obs))[0]
+            return n
+
+        return plain
+    workers = 2 if n % 2 == 0 else 1
+    batch = n // workers
+    venv = pufferlib.vector.make(
+        creator, num_envs=n, num_workers=workers, batch_size=batch,
+        backend=pufferlib.vector.Multiprocessing,
+    )  # fmt: skip
+    closers.append(venv.close)
+    venv.async_reset(seed)
+
+    def recv_send() -> int:
+        obs = venv.recv()[0]
+        venv.send(policy(obs))
+        return batch
+
+    return recv_send
