@@ -34,6 +34,7 @@ __all__ = [
     "WorkerLayout",
     "accepts_env_index",
     "bind_env_index",
+    "none_if_empty",
     "remote_env_error",
     "start_error",
     "run_command",
@@ -125,6 +126,14 @@ def run_command(group: EnvGroup, command: Command, payload: Any, timer: StepTime
             return timer.call(functools.partial(group.step, payload))
         return timer.call(group.step)
     return group.run(command, payload)
+
+
+def none_if_empty(result: Any) -> Any:
+    """What a worker replies for a command's ``result``: ``None`` for no events (an empty
+    list or tuple), else the result as it is (a task may return an array, ``0``...)."""
+    if isinstance(result, (list, tuple)) and not result:
+        return None
+    return result
 
 
 def env_error(

@@ -26,7 +26,7 @@ import numpy as np
 from gymnasium.vector import AutoresetMode
 
 from envfleet import _native as _speedups
-from envfleet._backends.base import bind_env_index, run_command
+from envfleet._backends.base import bind_env_index, none_if_empty, run_command
 from envfleet._backends.doorbell import (
     IDLE_SLICE_MAX_S,
     SEM_SLOT,
@@ -203,7 +203,7 @@ class _Worker:
             except BaseException as exc:  # an env's SystemExit too: report it
                 self.reply_failure(exc, group, command)
                 continue
-            self.reply(Status.OK, result or None)
+            self.reply(Status.OK, none_if_empty(result))
 
     def reply_failure(self, exc: BaseException, group: EnvGroup, command: Command) -> None:
         """Reply with what ``command`` raised: an env's failure, or a bug outside any env

@@ -17,7 +17,7 @@ import numpy as np
 import ray
 from gymnasium.vector import AutoresetMode
 
-from envfleet._backends.base import bind_env_index, run_command
+from envfleet._backends.base import bind_env_index, none_if_empty, run_command
 from envfleet._buffers import Block, allocate_batch, batch_nbytes
 from envfleet._envgroup import EnvFailure, EnvGroup, PartialFailure
 from envfleet._protocol import Command, Failure, Status
@@ -137,7 +137,7 @@ class EnvfleetWorker:
         if command in _DATA_COMMANDS:
             b = self.batch
             rows = (b.observations, b.rewards, b.terminations, b.truncations)
-        return status, result or None, rows, self.timer.seconds
+        return status, none_if_empty(result), rows, self.timer.seconds
 
     def where(self) -> tuple[str, int]:
         """(Ray node id, process id) of this actor."""
