@@ -37,6 +37,7 @@ ALL = [
     "ResetNeededError",
     "RestartPolicy",
     "Sampler",
+    "SamplerReport",
     "SamplerStats",
     "SamplerTimers",
     "SpaceMismatchError",

@@ -5,6 +5,7 @@ results are bit-identical to ``gymnasium.vector.SyncVectorEnv`` for the same see
 See DESIGN.md §5 for the public contract.
 """
 
+from envfleet._auto_inference import SamplerReport
 from envfleet._errors import (
     AlreadyPendingCallError,
     ClosedEnvironmentError,
@@ -55,6 +56,7 @@ __all__ = [
     "RestartPolicy",
     "Sampler",
     "SamplerStats",
+    "SamplerReport",
     "SamplerTimers",
     "SpaceMismatchError",
     "StepTimeStats",

@@ -23,7 +23,7 @@ from envfleet._inference import (
     step_and_record,
 )
 from envfleet._rollout import EpisodeBatch, Recorder, final_observations, step_infos
-from envfleet._trees import tree_rows, tree_scatter
+from envfleet._trees import tree_copy, tree_rows, tree_scatter
 
 __all__ = ["DriverInference"]
 
@@ -41,6 +41,9 @@ class DriverInference(Inference):
     ):
         super().__init__(venv, stats, timers, keep_stale, seed)
         n = venv.num_envs
+        # Without ``copy``, the vector env hands back views of its buffers, which its next
+        # step overwrites: the observations an action was chosen on are kept as a copy.
+        self.own: Callable[[Any], Any] = (lambda obs: obs) if venv.copy else tree_copy
         self.ids = np.arange(n)
         self.obs: Any = None
         # A pool's envs in flight: the observation and action sent to each, the agent infos
@@ -55,7 +58,7 @@ class DriverInference(Inference):
             self.venv.async_reset(seed=seed)
             self.action_version[:] = -1
         else:
-            self.obs, _ = self.venv.reset(seed=seed)
+            self.obs = self.own(self.venv.reset(seed=seed)[0])
 
     def sample(
         self, policy: Policy, num_steps: int, advance: Callable[[int], None]
@@ -83,9 +86,10 @@ class DriverInference(Inference):
         venv = self.venv
         version = self.stats.policy_version
         if not venv.is_pool:
-            self.obs, done = step_and_record(
+            next_obs, done = step_and_record(
                 venv, policy, self.obs, self.ids, version, recorder, self.timers
             )
+            self.obs = self.own(next_obs)
             return self.ids, np.full(venv.num_envs, version), done
         with self.timers.time("env_step"):
             next_obs, rewards, terminated, truncated, info = venv.recv()
@@ -146,7 +150,7 @@ class DriverInference(Inference):
         venv = self.venv
         if not venv.is_pool:
             self.started = True
-            self.obs, _ = venv.reset()
+            self.obs = self.own(venv.reset()[0])
             whole = np.ones(venv.num_envs, dtype=np.bool_)
         else:
             if not self.started:

@@ -266,6 +266,11 @@ class Inference(abc.ABC):
     def episodes(self, policy: Policy, n: int) -> EpisodeBatch:
         """``n`` whole episodes per worker (see ``Sampler.sample_episodes``)."""
 
+    @property
+    def wants_policy_updates(self) -> bool:
+        """Whether :meth:`update_policy` needs the policy pickled (workers hold copies)."""
+        return False
+
     def update_policy(self, update: Any) -> None:  # noqa: B027  (driver inference: nothing)
         """The policy changed (``update``: see :class:`envfleet._worker_inference.PolicyUpdate`)."""
 

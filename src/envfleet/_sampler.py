@@ -1,7 +1,10 @@
 """``envfleet.Sampler``: rollouts with policy versions (DESIGN §2, layer 6).
 
-Two ways to run the policy:
+Three ways to run the policy:
 
+- ``inference="auto"`` (the default): both of the below over one vector env, calibrated on the
+  first steps, keeping the faster (:mod:`envfleet._auto_inference`); ``Sampler.report()``
+  says which and why.
 - ``inference="driver"`` (ML-Agents' SubprocessEnvManager, RLlib's EnvRunner): the policy runs
   in this process on batched observations, the envs step in an envfleet vector env. With a
   first-ready pool (``batch_size < num_envs``) the policy runs on one batch while the other
@@ -25,6 +28,7 @@ import logging
 import numbers
 import os
 import sys
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -33,6 +37,7 @@ import gymnasium
 import numpy as np
 from gymnasium.vector import AutoresetMode
 
+from envfleet._auto_inference import AutoInference, SamplerReport, policy_on_gpu, sampler_report
 from envfleet._buffers import side_leaves
 from envfleet._driver_inference import DriverInference
 from envfleet._errors import ClosedEnvironmentError, ConfigError, InvalidArgumentError
@@ -126,7 +131,13 @@ class Sampler:
             (cloudpickle); each worker gets its own copy, and a policy with a ``seed(seed)``
             method is seeded per worker (from ``seed``) so that their randomness differs.
         num_envs: number of sub-environments.
-        inference: ``"driver"``: the policy runs here, on every env's observations.
+        inference: ``"auto"`` (default): driver or worker inference, whichever is faster on
+            this machine, measured: the first ``4 * num_envs * segment_length`` steps sampled
+            are a warm-up and a timed round of each (all of them returned as usual), then the
+            faster one runs (:meth:`report` gives the figures). Worker inference is a
+            candidate only for a policy that pickles and has no parameters on a GPU, and not
+            with a first-ready pool (``batch_size``); otherwise ``"auto"`` is ``"driver"``.
+            ``"driver"``: the policy runs here, on every env's observations.
             ``"worker"``: each worker of the vector env runs its own copy of the policy on its
             envs, next to them, for ``segment_length`` steps per round, and hands the rollout
             back (no round trip to the driver per step). Either way the envs live in an
@@ -138,7 +149,7 @@ class Sampler:
             :attr:`stats`. ``True``: they are returned with their ``policy_version`` tag (they
             do not count towards ``num_steps``).
         segment_length: ``"worker"``: steps per env a worker gathers before sending them.
-        background: ``"worker"``: keep stepping between :meth:`sample` calls (one round of
+        background: ``"worker"`` only: keep stepping between :meth:`sample` calls (one round of
             ``segment_length`` steps ahead), as asynchronous actors do; default ``False``: the
             workers step only during sampling.
         progress: a progress bar (rich) on :meth:`sample`: ``None``: when stderr is a
@@ -174,7 +185,7 @@ class Sampler:
         policy: Policy,
         num_envs: int = 1,
         *,
-        inference: str = "driver",
+        inference: str = "auto",
         num_workers: int | None = None,
         seed: int | None = None,
         keep_stale: bool = False,
@@ -188,8 +199,8 @@ class Sampler:
     ):
         if not callable(policy):
             raise ConfigError(f"policy must be callable on a batch of observations: {policy!r}")
-        if inference not in ("driver", "worker"):
-            raise ConfigError(f"inference must be 'driver' or 'worker', got {inference!r}")
+        if inference not in ("auto", "driver", "worker"):
+            raise ConfigError(f"inference must be 'auto', 'driver' or 'worker', got {inference!r}")
         num_envs = _integer(num_envs, "num_envs", ConfigError)
         segment_length = _integer(segment_length, "segment_length", ConfigError)
         if seed is not None:
@@ -208,8 +219,15 @@ class Sampler:
         self._timers = Timers()
         self._closed = False
         self._owner_pid = os.getpid()  # a forked copy of the sampler closes nothing (close)
-        if inference == "driver" and background:
+        self._sample_s = 0.0  # seconds spent in sample() (the report's steps/s)
+        self._sampled = 0  # steps sample() returned
+        if inference != "worker" and background:
             raise ConfigError("background is an option of inference='worker'")
+        why_not_worker = ""
+        if inference == "auto":
+            why_not_worker = self._why_not_worker(policy, make_kwargs.get("batch_size"))
+            if not why_not_worker:
+                make_kwargs["copy"] = False  # as worker inference needs, below
         if inference == "worker":
             if make_kwargs.get("batch_size") not in (None, self.num_envs):
                 raise ConfigError("batch_size (a first-ready pool) is for inference='driver'")
@@ -251,6 +269,19 @@ class Sampler:
             self._inference = DriverInference(
                 venv, self.stats, self._timers, self.keep_stale, self.seed
             )
+        elif inference == "auto":
+            worker = None
+            if not why_not_worker and len(venv.worker_ranges) < 2:
+                why_not_worker = "one group of envs: no worker's policy could overlap another's"
+            if not why_not_worker:
+                worker = WorkerInference(
+                    venv, self.stats, self._timers, self.keep_stale, self.seed,
+                    int(segment_length), False, None if timeout is None else float(timeout),
+                )  # fmt: skip
+            self._inference = AutoInference(
+                venv, self.stats, self._timers, self.keep_stale, self.seed,
+                int(segment_length), worker, why_not_worker,
+            )  # fmt: skip
         else:
             self._inference = WorkerInference(
                 venv,
@@ -307,10 +338,44 @@ class Sampler:
         """
         self._check_open()
         num_steps = _integer(num_steps, "num_steps", InvalidArgumentError)
+        t0 = time.perf_counter()
         with self._progress(int(num_steps)) as advance:
             batch = self._inference.sample(self._policy, int(num_steps), advance)
+        self._sample_s += time.perf_counter() - t0
+        self._sampled += batch.num_steps
         self.stats.steps_returned += batch.num_steps
         return batch
+
+    def report(self) -> SamplerReport:
+        """How fast :meth:`sample` ran, against the overlap bound, and which inference ran
+        and why (see :class:`SamplerReport`).
+
+        The times come from the sampler's timers (:attr:`timers`): ``T_p`` is the policy's
+        time on all ``num_envs`` observations where the driver ran it (driver inference, or
+        the calibration of ``"auto"``), ``t_env`` the workers' env step time per env.
+
+        Example::
+
+            sampler.sample(10_000)
+            print(sampler.report())  # inference: worker (calibrated ...), steps/s ...
+        """
+        inference = self._inference
+        if isinstance(inference, AutoInference):
+            mode, choice = inference.mode, inference.reason
+            if inference.chosen is None:
+                choice = "calibrating"
+            calibration = inference.measured
+        else:
+            mode, choice, calibration = self.inference, "as asked", {}
+        timers = self.timers
+        # T_p on all num_envs rows: where the driver ran the policy on whole batches.
+        policy = timers.driver.get("policy")
+        full = policy is not None and policy.count and not self._venv.is_pool
+        t_policy = policy.mean_s if full and policy is not None else float("nan")
+        return sampler_report(
+            mode, choice, self._sampled, self._sample_s, timers, self.worker_ranges,
+            self.num_envs, t_policy, calibration,
+        )  # fmt: skip
 
     def sample_episodes(self, n_per_worker: int) -> EpisodeBatch:
         """Exactly ``n_per_worker`` whole episodes from each worker, in worker order (garage's
@@ -356,7 +421,7 @@ class Sampler:
         elif policy_or_params is not None:
             self._policy = policy_or_params
         version = self.stats.policy_version + 1
-        if self.inference == "worker":
+        if self._inference.wants_policy_updates:
             value = policy_or_params if params else self._policy
             try:
                 blob = cloudpickle.dumps(value)
@@ -423,6 +488,19 @@ class Sampler:
         )
 
     # -- helpers ---------------------------------------------------------------------------
+
+    @staticmethod
+    def _why_not_worker(policy: Policy, batch_size: Any) -> str:
+        """Why ``"auto"`` may not run worker inference ("" when it may)."""
+        if batch_size is not None:
+            return "a first-ready pool (batch_size) runs driver inference"
+        if policy_on_gpu(policy):
+            return "the policy has parameters on a GPU: it runs in the driver"
+        try:
+            cloudpickle.dumps(policy)
+        except Exception as exc:
+            return f"the policy does not pickle for the workers ({type(exc).__name__})"
+        return ""
 
     def _check_open(self) -> None:
         if self._closed or self._venv.closed:

@@ -271,6 +271,10 @@ class WorkerInference(Inference):
         self.venv.reset(seed=seed)
         self.restart_of = [True] * len(self.restart_of)
 
+    @property
+    def wants_policy_updates(self) -> bool:
+        return True
+
     def update_policy(self, update: Any) -> None:
         self.update = update  # sent with the next round
 

@@ -170,7 +170,9 @@ DRIVER_CASES = {
 
 @pytest.mark.parametrize("case", list(DRIVER_CASES))
 def test_driver_inference_matches_sync_vector_env(case: str) -> None:
-    with Sampler("CartPole-v1", PolePolicy(), 6, seed=SEED, **DRIVER_CASES[case]) as sampler:
+    with Sampler(
+        "CartPole-v1", PolePolicy(), 6, inference="driver", seed=SEED, **DRIVER_CASES[case]
+    ) as sampler:
         batches = [sampler.sample(250), sampler.sample(170)]
         for batch in batches:
             check_segments(batch)
@@ -330,8 +332,9 @@ def check_whole_episodes(batch: EpisodeBatch) -> None:
         dict(inference="driver", backend="processes", num_workers=2),
         dict(inference="driver", backend="serial", batch_size=2, num_workers=4),
         dict(inference="worker", num_workers=2),
+        dict(backend="processes", num_workers=2, segment_length=2),
     ],
-    ids=["driver", "driver-pool", "worker"],
+    ids=["driver", "driver-pool", "worker", "auto"],
 )
 def test_sample_episodes_returns_exactly_n_whole_episodes_per_worker(kwargs: dict) -> None:
     factory = lambda env_index: TaskEnv(env_index, length=7, early=True)  # noqa: E731
@@ -371,8 +374,9 @@ def test_sample_episodes_takes_the_first_to_end() -> None:
         dict(inference="driver", backend="processes", num_workers=2),
         dict(inference="driver", backend="processes", batch_size=2),
         dict(inference="worker", num_workers=2, background=True, segment_length=4),
+        dict(backend="processes", num_workers=2, segment_length=4),  # calibrating throughout
     ],
-    ids=["driver", "driver-pool", "worker-background"],
+    ids=["driver", "driver-pool", "worker-background", "auto"],
 )
 def test_env_updates_are_visible_in_the_next_batch(kwargs: dict) -> None:
     factory = lambda env_index: TaskEnv(env_index, length=6)  # noqa: E731
@@ -531,7 +535,9 @@ def test_timers_are_merged_from_the_workers() -> None:
         assert worker["env_step"].count > 0 and worker["policy"].count > 0
     assert timers.merged["env_step"].count == sum(w["env_step"].count for w in timers.workers)
     assert timers.merged["env_step"].total_s > 0 and timers.driver["waiting"].count > 0
-    with Sampler("CartPole-v1", PolePolicy(), 4, backend="processes", num_workers=2) as sampler:
+    with Sampler(
+        "CartPole-v1", PolePolicy(), 4, inference="driver", backend="processes", num_workers=2
+    ) as sampler:
         sampler.sample(200)
         timers = sampler.timers
     assert timers.driver["policy"].count >= 50 and timers.driver["env_step"].count >= 50

@@ -1,0 +1,158 @@
+"""``Sampler(inference="auto")``, the default: it calibrates driver and worker inference on its
+first steps, keeps the faster, and says why in ``Sampler.report()`` (issue 19).
+
+Differential like the rest of the Sampler's tests: every step, calibration included, equals a
+gymnasium SyncVectorEnv run with the same seeds and a deterministic policy. The choice itself
+is tested with policies that are much slower on one side (a sleep of tens of milliseconds per
+call where the other side takes microseconds), so the faster mode is never in doubt.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+
+from envfleet import EpisodeBatch, Sampler, SamplerReport
+from tests.integration.test_sampler import SEED, PolePolicy, assert_matches_model, check_segments
+
+# segment_length 4 with 6 envs: each calibration piece is 24 steps, the four of them 96.
+AUTO = dict(num_workers=2, segment_length=4)
+CALIBRATION_STEPS = 4 * 6 * 4
+
+
+class SlowWhere(PolePolicy):
+    """PolePolicy that sleeps ``delay_s`` per call in the driver's process (``where="driver"``)
+    or in any other process (``where="worker"``)."""
+
+    def __init__(self, where: str, delay_s: float = 0.03):
+        super().__init__()
+        self.where, self.delay_s, self.driver_pid = where, delay_s, os.getpid()
+
+    def __call__(self, obs: np.ndarray) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        in_driver = os.getpid() == self.driver_pid
+        if in_driver == (self.where == "driver"):
+            time.sleep(self.delay_s)
+        return super().__call__(obs)
+
+
+def _sample_through_calibration(sampler: Sampler) -> list[EpisodeBatch]:
+    batches = []
+    while sum(b.num_steps for b in batches) < CALIBRATION_STEPS + 60:
+        batches.append(sampler.sample(40))
+    return batches
+
+
+@pytest.mark.parametrize(
+    "backend", ["processes", "threads", pytest.param("ray", marks=pytest.mark.ray)]
+)
+def test_auto_matches_sync_vector_env_through_its_calibration(backend: str) -> None:
+    if backend == "ray":
+        from tests.conftest import ensure_ray
+
+        ensure_ray()
+    with Sampler("CartPole-v1", PolePolicy(), 6, seed=SEED, backend=backend, **AUTO) as sampler:
+        batches = _sample_through_calibration(sampler)
+        report = sampler.report()
+    for batch in batches:
+        check_segments(batch)
+        assert (batch.policy_version == 0).all()
+    assert_matches_model(batches, 6)
+    assert set(report.calibration) == {"driver", "worker"}
+    faster = max(report.calibration, key=lambda mode: report.calibration[mode])
+    if report.calibration["driver"] == report.calibration["worker"]:
+        faster = "driver"
+    assert report.inference == faster and "calibrated" in report.choice
+
+
+@pytest.mark.parametrize("slow", ["driver", "worker"])
+def test_auto_keeps_the_faster_mode_and_runs_it(slow: str) -> None:
+    with Sampler("CartPole-v1", SlowWhere(slow), 6, seed=SEED, **AUTO) as sampler:
+        batches = _sample_through_calibration(sampler)
+        report = sampler.report()
+        before = sampler.timers
+        batches.append(sampler.sample(48))
+        after = sampler.timers
+    assert_matches_model(batches, 6)
+    chosen = "worker" if slow == "driver" else "driver"
+    assert report.inference == chosen, report
+    assert report.calibration[chosen] > 2 * report.calibration[slow]
+    # The chosen path really runs: its policy calls grow, the other's do not.
+    driver_calls = [t.driver["policy"].count for t in (before, after)]
+    worker_calls = [
+        sum(w["policy"].count for w in t.workers if "policy" in w) for t in (before, after)
+    ]
+    if chosen == "worker":
+        assert worker_calls[1] > worker_calls[0] and driver_calls[1] == driver_calls[0]
+    else:
+        assert driver_calls[1] > driver_calls[0]
+
+
+class _Unpicklable(PolePolicy):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lock = threading.Lock()
+
+
+@pytest.mark.parametrize(
+    "policy, options, why",
+    [
+        (_Unpicklable(), {"num_workers": 2}, "does not pickle"),
+        (PolePolicy(), {"num_workers": 6, "batch_size": 3}, "first-ready pool"),
+        (PolePolicy(), {"backend": "serial"}, "one group"),
+    ],
+    ids=["unpicklable", "pool", "serial"],
+)
+def test_auto_is_driver_inference_when_workers_cannot_run_the_policy(
+    policy: Any, options: dict[str, Any], why: str
+) -> None:
+    with Sampler("CartPole-v1", policy, 6, seed=SEED, segment_length=4, **options) as sampler:
+        batches = _sample_through_calibration(sampler)
+        report = sampler.report()
+        assert "policy" not in sampler.timers.merged  # no worker ever ran the policy
+    assert report.inference == "driver" and why in report.choice and not report.calibration
+    assert_matches_model(batches, 6)
+
+
+def test_a_policy_update_during_the_calibration_tags_and_drops_stale_steps() -> None:
+    with Sampler("CartPole-v1", PolePolicy(tag=0), 6, seed=SEED, **AUTO) as sampler:
+        seen = []
+        for version in range(1, 7):  # updates land in every piece of the calibration
+            batch = sampler.sample(20)
+            check_segments(batch)
+            assert (batch.policy_version == version - 1).all()
+            assert (batch.agent_infos["tag"] == version - 1).all()
+            seen.append(sampler.report().inference)
+            assert sampler.update_policy({"tag": version}) == version
+        batch = sampler.sample(30)
+        assert (batch.agent_infos["tag"] == 6).all() and (batch.policy_version == 6).all()
+        assert {"driver", "worker"} <= set(seen)  # both modes ran, each honoured the updates
+
+
+def test_the_report_gives_the_bound_and_a_verdict() -> None:
+    with Sampler("CartPole-v1", PolePolicy(), 6, seed=SEED, **AUTO) as sampler:
+        _sample_through_calibration(sampler)
+        report = sampler.report()
+    assert isinstance(report, SamplerReport)
+    assert report.num_envs == 6 and report.cores >= 1
+    assert report.steps_per_s > 0 and report.t_policy_s > 0 and report.t_env_s > 0
+    overlapped = (report.t_policy_s + 6 * report.t_env_s) / report.cores
+    assert report.bound_steps_per_s == pytest.approx(6 / max(report.t_policy_s, overlapped))
+    assert report.of_bound == pytest.approx(report.steps_per_s / report.bound_steps_per_s)
+    assert report.verdict == ("policy-bound" if report.t_policy_s >= overlapped else "env-bound")
+    text = str(report)
+    assert report.inference in text and report.verdict in text and "driver/policy" in text
+
+
+def test_explicit_modes_are_kept_and_reported_as_asked() -> None:
+    for inference in ("driver", "worker"):
+        with Sampler(
+            "CartPole-v1", PolePolicy(), 4, inference=inference, num_workers=2, segment_length=4
+        ) as sampler:
+            sampler.sample(64)
+            report = sampler.report()
+        assert report.inference == inference and report.choice == "as asked"
