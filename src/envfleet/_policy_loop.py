@@ -47,6 +47,7 @@ POLICY_SYSTEMS: tuple[str, ...] = (
     "puffer-async",
     "envfleet",
     "envfleet-pool",
+    "sampler",
     "sampler-driver",
     "sampler-worker",
 )
@@ -167,8 +168,10 @@ def measure_policy_loop(
 
     Loops: ``gym-*``, ``puffer-sync``, ``envfleet``: ``actions = policy(obs)``,
     ``obs = envs.step(actions)[0]``; ``envfleet-pool`` (``batch_size = num_envs // 2``) and
-    ``puffer-async``: ``recv`` -> policy -> ``send``; ``sampler-*``: ``Sampler.sample(n)``,
-    counting the transitions returned.
+    ``puffer-async``: ``recv`` -> policy -> ``send``; ``sampler``, ``sampler-*``:
+    ``Sampler.sample(64 * num_envs)``, counting the transitions returned (``sampler`` is the
+    default, ``inference="auto"``, its calibration done before the warm-up;
+    ``sampler-driver`` and ``sampler-worker`` ask for one mode).
 
     Args:
         workload: a :class:`Workload` (see :func:`workloads`).
@@ -441,13 +444,15 @@ def _loop(
             return batch
 
         return pool_step
-    if system in ("sampler-driver", "sampler-worker"):
-        inference = system.removeprefix("sampler-")
+    if system in ("sampler", "sampler-driver", "sampler-worker"):
+        inference = system.removeprefix("sampler").removeprefix("-") or "auto"
         sampler = envfleet.Sampler(
             factory, policy, n, inference=inference, seed=seed, progress=False
         )
         closers.append(sampler.close)
         chunk = n * 64
+        while sampler.report().choice == "calibrating":  # the default's calibration: untimed
+            sampler.sample(chunk)
 
         def sample() -> int:
             return int(sampler.sample(chunk).num_steps)

@@ -166,7 +166,7 @@ def test_bench_atari():
 
 POLICY_SYSTEMS = [
     "gym-sync", "gym-async", "puffer-sync", "puffer-async", "envfleet", "envfleet-pool",
-    "sampler-driver", "sampler-worker",
+    "sampler", "sampler-driver", "sampler-worker",
 ]  # fmt: skip
 
 
