@@ -13,7 +13,9 @@ flight between ``sample`` calls with ``background``.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+import sys
+import threading
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -193,10 +195,53 @@ class WorkerState:
         return pick_episodes(batch, ended[:n], int(self.ids[0]))
 
 
+class _OneTorchThread:
+    """Torch on one intra-op thread while any round runs in this process, as Sample
+    Factory's rollout workers run: each group of envs is one busy thread, and the vector
+    env's plan never has more groups than cores, so the policy copies never oversubscribe
+    them. Rounds may run at once in one process (the threads backend, or the driver's own
+    group): the first to enter sets one thread, the last to leave restores the user's count
+    (the driver's group runs its rounds in the user's process)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.inside = 0
+        self.before = 1
+
+    @contextlib.contextmanager
+    def __call__(self) -> Iterator[None]:
+        torch = sys.modules.get("torch")
+        if torch is None:  # the policy does not use torch (or has not imported it yet)
+            yield
+            return
+        with self.lock:
+            if self.inside == 0:
+                self.before = torch.get_num_threads()
+                if self.before != 1:
+                    torch.set_num_threads(1)
+            self.inside += 1
+        try:
+            yield
+        finally:
+            with self.lock:
+                self.inside -= 1
+                if self.inside == 0 and self.before != 1:
+                    torch.set_num_threads(self.before)
+
+
+one_torch_thread = _OneTorchThread()
+
+
 def sampler_round(group: EnvGroup, request: RoundRequest) -> Rollout | Episodes:
     """The task (``Command.TASK``) a worker runs for one round of worker inference: step its
-    envs with its own copy of the policy, ``request.steps`` steps (a rollout) or until
-    ``request.steps`` episodes ended, and return them recorded."""
+    envs with its own copy of the policy (torch on one thread: :func:`one_torch_thread`),
+    ``request.steps`` steps (a rollout) or until ``request.steps`` episodes ended, and return
+    them recorded."""
+    with one_torch_thread():
+        return _round(group, request)
+
+
+def _round(group: EnvGroup, request: RoundRequest) -> Rollout | Episodes:
     state: WorkerState | None = group.task_state.get(STATE_KEY)
     if state is None:
         if request.policy is None or request.policy.params:

@@ -156,3 +156,30 @@ def test_explicit_modes_are_kept_and_reported_as_asked() -> None:
             sampler.sample(64)
             report = sampler.report()
         assert report.inference == inference and report.choice == "as asked"
+
+
+class ThreadCountPolicy(PolePolicy):
+    """PolePolicy that reports torch's intra-op thread count with each action."""
+
+    def __call__(self, obs: np.ndarray) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        import torch
+
+        actions, _ = super().__call__(obs)
+        return actions, {"threads": np.full(len(obs), torch.get_num_threads())}
+
+
+@pytest.mark.parametrize("backend", ["processes", "threads"])
+def test_worker_policies_run_torch_on_one_thread_each(backend: str) -> None:
+    torch = pytest.importorskip("torch")
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)  # the user's setting in the driver: two threads
+    try:
+        with Sampler(
+            "CartPole-v1", ThreadCountPolicy(), 4, inference="worker", backend=backend,
+            num_workers=2, segment_length=4,
+        ) as sampler:  # fmt: skip
+            batch = sampler.sample(64)
+            assert torch.get_num_threads() == 2  # restored in the driver's process
+        assert (batch.agent_infos["threads"] == 1).all()
+    finally:
+        torch.set_num_threads(before)
