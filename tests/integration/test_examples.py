@@ -1,17 +1,19 @@
-"""The examples: ``examples/ppo_cartpole.py`` (PPO with the Sampler, driver inference)."""
+"""The examples: ``examples/ppo_cartpole.py`` (PPO with the Sampler, driver inference) and
+``examples/ppo_atari.py`` (PPO on Atari, over the Sampler or gymnasium's AsyncVectorEnv)."""
 
 from __future__ import annotations
 
 import importlib.util
 import math
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
 import numpy as np
 import pytest
 
-pytest.importorskip("torch")
+torch = pytest.importorskip("torch")
 
 from envfleet._rollout import EpisodeBatch  # noqa: E402
 
@@ -117,3 +119,96 @@ def test_ppo_cartpole_reaches_the_target(ppo, criterion):
         assert result["eval_return"] >= 475
     else:
         assert result["train_return"] >= 475
+
+
+# -- examples/ppo_atari.py -------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def ppo_atari() -> Iterator[ModuleType]:
+    pytest.importorskip("ale_py")
+    pytest.importorskip("cv2")  # gymnasium's AtariPreprocessing resizes with OpenCV
+    module = _load("ppo_atari.py")
+    # The example's env factory must reach worker processes, which cannot import a module
+    # loaded from a file path: pickle it by value, as cloudpickle does for a script's __main__.
+    cloudpickle = pytest.importorskip("cloudpickle")
+    cloudpickle.register_pickle_by_value(module)
+    yield module
+    cloudpickle.unregister_pickle_by_value(module)
+
+
+@pytest.mark.atari
+def test_plain_rollout_batch_cuts_segments_where_episodes_end(ppo_atari):
+    """The gym-async loop's [steps, n] rollout as segments: env 0 terminates at step 1 and is
+    truncated at the last step (two complete segments, their final observations); env 1 runs
+    on (one segment cut by the end, the observation after the last step)."""
+    steps, n = 5, 2
+    obs = np.arange(steps * n, dtype=np.uint8).reshape(steps, n, 1)
+    terminated = np.zeros((steps, n), dtype=bool)
+    truncated = np.zeros((steps, n), dtype=bool)
+    terminated[1, 0] = truncated[4, 0] = True
+    columns = {
+        "actions": np.arange(steps * n).reshape(steps, n) + 100,
+        "rewards": np.arange(steps * n, dtype=np.float64).reshape(steps, n) / 2,
+        "terminated": terminated,
+        "truncated": truncated,
+        "logp": -np.arange(steps * n, dtype=np.float32).reshape(steps, n),
+        "value": np.arange(steps * n, dtype=np.float32).reshape(steps, n) * 3,
+    }
+    final = {(1, 0): np.array([201], np.uint8), (4, 0): np.array([204], np.uint8)}
+    next_obs = np.array([[210], [211]], np.uint8)
+    batch = ppo_atari.plain_rollout_batch(obs, columns, final, next_obs)
+
+    rows = [0, 2, 4, 6, 8, 1, 3, 5, 7, 9]  # env 0's steps 0..4, then env 1's (t * n + env)
+    assert batch.lengths.tolist() == [2, 3, 5]
+    assert batch.env_index.tolist() == [0, 0, 1]
+    assert batch.complete.tolist() == [True, True, False]
+    assert batch.observations[:, 0].tolist() == rows
+    assert batch.actions.tolist() == [r + 100 for r in rows]
+    np.testing.assert_array_equal(batch.rewards, np.array(rows) / 2)
+    np.testing.assert_array_equal(batch.agent_infos["logp"], -np.array(rows, np.float32))
+    np.testing.assert_array_equal(batch.agent_infos["value"], np.array(rows, np.float32) * 3)
+    assert np.flatnonzero(batch.terminated).tolist() == [1]
+    assert np.flatnonzero(batch.truncated).tolist() == [4]
+    assert batch.last_observations[:, 0].tolist() == [201, 204, 211]
+
+
+ATARI_SMOKE = [
+    *("--num-envs", "2", "--num-steps", "16", "--total-steps", "64"),
+    *("--seed", "5", "--log-every", "0"),
+]
+
+
+@pytest.mark.atari
+@pytest.mark.parametrize("vector", ["envfleet", "gym-async"])
+def test_ppo_atari_smoke(ppo_atari, vector):
+    """Pong, 2 envs x 16 steps per update, 2 updates, on either vector env (the Sampler with
+    its default inference mode): the steps asked for are sampled, every loss is finite, and
+    the update changed the model. A few seconds."""
+    result = ppo_atari.main([*ATARI_SMOKE, "--vector", vector])
+    assert result["vector"] == vector
+    assert result["steps"] == 64
+    assert result["updates"] == 2
+    assert len(result["losses"]) == 2 and all(math.isfinite(x) for x in result["losses"])
+    initial = ppo_atari.build_model(result["model"].actor.out_features, seed=5)
+    trained = dict(result["model"].named_parameters())
+    changed = [
+        name
+        for name, before in initial.named_parameters()
+        if not torch.equal(before, trained[name])
+    ]
+    assert set(changed) == set(trained), set(trained) - set(changed)
+
+
+@pytest.mark.atari
+def test_ppo_atari_same_ppo_on_both_vector_envs(ppo_atari):
+    """With the Sampler's driver inference (the policy on all envs' observations each step,
+    as the plain loop calls it) and the same seeds, both vector envs give the same rollouts,
+    hence the same losses and the same trained weights: the comparison is of the vector envs
+    alone. (16 steps: no Pong episode ends, so the segments come in the same order.)"""
+    fleet = ppo_atari.main([*ATARI_SMOKE, "--vector", "envfleet", "--inference", "driver"])
+    plain = ppo_atari.main([*ATARI_SMOKE, "--vector", "gym-async"])
+    assert fleet["losses"] == plain["losses"]
+    weights = dict(plain["model"].named_parameters())
+    for name, value in fleet["model"].named_parameters():
+        assert torch.equal(value, weights[name]), name

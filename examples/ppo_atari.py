@@ -1,0 +1,520 @@
+"""PPO on Atari (``ALE/Pong-v5`` by default) with ``envfleet.Sampler``, torch on the CPU.
+
+CleanRL's ``ppo_atari.py`` design, written for envfleet: the Nature CNN with a shared trunk and
+two heads (policy logits, value), 8 envs x 128 steps per update, GAE(0.95), clipped PPO (clip
+0.1, clipped value loss, entropy bonus 0.01), Adam 2.5e-4 annealed to 0, 4 epochs of 4
+minibatches, rewards clipped to their sign for learning. The envs are
+``gymnasium.make(env_id, frameskip=1)`` + ``AtariPreprocessing(frame_skip=4, screen_size=84,
+grayscale_obs=True, noop_max=30)`` + ``FrameStackObservation(4)``: ``uint8[4, 84, 84]``
+observations, scaled by 1/255 inside the model.
+
+Two ways to collect the same rollouts (same model, same update, same seeds):
+
+- ``--vector envfleet`` (default): ``envfleet.Sampler`` with its default inference mode; the
+  policy returns the actions and, as ``agent_infos``, their log-probabilities and values.
+- ``--vector gym-async``: ``gymnasium.vector.AsyncVectorEnv`` stepped in CleanRL's plain loop
+  (policy, then ``step``, ``num_steps`` times), its rollout turned into the same
+  :class:`envfleet.EpisodeBatch`, so the update code is literally the same.
+
+Both use same-step autoreset: an episode's final observation is kept, and GAE bootstraps per
+segment (from ``V(final observation)`` when an episode is truncated or a segment is cut by the
+end of the rollout; not at all when it terminated).
+
+Run it::
+
+    python examples/ppo_atari.py --total-steps 200000                    # the Sampler
+    python examples/ppo_atari.py --total-steps 200000 --vector gym-async  # the plain loop
+
+Each update prints the env steps so far, steps/s (overall, and of the sampling phase alone),
+and the mean return of the last 20 finished episodes; the end, the total wall time and steps/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import gymnasium
+import numpy as np
+import torch
+from gymnasium.vector import AutoresetMode
+from torch import nn
+
+import envfleet
+
+VECTORS = ("envfleet", "gym-async")
+
+
+# -- the envs --------------------------------------------------------------------------------
+
+
+def make_env(env_id: str) -> gymnasium.Env[Any, Any]:
+    """One Atari env with CleanRL's preprocessing done by gymnasium's wrappers.
+
+    Returns:
+        an env with ``uint8[4, 84, 84]`` observations (4 stacked grayscale frames, each the
+        max of the last two of 4 skipped frames) and ``Discrete`` actions.
+
+    Raises:
+        ImportError: ale-py or OpenCV is missing (``pip install 'envfleet[atari]'``).
+    """
+    import ale_py
+
+    gymnasium.register_envs(ale_py)
+    env = gymnasium.make(env_id, frameskip=1)
+    env = gymnasium.wrappers.AtariPreprocessing(
+        env, noop_max=30, frame_skip=4, screen_size=84, grayscale_obs=True
+    )
+    return gymnasium.wrappers.FrameStackObservation(env, 4)
+
+
+def env_factory(env_id: str) -> Callable[[], gymnasium.Env[Any, Any]]:
+    """A picklable zero-argument factory of :func:`make_env` (for worker processes)."""
+    return functools.partial(make_env, env_id)
+
+
+# -- the model -------------------------------------------------------------------------------
+
+
+Layer = TypeVar("Layer", nn.Conv2d, nn.Linear)
+
+
+def _init(layer: Layer, std: float = 2**0.5) -> Layer:
+    """Orthogonal weights with gain ``std``, zero biases (CleanRL's ``layer_init``)."""
+    nn.init.orthogonal_(layer.weight, std)
+    if layer.bias is not None:
+        nn.init.zeros_(layer.bias)
+    return layer
+
+
+class ActorCritic(nn.Module):
+    """The Nature CNN trunk (3 conv layers, 512 units) shared by a policy and a value head.
+
+    Input: ``uint8[B, 4, 84, 84]`` (any integer or float tensor; divided by 255 here).
+    Output of ``forward``: logits ``float32[B, num_actions]`` and values ``float32[B]``.
+    """
+
+    def __init__(self, num_actions: int, frames: int = 4):
+        super().__init__()
+        self.trunk = nn.Sequential(
+            _init(nn.Conv2d(frames, 32, 8, stride=4)),
+            nn.ReLU(),
+            _init(nn.Conv2d(32, 64, 4, stride=2)),
+            nn.ReLU(),
+            _init(nn.Conv2d(64, 64, 3, stride=1)),
+            nn.ReLU(),
+            nn.Flatten(),
+            _init(nn.Linear(64 * 7 * 7, 512)),
+            nn.ReLU(),
+        )
+        self.actor = _init(nn.Linear(512, num_actions), std=0.01)
+        self.critic = _init(nn.Linear(512, 1), std=1.0)
+
+    def features(self, obs: torch.Tensor) -> torch.Tensor:
+        return self.trunk(obs.float() / 255.0)
+
+    def value(self, obs: torch.Tensor) -> torch.Tensor:
+        return self.critic(self.features(obs)).squeeze(-1)
+
+    def forward(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden = self.features(obs)
+        return self.actor(hidden), self.critic(hidden).squeeze(-1)
+
+
+def build_model(num_actions: int, seed: int) -> ActorCritic:
+    """The model with its initial weights drawn from ``torch.manual_seed(seed)``."""
+    torch.manual_seed(seed)
+    return ActorCritic(num_actions)
+
+
+class TorchPolicy:
+    """The rollout policy: ``uint8[n, 4, 84, 84]`` observations in, ``(int64[n] actions,
+    {"logp": float32[n], "value": float32[n]})`` out, actions sampled from the logits with the
+    policy's own seeded ``torch.Generator`` (reproducible; ``seed`` reseeds it, which the
+    Sampler does per worker if it runs copies of the policy there)."""
+
+    def __init__(self, model: ActorCritic, seed: int):
+        self.model = model
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def seed(self, seed: int) -> None:
+        self.generator.manual_seed(seed)
+
+    @torch.no_grad()
+    def __call__(self, obs: np.ndarray) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        logits, value = self.model(torch.as_tensor(obs))
+        log_probs = torch.log_softmax(logits, dim=-1)
+        actions = torch.multinomial(log_probs.exp(), 1, generator=self.generator).squeeze(-1)
+        logp = log_probs.gather(-1, actions.unsqueeze(-1)).squeeze(-1)
+        return actions.numpy(), {"logp": logp.numpy(), "value": value.numpy()}
+
+
+# -- advantages and the update ---------------------------------------------------------------
+
+
+def segment_gae(
+    batch: envfleet.EpisodeBatch,
+    rewards: np.ndarray,
+    last_values: np.ndarray,
+    gamma: float,
+    lam: float,
+) -> tuple[np.ndarray, np.ndarray]:
+    """GAE(lambda) advantages and value targets of every step, segment by segment.
+
+    Step ``t`` bootstraps from the value of step ``t + 1`` of its segment. A segment's last
+    step bootstraps from 0 if it ``terminated``, else (truncated, or cut by the end of the
+    rollout) from ``last_values[s]``. The recursion never crosses into the next segment.
+
+    Args:
+        batch: the rollout; ``batch.agent_infos["value"]`` is ``V(observations)``.
+        rewards: ``float[T]``, the rewards to learn from (e.g. clipped ``batch.rewards``).
+        last_values: ``float[S]``, ``V(batch.last_observations)``.
+
+    Returns:
+        ``(advantages, targets)``, ``float32[T]`` each; ``targets = advantages + values``.
+    """
+    values = batch.agent_infos["value"].astype(np.float64)
+    ends = batch.starts + batch.lengths - 1
+    following = np.append(values[1:], 0.0)  # the segment ends are set just below
+    following[ends] = np.where(batch.terminated[ends], 0.0, last_values)
+    deltas = rewards + gamma * following - values
+    decay = np.full(batch.num_steps, gamma * lam)
+    decay[ends] = 0.0  # no carry from the next segment's first step
+    advantages = np.empty(batch.num_steps)
+    running = 0.0
+    for t in range(batch.num_steps - 1, -1, -1):
+        running = deltas[t] + decay[t] * running
+        advantages[t] = running
+    return advantages.astype(np.float32), (advantages + values).astype(np.float32)
+
+
+def ppo_update(
+    model: ActorCritic,
+    optimizer: torch.optim.Optimizer,
+    batch: envfleet.EpisodeBatch,
+    args: argparse.Namespace,
+    generator: torch.Generator,
+) -> dict[str, float]:
+    """``args.epochs`` epochs of clipped PPO over ``args.minibatches`` shuffled minibatches.
+
+    Uses ``args``: ``gamma``, ``lam``, ``clip``, ``ent_coef``, ``vf_coef``,
+    ``max_grad_norm``, ``clip_rewards`` (learn from ``sign(reward)``), ``epochs``,
+    ``minibatches``. The batch needs ``agent_infos`` ``"logp"`` and ``"value"``.
+
+    Returns:
+        the last minibatch's ``loss``, ``policy_loss``, ``value_loss``, ``entropy`` and
+        ``approx_kl`` (floats).
+    """
+    with torch.no_grad():
+        last_values = model.value(torch.as_tensor(batch.last_observations)).numpy()
+    rewards = np.sign(batch.rewards) if args.clip_rewards else batch.rewards
+    advantages, targets = segment_gae(batch, rewards, last_values, args.gamma, args.lam)
+    obs = torch.as_tensor(batch.observations)
+    actions = torch.as_tensor(batch.actions, dtype=torch.int64)
+    old_logp = torch.as_tensor(batch.agent_infos["logp"], dtype=torch.float32)
+    old_values = torch.as_tensor(batch.agent_infos["value"], dtype=torch.float32)
+    adv_all = torch.as_tensor(advantages)
+    targets_all = torch.as_tensor(targets)
+    n = batch.num_steps
+    size = max(1, n // args.minibatches)
+    stats: dict[str, float] = {}
+    for _ in range(args.epochs):
+        order = torch.randperm(n, generator=generator)
+        for first in range(0, n - size + 1, size):
+            idx = order[first : first + size]
+            logits, values = model(obs[idx])
+            log_probs = torch.log_softmax(logits, dim=-1)
+            logp = log_probs.gather(-1, actions[idx].unsqueeze(-1)).squeeze(-1)
+            log_ratio = logp - old_logp[idx]
+            ratio = log_ratio.exp()
+            adv = adv_all[idx]
+            adv = (adv - adv.mean()) / (adv.std(unbiased=len(idx) > 1) + 1e-8)
+            clipped_ratio = ratio.clamp(1 - args.clip, 1 + args.clip)
+            policy_loss = -torch.min(ratio * adv, clipped_ratio * adv).mean()
+            old_v, target = old_values[idx], targets_all[idx]
+            clipped_v = old_v + (values - old_v).clamp(-args.clip, args.clip)
+            value_loss = 0.5 * torch.max((values - target) ** 2, (clipped_v - target) ** 2).mean()
+            entropy = -(log_probs.exp() * log_probs).sum(-1).mean()
+            loss = policy_loss + args.vf_coef * value_loss - args.ent_coef * entropy
+            optimizer.zero_grad()
+            loss.backward()
+            nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+            optimizer.step()
+            with torch.no_grad():
+                approx_kl = ((ratio - 1) - log_ratio).mean()
+            stats = {
+                "loss": loss.item(),
+                "policy_loss": policy_loss.item(),
+                "value_loss": value_loss.item(),
+                "entropy": entropy.item(),
+                "approx_kl": approx_kl.item(),
+            }
+    return stats
+
+
+# -- the two ways to collect rollouts --------------------------------------------------------
+
+
+class SamplerRollouts:
+    """Rollouts from ``envfleet.Sampler`` (its default inference mode unless ``inference``)."""
+
+    def __init__(self, args: argparse.Namespace, policy: TorchPolicy):
+        kwargs: dict[str, Any] = {}
+        if args.inference is not None:
+            kwargs["inference"] = args.inference
+        if args.backend is not None:
+            kwargs["backend"] = args.backend
+        self.sampler = envfleet.Sampler(
+            env_factory(args.env_id),
+            policy,
+            args.num_envs,
+            seed=args.seed,
+            progress=False,
+            **kwargs,
+        )
+
+    def sample(self, num_steps: int) -> envfleet.EpisodeBatch:
+        return self.sampler.sample(num_steps)
+
+    def policy_changed(self) -> None:
+        self.sampler.update_policy(None)  # the model was changed in place
+
+    def close(self) -> None:
+        self.sampler.close()
+
+
+class GymAsyncRollouts:
+    """Rollouts from ``gymnasium.vector.AsyncVectorEnv`` in CleanRL's plain loop, returned
+    as an :class:`envfleet.EpisodeBatch` (per env, segments split where episodes end)."""
+
+    def __init__(self, args: argparse.Namespace, policy: TorchPolicy):
+        self.policy = policy
+        self.num_envs = args.num_envs
+        self.envs = gymnasium.vector.AsyncVectorEnv(
+            [env_factory(args.env_id)] * args.num_envs, autoreset_mode=AutoresetMode.SAME_STEP
+        )
+        self.obs, _ = self.envs.reset(seed=args.seed)  # env i: seed + i, as the Sampler
+
+    def sample(self, num_steps: int) -> envfleet.EpisodeBatch:
+        n = self.num_envs
+        steps = -(-num_steps // n)
+        obs = np.empty((steps, *self.obs.shape), dtype=self.obs.dtype)
+        actions = np.empty((steps, n), dtype=np.int64)
+        rewards = np.empty((steps, n))
+        terminated = np.empty((steps, n), dtype=bool)
+        truncated = np.empty((steps, n), dtype=bool)
+        logp = np.empty((steps, n), dtype=np.float32)
+        value = np.empty((steps, n), dtype=np.float32)
+        final_obs: dict[tuple[int, int], np.ndarray] = {}
+        for t in range(steps):
+            obs[t] = self.obs
+            actions[t], infos = self.policy(self.obs)
+            logp[t], value[t] = infos["logp"], infos["value"]
+            self.obs, rewards[t], terminated[t], truncated[t], info = self.envs.step(actions[t])
+            for env in np.flatnonzero(info.get("_final_obs", ())).tolist():
+                final_obs[t, env] = info["final_obs"][env]
+        columns = {
+            "actions": actions,
+            "rewards": rewards,
+            "terminated": terminated,
+            "truncated": truncated,
+            "logp": logp,
+            "value": value,
+        }
+        return plain_rollout_batch(obs, columns, final_obs, self.obs)
+
+    def policy_changed(self) -> None:
+        pass  # the policy runs here, on the model itself
+
+    def close(self) -> None:
+        self.envs.close()
+
+
+def plain_rollout_batch(
+    obs: np.ndarray,
+    columns: dict[str, np.ndarray],
+    final_obs: dict[tuple[int, int], np.ndarray],
+    next_obs: np.ndarray,
+) -> envfleet.EpisodeBatch:
+    """A plain loop's ``[steps, n]`` rollout as an :class:`envfleet.EpisodeBatch`.
+
+    Each env's steps are cut into segments after every step that ended an episode; segments
+    come env by env, in time order within an env.
+
+    Args:
+        obs: ``[steps, n, *obs_shape]``, the observation each action was chosen on.
+        columns: ``[steps, n]`` arrays ``actions``, ``rewards``, ``terminated``,
+            ``truncated``, ``logp``, ``value`` (the last two become ``agent_infos``).
+        final_obs: ``{(t, env): observation}``, the final observation of the episode that
+            env ``env`` ended at step ``t`` (same-step autoreset).
+        next_obs: ``[n, *obs_shape]``, the observation after the last step.
+    """
+    steps, n = columns["rewards"].shape
+    done = columns["terminated"] | columns["truncated"]
+    rows, lengths, env_index, last_obs = [], [], [], []
+    for env in range(n):
+        start = 0
+        for end in [*(np.flatnonzero(done[:, env]) + 1).tolist(), steps]:
+            if end == start:
+                continue  # the rollout ended with this env's episode
+            rows.append(np.arange(start, end) * n + env)  # rows of the [steps * n] arrays
+            lengths.append(end - start)
+            env_index.append(env)
+            last_obs.append(final_obs.get((end - 1, env), next_obs[env]))
+            start = end
+    index = np.concatenate(rows)
+
+    def flat(array: np.ndarray) -> np.ndarray:
+        return array.reshape(steps * n, *array.shape[2:])[index]
+
+    return envfleet.EpisodeBatch(
+        observations=flat(obs),
+        actions=flat(columns["actions"]),
+        rewards=flat(columns["rewards"]),
+        terminated=flat(columns["terminated"]),
+        truncated=flat(columns["truncated"]),
+        last_observations=np.stack(last_obs),
+        env_index=np.array(env_index, dtype=np.int64),
+        policy_version=np.zeros(len(lengths), dtype=np.int64),
+        lengths=np.array(lengths, dtype=np.int64),
+        agent_infos={"logp": flat(columns["logp"]), "value": flat(columns["value"])},
+    )
+
+
+class EpisodeReturns:
+    """Returns (raw game score) of finished episodes, summed per env across rollouts."""
+
+    def __init__(self, num_envs: int, window: int = 20):
+        self.running = np.zeros(num_envs)
+        self.recent: deque[float] = deque(maxlen=window)
+        self.count = 0
+
+    def add(self, batch: envfleet.EpisodeBatch) -> None:
+        if not batch.num_steps:
+            return
+        sums = np.add.reduceat(batch.rewards, batch.starts)
+        for env, total, ended in zip(
+            batch.env_index.tolist(), sums.tolist(), batch.complete.tolist(), strict=True
+        ):
+            self.running[env] += total
+            if ended:
+                self.recent.append(float(self.running[env]))
+                self.running[env] = 0.0
+                self.count += 1
+
+    def mean(self) -> float:
+        return float(np.mean(self.recent)) if self.recent else float("nan")
+
+
+# -- training --------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    parser.add_argument("--env-id", default="ALE/Pong-v5", help="e.g. ALE/Breakout-v5")
+    parser.add_argument("--vector", default="envfleet", choices=VECTORS)
+    parser.add_argument("--num-envs", type=int, default=8)
+    parser.add_argument("--num-steps", type=int, default=128, help="steps per env per update")
+    parser.add_argument("--total-steps", type=int, default=10_000_000, help="env steps")
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--log-every", type=int, default=1, help="print every N updates (0: off)")
+    parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
+    parser.add_argument(
+        "--inference", default=None, help="Sampler inference mode (default: the Sampler's own)"
+    )
+    parser.add_argument("--backend", default=None, help="envfleet backend (default: make's)")
+    parser.add_argument("--lr", type=float, default=2.5e-4)
+    parser.add_argument("--anneal-lr", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--epochs", type=int, default=4)
+    parser.add_argument("--minibatches", type=int, default=4)
+    parser.add_argument("--gamma", type=float, default=0.99)
+    parser.add_argument("--lam", type=float, default=0.95)
+    parser.add_argument("--clip", type=float, default=0.1)
+    parser.add_argument("--ent-coef", type=float, default=0.01)
+    parser.add_argument("--vf-coef", type=float, default=0.5)
+    parser.add_argument("--max-grad-norm", type=float, default=0.5)
+    parser.add_argument("--clip-rewards", action=argparse.BooleanOptionalAction, default=True)
+    args = parser.parse_args(argv)
+    if args.inference is not None and args.vector != "envfleet":
+        parser.error("--inference is an option of --vector envfleet")
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Train for ``--total-steps`` env steps (rounded down to whole updates, at least one).
+
+    Returns:
+        ``steps`` (env steps sampled), ``updates``, ``episodes`` (finished), ``mean_return``
+        (of the last 20, ``nan`` if none), ``seconds`` (wall time from the first rollout),
+        ``sample_seconds`` (of it, collecting rollouts), ``steps_per_second``, ``losses``
+        (the last minibatch's loss of each update), ``model`` (the trained
+        :class:`ActorCritic`), ``vector``.
+    """
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    log = print if args.log_every > 0 else (lambda *a: None)
+
+    probe = make_env(args.env_id)
+    num_actions = int(probe.action_space.n)  # type: ignore[attr-defined]
+    probe.close()
+    model = build_model(num_actions, args.seed)
+    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr, eps=1e-5)
+    policy = TorchPolicy(model, seed=args.seed)
+    shuffle = torch.Generator().manual_seed(args.seed + 1)
+    batch_steps = args.num_envs * args.num_steps
+    num_updates = max(1, args.total_steps // batch_steps)
+    returns = EpisodeReturns(args.num_envs)
+    losses: list[float] = []
+
+    rollouts: SamplerRollouts | GymAsyncRollouts
+    if args.vector == "envfleet":
+        rollouts = SamplerRollouts(args, policy)
+    else:
+        rollouts = GymAsyncRollouts(args, policy)
+    steps, sample_seconds, update = 0, 0.0, 0
+    start = time.perf_counter()
+    try:
+        for update in range(1, num_updates + 1):
+            if args.anneal_lr:
+                optimizer.param_groups[0]["lr"] = args.lr * (1 - (update - 1) / num_updates)
+            began = time.perf_counter()
+            batch = rollouts.sample(batch_steps)
+            sample_seconds += time.perf_counter() - began
+            steps += batch.num_steps
+            returns.add(batch)
+            losses.append(ppo_update(model, optimizer, batch, args, shuffle)["loss"])
+            rollouts.policy_changed()
+            if args.log_every > 0 and (update % args.log_every == 0 or update == num_updates):
+                elapsed = time.perf_counter() - start
+                log(
+                    f"update {update:5d}  steps {steps:9d}  {steps / elapsed:6.0f} steps/s "
+                    f"(sampling {steps / sample_seconds:6.0f})  episodes {returns.count:5d}  "
+                    f"return {returns.mean():6.1f}  loss {losses[-1]:7.4f}  {elapsed:7.1f} s"
+                )
+    finally:
+        rollouts.close()
+    seconds = time.perf_counter() - start
+    log(
+        f"{args.vector}: {steps} steps in {seconds:.1f} s, {steps / seconds:.0f} steps/s "
+        f"(sampling {sample_seconds:.1f} s, {steps / sample_seconds:.0f} steps/s)"
+    )
+    return {
+        "vector": args.vector,
+        "steps": steps,
+        "updates": update,
+        "episodes": returns.count,
+        "mean_return": returns.mean(),
+        "seconds": seconds,
+        "sample_seconds": sample_seconds,
+        "steps_per_second": steps / seconds,
+        "losses": losses,
+        "model": model,
+    }
+
+
+if __name__ == "__main__":
+    main()
