@@ -20,6 +20,7 @@ from envfleet._inference import (
     TimerStat,
     act,
     pick_episodes,
+    step_and_record,
 )
 from envfleet._rollout import EpisodeBatch, Recorder, final_observations, step_infos
 from envfleet._trees import tree_copy, tree_rows, tree_scatter
@@ -43,10 +44,6 @@ class DriverInference(Inference):
         # Without ``copy``, the vector env hands back views of its buffers, which its next
         # step overwrites: the observations an action was chosen on are kept as a copy.
         self.own: Callable[[Any], Any] = (lambda obs: obs) if venv.copy else tree_copy
-        # A synchronous step's transition, recorded while the next step runs (the envs step
-        # in the workers between step_async and step_wait): (obs, actions, agent infos,
-        # rewards, terminated, truncated, next obs, infos, version), all owned here.
-        self.pending: tuple[Any, ...] | None = None
         self.ids = np.arange(n)
         self.obs: Any = None
         # A pool's envs in flight: the observation and action sent to each, the agent infos
@@ -68,7 +65,6 @@ class DriverInference(Inference):
     ) -> EpisodeBatch:
         if not self.started:
             self.restart_envs()
-        self.pending = None  # a step of a call that raised: not joined to this call's steps
         recorder = Recorder()
         current = 0
         while current < num_steps:
@@ -76,7 +72,6 @@ class DriverInference(Inference):
             n = int(np.count_nonzero(versions == self.stats.policy_version))
             current += n
             advance(n)
-        self.flush(recorder)
         batch = recorder.build()
         assert batch is not None
         return self.keep_current(batch)
@@ -91,7 +86,11 @@ class DriverInference(Inference):
         venv = self.venv
         version = self.stats.policy_version
         if not venv.is_pool:
-            return self.step_sync(policy, recorder, version)
+            next_obs, done = step_and_record(
+                venv, policy, self.obs, self.ids, version, recorder, self.timers
+            )
+            self.obs = self.own(next_obs)
+            return self.ids, np.full(venv.num_envs, version), done
         with self.timers.time("env_step"):
             next_obs, rewards, terminated, truncated, info = venv.recv()
         ids = info["env_id"].astype(np.int64)
@@ -121,52 +120,6 @@ class DriverInference(Inference):
         self.action_version[ids] = version
         return rows, versions, done[acted]
 
-    def step_sync(
-        self, policy: Policy, recorder: Recorder, version: int
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """One synchronous step of every env; the previous step is recorded while the envs
-        step (its arrays are owned: the vector env may reuse its buffers)."""
-        venv, own = self.venv, self.own
-        with self.timers.time("policy"):
-            actions, agent_infos = act(policy, self.obs)
-        venv.step_async(actions)
-        self.flush(recorder)
-        with self.timers.time("env_step"):
-            next_obs, rewards, terminated, truncated, info = venv.step_wait()
-        done = terminated | truncated
-        next_obs = own(next_obs)
-        if not venv.copy:
-            rewards, terminated, truncated = rewards.copy(), terminated.copy(), truncated.copy()
-        self.pending = (
-            self.obs, actions, agent_infos, rewards, terminated, truncated, next_obs, info,
-            version,
-        )  # fmt: skip
-        self.obs = next_obs
-        return self.ids, np.full(venv.num_envs, version), done
-
-    def flush(self, recorder: Recorder) -> None:
-        """Record the pending synchronous step, if any."""
-        if self.pending is None:
-            return
-        obs, actions, agent_infos, rewards, terminated, truncated, next_obs, info, version = (
-            self.pending
-        )
-        self.pending = None
-        ids = self.ids
-        done = terminated | truncated
-        recorder.add(
-            ids,
-            obs,
-            actions,
-            rewards,
-            terminated,
-            truncated,
-            final_observations(next_obs, info, done),
-            np.full(len(ids), version),
-            agent_infos,
-            step_infos(info, ids, done),
-        )
-
     def _remember(
         self, ids: np.ndarray, obs: Any, actions: Any, agent_infos: dict[str, np.ndarray]
     ) -> None:
@@ -195,7 +148,6 @@ class DriverInference(Inference):
 
     def episodes(self, policy: Policy, n: int) -> EpisodeBatch:
         venv = self.venv
-        self.pending = None
         if not venv.is_pool:
             self.started = True
             self.obs = self.own(venv.reset()[0])
@@ -216,7 +168,6 @@ class DriverInference(Inference):
                     picked[worker_of[e]].append((e, int(counts[e])))
                 counts[e] += 1
                 whole[e] = True
-        self.flush(recorder)
         batch = recorder.build()
         assert batch is not None
         return pick_episodes(batch, [pick for worker in picked for pick in worker], 0)
