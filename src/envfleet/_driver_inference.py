@@ -87,7 +87,7 @@ class DriverInference(Inference):
         version = self.stats.policy_version
         if not venv.is_pool:
             next_obs, done = step_and_record(
-                venv, policy, self.obs, self.ids, version, recorder, self.timers
+                venv, policy, self.obs, self.ids, version, recorder, self.timers, venv.copy
             )
             self.obs = self.own(next_obs)
             return self.ids, np.full(venv.num_envs, version), done

@@ -178,9 +178,16 @@ def step_and_record(
     version: int,
     recorder: Recorder,
     timers: Timers,
+    next_owned: bool = False,
 ) -> tuple[Any, np.ndarray]:
     """One synchronous step of every env of ``venv`` (envs ``ids``) under ``policy``, recorded
-    with ``version``; returns the next observations and whether each episode ended."""
+    with ``version``; returns the next observations and whether each episode ended.
+
+    ``obs`` must be the caller's own arrays, never written to again (they are recorded
+    without a copy); ``next_owned``: so are the observations ``venv.step`` returns (a vector
+    env with ``copy=True``, a worker's copy of its buffers), which are then recorded without
+    a copy too.
+    """
     with timers.time("policy"):
         actions, agent_infos = act(policy, obs)
     with timers.time("env_step"):
@@ -193,10 +200,11 @@ def step_and_record(
         rewards,
         terminated,
         truncated,
-        final_observations(next_obs, info, done),
+        final_observations(next_obs, info, done, owned=next_owned),
         np.full(len(ids), version),
         agent_infos,
         step_infos(info, ids, done),
+        owned=True,
     )
     return next_obs, done
 

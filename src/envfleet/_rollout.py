@@ -44,9 +44,14 @@ def step_infos(info: dict[str, Any], rows: np.ndarray, done: np.ndarray) -> list
     return out
 
 
-def final_observations(next_obs: Any, info: dict[str, Any], done: np.ndarray) -> Any:
+def final_observations(
+    next_obs: Any, info: dict[str, Any], done: np.ndarray, owned: bool = False
+) -> Any:
     """The observations after a step: ``next_obs``, with ``info["final_obs"]`` (SAME_STEP
-    autoreset) in the rows whose episode ended. Returns new arrays."""
+    autoreset) in the rows whose episode ended. Returns new arrays, or ``next_obs`` itself
+    when it is ``owned`` (the caller's, never written to again) and no episode ended."""
+    if owned and not done.any():
+        return next_obs
     out = tree_map(np.array, next_obs)
     if not done.any():
         return out
@@ -249,17 +254,21 @@ class Recorder:
         versions: np.ndarray,
         agent_infos: dict[str, np.ndarray],
         env_infos: list[dict[str, Any]],
+        owned: bool = False,
     ) -> None:
-        """Record one step of envs ``env_ids`` (arrays are copied)."""
+        """Record one step of envs ``env_ids``. Arrays are copied, except the observations
+        and next observations when they are ``owned`` (the caller's, never written to again:
+        large image observations are then not copied once more per step)."""
+        keep = np.asarray if owned else np.array
         self._chunks.append(
             _Chunk(
                 np.array(env_ids, dtype=np.int64),
-                tree_map(np.array, observations),
+                tree_map(keep, observations),
                 tree_map(np.array, actions),
                 np.array(rewards, dtype=np.float64),
                 np.array(terminated, dtype=np.bool_),
                 np.array(truncated, dtype=np.bool_),
-                tree_map(np.array, next_observations),
+                tree_map(keep, next_observations),
                 np.array(versions, dtype=np.int64),
                 {key: np.array(value) for key, value in agent_infos.items()},
                 list(env_infos),

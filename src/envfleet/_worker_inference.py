@@ -173,7 +173,7 @@ class WorkerState:
         envs = self.envs
         envs.obs = self.obs
         self.obs, done = step_and_record(
-            envs, self.policy, self.obs, self.ids, self.version, recorder, self.timers
+            envs, self.policy, self.obs, self.ids, self.version, recorder, self.timers, True
         )
         if envs.failure is not None:
             raise envs.failure

@@ -41,8 +41,15 @@ class SlowWhere(PolePolicy):
 
 
 def _sample_through_calibration(sampler: Sampler) -> list[EpisodeBatch]:
-    batches = []
-    while sum(b.num_steps for b in batches) < CALIBRATION_STEPS + 60:
+    """Sample past the calibration, and on until every env has steps (a first-ready pool
+    hands back whichever envs are ready first)."""
+    batches: list[EpisodeBatch] = []
+
+    def envs_seen() -> int:
+        return len(set(np.concatenate([b.env_index for b in batches]).tolist()))
+
+    while sum(b.num_steps for b in batches) < CALIBRATION_STEPS + 60 or envs_seen() < 6:
+        assert len(batches) < 200, "an env never came back"
         batches.append(sampler.sample(40))
     return batches
 
