@@ -118,6 +118,8 @@ class PolicyLoopResult:
             gymnasium's two loops in the same repetition (``nan`` without a gymnasium loop).
         runs: steps/s of each repetition.
         skipped: why the system was not measured (e.g. how to install it), else ``None``.
+        notes: per repetition, what the system said of itself (``sampler``: the inference
+            its calibration chose and why, from :meth:`envfleet.Sampler.report`).
     """
 
     system: str
@@ -126,6 +128,7 @@ class PolicyLoopResult:
     vs_best_gym: float
     runs: tuple[float, ...]
     skipped: str | None = None
+    notes: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -208,15 +211,17 @@ def measure_policy_loop(
     skipped = {s: PUFFER_INSTALL for s in systems if s.startswith("puffer") and not _has_puffer()}
     active = [s for s in systems if s not in skipped]
     runs: dict[str, list[float]] = {s: [] for s in active}
+    notes: dict[str, list[str]] = {s: [] for s in active}
     ratios: dict[str, list[float]] = {s: [] for s in active}
     for rep in range(repeats):
         shift = rep % len(active) if active else 0
         for system in active[shift:] + active[:shift]:
             if progress is not None:
                 progress(workload.name, system, rep)
-            runs[system].append(
-                _measure_loop(workload, system, seconds, min(warmup_s, seconds / 2), seed)
-            )
+            rate, note = _measure_loop(workload, system, seconds, min(warmup_s, seconds / 2), seed)
+            runs[system].append(rate)
+            if note:
+                notes[system].append(note)
         best_gym = max((runs[s][-1] for s in _GYM_LOOPS if s in runs), default=math.nan)
         for system in active:
             ratios[system].append(runs[system][-1] / best_gym)
@@ -234,6 +239,7 @@ def measure_policy_loop(
                 rate / bound.steps_per_s,
                 _median(ratios[system]),
                 tuple(runs[system]),
+                notes=tuple(notes[system]),
             )
         )
     return PolicyLoopReport(
@@ -283,6 +289,10 @@ def policy_table(report: PolicyLoopReport) -> str:
             lines.append(
                 f"| {r.system} | {r.steps_per_s:,.0f} | {r.of_bound:.2f} | {r.vs_best_gym:.2f} |"
             )
+    chosen = [(r.system, note) for r in report.results for note in dict.fromkeys(r.notes)]
+    if chosen:
+        lines.append("")
+        lines += [f"{system}: {note}" for system, note in chosen]
     return "\n".join(lines) + "\n"
 
 
@@ -354,8 +364,11 @@ def _has_puffer() -> bool:
     return importlib.util.find_spec("pufferlib") is not None
 
 
-def _measure_loop(workload: Any, system: str, seconds: float, warmup_s: float, seed: int) -> float:
-    """Env steps per second of one system's learner loop on ``workload``."""
+def _measure_loop(
+    workload: Any, system: str, seconds: float, warmup_s: float, seed: int
+) -> tuple[float, str]:
+    """Env steps per second of one system's learner loop on ``workload``, and what the
+    system said of itself ("" when nothing)."""
     n = workload.num_envs
     factory = workload.factory()
     probe = factory()
@@ -365,10 +378,11 @@ def _measure_loop(workload: Any, system: str, seconds: float, warmup_s: float, s
         probe.close()
     policy = TorchPolicy(workload.policy, obs_space, act_space, seed)
     closers: list[Callable[[], None]] = []
+    notes: list[str] = []
     finished = False
     try:
         try:
-            advance = _loop(system, factory, n, policy, seed, closers)
+            advance = _loop(system, factory, n, policy, seed, closers, notes)
         except ConfigError:
             raise
         except Exception as exc:
@@ -385,7 +399,7 @@ def _measure_loop(workload: Any, system: str, seconds: float, warmup_s: float, s
             except Exception as exc:
                 if finished:
                     raise bench_error(exc, "closing", system, workload.env_id) from exc
-    return steps / elapsed
+    return steps / elapsed, "; ".join(notes)
 
 
 def _time_advance(advance: Callable[[], int], seconds: float, warmup_s: float) -> tuple[int, float]:
@@ -412,9 +426,11 @@ def _loop(
     policy: Callable[[Any], Any],
     seed: int,
     closers: list[Callable[[], None]],
+    notes: list[str],
 ) -> Callable[[], int]:
     """Build ``system`` and return its loop's one iteration (returning env steps taken);
-    what must be closed goes into ``closers``."""
+    what must be closed goes into ``closers``, what it says of itself into ``notes`` (when
+    it is closed)."""
     if system in ("gym-sync", "gym-async", "envfleet"):
         envs: Any
         if system == "envfleet":
@@ -449,10 +465,13 @@ def _loop(
         sampler = envfleet.Sampler(
             factory, policy, n, inference=inference, seed=seed, progress=False
         )
-        closers.append(sampler.close)
         chunk = n * 64
         while sampler.report().choice == "calibrating":  # the default's calibration: untimed
             sampler.sample(chunk)
+        if inference == "auto":
+            report = sampler.report()
+            closers.append(lambda: notes.append(f"{report.inference} inference, {report.choice}"))
+        closers.append(sampler.close)
 
         def sample() -> int:
             return int(sampler.sample(chunk).num_steps)

@@ -26,6 +26,7 @@ from envfleet.bench import (
     check_workload,
     measure_policy_loop,
     overlap_bound,
+    policy_table,
     require_torch,
     usable_cores,
     workloads,
@@ -173,6 +174,13 @@ def test_measure_policy_loop_every_system_tiny_budget():
         if r.runs:
             ratios = [rate / ref for rate, ref in zip(r.runs, best, strict=True)]
             assert r.vs_best_gym == pytest.approx(float(np.median(ratios)))
+    # The default Sampler says, per repetition, which inference its calibration chose.
+    notes = by_system["sampler"].notes
+    assert len(notes) == 2
+    assert all(n.split(" ")[0] in ("driver", "worker") and "calibrated" in n for n in notes)
+    assert all(not r.notes for r in report.results if r.system != "sampler")
+    table = policy_table(report)
+    assert f"sampler: {notes[0]}" in table
 
 
 def test_measure_policy_loop_rejects_bad_arguments():
