@@ -3,8 +3,11 @@ forms (``:class:`x``` roles, ``::`` literal blocks) that Markdown would show ver
 
 This rewrites them in the docstrings griffe hands to mkdocstrings (the sources are not
 touched): a role becomes a code span that links to the object when the reference has it
-(an optional autoref, so a private or external target is plain code, not a warning), and a
-paragraph ending in ``::`` becomes one ending in ``:`` followed by a fenced Python block.
+(an optional autoref, so a private or external target is plain code, not a warning); a
+paragraph ending in ``::`` becomes one ending in ``:`` followed by a fenced Python block; a
+reST simple table becomes a Markdown table. Two Google-style slips are mended too: one
+``Args:`` entry for several names (``a, b: ...``) becomes one entry per name, and a
+``Raises:`` entry written as a sentence becomes ``Exception: <the sentence>``.
 """
 
 from __future__ import annotations
@@ -119,6 +122,56 @@ def _grouped_items(text: str) -> str:
     return "\n".join(out)
 
 
+_RULE = re.compile(r"\s*=+(\s+=+)+\s*")
+
+
+def _simple_tables(text: str) -> str:
+    """reST simple tables (``====  ====`` rules, a header row, rows whose first cell is empty
+    continuing the row above) as Markdown tables."""
+    lines = text.split("\n")
+    out: list[str] = []
+    i = 0
+    while i < len(lines):
+        if not _RULE.fullmatch(lines[i]):
+            out.append(lines[i])
+            i += 1
+            continue
+        rule = lines[i]
+        spans = [m.span() for m in re.finditer(r"=+", rule)]
+        rules = [i]
+        j = i + 1
+        while j < len(lines) and len(rules) < 3:
+            if lines[j] == rule:
+                rules.append(j)
+            j += 1
+        if len(rules) < 3:  # not a whole table: leave it as it is
+            out.append(lines[i])
+            i += 1
+            continue
+        pad = rule[: _indent(rule)]
+
+        def cells(line: str) -> list[str]:
+            bounds = [start for start, _ in spans[1:]] + [len(line) + 1]
+            starts = [start for start, _ in spans]
+            return [line[a:b].strip() for a, b in zip(starts, bounds, strict=True)]
+
+        rows: list[list[str]] = []
+        for line in lines[rules[1] + 1 : rules[2]]:
+            if not line.strip():
+                continue
+            row = cells(line)
+            if row[0] or not rows:
+                rows.append(row)
+            else:
+                rows[-1] = [f"{a} {b}".strip() for a, b in zip(rows[-1], row, strict=True)]
+        header = cells(lines[rules[0] + 1])
+        out.append(pad + "| " + " | ".join(header) + " |")
+        out.append(pad + "|" + "---|" * len(header))
+        out.extend(pad + "| " + " | ".join(row) + " |" for row in rows)
+        i = rules[2] + 1
+    return "\n".join(out)
+
+
 _RAISES = re.compile(r"(\s*)Raises:\s*$")
 _EXCEPTION_ITEM = re.compile(r"\s*[\w.]+(?:,\s*[\w.]+)*(?:\s*\([^)]*\))?:(\s|$).*")
 
@@ -158,7 +211,7 @@ def _prose_raises(text: str) -> str:
 def rewrite(obj: Object, text: str) -> str:
     """``text`` (``obj``'s docstring) with roles, literal blocks and grouped parameters in
     Google-style Markdown."""
-    return _prose_raises(_grouped_items(_literal_blocks(_roles(obj, text))))
+    return _prose_raises(_grouped_items(_simple_tables(_literal_blocks(_roles(obj, text)))))
 
 
 def _walk(obj: Object) -> Any:
