@@ -150,9 +150,10 @@ def _simple_tables(text: str) -> str:
             continue
         pad = rule[: _indent(rule)]
 
-        def cells(line: str) -> list[str]:
-            bounds = [start for start, _ in spans[1:]] + [len(line) + 1]
-            starts = [start for start, _ in spans]
+        starts = [start for start, _ in spans]
+
+        def cells(line: str, starts: list[int] = starts) -> list[str]:
+            bounds = [*starts[1:], len(line) + 1]
             return [line[a:b].strip() for a, b in zip(starts, bounds, strict=True)]
 
         rows: list[list[str]] = []
