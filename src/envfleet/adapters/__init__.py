@@ -2,8 +2,8 @@
 
 - :mod:`envfleet.adapters.sb3`: :class:`~envfleet.adapters.sb3.SB3VecEnv`, a
   stable-baselines3 ``VecEnv`` (``pip install 'envfleet[sb3]'``).
-- :mod:`envfleet.adapters.torchrl`: :func:`~envfleet.adapters.torchrl.make_torchrl_env`,
-  TorchRL's ``GymWrapper`` over an envfleet vector env (``pip install 'envfleet[torchrl]'``).
+- :mod:`envfleet.adapters.torchrl`: :class:`~envfleet.adapters.torchrl.FleetTorchRLEnv`, a
+  TorchRL ``EnvBase`` over an envfleet vector env (``pip install 'envfleet[torchrl]'``).
 
 Each module imports its library when imported; this package imports none of them.
 """
