@@ -13,12 +13,13 @@ import math
 import textwrap
 from typing import Any
 
-from envfleet._bench_core import BenchReport, Machine
+from envfleet._bench_sweep import BenchReport, Machine
 from envfleet._errors import ConfigError
 
 __all__ = [
     "PLOT_DPI",
     "PLOT_INSTALL",
+    "PLOT_LEGEND_INCHES",
     "PLOT_PANEL_INCHES",
     "machine_line",
     "plot_report",
@@ -30,9 +31,10 @@ PLOT_INSTALL = "pip install 'envfleet[plot]'"
 #: Size of one env id's panel in inches (width, height); the figure is one panel per env id
 #: side by side, plus the legend's column on the right.
 PLOT_PANEL_INCHES = (5.5, 4.6)
+#: Width of the legend's column in inches.
+PLOT_LEGEND_INCHES = 2.2
 #: Pixels per inch of the PNG.
 PLOT_DPI = 120
-_LEGEND_INCHES = 2.2
 
 # envfleet's systems solid and bold, the peers thinner and dashed; one colour per system.
 _STYLES: dict[str, dict[str, Any]] = {
@@ -72,7 +74,8 @@ def plot_report(report: BenchReport, path: str, *, title: str | None = None) -> 
 
     Returns:
         The image's size in pixels, ``(width, height)``: ``PLOT_DPI`` times
-        (``PLOT_PANEL_INCHES[0]`` per env id plus the legend's column, ``PLOT_PANEL_INCHES[1]``).
+        (``PLOT_PANEL_INCHES[0]`` per env id plus ``PLOT_LEGEND_INCHES``,
+        ``PLOT_PANEL_INCHES[1]``), rounded.
 
     Raises:
         ConfigError: matplotlib is missing (the message says what to install), or the report
@@ -93,7 +96,7 @@ def plot_report(report: BenchReport, path: str, *, title: str | None = None) -> 
     if not report.results:
         raise ConfigError("nothing to plot: the report has no result")
     systems = list(dict.fromkeys(r.system for r in report.results))
-    width_in = PLOT_PANEL_INCHES[0] * len(env_ids) + _LEGEND_INCHES
+    width_in = PLOT_PANEL_INCHES[0] * len(env_ids) + PLOT_LEGEND_INCHES
     height_in = PLOT_PANEL_INCHES[1]
     fig = Figure(figsize=(width_in, height_in), dpi=PLOT_DPI, layout="constrained")
     axes = fig.subplots(1, len(env_ids), squeeze=False)[0]

@@ -48,26 +48,18 @@ from envfleet._bench_core import (
     SYSTEMS,
     BenchError,
     BenchProgress,
-    BenchReport,
     BenchResult,
-    LimitResult,
-    Machine,
     ProgressCallback,
-    Skipped,
     baseline_ratios,
-    bench_rows,
-    describe_machine,
     measure,
-    measure_limit,
     measure_system,
-    run_bench,
     timed_loop,
-    unavailable,
 )
 from envfleet._bench_peers import PEER_INSTALL, envpool_task
 from envfleet._bench_plot import (
     PLOT_DPI,
     PLOT_INSTALL,
+    PLOT_LEGEND_INCHES,
     PLOT_PANEL_INCHES,
     machine_line,
     plot_report,
@@ -82,6 +74,17 @@ from envfleet._bench_policies import (
     make_env,
     require_torch,
     workloads,
+)
+from envfleet._bench_sweep import (
+    BenchReport,
+    LimitResult,
+    Machine,
+    Skipped,
+    bench_rows,
+    describe_machine,
+    measure_limit,
+    run_bench,
+    unavailable,
 )
 from envfleet._front.factories import check_env_id
 from envfleet._policy_loop import (
@@ -106,6 +109,7 @@ __all__ = [
     "PEER_INSTALL",
     "PLOT_DPI",
     "PLOT_INSTALL",
+    "PLOT_LEGEND_INCHES",
     "PLOT_PANEL_INCHES",
     "POLICY_KINDS",
     "POLICY_SYSTEMS",

@@ -46,9 +46,8 @@ DEFAULT_ENV_ID = "CartPole-v1"
 #: --num-envs of the plain bench when not given (the --policy workloads have their own).
 DEFAULT_NUM_ENVS = (4, 16)
 #: --seconds when not given: the plain bench's default run (CartPole-v1 and ALE/Pong-v5, every
-#: installed peer) then takes about two minutes on two cores; --policy keeps its own.
-DEFAULT_SECONDS = 1.0
-DEFAULT_POLICY_SECONDS = 2.0
+#: installed peer) then takes about two minutes on two cores.
+DEFAULT_SECONDS = 2.0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -139,8 +138,8 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         metavar="S",
         help=(
-            "timed seconds per system, on top of startup and warm-up (default: "
-            f"{DEFAULT_SECONDS:g}; with --policy: {DEFAULT_POLICY_SECONDS:g})"
+            f"timed seconds per system, on top of startup and warm-up (default: "
+            f"{DEFAULT_SECONDS:g})"
         ),
     )
     bench.add_argument(
@@ -328,7 +327,7 @@ def _bench_policy(args: argparse.Namespace) -> int:
         return _error("nothing to measure: --systems is 'none'")
     if args.plot is not None:
         return _error("--plot draws the env-stepping bench; it does not apply with --policy")
-    seconds: float = args.seconds or DEFAULT_POLICY_SECONDS
+    seconds: float = args.seconds or DEFAULT_SECONDS
     try:
         require_torch()
         env_ids = list(dict.fromkeys(args.env_ids))
