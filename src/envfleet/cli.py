@@ -447,6 +447,7 @@ class _ProgressDisplay:
 
 def _print_table(report: BenchReport) -> None:
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     results = list(report.results)
@@ -461,7 +462,7 @@ def _print_table(report: BenchReport) -> None:
     ]
     for note in dict.fromkeys(s.reason for s in report.skipped):
         caption.append(f"left out: {note}")
-    table = Table(caption="\n".join(caption))
+    table = Table(caption=escape("\n".join(caption)))  # "[sb3]" is not rich markup
     table.add_column("env id")
     table.add_column("num_envs", justify="right")
     table.add_column("system")

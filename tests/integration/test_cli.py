@@ -157,6 +157,9 @@ def test_missing_peers_are_left_out_with_how_to_install_them():
     proc = run(cmd=[sys.executable, "-c", code])
     assert proc.returncode == 0, proc.stderr
     assert [r["system"] for r in json.loads(proc.stdout)] == ["serial", "gym-sync"]
+    table = run(cmd=[sys.executable, "-c", code.replace(", '--json'", "")])
+    assert table.returncode == 0, table.stderr
+    assert "envfleet[sb3]" in " ".join(table.stdout.split())  # the table's notes, as typed
     assert "Traceback" not in proc.stderr
     for install in (
         "pip install 'envfleet[sb3]'",
