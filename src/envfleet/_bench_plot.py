@@ -147,19 +147,19 @@ def plot_report(report: BenchReport, path: str, *, title: str | None = None) -> 
         fontsize=9,
         frameon=False,
     )
-    fig.suptitle(title or _title(report), fontsize=10)
+    fig.suptitle(title or _title(report, int(width_in * 11)), fontsize=10)
     fig.savefig(path, dpi=PLOT_DPI)
     return round(width_in * PLOT_DPI), round(height_in * PLOT_DPI)
 
 
-def _title(report: BenchReport) -> str:
+def _title(report: BenchReport, width: int) -> str:
     what = (
         f"envfleet bench: env steps/s with random actions (higher is better); "
         f"{report.seconds:g} s per system"
     )
     if report.repeats > 1:
         what += f", median of {report.repeats}"
-    return what + "\n" + machine_line(report.machine)
+    return what + "\n" + machine_line(report.machine, min(width, 120))  # characters a line
 
 
 def machine_line(machine: Machine, width: int = 120) -> str:
