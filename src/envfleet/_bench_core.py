@@ -1,6 +1,7 @@
-"""The core of ``envfleet bench``: env steps per second of envfleet backends and of
-gymnasium's vector envs on the same environment (see :mod:`envfleet.bench`, which re-exports
-it, for the systems and the method).
+"""The core of ``envfleet bench``: env steps per second of envfleet backends and of their
+peers (other libraries' vector envs, :mod:`envfleet._bench_peers`) on the same environment,
+swept over ``num_envs``, with the machine's limit beside them (see :mod:`envfleet.bench`, which
+re-exports it, for the systems and the method).
 """
 
 from __future__ import annotations
@@ -12,15 +13,22 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-import gymnasium
-
 import envfleet
+from envfleet._bench_peers import (
+    PEERS,
+    Stepper,
+    action_bank,
+    build_peer,
+    peer_unavailable,
+)
 from envfleet._errors import ConfigError, EnvfleetError
-from envfleet._front.factories import check_env_id, register_namespace
+from envfleet._front.factories import check_env_id
 
 __all__ = [
     "ACTION_BANK",
     "BASELINES",
+    "LIMIT",
+    "PEERS",
     "SYSTEMS",
     "BenchError",
     "BenchProgress",
@@ -29,6 +37,7 @@ __all__ = [
     "baseline_ratios",
     "bench_error",
     "check_args",
+    "check_systems",
     "measure",
     "measure_system",
     "timed_loop",
@@ -36,10 +45,13 @@ __all__ = [
 
 logger = logging.getLogger("envfleet")
 
-#: The gymnasium vector envs envfleet is compared with.
+#: The gymnasium vector envs every result is compared with (the ratio columns).
 BASELINES: tuple[str, ...] = ("gym-sync", "gym-async")
-#: Every system :func:`measure` knows: the envfleet backends, then the baselines.
-SYSTEMS: tuple[str, ...] = (*envfleet.BACKENDS, *BASELINES)
+#: Every system :func:`measure` knows: the envfleet backends, then the peers (the baselines
+#: first among them).
+SYSTEMS: tuple[str, ...] = (*envfleet.BACKENDS, *PEERS)
+#: The name of the machine's limit in progress reports (:func:`measure_limit`).
+LIMIT = "limit"
 #: Number of pre-drawn batched actions that the timed loop cycles through.
 ACTION_BANK = 64
 
@@ -62,7 +74,7 @@ class BenchResult:
     """Throughput of one system on one environment.
 
     Attributes:
-        system: ``"serial"``, ``"processes"``, ``"gym-sync"`` or ``"gym-async"``.
+        system: a name from :data:`SYSTEMS` (``"processes"``, ``"gym-async"``, ...).
         env_id: the gymnasium id.
         num_envs: number of sub-environments.
         steps_per_s: env steps per second, summed over all sub-environments
@@ -70,6 +82,8 @@ class BenchResult:
         batch_steps: number of ``step`` calls in the timed window (each steps every env).
         seconds: length of the timed window in seconds (at least the time budget).
         startup_s: seconds to build the vector env and reset it (not part of ``seconds``).
+        runs: with repetitions (:func:`run_bench`), the steps/s of each, in order; the other
+            fields are those of the median one (the lower median for an even count).
     """
 
     system: str
@@ -79,6 +93,7 @@ class BenchResult:
     batch_steps: int
     seconds: float
     startup_s: float
+    runs: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -94,6 +109,7 @@ class BenchProgress:
         budget_s: the time budget of the timed window in seconds.
         batch_steps: ``step`` calls in the timed window so far.
         steps_per_s: env steps per second so far (0 before ``"measure"``).
+        num_envs: number of sub-environments (1 for the limit's plain loop).
     """
 
     env_id: str
@@ -103,6 +119,7 @@ class BenchProgress:
     budget_s: float
     batch_steps: int
     steps_per_s: float
+    num_envs: int = 0
 
 
 #: Called with a :class:`BenchProgress` at each phase change and at most ten times per second
@@ -142,14 +159,7 @@ def measure(
         BenchError: a system failed while being built, stepped or closed.
     """
     check_args(num_envs, seconds, warmup_s)
-    if not systems:
-        raise ConfigError("no system to measure")
-    seen: set[str] = set()
-    for system in systems:
-        _check_system(system)
-        if system in seen:
-            raise ConfigError(f"system {system!r} is given twice")
-        seen.add(system)
+    check_systems(systems)
     check_env_id(env_id)
     return [
         measure_system(
@@ -172,7 +182,9 @@ def measure_system(
     """Measure the throughput (env steps/s) of one system; see :func:`measure` for the arguments.
 
     Raises:
-        ConfigError: bad arguments, unknown system or env id (before anything is built).
+        ConfigError: bad arguments, unknown system or env id, or a peer that cannot run here
+            (not installed: the message says what to install; ``envpool-native`` on an env
+            EnvPool does not have), before anything is built.
         BenchError: the system failed while being built, stepped or closed.
     """
     check_args(num_envs, seconds, warmup_s)
@@ -183,23 +195,25 @@ def measure_system(
     def report(phase: Any, elapsed: float = 0.0, steps: int = 0) -> None:
         if progress is not None:
             rate = num_envs * steps / elapsed if elapsed > 0 else 0.0
-            progress(BenchProgress(env_id, system, phase, elapsed, seconds, steps, rate))
+            progress(BenchProgress(env_id, system, phase, elapsed, seconds, steps, rate, num_envs))
 
+    reason = peer_unavailable(system, env_id)
+    if reason is not None:
+        raise ConfigError(reason)
     report("start")
     logger.debug("bench: building %s with %d x %s", system, num_envs, env_id)
     try:
         start = time.perf_counter()
-        envs = _build(env_id, num_envs, system)
+        envs = _build(env_id, num_envs, system, seed)
     except ConfigError:
         raise
     except Exception as exc:
         raise bench_error(exc, "building", system, env_id) from exc
     finished = False
     try:
-        envs.reset(seed=seed)
+        envs.reset()
         startup_s = time.perf_counter() - start
-        envs.action_space.seed(seed)
-        bank = [envs.action_space.sample() for _ in range(ACTION_BANK)]
+        bank = action_bank(envs.single_action_space, num_envs, seed, ACTION_BANK, envs.action_dtype)
 
         report("warmup")
         steps, elapsed = timed_loop(
@@ -215,7 +229,7 @@ def measure_system(
         raise bench_error(exc, "stepping", system, env_id) from exc
     finally:
         try:
-            envs.close(terminate=not finished)
+            envs.close(not finished)
         except Exception as exc:
             if finished:  # otherwise the error being raised already says what went wrong
                 raise bench_error(exc, "closing", system, env_id) from exc
@@ -317,25 +331,32 @@ def check_args(num_envs: int, seconds: float, warmup_s: float) -> None:
         raise ConfigError(f"warmup_s must be a finite number >= 0, got {warmup_s!r}")
 
 
+def check_systems(systems: Sequence[str]) -> None:
+    if not systems:
+        raise ConfigError("no system to measure")
+    seen: set[str] = set()
+    for system in systems:
+        _check_system(system)
+        if system in seen:
+            raise ConfigError(f"system {system!r} is given twice")
+        seen.add(system)
+
+
 def _check_system(system: str) -> None:
     if system not in SYSTEMS:
         raise ConfigError(f"unknown system {system!r}; available systems: {', '.join(SYSTEMS)}")
 
 
-def _build(env_id: str, num_envs: int, system: str) -> gymnasium.vector.VectorEnv[Any, Any, Any]:
-    if system in envfleet.BACKENDS:
-        return envfleet.make(env_id, num_envs, backend=system)
-
-    def make_env() -> gymnasium.Env[Any, Any]:
-        # gymnasium.make(env_id), after registering the id's namespace (ALE) in this process,
-        # which may be a freshly spawned worker.
-        register_namespace(env_id)
-        return gymnasium.make(env_id)
-
-    env_fns = [make_env] * num_envs
-    if system == "gym-sync":
-        return gymnasium.vector.SyncVectorEnv(env_fns)
-    return gymnasium.vector.AsyncVectorEnv(env_fns)
+def _build(env_id: str, num_envs: int, system: str, seed: int) -> Stepper:
+    if system not in envfleet.BACKENDS:
+        return build_peer(system, env_id, num_envs, seed)
+    envs = envfleet.make(env_id, num_envs, backend=system)
+    return Stepper(
+        envs.single_action_space,
+        envs.step,
+        lambda: envs.reset(seed=seed),
+        lambda terminate: envs.close(terminate=terminate),
+    )
 
 
 def bench_error(exc: Exception, doing: str, system: str, env_id: str) -> BenchError:

@@ -1,9 +1,10 @@
 """Throughput measurement: the core of ``envfleet bench`` (DESIGN §2, layer 7).
 
-Measures env steps per second of envfleet backends and of gymnasium's own vector envs on the
-same environment, so that the numbers can be compared. Nothing here prints: results come back
-as dataclasses and progress goes to an optional callback; the CLI (:mod:`envfleet.cli`)
-renders both.
+Measures env steps per second of envfleet backends and of their peers (other libraries'
+vector envs) on the same environment, swept over ``num_envs``, beside the machine's limit, so
+that the numbers can be compared (:func:`run_bench`; :func:`plot_report` draws them). Nothing
+here prints: results come back as dataclasses and progress goes to an optional callback; the
+CLI (:mod:`envfleet.cli`) renders both.
 
 The learner's loop (``envfleet bench --policy``): :func:`measure_policy_loop` steps every
 system of :data:`POLICY_SYSTEMS` with a torch policy choosing the actions (CleanRL's PPO actor,
@@ -16,6 +17,18 @@ Systems:
 - ``"gym-sync"``: ``gymnasium.vector.SyncVectorEnv([lambda: gymnasium.make(env_id)] * num_envs)``.
 - ``"gym-async"``: ``gymnasium.vector.AsyncVectorEnv`` on the same factories (its defaults:
   ``shared_memory=True``, the platform's start method).
+- ``"sb3-subproc"``: stable-baselines3's ``SubprocVecEnv`` on the same factories, with the
+  start method ``gym-async`` uses.
+- ``"envpool-native"``: ``envpool.make_gymnasium`` on EnvPool's native task of the env id
+  (:func:`envpool_task`; ``ALE/Pong-v5`` runs ``Pong-v5`` set to gymnasium's work: raw RGB
+  frames, frameskip 4, sticky actions 0.25, no no-op starts, no fire reset; EnvPool still
+  max-pools the last two frames), ``num_threads`` capped at the usable cores.
+- ``"puffer-mp"``: PufferLib's ``Multiprocessing`` vector env stepping every env at once, on
+  as many workers as divide ``num_envs`` while leaving one usable core to its driver.
+
+A peer whose library is missing is left out with :data:`PEER_INSTALL`'s command
+(:func:`unavailable`). The limit (:func:`measure_limit`): one env stepped in a plain Python
+loop, its rate times the usable cores.
 
 Method, the same for every system: build the vector env and ``reset(seed=0)``; draw a fixed
 bank of :data:`ACTION_BANK` batched actions from ``envs.action_space`` seeded with the same seed
@@ -30,6 +43,8 @@ from __future__ import annotations
 from envfleet._bench_core import (
     ACTION_BANK,
     BASELINES,
+    LIMIT,
+    PEERS,
     SYSTEMS,
     BenchError,
     BenchProgress,
@@ -40,6 +55,16 @@ from envfleet._bench_core import (
     measure_system,
     timed_loop,
 )
+from envfleet._bench_peers import PEER_INSTALL, envpool_task
+from envfleet._bench_plot import (
+    PLOT_DPI,
+    PLOT_INSTALL,
+    PLOT_LEGEND_INCHES,
+    PLOT_PANEL_INCHES,
+    machine_line,
+    plot_report,
+    require_matplotlib,
+)
 from envfleet._bench_policies import (
     POLICY_KINDS,
     TORCH_INSTALL,
@@ -49,6 +74,17 @@ from envfleet._bench_policies import (
     make_env,
     require_torch,
     workloads,
+)
+from envfleet._bench_sweep import (
+    BenchReport,
+    LimitResult,
+    Machine,
+    Skipped,
+    bench_rows,
+    describe_machine,
+    measure_limit,
+    run_bench,
+    unavailable,
 )
 from envfleet._front.factories import check_env_id
 from envfleet._policy_loop import (
@@ -68,6 +104,13 @@ from envfleet._policy_loop import (
 __all__ = [
     "ACTION_BANK",
     "BASELINES",
+    "LIMIT",
+    "PEERS",
+    "PEER_INSTALL",
+    "PLOT_DPI",
+    "PLOT_INSTALL",
+    "PLOT_LEGEND_INCHES",
+    "PLOT_PANEL_INCHES",
     "POLICY_KINDS",
     "POLICY_SYSTEMS",
     "PUFFER_INSTALL",
@@ -75,26 +118,39 @@ __all__ = [
     "TORCH_INSTALL",
     "BenchError",
     "BenchProgress",
+    "BenchReport",
     "BenchResult",
+    "LimitResult",
+    "Machine",
     "PolicyBound",
     "PolicyLoopReport",
     "PolicyLoopResult",
     "ProgressCallback",
+    "Skipped",
     "TorchPolicy",
     "Workload",
     "baseline_ratios",
+    "bench_rows",
     "check_env_id",
     "check_workload",
+    "describe_machine",
+    "envpool_task",
+    "machine_line",
     "make_env",
     "measure",
     "measure_bound",
+    "measure_limit",
     "measure_policy_loop",
     "measure_system",
     "overlap_bound",
+    "plot_report",
     "policy_report_dict",
     "policy_table",
+    "require_matplotlib",
     "require_torch",
+    "run_bench",
     "timed_loop",
+    "unavailable",
     "usable_cores",
     "workloads",
 ]

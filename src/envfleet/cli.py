@@ -1,8 +1,11 @@
 """The ``envfleet`` command line (DESIGN §2, layer 7), built on the public API only.
 
 ``envfleet bench [ENV_ID ...]`` measures env steps per second of envfleet's backends and of
-gymnasium's vector envs (see :mod:`envfleet.bench`) and prints a table, or one JSON document
-with ``--json``. ``envfleet bench --policy {mlp,cnn}`` measures the learner's loop instead
+their peers (gymnasium's vector envs, SB3's SubprocVecEnv, EnvPool, PufferLib: every one
+installed; see :mod:`envfleet.bench`), swept over ``--num-envs 4,16,64``, beside the machine's
+limit, and prints a table; ``--json [FILE]`` writes the raw figures (to stdout without FILE,
+instead of the table) and ``--plot FILE.png`` draws them (matplotlib, the ``plot`` extra).
+``envfleet bench --policy {mlp,cnn}`` measures the learner's loop instead
 (observations -> a torch policy -> step; :func:`envfleet.bench.measure_policy_loop`): every
 system's steps/s, its fraction of the overlap bound and its ratio to the faster gymnasium
 loop. This module is the only place where envfleet prints.
@@ -17,26 +20,34 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
-from dataclasses import asdict
 from typing import Any
 
 import envfleet
 from envfleet import ConfigError
 from envfleet.bench import (
     BASELINES,
+    LIMIT,
+    PEERS,
     POLICY_SYSTEMS,
     BenchError,
     BenchProgress,
-    BenchResult,
+    BenchReport,
     PolicyLoopReport,
     baseline_ratios,
+    bench_rows,
     check_env_id,
-    measure,
+    run_bench,
+    unavailable,
 )
 
 __all__ = ["main"]
 
 DEFAULT_ENV_ID = "CartPole-v1"
+#: --num-envs of the plain bench when not given (the --policy workloads have their own).
+DEFAULT_NUM_ENVS = (4, 16)
+#: --seconds when not given: the plain bench's default run (CartPole-v1 and ALE/Pong-v5, every
+#: installed peer) then takes about two minutes on two cores.
+DEFAULT_SECONDS = 2.0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -65,12 +76,14 @@ def _parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     bench = commands.add_parser(
         "bench",
-        help="measure env steps/s of envfleet's backends and of gymnasium's vector envs",
+        help="measure env steps/s of envfleet's backends and of other vector envs",
         description=(
             "Measure env steps per second (summed over all sub-environments) of envfleet's "
-            "backends and of gymnasium's SyncVectorEnv/AsyncVectorEnv, one system after the "
-            "other, with random actions drawn in advance. Ratios compare each system with "
-            "each baseline (higher is faster)."
+            "backends and of their peers (gymnasium's SyncVectorEnv/AsyncVectorEnv, SB3's "
+            "SubprocVecEnv, EnvPool on its native tasks, PufferLib's multiprocessing vector "
+            "env), one system after the other, with random actions drawn in advance, beside "
+            "the machine's limit (one plain env loop per usable core, summed). Ratios compare "
+            "each system with the limit and with each gymnasium vector env (higher is faster)."
         ),
     )
     bench.add_argument(
@@ -81,10 +94,14 @@ def _parser() -> argparse.ArgumentParser:
     )
     bench.add_argument(
         "--num-envs",
-        type=_positive_int,
+        type=_int_list,
         default=None,
-        metavar="N",
-        help="sub-environments per system (default: 16; with --policy cnn: 8)",
+        metavar="N[,N...]",
+        help=(
+            "sub-environments per system; a comma-separated list sweeps, e.g. 4,16,64 "
+            f"(default: {','.join(map(str, DEFAULT_NUM_ENVS))}; with --policy mlp: 16, "
+            "cnn: 8)"
+        ),
     )
     bench.add_argument(
         "--backends",
@@ -99,23 +116,53 @@ def _parser() -> argparse.ArgumentParser:
         ),
     )
     bench.add_argument(
-        "--baselines",
-        type=_names(BASELINES, "baseline"),
-        default=list(BASELINES),
+        "--peers",
+        type=_names(PEERS, "peer"),
+        default=None,
         metavar="LIST",
-        help=f"comma-separated gymnasium baselines, or 'none' (default: {','.join(BASELINES)})",
+        help=(
+            f"comma-separated peers ({', '.join(PEERS)}), or 'none' (default: every one "
+            "installed; one that is missing is left out with a note saying how to install it)"
+        ),
+    )
+    bench.add_argument(
+        "--baselines",
+        type=_names(PEERS, "peer"),
+        dest="peers",
+        metavar="LIST",
+        help="the older name of --peers",
     )
     bench.add_argument(
         "--seconds",
         type=_positive_float,
-        default=2.0,
+        default=None,
         metavar="S",
-        help="timed seconds per system, on top of startup and warm-up (default: 2.0)",
+        help=(
+            f"timed seconds per system, on top of startup and warm-up (default: "
+            f"{DEFAULT_SECONDS:g})"
+        ),
     )
     bench.add_argument(
         "--json",
-        action="store_true",
-        help="print one JSON document (a list of results with ratios) instead of the table",
+        nargs="?",
+        const="-",
+        default=None,
+        type=_json_file,
+        metavar="FILE",
+        help=(
+            "write the raw figures as one JSON document (a list of results with ratios, the "
+            "limit and the machine) to FILE (a .json name), or, without FILE, print it "
+            "instead of the table"
+        ),
+    )
+    bench.add_argument(
+        "--plot",
+        default=None,
+        metavar="FILE.png",
+        help=(
+            "draw steps/s against num_envs for every system, with the limit line, into "
+            "FILE.png (needs matplotlib: pip install 'envfleet[plot]')"
+        ),
     )
     bench.add_argument(
         "--policy",
@@ -139,7 +186,7 @@ def _parser() -> argparse.ArgumentParser:
         type=_positive_int,
         default=1,
         metavar="R",
-        help="with --policy: repetitions, systems interleaved; medians are reported (default: 1)",
+        help="repetitions, systems interleaved; medians are reported (default: 1)",
     )
     return parser
 
@@ -152,6 +199,22 @@ def _positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
     return value
+
+
+def _int_list(text: str) -> list[int]:
+    values = [_positive_int(part.strip()) for part in text.split(",") if part.strip()]
+    if not values:
+        raise argparse.ArgumentTypeError(f"expected N or N,N,..., got {text!r}")
+    return list(dict.fromkeys(values))
+
+
+def _json_file(text: str) -> str:
+    # A FILE that is not a .json name is most likely an env id after a bare --json.
+    if text != "-" and not text.lower().endswith(".json"):
+        raise argparse.ArgumentTypeError(
+            f"expected a .json file name or '-', got {text!r} (put env ids before --json)"
+        )
+    return text
 
 
 def _positive_float(text: str) -> float:
@@ -188,25 +251,35 @@ def _names(available: Sequence[str], kind: str) -> Any:
 def _bench(args: argparse.Namespace) -> int:
     if args.policy is not None:
         return _bench_policy(args)
-    if args.num_envs is None:
-        args.num_envs = 16
+    sizes: list[int] = args.num_envs or list(DEFAULT_NUM_ENVS)
+    seconds: float = args.seconds or DEFAULT_SECONDS
     env_ids: list[str] = list(dict.fromkeys(args.env_ids)) or [DEFAULT_ENV_ID]
-    systems: list[str] = [*args.backends, *args.baselines]
+    peers: list[str] = list(PEERS) if args.peers is None else args.peers
+    systems: list[str] = [*args.backends, *peers]
     if not systems:
-        return _error("nothing to measure: --backends and --baselines are both 'none'")
+        return _error("nothing to measure: --backends and --peers are both 'none'")
     try:
         for env_id in env_ids:  # before anything runs: unknown ids, missing ale-py
             check_env_id(env_id)
+        if args.plot is not None:
+            from envfleet.bench import require_matplotlib
+
+            require_matplotlib()
     except ConfigError as exc:
         return _error(str(exc))
-
-    results: list[BenchResult] = []
+    skipped = unavailable(env_ids, systems)
+    for note in dict.fromkeys(s.reason for s in skipped):
+        print(f"envfleet bench: left out: {note}", file=sys.stderr)
+    left_out = {(s.env_id, s.system) for s in skipped}
+    active = {e: [s for s in systems if (e, s) not in left_out] for e in env_ids}
+    if not any(active.values()):
+        return _error("nothing to measure: every system asked for is left out (see above)")
+    total = sum(args.repeats * (1 + len(sizes) * len(active[e])) for e in env_ids)
     try:
-        with _ProgressDisplay(env_ids, systems, args) as on_progress:
-            for env_id in env_ids:
-                results += measure(
-                    env_id, args.num_envs, systems, args.seconds, progress=on_progress
-                )
+        with _ProgressDisplay(total, seconds, enabled=args.json != "-") as on_progress:
+            report = run_bench(
+                env_ids, sizes, systems, seconds, repeats=args.repeats, progress=on_progress
+            )
     except ConfigError as exc:
         return _error(str(exc))
     except BenchError as exc:
@@ -215,13 +288,29 @@ def _bench(args: argparse.Namespace) -> int:
         print("envfleet bench: interrupted", file=sys.stderr)
         return 130
 
-    ratios = baseline_ratios(results)
-    if args.json:
-        doc = [{**asdict(r), "ratios": ratio} for r, ratio in zip(results, ratios, strict=True)]
-        sys.stdout.write(json.dumps(doc, indent=2) + "\n")
-    else:
-        _print_table(results, ratios, args)
+    if args.json is not None:
+        _write_json(bench_rows(report), args.json)
+    if args.json != "-":
+        _print_table(report)
+    if args.plot is not None:
+        from envfleet.bench import plot_report
+
+        try:
+            plot_report(report, args.plot)
+        except OSError as exc:
+            return _error(f"cannot write the plot {args.plot}: {exc}", status=1)
+        print(f"envfleet bench: plot written to {args.plot}", file=sys.stderr)
     return 0
+
+
+def _write_json(doc: Any, target: str) -> None:
+    text = json.dumps(doc, indent=2) + "\n"
+    if target == "-":
+        sys.stdout.write(text)
+        return
+    with open(target, "w", encoding="utf-8") as f:
+        f.write(text)
+    print(f"envfleet bench: raw figures written to {target}", file=sys.stderr)
 
 
 def _bench_policy(args: argparse.Namespace) -> int:
@@ -236,16 +325,20 @@ def _bench_policy(args: argparse.Namespace) -> int:
 
     if not args.systems:
         return _error("nothing to measure: --systems is 'none'")
+    if args.plot is not None:
+        return _error("--plot draws the env-stepping bench; it does not apply with --policy")
+    seconds: float = args.seconds or DEFAULT_SECONDS
     try:
         require_torch()
-        chosen = workloads(args.policy, list(dict.fromkeys(args.env_ids)), args.num_envs)
+        env_ids = list(dict.fromkeys(args.env_ids))
+        chosen = [w for n in (args.num_envs or [None]) for w in workloads(args.policy, env_ids, n)]
         for w in chosen:
             check_env_id(w.env_id)
             check_workload(w)
     except ConfigError as exc:
         return _error(str(exc))
     reports: list[PolicyLoopReport] = []
-    show = not args.json and sys.stderr.isatty()
+    show = args.json != "-" and sys.stderr.isatty()
 
     def on_progress(name: str, system: str, rep: int) -> None:
         if show:
@@ -255,7 +348,7 @@ def _bench_policy(args: argparse.Namespace) -> int:
         for w in chosen:
             reports.append(
                 measure_policy_loop(
-                    w, args.systems, args.seconds, repeats=args.repeats, progress=on_progress
+                    w, args.systems, seconds, repeats=args.repeats, progress=on_progress
                 )
             )
     except ConfigError as exc:
@@ -265,10 +358,9 @@ def _bench_policy(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         print("envfleet bench: interrupted", file=sys.stderr)
         return 130
-    if args.json:
-        doc = [policy_report_dict(r) for r in reports]
-        sys.stdout.write(json.dumps(doc, indent=2) + "\n")
-    else:
+    if args.json is not None:
+        _write_json([policy_report_dict(r) for r in reports], args.json)
+    if args.json != "-":
         for r in reports:
             print(policy_table(r))
     return 0
@@ -280,43 +372,54 @@ def _error(message: str, status: int = 2) -> int:
 
 
 class _ProgressDisplay:
-    """A rich progress display on stderr, one bar per (env id, system); a no-op when disabled.
+    """A rich progress bar on stderr over the whole run (every measurement, the limits
+    included), naming the one running; a no-op when disabled.
 
-    Enabled only when stderr is a terminal and ``--json`` is not given. Entering it gives the
-    callback for :func:`envfleet.bench.measure`.
+    Enabled only when stderr is a terminal and the JSON document does not go to stdout.
+    Entering it gives the callback for :func:`envfleet.bench.run_bench`.
     """
 
-    def __init__(self, env_ids: list[str], systems: list[str], args: argparse.Namespace):
-        self.enabled = not args.json and sys.stderr.isatty()
-        self.env_ids, self.systems, self.seconds = env_ids, systems, args.seconds
+    def __init__(self, total: int, seconds: float, *, enabled: bool):
+        self.enabled = enabled and sys.stderr.isatty()
+        self.total, self.seconds = total, seconds
+        self.done = 0
         self.progress: Any = None
-        self.tasks: dict[tuple[str, str], Any] = {}
+        self.task: Any = None
 
     def __enter__(self) -> Any:
         if not self.enabled:
             return None
         from rich.console import Console
-        from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn
+        from rich.progress import (
+            BarColumn,
+            Progress,
+            SpinnerColumn,
+            TextColumn,
+            TimeElapsedColumn,
+        )
 
         self.progress = Progress(
             SpinnerColumn(),
+            TextColumn("[{task.fields[count]}/{task.total:.0f}]"),
             TextColumn("{task.description}"),
             BarColumn(),
             TextColumn("{task.fields[status]}"),
+            TimeElapsedColumn(),
             console=Console(stderr=True),
             transient=True,
             refresh_per_second=5,  # the display thread competes with the systems measured
         )
-        for env_id in self.env_ids:
-            for system in self.systems:
-                self.tasks[env_id, system] = self.progress.add_task(
-                    f"{env_id} {system}", total=self.seconds, status="waiting"
-                )
+        self.task = self.progress.add_task(
+            "starting", total=self.total, count=0, status="", start=True
+        )
         self.progress.start()
         return self.update
 
     def update(self, event: BenchProgress) -> None:
-        task = self.tasks[event.env_id, event.system]
+        if event.system == LIMIT:
+            what = f"{event.env_id} limit (one plain env loop)"
+        else:
+            what = f"{event.env_id} x{event.num_envs} {event.system}"
         if event.phase == "start":
             status = "starting"
         elif event.phase == "warmup":
@@ -325,36 +428,56 @@ class _ProgressDisplay:
             status = f"{event.steps_per_s:,.0f} steps/s" if event.batch_steps else "measuring"
         else:
             status = f"{event.steps_per_s:,.0f} steps/s"
-        completed = event.budget_s if event.phase == "done" else event.elapsed_s
-        self.progress.update(task, completed=completed, status=status)
+            self.done += 1
+        part = 0.0
+        if event.phase == "measure" and event.budget_s > 0:
+            part = min(1.0, event.elapsed_s / event.budget_s)
+        self.progress.update(
+            self.task,
+            completed=self.done + part,
+            description=what,
+            status=status,
+            count=min(self.done + (event.phase != "done"), self.total),
+        )
 
     def __exit__(self, *exc: object) -> None:
         if self.progress is not None:
             self.progress.stop()
 
 
-def _print_table(
-    results: list[BenchResult], ratios: list[dict[str, float]], args: argparse.Namespace
-) -> None:
+def _print_table(report: BenchReport) -> None:
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
+    results = list(report.results)
+    ratios = baseline_ratios(results)
+    limits = {lim.env_id: lim for lim in report.limits}
     baselines = [b for b in BASELINES if any(b in r for r in ratios)]
-    table = Table(
-        caption=f"steps/s: env steps summed over sub-envs; {args.seconds:g} s per system",
-    )
+    caption = [
+        f"steps/s: env steps summed over sub-envs; {report.seconds:g} s per system"
+        + (f", median of {report.repeats} repetitions" if report.repeats > 1 else ""),
+        f"limit: {report.machine.cores} cores × one plain env loop: "
+        + ", ".join(f"{e} {lim.steps_per_s:,.0f}" for e, lim in limits.items()),
+    ]
+    for note in dict.fromkeys(s.reason for s in report.skipped):
+        caption.append(f"left out: {note}")
+    table = Table(caption=escape("\n".join(caption)))  # "[sb3]" is not rich markup
     table.add_column("env id")
     table.add_column("num_envs", justify="right")
     table.add_column("system")
     table.add_column("steps/s", justify="right")
+    table.add_column("× limit", justify="right")
     for b in baselines:
         table.add_column(f"× {b}", justify="right")
     previous = None
     for r, ratio in zip(results, ratios, strict=True):
-        if previous is not None and r.env_id != previous:
+        if previous is not None and (r.env_id, r.num_envs) != previous:
             table.add_section()
-        previous = r.env_id
+        previous = (r.env_id, r.num_envs)
+        limit = limits.get(r.env_id)
         cells = [r.env_id, str(r.num_envs), r.system, f"{r.steps_per_s:,.0f}"]
+        cells.append(f"{r.steps_per_s / limit.steps_per_s:.2f}" if limit else "-")
         cells += [f"{ratio[b]:.2f}" if b in ratio else "-" for b in baselines]
         table.add_row(*cells)
     Console().print(table)

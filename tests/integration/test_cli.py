@@ -20,6 +20,13 @@ from envfleet.cli import main
 
 SYSTEMS = ["serial", "threads", "processes", "gym-sync", "gym-async"]
 BASELINES = ["gym-sync", "gym-async"]
+# The optional peers, in the table's order, with the module each needs.
+OPTIONAL_PEERS = {
+    "sb3-subproc": "stable_baselines3",
+    "envpool-native": "envpool",
+    "puffer-mp": "pufferlib",
+}
+INSTALLED_PEERS = [p for p, m in OPTIONAL_PEERS.items() if importlib.util.find_spec(m)]
 
 
 def envfleet_cmd() -> list[str]:
@@ -63,10 +70,131 @@ def check_results(doc: list[dict], env_id: str, num_envs: int, systems, baseline
 
 
 def test_bench_json_all_systems():
+    # Every installed peer by default (CartPole-v1 is one of EnvPool's native tasks).
     proc = run("bench", "CartPole-v1", "--num-envs", "4", "--seconds", "0.3", "--json")
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(proc.stdout)  # the whole of stdout is one JSON document
-    check_results(doc, "CartPole-v1", 4, SYSTEMS, BASELINES)
+    check_results(doc, "CartPole-v1", 4, SYSTEMS + INSTALLED_PEERS, BASELINES)
+    for peer in OPTIONAL_PEERS:  # a missing peer is named on stderr with its install command
+        assert (peer in proc.stderr) == (peer not in INSTALLED_PEERS)
+
+
+def check_limit_and_machine(doc: list[dict]) -> None:
+    limits = {r["env_id"]: r["limit_steps_per_s"] for r in doc}
+    for r in doc:
+        assert r["limit_steps_per_s"] == limits[r["env_id"]] > 0
+        assert math.isclose(r["of_limit"], r["steps_per_s"] / r["limit_steps_per_s"])
+        assert r["runs"] and r["steps_per_s"] in r["runs"]
+        machine = r["machine"]
+        assert machine["cores"] >= 1 and machine["cpu_model"] and machine["python"]
+        assert machine["versions"]["envfleet"] == envfleet.__version__
+
+
+def test_bench_sweep_has_one_row_per_system_and_num_envs(tmp_path):
+    out = tmp_path / "raw.json"
+    proc = run(
+        "bench", "--num-envs", "2,3", "--seconds", "0.05", "--backends", "serial",
+        "--peers", "gym-sync", "--repeats", "2", "--json", str(out),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert "× limit" in proc.stdout  # the table still goes to stdout with --json FILE
+    assert str(out) in proc.stderr
+    doc = json.loads(out.read_text())
+    assert [(r["num_envs"], r["system"]) for r in doc] == [
+        (2, "serial"), (2, "gym-sync"), (3, "serial"), (3, "gym-sync"),
+    ]  # fmt: skip
+    for n in (2, 3):
+        check_results(
+            [r for r in doc if r["num_envs"] == n], "CartPole-v1", n,
+            ["serial", "gym-sync"], ["gym-sync"],
+        )  # fmt: skip
+    check_limit_and_machine(doc)
+    assert all(len(r["runs"]) == 2 for r in doc)
+
+
+def test_bench_plot_writes_a_png_of_the_documented_size(tmp_path):
+    pytest.importorskip("matplotlib")
+    import matplotlib.image
+
+    from envfleet.bench import PLOT_DPI, PLOT_LEGEND_INCHES, PLOT_PANEL_INCHES
+
+    png = tmp_path / "out.png"
+    proc = run(
+        "bench", "CartPole-v1", "Acrobot-v1", "--num-envs", "2,4", "--seconds", "0.05",
+        "--backends", "serial", "--peers", "gym-sync", "--plot", str(png),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    image = matplotlib.image.imread(png)
+    width = round((2 * PLOT_PANEL_INCHES[0] + PLOT_LEGEND_INCHES) * PLOT_DPI)
+    height = round(PLOT_PANEL_INCHES[1] * PLOT_DPI)
+    assert image.shape[:2] == (height, width)
+    assert image[..., :3].std() > 0  # something is drawn
+
+
+def test_plot_without_matplotlib_says_how_to_install_it(tmp_path):
+    code = (
+        "import sys; sys.modules['matplotlib'] = None\n"
+        "from envfleet.cli import main\n"
+        f"sys.exit(main(['bench', '--plot', {str(tmp_path / 'x.png')!r}]))\n"
+    )
+    proc = run(cmd=[sys.executable, "-c", code])
+    assert proc.returncode == 2
+    assert "pip install 'envfleet[plot]'" in proc.stderr
+    assert not (tmp_path / "x.png").exists()
+
+
+# Every optional peer made unimportable in the child, whether or not it is installed here.
+HIDE_PEERS = "".join(f"sys.modules[{m!r}] = None; " for m in OPTIONAL_PEERS.values())
+
+
+def test_missing_peers_are_left_out_with_how_to_install_them():
+    code = (
+        f"import sys; {HIDE_PEERS}\n"
+        "from envfleet.cli import main\n"
+        "sys.exit(main(['bench', '--num-envs', '2', '--seconds', '0.05', '--backends', "
+        "'serial', '--peers', 'gym-sync,sb3-subproc,envpool-native,puffer-mp', '--json']))\n"
+    )
+    proc = run(cmd=[sys.executable, "-c", code])
+    assert proc.returncode == 0, proc.stderr
+    assert [r["system"] for r in json.loads(proc.stdout)] == ["serial", "gym-sync"]
+    table = run(cmd=[sys.executable, "-c", code.replace(", '--json'", "")])
+    assert table.returncode == 0, table.stderr
+    assert "envfleet[sb3]" in " ".join(table.stdout.split())  # the table's notes, as typed
+    assert "Traceback" not in proc.stderr
+    for install in (
+        "pip install 'envfleet[sb3]'",
+        "pip install 'envfleet[envpool]'",
+        "pip install pufferlib-core --no-deps",
+    ):
+        assert install in proc.stderr
+
+
+def test_only_missing_peers_is_an_error_not_a_crash():
+    code = (
+        f"import sys; {HIDE_PEERS}\n"
+        "from envfleet.cli import main\n"
+        "sys.exit(main(['bench', '--backends', 'none', '--peers', 'puffer-mp']))\n"
+    )
+    proc = run(cmd=[sys.executable, "-c", code])
+    assert proc.returncode == 2
+    assert "pip install pufferlib-core --no-deps" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert proc.stdout == ""
+
+
+def test_envpool_native_only_on_envpool_tasks():
+    pytest.importorskip("envpool")
+    proc = run(
+        "bench", "FrozenLake-v1", "--num-envs", "2", "--seconds", "0.05",
+        "--backends", "serial", "--peers", "envpool-native", "--json",
+    )  # fmt: skip
+    from envfleet.bench import envpool_task
+
+    native = envpool_task("FrozenLake-v1") is not None
+    assert proc.returncode == 0, proc.stderr
+    systems = [r["system"] for r in json.loads(proc.stdout)]
+    assert systems == (["serial", "envpool-native"] if native else ["serial"])
+    assert ("not one of EnvPool's native tasks" in proc.stderr) == (not native)
 
 
 def test_bench_table_names_every_system():
@@ -128,6 +256,10 @@ def test_missing_ale_py_says_what_to_install():
         ["bench", "--num-envs", "0"],
         ["bench", "--seconds", "-1"],
         ["bench", "--baselines", "gym-magic"],
+        ["bench", "--peers", "gym-sync,bogus"],
+        ["bench", "--num-envs", "4,0"],
+        ["bench", "--num-envs", "4,x"],
+        ["bench", "--json", "CartPole-v1"],  # an env id after a bare --json: not a file name
     ],
 )
 def test_bad_arguments_exit_2(argv, capsys):
