@@ -42,11 +42,13 @@ PEER_PACKAGES: dict[str, str] = {
     "envpool-native": "envpool",
     "puffer-mp": "pufferlib",
 }
+#: What to install for PufferLib (its core, beside the torch already installed).
+PUFFER_INSTALL = "pip install pufferlib-core --no-deps"
 #: What to install for each optional peer.
 PEER_INSTALL: dict[str, str] = {
     "sb3-subproc": "pip install 'envfleet[sb3]'",
     "envpool-native": "pip install 'envfleet[envpool]'",
-    "puffer-mp": "pip install pufferlib-core --no-deps",
+    "puffer-mp": PUFFER_INSTALL,
 }
 _LIBRARY = {
     "sb3-subproc": "stable-baselines3's SubprocVecEnv",

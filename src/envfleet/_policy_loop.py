@@ -17,6 +17,7 @@ import numpy as np
 import envfleet
 from envfleet import _cores
 from envfleet._bench_core import ACTION_BANK, bench_error, check_args
+from envfleet._bench_peers import PUFFER_INSTALL
 from envfleet._bench_policies import (
     TorchPolicy,
     check_workload,
@@ -51,8 +52,6 @@ POLICY_SYSTEMS: tuple[str, ...] = (
     "sampler-driver",
     "sampler-worker",
 )
-#: What to install for the PufferLib rows when pufferlib is missing.
-PUFFER_INSTALL = "pip install pufferlib-core --no-deps"
 _GYM_LOOPS = ("gym-sync", "gym-async")
 
 
