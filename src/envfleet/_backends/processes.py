@@ -520,12 +520,12 @@ class ProcessesBackend(WorkerProcesses):
             self.respawn(g)
         others = [g for g in self._pending if g not in workers]  # a pool's, still running
         try:
-            self.check_ready(self.await_started(workers, None, timeout, step))
+            ready = self.await_started(workers, None, timeout, step)
+            self._pending = others
+            self.check_ready(ready)
         except EnvfleetError:  # a rebuilt worker could not start: give up
             self.close(timeout=0, terminate=True)
             raise
-        finally:
-            self._pending = others
 
     def restart_envs(
         self, requests: dict[int, RestartRequest], timeout: float | None, step: int

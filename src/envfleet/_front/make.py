@@ -1,7 +1,9 @@
 """make(): the front's one way in (DESIGN §2, layer 1). It checks make()'s own arguments,
 looks the backend up in the registry (:mod:`envfleet._backends.registry`; it knows no backend
-by name), lets the backend check its options and plan its workers, builds env 0 to learn the
-spaces, and wraps the backend the registry built in a :class:`FleetVectorEnv`.
+by name), lets the backend check its options and plan its workers, learns the spaces from env
+0 (built here, or, when the plan puts every env in a worker, in the worker that holds it: no
+env is built in this process then), and wraps the backend the registry built in a
+:class:`FleetVectorEnv`.
 """
 
 from __future__ import annotations
@@ -145,8 +147,9 @@ def make(  # type: ignore[misc]  # the overloads stand for its keyword arguments
             their envs (default 60); past it the workers are killed (threads are left
             behind, as daemons) and :class:`envfleet.StartTimeoutError` names the envs not
             built. ``None``: wait for good. Envs built in the calling thread are not bounded:
-            env 0 (built first, to learn the spaces), the ``processes`` driver's own block and
-            every ``serial`` env. A worker that dies while starting is reported at once.
+            env 0 where it is built here first, to learn the spaces (see ``driver_envs``),
+            the ``processes`` driver's own block and every ``serial`` env. A worker that dies
+            while starting is reported at once.
         restart_policy: ``None``: fail fast (a typed error names what failed). A
             :class:`envfleet.RestartPolicy`: rebuild envs that raise in step or reset, and
             workers that die or run past the timeout, within its budget; the rebuilt envs
@@ -168,6 +171,17 @@ def make(  # type: ignore[misc]  # the overloads stand for its keyword arguments
             Those envs live in the driver process: their exceptions are reported as usual,
             but a native crash in them (a segfault) takes the driver down, and no timeout can
             stop them; set 0 to isolate every env in a worker.
+            Which envs are built in the driver's process: with every env in a worker
+            (``driver_envs=0``, which a first-ready pool, ``step_timeout`` and
+            ``restart_policy`` imply; ``ray`` always) none: the worker that holds env 0 sends
+            its spaces, ``metadata`` and ``render_mode``, so a simulator that cannot be built
+            twice, or not in the learner's process, is built once, in its worker. Otherwise
+            env 0 is built here first, as gymnasium's vector envs build it, to learn them
+            (and kept as the driver's env 0 when the driver steps a share). ``serial`` and
+            ``threads`` run every env in this process: out of scope. Example::
+
+                envs = envfleet.make(make_simulator, 8, num_workers=4)  # driver_envs=0
+                assert envs.single_observation_space  # from env 0, built in worker 0
         spin_s: ``processes`` only: the most seconds a wait polls before it blocks
             (default 0.002); the budget adapts to the waits seen, and is 0 wherever spinners
             would outnumber the cores.
