@@ -16,7 +16,7 @@ import gymnasium
 from gymnasium.vector import AutoresetMode
 
 from envfleet._buffers import Batch
-from envfleet._envgroup import EnvFailure, EnvGroup
+from envfleet._envgroup import EnvFailure, EnvGroup, not_an_env_error
 from envfleet._errors import (
     ConfigError,
     EnvError,
@@ -31,9 +31,12 @@ from envfleet._workers import remote_cause
 
 __all__ = [
     "Backend",
+    "EnvProbe",
+    "Prebuilt",
     "WorkerLayout",
     "accepts_env_index",
     "bind_env_index",
+    "build_group_envs",
     "none_if_empty",
     "remote_env_error",
     "start_error",
@@ -110,6 +113,65 @@ class WorkerLayout:
         return [
             bind_env_index(self.env_fns[i], i, self.accepts_index[i]) for i in range(start, stop)
         ]
+
+
+@dataclass(frozen=True)
+class EnvProbe:
+    """What env 0 tells of itself, for :func:`envfleet.make`: its spaces, ``metadata`` and
+    ``render_mode``. Built in the driver (env 0 built there) or in the worker that holds env 0
+    (a plan with no env in the driver: :attr:`envfleet._backends.registry.Plan.driver_free`),
+    which sends it back pickled."""
+
+    observation_space: gymnasium.Space[Any]
+    action_space: gymnasium.Space[Any]
+    metadata: dict[str, Any]
+    render_mode: str | None
+
+    @classmethod
+    def of(cls, env: gymnasium.Env[Any, Any]) -> EnvProbe:
+        return cls(env.observation_space, env.action_space, dict(env.metadata), env.render_mode)
+
+
+def build_group_envs(
+    fns: Sequence[Callable[[], gymnasium.Env[Any, Any]]], start: int
+) -> list[gymnasium.Env[Any, Any]]:
+    """Build envs ``start, start + 1, ...`` from their zero-argument factories, as
+    :class:`EnvGroup` builds them, before the group's buffers exist (a worker that learns the
+    spaces from its own envs); every env built is closed if one fails.
+
+    Raises:
+        EnvFailure: a factory raised (``method == "make"``, the exception as ``__cause__``).
+        ConfigError: a factory returned no ``gymnasium.Env``.
+    """
+    envs: list[gymnasium.Env[Any, Any]] = []
+    try:
+        for j, fn in enumerate(fns):
+            try:
+                env = fn()
+            except Exception as exc:
+                raise EnvFailure(start + j, "make") from exc
+            if not isinstance(env, gymnasium.Env):
+                raise not_an_env_error(env, start + j)
+            envs.append(env)
+    except BaseException:
+        for env in envs:
+            with contextlib.suppress(Exception):
+                env.close()
+        raise
+    return envs
+
+
+class Prebuilt:
+    """A zero-argument factory that hands out an env already built the first time it is
+    called, then calls ``fn`` (an :class:`EnvGroup` keeps its factories to rebuild an env)."""
+
+    def __init__(self, env: gymnasium.Env[Any, Any], fn: Callable[[], gymnasium.Env[Any, Any]]):
+        self.env: gymnasium.Env[Any, Any] | None = env
+        self.fn = fn
+
+    def __call__(self) -> gymnasium.Env[Any, Any]:
+        env, self.env = self.env, None
+        return env if env is not None else self.fn()
 
 
 def run_command(group: EnvGroup, command: Command, payload: Any, timer: StepTimer) -> Any:

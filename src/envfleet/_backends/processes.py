@@ -42,11 +42,8 @@ from collections.abc import Callable, Mapping
 from multiprocessing.connection import Connection
 from typing import Any, cast
 
-import gymnasium
-
 from envfleet import _native as _speedups
 from envfleet._backends.base import (
-    WorkerLayout,
     failure_error,
     mismatch_error,
     remote_env_error,
@@ -84,19 +81,15 @@ from envfleet._backends.registry import (
     register,
     usable_cores,
 )
-from envfleet._buffers import Block, allocate_batch
 from envfleet._envgroup import EnvFailure, EnvGroup
 from envfleet._errors import (
     ConfigError,
     EnvError,
     EnvfleetError,
-    StartTimeoutError,
-    StepTimeoutError,
 )
 from envfleet._protocol import Command, Failure, RestartRequest, Status
 from envfleet._supervisor import (
     STATS_WORDS,
-    Ledger,
     Round,
     StepTimer,
     StepTimeStats,
@@ -117,49 +110,41 @@ class ProcessesBackend(WorkerProcesses):
     """Worker processes holding contiguous blocks of envs over one shared block.
 
     Args:
-        layout: envs, spaces and blocks (``layout.ranges``: one per group, in order).
-        block: a shared :class:`Block` sized by :func:`envfleet._buffers.batch_nbytes`.
-        env_fn_blobs: per env, its factory cloudpickled (equal factories share one bytes object).
-        context: a ``multiprocessing`` start method name or ``None`` for the platform default.
-        driver_group: ``True``: the driver steps the first block itself (no process for it).
-        first_env: env 0 already built in the driver; used when ``driver_group``, else closed.
-        driver_spin_s, worker_spin_s: the most seconds a wait polls before blocking, in the
-            driver and in each worker (0: always block); the budget adapts to the waits seen.
-        ledger: the supervisor's record; with a restart policy, failed envs and dead or hung
-            workers are rebuilt (the driver's own block must then be empty).
-        pool: serve a first-ready pool: workers may be sent commands while others run, and
-            :meth:`collect_ready` returns whichever finish first (no driver block then).
+        request: make()'s :class:`BuildRequest`: the factories (cloudpickled), the start
+            method, the ledger (with a restart policy, failed envs and dead or hung workers
+            are rebuilt; the driver's own block must then be empty), a first-ready pool
+            (workers may be sent commands while others run, and :meth:`collect_ready` returns
+            whichever finish first; no driver block then), ``start_timeout``, and env 0: built
+            in the driver (``request.first_env``: used as the driver's env 0 when the driver
+            steps a block, else closed), or, with every env in a worker (``driver_envs=0``),
+            built by the first worker, which sends its spaces back (``request.learn``): no
+            env is built in the driver then, and the shared block is allocated once they are
+            known and handed to the workers on their pipes.
+        plan: the :class:`ProcessesPlan`: the driver's share (``driver_envs > 0``: the driver
+            steps the first block itself, no process for it) and the spin budgets (the most
+            seconds a wait polls before blocking, in the driver and in each worker; 0: always
+            block; the budget adapts to the waits seen).
 
     Raises:
         EnvError: a factory raised while building an env (``method == "make"``).
-        SpaceMismatchError: an env's spaces differ from ``layout``'s.
+        SpaceMismatchError: an env's spaces differ from env 0's (or the given pair's).
         EnvCrashedError: a worker died while starting.
+        StartTimeoutError: the workers did not build their envs within ``start_timeout``.
     """
 
-    def __init__(
-        self,
-        layout: WorkerLayout,
-        block: Block,
-        env_fn_blobs: list[bytes],
-        context: str | None,
-        *,
-        driver_group: bool = False,
-        first_env: gymnasium.Env[Any, Any] | None = None,
-        driver_spin_s: float = DEFAULT_SPIN_S,
-        worker_spin_s: float = DEFAULT_SPIN_S,
-        ledger: Ledger | None = None,
-        pool: bool = False,
-        start_timeout: float | None = None,
-    ):
-        self.ranges = list(layout.ranges)
-        self.ledger = ledger if ledger is not None else Ledger(layout.num_envs, None)
+    def __init__(self, request: BuildRequest, plan: ProcessesPlan):
+        driver_group = plan.driver_envs > 0
+        self.ranges = list(request.plan.ranges)
+        self.ledger = request.ledger
         assert self.ledger.policy is None or not driver_group, "restarts need every env in a worker"
-        self._layout, self._blobs, self._worker_spin_s = layout, env_fn_blobs, worker_spin_s
-        self.block = block
-        self.batch = allocate_batch(
-            layout.single_observation_space, layout.single_action_space, layout.num_envs, block
-        )
-        self._ctx: Any = cast(Any, multiprocessing.get_context(context))
+        self._blobs, self._accepts = request.blobs, request.accepts_index
+        self._worker_spin_s = plan.worker_spin_s
+        # Every env in a worker: env 0's spaces come from its worker, the block after them.
+        self._block_fd: int | None = None
+        self._layout_later = request.first_env is None
+        if not self._layout_later:
+            self._lay_out(request.layout, request.block(shared=True))
+        self._ctx: Any = cast(Any, multiprocessing.get_context(request.context))
         groups = len(self.ranges)
         # Per group: one cache line of control words, then the doorbell's two semaphores.
         self._control_raw: Any = multiprocessing.sharedctypes.RawArray(
@@ -180,7 +165,7 @@ class ProcessesBackend(WorkerProcesses):
         self.supervisor = Supervisor(self)
         self._any_raw: Any = None
         self._any_done: Any = None
-        if pool:
+        if request.pool:
             assert not driver_group, "a first-ready pool has every env in a worker"
             self._any_raw = multiprocessing.sharedctypes.RawArray(ctypes.c_uint8, SEM_SLOT)
             self._any_done = shared_semaphore(self._ctx, self._any_raw, 0)
@@ -191,8 +176,8 @@ class ProcessesBackend(WorkerProcesses):
         self._procs: list[Any] = [None] * groups
         self._conns: list[Connection | None] = [None] * groups
         self._doorbells: list[Doorbell | None] = [None] * groups
-        self._budgets = [SpinBudget(driver_spin_s) for _ in range(groups)]
-        self._any_budget = SpinBudget(driver_spin_s)
+        self._budgets = [SpinBudget(plan.driver_spin_s) for _ in range(groups)]
+        self._any_budget = SpinBudget(plan.driver_spin_s)
         self._remote = list(range(1 if driver_group else 0, groups))
         self._pending: list[int] = []
         self._step_round: Callable[[], tuple[Any, Any, int, list[int], float]] | None = None
@@ -202,12 +187,14 @@ class ProcessesBackend(WorkerProcesses):
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(Exception):
                 stream.flush()
+        first_env = request.first_env
         try:
             for g in self._remote:
                 self.start_worker(g)
             if driver_group:
                 # Built while the workers build theirs; env 0 is the one make() already built.
                 env0, first_env = first_env, None  # the group owns it now
+                layout = self._layout
                 self._local = EnvGroup(
                     layout.bound_fns(*self.ranges[0]),
                     0,
@@ -224,17 +211,7 @@ class ProcessesBackend(WorkerProcesses):
             if first_env is not None:
                 first_env.close()
                 first_env = None
-            self._pending = list(self._remote)
-            try:
-                ready = self._collect_remote(start_timeout, step=0, fail_fast=True)
-            except StepTimeoutError as exc:
-                raise StartTimeoutError(
-                    f"sub-environments {exc.env_indices} were not built within "
-                    f"{start_timeout} s (start_timeout); their workers were killed",
-                    exc.env_indices,
-                    cast(float, start_timeout),
-                ) from None
-            self.check_ready(ready)
+            self.check_ready(self.await_started(self._remote, request, request.start_timeout))
             self._step_round = self._bind_step_round()
         except EnvFailure as failure:
             self.close(timeout=None, terminate=True)
@@ -542,10 +519,9 @@ class ProcessesBackend(WorkerProcesses):
             logger.warning("worker %d %s; restarting it and its envs", g, why)
             self.respawn(g)
         others = [g for g in self._pending if g not in workers]  # a pool's, still running
-        self._pending = workers
-        ready = self._collect_remote(timeout, step, fail_fast=True)
-        self._pending = others
         try:
+            ready = self.await_started(workers, None, timeout, step)
+            self._pending = others
             self.check_ready(ready)
         except EnvfleetError:  # a rebuilt worker could not start: give up
             self.close(timeout=0, terminate=True)
@@ -587,24 +563,12 @@ def _plan(request: PlanRequest) -> Plan:
         request.options["spin_s"],
         usable_cores(),
     )
-    return Plan(plan.ranges, plan)
+    # Every env in a worker: make() builds none in the driver (env 0's spaces come from it).
+    return Plan(plan.ranges, plan, driver_free=plan.driver_envs == 0)
 
 
 def _build(request: BuildRequest) -> ProcessesBackend:
-    plan: ProcessesPlan = request.plan.details
-    return ProcessesBackend(
-        request.layout,
-        request.block(shared=True),
-        request.blobs,
-        request.context,
-        driver_group=plan.driver_envs > 0,
-        first_env=request.first_env,
-        driver_spin_s=plan.driver_spin_s,
-        worker_spin_s=plan.worker_spin_s,
-        ledger=request.ledger,
-        pool=request.pool,
-        start_timeout=request.start_timeout,
-    )
+    return ProcessesBackend(request, request.plan.details)
 
 
 register(

@@ -13,22 +13,38 @@ import contextlib
 import logging
 import multiprocessing
 import os
+import time
 from multiprocessing.connection import Connection
 from typing import Any, cast
 
-from envfleet._backends.base import Backend, WorkerLayout, mismatch_error, start_error
+from envfleet._backends.base import (
+    Backend,
+    EnvProbe,
+    WorkerLayout,
+    mismatch_error,
+    start_error,
+)
 from envfleet._backends.doorbell import Doorbell
 from envfleet._backends.processes_worker import (
     CMD,
     CMD_PAYLOAD,
     GROUP_BYTES,
     WORDS,
+    GroupLayout,
     WorkerSpec,
+    mapped_block,
+    send_block,
     worker_main,
 )
-from envfleet._buffers import Block
+from envfleet._backends.registry import BuildRequest
+from envfleet._buffers import Batch, Block, allocate_batch
 from envfleet._envgroup import EnvGroup
-from envfleet._errors import EnvCrashedError, describe_exitcode
+from envfleet._errors import (
+    EnvCrashedError,
+    StartTimeoutError,
+    StepTimeoutError,
+    describe_exitcode,
+)
 from envfleet._protocol import Command
 from envfleet._supervisor import Round
 from envfleet._workers import join_all, spawn
@@ -45,11 +61,15 @@ class WorkerProcesses(Backend):
     """The worker processes of a :class:`~envfleet._backends.processes.ProcessesBackend`:
     start, respawn, check, diagnose and close them (the backend's base class)."""
 
-    # Set by the backend's __init__.
+    # Set by the backend's __init__ (the layout, block and batch by _lay_out).
     ranges: list[tuple[int, int]]
     block: Block
+    batch: Batch
     _layout: WorkerLayout
+    _layout_later: bool
+    _block_fd: int | None
     _blobs: list[bytes]
+    _accepts: list[bool]
     _worker_spin_s: float
     _ctx: Any
     _control_raw: Any
@@ -65,22 +85,39 @@ class WorkerProcesses(Backend):
     _local: EnvGroup | None
     _closed: bool
 
+    def _lay_out(self, layout: WorkerLayout, block: Block) -> None:
+        """Set the spaces' layout and the shared block the workers and the driver read."""
+        self._layout, self.block = layout, block
+        self.batch = allocate_batch(
+            layout.single_observation_space, layout.single_action_space, layout.num_envs, block
+        )
+
+    def _group_layout(self) -> GroupLayout:
+        """What a worker needs to lay its envs over the block (the block itself travels in the
+        spawn when known by then, else as a file descriptor on the worker's pipe)."""
+        layout, block = self._layout, self.block
+        return GroupLayout(
+            layout.single_observation_space,
+            layout.single_action_space,
+            layout.num_envs,
+            layout.autoreset_mode,
+            layout.same_observation_space,
+            None if self._layout_later else block,
+            block.nbytes,
+            block.spare_slabs,
+        )
+
     def start_worker(self, g: int) -> None:
         """Spawn the worker process of group ``g`` (its envs, doorbell and pipe)."""
-        layout, blobs = self._layout, self._blobs
         start, stop = self.ranges[g]
         doorbell = Doorbell(self._ctx, self._control_raw, g * GROUP_BYTES + 8 * WORDS)
         spec = WorkerSpec(
             group_index=g,
             start=start,
             stop=stop,
-            env_fns=blobs[start:stop],
-            accepts_index=list(layout.accepts_index[start:stop]),
-            single_observation_space=layout.single_observation_space,
-            single_action_space=layout.single_action_space,
-            num_envs=layout.num_envs,
-            autoreset_mode=layout.autoreset_mode,
-            block=self.block,
+            env_fns=self._blobs[start:stop],
+            accepts_index=list(self._accepts[start:stop]),
+            layout=None if self._layout_later else self._group_layout(),
             control=self._control_raw,
             mailboxes=self._mail_raw,
             stats=self._stats_raw,
@@ -89,7 +126,6 @@ class WorkerProcesses(Backend):
             spin_s=self._worker_spin_s,
             parent_pid=os.getpid(),
             start_method=self._ctx.get_start_method(),
-            same_observation_space=layout.same_observation_space,
         )
         parent_conn, child_conn = self._ctx.Pipe(duplex=True)
         proc = spawn(
@@ -98,11 +134,69 @@ class WorkerProcesses(Backend):
         child_conn.close()
         self._procs[g], self._conns[g], self._doorbells[g] = proc, parent_conn, doorbell
 
-    def check_ready(self, done: Round) -> None:
-        """Raise for the first worker that could not start (an env error or a space mismatch)."""
+    def await_started(
+        self,
+        groups: list[int],
+        request: BuildRequest | None,
+        timeout: float | None,
+        step: int = 0,
+    ) -> Round:
+        """Wait for the workers ``groups``, just spawned, to build their envs; returns the
+        round of their ``READY`` replies (a space mismatch or ``None``) for :meth:`check_ready`.
+
+        Workers spawned without their layout (every env in a worker) reply first with env 0's
+        probe: at the start (``request`` given) it goes to ``request.learn`` and the shared
+        block is allocated; then each gets its layout and the block on its pipe. ``timeout``
+        bounds the whole wait: past it, at the start, :class:`StartTimeoutError`, else the
+        :class:`StepTimeoutError` of any wait.
+
+        Raises:
+            EnvError, ConfigError: a worker could not build its envs (:meth:`check_built`).
+            EnvCrashedError: a worker died; StartTimeoutError, StepTimeoutError: as above.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            done = self._collect_started(groups, deadline, step)
+            if not self._layout_later:
+                return done
+            self.check_built(done)
+            if request is not None:
+                sizing = request.learn(cast(EnvProbe, done.results[0]))
+                block, self._block_fd = mapped_block(sizing.nbytes, sizing.spare_slabs)
+                self._lay_out(sizing.layout, block)
+            layout = self._group_layout()
+            for g in groups:
+                with contextlib.suppress(OSError):  # a dead worker: the wait below says so
+                    conn = cast(Connection, self._conns[g])
+                    send_block(conn, layout, cast(int, self._block_fd), self._procs[g].pid)
+            return self._collect_started(groups, deadline, step)
+        except StepTimeoutError as exc:
+            if request is None:
+                raise
+            raise StartTimeoutError(
+                f"sub-environments {exc.env_indices} were not built within "
+                f"{timeout} s (start_timeout); their workers were killed",
+                exc.env_indices,
+                cast(float, timeout),
+            ) from None
+
+    def _collect_started(self, groups: list[int], deadline: float | None, step: int) -> Round:
+        self._pending = list(groups)
+        timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+        return self._collect_remote(timeout, step, fail_fast=True)
+
+    def _collect_remote(self, timeout: float | None, step: int, fail_fast: bool) -> Round:
+        raise NotImplementedError  # the backend's wait for its pending workers
+
+    def check_built(self, done: Round) -> None:
+        """Raise for the first worker that could not build its envs."""
         if done.failures:
             g = min(done.failures)
             raise start_error(done.failures[g].errors[0], g)
+
+    def check_ready(self, done: Round) -> None:
+        """Raise for the first worker that could not start (an env error or a space mismatch)."""
+        self.check_built(done)
         for g in sorted(done.results):
             if done.results[g] is not None:
                 raise mismatch_error(done.results[g])
@@ -185,6 +279,9 @@ class WorkerProcesses(Backend):
             with contextlib.suppress(ValueError):
                 proc.close()
         self._pending = []
+        if self._block_fd is not None:  # the block stays mapped while the driver uses it
+            os.close(self._block_fd)
+            self._block_fd = None
         # Where the doorbells fall back to multiprocessing semaphores (no process-shared
         # sem_init), each is a named /dev/shm entry under spawn and forkserver, unlinked when
         # its last reference goes: drop ours now that no worker is left.

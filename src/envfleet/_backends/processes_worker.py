@@ -11,14 +11,19 @@ for the doorbell, run the command, reply, with plain steps looping in C where
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import functools
+import mmap
 import os
 import pickle
 import signal
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
+from multiprocessing import reduction
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, cast
 
 import cloudpickle
 import gymnasium
@@ -26,7 +31,14 @@ import numpy as np
 from gymnasium.vector import AutoresetMode
 
 from envfleet import _native as _speedups
-from envfleet._backends.base import bind_env_index, none_if_empty, run_command
+from envfleet._backends.base import (
+    EnvProbe,
+    Prebuilt,
+    bind_env_index,
+    build_group_envs,
+    none_if_empty,
+    run_command,
+)
 from envfleet._backends.doorbell import (
     IDLE_SLICE_MAX_S,
     SEM_SLOT,
@@ -45,6 +57,7 @@ __all__ = [
     "CMD",
     "CMD_PAYLOAD",
     "GROUP_BYTES",
+    "GroupLayout",
     "IN_MAILBOX",
     "MAILBOX_BYTES",
     "ON_PIPE",
@@ -53,8 +66,11 @@ __all__ = [
     "STATUS",
     "WORDS",
     "WorkerSpec",
+    "attach_block",
     "control_words",
     "mailbox",
+    "mapped_block",
+    "send_block",
     "stats_rows",
     "word_view",
     "worker_main",
@@ -95,19 +111,38 @@ def stats_rows(region: Any) -> np.ndarray:
 
 
 @dataclass
+class GroupLayout:
+    """How a worker lays its envs over the batch's block: the spaces, the batch size, the
+    autoreset mode and the block. ``block`` is ``None`` when the block's memory comes on the
+    worker's pipe, as a file descriptor (:func:`attach_block`), with ``nbytes`` and
+    ``spare_slabs``."""
+
+    single_observation_space: gymnasium.Space[Any]
+    single_action_space: gymnasium.Space[Any]
+    num_envs: int
+    autoreset_mode: AutoresetMode
+    same_observation_space: bool
+    block: Block | None
+    nbytes: int = 0
+    spare_slabs: int = 0
+
+
+@dataclass
 class WorkerSpec:
-    """What a worker process receives at start (pickled once, when spawning)."""
+    """What a worker process receives at start (pickled once, when spawning).
+
+    ``layout`` ``None``: the worker builds its envs, replies ``READY`` with env 0's
+    :class:`EnvProbe` (the worker that holds env 0; the others ``None``), then reads its
+    :class:`GroupLayout` and the block's file descriptor from its pipe (a driver-free start:
+    the driver learns the spaces from its workers, and the block is allocated after).
+    """
 
     group_index: int
     start: int
     stop: int
     env_fns: list[bytes]  # cloudpickled factories, one per env of the worker
     accepts_index: list[bool]
-    single_observation_space: gymnasium.Space[Any]
-    single_action_space: gymnasium.Space[Any]
-    num_envs: int
-    autoreset_mode: AutoresetMode
-    block: Block
+    layout: GroupLayout | None
     control: Any  # the control region: RawArray of GROUP_BYTES bytes per group
     mailboxes: Any  # RawArray of MAILBOX_BYTES bytes per group
     stats: Any  # step-time statistics: RawArray of STATS_WORDS doubles per group
@@ -116,7 +151,57 @@ class WorkerSpec:
     spin_s: float
     parent_pid: int
     start_method: str
-    same_observation_space: bool = True
+
+
+def mapped_block(nbytes: int, spare_slabs: int) -> tuple[Block, int]:
+    """A shared :class:`Block` over a new anonymous shared-memory file, and the file's
+    descriptor, for workers started before the block's size was known: each gets the
+    descriptor on its pipe (:func:`send_block`) and maps the same memory (:func:`attach_block`).
+    The caller closes the descriptor when no worker can need it any more."""
+    if hasattr(os, "memfd_create"):
+        fd = os.memfd_create("envfleet-block")
+    else:  # no memfd (macOS): an unlinked temporary file
+        fd, path = tempfile.mkstemp(prefix="envfleet-block-")
+        os.unlink(path)
+    try:
+        os.ftruncate(fd, nbytes)
+        return _block_over(fd, nbytes, spare_slabs), fd
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _block_over(fd: int, nbytes: int, spare_slabs: int) -> Block:
+    """A shared Block over the first ``nbytes`` of file ``fd``, mapped here."""
+    memory = mmap.mmap(fd, nbytes)
+    block = Block.__new__(Block)
+    # A Block's own unpickling: the same block, over memory mapped here rather than a RawArray.
+    block.__setstate__(
+        {
+            "nbytes": nbytes,
+            "spare_slabs": spare_slabs,
+            "raw": (ctypes.c_uint8 * nbytes).from_buffer(memory),
+        }
+    )
+    return block
+
+
+def send_block(conn: Connection, layout: GroupLayout, fd: int, pid: int) -> None:
+    """Send a worker started without its layout (``WorkerSpec.layout is None``) its
+    :class:`GroupLayout` and the block's file descriptor, on its pipe."""
+    conn.send_bytes(pickle.dumps(layout, pickle.HIGHEST_PROTOCOL))
+    reduction.send_handle(conn, fd, pid)
+
+
+def attach_block(conn: Connection) -> GroupLayout:
+    """The worker's side of :func:`send_block`: its layout, with the block mapped here."""
+    layout: GroupLayout = pickle.loads(conn.recv_bytes())
+    fd = reduction.recv_handle(conn)
+    try:
+        layout.block = _block_over(fd, layout.nbytes, layout.spare_slabs)
+    finally:
+        os.close(fd)  # the mapping keeps the memory
+    return layout
 
 
 class _Worker:
@@ -250,29 +335,43 @@ def worker_main(spec: WorkerSpec, conn: Connection, parent_conn: Connection) -> 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the driver's to handle
     worker = _Worker(spec, conn)
     group: EnvGroup | None = None
+    built: list[gymnasium.Env[Any, Any]] = []
     try:
         try:
             fns = [
                 bind_env_index(cloudpickle.loads(blob), spec.start + j, spec.accepts_index[j])
                 for j, blob in enumerate(spec.env_fns)
             ]
+            layout = spec.layout
+            if layout is None:
+                # Driver-free: build the envs, tell env 0's spaces, then get the block.
+                built = build_group_envs(fns, spec.start)
+                worker.reply(Status.READY, EnvProbe.of(built[0]) if spec.start == 0 else None)
+                layout = attach_block(conn)
+                fns = [Prebuilt(env, fn) for env, fn in zip(built, fns, strict=True)]
             batch = allocate_batch(
-                spec.single_observation_space, spec.single_action_space, spec.num_envs, spec.block
+                layout.single_observation_space,
+                layout.single_action_space,
+                layout.num_envs,
+                cast(Block, layout.block),
             )
             group = EnvGroup(
                 fns,
                 spec.start,
                 batch,
-                spec.single_observation_space,
-                spec.single_action_space,
-                spec.autoreset_mode,
-                same_observation_space=spec.same_observation_space,
+                layout.single_observation_space,
+                layout.single_action_space,
+                layout.autoreset_mode,
+                same_observation_space=layout.same_observation_space,
             )
+            built = []  # the group's now
             mismatch = group.check_spaces()
         except EnvFailure as failure:
             error = remote_error(failure, failure.env_index, failure.method)
             worker.reply(Status.ERROR, failure_reply(error))
             return
+        except (EOFError, BrokenPipeError, ConnectionResetError):
+            raise
         except Exception as exc:
             worker.reply(Status.ERROR, failure_reply(remote_error(exc, spec.start, "make")))
             return
@@ -281,6 +380,9 @@ def worker_main(spec: WorkerSpec, conn: Connection, parent_conn: Connection) -> 
     except (EOFError, BrokenPipeError, ConnectionResetError):
         pass  # the driver is gone
     finally:
+        for env in built:  # built, but never handed to a group
+            with contextlib.suppress(Exception):
+                env.close()
         if group is not None:
             group.close()
         conn.close()

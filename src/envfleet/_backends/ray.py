@@ -31,21 +31,20 @@ import time
 from collections.abc import Iterable, Mapping
 from typing import Any, cast
 
-import gymnasium
 import numpy as np
 import ray
 import ray.exceptions
 
 from envfleet._backends.base import (
     Backend,
-    WorkerLayout,
+    EnvProbe,
     mismatch_error,
     remote_env_error,
     start_error,
 )
-from envfleet._backends.ray_actor import ActorSpec, RemoteWorker, Reply
+from envfleet._backends.ray_actor import ActorLayout, ActorSpec, RemoteWorker, Reply
 from envfleet._backends.ray_plan import RayPlan, plan_ray
-from envfleet._buffers import Block, allocate_batch
+from envfleet._buffers import allocate_batch
 from envfleet._errors import (
     ConfigError,
     EnvCrashedError,
@@ -56,7 +55,6 @@ from envfleet._errors import (
 from envfleet._protocol import Command, Failure, RemoteError, RestartRequest, Status
 from envfleet._supervisor import (
     STATS_WORDS,
-    Ledger,
     Round,
     StepTimer,
     StepTimeStats,
@@ -81,46 +79,32 @@ class RayBackend(Backend):
     """One Ray actor per block of envs; results come back through Ray's object store.
 
     Args:
-        layout: envs, spaces and blocks (``layout.ranges``: one per actor, in order).
-        block: a private :class:`Block` (``shared=False``) sized by
-            :func:`envfleet._buffers.batch_nbytes`: the driver's batch.
-        env_fn_blobs: per env, its factory cloudpickled.
+        request: make()'s :class:`BuildRequest`: the factories (cloudpickled), the ledger
+            (with a restart policy, envs that raise are rebuilt in their actor, and dead or
+            hung actors are replaced), a first-ready pool (:meth:`collect_ready` returns
+            whichever actors finish first) and ``start_timeout``. No env is built in the
+            driver: the actor that holds env 0 sends env 0's spaces (``request.learn``), then
+            every actor lays its envs over buffers of its rows (:meth:`EnvfleetWorker.attach`).
         actor_options: passed to each actor's ``.options(...)`` (see :func:`plan_ray`).
-        ledger: the supervisor's record; with a restart policy, envs that raise are rebuilt in
-            their actor, and dead or hung actors are replaced.
-        pool: serve a first-ready pool (:meth:`collect_ready` returns whichever actors finish
-            first).
-        first_env: env 0, built by :func:`envfleet.make` to learn the spaces; closed here.
 
     Raises:
         EnvError: a factory raised while building an env (``method == "make"``).
-        SpaceMismatchError: an env's spaces differ from ``layout``'s.
+        SpaceMismatchError: an env's spaces differ from env 0's (or the given pair's).
         EnvCrashedError: an actor died while starting.
+        StartTimeoutError: the actors did not build their envs within ``start_timeout``.
     """
 
     late_what = "Ray actors of workers"
 
-    def __init__(
-        self,
-        layout: WorkerLayout,
-        block: Block,
-        env_fn_blobs: list[bytes],
-        *,
-        actor_options: Mapping[str, Any] | None = None,
-        ledger: Ledger | None = None,
-        pool: bool = False,
-        first_env: gymnasium.Env[Any, Any] | None = None,
-        start_timeout: float | None = None,
-    ):
-        self.ranges = list(layout.ranges)
-        self.ledger = ledger if ledger is not None else Ledger(layout.num_envs, None)
-        self._layout, self._blobs = layout, env_fn_blobs
+    def __init__(self, request: BuildRequest, actor_options: Mapping[str, Any] | None = None):
+        self.ranges = list(request.plan.ranges)
+        self.ledger = request.ledger
+        self._blobs, self._accepts = request.blobs, request.accepts_index
         self._options = dict(actor_options or {})
-        self._pool = pool
-        self._start_timeout = start_timeout
-        self.batch = allocate_batch(
-            layout.single_observation_space, layout.single_action_space, layout.num_envs, block
-        )
+        self._pool = request.pool
+        self._start_timeout = request.start_timeout
+        self._layout: ActorLayout | None = None  # once env 0's spaces are known
+        self._probe: EnvProbe | None = None  # env 0's, from its actor
         workers = len(self.ranges)
         self._stats = np.zeros((workers, STATS_WORDS))
         self._timers = [StepTimer(row) for row in self._stats]
@@ -129,13 +113,14 @@ class RayBackend(Backend):
         self._command = Command.STEP
         self.supervisor = Supervisor(self)
         self._closed = False
+        first_env = request.first_env
         try:
             for w in range(workers):
                 self._start_actor(w)
             if first_env is not None:
                 first_env.close()
                 first_env = None
-            self._check_ready(self._await_ready(range(workers), step=0))
+            self._check_ready(self._await_ready(range(workers), step=0, request=request))
         except BaseException:
             if first_env is not None:
                 first_env.close()
@@ -145,28 +130,56 @@ class RayBackend(Backend):
     # -- actors -----------------------------------------------------------------------------
 
     def _start_actor(self, w: int) -> None:
-        layout = self._layout
         start, stop = self.ranges[w]
         spec = ActorSpec(
             worker_index=w,
             start=start,
             stop=stop,
             env_fns=self._blobs[start:stop],
-            accepts_index=list(layout.accepts_index[start:stop]),
-            single_observation_space=layout.single_observation_space,
-            single_action_space=layout.single_action_space,
-            autoreset_mode=layout.autoreset_mode,
-            same_observation_space=layout.same_observation_space,
+            accepts_index=list(self._accepts[start:stop]),
         )
         self._actors[w] = RemoteWorker.options(**self._options).remote(spec)
 
-    def _await_ready(self, workers: Iterable[int], step: int) -> Round:
-        """Wait (unbounded, warning while Ray cannot place them) for the actors to build
-        their envs; a dead one raises at once."""
-        refs = {w: self._actors[w].ready.remote() for w in workers}
-        waiting = list(refs.values())
+    def _await_ready(
+        self, workers: Iterable[int], step: int, request: BuildRequest | None = None
+    ) -> Round:
+        """Wait (unbounded, warning while Ray cannot place them; ``start_timeout`` at most in
+        all) for the new actors to build their envs, then to lay them out with env 0's
+        spaces: at the start (``request``) learned from the actor of env 0 first. Returns the
+        round of the layouts (a space mismatch or ``None``); a dead actor raises at once, and
+        one that could not build its envs (:meth:`_check_built`)."""
+        workers = list(workers)
         timeout = self._start_timeout
         deadline = None if timeout is None else time.monotonic() + timeout
+        self._check_built(self._await(workers, step, deadline, None))
+        if request is not None:
+            if request.probe is None:
+                request.learn(cast(EnvProbe, self._probe))
+            layout = request.layout
+            self.batch = allocate_batch(
+                layout.single_observation_space,
+                layout.single_action_space,
+                layout.num_envs,
+                request.block(shared=False),
+            )
+            self._layout = ActorLayout(
+                layout.single_observation_space,
+                layout.single_action_space,
+                layout.autoreset_mode,
+                layout.same_observation_space,
+            )
+        return self._await(workers, step, deadline, self._layout)
+
+    def _await(
+        self, workers: list[int], step: int, deadline: float | None, layout: ActorLayout | None
+    ) -> Round:
+        """The actors' replies to ``ready`` (``layout`` ``None``) or ``attach(layout)``."""
+        if layout is None:
+            refs = {w: self._actors[w].ready.remote() for w in workers}
+        else:
+            refs = {w: self._actors[w].attach.remote(layout) for w in workers}
+        waiting = list(refs.values())
+        timeout = self._start_timeout
         while True:
             wait_s = _START_WARN_S
             if deadline is not None:
@@ -191,13 +204,20 @@ class RayBackend(Backend):
                 _START_WARN_S,
                 self._options,
             )
-        return self._wait(refs, None, step, fail_fast=True, starting=True)
+        done = self._wait(refs, None, step, fail_fast=True, starting=True)
+        if layout is None and 0 in done.results:
+            self._probe = cast(EnvProbe, done.results[0])
+        return done
 
-    def _check_ready(self, done: Round) -> None:
-        """Raise for the first actor that could not start (an env error or a space mismatch)."""
+    def _check_built(self, done: Round) -> None:
+        """Raise for the first actor that could not build its envs."""
         if done.failures:
             w = min(done.failures)
             raise start_error(done.failures[w].errors[0], w)
+
+    def _check_ready(self, done: Round) -> None:
+        """Raise for the first actor that could not start (an env error or a space mismatch)."""
+        self._check_built(done)
         for w in sorted(done.results):
             if done.results[w] is not None:
                 raise mismatch_error(done.results[w])
@@ -475,21 +495,13 @@ def _plan(request: PlanRequest) -> Plan:
     if address is not None and not isinstance(address, str):
         raise ConfigError(f"ray_address must be None or a string, got {address!r}")
     plan = plan_ray(request.num_envs, request.num_workers, address, request.options["ray_options"])
-    return Plan(worker_ranges(request.num_envs, plan.num_workers), plan)
+    # Every env in an actor: make() builds none in the driver (env 0's spaces come from it).
+    return Plan(worker_ranges(request.num_envs, plan.num_workers), plan, driver_free=True)
 
 
 def _build(request: BuildRequest) -> RayBackend:
     plan: RayPlan = request.plan.details
-    return RayBackend(
-        request.layout,
-        request.block(shared=False),
-        request.blobs,
-        actor_options=plan.actor_options,
-        ledger=request.ledger,
-        pool=request.pool,
-        first_env=request.first_env,
-        start_timeout=request.start_timeout,
-    )
+    return RayBackend(request, plan.actor_options)
 
 
 register(

@@ -1,12 +1,15 @@
 """The Ray actor of ``backend="ray"``: one worker's EnvGroup over buffers of its block's rows.
 
-:class:`EnvfleetWorker` builds the block's envs when Ray creates it and runs one command at a
-time; every method returns a :data:`Reply`. The driver's side is
-:class:`envfleet._backends.ray.RayBackend`; :data:`RemoteWorker` is the class as a Ray actor.
+:class:`EnvfleetWorker` builds the block's envs when Ray creates it (the actor of env 0 tells
+env 0's spaces: the driver builds no env), lays them over buffers of the block's rows once the
+driver sends the spaces (:meth:`~EnvfleetWorker.attach`) and runs one command at a time; every
+method returns a :data:`Reply`. The driver's side is :class:`envfleet._backends.ray.RayBackend`;
+:data:`RemoteWorker` is the class as a Ray actor.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 from typing import Any, cast
@@ -17,7 +20,14 @@ import numpy as np
 import ray
 from gymnasium.vector import AutoresetMode
 
-from envfleet._backends.base import bind_env_index, none_if_empty, run_command
+from envfleet._backends.base import (
+    EnvProbe,
+    Prebuilt,
+    bind_env_index,
+    build_group_envs,
+    none_if_empty,
+    run_command,
+)
 from envfleet._buffers import Block, allocate_batch, batch_nbytes
 from envfleet._envgroup import EnvFailure, EnvGroup, PartialFailure
 from envfleet._protocol import Command, Failure, Status
@@ -25,7 +35,7 @@ from envfleet._supervisor import STATS_WORDS, StepTimer
 from envfleet._trees import tree_write
 from envfleet._workers import remote_error
 
-__all__ = ["ActorSpec", "EnvfleetWorker", "RemoteWorker", "Reply"]
+__all__ = ["ActorLayout", "ActorSpec", "EnvfleetWorker", "RemoteWorker", "Reply"]
 
 _DATA_COMMANDS = (Command.STEP, Command.RESET, Command.RESTART)
 
@@ -35,13 +45,19 @@ Reply = tuple[Status, Any, Any, float]
 
 @dataclass
 class ActorSpec:
-    """What an actor receives at creation."""
+    """What an actor receives at creation: its block of envs."""
 
     worker_index: int
     start: int
     stop: int
     env_fns: list[bytes]  # cloudpickled factories, one per env of the block
     accepts_index: list[bool]
+
+
+@dataclass
+class ActorLayout:
+    """What an actor gets once env 0's spaces are known (:meth:`EnvfleetWorker.attach`)."""
+
     single_observation_space: gymnasium.Space[Any]
     single_action_space: gymnasium.Space[Any]
     autoreset_mode: AutoresetMode
@@ -75,37 +91,51 @@ class EnvfleetWorker:
         self.group: EnvGroup | None = None
         self.timer = _LastStepTimer()
         self.batch: Any = None
+        self.fns: list[Any] = []
+        self.built: list[gymnasium.Env[Any, Any]] = []
         self.startup: tuple[Status, Any]
         try:
-            fns = [
+            self.fns = [
                 bind_env_index(cloudpickle.loads(blob), spec.start + j, spec.accepts_index[j])
                 for j, blob in enumerate(spec.env_fns)
             ]
+            self.built = build_group_envs(self.fns, spec.start)
+            # The driver builds no env: the actor of env 0 tells its spaces.
+            probe = EnvProbe.of(self.built[0]) if spec.start == 0 else None
+            self.startup = (Status.READY, probe)
+        except Exception as exc:
+            self.startup = (Status.ERROR, _start_failure(exc, spec.start))
+
+    def ready(self) -> Reply:
+        """Whether the envs were built: READY with env 0's :class:`EnvProbe` (the actor that
+        holds env 0) or ``None``, or ERROR."""
+        status, payload = self.startup
+        return status, payload, None, 0.0
+
+    def attach(self, layout: ActorLayout) -> Reply:
+        """Lay the envs built over buffers of the block's rows, with env 0's spaces: READY
+        with a space mismatch (``(env_index, description)``) or ``None``, or ERROR."""
+        spec = self.spec
+        try:
             size = spec.stop - spec.start
-            obs_space, act_space = spec.single_observation_space, spec.single_action_space
+            obs_space, act_space = layout.single_observation_space, layout.single_action_space
             block = Block(batch_nbytes(obs_space, act_space, size), shared=False)
             self.batch = allocate_batch(obs_space, act_space, size, block)
+            fns = [Prebuilt(env, fn) for env, fn in zip(self.built, self.fns, strict=True)]
             self.group = EnvGroup(
                 fns,
                 spec.start,
                 self.batch,
                 obs_space,
                 act_space,
-                spec.autoreset_mode,
+                layout.autoreset_mode,
                 batch_offset=spec.start,
-                same_observation_space=spec.same_observation_space,
+                same_observation_space=layout.same_observation_space,
             )
-            self.startup = (Status.READY, self.group.check_spaces())
-        except EnvFailure as failure:
-            error = remote_error(failure, failure.env_index, failure.method)
-            self.startup = (Status.ERROR, Failure([error]))
+            self.built = []  # the group's now
+            return Status.READY, self.group.check_spaces(), None, 0.0
         except Exception as exc:
-            self.startup = (Status.ERROR, Failure([remote_error(exc, spec.start, "make")]))
-
-    def ready(self) -> Reply:
-        """Whether the envs were built: READY with a space mismatch or ``None``, or ERROR."""
-        status, payload = self.startup
-        return status, payload, None, 0.0
+            return Status.ERROR, _start_failure(exc, spec.start), None, 0.0
 
     def run(self, message: tuple[Command, Any, Any]) -> Reply:
         """Run ``(command, payload, actions)`` on the group; ``actions`` (the block's rows)
@@ -144,9 +174,20 @@ class EnvfleetWorker:
         return ray.get_runtime_context().get_node_id(), os.getpid()
 
     def close(self) -> None:
+        for env in self.built:  # built, but never laid out
+            with contextlib.suppress(Exception):
+                env.close()
+        self.built = []
         if self.group is not None:
             self.group.close()
             self.group = None
+
+
+def _start_failure(exc: Exception, start: int) -> Failure:
+    """The reply's payload for an actor that could not build or lay out its envs."""
+    if isinstance(exc, EnvFailure):
+        return Failure([remote_error(exc, exc.env_index, exc.method)])
+    return Failure([remote_error(exc, start, "make")])
 
 
 RemoteWorker: Any = ray.remote(EnvfleetWorker)

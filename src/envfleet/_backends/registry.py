@@ -44,7 +44,7 @@ from typing import Any
 import gymnasium
 
 from envfleet import _cores
-from envfleet._backends.base import Backend, WorkerLayout, worker_ranges
+from envfleet._backends.base import Backend, EnvProbe, WorkerLayout, worker_ranges
 from envfleet._buffers import Block
 from envfleet._errors import ConfigError
 from envfleet._supervisor import Ledger, RestartPolicy
@@ -57,6 +57,7 @@ __all__ = [
     "NativeRequest",
     "Plan",
     "PlanRequest",
+    "Sizing",
     "lookup",
     "register",
     "usable_cores",
@@ -109,14 +110,33 @@ class PlanRequest:
 class Plan:
     """How a backend lays out its envs: ``ranges``, per group of envs (a worker), the
     ``[start, stop)`` env indices it holds, contiguous and in order; ``details``: whatever
-    else the backend's constructor needs (e.g. the processes backend's driver share)."""
+    else the backend's constructor needs (e.g. the processes backend's driver share).
+
+    ``driver_free``: every env lives in a worker process (or actor), none in the driver's.
+    :func:`envfleet.make` then builds no env in the driver: the backend's constructor starts
+    its workers, takes env 0's :class:`~envfleet._backends.base.EnvProbe` from the worker that
+    holds env 0 and hands it to :meth:`BuildRequest.learn` before it lays out its buffers.
+    A backend whose plan says so must do exactly that.
+    """
 
     ranges: list[tuple[int, int]]
     details: Any = None
+    driver_free: bool = False
 
     @property
     def num_workers(self) -> int:
         return len(self.ranges)
+
+
+@dataclass(frozen=True)
+class Sizing:
+    """What env 0's spaces fix (:meth:`BuildRequest.learn`): the layout with the spaces
+    make() settled on, the bytes of the batch's block
+    (:func:`envfleet._buffers.batch_nbytes`) and its spare observation slabs."""
+
+    layout: WorkerLayout
+    nbytes: int
+    spare_slabs: int
 
 
 @dataclass
@@ -124,32 +144,61 @@ class BuildRequest:
     """What a backend's constructor gets from :func:`envfleet.make`.
 
     Attributes:
-        layout: the factories, spaces, autoreset mode and ``plan.ranges``.
         plan: the backend's own :class:`Plan`.
-        nbytes: the bytes of the batch's block (:func:`envfleet._buffers.batch_nbytes`).
-        spare_slabs: spare observation slabs to allocate (0 unless
-            :attr:`BackendSpec.spare_slabs`).
+        accepts_index: per env, whether its factory takes ``env_index``.
         first_env: env 0, built by make() to learn the spaces; the backend keeps it or closes
-            it once its workers are up.
+            it once its workers are up. ``None`` when ``plan.driver_free``: no env is built in
+            the driver, and the backend calls :meth:`learn` with env 0's probe from its worker.
         ledger: the supervisor's ledger for this vector env.
         blobs: the factories cloudpickled, one per env (:attr:`BackendSpec.pickles_factories`),
             else empty.
         pool: a first-ready pool.
         context: a ``multiprocessing`` start method or ``None``.
         step_timeout, start_timeout: seconds or ``None``.
+        size: make()'s checks and sizes for env 0's probe (see :meth:`learn`).
+        probe: env 0's probe, once learned.
+
+    ``layout`` (the factories, spaces, autoreset mode and ``plan.ranges``), ``nbytes`` and
+    ``spare_slabs`` (see :class:`Sizing`) are known once env 0's probe is: at once when
+    ``first_env`` is given, after :meth:`learn` otherwise.
     """
 
-    layout: WorkerLayout
     plan: Plan
-    nbytes: int
-    spare_slabs: int
-    first_env: gymnasium.Env[Any, Any]
+    accepts_index: list[bool]
+    first_env: gymnasium.Env[Any, Any] | None
     ledger: Ledger
     blobs: list[bytes]
     pool: bool
     context: str | None
     step_timeout: float | None
     start_timeout: float | None
+    size: Callable[[EnvProbe], Sizing]
+    probe: EnvProbe | None = None
+    sizing: Sizing | None = None
+
+    def learn(self, probe: EnvProbe) -> Sizing:
+        """Take env 0's spaces, metadata and render mode from ``probe``; returns the sizes
+        they fix (also :attr:`layout`, :attr:`nbytes`, :attr:`spare_slabs` from now on)."""
+        self.sizing = self.size(probe)
+        self.probe = probe
+        return self.sizing
+
+    def _sized(self) -> Sizing:
+        if self.sizing is None:
+            raise RuntimeError("env 0's spaces are not known yet: call BuildRequest.learn first")
+        return self.sizing
+
+    @property
+    def layout(self) -> WorkerLayout:
+        return self._sized().layout
+
+    @property
+    def nbytes(self) -> int:
+        return self._sized().nbytes
+
+    @property
+    def spare_slabs(self) -> int:
+        return self._sized().spare_slabs
 
     def block(self, shared: bool) -> Block:
         """The batch's memory: shared between processes or not, with the spare slabs."""

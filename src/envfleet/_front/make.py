@@ -1,7 +1,9 @@
 """make(): the front's one way in (DESIGN §2, layer 1). It checks make()'s own arguments,
 looks the backend up in the registry (:mod:`envfleet._backends.registry`; it knows no backend
-by name), lets the backend check its options and plan its workers, builds env 0 to learn the
-spaces, and wraps the backend the registry built in a :class:`FleetVectorEnv`.
+by name), lets the backend check its options and plan its workers, learns the spaces from env
+0 (built here, or, when the plan puts every env in a worker, in the worker that holds it: no
+env is built in this process then), and wraps the backend the registry built in a
+:class:`FleetVectorEnv`.
 """
 
 from __future__ import annotations
@@ -15,13 +17,19 @@ import gymnasium
 from gymnasium.vector import AutoresetMode
 from gymnasium.vector.utils import batch_differing_spaces
 
-from envfleet._backends.base import WorkerLayout, accepts_env_index, bind_env_index
+from envfleet._backends.base import (
+    EnvProbe,
+    WorkerLayout,
+    accepts_env_index,
+    bind_env_index,
+)
 from envfleet._backends.registry import (
     BACKENDS,
     BackendSpec,
     BuildRequest,
     NativeRequest,
     PlanRequest,
+    Sizing,
     lookup,
 )
 from envfleet._buffers import batch_nbytes
@@ -139,8 +147,9 @@ def make(  # type: ignore[misc]  # the overloads stand for its keyword arguments
             their envs (default 60); past it the workers are killed (threads are left
             behind, as daemons) and :class:`envfleet.StartTimeoutError` names the envs not
             built. ``None``: wait for good. Envs built in the calling thread are not bounded:
-            env 0 (built first, to learn the spaces), the ``processes`` driver's own block and
-            every ``serial`` env. A worker that dies while starting is reported at once.
+            env 0 where it is built here first, to learn the spaces (see ``driver_envs``),
+            the ``processes`` driver's own block and every ``serial`` env. A worker that dies
+            while starting is reported at once.
         restart_policy: ``None``: fail fast (a typed error names what failed). A
             :class:`envfleet.RestartPolicy`: rebuild envs that raise in step or reset, and
             workers that die or run past the timeout, within its budget; the rebuilt envs
@@ -162,6 +171,17 @@ def make(  # type: ignore[misc]  # the overloads stand for its keyword arguments
             Those envs live in the driver process: their exceptions are reported as usual,
             but a native crash in them (a segfault) takes the driver down, and no timeout can
             stop them; set 0 to isolate every env in a worker.
+            Which envs are built in the driver's process: with every env in a worker
+            (``driver_envs=0``, which a first-ready pool, ``step_timeout`` and
+            ``restart_policy`` imply; ``ray`` always) none: the worker that holds env 0 sends
+            its spaces, ``metadata`` and ``render_mode``, so a simulator that cannot be built
+            twice, or not in the learner's process, is built once, in its worker. Otherwise
+            env 0 is built here first, as gymnasium's vector envs build it, to learn them
+            (and kept as the driver's env 0 when the driver steps a share). ``serial`` and
+            ``threads`` run every env in this process: out of scope. Example::
+
+                envs = envfleet.make(make_simulator, 8, num_workers=4)  # driver_envs=0
+                assert envs.single_observation_space  # from env 0, built in worker 0
         spin_s: ``processes`` only: the most seconds a wait polls before it blocks
             (default 0.002); the budget adapts to the waits seen, and is 0 wherever spinners
             would outnumber the cores.
@@ -233,30 +253,41 @@ def make(  # type: ignore[misc]  # the overloads stand for its keyword arguments
     )
     accepts = [accepts_env_index(fn) for fn in env_fns]
     blobs = pickle_factories(env_fns) if spec.pickles_factories else []
+    same = observation_mode == "same"
+    pair = cast(tuple, observation_mode) if explicit else None
+
+    def size(probe: EnvProbe) -> Sizing:
+        """The layout, block bytes and spare slabs that env 0's spaces fix."""
+        obs_space = probe.observation_space if pair is None else pair[1]
+        act_space = probe.action_space
+        layout = WorkerLayout(env_fns, accepts, obs_space, act_space, mode, plan.ranges, same)
+        spare = spare_slab_count(obs_space, num_envs, copy, pool, spec.spare_slabs)
+        return Sizing(layout, batch_nbytes(obs_space, act_space, num_envs, spare), spare)
+
     # As gymnasium's vector envs do, env 0 is built here first: it gives the spaces and
     # metadata. The backend keeps it as env 0 where it steps env 0 in this process, and
-    # closes it once its workers are up otherwise.
-    first = build_env(bind_env_index(env_fns[0], 0, accepts[0]), 0)
-    obs_space = cast(tuple, observation_mode)[1] if explicit else first.observation_space
-    act_space = first.action_space
-    metadata, render_mode = dict(first.metadata), first.render_mode
-    same = observation_mode == "same"
-    layout = WorkerLayout(env_fns, accepts, obs_space, act_space, mode, plan.ranges, same)
-    spare = spare_slab_count(obs_space, num_envs, copy, pool, spec.spare_slabs)
-    nbytes = batch_nbytes(obs_space, act_space, num_envs, spare)
+    # closes it once its workers are up otherwise. A driver-free plan (every env in a worker)
+    # builds none here: the backend takes env 0's probe from the worker that holds it.
+    first = None
+    if not plan.driver_free:
+        first = build_env(bind_env_index(env_fns[0], 0, accepts[0]), 0)
     ledger = Ledger(num_envs, restart_policy)
-    timeouts = {"step_timeout": step_timeout, "start_timeout": start_timeout}
     build = BuildRequest(
-        layout, plan, nbytes, spare, first, ledger, blobs, pool, context, **timeouts
+        plan, accepts, first, ledger, blobs, pool, context, step_timeout, start_timeout, size
     )
+    if first is not None:
+        build.learn(EnvProbe.of(first))
     assert spec.build is not None  # every backend but a native one has a constructor
+    built = spec.build(build)
+    probe = build.probe
+    assert probe is not None, f"backend {spec.name!r} built its envs without learning env 0's"
     venv = FleetVectorEnv(
-        spec.build(build),
+        built,
         backend_name=spec.name,
-        single_observation_space=obs_space,
-        single_action_space=act_space,
-        metadata=metadata,
-        render_mode=render_mode,
+        single_observation_space=build.layout.single_observation_space,
+        single_action_space=build.layout.single_action_space,
+        metadata=probe.metadata,
+        render_mode=probe.render_mode,
         autoreset_mode=mode,
         step_timeout=None if step_timeout is None else float(step_timeout),
         copy=copy,
