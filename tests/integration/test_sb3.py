@@ -60,7 +60,11 @@ def check_against_dummy(venv: SB3VecEnv, ref: DummyVecEnv, steps: int, seed: int
     counts = {"dones": 0, "truncated": 0}
     for t in range(steps):
         actions = np.stack([space.sample() for _ in range(NUM_ENVS)])
-        obs, rewards, dones, infos = venv.step(actions)
+        if t % 2:  # SB3's step (one vector-env step), and its two halves
+            obs, rewards, dones, infos = venv.step(actions)
+        else:
+            venv.step_async(actions)
+            obs, rewards, dones, infos = venv.step_wait()
         w_obs, w_rewards, w_dones, w_infos = ref.step(actions)
         assert_obs_equal(obs, w_obs)
         assert rewards.dtype == w_rewards.dtype == np.float32
@@ -233,3 +237,20 @@ def test_ppo_trains_through_the_adapter():
     finally:
         venv.close()
         torch.set_num_threads(threads)
+
+
+def test_sb3_step_takes_the_fast_step_round():
+    """SB3's ``VecEnv.step`` (what its algorithms call) goes through the vector env's C step
+    round, which ``step_async``/``step_wait`` do not take: its counter advances once a step."""
+    speedups = envfleet._native.speedups
+    if speedups is None:
+        pytest.skip("envfleet._speedups is not built here")
+    venv = SB3VecEnv("CartPole-v1", NUM_ENVS, backend="processes")
+    try:
+        venv.reset()
+        before = speedups.counters()["step_round"]
+        for t in range(10):
+            venv.step(np.full(NUM_ENVS, t % 2))
+        assert speedups.counters()["step_round"] - before == 10
+    finally:
+        venv.close()

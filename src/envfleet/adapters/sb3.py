@@ -153,7 +153,25 @@ class SB3VecEnv(VecEnv):
             envfleet.EnvError, envfleet.EnvCrashedError, envfleet.StepTimeoutError: as
                 :meth:`envfleet.FleetVectorEnv.step_wait`.
         """
-        obs, reward, terminated, truncated, vector_infos = self.fleet.step_wait()
+        return self._sb3_step(*self.fleet.step_wait())
+
+    def step(self, actions: np.ndarray) -> VecEnvStepReturn:
+        """SB3's ``step`` (``step_async`` then ``step_wait``, which SB3's algorithms call back
+        to back) as one vector-env :meth:`envfleet.FleetVectorEnv.step`, which takes the fast
+        step round (``step_async``/``step_wait`` do not). Same results and errors as the two
+        calls.
+        """
+        return self._sb3_step(*self.fleet.step(actions))
+
+    def _sb3_step(
+        self,
+        obs: Any,
+        reward: np.ndarray,
+        terminated: np.ndarray,
+        truncated: np.ndarray,
+        vector_infos: dict[str, Any],
+    ) -> VecEnvStepReturn:
+        """A vector env's step results in SB3's convention (see :meth:`step_wait`)."""
         dones = np.logical_or(terminated, truncated)
         observations = tree_copy(obs)
         infos = split_infos(vector_infos, self.num_envs)
