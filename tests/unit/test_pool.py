@@ -935,3 +935,25 @@ def test_sync_mode_env_error_loses_the_batch_and_carries_on(make_env, backend):
     envs.async_reset(seed=1)  # env 1 is fine again after a reset
     _, _, _, _, info = envs.recv()
     assert sorted(info["env_id"].tolist()) == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize(
+    "env_ids, message",
+    [
+        ([3, 5, 3], r"repeated env ids \[3\]"),
+        ([1, 1, 2, 2], r"repeated env ids \[1, 2\]"),
+        ([0, 8], r"unknown env ids \[8\]"),
+        ([], "env_ids is empty"),
+    ],
+)
+def test_send_names_bad_env_ids_and_sends_nothing(env_ids: list[int], message: str) -> None:
+    envs = envfleet.make("CartPole-v1", 8, backend="serial", batch_size=4, num_workers=8)
+    try:
+        envs.async_reset(seed=0)
+        _, _, _, _, info = envs.recv()
+        with pytest.raises(envfleet.InvalidArgumentError, match=message):
+            envs.send(np.zeros(len(env_ids), dtype=np.int64), env_ids)
+        envs.send(np.zeros(4, dtype=np.int64), info["env_id"])  # the pool goes on
+        assert len(envs.recv()[4]["env_id"]) == 4
+    finally:
+        envs.close()
