@@ -39,6 +39,9 @@ class MultiAgentVectorEnv(VectorWrapper[Any, Any, Any, Any, Any]):
     - ``infos[agent]``: each agent's info, batched in gymnasium's convention
       (``infos["_" + agent]`` says which envs have one).
 
+    An env rebuilt by a ``restart_policy`` (``infos["env_restarted"]``) reads truncated for
+    every agent, beside its reset observation.
+
     The convention sources: agents as a dimension (TorchRL's ``PettingZooWrapper``, which
     stacks agents of one group), padding to ``possible_agents`` with a mask (PufferLib's
     PettingZoo emulation), zeroed rows for agents that left (SuperSuit's ``black_death``).
@@ -130,6 +133,10 @@ class MultiAgentVectorEnv(VectorWrapper[Any, Any, Any, Any, Any]):
                 )
                 final_obs[i] = last["observation"]
             infos["final_obs"] = final_obs
+        restarted = infos.get("_env_restarted")
+        if restarted is not None and restarted.any():  # its episode was cut: every agent's
+            truncated = truncated.copy()
+            truncated[restarted] = True
         infos["agent_mask"] = packed["agent_mask"]
         return packed["observation"], rewards, terminated, truncated, infos
 
