@@ -65,12 +65,19 @@ class Reference:
         space = self.envs[0].observation_space(agent)
         return np.zeros(space.shape, space.dtype)
 
-    def pack(self, i: int, obs: dict[str, Any], rewards: dict[str, Any], terms: dict[str, Any],
-             truncs: dict[str, Any]) -> dict[str, Any]:
+    def pack(
+        self,
+        i: int,
+        obs: dict[str, Any],
+        rewards: dict[str, Any],
+        terms: dict[str, Any],
+        truncs: dict[str, Any],
+    ) -> dict[str, Any]:
         env = self.envs[i]
         rows = [obs[a] if a in obs else self.zero(a) for a in self.agents]
+        by_agent = dict(zip(self.agents, rows, strict=True))
         return {
-            "observation": np.stack(rows) if self.stacked_obs else dict(zip(self.agents, rows)),
+            "observation": np.stack(rows) if self.stacked_obs else by_agent,
             "reward": np.array([float(rewards.get(a, 0.0)) for a in self.agents]),
             "terminated": np.array([bool(terms.get(a, False)) for a in self.agents]),
             "truncated": np.array([bool(truncs.get(a, False)) for a in self.agents]),
@@ -122,10 +129,9 @@ class Reference:
             observations: Any = np.stack([p["observation"] for p in packs])
         else:
             observations = {a: np.stack([p["observation"][a] for p in packs]) for a in self.agents}
-        rows = {
-            key: np.stack([(f[0] if f is not None else p)[key] for p, f in zip(packs, finals)])
-            for key in ("reward", "terminated", "truncated")
-        }
+        last = [p if f is None else f[0] for p, f in zip(packs, finals, strict=True)]
+        keys = ("reward", "terminated", "truncated")
+        rows = {key: np.stack([p[key] for p in last]) for key in keys}
         infos: dict[str, Any] = {}
         vec = _info_batcher(n)
         for i, (_, info) in enumerate(results):
@@ -139,8 +145,9 @@ class Reference:
             for i, f in enumerate(finals):
                 if f is not None:
                     final_obs[i] = f[0]["observation"]
-            infos["final_obs"], infos["_final_obs"] = final_obs, np.array(
-                [f is not None for f in finals]
+            infos["final_obs"], infos["_final_obs"] = (
+                final_obs,
+                np.array([f is not None for f in finals]),
             )
             infos["final_info"] = final_infos
             infos["_final_info"] = infos["_final_obs"].copy()
@@ -166,11 +173,11 @@ def assert_same(actual: Any, expected: Any, where: str = "") -> None:
     """Bit-identical trees: same keys, types, dtypes, shapes and values."""
     if isinstance(expected, tuple):
         assert isinstance(actual, tuple) and len(actual) == len(expected), where
-        for k, (a, e) in enumerate(zip(actual, expected)):
+        for k, (a, e) in enumerate(zip(actual, expected, strict=True)):
             assert_same(a, e, f"{where}[{k}]")
     elif isinstance(expected, dict):
         assert isinstance(actual, dict), where
-        assert sorted(actual) == sorted(expected), f"{where}: {sorted(actual)} != {sorted(expected)}"
+        assert sorted(actual) == sorted(expected), f"{where}: {sorted(actual)}"
         for key in expected:
             assert_same(actual[key], expected[key], f"{where}[{key!r}]")
     elif isinstance(expected, np.ndarray) and expected.dtype == object:
