@@ -345,3 +345,12 @@ def test_single_agent_envs_are_unchanged() -> None:
         assert "envfleet.multi_agent" not in envs.metadata
     finally:
         envs.close()
+
+
+def test_what_is_not_built_yet_is_refused() -> None:
+    """A first-ready pool and torch output are refused with ConfigError (issue 20, later)."""
+    with pytest.raises(envfleet.ConfigError, match="batch_size"):
+        envfleet.make(hetero, 2, backend="serial", batch_size=1)
+    pytest.importorskip("torch")
+    with pytest.raises(envfleet.ConfigError, match="output='torch'"):
+        envfleet.make(hetero, 2, backend="serial", output="torch")

@@ -109,6 +109,9 @@ def make(  # type: ignore[misc]  # the overloads stand for its keyword arguments
         env: a gymnasium id (``"CartPole-v1"``, ``"ALE/Pong-v5"``), a zero-argument callable
             returning a ``gymnasium.Env``, or a list of such callables (one per env). A factory
             that accepts a keyword ``env_index`` is called with the env's global index.
+            A factory may return a ``pettingzoo.ParallelEnv`` instead: make() then returns an
+            :class:`envfleet.MultiAgentVectorEnv` (agents batched with masks; see its layout),
+            synchronous (no ``batch_size``) and with ``output="numpy"``.
         num_envs: number of sub-environments; default 1, or ``len(env)`` for a list.
         backend: ``"serial"`` (in this process), ``"threads"`` (one thread per block of envs
             in this process; for envs that release the GIL), ``"processes"`` (worker
@@ -214,7 +217,8 @@ def make(  # type: ignore[misc]  # the overloads stand for its keyword arguments
 
     Returns:
         A :class:`FleetVectorEnv`, a ``gymnasium.vector.VectorEnv``; a
-        :class:`envfleet.torch.TorchVectorEnv` over one for ``output="torch"``.
+        :class:`envfleet.torch.TorchVectorEnv` over one for ``output="torch"``; a
+        :class:`envfleet.MultiAgentVectorEnv` over one for PettingZoo parallel envs.
 
     Raises:
         ConfigError: any bad argument above (an unknown backend, an option of another
