@@ -170,7 +170,7 @@ class ParallelEnvAdapter(gymnasium.Env[dict[str, Any], Any]):
     ) -> tuple[dict[str, Any], dict[str, Any]]:
         observations, infos = self.par_env.reset(seed=seed, options=options)
         self._truncated_exit = False
-        self._check_agents("reset", observations)
+        self._check_agents("an observation at reset", observations)
         num = len(self.possible_agents)
         packed = self._pack(observations, {}, np.zeros(num, bool), np.zeros(num, bool))
         return packed, dict(infos)
