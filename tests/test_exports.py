@@ -18,6 +18,7 @@ import pytest
 import envfleet
 
 ALL = [
+    "AgentError",
     "AlreadyPendingCallError",
     "BACKENDS",
     "ClosedEnvironmentError",
@@ -30,6 +31,7 @@ ALL = [
     "FleetVectorEnv",
     "InvalidActionError",
     "InvalidArgumentError",
+    "MultiAgentVectorEnv",
     "NoAsyncCallError",
     "PoolStateError",
     "ProcessEnv",

@@ -28,6 +28,8 @@ from envfleet._errors import (
 from envfleet._front.make import BACKENDS, make
 from envfleet._front.vector_env import FleetVectorEnv
 from envfleet._inference import SamplerStats, SamplerTimers, TimerStat
+from envfleet._multi_agent import AgentError
+from envfleet._multi_agent_vector_env import MultiAgentVectorEnv
 from envfleet._process_env import ProcessEnv
 from envfleet._rollout import EpisodeBatch
 from envfleet._sampler import Sampler
@@ -37,6 +39,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BACKENDS",
+    "AgentError",
     "AlreadyPendingCallError",
     "ClosedEnvironmentError",
     "ConfigError",
@@ -48,6 +51,7 @@ __all__ = [
     "FleetVectorEnv",
     "InvalidActionError",
     "InvalidArgumentError",
+    "MultiAgentVectorEnv",
     "NoAsyncCallError",
     "PoolStateError",
     "ProcessEnv",

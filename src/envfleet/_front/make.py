@@ -42,6 +42,8 @@ from envfleet._front.factories import (
 )
 from envfleet._front.results import spare_slab_count
 from envfleet._front.vector_env import FleetVectorEnv
+from envfleet._multi_agent import multi_agent_factories, multi_agent_of
+from envfleet._multi_agent_vector_env import MultiAgentVectorEnv
 from envfleet._supervisor import Ledger, RestartPolicy
 
 if TYPE_CHECKING:
@@ -107,6 +109,9 @@ def make(  # type: ignore[misc]  # the overloads stand for its keyword arguments
         env: a gymnasium id (``"CartPole-v1"``, ``"ALE/Pong-v5"``), a zero-argument callable
             returning a ``gymnasium.Env``, or a list of such callables (one per env). A factory
             that accepts a keyword ``env_index`` is called with the env's global index.
+            A factory may return a ``pettingzoo.ParallelEnv`` instead: make() then returns an
+            :class:`envfleet.MultiAgentVectorEnv` (agents batched with masks; see its layout),
+            synchronous (no ``batch_size``) and with ``output="numpy"``.
         num_envs: number of sub-environments; default 1, or ``len(env)`` for a list.
         backend: ``"serial"`` (in this process), ``"threads"`` (one thread per block of envs
             in this process; for envs that release the GIL), ``"processes"`` (worker
@@ -212,7 +217,8 @@ def make(  # type: ignore[misc]  # the overloads stand for its keyword arguments
 
     Returns:
         A :class:`FleetVectorEnv`, a ``gymnasium.vector.VectorEnv``; a
-        :class:`envfleet.torch.TorchVectorEnv` over one for ``output="torch"``.
+        :class:`envfleet.torch.TorchVectorEnv` over one for ``output="torch"``; a
+        :class:`envfleet.MultiAgentVectorEnv` over one for PettingZoo parallel envs.
 
     Raises:
         ConfigError: any bad argument above (an unknown backend, an option of another
@@ -229,7 +235,7 @@ def make(  # type: ignore[misc]  # the overloads stand for its keyword arguments
         arguments = dict(locals())  # make()'s arguments, every one
         from envfleet.torch import make_with_output
 
-        return make_with_output(make, arguments)
+        return make_with_output(_single_agent_output(make), arguments)
     spec = lookup(backend)
     options = spec.own_options(
         {"driver_envs": driver_envs, "spin_s": spin_s}
@@ -252,6 +258,9 @@ def make(  # type: ignore[misc]  # the overloads stand for its keyword arguments
         PlanRequest(num_envs, num_workers, pool, step_timeout, restart_policy, options)
     )
     accepts = [accepts_env_index(fn) for fn in env_fns]
+    # A factory that returns a PettingZoo ParallelEnv gets it adapted, in whichever process
+    # builds it (envfleet._multi_agent); any other env passes through unchanged.
+    env_fns = multi_agent_factories(env_fns)
     blobs = pickle_factories(env_fns) if spec.pickles_factories else []
     same = observation_mode == "same"
     pair = cast(tuple, observation_mode) if explicit else None
@@ -293,7 +302,36 @@ def make(  # type: ignore[misc]  # the overloads stand for its keyword arguments
         copy=copy,
         batch_size=num_envs if batch_size is None else int(batch_size),
     )
-    return _batch_observation_space(venv, observation_mode)
+    venv = _batch_observation_space(venv, observation_mode)
+    agents = multi_agent_of(probe.metadata)
+    return venv if agents is None else _multi_agent(venv, agents, pool)
+
+
+def _multi_agent(venv: FleetVectorEnv, agents: tuple[str, ...], pool: bool) -> Any:
+    """The :class:`MultiAgentVectorEnv` over ``venv`` (closed if refused)."""
+    if pool:
+        venv.close(terminate=True)
+        raise ConfigError(
+            "multi-agent envs (PettingZoo) run synchronously for now: batch_size must be None "
+            "or num_envs"
+        )
+    return MultiAgentVectorEnv(venv, agents)
+
+
+def _single_agent_output(make_numpy: Any) -> Any:
+    """``make`` for :func:`envfleet.torch.make_with_output`, refusing a multi-agent env."""
+
+    def make_single(**arguments: Any) -> Any:
+        venv = make_numpy(**arguments)
+        if isinstance(venv, MultiAgentVectorEnv):
+            venv.close(terminate=True)
+            raise ConfigError(
+                "output='torch' is not built for multi-agent envs (PettingZoo) yet: use "
+                "output='numpy'"
+            )
+        return venv
+
+    return make_single
 
 
 def _is_int(value: Any, low: int, high: int) -> bool:
