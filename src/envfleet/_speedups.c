@@ -321,11 +321,12 @@ budget_caught(PyObject *budget, double budget_s)
 }
 
 /* step_round(requests, dones, controls, budgets, local, env_failure, tight_s, step_code,
- *            ok_code) -> (local_result, local_failure, taken, unread, spun_s)
+ *            ok_code[, ring]) -> (local_result, local_failure, taken, unread, spun_s)
  *
  * ProcessesBackend's _submit + _collect of a plain step, up to reading the replies. For each
  * worker w (the tuples hold the addresses of its request and done semaphores and of its int64
- * control words): command word = step_code, payload word = 0, post its request. Then call
+ * control words): command word = step_code, payload word = 0, post its request (unless
+ * ``ring`` is 0: step_async already did, and step_wait finishes the round). Then call
  * ``local()`` (the driver's own block, timed; None when it has none): its result, or the
  * ``env_failure`` instance it raised (any other exception propagates at once, as from _submit).
  * Then take each worker's done semaphore in order, spinning within its SpinBudget (adapted as
@@ -340,9 +341,10 @@ sp_step_round(PyObject *self, PyObject *args)
     PyObject *requests, *dones, *controls, *budgets, *local, *env_failure;
     double tight_s;
     long long step_code, ok_code;
-    if (!PyArg_ParseTuple(args, "O!O!O!O!OOdLL", &PyTuple_Type, &requests, &PyTuple_Type, &dones,
-                          &PyTuple_Type, &controls, &PyList_Type, &budgets, &local, &env_failure,
-                          &tight_s, &step_code, &ok_code))
+    int ring = 1;
+    if (!PyArg_ParseTuple(args, "O!O!O!O!OOdLL|p", &PyTuple_Type, &requests, &PyTuple_Type,
+                          &dones, &PyTuple_Type, &controls, &PyList_Type, &budgets, &local,
+                          &env_failure, &tight_s, &step_code, &ok_code, &ring))
         return NULL;
     Py_ssize_t n = PyTuple_GET_SIZE(requests);
     if (PyTuple_GET_SIZE(dones) != n || PyTuple_GET_SIZE(controls) != n ||
@@ -350,7 +352,7 @@ sp_step_round(PyObject *self, PyObject *args)
         PyErr_SetString(PyExc_ValueError, "step_round: one entry per worker in each");
         return NULL;
     }
-    for (Py_ssize_t w = 0; w < n; w++) {
+    for (Py_ssize_t w = 0; ring && w < n; w++) {
         void *request, *control;
         if (!as_address(PyTuple_GET_ITEM(requests, w), &request) ||
             !as_address(PyTuple_GET_ITEM(controls, w), &control))

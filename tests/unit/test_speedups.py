@@ -274,6 +274,29 @@ def test_processes_runs_the_c_round_and_worker_loop(make_env):
             assert calls[name] - workers[pid][name] >= COUNTED_STEPS, f"worker {pid}: {name}"
 
 
+def test_step_wait_finishes_the_step_in_the_c_round(make_env):
+    """step_async rings the workers; step_wait runs the driver's own block and spins on the
+    replies in the C step round (without ringing again), as step() does: its counter
+    advances once a step, and the results are step()'s."""
+    if envfleet._native.speedups is None:
+        pytest.skip("envfleet._speedups is not built here")
+    fleet = make_env("CartPole-v1", 16, backend="processes")
+    ref = make_env("CartPole-v1", 16, backend="processes")
+    assert len(fleet.worker_ranges) > 1  # the driver steps a block: step_wait runs it
+    fleet.reset(seed=0)
+    ref.reset(seed=0)
+    before = c_counters()["step_round"]
+    for t in range(COUNTED_STEPS):
+        actions = np.full(16, t % 2, dtype=np.int64)
+        fleet.step_async(actions)
+        got = fleet.step_wait()
+        want = ref.step(actions)
+        for a, b in zip(got[:4], want[:4], strict=True):
+            np.testing.assert_array_equal(a, b)
+    # ref's steps count too: both paths take the round once a step.
+    assert c_counters()["step_round"] - before == 2 * COUNTED_STEPS
+
+
 @pytest.mark.parametrize("context", ["spawn", "forkserver"])
 def test_spawned_workers_run_the_c_writes(make_env, context):
     """Workers that unpickle the spaces (spawn, forkserver; also the default once a library

@@ -8,6 +8,7 @@ import functools
 import inspect
 import os
 import pickle
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -312,6 +313,21 @@ class Backend(abc.ABC):
         friends) submit them at the wait instead, so that ``*_async`` returns at once.
         """
         return frozenset()
+
+    def finish(
+        self, command: Command, inline: Mapping[int, Any], timeout: float | None, step: int
+    ) -> dict[int, Any]:
+        """Finish an asynchronous call (``step_wait`` and friends): :meth:`submit` the groups
+        that :meth:`inline_groups` left for the wait (``inline``), which run here to the end,
+        then :meth:`collect` with what is left of ``timeout`` (seconds).
+
+        A backend may override it with a shorter path; errors are those of the two calls.
+        """
+        started = time.monotonic()
+        self.submit(command, inline, step)
+        if timeout is not None:
+            timeout = max(0.0, timeout - (time.monotonic() - started))
+        return self.collect(timeout, step)
 
     def round(
         self, command: Command, payloads: Mapping[int, Any], timeout: float | None, step: int

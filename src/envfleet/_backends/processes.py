@@ -180,7 +180,7 @@ class ProcessesBackend(WorkerProcesses):
         self._any_budget = SpinBudget(plan.driver_spin_s)
         self._remote = list(range(1 if driver_group else 0, groups))
         self._pending: list[int] = []
-        self._step_round: Callable[[], tuple[Any, Any, int, list[int], float]] | None = None
+        self._step_round: Callable[[bool], tuple[Any, Any, int, list[int], float]] | None = None
         self._closed = False
         # A forked worker flushes the stdio buffers it inherits when it exits: flush them
         # here so nothing the driver printed is printed again.
@@ -247,6 +247,30 @@ class ProcessesBackend(WorkerProcesses):
     ) -> dict[int, Any]:
         return self.supervisor.guarded(self._round, command, payloads, timeout, step)
 
+    def finish(
+        self, command: Command, inline: Mapping[int, Any], timeout: float | None, step: int
+    ) -> dict[int, Any]:
+        return self.supervisor.guarded(self._finish, command, inline, timeout, step)
+
+    def _finish(
+        self, command: Command, inline: Mapping[int, Any], timeout: float | None, step: int
+    ) -> dict[int, Any]:
+        # step_wait of a plain step: step_async rang every worker, the driver's own block is
+        # left: the C round runs it and spins on the replies, without ringing again.
+        if (
+            command is _STEP
+            and self._step_round is not None
+            and self._pending == self._remote
+            and list(inline) == [0]
+            and inline[0] is None
+        ):
+            return self._fast_step_round(timeout, step, ring=False)
+        started = time.monotonic()
+        self._submit(command, inline, step)
+        if timeout is not None:
+            timeout = max(0.0, timeout - (time.monotonic() - started))
+        return self._collect(timeout, step)
+
     def _round(
         self, command: Command, payloads: Mapping[int, Any], timeout: float | None, step: int
     ) -> dict[int, Any]:
@@ -260,13 +284,18 @@ class ProcessesBackend(WorkerProcesses):
         self._submit(command, payloads, step)
         return self._collect(timeout, step)
 
-    def _fast_step_round(self, timeout: float | None, step: int) -> dict[int, Any]:
-        """A step's _submit and _collect, with the ringing, the driver's own block and the
-        spin on each worker's reply in C (_speedups.step_round); what that leaves (a reply to
-        read, a worker still running, a failure) goes the Python way, in _collect."""
+    def _fast_step_round(
+        self, timeout: float | None, step: int, ring: bool = True
+    ) -> dict[int, Any]:
+        """A step's _submit and _collect, with the ringing (unless ``ring`` is false: a
+        step_async rang already), the driver's own block and the spin on each worker's reply
+        in C (_speedups.step_round); what that leaves (a reply to read, a worker still
+        running, a failure) goes the Python way, in _collect, with what is left of
+        ``timeout`` after the driver's own block."""
         self._command = _STEP
         self._pending = remote = self._remote
-        local_result, local_failure, taken, unread, spun_s = self._step_round()  # type: ignore[misc]
+        started = time.monotonic()
+        local_result, local_failure, taken, unread, spun_s = self._step_round(ring)  # type: ignore[misc]
         if taken == len(remote) and not unread and local_failure is None:
             self._pending = []
             results = dict.fromkeys(remote)  # every worker replied OK, with nothing to read
@@ -282,9 +311,11 @@ class ProcessesBackend(WorkerProcesses):
                 done.results[remote[i]] = None
         self._pending = remote[taken:]
         self._local_result, self._local_failure = local_result, local_failure
+        if timeout is not None and not ring:
+            timeout = max(0.0, timeout - (time.monotonic() - started))
         return self._collect(timeout, step, done, spun_s if self._pending else None)
 
-    def _bind_step_round(self) -> Callable[[], tuple[Any, Any, int, list[int], float]] | None:
+    def _bind_step_round(self) -> Callable[[bool], tuple[Any, Any, int, list[int], float]] | None:
         """_speedups.step_round bound to this backend's workers, or ``None`` where it does not
         apply (no C step path, not the shared POSIX semaphores, a first-ready pool)."""
         step_round = _speedups.function("step_round")

@@ -585,12 +585,11 @@ class FleetVectorEnv(FirstReadyPool, VectorEnv[Any, Any, np.ndarray]):
         started = time.monotonic()
         deferred, self._deferred = self._deferred, None
         try:
-            if deferred is not None:
-                self._submit(*deferred)  # runs here, to the end: no timeout can stop it
-                if timeout is not None:
-                    timeout = max(0.0, timeout - (time.monotonic() - started))
-            results = self._backend.collect(timeout, self._steps)
-            if deferred is not None and explicit is not None:
+            if deferred is None:
+                return self._backend.collect(timeout, self._steps)
+            # The groups left for the wait run here, to the end: no timeout can stop them.
+            results = self._backend.finish(*deferred, timeout, self._steps)
+            if explicit is not None:
                 self._raise_late(deferred[1], explicit, time.monotonic() - started)
             return results
         except BaseException:
