@@ -91,7 +91,6 @@ class AutoInference(Inference):
         super().__init__(venv, stats, timers, keep_stale, seed)
         self.driver = DriverInference(venv, stats, timers, keep_stale, seed)
         self.worker = worker
-        self.segment_length = segment_length
         self.active: Inference = self.driver
         piece = venv.num_envs * segment_length  # steps: one round of worker inference
         # The calibration still to run: (mode, timed, steps left), in order.
@@ -130,7 +129,6 @@ class AutoInference(Inference):
         self.venv.run_in_workers_async(_group_observations, dict.fromkeys(range(len(ranges))))
         rows = self.venv.run_in_workers_wait()
         self.driver.obs = tree_concat([rows[w] for w in range(len(ranges))])
-        self.driver.started = True
         self.active = self.driver
 
     # -- sampling --------------------------------------------------------------------------

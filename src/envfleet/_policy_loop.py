@@ -438,15 +438,7 @@ def _loop(
             envs = gymnasium.vector.SyncVectorEnv([factory] * n)
         else:
             envs = gymnasium.vector.AsyncVectorEnv([factory] * n)
-        closers.append(envs.close)
-        obs = envs.reset(seed=seed)[0]
-
-        def plain() -> int:
-            nonlocal obs
-            obs = envs.step(policy(obs))[0]
-            return n
-
-        return plain
+        return _plain_loop(envs, n, policy, seed, closers)
     if system == "envfleet-pool":
         batch = max(1, n // 2)
         pool = envfleet.make(factory, n, batch_size=batch)
@@ -479,6 +471,26 @@ def _loop(
     return _puffer_loop(system, factory, n, policy, seed, closers)
 
 
+def _plain_loop(
+    envs: Any,
+    n: int,
+    policy: Callable[[Any], Any],
+    seed: int,
+    closers: list[Callable[[], None]],
+) -> Callable[[], int]:
+    """The plain loop's iteration over a vector env ``envs`` of ``n`` envs (reset with
+    ``seed`` here; its ``close`` goes into ``closers``): obs -> policy -> step."""
+    closers.append(envs.close)
+    obs = envs.reset(seed=seed)[0]
+
+    def plain() -> int:
+        nonlocal obs
+        obs = envs.step(policy(obs))[0]
+        return n
+
+    return plain
+
+
 def _puffer_loop(
     system: str,
     factory: Callable[[], Any],
@@ -501,15 +513,7 @@ def _puffer_loop(
             creator, num_envs=n, num_workers=1, batch_size=n,
             backend=pufferlib.vector.Multiprocessing,
         )  # fmt: skip
-        closers.append(venv.close)
-        obs = venv.reset(seed=seed)[0]
-
-        def plain() -> int:
-            nonlocal obs
-            obs = venv.step(policy(obs))[0]
-            return n
-
-        return plain
+        return _plain_loop(venv, n, policy, seed, closers)
     workers = 2 if n % 2 == 0 else 1
     batch = n // workers
     venv = pufferlib.vector.make(

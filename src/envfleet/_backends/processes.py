@@ -250,11 +250,6 @@ class ProcessesBackend(WorkerProcesses):
     def finish(
         self, command: Command, inline: Mapping[int, Any], timeout: float | None, step: int
     ) -> dict[int, Any]:
-        return self.supervisor.guarded(self._finish, command, inline, timeout, step)
-
-    def _finish(
-        self, command: Command, inline: Mapping[int, Any], timeout: float | None, step: int
-    ) -> dict[int, Any]:
         # step_wait of a plain step: step_async rang every worker, the driver's own block is
         # left: the C round runs it and spins on the replies, without ringing again.
         if (
@@ -264,12 +259,8 @@ class ProcessesBackend(WorkerProcesses):
             and list(inline) == [0]
             and inline[0] is None
         ):
-            return self._fast_step_round(timeout, step, ring=False)
-        started = time.monotonic()
-        self._submit(command, inline, step)
-        if timeout is not None:
-            timeout = max(0.0, timeout - (time.monotonic() - started))
-        return self._collect(timeout, step)
+            return self.supervisor.guarded(self._fast_step_round, timeout, step, False)
+        return super().finish(command, inline, timeout, step)
 
     def _round(
         self, command: Command, payloads: Mapping[int, Any], timeout: float | None, step: int
