@@ -104,21 +104,86 @@ class MultiAgentVectorEnv(VectorWrapper[Any, Any, Any, Any, Any]):
         Raises:
             InvalidActionError: see the class; nothing is sent then.
         """
-        if isinstance(actions, dict):
-            agents = set(self.possible_agents)
-            for agent in list(actions):
-                if agent not in agents:
-                    raise InvalidActionError(
-                        f"actions for agent {agent!r}, not in possible_agents "
-                        f"{list(self.possible_agents)}"
-                    )
-            missing = [agent for agent in self.possible_agents if agent not in actions]
-            if missing:
+        self._check_actions(actions)
+        return self._unpack(self.vector_env.step(actions))
+
+    def step_async(self, actions: Any) -> None:
+        """Start a step of every env (gymnasium's ``step_async``); :meth:`step_wait` collects it.
+
+        Raises:
+            InvalidActionError: as :meth:`step`; nothing is sent then.
+        """
+        self._check_actions(actions)
+        self.vector_env.step_async(actions)
+
+    def step_wait(
+        self, timeout: float | None = None
+    ) -> tuple[Any, np.ndarray, np.ndarray, np.ndarray, dict[str, Any]]:
+        """Wait for :meth:`step_async`; results as :meth:`step` returns them."""
+        return self._unpack(self.vector_env.step_wait(timeout=timeout))
+
+    # -- the first-ready pool (EnvPool's send/recv), with batch_size < num_envs ----------------
+
+    @property
+    def is_pool(self) -> bool:
+        """Whether this is a first-ready pool (``batch_size < num_envs``)."""
+        return bool(self.vector_env.is_pool)
+
+    @property
+    def batch_size(self) -> int:
+        """Envs per :meth:`recv` (``num_envs`` unless a first-ready pool)."""
+        return int(self.vector_env.batch_size)
+
+    def async_reset(self, seed: Any = None, env_ids: Any = None) -> None:
+        """Reset envs without waiting, as :meth:`FleetVectorEnv.async_reset`; :meth:`recv`
+        returns them as they finish."""
+        self.vector_env.async_reset(seed=seed, env_ids=env_ids)
+
+    def send(self, actions: Any, env_ids: Any = None) -> None:
+        """Send actions to some envs, as :meth:`FleetVectorEnv.send`: ``actions`` are
+        ``[len(env_ids), A, *shape]`` (or a dict by agent, each ``[len(env_ids), *shape]``).
+
+        Raises:
+            InvalidActionError: as :meth:`step`; else as :meth:`FleetVectorEnv.send`. Nothing
+                is sent then.
+        """
+        self._check_actions(actions)
+        self.vector_env.send(actions, env_ids)
+
+    def recv(
+        self, timeout: float | None = None
+    ) -> tuple[Any, np.ndarray, np.ndarray, np.ndarray, dict[str, Any]]:
+        """The first ``batch_size`` envs to finish, as :meth:`FleetVectorEnv.recv`, in this
+        class's layout over the batch: observations ``[batch_size, A, ...]``, rewards
+        ``float64[batch_size, A]``, flags ``bool[batch_size, A]``, ``infos["agent_mask"]``
+        ``bool[batch_size, A]`` and ``infos["env_id"]`` ``int32[batch_size]`` (EnvPool's).
+        A reset env's rewards and flags are zeros (its observation is the reset one)."""
+        return self._unpack(self.vector_env.recv(timeout=timeout))
+
+    # -- unpacking -------------------------------------------------------------------------
+
+    def _check_actions(self, actions: Any) -> None:
+        if not isinstance(actions, dict):
+            return  # a stacked array: the vector env checks its shape and dtype
+        agents = set(self.possible_agents)
+        for agent in list(actions):
+            if agent not in agents:
                 raise InvalidActionError(
-                    f"no actions for agent {missing[0]!r} (a dict of actions has every agent "
-                    "of possible_agents; actions of agents not in env.agents are ignored)"
+                    f"actions for agent {agent!r}, not in possible_agents "
+                    f"{list(self.possible_agents)}"
                 )
-        packed, _, _, _, infos = self.env.step(actions)
+        missing = [agent for agent in self.possible_agents if agent not in actions]
+        if missing:
+            raise InvalidActionError(
+                f"no actions for agent {missing[0]!r} (a dict of actions has every agent "
+                "of possible_agents; actions of agents not in env.agents are ignored)"
+            )
+
+    def _unpack(
+        self, result: tuple[Any, Any, Any, Any, dict[str, Any]]
+    ) -> tuple[Any, np.ndarray, np.ndarray, np.ndarray, dict[str, Any]]:
+        """The packed batch ``result`` of the wrapped vector env, in this class's layout."""
+        packed, _, _, _, infos = result
         rewards, terminated, truncated = packed["reward"], packed["terminated"], packed["truncated"]
         final = infos.get("_final_obs")
         if final is not None and final.any():  # SAME_STEP: the last step's rows are there

@@ -161,6 +161,11 @@ class TorchVectorEnv(VectorWrapper[Any, Any, Any, Any, Any]):
     - ``terminated: torch.bool[num_envs]``, ``truncated: torch.bool[num_envs]``;
     - infos: unchanged (numpy, gymnasium's convention).
 
+    Over a :class:`envfleet.MultiAgentVectorEnv` (``output="torch"`` with a PettingZoo
+    factory), the same in its layout: observations ``[num_envs, A, *shape]`` (or a dict by
+    agent), ``reward: torch.float64[num_envs, A]``, flags ``torch.bool[num_envs, A]``;
+    ``infos["agent_mask"]`` stays numpy (the TensorDict entries hold it as a tensor).
+
     See the module docstring for the copy semantics and lifetimes: on the CPU with
     ``copy=False`` the tensors share memory with envfleet's buffers and are valid until the
     next call.
@@ -221,6 +226,11 @@ class TorchVectorEnv(VectorWrapper[Any, Any, Any, Any, Any]):
         self._pinned: dict[Path, torch.Tensor] = {}  # path -> preallocated pinned buffer
         self._done: torch.Tensor | None = None  # reused done buffer (CPU, copy=False)
         self._event: Any = None  # CUDA event: the last transfer out of the pinned buffers
+        # A multi-agent env (envfleet.MultiAgentVectorEnv): per-agent flags, and the agent mask
+        agents = getattr(env, "possible_agents", None)
+        self._num_agents: int | None = None if agents is None else len(agents)
+        if agents is not None:
+            self.possible_agents: tuple[str, ...] = tuple(agents)
 
     # -- conversion ----------------------------------------------------------------------------
 
@@ -348,17 +358,23 @@ class TorchVectorEnv(VectorWrapper[Any, Any, Any, Any, Any]):
         Keys, named as TorchRL's envs name them: ``"observation"`` (a nested TensorDict for
         Dict/Tuple spaces, tuple entries keyed ``"0"``, ``"1"``, ...), and ``"terminated"``,
         ``"truncated"``, ``"done"`` (``torch.bool[num_envs, 1]``, all False), as TorchRL's
-        ``reset`` returns them. Infos are left out (use :meth:`reset`).
+        ``reset`` returns them. Infos are left out (use :meth:`reset`). Over a
+        :class:`envfleet.MultiAgentVectorEnv` (``A`` agents) the flags are
+        ``torch.bool[num_envs, A, 1]`` and ``"agent_mask"`` (``torch.bool[num_envs, A]``) is
+        added.
 
         Raises:
             ConfigError: tensordict is not installed. Else as :meth:`reset`.
         """
         tensordict = _import_tensordict()
-        obs, _ = self.reset(seed=seed, options=options)
-        zeros = self._torch.zeros((self.num_envs, 1), dtype=self._torch.bool, device=self.device)
+        obs, info = self.reset(seed=seed, options=options)
+        shape: tuple[int, ...] = (self.num_envs, 1)
+        if self._num_agents is not None:
+            shape = (self.num_envs, self._num_agents, 1)
+        zeros = self._torch.zeros(shape, dtype=self._torch.bool, device=self.device)
         source = {"observation": obs, "terminated": zeros, "truncated": zeros.clone()}
         source["done"] = zeros.clone()
-        return self._tensordict(tensordict, source)
+        return self._tensordict(tensordict, source, info)
 
     def step_tensordict(self, actions: Any) -> TensorDict:
         """Step and return a ``TensorDict`` (batch_size ``[num_envs]``, on :attr:`device`).
@@ -370,12 +386,15 @@ class TorchVectorEnv(VectorWrapper[Any, Any, Any, Any, Any]):
         rewards and done flags; reward and flags are views of the tensors :meth:`step`
         returns, so they share their lifetime (with ``copy=False`` on the CPU: envfleet's
         shared memory, valid until the next call). Infos are left out (use :meth:`step`).
+        Over a :class:`envfleet.MultiAgentVectorEnv` (``A`` agents) rewards and flags are per
+        agent, ``[num_envs, A, 1]`` (TorchRL's ``PettingZooWrapper`` keeps them per agent
+        too), and ``"agent_mask"`` (``torch.bool[num_envs, A]``) is added.
 
         Raises:
             ConfigError: tensordict is not installed. Else as :meth:`step`.
         """
         tensordict = _import_tensordict()
-        obs, reward, terminated, truncated, _ = self.step(actions)
+        obs, reward, terminated, truncated, info = self.step(actions)
         torch = self._torch
         if self.copy or self._to_device:
             done = torch.logical_or(terminated, truncated)
@@ -390,10 +409,14 @@ class TorchVectorEnv(VectorWrapper[Any, Any, Any, Any, Any]):
             "truncated": truncated.unsqueeze(-1),
             "done": done.unsqueeze(-1),
         }
-        return self._tensordict(tensordict, source)
+        return self._tensordict(tensordict, source, info)
 
-    def _tensordict(self, tensordict: Any, source: dict[str, Any]) -> TensorDict:
+    def _tensordict(
+        self, tensordict: Any, source: dict[str, Any], info: dict[str, Any]
+    ) -> TensorDict:
         source["observation"] = _nest(source["observation"])
+        if self._num_agents is not None:
+            source["agent_mask"] = self._tensor(("agent_mask",), info["agent_mask"])
         return cast(
             "TensorDict",
             tensordict.TensorDict(source, batch_size=[self.num_envs], device=self.device),

@@ -347,15 +347,6 @@ def test_single_agent_envs_are_unchanged() -> None:
         envs.close()
 
 
-def test_what_is_not_built_yet_is_refused() -> None:
-    """A first-ready pool and torch output are refused with ConfigError (issue 20, later)."""
-    with pytest.raises(envfleet.ConfigError, match="batch_size"):
-        envfleet.make(hetero, 2, backend="serial", batch_size=1)
-    pytest.importorskip("torch")
-    with pytest.raises(envfleet.ConfigError, match="output='torch'"):
-        envfleet.make(hetero, 2, backend="serial", output="torch")
-
-
 def _rows(batch: Any, i: int) -> Any:
     """Env ``i``'s row of a batched observation (stacked, or a dict by agent)."""
     if isinstance(batch, dict):

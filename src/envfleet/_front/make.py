@@ -235,7 +235,7 @@ def make(  # type: ignore[misc]  # the overloads stand for its keyword arguments
         arguments = dict(locals())  # make()'s arguments, every one
         from envfleet.torch import make_with_output
 
-        return make_with_output(_single_agent_output(make), arguments)
+        return make_with_output(make, arguments)
     spec = lookup(backend)
     options = spec.own_options(
         {"driver_envs": driver_envs, "spin_s": spin_s}
@@ -304,34 +304,10 @@ def make(  # type: ignore[misc]  # the overloads stand for its keyword arguments
     )
     venv = _batch_observation_space(venv, observation_mode)
     agents = multi_agent_of(probe.metadata)
-    return venv if agents is None else _multi_agent(venv, agents, pool)
-
-
-def _multi_agent(venv: FleetVectorEnv, agents: tuple[str, ...], pool: bool) -> Any:
-    """The :class:`MultiAgentVectorEnv` over ``venv`` (closed if refused)."""
-    if pool:
-        venv.close(terminate=True)
-        raise ConfigError(
-            "multi-agent envs (PettingZoo) run synchronously for now: batch_size must be None "
-            "or num_envs"
-        )
-    return MultiAgentVectorEnv(venv, agents)
-
-
-def _single_agent_output(make_numpy: Any) -> Any:
-    """``make`` for :func:`envfleet.torch.make_with_output`, refusing a multi-agent env."""
-
-    def make_single(**arguments: Any) -> Any:
-        venv = make_numpy(**arguments)
-        if isinstance(venv, MultiAgentVectorEnv):
-            venv.close(terminate=True)
-            raise ConfigError(
-                "output='torch' is not built for multi-agent envs (PettingZoo) yet: use "
-                "output='numpy'"
-            )
+    if agents is None:
         return venv
-
-    return make_single
+    multi_agent: Any = MultiAgentVectorEnv(venv, agents)  # the overloads' types are single-agent
+    return multi_agent
 
 
 def _is_int(value: Any, low: int, high: int) -> bool:

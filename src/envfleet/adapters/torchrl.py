@@ -214,8 +214,8 @@ class FleetTorchRLEnv(EnvBase):
 
     Raises:
         ConfigError: another autoreset mode (a first-ready pool has none but NEXT_STEP and
-            SAME_STEP), a space without a spec (:func:`space_to_spec`), torch or tensordict
-            missing.
+            SAME_STEP), a multi-agent env, a space without a spec (:func:`space_to_spec`),
+            torch or tensordict missing.
 
     Example::
 
@@ -232,6 +232,12 @@ class FleetTorchRLEnv(EnvBase):
         device: Any = None,
         categorical_action_encoding: bool = False,
     ):
+        if getattr(env, "possible_agents", None) is not None:
+            raise ConfigError(
+                "FleetTorchRLEnv is single-agent; a multi-agent env (envfleet.MultiAgentVectorEnv) "
+                "gives tensors with output='torch' and TensorDicts with its reset_tensordict and "
+                "step_tensordict"
+            )
         if _autoreset_mode(env) != AutoresetMode.DISABLED:
             raise ConfigError(
                 "FleetTorchRLEnv resets finished envs itself (TorchRL's '_reset' masks): make "
