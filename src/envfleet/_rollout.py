@@ -10,7 +10,7 @@ the policy version changes, or where a sample stops. The layout follows garage's
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -92,6 +92,9 @@ class EpisodeBatch:
         lengths: ``int64[S]``, steps per segment (each >= 1).
         agent_infos: what the policy returned besides the actions, ``[T, ...]`` per key.
         env_infos: ``T`` dicts, each step's own info from its env.
+        agent_index: ``int64[S]``, the agent of each segment (its index in
+            ``possible_agents``) when the env is multi-agent (a PettingZoo env: each segment is
+            one agent's, see :class:`envfleet.Sampler`); ``None`` for a single-agent env.
     """
 
     observations: Any
@@ -105,6 +108,7 @@ class EpisodeBatch:
     lengths: np.ndarray
     agent_infos: dict[str, np.ndarray] = field(default_factory=dict)
     env_infos: list[dict[str, Any]] = field(default_factory=list)
+    agent_index: np.ndarray | None = None
 
     @property
     def num_steps(self) -> int:
@@ -169,6 +173,7 @@ class EpisodeBatch:
             lengths=lengths.copy(),
             agent_infos={key: value[rows] for key, value in self.agent_infos.items()},
             env_infos=[self.env_infos[r] for r in rows.tolist()],
+            agent_index=None if self.agent_index is None else self.agent_index[index],
         )
 
     def split(self) -> list[EpisodeBatch]:
@@ -182,13 +187,17 @@ class EpisodeBatch:
         ``EpisodeBatch.concatenate``).
 
         Raises:
-            ValueError: no batch given, or agent_infos with different keys.
+            ValueError: no batch given, agent_infos with different keys, or multi-agent
+                batches mixed with single-agent ones.
         """
         if not batches:
             raise ValueError("concatenate() needs at least one EpisodeBatch")
         keys = set(batches[0].agent_infos)
         if any(set(b.agent_infos) != keys for b in batches):
             raise ValueError("the batches' agent_infos have different keys")
+        multi_agent = {b.agent_index is not None for b in batches}
+        if len(multi_agent) > 1:
+            raise ValueError("multi-agent batches (agent_index) mixed with single-agent ones")
         return EpisodeBatch(
             observations=tree_concat([b.observations for b in batches]),
             actions=tree_concat([b.actions for b in batches]),
@@ -203,6 +212,11 @@ class EpisodeBatch:
                 key: np.concatenate([b.agent_infos[key] for b in batches]) for key in keys
             },
             env_infos=[info for b in batches for info in b.env_infos],
+            agent_index=(
+                np.concatenate([cast(np.ndarray, b.agent_index) for b in batches])
+                if multi_agent == {True}
+                else None
+            ),
         )
 
     def __repr__(self) -> str:

@@ -52,6 +52,8 @@ from envfleet._inference import (
     TimerStat,
     load_params,
 )
+from envfleet._multi_agent_rollout import AgentRowsPolicy, agent_batch, agent_spaces
+from envfleet._multi_agent_vector_env import MultiAgentVectorEnv
 from envfleet._rollout import EpisodeBatch
 from envfleet._worker_inference import PolicyUpdate, WorkerInference
 
@@ -123,6 +125,20 @@ class Sampler:
     returning actions (``[n, *act_shape]``, numpy or torch), or ``(actions, agent_infos)`` with
     ``agent_infos`` a dict of ``[n, ...]`` arrays kept with each step (e.g. log-probabilities
     and values for PPO).
+
+    Multi-agent envs (a factory returning a PettingZoo ``ParallelEnv``, as
+    :func:`envfleet.make` takes it): one policy shared by every agent, called on agent rows,
+    SuperSuit's convention. The policy gets ``[n * A, *agent_obs_shape]`` (row ``i * A + j``:
+    env ``i``, agent ``j`` of ``possible_agents``; agents not in ``env.agents`` included with
+    zeroed observations) and returns ``[n * A, *agent_act_shape]`` (actions of absent agents
+    are dropped). :meth:`sample` then returns one segment per agent's run of steps, each with
+    its ``env_index`` and ``agent_index``: the agent's observations, actions, rewards
+    (``float64``, its own), ``terminated``/``truncated`` (its own; an agent that left
+    ``env.agents`` unflagged reads truncated) and its own infos. ``num_steps`` counts env
+    steps (each gives one row per acting agent). Every agent needs the same observation and
+    action spaces (else ``ConfigError``); :attr:`single_observation_space` and
+    :attr:`single_action_space` are an agent's, :attr:`possible_agents` the env's agents
+    (``None`` for a single-agent env).
 
     Args:
         env: a gymnasium id, a zero-argument factory, or a list of factories (as
@@ -248,11 +264,21 @@ class Sampler:
             context=context,
             **make_kwargs,
         )
+        # A PettingZoo env: the Sampler steps the packed vector env under the multi-agent
+        # layer, with the policy on agent rows (envfleet._multi_agent_rollout).
+        self.possible_agents: tuple[str, ...] | None = None
+        if isinstance(venv, MultiAgentVectorEnv):
+            self.possible_agents = venv.possible_agents
+            venv = venv.vector_env
         self._venv: FleetVectorEnv = venv
-        self.single_observation_space = venv.single_observation_space
-        self.single_action_space = venv.single_action_space
         try:
             _check_recordable(venv.single_observation_space, venv.single_action_space)
+            if self.possible_agents is None:
+                self.single_observation_space = venv.single_observation_space
+                self.single_action_space = venv.single_action_space
+            else:
+                spaces = agent_spaces(venv, self.possible_agents)
+                self.single_observation_space, self.single_action_space = spaces
         except ConfigError:
             venv.close()
             raise
@@ -308,7 +334,8 @@ class Sampler:
 
     @property
     def vector_env(self) -> FleetVectorEnv:
-        """The vector env the envs step in (its ``stats``, ``worker_ranges``...)."""
+        """The vector env the envs step in (its ``stats``, ``worker_ranges``...); for a
+        multi-agent env, the packed vector env under its ``MultiAgentVectorEnv``."""
         return self._venv
 
     @property
@@ -340,9 +367,10 @@ class Sampler:
         num_steps = _integer(num_steps, "num_steps", InvalidArgumentError)
         t0 = time.perf_counter()
         with self._progress(int(num_steps)) as advance:
-            batch = self._inference.sample(self._policy, int(num_steps), advance)
+            batch = self._inference.sample(self._runnable(), int(num_steps), advance)
+        self._sampled += batch.num_steps  # env steps (the report's steps/s)
+        batch = self._per_agent(batch)
         self._sample_s += time.perf_counter() - t0
-        self._sampled += batch.num_steps
         self.stats.steps_returned += batch.num_steps
         return batch
 
@@ -392,7 +420,7 @@ class Sampler:
         """
         self._check_open()
         n_per_worker = _integer(n_per_worker, "n_per_worker", InvalidArgumentError)
-        batch = self._inference.episodes(self._policy, int(n_per_worker))
+        batch = self._per_agent(self._inference.episodes(self._runnable(), int(n_per_worker)))
         self.stats.steps_returned += batch.num_steps
         return batch
 
@@ -422,7 +450,7 @@ class Sampler:
             self._policy = policy_or_params
         version = self.stats.policy_version + 1
         if self._inference.wants_policy_updates:
-            value = policy_or_params if params else self._policy
+            value = policy_or_params if params else self._runnable()
             try:
                 blob = cloudpickle.dumps(value)
             except Exception as exc:
@@ -488,6 +516,18 @@ class Sampler:
         )
 
     # -- helpers ---------------------------------------------------------------------------
+
+    def _runnable(self) -> Policy:
+        """The policy as the inference runs it: over agent rows for a multi-agent env."""
+        if self.possible_agents is None:
+            return self._policy
+        return AgentRowsPolicy(self._policy, len(self.possible_agents))
+
+    def _per_agent(self, batch: EpisodeBatch) -> EpisodeBatch:
+        """``batch`` in per-agent segments for a multi-agent env; else as it is."""
+        if self.possible_agents is None:
+            return batch
+        return agent_batch(batch, self.possible_agents)
 
     @staticmethod
     def _why_not_worker(policy: Policy, batch_size: Any) -> str:
