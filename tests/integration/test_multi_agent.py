@@ -238,6 +238,19 @@ def test_bit_identical_on_ray(ray_cluster: Any, name: str, mode: AutoresetMode) 
     run_differential("ray", name, mode, num_workers=2)
 
 
+def aec_pistonball() -> Any:
+    from pettingzoo.utils.conversions import aec_to_parallel
+
+    return aec_to_parallel(pistonball_v6.env(n_pistons=3, max_cycles=7))
+
+
+def test_an_aec_env_through_aec_to_parallel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An AEC env goes through PettingZoo's ``aec_to_parallel`` (as the docs say) and is then
+    stepped as any parallel env, bit-identical to the serial loop over the same conversion."""
+    monkeypatch.setitem(ENVS, "aec", aec_pistonball)
+    run_differential("processes", "aec", AutoresetMode.SAME_STEP)
+
+
 def test_processes_without_driver_env_learns_the_agents_from_a_worker() -> None:
     """Env 0 built in a worker (driver_envs=0): its probe's metadata says multi-agent."""
     run_differential("processes", "hetero", AutoresetMode.NEXT_STEP, driver_envs=0)
