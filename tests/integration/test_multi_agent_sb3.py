@@ -34,6 +34,7 @@ ss = pytest.importorskip("supersuit")
 torch = pytest.importorskip("torch")
 
 from pettingzoo.butterfly import knights_archers_zombies_v11, pistonball_v6  # noqa: E402
+from pettingzoo.utils.wrappers import BaseParallelWrapper  # noqa: E402
 from stable_baselines3 import PPO  # noqa: E402
 from stable_baselines3.common.vec_env import VecCheckNan  # noqa: E402
 from stable_baselines3.common.vec_env.base_vec_env import tile_images  # noqa: E402
@@ -336,3 +337,47 @@ def test_ppo_pistonball_smoke(ppo_pistonball: ModuleType) -> None:
     result = ppo_pistonball.main(argv)
     assert result["rows"] == 6 and result["steps"] == 384
     assert result["losses"] and all(math.isfinite(v) for v in result["losses"].values())
+
+
+class CrashOnce(BaseParallelWrapper):  # type: ignore[misc]
+    """Pistonball that raises at its second step."""
+
+    def __init__(self, env: Any):
+        super().__init__(env)
+        self.steps = 0
+
+    def step(self, actions: dict[str, Any]) -> Any:
+        self.steps += 1
+        if self.steps == 2:
+            raise RuntimeError("crash once: boom")
+        return super().step(actions)
+
+
+def crashing_pistonball(env_index: int) -> Any:
+    env = pistonball_v6.parallel_env(n_pistons=3, max_cycles=50)
+    return CrashOnce(env) if env_index == 1 else env
+
+
+def test_a_restarted_env_ends_its_rows_episodes() -> None:
+    """Under a restart policy, env 1 is rebuilt at its second step: its rows are done,
+    truncated, with env_restarted and the new episode's first observation as terminal one."""
+    venv = SB3VecEnv(
+        crashing_pistonball,
+        NUM_ENVS,
+        backend="processes",
+        restart_policy=envfleet.RestartPolicy(max_restarts=1),
+    )
+    try:
+        venv.seed(SEED)
+        venv.reset()
+        actions = np.zeros((venv.num_envs, 1), np.float32)
+        venv.step(actions)
+        obs, rewards, dones, infos = venv.step(actions)
+        assert dones[3:6].all()  # (the other envs may end their episodes on their own)
+        for row in (3, 4, 5):
+            assert infos[row]["env_restarted"] is True
+            assert infos[row]["TimeLimit.truncated"] is True
+            assert_array_same(infos[row]["terminal_observation"], obs[row], f"row {row}")
+        assert all("env_restarted" not in infos[row] for row in (0, 1, 2, 6, 7, 8))
+    finally:
+        venv.close()
