@@ -127,12 +127,15 @@ class SB3VecEnv(VecEnv):
       ``"rgb_array"`` tiles one frame per env.
     - :meth:`step_async` only checks and keeps the actions; :meth:`step_wait` steps (as
       SuperSuit's vector envs on one process).
+    - an env rebuilt by a ``restart_policy``: each of its rows is done, truncated, with
+      ``env_restarted`` and the new episode's first observation as ``terminal_observation``.
 
     Args:
         env: a gymnasium id (with ``env_kwargs``), a factory returning a ``gymnasium.Env``
-            (it may take a keyword ``env_index``), or a list of factories (one per env), as
-            :func:`envfleet.make` takes it.
-        num_envs: number of sub-environments (default 1, or ``len(env)``).
+            or a ``pettingzoo.ParallelEnv`` (it may take a keyword ``env_index``), or a list
+            of factories (one per env), as :func:`envfleet.make` takes it.
+        num_envs: number of sub-environments (default 1, or ``len(env)``); with agents as
+            envs, ``N``, and the SB3 ``num_envs`` is ``N * A``.
         backend: ``"serial"``, ``"threads"``, ``"processes"`` (default) or ``"ray"``.
         env_kwargs: keyword arguments of ``gymnasium.make`` (with an id only).
         **make_kwargs: other :func:`envfleet.make` arguments (``num_workers``,
@@ -145,7 +148,10 @@ class SB3VecEnv(VecEnv):
 
     Raises:
         ConfigError: as :func:`envfleet.make`; an argument this class fixes; the ``envpool``
-            backend (its envs are no Python factories to wrap).
+            backend (its envs are no Python factories to wrap); agents that do not share one
+            observation space and one action space.
+        envfleet.InvalidActionError: from ``step``/``step_async`` with agents as envs,
+            actions that are not ``[N * A, *shape]`` (nothing is sent).
     """
 
     fleet: FleetVectorEnv
