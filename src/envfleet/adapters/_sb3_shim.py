@@ -3,7 +3,10 @@
 stable-baselines3's ``env_method``, ``get_attr``, ``set_attr`` and ``env_is_wrapped`` act on
 chosen envs (``indices``) only. gymnasium's ``call`` reaches every env, so each env is
 wrapped in :class:`SB3Shim`, which knows its global index and acts only when it is chosen.
-This module is kept free of stable-baselines3 (and torch) so that workers load it fast.
+A factory that returns a PettingZoo ``ParallelEnv`` gets it adapted here
+(:class:`envfleet._multi_agent.ParallelEnvAdapter`, as :func:`envfleet.make` would adapt it) and
+the adapter wrapped: the ops then act on the ParallelEnv itself. This module is kept free of
+stable-baselines3 (and torch) so that workers load it fast.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from typing import Any
 import gymnasium
 
 from envfleet._backends.base import accepts_env_index
+from envfleet._multi_agent import ParallelEnvAdapter, is_parallel_env
 
 __all__ = ["SHIM_METHOD", "SB3Shim", "ShimFactory"]
 
@@ -23,12 +27,15 @@ SHIM_METHOD = "envfleet_sb3"  # the shim's method, reached through gymnasium's c
 class SB3Shim(gymnasium.Wrapper[Any, Any, Any, Any]):
     """A transparent wrapper that runs stable-baselines3's per-env calls on its env.
 
-    ``step``, ``reset``, ``render`` and ``close`` pass through unchanged.
+    ``step``, ``reset``, ``render`` and ``close`` pass through unchanged. Over a
+    :class:`ParallelEnvAdapter`, the ops act on its ParallelEnv (``par_env``): attributes,
+    methods and ``setattr`` are the PettingZoo env's, and no gymnasium wrapper is found.
     """
 
     def __init__(self, env: gymnasium.Env[Any, Any], env_index: int):
         super().__init__(env)
         self.envfleet_env_index = env_index
+        self._parallel: Any = env.par_env if isinstance(env, ParallelEnvAdapter) else None
         self._next_options: dict[str, Any] | None = None  # this env's options for next reset
 
     def reset(
@@ -54,12 +61,12 @@ class SB3Shim(gymnasium.Wrapper[Any, Any, Any, Any]):
         """
         if self.envfleet_env_index not in targets:
             return None
-        env = self.env
+        env: Any = self.env if self._parallel is None else self._parallel
         if op == "env_method":
-            return True, env.get_wrapper_attr(name)(*args, **kwargs)
+            return True, self._attr(env, name)(*args, **kwargs)
         if op == "get_attr":
             try:
-                return True, env.get_wrapper_attr(name)
+                return True, self._attr(env, name)
             except AttributeError as exc:
                 return False, str(exc)
         if op == "set_attr":
@@ -77,9 +84,15 @@ class SB3Shim(gymnasium.Wrapper[Any, Any, Any, Any]):
             return True, False
         raise ValueError(f"unknown op {op!r}")
 
+    def _attr(self, env: Any, name: str) -> Any:
+        if self._parallel is None:
+            return env.get_wrapper_attr(name)
+        return getattr(env, name)
+
 
 class ShimFactory:
-    """Picklable factory: the wrapped factory's env in an :class:`SB3Shim` with its index."""
+    """Picklable factory: the wrapped factory's env in an :class:`SB3Shim` with its index (a
+    ParallelEnv adapted first, in a :class:`ParallelEnvAdapter`)."""
 
     def __init__(self, factory: Callable[..., Any]):
         self.factory = factory
@@ -87,6 +100,8 @@ class ShimFactory:
 
     def __call__(self, env_index: int) -> Any:
         env = self.factory(env_index=env_index) if self.accepts_index else self.factory()
+        if is_parallel_env(env):
+            return SB3Shim(ParallelEnvAdapter(env), env_index)
         if not isinstance(env, gymnasium.Env):
             return env  # not an env: envfleet.make reports it
         return SB3Shim(env, env_index)

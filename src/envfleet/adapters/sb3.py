@@ -12,6 +12,15 @@
 It follows the API and semantics of the installed stable-baselines3 (2.x) ``VecEnv``, as its
 ``DummyVecEnv`` and ``SubprocVecEnv`` implement them; the same seeds and actions give the same
 results as ``DummyVecEnv``. Needs ``pip install 'envfleet[sb3]'``.
+
+A factory that returns a PettingZoo ``ParallelEnv`` gives agents as envs, SuperSuit's layout
+(``num_envs * num_agents`` rows, row ``i * A + j`` = env ``i``, agent ``j``)::
+
+    from pettingzoo.butterfly import pistonball_v6
+
+    venv = SB3VecEnv(lambda: pistonball_v6.parallel_env(n_pistons=4), 8)
+    venv.num_envs                      # 32 rows: 8 envs x 4 agents
+    model = PPO("CnnPolicy", venv, n_steps=128).learn(100_000)
 """
 
 from __future__ import annotations
@@ -24,11 +33,13 @@ import gymnasium
 import numpy as np
 from gymnasium.vector import AutoresetMode
 
-from envfleet._errors import ConfigError
+from envfleet._errors import ConfigError, NoAsyncCallError
 from envfleet._front.factories import GymMake, check_env_id
 from envfleet._front.make import make
 from envfleet._front.vector_env import FleetVectorEnv
+from envfleet._multi_agent_vector_env import MultiAgentVectorEnv
 from envfleet._trees import tree_copy, tree_row
+from envfleet.adapters._sb3_agents import AgentRows
 from envfleet.adapters._sb3_shim import SHIM_METHOD, ShimFactory
 from envfleet.adapters.infos import split_infos
 
@@ -38,6 +49,7 @@ try:
         VecEnvIndices,
         VecEnvObs,
         VecEnvStepReturn,
+        tile_images,
     )
 except ImportError as _exc:  # pragma: no cover - depends on the installed extras
     raise ConfigError(
@@ -81,11 +93,49 @@ class SB3VecEnv(VecEnv):
     ``info["env_restarted"]``; it has no last observation, so ``terminal_observation`` is
     then the new episode's first.
 
+    **PettingZoo parallel envs: agents as envs.** When ``env`` returns a
+    ``pettingzoo.ParallelEnv`` (:func:`envfleet.make` gives a
+    :class:`envfleet.MultiAgentVectorEnv`), each agent is one SB3 env, SuperSuit's layout
+    (``concat_vec_envs_v1(pettingzoo_env_to_vec_env_v1(env), N, base_class=
+    "stable_baselines3")``): ``num_envs = N * A`` rows, row ``i * A + j`` = env ``i``, agent
+    ``j`` (``possible_agents`` order); ``observation_space``/``action_space`` are the agents'
+    one space (heterogeneous agents: ``ConfigError``). Actions are ``[N * A, *shape]``; an
+    agent's row of actions is dropped while it is not in ``env.agents``. Per row:
+
+    - observations ``[N * A, *shape]``, rewards ``float32``, ``dones`` = the agent's
+      ``terminated | truncated``, ``infos[row]`` = the agent's info: as SuperSuit's
+      ``MarkovVectorEnv`` and ``ConcatVecEnv`` (rewards cast to float32 there too; its dones
+      are ``uint8`` on one process, ``bool`` here as SB3 expects).
+    - agents not in ``env.agents`` give zeroed observations, zero rewards, no dones and an
+      empty info ("black death", SuperSuit's ``black_death_v3``, which SuperSuit needs for
+      agents that leave; envfleet needs no wrapper). On the step an agent leaves, its row has
+      its own last observation, reward and flags (``black_death_v3`` reports no done for an
+      agent until the whole env is done, and then every agent's).
+    - an env's episode ends when ``env.agents`` is empty; it is reset at once, as SuperSuit's
+      ``MarkovVectorEnv`` resets it, and its rows hold the new episode's observations.
+    - ``infos[row]["terminal_observation"]`` on every done row: the agent's last observation
+      (SuperSuit sets it only when the env ends, with zeros for agents that left, and reads
+      it from the env's info dict); ``infos[row]["TimeLimit.truncated"]`` on every row, as
+      SB3's (SuperSuit has none); ``reset_infos[row]`` gets the agent's reset info (SuperSuit
+      merges it into the step's info).
+    - :meth:`seed` gives env ``i`` (all its rows) ``seed + i``, as SuperSuit's
+      ``ConcatVecEnv.reset(seed)``; ``set_options`` gives env ``i`` its first row's options.
+    - ``get_attr``, ``set_attr``, ``env_method`` and ``env_is_wrapped`` take row indices and
+      act on those rows' envs, once per env (the ParallelEnv itself: its attributes, its
+      methods, ``setattr`` on it; no gymnasium wrapper is found), the env's result repeated
+      for each of its rows. ``get_images`` gives each row its env's frame; ``render()`` in
+      ``"rgb_array"`` tiles one frame per env.
+    - :meth:`step_async` only checks and keeps the actions; :meth:`step_wait` steps (as
+      SuperSuit's vector envs on one process).
+    - an env rebuilt by a ``restart_policy``: each of its rows is done, truncated, with
+      ``env_restarted`` and the new episode's first observation as ``terminal_observation``.
+
     Args:
         env: a gymnasium id (with ``env_kwargs``), a factory returning a ``gymnasium.Env``
-            (it may take a keyword ``env_index``), or a list of factories (one per env), as
-            :func:`envfleet.make` takes it.
-        num_envs: number of sub-environments (default 1, or ``len(env)``).
+            or a ``pettingzoo.ParallelEnv`` (it may take a keyword ``env_index``), or a list
+            of factories (one per env), as :func:`envfleet.make` takes it.
+        num_envs: number of sub-environments (default 1, or ``len(env)``); with agents as
+            envs, ``N``, and the SB3 ``num_envs`` is ``N * A``.
         backend: ``"serial"``, ``"threads"``, ``"processes"`` (default) or ``"ray"``.
         env_kwargs: keyword arguments of ``gymnasium.make`` (with an id only).
         **make_kwargs: other :func:`envfleet.make` arguments (``num_workers``,
@@ -98,8 +148,13 @@ class SB3VecEnv(VecEnv):
 
     Raises:
         ConfigError: as :func:`envfleet.make`; an argument this class fixes; the ``envpool``
-            backend (its envs are no Python factories to wrap).
+            backend (its envs are no Python factories to wrap); agents that do not share one
+            observation space and one action space.
+        envfleet.InvalidActionError: from ``step``/``step_async`` with agents as envs,
+            actions that are not ``[N * A, *shape]`` (nothing is sent).
     """
+
+    fleet: FleetVectorEnv
 
     def __init__(
         self,
@@ -118,7 +173,7 @@ class SB3VecEnv(VecEnv):
                 "SB3VecEnv wraps Python env factories; backend='envpool' has none. Use "
                 "'serial', 'threads', 'processes' or 'ray'"
             )
-        self.fleet: FleetVectorEnv = make(
+        venv = make(
             _shim_factories(env, env_kwargs),
             num_envs,
             backend=backend,
@@ -126,14 +181,29 @@ class SB3VecEnv(VecEnv):
             copy=False,
             **make_kwargs,
         )
+        self._multi: MultiAgentVectorEnv | None = None
+        self._rows: AgentRows | None = None  # agents as envs (a multi-agent vector env)
+        self._pending: np.ndarray | None = None  # actions kept by step_async (agents as envs)
         try:
-            super().__init__(
-                self.fleet.num_envs,
-                self.fleet.single_observation_space,
-                self.fleet.single_action_space,
-            )
+            if isinstance(venv, MultiAgentVectorEnv):
+                self._multi, self.fleet = venv, venv.vector_env
+                self._rows = AgentRows(
+                    venv.num_envs,
+                    venv.possible_agents,
+                    self.fleet.get_attr("agent_observation_spaces")[0],
+                    self.fleet.get_attr("agent_action_spaces")[0],
+                )
+                spaces = (self._rows.num_rows, self._rows.observation_space)
+                super().__init__(*spaces, self._rows.action_space)
+            else:
+                self.fleet = venv
+                super().__init__(
+                    self.fleet.num_envs,
+                    self.fleet.single_observation_space,
+                    self.fleet.single_action_space,
+                )
         except BaseException:
-            self.fleet.close(terminate=True)
+            venv.close(terminate=True)
             raise
 
     # -- step and reset ------------------------------------------------------------------------
@@ -144,7 +214,10 @@ class SB3VecEnv(VecEnv):
         Raises:
             envfleet.InvalidActionError: actions of the wrong shape or dtype (nothing is sent).
         """
-        self.fleet.step_async(actions)
+        if self._rows is None:
+            self.fleet.step_async(actions)
+        else:
+            self._pending = self._rows.actions(actions)
 
     def step_wait(self) -> VecEnvStepReturn:
         """Wait for the step: ``(obs, rewards float32[n], dones bool[n], infos list[dict])``.
@@ -153,7 +226,14 @@ class SB3VecEnv(VecEnv):
             envfleet.EnvError, envfleet.EnvCrashedError, envfleet.StepTimeoutError: as
                 :meth:`envfleet.FleetVectorEnv.step_wait`.
         """
-        return self._sb3_step(*self.fleet.step_wait())
+        if self._rows is None:
+            return self._sb3_step(*self.fleet.step_wait())
+        actions, self._pending = self._pending, None
+        if actions is None:
+            raise NoAsyncCallError(
+                "Calling `step_wait` without any prior call to `step_async`.", "step"
+            )
+        return self._agents_step(actions)
 
     def step(self, actions: np.ndarray) -> VecEnvStepReturn:
         """SB3's ``step`` (``step_async`` then ``step_wait``, which SB3's algorithms call back
@@ -161,7 +241,17 @@ class SB3VecEnv(VecEnv):
         step round (``step_async``/``step_wait`` do not). Same results and errors as the two
         calls.
         """
+        if self._rows is not None:
+            return self._agents_step(self._rows.actions(actions))
         return self._sb3_step(*self.fleet.step(actions))
+
+    def _agents_step(self, actions: np.ndarray) -> VecEnvStepReturn:
+        """A multi-agent step, agents as rows (see the class)."""
+        assert self._multi is not None and self._rows is not None
+        obs, rewards, dones, infos, reset_infos = self._rows.step(*self._multi.step(actions))
+        for row, info in reset_infos.items():
+            self.reset_infos[row] = info
+        return obs, rewards, dones, infos
 
     def _sb3_step(
         self,
@@ -199,19 +289,35 @@ class SB3VecEnv(VecEnv):
             The observations (``[num_envs, *shape]``, fresh arrays); ``reset_infos`` holds
             each env's reset info. Seeds and options are used once, as in SB3.
         """
+        rows = self._rows
+        seeds = list(self._seeds) if rows is None else rows.per_env(self._seeds)
+        env_options = self._options if rows is None else rows.per_env(self._options)
         options: dict[str, Any] | None = None
-        if all(opts == self._options[0] for opts in self._options):
-            options = dict(self._options[0]) if self._options[0] else None
+        if all(opts == env_options[0] for opts in env_options):
+            options = dict(env_options[0]) if env_options[0] else None
         else:
             # envfleet passes one options dict to every env: each env's own options go to
             # its wrapper first, which uses them in place of that one at this reset.
-            per_env = dict(enumerate(self._options))
-            self._on_targets("set_options", per_env, None)
-        obs, vector_infos = self.fleet.reset(seed=list(self._seeds), options=options)
-        self.reset_infos = split_infos(vector_infos, self.num_envs)
+            per_env = dict(enumerate(env_options))
+            self.fleet.call(SHIM_METHOD, "set_options", frozenset(per_env), per_env)
         self._reset_seeds()
         self._reset_options()
+        if self._multi is not None and rows is not None:
+            obs, vector_infos = self._multi.reset(seed=seeds, options=options)
+            self.reset_infos = rows.agent_infos(vector_infos)
+            return rows.observations(obs)
+        obs, vector_infos = self.fleet.reset(seed=seeds, options=options)
+        self.reset_infos = split_infos(vector_infos, self.num_envs)
         return tree_copy(obs)
+
+    def seed(self, seed: int | None = None) -> Sequence[int | None]:
+        """SB3's ``seed``: the seeds of the next :meth:`reset` (used once), ``seed + i`` for env
+        ``i``; with agents as envs, every row of env ``i`` reads ``seed + i`` (see the class).
+        ``None`` draws a random ``seed``, as SB3."""
+        seeds = super().seed(seed)
+        if self._rows is not None:
+            self._seeds = list(self._rows.row_seeds(int(seeds[0] or 0)))
+        return self._seeds
 
     def close(self) -> None:
         """Close the envs and release workers and shared memory (bounded, see envfleet)."""
@@ -220,7 +326,9 @@ class SB3VecEnv(VecEnv):
     # -- attributes, methods, wrappers -----------------------------------------------------------
 
     def _targets(self, indices: VecEnvIndices) -> list[int]:
-        return [int(i) for i in self._get_indices(indices)]
+        """The env of each row in ``indices`` (a row is an env, unless agents are envs)."""
+        rows = [int(i) for i in self._get_indices(indices)]
+        return rows if self._rows is None else [self._rows.env_of(row) for row in rows]
 
     def _on_targets(self, op: str, name: Any, indices: VecEnvIndices, *args: Any, **kw: Any) -> Any:
         targets = self._targets(indices)
@@ -280,7 +388,17 @@ class SB3VecEnv(VecEnv):
                 stacklevel=2,
             )
             return [None] * self.num_envs
-        return list(self.fleet.render())
+        frames = list(self.fleet.render())
+        return frames if self._rows is None else [frames[env] for env in self._targets(None)]
+
+    def render(self, mode: str | None = None) -> np.ndarray | None:
+        """SB3's ``VecEnv.render``; with agents as envs, ``"rgb_array"`` tiles one frame per
+        env (not one per row)."""
+        if self._rows is None or (mode or self.render_mode) != "rgb_array":
+            return super().render(mode)
+        if self.render_mode != "rgb_array":
+            return super().render(mode)  # SB3's warning, and None
+        return tile_images(list(self.fleet.render()))
 
     def __repr__(self) -> str:
         return f"SB3VecEnv({self.fleet!r})"
