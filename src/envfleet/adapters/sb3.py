@@ -33,7 +33,7 @@ import gymnasium
 import numpy as np
 from gymnasium.vector import AutoresetMode
 
-from envfleet._errors import ConfigError, NoAsyncCallError
+from envfleet._errors import ConfigError
 from envfleet._front.factories import GymMake, check_env_id
 from envfleet._front.make import make
 from envfleet._front.vector_env import FleetVectorEnv
@@ -125,8 +125,6 @@ class SB3VecEnv(VecEnv):
       methods, ``setattr`` on it; no gymnasium wrapper is found), the env's result repeated
       for each of its rows. ``get_images`` gives each row its env's frame; ``render()`` in
       ``"rgb_array"`` tiles one frame per env.
-    - :meth:`step_async` only checks and keeps the actions; :meth:`step_wait` steps (as
-      SuperSuit's vector envs on one process).
     - an env rebuilt by a ``restart_policy``: each of its rows is done, truncated, with
       ``env_restarted`` and the new episode's first observation as ``terminal_observation``.
 
@@ -183,7 +181,6 @@ class SB3VecEnv(VecEnv):
         )
         self._multi: MultiAgentVectorEnv | None = None
         self._rows: AgentRows | None = None  # agents as envs (a multi-agent vector env)
-        self._pending: np.ndarray | None = None  # actions kept by step_async (agents as envs)
         try:
             if isinstance(venv, MultiAgentVectorEnv):
                 self._multi, self.fleet = venv, venv.vector_env
@@ -217,7 +214,8 @@ class SB3VecEnv(VecEnv):
         if self._rows is None:
             self.fleet.step_async(actions)
         else:
-            self._pending = self._rows.actions(actions)
+            assert self._multi is not None
+            self._multi.step_async(self._rows.actions(actions))
 
     def step_wait(self) -> VecEnvStepReturn:
         """Wait for the step: ``(obs, rewards float32[n], dones bool[n], infos list[dict])``.
@@ -228,12 +226,8 @@ class SB3VecEnv(VecEnv):
         """
         if self._rows is None:
             return self._sb3_step(*self.fleet.step_wait())
-        actions, self._pending = self._pending, None
-        if actions is None:
-            raise NoAsyncCallError(
-                "Calling `step_wait` without any prior call to `step_async`.", "step"
-            )
-        return self._agents_step(actions)
+        assert self._multi is not None
+        return self._agents_result(self._multi.step_wait())
 
     def step(self, actions: np.ndarray) -> VecEnvStepReturn:
         """SB3's ``step`` (``step_async`` then ``step_wait``, which SB3's algorithms call back
@@ -242,13 +236,14 @@ class SB3VecEnv(VecEnv):
         calls.
         """
         if self._rows is not None:
-            return self._agents_step(self._rows.actions(actions))
+            assert self._multi is not None
+            return self._agents_result(self._multi.step(self._rows.actions(actions)))
         return self._sb3_step(*self.fleet.step(actions))
 
-    def _agents_step(self, actions: np.ndarray) -> VecEnvStepReturn:
-        """A multi-agent step, agents as rows (see the class)."""
-        assert self._multi is not None and self._rows is not None
-        obs, rewards, dones, infos, reset_infos = self._rows.step(*self._multi.step(actions))
+    def _agents_result(self, result: Any) -> VecEnvStepReturn:
+        """A multi-agent step's results as agent rows (see the class)."""
+        assert self._rows is not None
+        obs, rewards, dones, infos, reset_infos = self._rows.step(*result)
         for row, info in reset_infos.items():
             self.reset_infos[row] = info
         return obs, rewards, dones, infos
