@@ -48,6 +48,7 @@ import contextlib
 import datetime
 import functools
 import json
+import os
 import platform
 import statistics
 import sys
@@ -60,6 +61,7 @@ from typing import Any
 
 import gymnasium
 import numpy as np
+import psutil
 
 import envfleet
 from envfleet.bench import usable_cores
@@ -247,6 +249,8 @@ class Run:
     batch_steps: int
     seconds: float
     startup_s: float
+    foreign_cores: float | None = None  # other processes' CPU during the window, in cores
+    tries: int = 1
 
     @property
     def env_steps_per_s(self) -> float:
@@ -255,6 +259,49 @@ class Run:
     @property
     def agent_steps_per_s(self) -> float:
         return self.env_steps_per_s * self.num_agents
+
+
+def _busy_cpu_s() -> float | None:
+    """CPU seconds the whole machine spent busy since boot (Linux ``/proc/stat``)."""
+    try:
+        fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
+    except OSError:
+        return None
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(f) for f in fields[:8])
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def _own_cpu_s() -> dict[int, float]:
+    """CPU seconds of this process and of each live descendant (the systems' workers), by pid.
+
+    Zombies are left out: one reaped during a window would otherwise take its whole CPU time
+    out of the window's own share."""
+    me = psutil.Process()
+    times: dict[int, float] = {}
+    for proc in [me, *me.children(recursive=True)]:
+        with contextlib.suppress(psutil.Error):
+            if proc.status() != psutil.STATUS_ZOMBIE:
+                cpu = proc.cpu_times()
+                times[proc.pid] = cpu.user + cpu.system
+    return times
+
+
+def _own_cpu_delta(before: dict[int, float], after: dict[int, float]) -> float:
+    """CPU seconds this process tree used between two :func:`_own_cpu_s` snapshots (a process
+    started in between counts whole)."""
+    return sum(cpu - before.get(pid, 0.0) for pid, cpu in after.items())
+
+
+def wait_for_quiet(max_cores: float, max_wait_s: float) -> None:
+    """Wait (at most ``max_wait_s``) until the machine's load is under ``max_cores``."""
+    deadline = time.monotonic() + max_wait_s
+    while time.monotonic() < deadline:
+        b0, t0 = _busy_cpu_s(), time.monotonic()
+        time.sleep(0.3)
+        b1, t1 = _busy_cpu_s(), time.monotonic()
+        if b0 is None or b1 is None or (b1 - b0) / (t1 - t0) <= max_cores:
+            return
+        time.sleep(0.7)
 
 
 def measure(
@@ -278,14 +325,19 @@ def measure(
         while k < 2 or time.perf_counter() < end:
             stepper.step(k % BANK)
             k += 1
+        busy0, own0 = _busy_cpu_s(), _own_cpu_s()
         steps, start = 0, time.perf_counter()
         while steps < 2 or time.perf_counter() - start < seconds:
             stepper.step(k % BANK)
             k += 1
             steps += 1
         elapsed = time.perf_counter() - start
+        busy1, own1 = _busy_cpu_s(), _own_cpu_s()
     finally:
         stepper.close()
+    foreign = None
+    if busy0 is not None and busy1 is not None:
+        foreign = max(0.0, (busy1 - busy0) - _own_cpu_delta(own0, own1)) / elapsed
     return Run(
         workload.name,
         system,
@@ -295,7 +347,37 @@ def measure(
         steps,
         elapsed,
         startup,
+        foreign,
     )
+
+
+def measure_quietly(
+    system: str,
+    workload: Workload,
+    bank: np.ndarray,
+    args: argparse.Namespace,
+    repeat: int,
+) -> Run:
+    """:func:`measure` after waiting for a quiet machine, measured again (up to
+    ``args.retries`` times) while other processes used more than ``args.max_foreign`` cores
+    during the window."""
+    run = None
+    for attempt in range(args.retries + 1):
+        wait_for_quiet(args.max_foreign, args.quiet_wait)
+        run = measure(system, workload, bank, args.seconds, args.warmup, repeat)
+        run.tries = attempt + 1
+        if run.foreign_cores is None or run.foreign_cores <= args.max_foreign:
+            break
+        if attempt == args.retries:
+            break
+        print(
+            f"{workload.name} {system}: other processes used {run.foreign_cores:.2f} cores "
+            "meanwhile; measuring again",
+            file=sys.stderr,
+            flush=True,
+        )
+    assert run is not None
+    return run
 
 
 def summarise(runs: list[Run], cores: int) -> list[dict[str, Any]]:
@@ -369,12 +451,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=float, default=0.5)
     parser.add_argument("--quick", action="store_true", help="smoke mode: small envs, N=2")
     parser.add_argument("--json", type=Path, help="write every run and the summary here")
+    parser.add_argument(
+        "--max-foreign",
+        type=float,
+        default=0.25,
+        help="cores other processes may use during a measurement before it is taken again",
+    )
+    parser.add_argument("--retries", type=int, default=2, help="measurements taken again, at most")
+    parser.add_argument(
+        "--quiet-wait", type=float, default=20.0, help="seconds to wait for a quiet machine"
+    )
     args = parser.parse_args(argv)
     catalogue = QUICK if args.quick else WORKLOADS
     workloads = [catalogue[w] for w in _names(args.workloads, list(catalogue), "workload")]
     systems = _names(args.systems, SYSTEMS, "system")
     if args.quick:
         args.repeats, args.seconds, args.warmup = 1, 0.2, 0.05
+        args.retries, args.quiet_wait = 0, 0.0
     if args.repeats < 1 or args.seconds <= 0:
         raise SystemExit("--repeats must be at least 1 and --seconds positive")
     skipped = {s: why for s in systems if (why := unavailable(s)) is not None}
@@ -389,12 +482,13 @@ def main(argv: list[str] | None = None) -> int:
         for repeat in range(args.repeats):
             shift = repeat % len(systems)
             for system in systems[shift:] + systems[:shift]:
-                run = measure(system, workload, bank, args.seconds, args.warmup, repeat)
+                run = measure_quietly(system, workload, bank, args, repeat)
                 runs.append(run)
+                foreign = "?" if run.foreign_cores is None else f"{run.foreign_cores:.2f}"
                 print(
                     f"{workload.name:10s} {system:20s} rep {repeat}: "
                     f"{run.env_steps_per_s:10,.1f} env steps/s "
-                    f"({run.agent_steps_per_s:,.0f} agent steps/s)",
+                    f"({run.agent_steps_per_s:,.0f} agent steps/s; other load {foreign} cores)",
                     file=sys.stderr,
                     flush=True,
                 )
@@ -417,7 +511,15 @@ def main(argv: list[str] | None = None) -> int:
         "skipped": skipped,
     }
     rows = summarise(runs, cores)
+    disturbed = [r for r in runs if (r.foreign_cores or 0.0) > args.max_foreign]
+    info["disturbed"] = len(disturbed)
     print(table(rows, info))
+    if disturbed:
+        print(
+            f"\n{len(disturbed)} of {len(runs)} measurements ran beside other load "
+            f"(> {args.max_foreign} cores): "
+            + ", ".join(f"{r.workload}/{r.system} rep {r.repeat}" for r in disturbed)
+        )
     if args.json:
         doc = {"info": info, "rows": rows, "runs": [asdict(r) for r in runs]}
         args.json.write_text(json.dumps(doc, indent=2) + "\n")
