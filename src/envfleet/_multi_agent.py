@@ -172,7 +172,8 @@ class ParallelEnvAdapter(gymnasium.Env[dict[str, Any], Any]):
         self._truncated_exit = False
         self._check_agents("an observation at reset", observations)
         num = len(self.possible_agents)
-        packed = self._pack(observations, {}, np.zeros(num, bool), np.zeros(num, bool))
+        remaining = set(self.par_env.agents)
+        packed = self._pack(observations, {}, np.zeros(num, bool), np.zeros(num, bool), remaining)
         return packed, dict(infos)
 
     def step(self, action: Any) -> tuple[dict[str, Any], float, bool, bool, dict[str, Any]]:
@@ -187,17 +188,18 @@ class ParallelEnvAdapter(gymnasium.Env[dict[str, Any], Any]):
         ):
             self._check_agents(what, values)
         num = len(self.possible_agents)
+        index = self._index
         terminated = np.zeros(num, bool)
         truncated = np.zeros(num, bool)
         for agent, flag in terminations.items():
-            terminated[self._index[agent]] = bool(flag)
+            terminated[index[agent]] = bool(flag)
         for agent, flag in truncations.items():
-            truncated[self._index[agent]] = bool(flag)
+            truncated[index[agent]] = bool(flag)
         remaining = set(self.par_env.agents)
         for agent in live:
             if agent not in remaining and not terminations.get(agent, False):
                 self._truncated_exit = True
-        packed = self._pack(observations, rewards, terminated, truncated)
+        packed = self._pack(observations, rewards, terminated, truncated, remaining)
         done = not remaining
         episode_terminated = done and not self._truncated_exit
         episode_truncated = done and self._truncated_exit
@@ -205,9 +207,16 @@ class ParallelEnvAdapter(gymnasium.Env[dict[str, Any], Any]):
         return packed, reward, episode_terminated, episode_truncated, dict(infos)
 
     def _agent_actions_of(self, action: Any, live: list[str]) -> dict[str, Any]:
+        index = self._index
         if self._agent_actions is not None:
-            rows = list(iterate(self._agent_actions, action))
-            return {agent: rows[self._index[agent]] for agent in live if agent in self._index}
+            # An array of actions is its own rows (what iterate() would yield, without
+            # materialising every row); other containers go through gymnasium's iterate.
+            rows = (
+                action
+                if isinstance(action, np.ndarray)
+                else list(iterate(self._agent_actions, action))
+            )
+            return {agent: rows[index[agent]] for agent in live if agent in index}
         if not isinstance(action, dict):
             raise AgentError(
                 f"{self._name()}: expected a dict of actions by agent, got {type(action).__name__}"
@@ -218,6 +227,8 @@ class ParallelEnvAdapter(gymnasium.Env[dict[str, Any], Any]):
         return {agent: action[agent] for agent in live}
 
     def _check_agents(self, what: str, values: dict[str, Any]) -> None:
+        if values.keys() <= self._index.keys():
+            return
         for agent in values:
             if agent not in self._index:
                 raise AgentError(
@@ -232,16 +243,19 @@ class ParallelEnvAdapter(gymnasium.Env[dict[str, Any], Any]):
         rewards: dict[str, Any],
         terminated: np.ndarray,
         truncated: np.ndarray,
+        remaining: set[str],
     ) -> dict[str, Any]:
         agents = self.possible_agents
-        items = [observations[a] if a in observations else self._zeros[a] for a in agents]
+        zeros = self._zeros
+        items = [observations[a] if a in observations else zeros[a] for a in agents]
         obs: Any
         if self._stacked_obs:
-            out: Any = create_empty_array(self._obs_space, len(agents), np.zeros)
+            # np.empty: concatenate writes every row (no zero fill of a buffer about to be
+            # overwritten).
+            out: Any = create_empty_array(self._obs_space, len(agents), np.empty)
             obs = concatenate(self._obs_space, items, out)
         else:
             obs = OrderedDict(zip(agents, items, strict=True))
-        remaining = set(self.par_env.agents)
         return OrderedDict(
             observation=obs,
             reward=np.array([float(rewards.get(a, 0.0)) for a in agents], np.float64),
