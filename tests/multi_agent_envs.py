@@ -1,9 +1,9 @@
 """Tiny PettingZoo ParallelEnvs for the multi-agent tests (``tests/integration/
 test_multi_agent.py``), importable from worker processes as ``tests.multi_agent_envs``.
 
-:class:`HeteroEnv` is written here because no lightweight installed PettingZoo env has agents
-with different spaces: a real ``pettingzoo.ParallelEnv`` whose two agents differ in both their
-observation and action spaces, deterministic given its seed, where one agent leaves early.
+:class:`HeteroEnv`: a real ``pettingzoo.ParallelEnv`` whose two agents differ in both their
+observation and action spaces, deterministic given its seed, where one agent leaves early (MPE2's
+``simple_world_comm_v3``, also tested, has agents with different spaces that never leave).
 """
 
 from __future__ import annotations

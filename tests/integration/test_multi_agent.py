@@ -5,8 +5,9 @@ reference loop over the raw ParallelEnvs with the same seeds and actions.
 The reference packs the raw envs' dicts itself, following the documented layout
 (:class:`envfleet.MultiAgentVectorEnv`), and batches infos with gymnasium's own ``_add_info``.
 Envs: pistonball (image observations, every agent leaves together), knights-archers-zombies
-with ``line_death`` (agents die early: black death), and ``tests.multi_agent_envs.HeteroEnv``
-(agents with different spaces: the dict layout).
+with ``line_death`` (agents die early: black death), MPE2's ``simple_world_comm_v3`` (six agents
+whose observation and action spaces differ: the dict layout) and
+``tests.multi_agent_envs.HeteroEnv`` (agents with different spaces, one of which leaves early).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from gymnasium.vector import AutoresetMode
 import envfleet
 
 pytest.importorskip("pettingzoo.butterfly")
+pytest.importorskip("mpe2")
 from pettingzoo.butterfly import knights_archers_zombies_v11, pistonball_v6  # noqa: E402
 
 from tests.multi_agent_envs import HeteroEnv, make_faulty  # noqa: E402
@@ -44,7 +46,15 @@ def hetero() -> Any:
     return HeteroEnv(max_cycles=6)
 
 
-ENVS = {"pistonball": pistonball, "kaz": kaz, "hetero": hetero}
+def world_comm() -> Any:
+    # Farama's MPE2 (PettingZoo's MPE, moved out): six agents in three kinds, whose
+    # observation spaces (34 or 28 floats) and action spaces (Discrete 20 or 5) differ
+    from mpe2 import simple_world_comm_v3
+
+    return simple_world_comm_v3.parallel_env(max_cycles=8)
+
+
+ENVS = {"pistonball": pistonball, "kaz": kaz, "hetero": hetero, "world_comm": world_comm}
 MODES = [AutoresetMode.NEXT_STEP, AutoresetMode.SAME_STEP]
 
 
@@ -226,9 +236,10 @@ def run_differential(backend: str, name: str, mode: AutoresetMode, **kwargs: Any
 def test_bit_identical_to_a_serial_loop(backend: str, name: str, mode: AutoresetMode) -> None:
     masks = run_differential(backend, name, mode)
     # Each env exercises what it is here for: agents leaving one by one (black death) in kaz
-    # and hetero, every agent at once in pistonball; several episodes in every env.
+    # and hetero, every agent at once in pistonball and world_comm; several episodes in every
+    # env.
     partial = [m for step in masks for m in step if m.any() and not m.all()]
-    assert bool(partial) == (name != "pistonball")
+    assert bool(partial) == (name in ("kaz", "hetero"))
 
 
 @pytest.mark.ray
