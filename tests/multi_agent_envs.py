@@ -14,7 +14,7 @@ import gymnasium
 import numpy as np
 from pettingzoo import ParallelEnv
 
-__all__ = ["FaultyEnv", "HeteroEnv", "make_faulty"]
+__all__ = ["FaultyEnv", "HeteroEnv", "SwarmEnv", "make_faulty"]
 
 _OBS = {
     "scout": gymnasium.spaces.Box(0.0, 1.0, (3,), np.float32),
@@ -75,6 +75,59 @@ class HeteroEnv(ParallelEnv):
             observations[agent] = self._observe(agent)
             infos[agent] = {"steps": self.steps, "draw": self.rng.random()}
         self.agents = [a for a in self.agents if not (terminations[a] or truncations[a])]
+        return observations, rewards, terminations, truncations, infos
+
+
+class SwarmEnv(ParallelEnv):
+    """Agents that join and leave: four drones with one shared space (Box(3) float32
+    observations, Discrete(3) actions). Two start; an absent drone joins with probability 0.3
+    per step (again after it left: the same name re-enters ``env.agents``); a present one
+    leaves with ``terminated`` with probability 0.15. The episode is truncated for every
+    drone present at ``max_cycles``, and ends early when none is left. Deterministic given
+    its seed."""
+
+    metadata = {"name": "swarm_v0", "render_modes": []}
+    space = gymnasium.spaces.Box(-1.0, 1.0, (3,), np.float32)
+
+    def __init__(self, max_cycles: int = 12):
+        self.possible_agents = [f"drone_{k}" for k in range(4)]
+        self.agents: list[str] = []
+        self.max_cycles = max_cycles
+        self.rng = np.random.default_rng()
+
+    def observation_space(self, agent: str) -> gymnasium.Space[Any]:
+        return self.space
+
+    def action_space(self, agent: str) -> gymnasium.Space[Any]:
+        return gymnasium.spaces.Discrete(3)
+
+    def _observe(self) -> np.ndarray:
+        return self.rng.uniform(-1.0, 1.0, 3).astype(np.float32)
+
+    def reset(self, seed: int | None = None, options: dict[str, Any] | None = None) -> Any:
+        if seed is not None:
+            self.rng = np.random.default_rng(seed)
+        self.agents = self.possible_agents[:2]
+        self.steps = 0
+        return {a: self._observe() for a in self.agents}, {a: {} for a in self.agents}
+
+    def step(self, actions: dict[str, Any]) -> Any:
+        self.steps += 1
+        observations, rewards, terminations, truncations, infos = {}, {}, {}, {}, {}
+        for agent in self.agents:
+            rewards[agent] = float(actions[agent]) - 1.0 + self.rng.normal()
+            terminations[agent] = bool(self.rng.random() < 0.15)
+            truncations[agent] = self.steps >= self.max_cycles
+            observations[agent] = self._observe()
+            infos[agent] = {"steps": self.steps}
+        staying = [a for a in self.agents if not (terminations[a] or truncations[a])]
+        if staying and self.steps < self.max_cycles:
+            for agent in self.possible_agents:
+                if agent not in self.agents and self.rng.random() < 0.3:
+                    staying.append(agent)  # joins: its first observation comes now
+                    observations[agent] = self._observe()
+                    infos[agent] = {"joined": self.steps}
+        self.agents = [a for a in self.possible_agents if a in staying]
         return observations, rewards, terminations, truncations, infos
 
 

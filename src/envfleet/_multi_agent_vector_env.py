@@ -35,7 +35,9 @@ class MultiAgentVectorEnv(VectorWrapper[Any, Any, Any, Any, Any]):
     - ``infos["agent_mask"]`` ``bool[N, A]``: the agent is in ``env.agents`` after the call
       (it acts at the next step). Agents that are not have zeroed observation rows, zero
       rewards and false flags from the step after they left ("black death"); on the step
-      they leave, their row holds their last observation, reward and flags;
+      they leave, their row holds their last observation, reward and flags; an agent that
+      joins an episode in progress has its first observation (and its mask) on the step it
+      joins;
     - ``infos[agent]``: each agent's info, batched in gymnasium's convention
       (``infos["_" + agent]`` says which envs have one).
 

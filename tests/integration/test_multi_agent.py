@@ -26,7 +26,7 @@ pytest.importorskip("pettingzoo.butterfly")
 pytest.importorskip("mpe2")
 from pettingzoo.butterfly import knights_archers_zombies_v11, pistonball_v6  # noqa: E402
 
-from tests.multi_agent_envs import HeteroEnv, make_faulty  # noqa: E402
+from tests.multi_agent_envs import HeteroEnv, SwarmEnv, make_faulty  # noqa: E402
 
 NUM_ENVS = 3
 STEPS = 40
@@ -54,7 +54,17 @@ def world_comm() -> Any:
     return simple_world_comm_v3.parallel_env(max_cycles=8)
 
 
-ENVS = {"pistonball": pistonball, "kaz": kaz, "hetero": hetero, "world_comm": world_comm}
+def swarm() -> Any:
+    return SwarmEnv(max_cycles=12)
+
+
+ENVS = {
+    "pistonball": pistonball,
+    "kaz": kaz,
+    "hetero": hetero,
+    "world_comm": world_comm,
+    "swarm": swarm,
+}
 MODES = [AutoresetMode.NEXT_STEP, AutoresetMode.SAME_STEP]
 
 
@@ -202,12 +212,15 @@ def assert_same(actual: Any, expected: Any, where: str = "") -> None:
         assert actual == expected and type(actual) is type(expected), f"{where}: {actual!r}"
 
 
-def run_differential(backend: str, name: str, mode: AutoresetMode, **kwargs: Any) -> list[Any]:
-    """Step ``make`` and the reference together; returns the masks seen."""
+def run_differential(
+    backend: str, name: str, mode: AutoresetMode, **kwargs: Any
+) -> tuple[list[Any], list[Any]]:
+    """Step ``make`` and the reference together; returns the masks seen, and per step which
+    envs were autoreset on it (``SAME_STEP``)."""
     fn = ENVS[name]
     envs = envfleet.make(fn, NUM_ENVS, backend=backend, autoreset_mode=mode, **kwargs)
     ref = Reference(fn, NUM_ENVS, mode)
-    masks = []
+    masks, resets = [], []
     try:
         assert isinstance(envs, envfleet.MultiAgentVectorEnv)
         assert envs.possible_agents == tuple(ref.agents)
@@ -224,22 +237,30 @@ def run_differential(backend: str, name: str, mode: AutoresetMode, **kwargs: Any
             for k, part in enumerate(("obs", "rewards", "terminated", "truncated", "infos")):
                 assert_same(got[k], want[k], f"step {t} {part}")
             masks.append(got[4]["agent_mask"].copy())
+            resets.append(got[4].get("_final_obs", np.zeros(NUM_ENVS, bool)).copy())
     finally:
         envs.close()
         ref.close()
-    return masks
+    return masks, resets
 
 
 @pytest.mark.parametrize("mode", MODES, ids=lambda m: m.value)
 @pytest.mark.parametrize("name", list(ENVS))
 @pytest.mark.parametrize("backend", ["serial", "threads", "processes"])
 def test_bit_identical_to_a_serial_loop(backend: str, name: str, mode: AutoresetMode) -> None:
-    masks = run_differential(backend, name, mode)
+    masks, resets = run_differential(backend, name, mode)
     # Each env exercises what it is here for: agents leaving one by one (black death) in kaz
-    # and hetero, every agent at once in pistonball and world_comm; several episodes in every
-    # env.
+    # and hetero, every agent at once in pistonball and world_comm, agents joining in swarm;
+    # several episodes in every env.
     partial = [m for step in masks for m in step if m.any() and not m.all()]
-    assert bool(partial) == (name in ("kaz", "hetero"))
+    assert bool(partial) == (name in ("kaz", "hetero", "swarm"))
+    joined = [
+        (t, i)
+        for t in range(1, len(masks))
+        for i in range(NUM_ENVS)
+        if masks[t - 1][i].any() and (masks[t][i] & ~masks[t - 1][i]).any() and not resets[t][i]
+    ]
+    assert bool(joined) == (name == "swarm")
 
 
 @pytest.mark.ray

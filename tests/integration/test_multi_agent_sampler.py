@@ -20,7 +20,7 @@ import envfleet
 pytest.importorskip("pettingzoo.butterfly")
 from pettingzoo.butterfly import knights_archers_zombies_v11, pistonball_v6  # noqa: E402
 
-from tests.multi_agent_envs import HeteroEnv  # noqa: E402
+from tests.multi_agent_envs import HeteroEnv, SwarmEnv  # noqa: E402
 
 NUM_ENVS = 4
 SEED = 5
@@ -35,7 +35,11 @@ def kaz() -> Any:
     return knights_archers_zombies_v11.parallel_env(line_death=True, max_cycles=25)
 
 
-ENVS = {"pistonball": pistonball, "kaz": kaz}
+def swarm() -> Any:
+    return SwarmEnv(max_cycles=12)
+
+
+ENVS = {"pistonball": pistonball, "kaz": kaz, "swarm": swarm}
 
 
 class RowPolicy:
@@ -43,9 +47,9 @@ class RowPolicy:
     (row ``i * A + j`` is agent ``j``). It steers kaz's first agent up, into the wall, so that
     agents die before their episode ends. Returns a per-row info too."""
 
-    def __init__(self, num_agents: int, discrete: bool):
+    def __init__(self, num_agents: int, num_actions: int | None):
         self.num_agents = num_agents
-        self.discrete = discrete
+        self.num_actions = num_actions  # None: pistonball's Box(1) actions
         self.offset = 0.0
 
     def set_params(self, offset: float) -> None:
@@ -56,8 +60,8 @@ class RowPolicy:
         flat = obs.reshape(n, -1).astype(np.float64)
         score = flat[:, : min(flat.shape[1], 300)].sum(1) + self.offset
         agent = np.arange(n) % self.num_agents
-        if self.discrete:
-            actions = (np.floor(np.abs(score) * 7.0).astype(np.int64) + agent) % 6
+        if self.num_actions is not None:
+            actions = (np.floor(np.abs(score) * 7.0).astype(np.int64) + agent) % self.num_actions
             actions[agent == 0] = 1
         else:
             actions = np.tanh(score / 5e4 - 1.0 + 0.1 * agent).astype(np.float32).reshape(n, 1)
@@ -66,19 +70,25 @@ class RowPolicy:
 
 def policy_for(name: str) -> RowPolicy:
     env = ENVS[name]()
-    return RowPolicy(len(env.possible_agents), name == "kaz")
+    space = env.action_space(env.possible_agents[0])
+    return RowPolicy(len(env.possible_agents), getattr(space, "n", None))
 
 
 Streams = dict[tuple[int, int], list[tuple[Any, ...]]]
 
 
-def reference_streams(name: str, steps: int) -> tuple[Streams, dict[tuple[int, int], list[int]]]:
+Events = dict[tuple[int, int], list[int]]
+
+
+def reference_streams(name: str, steps: int) -> tuple[Streams, Events, Events]:
     """(env, agent) -> its steps: (obs, action, reward, terminated, truncated, score), from a
     serial loop over the raw ParallelEnvs, autoreset as the Sampler does (SAME_STEP); and
-    (env, agent) -> where in its steps it left while other agents went on."""
+    (env, agent) -> where in its steps it left while other agents went on, and where it
+    joined an episode in progress."""
     policy = policy_for(name)
     streams: Streams = {}
-    early: dict[tuple[int, int], list[int]] = {}
+    early: Events = {}
+    joins: Events = {}
     for i in range(NUM_ENVS):
         env = ENVS[name]()
         agents = list(env.possible_agents)
@@ -100,11 +110,14 @@ def reference_streams(name: str, steps: int) -> tuple[Streams, dict[tuple[int, i
                 streams.setdefault((i, j), []).append((*row, infos["score"][j]))
                 if a not in env.agents and env.agents:
                     early.setdefault((i, j), []).append(len(streams[(i, j)]) - 1)
+            for j, a in enumerate(agents):
+                if a not in live and a in env.agents:  # its next step is its first
+                    joins.setdefault((i, j), []).append(len(streams.get((i, j), [])))
             obs = out
             if not env.agents:
                 obs, _ = env.reset()
         env.close()
-    return streams, early
+    return streams, early, joins
 
 
 def batch_streams(batch: envfleet.EpisodeBatch) -> Streams:
@@ -134,7 +147,7 @@ def test_agent_streams_equal_the_serial_reference(name: str, inference: str) -> 
         sampler.close()
     batch = envfleet.EpisodeBatch.concatenate(first, second)
     got = batch_streams(batch)
-    want, early = reference_streams(name, STEPS * 3)
+    want, early, joins = reference_streams(name, STEPS * 3)
     assert got, "no agent steps sampled"
     for key, steps in got.items():
         ref = want[key]
@@ -149,9 +162,12 @@ def test_agent_streams_equal_the_serial_reference(name: str, inference: str) -> 
     inner = np.ones(batch.num_steps, bool)
     inner[last] = False
     assert not (batch.terminated[inner] | batch.truncated[inner]).any()
-    if name == "kaz":  # an agent died while others went on, in the steps compared above
-        died = [t for key, ts in early.items() for t in ts if t < len(got.get(key, []))]
-        assert died, "no agent died before the others: the test did not steer them"
+    # What each env is here for, in the steps compared above: agents that die while others
+    # go on (kaz, swarm), agents that join an episode in progress, some again (swarm).
+    died = [t for key, ts in early.items() for t in ts if t < len(got.get(key, []))]
+    assert bool(died) == (name in ("kaz", "swarm")), "agents that left early"
+    joined = [t for key, ts in joins.items() for t in ts if t < len(got.get(key, []))]
+    assert bool(joined) == (name == "swarm"), "agents that joined"
 
 
 def test_policy_updates_reach_the_workers_through_the_agent_rows() -> None:
