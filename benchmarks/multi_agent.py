@@ -48,7 +48,6 @@ import contextlib
 import datetime
 import functools
 import json
-import os
 import platform
 import statistics
 import sys
@@ -262,13 +261,11 @@ class Run:
 
 
 def _busy_cpu_s() -> float | None:
-    """CPU seconds the whole machine spent busy since boot (Linux ``/proc/stat``)."""
-    try:
-        fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
-    except OSError:
-        return None
-    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(f) for f in fields[:8])
-    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+    """CPU seconds the whole machine spent busy since boot, all cores together (psutil; Linux
+    counts guest time in user time, so it is left out once)."""
+    t = psutil.cpu_times()
+    idle = t.idle + sum(getattr(t, f, 0.0) for f in ("iowait", "guest", "guest_nice"))
+    return float(sum(t) - idle)
 
 
 def _own_cpu_s() -> dict[int, float]:

@@ -55,6 +55,7 @@ from typing import Any
 
 import gymnasium
 import numpy as np
+import psutil
 from gymnasium.vector.utils import batch_space
 
 import envfleet
@@ -413,13 +414,11 @@ def measure_startup(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def _busy_cpu_s() -> float | None:
-    """CPU seconds spent busy since boot, all cores together (Linux ``/proc/stat``)."""
-    try:
-        fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
-    except OSError:
-        return None
-    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(f) for f in fields[:8])
-    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+    """CPU seconds the whole machine spent busy since boot, all cores together (psutil; Linux
+    counts guest time in user time, so it is left out once)."""
+    t = psutil.cpu_times()
+    idle = t.idle + sum(getattr(t, f, 0.0) for f in ("iowait", "guest", "guest_nice"))
+    return float(sum(t) - idle)
 
 
 def _children_cpu_s() -> float:
