@@ -6,9 +6,8 @@ policy helpers, one recorded step, and the :class:`Inference` base that
 from __future__ import annotations
 
 import abc
-import contextlib
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -55,21 +54,37 @@ class TimerStat:
         return TimerStat(self.total_s + other.total_s, self.count + other.count)
 
 
+class _Stopwatch:
+    """One named stopwatch of :class:`Timers` (a context manager; not re-entrant)."""
+
+    __slots__ = ("entry", "t0")
+
+    def __init__(self, entry: list[float]):
+        self.entry = entry
+        self.t0 = 0.0
+
+    def __enter__(self) -> None:
+        self.t0 = time.perf_counter()
+
+    def __exit__(self, *exc_info: object) -> None:
+        entry = self.entry
+        entry[0] += time.perf_counter() - self.t0
+        entry[1] += 1
+
+
 class Timers:
-    """Named stopwatches: ``with timers.time("policy"): ...`` adds to ``policy``."""
+    """Named stopwatches: ``with timers.time("policy"): ...`` adds to ``policy``. Each name's
+    stopwatch is made once (it runs on every step of the Sampler's loops)."""
 
     def __init__(self) -> None:
         self.totals: dict[str, list[float]] = {}
+        self._watches: dict[str, _Stopwatch] = {}
 
-    @contextlib.contextmanager
-    def time(self, name: str) -> Iterator[None]:
-        t0 = time.perf_counter()
-        try:
-            yield
-        finally:
-            entry = self.totals.setdefault(name, [0.0, 0])
-            entry[0] += time.perf_counter() - t0
-            entry[1] += 1
+    def time(self, name: str) -> _Stopwatch:
+        watch = self._watches.get(name)
+        if watch is None:
+            watch = self._watches[name] = _Stopwatch(self.totals.setdefault(name, [0.0, 0]))
+        return watch
 
     def snapshot(self) -> dict[str, TimerStat]:
         return {name: TimerStat(total, int(count)) for name, (total, count) in self.totals.items()}
@@ -201,7 +216,7 @@ def step_and_record(
         terminated,
         truncated,
         final_observations(next_obs, info, done, owned=next_owned),
-        np.full(len(ids), version),
+        version,
         agent_infos,
         step_infos(info, ids, done),
         owned=True,

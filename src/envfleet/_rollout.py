@@ -239,7 +239,7 @@ class _Chunk:
     terminated: np.ndarray
     truncated: np.ndarray
     next_observations: Any
-    versions: np.ndarray
+    versions: np.ndarray | int  # an int: every row's
     agent_infos: dict[str, np.ndarray]
     env_infos: list[dict[str, Any]]
 
@@ -265,25 +265,27 @@ class Recorder:
         terminated: np.ndarray,
         truncated: np.ndarray,
         next_observations: Any,
-        versions: np.ndarray,
+        versions: np.ndarray | int,
         agent_infos: dict[str, np.ndarray],
         env_infos: list[dict[str, Any]],
         owned: bool = False,
     ) -> None:
-        """Record one step of envs ``env_ids``. Arrays are copied, except the observations
-        and next observations when they are ``owned`` (the caller's, never written to again:
-        large image observations are then not copied once more per step)."""
+        """Record one step of envs ``env_ids`` (``versions``: per row, or one int for every
+        row). Arrays are copied, except ``env_ids`` (never written to again by the callers),
+        and the observations and next observations when they are ``owned`` (the caller's,
+        never written to again: large image observations are then not copied once more per
+        step)."""
         keep = np.asarray if owned else np.array
         self._chunks.append(
             _Chunk(
-                np.array(env_ids, dtype=np.int64),
+                np.asarray(env_ids, dtype=np.int64),
                 tree_map(keep, observations),
                 tree_map(np.array, actions),
                 np.array(rewards, dtype=np.float64),
                 np.array(terminated, dtype=np.bool_),
                 np.array(truncated, dtype=np.bool_),
                 tree_map(keep, next_observations),
-                np.array(versions, dtype=np.int64),
+                versions if isinstance(versions, int) else np.array(versions, dtype=np.int64),
                 {key: np.array(value) for key, value in agent_infos.items()},
                 list(env_infos),
             )
@@ -299,7 +301,14 @@ class Recorder:
         env_ids = np.concatenate([c.env_ids for c in chunks])
         order = np.argsort(env_ids, kind="stable")  # by env, each env's rows in time order
         env_ids = env_ids[order]
-        versions = np.concatenate([c.versions for c in chunks])[order]
+        versions = np.concatenate(
+            [
+                np.full(len(c.env_ids), c.versions, np.int64)
+                if isinstance(c.versions, int)
+                else c.versions
+                for c in chunks
+            ]
+        )[order]
         terminated = np.concatenate([c.terminated for c in chunks])[order]
         truncated = np.concatenate([c.truncated for c in chunks])[order]
         n = len(env_ids)
