@@ -132,12 +132,14 @@ def batch_streams(batch: envfleet.EpisodeBatch) -> Streams:
     return streams
 
 
-@pytest.mark.parametrize("inference", ["driver", "worker", "auto"])
+@pytest.mark.parametrize("inference", ["driver", "worker", "auto", "pool"])
 @pytest.mark.parametrize("name", list(ENVS))
 def test_agent_streams_equal_the_serial_reference(name: str, inference: str) -> None:
+    """ "pool": driver inference over a first-ready pool (``batch_size = num_envs / 2``)."""
+    pool = {"batch_size": NUM_ENVS // 2} if inference == "pool" else {}
     sampler = envfleet.Sampler(
-        ENVS[name], policy_for(name), NUM_ENVS, inference=inference, seed=SEED,
-        num_workers=2, backend="processes", segment_length=8,
+        ENVS[name], policy_for(name), NUM_ENVS, seed=SEED, num_workers=2, backend="processes",
+        segment_length=8, inference="driver" if inference == "pool" else inference, **pool,
     )  # fmt: skip
     try:
         assert sampler.possible_agents == tuple(ENVS[name]().possible_agents)
