@@ -78,6 +78,8 @@ class AgentRowsPolicy:
             return {k: self._by_env(v, n) for k, v in value.items()}
         if isinstance(value, tuple):
             return tuple(self._by_env(v, n) for v in value)
+        if not hasattr(value, "reshape"):  # a list, a scalar per row...: as numpy
+            value = np.asarray(value)
         return value.reshape(n, self.num_agents, *value.shape[1:])
 
     def __getattr__(self, name: str) -> Any:

@@ -247,3 +247,12 @@ def test_an_agent_that_leaves_unflagged_ends_truncated_and_a_restart_truncates_a
     assert not out.terminated.any()
     np.testing.assert_array_equal(out.actions, [0, 2, 4, 1, 3])
     assert out.env_infos[0] == {"x": 1} and out.env_infos[2] == {"env_restarted": True}
+
+
+def test_a_policy_returning_a_list_works_as_for_single_agent_envs() -> None:
+    sampler = envfleet.Sampler(swarm, lambda obs: [2] * len(obs), 2, seed=SEED, backend="serial")
+    try:
+        batch = sampler.sample(10)
+    finally:
+        sampler.close()
+    assert batch.num_steps > 0 and (np.asarray(batch.actions) == 2).all()
