@@ -63,7 +63,7 @@ import numpy as np
 import psutil
 
 import envfleet
-from envfleet.bench import usable_cores
+from envfleet.bench import puffer_workers, usable_cores
 
 SYSTEMS = (
     "loop",
@@ -216,10 +216,7 @@ def build(system: str, workload: Workload, bank: np.ndarray, seed: int) -> Stepp
         import pufferlib.vector
 
         creator = functools.partial(pufferlib.emulation.PettingZooPufferEnv, env_creator=fn)
-        # Its driver spins while it waits for the workers: one core is left to it (as
-        # envfleet bench's puffer-mp).
-        cores = max(1, usable_cores() - 1)
-        workers = max(w for w in range(1, min(n, cores) + 1) if n % w == 0)
+        workers = puffer_workers(n)  # as envfleet bench's puffer-mp
         pvenv: Any = pufferlib.vector.make(
             creator,
             num_envs=n,

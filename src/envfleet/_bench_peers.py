@@ -30,6 +30,7 @@ __all__ = [
     "action_bank",
     "build_peer",
     "envpool_task",
+    "puffer_workers",
     "make_gym_env",
     "peer_unavailable",
 ]
@@ -120,6 +121,19 @@ def action_bank(
     if dtype is not None:
         bank = [np.asarray(a, dtype=dtype) for a in bank]
     return bank
+
+
+def puffer_workers(num_envs: int) -> int:
+    """Workers for PufferLib's ``Multiprocessing`` over ``num_envs`` envs, as ``puffer-mp``
+    runs it: the most that divide ``num_envs`` (PufferLib requires it) and leave one usable
+    core to its driver, which spins while it waits for them (at least 1).
+
+    Example::
+
+        puffer_workers(8)  # 1 on 2 usable cores, 2 on 3, 4 on 5
+    """
+    cores = max(1, usable_cores() - 1)
+    return max(w for w in range(1, min(num_envs, cores) + 1) if num_envs % w == 0)
 
 
 def envpool_task(env_id: str) -> tuple[str, dict[str, Any]] | None:
@@ -227,9 +241,7 @@ def build_peer(system: str, env_id: str, num_envs: int, seed: int) -> Stepper:
         import pufferlib.emulation
         import pufferlib.vector
 
-        # Its driver spins while it waits for the workers: one core is left to it.
-        cores = max(1, usable_cores() - 1)
-        workers = max(w for w in range(1, min(num_envs, cores) + 1) if num_envs % w == 0)
+        workers = puffer_workers(num_envs)
         creator = functools.partial(pufferlib.emulation.GymnasiumPufferEnv, env_creator=factory)
         pvenv: Any = pufferlib.vector.make(
             creator,

@@ -55,7 +55,7 @@ from envfleet._bench_core import (
     measure_system,
     timed_loop,
 )
-from envfleet._bench_peers import PEER_INSTALL, envpool_task
+from envfleet._bench_peers import PEER_INSTALL, envpool_task, puffer_workers
 from envfleet._bench_plot import (
     PLOT_DPI,
     PLOT_INSTALL,
@@ -135,6 +135,7 @@ __all__ = [
     "check_workload",
     "describe_machine",
     "envpool_task",
+    "puffer_workers",
     "machine_line",
     "make_env",
     "measure",
