@@ -212,6 +212,15 @@ def assert_same(actual: Any, expected: Any, where: str = "") -> None:
         assert actual == expected and type(actual) is type(expected), f"{where}: {actual!r}"
 
 
+def steer(name: str, actions: Any, rng: np.random.Generator) -> Any:
+    """``actions`` with kaz's archers sent "down" into the wall (``line_death``): they die
+    early, apart (every other env's actions unchanged)."""
+    if name == "kaz":
+        actions[:, 0] = 1
+        actions[:, 1] = np.where(rng.random(NUM_ENVS) < 0.2, 1, actions[:, 1])
+    return actions
+
+
 def run_differential(
     backend: str, name: str, mode: AutoresetMode, **kwargs: Any
 ) -> tuple[list[Any], list[Any]]:
@@ -228,10 +237,7 @@ def run_differential(
         envs.action_space.seed(SEED)
         rng = np.random.default_rng(SEED)
         for t in range(STEPS):
-            actions = envs.action_space.sample()
-            if name == "kaz":  # "down" into the wall (line_death): archers die early, apart
-                actions[:, 0] = 1
-                actions[:, 1] = np.where(rng.random(NUM_ENVS) < 0.2, 1, actions[:, 1])
+            actions = steer(name, envs.action_space.sample(), rng)
             got = envs.step(actions)
             want = ref.step(actions)
             for k, part in enumerate(("obs", "rewards", "terminated", "truncated", "infos")):
@@ -415,10 +421,7 @@ def test_disabled_autoreset_with_reset_masks_is_bit_identical(backend: str, name
         envs.action_space.seed(SEED)
         rng = np.random.default_rng(SEED)
         for t in range(STEPS):
-            actions = envs.action_space.sample()
-            if name == "kaz":  # as in the other modes: archers die early, apart
-                actions[:, 0] = 1
-                actions[:, 1] = np.where(rng.random(NUM_ENVS) < 0.2, 1, actions[:, 1])
+            actions = steer(name, envs.action_space.sample(), rng)
             got = envs.step(actions)
             want = ref.step(actions)
             for k, part in enumerate(("obs", "rewards", "terminated", "truncated", "infos")):
