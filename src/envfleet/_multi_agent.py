@@ -35,7 +35,7 @@ import gymnasium
 import numpy as np
 from gymnasium.vector.utils import batch_space, concatenate, create_empty_array, iterate
 
-from envfleet._errors import EnvfleetError
+from envfleet._errors import ConfigError, EnvfleetError
 
 __all__ = [
     "MULTI_AGENT_KEY",
@@ -45,6 +45,7 @@ __all__ = [
     "is_parallel_env",
     "multi_agent_factories",
     "multi_agent_of",
+    "shared_agent_space",
 ]
 
 # The metadata key of an adapted env: its agents (possible_agents). make() learns from it,
@@ -81,6 +82,26 @@ def multi_agent_of(metadata: dict[str, Any]) -> tuple[str, ...] | None:
     single-agent env."""
     agents = metadata.get(MULTI_AGENT_KEY)
     return None if agents is None else tuple(agents)
+
+
+def shared_agent_space(
+    spaces: dict[str, gymnasium.Space[Any]], what: str, user: str, remedy: str
+) -> gymnasium.Space[Any]:
+    """The one ``what`` ("observation" or "action") space every agent of ``spaces`` (by agent,
+    in ``possible_agents`` order) has, for ``user``, a layer that stacks agents as rows.
+
+    Raises:
+        ConfigError: two agents' spaces differ; the message names them, then ``remedy``.
+    """
+    agents = list(spaces)
+    first = spaces[agents[0]]
+    for agent in agents[1:]:
+        if spaces[agent] != first:
+            raise ConfigError(
+                f"{user}, which needs one {what} space shared by every agent: {agents[0]!r} "
+                f"has {first}, {agent!r} has {spaces[agent]}. {remedy}"
+            )
+    return first
 
 
 def _same(spaces: Sequence[gymnasium.Space[Any]]) -> bool:

@@ -18,14 +18,14 @@ from typing import Any
 import gymnasium
 import numpy as np
 
-from envfleet._errors import ConfigError
+from envfleet._multi_agent import shared_agent_space
 from envfleet._rollout import EpisodeBatch
 from envfleet._trees import tree_map
 
 __all__ = ["AgentRowsPolicy", "agent_batch", "agent_spaces"]
 
 
-def agent_spaces(venv: Any, agents: Sequence[str]) -> tuple[gymnasium.Space[Any], ...]:
+def agent_spaces(venv: Any) -> tuple[gymnasium.Space[Any], ...]:
     """The one observation space and the one action space every agent of ``venv``'s envs
     has (``venv``: a multi-agent vector env's packed vector env).
 
@@ -33,19 +33,15 @@ def agent_spaces(venv: Any, agents: Sequence[str]) -> tuple[gymnasium.Space[Any]
         ConfigError: the agents' spaces differ (the Sampler stacks agents as rows of one
             batch: one policy shared by every agent, SuperSuit's convention).
     """
-    out = []
-    for what in ("observation", "action"):
-        spaces = venv.get_attr(f"agent_{what}_spaces")[0]
-        first = spaces[agents[0]]
-        other = [a for a in agents if spaces[a] != first]
-        if other:
-            raise ConfigError(
-                f"the Sampler runs one policy on every agent's rows, so agents need one {what} "
-                f"space: {agents[0]!r} has {first}, {other[0]!r} has {spaces[other[0]]}; use "
-                "envfleet.make's MultiAgentVectorEnv (a dict by agent) directly"
-            )
-        out.append(first)
-    return tuple(out)
+    return tuple(
+        shared_agent_space(
+            venv.get_attr(f"agent_{what}_spaces")[0],
+            what,
+            "the Sampler runs one policy on every agent's rows",
+            "Use envfleet.make's MultiAgentVectorEnv (a dict by agent) directly",
+        )
+        for what in ("observation", "action")
+    )
 
 
 class AgentRowsPolicy:

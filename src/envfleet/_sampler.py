@@ -277,7 +277,7 @@ class Sampler:
                 self.single_observation_space = venv.single_observation_space
                 self.single_action_space = venv.single_action_space
             else:
-                spaces = agent_spaces(venv, self.possible_agents)
+                spaces = agent_spaces(venv)
                 self.single_observation_space, self.single_action_space = spaces
         except ConfigError:
             venv.close()

@@ -16,27 +16,19 @@ from typing import Any
 import gymnasium
 import numpy as np
 
-from envfleet._errors import ConfigError, InvalidActionError
+from envfleet._errors import InvalidActionError
 from envfleet._front.infos import split_infos
+from envfleet._multi_agent import shared_agent_space
 from envfleet._trees import tree_copy, tree_map, tree_row
 
 __all__ = ["AgentRows"]
 
 
-def _shared_space(spaces: dict[str, gymnasium.Space[Any]], what: str) -> gymnasium.Space[Any]:
-    """The agents' one space, or ``ConfigError`` naming the first agent that differs."""
-    agents = list(spaces)
-    first = spaces[agents[0]]
-    for agent in agents[1:]:
-        if spaces[agent] != first:
-            raise ConfigError(
-                f"SB3VecEnv presents agents as envs (SuperSuit's layout: one row per agent), "
-                f"which needs one {what} space shared by every agent: {agents[0]!r} has "
-                f"{first}, {agent!r} has {spaces[agent]}. Pad them to one space (SuperSuit's "
-                f"pad_observations_v0 / pad_action_space_v0) or use envfleet.make, whose "
-                f"MultiAgentVectorEnv keys different spaces by agent"
-            )
-    return first
+_SB3_ROWS = "SB3VecEnv presents agents as envs (SuperSuit's layout: one row per agent)"
+_SB3_REMEDY = (
+    "Pad them to one space (SuperSuit's pad_observations_v0 / pad_action_space_v0) or use "
+    "envfleet.make, whose MultiAgentVectorEnv keys different spaces by agent"
+)
 
 
 class AgentRows:
@@ -62,8 +54,10 @@ class AgentRows:
         self.agents = tuple(possible_agents)
         self.num_agents = len(self.agents)
         self.num_rows = num_envs * self.num_agents
-        self.observation_space = _shared_space(observation_spaces, "observation")
-        self.action_space = _shared_space(action_spaces, "action")
+        self.observation_space = shared_agent_space(
+            observation_spaces, "observation", _SB3_ROWS, _SB3_REMEDY
+        )
+        self.action_space = shared_agent_space(action_spaces, "action", _SB3_ROWS, _SB3_REMEDY)
 
     def env_of(self, row: int) -> int:
         """The env of ``row``."""
