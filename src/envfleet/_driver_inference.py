@@ -22,7 +22,7 @@ from envfleet._inference import (
     pick_episodes,
     step_and_record,
 )
-from envfleet._rollout import EpisodeBatch, Recorder, final_observations, step_infos
+from envfleet._rollout import EpisodeBatch, Recorder, StepLog, final_observations, step_infos
 from envfleet._trees import tree_copy, tree_rows, tree_scatter
 
 __all__ = ["DriverInference"]
@@ -65,7 +65,7 @@ class DriverInference(Inference):
     ) -> EpisodeBatch:
         if not self.started:
             self.restart_envs()
-        recorder = Recorder()
+        recorder = Recorder() if self.venv.is_pool else StepLog(self.ids)
         current = 0
         while current < num_steps:
             _, versions, _ = self.step(policy, recorder)
@@ -76,8 +76,11 @@ class DriverInference(Inference):
         assert batch is not None
         return self.keep_current(batch)
 
-    def step(self, policy: Policy, recorder: Recorder) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """One step (synchronous) or one recv and send (pool), recorded.
+    def step(
+        self, policy: Policy, recorder: Recorder | StepLog
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """One step (synchronous: into a :class:`StepLog`) or one recv and send (pool: into a
+        :class:`Recorder`), recorded.
 
         Returns:
             (the envs of the recorded steps, their policy versions, whether their episode
@@ -86,11 +89,12 @@ class DriverInference(Inference):
         venv = self.venv
         version = self.stats.policy_version
         if not venv.is_pool:
-            next_obs, done = step_and_record(
-                venv, policy, self.obs, self.ids, version, recorder, self.timers, venv.copy
+            assert isinstance(recorder, StepLog)
+            self.obs, done = step_and_record(
+                venv, policy, self.obs, version, recorder, self.timers, self.own
             )
-            self.obs = self.own(next_obs)
             return self.ids, np.full(venv.num_envs, version), done
+        assert isinstance(recorder, Recorder)
         with self.timers.time("env_step"):
             next_obs, rewards, terminated, truncated, info = venv.recv()
         ids = info["env_id"].astype(np.int64)
@@ -156,7 +160,7 @@ class DriverInference(Inference):
             if not self.started:
                 self.restart_envs()
             whole = self.action_version < 0  # envs that just reset: their next episode is whole
-        recorder = Recorder()
+        recorder = Recorder() if venv.is_pool else StepLog(self.ids)
         ranges = venv.worker_ranges
         worker_of = np.repeat(np.arange(len(ranges)), [b - a for a, b in ranges])
         counts = np.zeros(venv.num_envs, dtype=np.int64)  # episodes each env ended

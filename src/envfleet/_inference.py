@@ -15,7 +15,7 @@ import numpy as np
 
 from envfleet._errors import InvalidArgumentError
 from envfleet._front.vector_env import FleetVectorEnv
-from envfleet._rollout import EpisodeBatch, Recorder, final_observations, step_infos
+from envfleet._rollout import EpisodeBatch, StepLog
 
 __all__ = [
     "Inference",
@@ -189,37 +189,27 @@ def step_and_record(
     venv: Steps,
     policy: Policy,
     obs: Any,
-    ids: np.ndarray,
     version: int,
-    recorder: Recorder,
+    log: StepLog,
     timers: Timers,
-    next_owned: bool = False,
+    own: Callable[[Any], Any],
 ) -> tuple[Any, np.ndarray]:
-    """One synchronous step of every env of ``venv`` (envs ``ids``) under ``policy``, recorded
-    with ``version``; returns the next observations and whether each episode ended.
+    """One synchronous step of every env of ``venv`` under ``policy``, recorded in ``log``
+    with ``version``; returns the next observations (``own(...)`` of what ``venv.step``
+    returned: the caller's, never written to again) and whether each episode ended.
 
     ``obs`` must be the caller's own arrays, never written to again (they are recorded
-    without a copy); ``next_owned``: so are the observations ``venv.step`` returns (a vector
-    env with ``copy=True``, a worker's copy of its buffers), which are then recorded without
-    a copy too.
+    without a copy); ``own`` is the identity where ``venv.step`` returns such arrays (a
+    worker's copy of its buffers), else a copy.
     """
     with timers.time("policy"):
         actions, agent_infos = act(policy, obs)
     with timers.time("env_step"):
         next_obs, rewards, terminated, truncated, info = venv.step(actions)
+    next_obs = own(next_obs)
     done = terminated | truncated
-    recorder.add(
-        ids,
-        obs,
-        actions,
-        rewards,
-        terminated,
-        truncated,
-        final_observations(next_obs, info, done, owned=next_owned),
-        version,
-        agent_infos,
-        step_infos(info, ids, done),
-        owned=True,
+    log.add(
+        obs, actions, rewards, terminated, truncated, next_obs, version, agent_infos, info, done
     )
     return next_obs, done
 

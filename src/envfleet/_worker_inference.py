@@ -37,7 +37,7 @@ from envfleet._inference import (
     seed_policy,
     step_and_record,
 )
-from envfleet._rollout import EpisodeBatch, Recorder
+from envfleet._rollout import EpisodeBatch, StepLog
 from envfleet._trees import tree_copy, tree_row, tree_write
 
 __all__ = ["PolicyUpdate", "WorkerInference", "sampler_round"]
@@ -149,7 +149,7 @@ class WorkerState:
         self.timers = Timers()
         # A round cut by an env's exception: its steps so far (the failing one included), and
         # the env version they belong to, returned with the next round.
-        self.salvage: Recorder | None = None
+        self.salvage: StepLog | None = None
         self.salvage_env_version = 0
 
     def install(self, request: RoundRequest) -> None:
@@ -164,7 +164,7 @@ class WorkerState:
             seed_policy(value, request.policy_seed)
         self.version = update.version
 
-    def step(self, recorder: Recorder) -> np.ndarray:
+    def step(self, log: StepLog) -> np.ndarray:
         """One step of every env, recorded; returns the envs whose episode ended.
 
         Raises:
@@ -173,7 +173,7 @@ class WorkerState:
         envs = self.envs
         envs.obs = self.obs
         self.obs, done = step_and_record(
-            envs, self.policy, self.obs, self.ids, self.version, recorder, self.timers, True
+            envs, self.policy, self.obs, self.version, log, self.timers, _as_it_is
         )
         if envs.failure is not None:
             raise envs.failure
@@ -182,17 +182,21 @@ class WorkerState:
     def episodes(self, n: int) -> EpisodeBatch:
         """Step until ``n`` episodes ended; the first ``n`` to end (by step, then env index),
         whole (the envs were reset just before)."""
-        recorder = Recorder()
+        log = StepLog(self.ids)
         ended: list[tuple[int, int]] = []  # (env, its k-th episode), in order of ending
         counts = np.zeros(self.envs.num_envs, dtype=np.int64)
         while len(ended) < n:
-            done = self.step(recorder)
+            done = self.step(log)
             for j in np.flatnonzero(done).tolist():
                 ended.append((j, int(counts[j])))
                 counts[j] += 1
-        batch = recorder.build()
+        batch = log.build()
         assert batch is not None
         return pick_episodes(batch, ended[:n], int(self.ids[0]))
+
+
+def _as_it_is(obs: Any) -> Any:
+    return obs  # GroupEnvs.step returns its own copy of the buffers' rows
 
 
 class _OneTorchThread:
@@ -257,20 +261,20 @@ def _round(group: EnvGroup, request: RoundRequest) -> Rollout | Episodes:
             state.obs = None  # the driver asks again, from a reset
             raise
         return Episodes(request.worker, episodes, state.timers.snapshot())
-    recorder = Recorder()
+    log = StepLog(state.ids)
     if state.salvage is not None and state.salvage_env_version == request.env_version:
-        recorder = state.salvage
+        log = state.salvage
     state.salvage = None
     try:
         for _ in range(request.steps):
-            state.step(recorder)
+            state.step(log)
     except PartialFailure:
         # Reported to the supervisor, which rebuilds the envs or gives up; the steps so far
         # come back with the next round, which starts from the envs' observations then.
-        state.salvage, state.salvage_env_version = recorder, request.env_version
+        state.salvage, state.salvage_env_version = log, request.env_version
         state.obs = None
         raise
-    batch = recorder.build()
+    batch = log.build()
     assert batch is not None
     return Rollout(request.worker, batch, request.env_version, state.timers.snapshot())
 
