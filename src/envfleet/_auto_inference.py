@@ -44,8 +44,17 @@ __all__ = ["AutoInference", "SamplerReport", "policy_on_gpu", "sampler_report"]
 
 # The calibration, in order: (mode, timed). Each piece is ``num_envs * segment_length`` steps
 # (one round of worker inference); the untimed pieces take the start-up costs (the policy's
-# first calls, the workers' policy copies) out of the timed ones.
-_CALIBRATION = (("driver", False), ("driver", True), ("worker", False), ("worker", True))
+# first calls, the workers' policy copies) out of the timed ones. The timed pieces alternate,
+# two of each mode, so that a stretch of load from outside (a noisy machine) weighs on both
+# modes rather than on the one it happened to hit.
+_CALIBRATION = (
+    ("driver", False),
+    ("worker", False),
+    ("driver", True),
+    ("worker", True),
+    ("driver", True),
+    ("worker", True),
+)
 
 
 def policy_on_gpu(policy: Any) -> bool:
@@ -166,7 +175,7 @@ class AutoInference(Inference):
 
     @property
     def measured(self) -> dict[str, float]:
-        """Each calibrated mode's steps/s in its timed piece."""
+        """Each calibrated mode's steps/s over its timed pieces."""
         return {mode: n / s if s > 0 else math.inf for mode, (n, s) in self.timed.items()}
 
     def choose(self) -> None:

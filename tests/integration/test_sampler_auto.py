@@ -20,9 +20,9 @@ import pytest
 from envfleet import EpisodeBatch, Sampler, SamplerReport
 from tests.integration.test_sampler import SEED, PolePolicy, assert_matches_model, check_segments
 
-# segment_length 4 with 6 envs: each calibration piece is 24 steps, the four of them 96.
+# segment_length 4 with 6 envs: each calibration piece is 24 steps, the six of them 144.
 AUTO = dict(num_workers=2, segment_length=4)
-CALIBRATION_STEPS = 4 * 6 * 4
+CALIBRATION_STEPS = 6 * 6 * 4
 
 
 class SlowWhere(PolePolicy):
@@ -128,7 +128,7 @@ def test_auto_is_driver_inference_when_workers_cannot_run_the_policy(
 def test_a_policy_update_during_the_calibration_tags_and_drops_stale_steps() -> None:
     with Sampler("CartPole-v1", PolePolicy(tag=0), 6, seed=SEED, **AUTO) as sampler:
         seen = []
-        for version in range(1, 7):  # updates land in every piece of the calibration
+        for version in range(1, 8):  # updates land in every piece of the calibration
             batch = sampler.sample(20)
             check_segments(batch)
             assert (batch.policy_version == version - 1).all()
@@ -136,7 +136,7 @@ def test_a_policy_update_during_the_calibration_tags_and_drops_stale_steps() -> 
             seen.append(sampler.report().inference)
             assert sampler.update_policy({"tag": version}) == version
         batch = sampler.sample(30)
-        assert (batch.agent_infos["tag"] == 6).all() and (batch.policy_version == 6).all()
+        assert (batch.agent_infos["tag"] == 7).all() and (batch.policy_version == 7).all()
         assert {"driver", "worker"} <= set(seen)  # both modes ran, each honoured the updates
 
 
@@ -190,3 +190,20 @@ def test_worker_policies_run_torch_on_one_thread_each(backend: str) -> None:
         assert (batch.agent_infos["threads"] == 1).all()
     finally:
         torch.set_num_threads(before)
+
+
+def test_the_calibration_alternates_the_modes_it_times() -> None:
+    # Each sample of one piece (24 steps) runs in one mode: warm-ups of driver then worker,
+    # then the timed pieces alternate, so that outside load weighs on both modes.
+    with Sampler("CartPole-v1", PolePolicy(), 6, seed=SEED, **AUTO) as sampler:
+        modes = []
+        for _ in range(6):
+            assert sampler.report().choice == "calibrating"
+            assert sampler.sample(24).num_steps == 24
+            modes.append(sampler.report().inference)
+        report = sampler.report()
+    assert modes[:5] == ["driver", "worker", "driver", "worker", "driver"]
+    assert report.choice.startswith("calibrated") and set(report.calibration) == {
+        "driver",
+        "worker",
+    }
