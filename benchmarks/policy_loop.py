@@ -13,7 +13,9 @@ plain loop (obs -> policy -> step); PufferLib 3's ``Multiprocessing`` vector env
 a plain loop and two workers with recv/send (a row with the install command when pufferlib is
 missing); envfleet's ``make()`` in a plain loop; envfleet's first-ready pool
 (``batch_size = N/2``: recv -> policy -> send); ``envfleet.Sampler`` with driver and with worker
-inference (``sample(64 N)`` in a loop, counting transitions).
+inference (``sample(64 N)`` in a loop). Every system counts transitions: a step that only
+resets an env whose episode ended in the step before (gymnasium's ``NEXT_STEP`` autoreset,
+PufferLib's; the action is ignored) is not one.
 
 The bound: ``N / max(T_p, (T_p + N t_env) / cores)``, with ``T_p`` the policy's time on a batch
 of N (measured), ``t_env`` one env's step time in a plain loop (measured) and ``cores`` those

@@ -171,9 +171,13 @@ def measure_policy_loop(
     Loops: ``gym-*``, ``puffer-sync``, ``envfleet``: ``actions = policy(obs)``,
     ``obs = envs.step(actions)[0]``; ``envfleet-pool`` (``batch_size = num_envs // 2``) and
     ``puffer-async``: ``recv`` -> policy -> ``send``; ``sampler``, ``sampler-*``:
-    ``Sampler.sample(64 * num_envs)``, counting the transitions returned (``sampler`` is the
-    default, ``inference="auto"``, its calibration done before the warm-up;
-    ``sampler-driver`` and ``sampler-worker`` ask for one mode).
+    ``Sampler.sample(64 * num_envs)`` (``sampler`` is the default, ``inference="auto"``, its
+    calibration done before the warm-up; ``sampler-driver`` and ``sampler-worker`` ask for
+    one mode). Every loop counts transitions: the plain and first-ready loops autoreset in
+    the step after an episode's end (gymnasium's ``NEXT_STEP``, PufferLib's), which returns
+    the reset observation and ignores the action, and that step is not counted (about one
+    step in 20 of CartPole's under an untrained policy); the Sampler returns transitions
+    only (``SAME_STEP``).
 
     Args:
         workload: a :class:`Workload` (see :func:`workloads`).
@@ -444,11 +448,12 @@ def _loop(
         pool = envfleet.make(factory, n, batch_size=batch)
         closers.append(pool.close)
         pool.async_reset(seed=seed)
+        resets = _Resets(n)
 
         def pool_step() -> int:
-            obs, _, _, _, info = pool.recv()
+            obs, _, terminated, truncated, info = pool.recv()
             pool.send(policy(obs), info["env_id"])
-            return batch
+            return resets.taken(info["env_id"], terminated, truncated)
 
         return pool_step
     if system in ("sampler", "sampler-driver", "sampler-worker"):
@@ -479,16 +484,36 @@ def _plain_loop(
     closers: list[Callable[[], None]],
 ) -> Callable[[], int]:
     """The plain loop's iteration over a vector env ``envs`` of ``n`` envs (reset with
-    ``seed`` here; its ``close`` goes into ``closers``): obs -> policy -> step."""
+    ``seed`` here; its ``close`` goes into ``closers``): obs -> policy -> step. It returns
+    the transitions taken: an env whose episode ended in the last step is reset by this
+    one (gymnasium's ``NEXT_STEP`` autoreset, PufferLib's), its action ignored."""
     closers.append(envs.close)
     obs = envs.reset(seed=seed)[0]
+    resetting = 0  # envs whose episode ended in the last step
 
     def plain() -> int:
-        nonlocal obs
-        obs = envs.step(policy(obs))[0]
-        return n
+        nonlocal obs, resetting
+        obs, _, terminated, truncated = envs.step(policy(obs))[:4]
+        taken = n - resetting
+        resetting = int(np.count_nonzero(np.logical_or(terminated, truncated)))
+        return taken
 
     return plain
+
+
+class _Resets:
+    """The envs of a first-ready loop whose episode ended when they were last received: their
+    next result is a reset's (``NEXT_STEP`` autoreset), not a transition."""
+
+    def __init__(self, n: int):
+        self.pending = np.zeros(n, dtype=np.bool_)
+
+    def taken(self, env_ids: Any, terminated: Any, truncated: Any) -> int:
+        """Transitions among the results of ``env_ids`` just received."""
+        ids = np.asarray(env_ids, dtype=np.intp)
+        taken = len(ids) - int(np.count_nonzero(self.pending[ids]))
+        self.pending[ids] = np.logical_or(terminated, truncated)
+        return taken
 
 
 def _puffer_loop(
@@ -522,10 +547,11 @@ def _puffer_loop(
     )  # fmt: skip
     closers.append(venv.close)
     venv.async_reset(seed)
+    resets = _Resets(n)
 
     def recv_send() -> int:
-        obs = venv.recv()[0]
+        obs, _, terminated, truncated, _, _, env_ids, _ = venv.recv()
         venv.send(policy(obs))
-        return batch
+        return resets.taken(env_ids, terminated, truncated)
 
     return recv_send

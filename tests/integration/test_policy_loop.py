@@ -191,3 +191,35 @@ def test_measure_policy_loop_rejects_bad_arguments():
         measure_policy_loop(workload, ["gym-sync"], 0.1, repeats=0)
     with pytest.raises(ConfigError, match="no system"):
         measure_policy_loop(workload, [], 0.1)
+
+
+class _ThreeStepEnv(gymnasium.Env):
+    """Episodes of exactly three steps."""
+
+    observation_space = gymnasium.spaces.Box(0, 3, (1,), np.float32)
+    action_space = gymnasium.spaces.Discrete(2)
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.t = 0
+        return np.zeros(1, np.float32), {}
+
+    def step(self, action):
+        self.t += 1
+        return np.full(1, self.t, np.float32), 0.0, self.t == 3, False, {}
+
+
+def test_loops_count_transitions_not_the_steps_that_only_reset():
+    from envfleet._policy_loop import _plain_loop, _Resets
+
+    closers: list = []
+    envs = gymnasium.vector.SyncVectorEnv([_ThreeStepEnv] * 2)  # NEXT_STEP autoreset
+    plain = _plain_loop(envs, 2, lambda obs: np.zeros(len(obs), np.int64), 0, closers)
+    # Steps 1-3 are transitions; step 4 resets both envs (actions ignored); and again.
+    assert [plain() for _ in range(8)] == [2, 2, 2, 0, 2, 2, 2, 0]
+    for close in closers:
+        close()
+    resets = _Resets(4)
+    assert resets.taken([0, 1], [True, False], [False, False]) == 2
+    assert resets.taken([2, 0], [False, False], [False, True]) == 1  # env 0's was a reset
+    assert resets.taken([0, 1], [False, False], [False, False]) == 1  # and again: truncated
