@@ -53,6 +53,7 @@ POLICY_SYSTEMS: tuple[str, ...] = (
     "sampler-worker",
 )
 _GYM_LOOPS = ("gym-sync", "gym-async")
+_PEER_LOOPS = (*_GYM_LOOPS, "puffer-sync", "puffer-async")
 
 
 def usable_cores() -> int:
@@ -115,6 +116,10 @@ class PolicyLoopResult:
         of_bound: ``steps_per_s`` over the workload's bound.
         vs_best_gym: median over repetitions of this system's steps/s over the faster of
             gymnasium's two loops in the same repetition (``nan`` without a gymnasium loop).
+        vs_best_peer: the same over the fastest peer loop of the repetition: gymnasium's
+            two and PufferLib's two (``nan`` without any).
+        vs_envfleet_loop: the same over envfleet's plain loop (``envfleet``) of the
+            repetition (``nan`` without it).
         runs: steps/s of each repetition.
         skipped: why the system was not measured (e.g. how to install it), else ``None``.
         notes: per repetition, what the system said of itself (``sampler``: the inference
@@ -128,6 +133,8 @@ class PolicyLoopResult:
     runs: tuple[float, ...]
     skipped: str | None = None
     notes: tuple[str, ...] = ()
+    vs_best_peer: float = math.nan
+    vs_envfleet_loop: float = math.nan
 
 
 @dataclass(frozen=True)
@@ -215,7 +222,11 @@ def measure_policy_loop(
     active = [s for s in systems if s not in skipped]
     runs: dict[str, list[float]] = {s: [] for s in active}
     notes: dict[str, list[str]] = {s: [] for s in active}
+    # Per system, per repetition: its steps/s over the best gymnasium loop, the best peer
+    # loop and envfleet's plain loop of that repetition (machines drift between repetitions).
     ratios: dict[str, list[float]] = {s: [] for s in active}
+    peer_ratios: dict[str, list[float]] = {s: [] for s in active}
+    loop_ratios: dict[str, list[float]] = {s: [] for s in active}
     for rep in range(repeats):
         shift = rep % len(active) if active else 0
         for system in active[shift:] + active[:shift]:
@@ -226,8 +237,12 @@ def measure_policy_loop(
             if note:
                 notes[system].append(note)
         best_gym = max((runs[s][-1] for s in _GYM_LOOPS if s in runs), default=math.nan)
+        best_peer = max((runs[s][-1] for s in _PEER_LOOPS if s in runs), default=math.nan)
+        plain = runs["envfleet"][-1] if "envfleet" in runs else math.nan
         for system in active:
             ratios[system].append(runs[system][-1] / best_gym)
+            peer_ratios[system].append(runs[system][-1] / best_peer)
+            loop_ratios[system].append(runs[system][-1] / plain)
     results = []
     for system in systems:
         if system in skipped:
@@ -243,6 +258,8 @@ def measure_policy_loop(
                 _median(ratios[system]),
                 tuple(runs[system]),
                 notes=tuple(notes[system]),
+                vs_best_peer=_median(peer_ratios[system]),
+                vs_envfleet_loop=_median(loop_ratios[system]),
             )
         )
     return PolicyLoopReport(
@@ -274,7 +291,8 @@ def policy_report_dict(report: PolicyLoopReport) -> dict[str, Any]:
 
 def policy_table(report: PolicyLoopReport) -> str:
     """A learner's-loop report as Markdown: a line on the workload and its bound, then a table
-    of ``system | steps/s | of bound | vs best gym`` (a skipped system says why)."""
+    of ``system | steps/s | of bound | vs best gym | vs best peer | vs envfleet loop`` (a
+    skipped system says why; the ratios are medians of each repetition's)."""
     b = report.bound
     lines = [
         f"{report.env_id} x{report.num_envs}, {report.policy} policy: bound "
@@ -282,15 +300,16 @@ def policy_table(report: PolicyLoopReport) -> str:
         f"t_env = {b.t_env_s * 1e6:,.1f} us, {b.cores} cores); {report.seconds:g} s per "
         f"system, {report.repeats} repetition(s), medians",
         "",
-        "| system | steps/s | of bound | vs best gym |",
-        "|---|---:|---:|---:|",
+        "| system | steps/s | of bound | vs best gym | vs best peer | vs envfleet loop |",
+        "|---|---:|---:|---:|---:|---:|",
     ]
     for r in report.results:
         if r.skipped is not None:
-            lines.append(f"| {r.system} | not installed: {r.skipped} | - | - |")
+            lines.append(f"| {r.system} | not installed: {r.skipped} | - | - | - | - |")
         else:
             lines.append(
-                f"| {r.system} | {r.steps_per_s:,.0f} | {r.of_bound:.2f} | {r.vs_best_gym:.2f} |"
+                f"| {r.system} | {r.steps_per_s:,.0f} | {r.of_bound:.2f} | {r.vs_best_gym:.2f} "
+                f"| {r.vs_best_peer:.2f} | {r.vs_envfleet_loop:.2f} |"
             )
     chosen = [(r.system, note) for r in report.results for note in dict.fromkeys(r.notes)]
     if chosen:

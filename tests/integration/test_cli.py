@@ -319,7 +319,7 @@ def check_policy_report(report: dict, env_id: str, num_envs: int, policy: str) -
             continue
         assert r["steps_per_s"] > 0
         assert math.isclose(r["of_bound"], r["steps_per_s"] / bound["steps_per_s"], rel_tol=1e-9)
-        assert r["vs_best_gym"] > 0
+        assert r["vs_best_gym"] > 0 and r["vs_best_peer"] > 0 and r["vs_envfleet_loop"] > 0
 
 
 @pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="needs torch")
@@ -328,7 +328,7 @@ def test_bench_policy_mlp_prints_every_system():
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
     assert "CartPole-v1 x2, mlp policy: bound" in out
-    for column in ("steps/s", "of bound", "vs best gym"):
+    for column in ("steps/s", "of bound", "vs best gym", "vs best peer", "vs envfleet loop"):
         assert column in out
     rows = [line for line in out.splitlines() if line.startswith("| ") and "---" not in line]
     assert [row.split("|")[1].strip() for row in rows[1:]] == POLICY_SYSTEMS

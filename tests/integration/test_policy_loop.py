@@ -170,10 +170,19 @@ def test_measure_policy_loop_every_system_tiny_budget():
     # Each repetition's ratio is to the faster gymnasium loop of that repetition.
     gym = zip(by_system["gym-sync"].runs, by_system["gym-async"].runs, strict=True)
     best = [max(a, b) for a, b in gym]
+    peers = [by_system[p].runs for p in ("gym-sync", "gym-async", "puffer-sync", "puffer-async")]
+    best_peer = [max(rates) for rates in zip(*(runs for runs in peers if runs), strict=True)]
+    plain = by_system["envfleet"].runs
     for r in report.results:
         if r.runs:
-            ratios = [rate / ref for rate, ref in zip(r.runs, best, strict=True)]
-            assert r.vs_best_gym == pytest.approx(float(np.median(ratios)))
+            for got, refs in (
+                (r.vs_best_gym, best),
+                (r.vs_best_peer, best_peer),
+                (r.vs_envfleet_loop, plain),
+            ):
+                ratios = [rate / ref for rate, ref in zip(r.runs, refs, strict=True)]
+                assert got == pytest.approx(float(np.median(ratios)))
+    assert by_system["envfleet"].vs_envfleet_loop == pytest.approx(1.0)
     # The default Sampler says, per repetition, which inference its calibration chose.
     notes = by_system["sampler"].notes
     assert len(notes) == 2
