@@ -544,6 +544,80 @@ def test_replies_in_the_mailbox_or_on_the_pipe(make_env):
         sync.close()
 
 
+def _big_reply(group, n):
+    """A task's reply with arrays above and below the reply region's threshold."""
+    return {
+        "big": np.arange(n, dtype=np.float64) + group.start,
+        "small": np.full(3, group.start),
+        "transposed": [np.ones((n // 8, 8), np.uint8).T],
+    }
+
+
+def test_large_arrays_of_a_reply_come_through_the_reply_region(snapshot):
+    """Arrays of REGION_MIN_BYTES or more in a reply travel through the worker's reply
+    region (a new one, its descriptor on the pipe, when it must grow) and come out equal,
+    writable and the caller's; the rest of the reply is pickled as before."""
+    from envfleet._backends import processes_worker as processes
+
+    fleet = envfleet.make("CartPole-v1", 4, num_workers=2)
+    where = fleet._backend._control[:, processes.REPLY_PAYLOAD]
+    groups = dict.fromkeys(range(2))
+    try:
+        seen = []
+        for n in (10, 1 << 17, 1 << 17, 1 << 20, 1 << 14):
+            fleet.run_in_workers_async(_big_reply, {g: n for g in groups})
+            out = fleet.run_in_workers_wait()
+            for g, (start, _) in enumerate(fleet.worker_ranges):
+                reply = out[g]
+                assert np.array_equal(reply["big"], np.arange(n) + start)
+                assert reply["small"].tolist() == [start] * 3
+                assert reply["transposed"][0].shape == (8, n // 8)
+                assert reply["transposed"][0].all()
+                reply["big"][:] = -1  # the caller's: writable, and no longer the region's
+            seen.append(int(where[0]) & ~3)
+        assert seen == [
+            0,  # small: pickled whole
+            processes.IN_REGION | processes.NEW_REGION,  # the first region
+            processes.IN_REGION,  # reused
+            processes.IN_REGION | processes.NEW_REGION,  # grown
+            0,  # every array below the threshold
+        ]
+        assert all(region is not None for region in fleet._backend._regions)
+    finally:
+        fleet.close()
+    assert all(region is None for region in fleet._backend._regions)
+    snapshot.assert_nothing_left()
+
+
+def test_a_restarted_worker_sends_a_reply_region_of_its_own(snapshot):
+    """A worker killed and restarted (restart policy) starts without a region: its next
+    large reply brings a new one, and the driver reads that one, not the dead worker's."""
+    from envfleet._backends import processes_worker as processes
+
+    policy = envfleet.RestartPolicy(max_restarts=5, window_s=60)
+    fleet = envfleet.make("CartPole-v1", 4, num_workers=2, restart_policy=policy)
+    where = fleet._backend._control[:, processes.REPLY_PAYLOAD]
+    groups = {0: 1 << 17, 1: 1 << 17}
+    try:
+        fleet.reset(seed=0)
+        fleet.run_in_workers_async(_big_reply, groups)
+        fleet.run_in_workers_wait()
+        os.kill(fleet._backend._procs[1].pid, signal.SIGKILL)
+        fleet._backend._procs[1].join()
+        info = fleet.step(_zeros(4))[4]  # restarts worker 1
+        start, stop = fleet.worker_ranges[1]
+        assert info["_env_restarted"][start:stop].all() and not info["_env_restarted"][:start].any()
+        fleet.run_in_workers_async(_big_reply, groups)
+        out = fleet.run_in_workers_wait()
+        assert int(where[0]) & ~3 == processes.IN_REGION  # worker 0 kept its region
+        assert int(where[1]) & ~3 == processes.IN_REGION | processes.NEW_REGION
+        for g, (start, _) in enumerate(fleet.worker_ranges):
+            assert np.array_equal(out[g]["big"], np.arange(1 << 17) + start)
+    finally:
+        fleet.close()
+    snapshot.assert_nothing_left()
+
+
 # -- the worker-process toolkit (envfleet._workers) ------------------------------------------
 
 

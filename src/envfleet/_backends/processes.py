@@ -33,12 +33,15 @@ import contextlib
 import ctypes
 import functools
 import logging
+import mmap
 import multiprocessing
 import multiprocessing.sharedctypes
+import os
 import pickle
 import sys
 import time
 from collections.abc import Callable, Mapping
+from multiprocessing import reduction
 from multiprocessing.connection import Connection
 from typing import Any, cast
 
@@ -64,12 +67,15 @@ from envfleet._backends.processes_worker import (
     CMD_PAYLOAD,
     GROUP_BYTES,
     IN_MAILBOX,
+    IN_REGION,
     MAILBOX_BYTES,
+    NEW_REGION,
     REPLY_BYTES,
     REPLY_PAYLOAD,
     STATUS,
     control_words,
     mailbox,
+    read_region,
     stats_rows,
     word_view,
 )
@@ -175,6 +181,8 @@ class ProcessesBackend(WorkerProcesses):
         self._local_failure: EnvFailure | None = None
         self._procs: list[Any] = [None] * groups
         self._conns: list[Connection | None] = [None] * groups
+        # Per worker, the driver's mapping of its reply region (ReplyRegion), once it sent one.
+        self._regions: list[mmap.mmap | None] = [None] * groups
         self._doorbells: list[Doorbell | None] = [None] * groups
         self._budgets = [SpinBudget(plan.driver_spin_s) for _ in range(groups)]
         self._any_budget = SpinBudget(plan.driver_spin_s)
@@ -513,11 +521,9 @@ class ProcessesBackend(WorkerProcesses):
         status = words[STATUS]
         payload = None
         where = words[REPLY_PAYLOAD]
-        if where == IN_MAILBOX:
-            payload = pickle.loads(self._mailboxes[g][: words[REPLY_BYTES]])
-        elif where:
+        if where:
             try:
-                payload = pickle.loads(cast(Connection, self._conns[g]).recv_bytes())
+                payload = self._reply_payload(g, where, words[REPLY_BYTES])
             except (EOFError, OSError):
                 done.crashed[g] = ""
                 if fail_fast:
@@ -527,6 +533,35 @@ class ProcessesBackend(WorkerProcesses):
             done.failures[g] = cast(Failure, payload)
         else:
             done.results[g] = payload
+
+    def _reply_payload(self, g: int, where: int, size: int) -> Any:
+        """Worker ``g``'s reply payload: from its mailbox or its pipe (``where``), with its
+        large buffers from its reply region (processes_worker.ReplyRegion).
+
+        Raises:
+            EOFError, OSError: the pipe closed (the worker died while sending).
+        """
+        conn = cast(Connection, self._conns[g])
+        if where & NEW_REGION:  # the worker's new reply region: its descriptor comes first
+            try:
+                fd = reduction.recv_handle(conn)
+            except (EOFError, OSError):
+                raise
+            except Exception as exc:  # no descriptor came (recvfds' RuntimeError)
+                raise EOFError(str(exc)) from exc
+            try:
+                old, self._regions[g] = (
+                    self._regions[g],
+                    mmap.mmap(fd, os.fstat(fd).st_size, prot=mmap.PROT_READ),
+                )
+            finally:
+                os.close(fd)
+            if old is not None:
+                old.close()
+        blob = self._mailboxes[g][:size] if where & IN_MAILBOX else conn.recv_bytes()
+        if where & IN_REGION:
+            return read_region(self._regions[g], blob)
+        return pickle.loads(blob)
 
     # -- the mechanics the supervisor uses (Supervised) ---------------------------------------
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import mmap
 import multiprocessing
 import os
 import time
@@ -79,6 +80,7 @@ class WorkerProcesses(Backend):
     _any_done: Any
     _procs: list[Any]
     _conns: list[Connection | None]
+    _regions: list[mmap.mmap | None]
     _doorbells: list[Doorbell | None]
     _remote: list[int]
     _pending: list[int]
@@ -208,9 +210,16 @@ class WorkerProcesses(Backend):
             proc.kill()
         proc.join()
         cast(Connection, self._conns[g]).close()
+        self._drop_region(g)  # the new worker sends its own
         with contextlib.suppress(ValueError):
             proc.close()
         self.start_worker(g)
+
+    def _drop_region(self, g: int) -> None:
+        """Unmap worker ``g``'s reply region (its memory goes with the last mapping)."""
+        region, self._regions[g] = self._regions[g], None
+        if region is not None:
+            region.close()
 
     def crash_error(
         self, w: int, step: int, note: str, reason: str, starting: bool
@@ -275,6 +284,8 @@ class WorkerProcesses(Backend):
         for conn in self._conns:
             if conn is not None:
                 conn.close()
+        for g in range(len(self._regions)):
+            self._drop_region(g)
         for proc in procs:
             with contextlib.suppress(ValueError):
                 proc.close()

@@ -59,8 +59,11 @@ __all__ = [
     "GROUP_BYTES",
     "GroupLayout",
     "IN_MAILBOX",
+    "IN_REGION",
     "MAILBOX_BYTES",
+    "NEW_REGION",
     "ON_PIPE",
+    "REGION_MIN_BYTES",
     "REPLY_BYTES",
     "REPLY_PAYLOAD",
     "STATUS",
@@ -70,6 +73,7 @@ __all__ = [
     "control_words",
     "mailbox",
     "mapped_block",
+    "read_region",
     "send_block",
     "stats_rows",
     "word_view",
@@ -77,6 +81,10 @@ __all__ = [
 ]
 
 MAILBOX_BYTES = 64 << 10  # per worker: a pickled reply up to this size skips the pipe
+# A reply's arrays (contiguous buffers) of at least this size travel out of band, through the
+# worker's reply region (ReplyRegion), not in the pickle (a round of worker inference hands
+# back megabytes of observations).
+REGION_MIN_BYTES = 256 << 10
 
 # Per group in the control region: 8 int64 control words (one cache line, so workers never
 # share a line), then the doorbell's two semaphores.
@@ -84,6 +92,10 @@ WORDS = 8
 GROUP_BYTES = 8 * WORDS + 2 * SEM_SLOT
 CMD, CMD_PAYLOAD, STATUS, REPLY_PAYLOAD, REPLY_BYTES = 0, 1, 2, 3, 4
 ON_PIPE, IN_MAILBOX = 1, 2  # where a reply's payload is (REPLY_PAYLOAD; 0: none)
+# Added to REPLY_PAYLOAD: the payload is ``(pickle, buffer sizes)`` whose out-of-band buffers
+# lie one after the other in the worker's reply region (IN_REGION), a new one whose file
+# descriptor comes first on the pipe (NEW_REGION as well).
+IN_REGION, NEW_REGION = 4, 8
 _COMMANDS = {int(c): c for c in Command}  # control word -> Command, without Enum's lookup
 # The hot path's Enum members as module globals: an Enum member lookup costs ~70 ns.
 _STEP, _CLOSE = Command.STEP, Command.CLOSE
@@ -204,6 +216,85 @@ def attach_block(conn: Connection) -> GroupLayout:
     return layout
 
 
+def _anonymous_file(name: str, nbytes: int) -> int:
+    """A new anonymous shared-memory file of ``nbytes`` bytes (memfd; elsewhere an unlinked
+    temporary file): nothing to unlink, its memory goes with its last descriptor or mapping."""
+    if hasattr(os, "memfd_create"):
+        fd = os.memfd_create(name)
+    else:  # no memfd (macOS)
+        fd, path = tempfile.mkstemp(prefix=f"{name}-")
+        os.unlink(path)
+    try:
+        os.ftruncate(fd, nbytes)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+class ReplyRegion:
+    """A worker's shared memory for the large arrays of its replies: pickled with their
+    buffers out of band (pickle protocol 5), those of :data:`REGION_MIN_BYTES` or more are
+    written here, once, instead of into the pickle, down the pipe and out of it again.
+
+    The region is an anonymous file (no name, so nothing to leak) that grows as needed: a
+    grown region is a new file whose descriptor goes to the driver on the pipe
+    (:data:`NEW_REGION`). The driver copies the buffers out before it sends the next command,
+    and the worker writes the region only while replying, so one region serves every reply.
+    """
+
+    def __init__(self) -> None:
+        self.memory: mmap.mmap | None = None
+
+    def dumps(self, payload: Any) -> tuple[bytes, int, int | None]:
+        """``(pickle, flags, fd)``: the payload pickled with its large buffers in the region
+        (``flags`` :data:`IN_REGION`, plus :data:`NEW_REGION` with the new region's ``fd``,
+        which the caller sends and closes), or pickled whole (``flags`` 0)."""
+        buffers: list[pickle.PickleBuffer] = []
+
+        def out_of_band(buffer: pickle.PickleBuffer) -> bool:
+            view = buffer.raw()
+            if view.nbytes < REGION_MIN_BYTES:
+                return True  # in band
+            buffers.append(buffer)
+            return False
+
+        blob = pickle.dumps(payload, 5, buffer_callback=out_of_band)
+        if not buffers:
+            return blob, 0, None
+        sizes = [buffer.raw().nbytes for buffer in buffers]
+        need, flags, fd = sum(sizes), IN_REGION, None
+        if self.memory is None or len(self.memory) < need:
+            size = max(need, 2 * len(self.memory) if self.memory is not None else 0)
+            fd = _anonymous_file("envfleet-reply", size)
+            try:
+                memory = mmap.mmap(fd, size)
+            except BaseException:
+                os.close(fd)
+                raise
+            if self.memory is not None:
+                self.memory.close()
+            self.memory = memory
+            flags |= NEW_REGION
+        offset = 0
+        for buffer, size in zip(buffers, sizes, strict=True):
+            self.memory[offset : offset + size] = buffer.raw()
+            offset += size
+        return pickle.dumps((blob, sizes), pickle.HIGHEST_PROTOCOL), flags, fd
+
+
+def read_region(memory: Any, blob: bytes | memoryview) -> Any:
+    """The driver's side of :class:`ReplyRegion`: the payload of ``blob`` (``(pickle, buffer
+    sizes)``), its large buffers copied out of the region ``memory`` (a new ``bytearray``
+    each: the arrays are the caller's, writable, whatever the worker writes next)."""
+    inner, sizes = pickle.loads(blob)
+    buffers, offset = [], 0
+    for size in sizes:
+        buffers.append(bytearray(memory[offset : offset + size]))
+        offset += size
+    return pickle.loads(inner, buffers=buffers)
+
+
 class _Worker:
     """The worker side of one group: wait for the doorbell, run the command, reply."""
 
@@ -217,6 +308,7 @@ class _Worker:
         self.done, self.any_done = spec.doorbell.done, spec.any_done
         self.budget = SpinBudget(spec.spin_s)
         self.watch_ppid = spec.start_method != "forkserver"
+        self.region = ReplyRegion()
 
     def driver_alive(self) -> bool:
         if self.watch_ppid and os.getppid() != self.spec.parent_pid:
@@ -235,8 +327,9 @@ class _Worker:
             self.control[REPLY_PAYLOAD] = 0
             self.ring_done()
             return
+        flags, fd = 0, None
         try:
-            blob = pickle.dumps(payload, pickle.HIGHEST_PROTOCOL)
+            blob, flags, fd = self.region.dumps(payload)
         except Exception as exc:
             status = Status.ERROR
             self.control[STATUS] = status
@@ -245,15 +338,20 @@ class _Worker:
                 pickle.HIGHEST_PROTOCOL,
             )
         size = len(blob)
-        if size <= MAILBOX_BYTES:
+        if size <= MAILBOX_BYTES and fd is None:
             # The driver reads it once the ring is seen: the semaphore orders the writes.
             self.mailbox[:size] = blob
             self.control[REPLY_BYTES] = size
-            self.control[REPLY_PAYLOAD] = IN_MAILBOX
+            self.control[REPLY_PAYLOAD] = IN_MAILBOX | flags
             self.ring_done()
             return
-        self.control[REPLY_PAYLOAD] = ON_PIPE
+        self.control[REPLY_PAYLOAD] = ON_PIPE | flags
         self.ring_done()  # before sending: a large payload must not block the ring
+        if fd is not None:  # a new reply region: its descriptor first
+            try:
+                reduction.send_handle(self.conn, fd, self.spec.parent_pid)
+            finally:
+                os.close(fd)
         self.conn.send_bytes(blob)
 
     def serve(self, group: EnvGroup) -> None:
