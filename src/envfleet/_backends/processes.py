@@ -545,9 +545,7 @@ class ProcessesBackend(WorkerProcesses):
         if where & NEW_REGION:  # the worker's new reply region: its descriptor comes first
             try:
                 fd = reduction.recv_handle(conn)
-            except (EOFError, OSError):
-                raise
-            except Exception as exc:  # no descriptor came (recvfds' RuntimeError)
+            except RuntimeError as exc:  # recvfds: no descriptor came
                 raise EOFError(str(exc)) from exc
             try:
                 old, self._regions[g] = (

@@ -165,18 +165,29 @@ class WorkerSpec:
     start_method: str
 
 
+def _anonymous_file(name: str, nbytes: int) -> int:
+    """A new anonymous shared-memory file of ``nbytes`` bytes (memfd; elsewhere an unlinked
+    temporary file): nothing to unlink, its memory goes with its last descriptor or mapping."""
+    if hasattr(os, "memfd_create"):
+        fd = os.memfd_create(name)
+    else:  # no memfd (macOS)
+        fd, path = tempfile.mkstemp(prefix=f"{name}-")
+        os.unlink(path)
+    try:
+        os.ftruncate(fd, nbytes)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 def mapped_block(nbytes: int, spare_slabs: int) -> tuple[Block, int]:
     """A shared :class:`Block` over a new anonymous shared-memory file, and the file's
     descriptor, for workers started before the block's size was known: each gets the
     descriptor on its pipe (:func:`send_block`) and maps the same memory (:func:`attach_block`).
     The caller closes the descriptor when no worker can need it any more."""
-    if hasattr(os, "memfd_create"):
-        fd = os.memfd_create("envfleet-block")
-    else:  # no memfd (macOS): an unlinked temporary file
-        fd, path = tempfile.mkstemp(prefix="envfleet-block-")
-        os.unlink(path)
+    fd = _anonymous_file("envfleet-block", nbytes)
     try:
-        os.ftruncate(fd, nbytes)
         return _block_over(fd, nbytes, spare_slabs), fd
     except BaseException:
         os.close(fd)
@@ -214,22 +225,6 @@ def attach_block(conn: Connection) -> GroupLayout:
     finally:
         os.close(fd)  # the mapping keeps the memory
     return layout
-
-
-def _anonymous_file(name: str, nbytes: int) -> int:
-    """A new anonymous shared-memory file of ``nbytes`` bytes (memfd; elsewhere an unlinked
-    temporary file): nothing to unlink, its memory goes with its last descriptor or mapping."""
-    if hasattr(os, "memfd_create"):
-        fd = os.memfd_create(name)
-    else:  # no memfd (macOS)
-        fd, path = tempfile.mkstemp(prefix=f"{name}-")
-        os.unlink(path)
-    try:
-        os.ftruncate(fd, nbytes)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
 
 
 class ReplyRegion:
