@@ -65,7 +65,7 @@ class DriverInference(Inference):
     ) -> EpisodeBatch:
         if not self.started:
             self.restart_envs()
-        recorder = Recorder() if self.venv.is_pool else StepLog(self.ids)
+        recorder = self.new_log()
         current = 0
         while current < num_steps:
             _, versions, _ = self.step(policy, recorder)
@@ -75,6 +75,11 @@ class DriverInference(Inference):
         batch = recorder.build()
         assert batch is not None
         return self.keep_current(batch)
+
+    def new_log(self) -> Recorder | StepLog:
+        """What :meth:`step` records into: a pool's envs come in any order (a
+        :class:`Recorder`), a synchronous vector env's all together (a :class:`StepLog`)."""
+        return Recorder() if self.venv.is_pool else StepLog(self.ids)
 
     def step(
         self, policy: Policy, recorder: Recorder | StepLog
@@ -160,7 +165,7 @@ class DriverInference(Inference):
             if not self.started:
                 self.restart_envs()
             whole = self.action_version < 0  # envs that just reset: their next episode is whole
-        recorder = Recorder() if venv.is_pool else StepLog(self.ids)
+        recorder = self.new_log()
         ranges = venv.worker_ranges
         worker_of = np.repeat(np.arange(len(ranges)), [b - a for a, b in ranges])
         counts = np.zeros(venv.num_envs, dtype=np.int64)  # episodes each env ended

@@ -508,21 +508,19 @@ def _plain_loop(
     one (gymnasium's ``NEXT_STEP`` autoreset, PufferLib's), its action ignored."""
     closers.append(envs.close)
     obs = envs.reset(seed=seed)[0]
-    resetting = 0  # envs whose episode ended in the last step
+    every, resets = np.arange(n), _Resets(n)
 
     def plain() -> int:
-        nonlocal obs, resetting
+        nonlocal obs
         obs, _, terminated, truncated = envs.step(policy(obs))[:4]
-        taken = n - resetting
-        resetting = int(np.count_nonzero(np.logical_or(terminated, truncated)))
-        return taken
+        return resets.taken(every, terminated, truncated)
 
     return plain
 
 
 class _Resets:
-    """The envs of a first-ready loop whose episode ended when they were last received: their
-    next result is a reset's (``NEXT_STEP`` autoreset), not a transition."""
+    """The envs of a loop whose episode ended when they were last received: their next result
+    is a reset's (``NEXT_STEP`` autoreset), not a transition."""
 
     def __init__(self, n: int):
         self.pending = np.zeros(n, dtype=np.bool_)

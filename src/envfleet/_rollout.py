@@ -429,8 +429,9 @@ class StepLog:
             return joined.reshape(steps, k, *inner).swapaxes(0, 1).reshape(k * steps, *inner)
 
         terminated, truncated = by_env(*self._terminated), by_env(*self._truncated)
+        done = terminated | truncated
         versions = np.array(self._versions, dtype=np.int64)
-        ends = (terminated | truncated).reshape(k, steps)
+        ends = done.reshape(k, steps).copy()
         ends[:, -1] = True
         ends[:, :-1] |= (versions[1:] != versions[:-1])[None, :]
         last = np.flatnonzero(ends)
@@ -439,8 +440,8 @@ class StepLog:
             lambda leaf: np.empty((len(last), *leaf.shape[1:]), leaf.dtype), self._obs[0]
         )
         for s, (j, t) in enumerate(zip(env_of.tolist(), step_of.tolist(), strict=True)):
-            source = self._finals.get(t)
-            if source is None or not (terminated[j * steps + t] or truncated[j * steps + t]):
+            source = self._finals.get(t) if done[last[s]] else None
+            if source is None:
                 source = self._obs[t + 1] if t + 1 < steps else self._after
 
             def put(out: np.ndarray, leaf: np.ndarray, s: int = s, j: int = j) -> None:

@@ -245,19 +245,19 @@ class ReplyRegion:
         """``(pickle, flags, fd)``: the payload pickled with its large buffers in the region
         (``flags`` :data:`IN_REGION`, plus :data:`NEW_REGION` with the new region's ``fd``,
         which the caller sends and closes), or pickled whole (``flags`` 0)."""
-        buffers: list[pickle.PickleBuffer] = []
+        buffers: list[memoryview] = []
 
         def out_of_band(buffer: pickle.PickleBuffer) -> bool:
             view = buffer.raw()
             if view.nbytes < REGION_MIN_BYTES:
                 return True  # in band
-            buffers.append(buffer)
+            buffers.append(view)
             return False
 
         blob = pickle.dumps(payload, 5, buffer_callback=out_of_band)
         if not buffers:
             return blob, 0, None
-        sizes = [buffer.raw().nbytes for buffer in buffers]
+        sizes = [view.nbytes for view in buffers]
         need, flags, fd = sum(sizes), IN_REGION, None
         if self.memory is None or len(self.memory) < need:
             size = max(need, 2 * len(self.memory) if self.memory is not None else 0)
@@ -272,8 +272,8 @@ class ReplyRegion:
             self.memory = memory
             flags |= NEW_REGION
         offset = 0
-        for buffer, size in zip(buffers, sizes, strict=True):
-            self.memory[offset : offset + size] = buffer.raw()
+        for view, size in zip(buffers, sizes, strict=True):
+            self.memory[offset : offset + size] = view
             offset += size
         return pickle.dumps((blob, sizes), pickle.HIGHEST_PROTOCOL), flags, fd
 
