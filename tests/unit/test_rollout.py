@@ -25,6 +25,7 @@ def _random_steps(rng: np.random.Generator, steps: int) -> list[dict[str, Any]]:
     and a policy version that changes twice."""
     batched = batch_space(SPACE, K)
     batched.seed(int(rng.integers(1 << 30)))
+    SPACE.seed(int(rng.integers(1 << 30)))  # the final observations: the same data per seed
     out = []
     obs = batched.sample()
     for t in range(steps):
