@@ -284,9 +284,13 @@ def read_region(memory: Any, blob: bytes | memoryview) -> Any:
     each: the arrays are the caller's, writable, whatever the worker writes next)."""
     inner, sizes = pickle.loads(blob)
     buffers, offset = [], 0
-    for size in sizes:
-        buffers.append(bytearray(memory[offset : offset + size]))
-        offset += size
+    # Copied once, through a view: slicing the mmap itself would make a bytes copy first.
+    # The views are released before returning, so that the region can be closed.
+    with memoryview(memory) as region:
+        for size in sizes:
+            with region[offset : offset + size] as part:
+                buffers.append(bytearray(part))
+            offset += size
     return pickle.loads(inner, buffers=buffers)
 
 
