@@ -23,6 +23,7 @@ import numpy as np
 from gymnasium import spaces
 
 __all__ = [
+    "ActionDtypeEnv",
     "CrashEnv",
     "FlakyEnv",
     "IndexedEnv",
@@ -753,6 +754,46 @@ class SideActionEnv(gym.Env):
         u = self.np_random.random()
         obs = np.array([len(word), sum(map(ord, word)) % 97, move[0] + u], dtype=np.float32)
         return obs, float(move[1]) + len(word), bool(u < 0.1), bool(0.1 <= u < 0.13), {}
+
+
+class ActionDtypeEnv(gym.Env):
+    """Reports the action it was handed: its observation is computed in float64 from the
+    action's own value (a float32-rounded action gives other bits), and its info names each
+    leaf's type and dtype. ``kind="box"``: a float32 Box action; ``"dict"``: a Dict of a
+    float32 Box and a Discrete; ``"tuple"``: the same as a Tuple; ``"side"``: a Dict of a
+    Text and a float32 Box."""
+
+    def __init__(self, kind: str = "box", env_index: int = 0):
+        self.env_index = env_index
+        box = spaces.Box(-1.0, 1.0, (2,), np.float32)
+        if kind == "box":
+            self.action_space: spaces.Space[Any] = box
+        elif kind == "dict":
+            self.action_space = spaces.Dict({"move": box, "pick": spaces.Discrete(3)})
+        elif kind == "tuple":
+            self.action_space = spaces.Tuple((box, spaces.Discrete(3)))
+        else:
+            self.action_space = spaces.Dict({"word": spaces.Text(4, min_length=1), "move": box})
+        self.observation_space = spaces.Box(-np.inf, np.inf, (3,), np.float64)
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
+        super().reset(seed=seed)
+        return self.np_random.random(3), {}
+
+    def step(self, action: Any):
+        if isinstance(action, tuple):
+            leaves = {"move": action[0], "pick": action[1]}
+        else:
+            leaves = action if isinstance(action, dict) else {"move": action}
+        move = leaves["move"]
+        u = self.np_random.random()
+        # float64 arithmetic on the action as handed over: float32 rows show in the bits.
+        obs = np.array([move[0] * 1.000000001 + u, move[1] / 3.0, u], dtype=np.float64)
+        info = {
+            key: f"{type(value).__name__}:{np.asarray(value).dtype}"
+            for key, value in leaves.items()
+        }
+        return obs, float(move[0]) / 7.0, bool(u < 0.05), False, info
 
 
 class ReusedGraphEnv(gym.Env):

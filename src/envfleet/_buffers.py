@@ -40,6 +40,7 @@ __all__ = [
     "batch_nbytes",
     "check_fixed_size",
     "fill_side",
+    "fixed_leaf_flags",
     "fixed_part",
     "is_leaf",
     "side_leaves",
@@ -84,6 +85,16 @@ def side_leaves(space: spaces.Space[Any]) -> list[spaces.Space[Any]]:
     return [] if isinstance(space, _FIXED_LEAVES) else [space]
 
 
+def fixed_leaf_flags(space: spaces.Space[Any]) -> list[bool]:
+    """Per leaf of ``space`` in walk order (:func:`side_leaves`' order), whether it has a
+    fixed size (a buffer of its own); ``False`` at each of :func:`side_leaves`."""
+    if isinstance(space, spaces.Dict):
+        return [flag for sub in space.spaces.values() for flag in fixed_leaf_flags(sub)]
+    if isinstance(space, spaces.Tuple):
+        return [flag for sub in space.spaces for flag in fixed_leaf_flags(sub)]
+    return [isinstance(space, _FIXED_LEAVES)]
+
+
 def side_values(space: spaces.Space[Any], obs: Any, out: list[Any]) -> None:
     """Append to ``out`` the values of one env's ``obs`` at the side leaves of ``space``
     (:func:`side_leaves`' order), read as gymnasium's ``concatenate`` reads them."""
@@ -97,14 +108,28 @@ def side_values(space: spaces.Space[Any], obs: Any, out: list[Any]) -> None:
         out.append(obs)
 
 
-def fill_side(space: spaces.Space[Any], tree: Any, batched: Any) -> Any:
+def fill_side(space: spaces.Space[Any], tree: Any, batched: Any, every_leaf: bool = False) -> Any:
     """``tree`` (a batched tree with ``None`` at the side leaves, see :func:`fixed_part`) with
-    the next item of the iterator ``batched`` at each side leaf; new dicts and tuples."""
+    the next item of the iterator ``batched`` at each side leaf; new dicts and tuples.
+
+    With ``every_leaf``, ``batched`` holds an item for every leaf in walk order: a fixed leaf
+    takes its item in place of the tree's array unless the item is ``None`` (a step's actions
+    whose dtype differs from the space's, see ``FleetVectorEnv.step``)."""
     if isinstance(space, spaces.Dict):
-        return {key: fill_side(sub, tree[key], batched) for key, sub in space.spaces.items()}
+        return {
+            key: fill_side(sub, tree[key], batched, every_leaf) for key, sub in space.spaces.items()
+        }
     if isinstance(space, spaces.Tuple):
-        return tuple(fill_side(sub, t, batched) for sub, t in zip(space.spaces, tree, strict=True))
-    return tree if isinstance(space, _FIXED_LEAVES) else next(batched)
+        return tuple(
+            fill_side(sub, t, batched, every_leaf)
+            for sub, t in zip(space.spaces, tree, strict=True)
+        )
+    if not isinstance(space, _FIXED_LEAVES):
+        return next(batched)
+    if every_leaf:
+        value = next(batched)
+        return tree if value is None else value
+    return tree
 
 
 def fixed_part(space: spaces.Space[Any]) -> spaces.Space[Any]:

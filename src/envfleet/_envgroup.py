@@ -284,26 +284,28 @@ class EnvGroup:
             return payload.function(self, payload.argument)
         raise ValueError(f"unknown command {command!r}")
 
-    def step(self, side_actions: list[tuple[Any, ...]] | None = None) -> list[InfoEvent]:
+    def step(self, leaf_actions: list[Any] | None = None) -> list[InfoEvent]:
         """Step every env with its action from the action buffer, autoresetting per mode.
 
         Writes observations, rewards, terminations and truncations into the group's buffer
         slices and returns the non-empty infos in order (gymnasium's SyncVectorEnv.step).
 
         Args:
-            side_actions: for an action space with leaves without a fixed size (no buffer,
-                ``envfleet._buffers.side_leaves``), per such leaf the group's batched values
-                (one per env), as gymnasium's batched action holds them.
+            leaf_actions: per leaf of the action space (walk order), the group's batched
+                values that do not come from the buffer, or ``None`` for a leaf read from
+                the buffer: the values of a leaf without a fixed size (a tuple, one per env,
+                as gymnasium's batched action holds them; ``envfleet._buffers.side_leaves``)
+                and the caller's array where its dtype differs from the space's.
         """
         buf = self.buffers
         # Like SyncVectorEnv, each env gets a view of its row of the batched actions; the
         # row is only rewritten by the next step, once this one has completed.
         actions: Any
-        if self._action_leaf:
+        if leaf_actions is not None:
+            batched = fill_side(self.single_action_space, buf.actions, iter(leaf_actions), True)
+            actions = iter(batched) if self._action_leaf else iterate(self._action_space, batched)
+        elif self._action_leaf:
             actions = iter(buf.actions)
-        elif side_actions is not None:
-            batched = fill_side(self.single_action_space, buf.actions, iter(side_actions))
-            actions = iter(iterate(self._action_space, batched))
         else:
             actions = iter(iterate(self._action_space, buf.actions))
         # Per-env results gather in Python lists and reach the buffers in one assignment

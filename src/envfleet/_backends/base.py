@@ -185,7 +185,7 @@ def run_command(group: EnvGroup, command: Command, payload: Any, timer: StepTime
         EnvFailure: an env raised (:class:`PartialFailure` for some envs of a step or reset).
     """
     if command is Command.STEP:
-        if payload is not None:  # the values of the action leaves without a fixed size
+        if payload is not None:  # actions not read from the buffer (EnvGroup.step)
             return timer.call(functools.partial(group.step, payload))
         return timer.call(group.step)
     return group.run(command, payload)

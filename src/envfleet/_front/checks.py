@@ -113,15 +113,17 @@ def check_actions(
     out: Any,
     actions: Any,
     where: str,
-    writes: list[tuple[np.ndarray, np.ndarray]],
-    side: list[tuple[Any, ...]] | None = None,
+    leaves: list[tuple[np.ndarray | None, Any]],
     count: int = 0,
 ) -> None:
-    """Check ``actions`` against the batched buffer ``out``; queue (out, value) writes.
+    """Check ``actions`` against the batched buffer ``out``; append each leaf's
+    ``(buffer, value)`` to ``leaves`` in walk order (Dict keys in the space's order).
 
-    A leaf without a fixed size (``out`` is ``None`` there, see buffers.side_leaves) takes
-    any sequence of one value per env (what gymnasium's batched action space holds, a
-    tuple) of length ``count``; it is appended to ``side`` as a tuple.
+    A fixed leaf's value is the caller's array (``np.asarray``, the caller's dtype, which
+    must cast to the buffer's with same-kind casting). A leaf without a fixed size (``out``
+    is ``None`` there, see buffers.side_leaves) takes any sequence of one value per env
+    (what gymnasium's batched action space holds, a tuple) of length ``count``; its entry
+    is ``(None, tuple(values))``.
     """
     if isinstance(space, gymnasium.spaces.Dict):
         if not isinstance(actions, dict) or set(actions) != set(space.spaces):
@@ -130,7 +132,7 @@ def check_actions(
                 f"{where}: expected a dict with keys {sorted(space.spaces)}, got {got}"
             )
         for key, sub in space.spaces.items():
-            check_actions(sub, out[key], actions[key], f"{where}[{key!r}]", writes, side, count)
+            check_actions(sub, out[key], actions[key], f"{where}[{key!r}]", leaves, count)
         return
     if isinstance(space, gymnasium.spaces.Tuple):
         if not isinstance(actions, tuple) or len(actions) != len(space.spaces):
@@ -138,7 +140,7 @@ def check_actions(
                 f"{where}: expected a tuple of {len(space.spaces)} batched actions"
             )
         for k, sub in enumerate(space.spaces):
-            check_actions(sub, out[k], actions[k], f"{where}[{k}]", writes, side, count)
+            check_actions(sub, out[k], actions[k], f"{where}[{k}]", leaves, count)
         return
     if out is None:  # a leaf without a fixed size: one value per env, any sequence
         if isinstance(actions, (str, bytes, dict)) or not hasattr(actions, "__len__"):
@@ -150,7 +152,7 @@ def check_actions(
             raise InvalidActionError(
                 f"{where}: expected {count} actions (one per env), got {len(actions)}"
             )
-        cast(list[tuple[Any, ...]], side).append(tuple(actions))
+        leaves.append((None, tuple(actions)))
         return
     try:
         value = np.asarray(actions)
@@ -162,4 +164,4 @@ def check_actions(
         raise InvalidActionError(
             f"{where}: dtype {value.dtype} cannot be converted to the action space's {out.dtype}"
         )
-    writes.append((out, value))
+    leaves.append((out, value))

@@ -17,7 +17,7 @@ from gymnasium.vector.async_vector_env import AsyncState
 from gymnasium.vector.utils import create_empty_array
 
 from envfleet._backends.base import Backend
-from envfleet._buffers import fixed_part
+from envfleet._buffers import fixed_leaf_flags, fixed_part
 from envfleet._errors import EnvError, InvalidArgumentError, PoolStateError
 from envfleet._front.checks import check_actions, check_env_ids, seeds_per_env
 from envfleet._front.infos import batch_infos
@@ -73,6 +73,7 @@ class FirstReadyPool:
             envs.flags.writeable = False
         # Action leaves without a fixed size: per env, its values until its worker steps.
         self._pool_side_actions: list[list[Any]] = [[] for _ in range(self.num_envs)]
+        self._fixed_leaves = fixed_leaf_flags(self.single_action_space)
 
     def async_reset(
         self, seed: int | Sequence[int | None] | None = None, env_ids: Any = None
@@ -143,7 +144,8 @@ class FirstReadyPool:
 
         Args:
             actions: batched actions for ``env_ids``: ``[len(env_ids), *shape]`` per leaf of the
-                action space, converted to its dtype (same-kind casting).
+                action space, converted to its dtype (same-kind casting), as EnvPool's action
+                buffers convert them (a synchronous ``step`` hands the caller's dtype instead).
             env_ids: distinct env indices (int array-like); ``None``: every env, as EnvPool.
                 Each must be awaiting an action: returned by :meth:`recv` and not yet sent one.
                 A worker steps once every env it holds has its action.
@@ -183,11 +185,14 @@ class FirstReadyPool:
             self._backend.batch.actions[ids] = actions
         else:
             staged = create_empty_array(fixed_part(self.single_action_space), n)
-            writes: list[tuple[np.ndarray, np.ndarray]] = []
-            side: list[tuple[Any, ...]] = []
-            check_actions(self.single_action_space, staged, actions, "actions", writes, side, n)
-            for target, value in writes:
-                target[...] = value
+            # Cast to the space's dtype, as EnvPool's action buffers do (the synchronous
+            # step hands each env the caller's dtype instead, as gymnasium does).
+            leaves: list[tuple[np.ndarray | None, Any]] = []
+            check_actions(self.single_action_space, staged, actions, "actions", leaves, n)
+            side = [value for target, value in leaves if target is None]
+            for target, value in leaves:
+                if target is not None:
+                    target[...] = value
             tree_scatter(self._backend.batch.actions, ids, staged)
             for k, e in enumerate(ids.tolist()):  # leaves without a fixed size: per env
                 self._pool_side_actions[e] = [values[k] for values in side]
@@ -202,10 +207,10 @@ class FirstReadyPool:
         for w in sorted(touched):
             if full[w]:
                 payloads[w] = None
-                if self._side_actions:  # as EnvGroup.step's side_actions
+                if self._side_actions:  # as EnvGroup.step's leaf_actions (None: the buffer)
                     start, stop = self._backend.ranges[w]
-                    rows = self._pool_side_actions[start:stop]
-                    payloads[w] = [tuple(values) for values in zip(*rows, strict=True)]
+                    values = iter(zip(*self._pool_side_actions[start:stop], strict=True))
+                    payloads[w] = [None if fixed else next(values) for fixed in self._fixed_leaves]
         if payloads:
             self._submit(Command.STEP, payloads)
             stepping = np.concatenate([self._group_envs[w] for w in payloads])

@@ -125,8 +125,9 @@ class FleetVectorEnv(FirstReadyPool, VectorEnv[Any, Any, np.ndarray]):
         self._outputs = ResultBuffers(
             backend.batch, single_observation_space, slabs=copy and not self.is_pool
         )
-        # Action leaves without a fixed size: their values go to each worker with the step
-        # command (EnvGroup.step's side_actions); the step's payloads, or every group's None.
+        # Action leaves without a fixed size, and leaves of another dtype than the space's:
+        # their values go to each worker with the step command (EnvGroup.step's
+        # leaf_actions); the step's payloads, or every group's None.
         self._side_actions = bool(side_leaves(single_action_space))
         self._step_payloads: dict[int, Any] = self._every_group
 
@@ -204,8 +205,12 @@ class FleetVectorEnv(FirstReadyPool, VectorEnv[Any, Any, np.ndarray]):
         """Step every sub-environment with its action; autoreset per ``autoreset_mode``.
 
         Args:
-            actions: batched actions fitting ``action_space`` (``[num_envs, *shape]`` per leaf);
-                converted to the action space's dtype (same-kind casting).
+            actions: batched actions fitting ``action_space`` (``[num_envs, *shape]`` per leaf)
+                of a dtype that casts to the space's (same-kind casting). Each env gets its
+                row in the caller's dtype, as gymnasium's SyncVectorEnv and AsyncVectorEnv
+                hand it (a float64 action for a float32 Box reaches the env as float64): the
+                fast round takes actions of the space's own dtype; another dtype travels with
+                the step command.
 
         Returns:
             (observations, rewards ``float64[num_envs]``, terminations ``bool[num_envs]``,
@@ -219,7 +224,7 @@ class FleetVectorEnv(FirstReadyPool, VectorEnv[Any, Any, np.ndarray]):
         # step_async then step_wait, with the submit and the wait in one backend call.
         self._prepare_step(actions, "step_async")
         try:
-            if self._side_actions:  # a payload per worker: no shortcut round
+            if self._step_payloads is not self._every_group:  # no shortcut round
                 self._backend.submit(_STEP, self._step_payloads, self._steps)
                 results = self._backend.collect(self.step_timeout, self._steps)
             else:
@@ -259,17 +264,24 @@ class FleetVectorEnv(FirstReadyPool, VectorEnv[Any, Any, np.ndarray]):
             # The common case, checked without the general walk; the same dtype, so the
             # assignment casts nothing (and costs ~0.1 µs against np.copyto's ~0.25).
             out[...] = actions
+            self._step_payloads = self._every_group
         else:
-            writes: list[tuple[np.ndarray, np.ndarray]] = []
-            side: list[tuple[Any, ...]] = []
-            check_actions(
-                self.single_action_space, out, actions, "actions", writes, side, self.num_envs
-            )
-            for target, value in writes:
-                target[...] = value
-            if self._side_actions:
+            leaves: list[tuple[np.ndarray | None, Any]] = []
+            check_actions(self.single_action_space, out, actions, "actions", leaves, self.num_envs)
+            # Each env gets its row in the caller's dtype, as gymnasium's vector envs hand it
+            # (iterate over the caller's batch): a leaf whose dtype differs from the buffer's
+            # travels with the step command, beside the buffer's cast copy; so do the leaves
+            # without a fixed size.
+            travel: list[Any] = []
+            for target, value in leaves:
+                if target is not None:
+                    target[...] = value
+                    value = None if value.dtype == target.dtype else value
+                travel.append(value)
+            self._step_payloads = self._every_group
+            if any(value is not None for value in travel):
                 self._step_payloads = {
-                    w: [values[start:stop] for values in side]
+                    w: [None if v is None else v[start:stop] for v in travel]
                     for w, (start, stop) in enumerate(self._backend.ranges)
                 }
         if self._outputs.slabs is not None:
