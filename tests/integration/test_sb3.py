@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from copy import deepcopy
 from typing import Any
 
 import gymnasium as gym
@@ -10,7 +11,14 @@ import numpy as np
 import pytest
 
 import envfleet
-from tests.envs import FlakyEnv, IndexedEnv, make_indexed, make_indexed_kwonly, sync_factories
+from tests.envs import (
+    ActionDtypeEnv,
+    FlakyEnv,
+    IndexedEnv,
+    make_indexed,
+    make_indexed_kwonly,
+    sync_factories,
+)
 
 pytest.importorskip("stable_baselines3")
 
@@ -254,3 +262,99 @@ def test_sb3_step_takes_the_fast_step_round():
         assert speedups.counters()["step_round"] - before == 10
     finally:
         venv.close()
+
+
+# -- drop-in for SubprocVecEnv (SB3's own tests/test_vec_envs.py, tools/sb3_tests/) ------------
+
+
+@pytest.mark.parametrize("backend", ["serial", "processes"])
+def test_negative_indices_count_from_the_end(backend):
+    """SB3's test_vecenv_custom_calls: ``indices=[0, -1]`` are the first and the last env, as
+    SB3's vec envs index their lists; an index out of range raises before anything is sent."""
+    venv = SB3VecEnv(make_indexed, 4, backend=backend, num_workers=2)
+    try:
+        assert venv.get_attr("env_index", indices=[0, -1]) == [0, 3]
+        assert venv.get_attr("env_index", indices=-2) == [2]
+        venv.env_method("set_wrapper_attr", "value", 12, indices=[0, -1])
+        assert venv.get_attr("value") == [12, None, None, 12]
+        venv.set_attr("value", 5, indices=np.array([-3]))
+        assert venv.get_attr("value") == [12, 5, None, 12]
+        assert venv.env_is_wrapped(Monitor, indices=[-1]) == [False]
+        for bad in (4, -5, [0, 9]):
+            with pytest.raises(IndexError, match="out of range"):
+                venv.env_method("set_wrapper_attr", "value", 0, indices=bad)
+        assert venv.get_attr("value") == [12, 5, None, 12]  # nothing was sent
+    finally:
+        venv.close()
+
+
+@pytest.mark.parametrize("backend", ["serial", "processes"])
+@pytest.mark.parametrize("kind", ["dict", "tuple"])
+def test_per_env_actions_of_dict_and_tuple_spaces_match_dummy_vec_env(backend, kind):
+    """SB3's test_vecenv_dict_spaces and _tuple_spaces: SB3 hands ``step`` a list with one
+    action per env for Dict and Tuple action spaces (DummyVecEnv and SubprocVecEnv index it
+    by env); each env gets its own action, in the caller's dtype, as DummyVecEnv hands it."""
+    factory = functools.partial(ActionDtypeEnv, kind)
+    venv = SB3VecEnv(factory, NUM_ENVS, backend=backend)
+    ref = DummyVecEnv(sync_factories(factory, NUM_ENVS))
+    rng = np.random.default_rng(1)
+    try:
+        venv.seed(4)
+        ref.seed(4)
+        assert_obs_equal(venv.reset(), ref.reset())
+        space = ref.action_space
+        space.seed(2)
+        for t in range(20):
+            actions = [space.sample() for _ in range(NUM_ENVS)]
+            if t % 3 == 1:  # a float64 Box leaf, as a float64 policy would give
+                for e, a in enumerate(actions):
+                    move = rng.uniform(-1.0, 1.0, 2)
+                    actions[e] = {**a, "move": move} if kind == "dict" else (move, a[1])
+            if t % 2:
+                venv.step_async(deepcopy(actions))
+                obs, rewards, dones, infos = venv.step_wait()
+            else:
+                obs, rewards, dones, infos = venv.step(deepcopy(actions))
+            w_obs, w_rewards, w_dones, w_infos = ref.step(deepcopy(actions))
+            assert_obs_equal(obs, w_obs)
+            np.testing.assert_array_equal(rewards, w_rewards)
+            assert dones.tolist() == w_dones.tolist()
+            assert_info_equal(infos, w_infos, f"infos at step {t}")
+    finally:
+        venv.close()
+        ref.close()
+
+
+def test_per_env_actions_are_checked_before_anything_is_sent():
+    venv = SB3VecEnv(functools.partial(ActionDtypeEnv, "dict"), NUM_ENVS, backend="processes")
+    try:
+        venv.reset()
+        sample = venv.action_space.sample
+        with pytest.raises(envfleet.InvalidActionError, match="one action per env"):
+            venv.step([sample() for _ in range(NUM_ENVS - 1)])
+        with pytest.raises(envfleet.InvalidActionError, match="keys"):
+            venv.step([sample() for _ in range(NUM_ENVS - 1)] + [{"move": np.zeros(2)}])
+        with pytest.raises(envfleet.InvalidActionError, match="shape"):
+            venv.step([{"move": np.zeros(3), "pick": 0} for _ in range(NUM_ENVS)])
+        obs, _, _, _ = venv.step([sample() for _ in range(NUM_ENVS)])  # usable, as before
+        assert obs.shape == (NUM_ENVS, 3)
+    finally:
+        venv.close()
+
+
+def test_start_method_as_subproc_vec_env_takes_it():
+    """SB3's test_subproc_start_method: ``SubprocVecEnv(env_fns, start_method=...)``, also
+    positionally; an unknown method raises multiprocessing's own ValueError."""
+    fns = [functools.partial(make_indexed, i) for i in range(2)]
+    for venv in (SB3VecEnv(fns, start_method="spawn"), SB3VecEnv(fns, "forkserver")):
+        try:
+            assert venv.get_attr("env_index") == [0, 1]
+            assert venv.reset().shape[0] == 2
+        finally:
+            venv.close()
+    with pytest.raises(ValueError, match=r"cannot find context for 'illegal_method'"):
+        SB3VecEnv(fns, start_method="illegal_method")
+    with pytest.raises(ValueError, match=r"cannot find context for 'illegal_method'"):
+        envfleet.make(fns, context="illegal_method")
+    with pytest.raises(envfleet.ConfigError, match="same argument"):
+        SB3VecEnv(fns, start_method="spawn", context="fork")

@@ -382,9 +382,10 @@ def _check_limits(
             f"restart_policy must be None or an envfleet.RestartPolicy, got {restart_policy!r}"
         )
     if context is not None and context not in multiprocessing.get_all_start_methods():
+        # multiprocessing's own words first: the message its users (and SB3's tests) match.
         raise ConfigError(
-            f"context={context!r} is not a start method here; "
-            f"choose from {multiprocessing.get_all_start_methods()}"
+            f"cannot find context for {context!r}: context={context!r} is not a start method "
+            f"here; choose from {multiprocessing.get_all_start_methods()}"
         )
 
 

@@ -25,15 +25,19 @@ A factory that returns a PettingZoo ``ParallelEnv`` gives agents as envs, SuperS
 
 from __future__ import annotations
 
+import multiprocessing
+import operator
 import warnings
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import gymnasium
 import numpy as np
+from gymnasium import spaces
 from gymnasium.vector import AutoresetMode
 
-from envfleet._errors import ConfigError
+from envfleet._buffers import is_leaf
+from envfleet._errors import ConfigError, InvalidActionError
 from envfleet._front.factories import GymMake, check_env_id
 from envfleet._front.make import make
 from envfleet._front.vector_env import FleetVectorEnv
@@ -79,9 +83,10 @@ class SB3VecEnv(VecEnv):
       :meth:`seed`: ``seed + i``) and passes ``_options[i]`` (set by ``set_options``), then
       forgets both, as SB3 does (seeds and options are used once).
     - ``env_method``, ``get_attr``, ``set_attr`` and ``env_is_wrapped`` act only on the envs
-      in ``indices`` (``None``: all; an int: that one), results in the order of ``indices``.
-      ``get_attr`` raises ``AttributeError`` for a missing attribute; ``set_attr`` sets the
-      attribute on the outermost wrapper of your env, as SB3's ``setattr(env, ...)``.
+      in ``indices`` (``None``: all; an int: that one; a negative index counts from the end,
+      as in a list), results in the order of ``indices``. ``get_attr`` raises
+      ``AttributeError`` for a missing attribute; ``set_attr`` sets the attribute on the
+      outermost wrapper of your env, as SB3's ``setattr(env, ...)``.
     - ``render``/``get_images``: SB3's ``VecEnv.render`` over the envs' ``render()`` frames
       (``render_mode="rgb_array"``).
 
@@ -136,6 +141,9 @@ class SB3VecEnv(VecEnv):
             envs, ``N``, and the SB3 ``num_envs`` is ``N * A``.
         backend: ``"serial"``, ``"threads"``, ``"processes"`` (default) or ``"ray"``.
         env_kwargs: keyword arguments of ``gymnasium.make`` (with an id only).
+        start_method: SB3's ``SubprocVecEnv`` argument, envfleet's ``context``: the
+            ``multiprocessing`` start method of the worker processes (``None``: envfleet's
+            default). Also taken positionally, as ``SubprocVecEnv(env_fns, start_method)``.
         **make_kwargs: other :func:`envfleet.make` arguments (``num_workers``,
             ``step_timeout``, ``restart_policy``, ``context``, ...), except those this class
             fixes: ``autoreset_mode``, ``batch_size``, ``copy``, ``output``, ``device``,
@@ -145,6 +153,8 @@ class SB3VecEnv(VecEnv):
         fleet: the underlying :class:`envfleet.FleetVectorEnv` (``fleet.stats``, ...).
 
     Raises:
+        ValueError: an unknown ``start_method`` (multiprocessing's own error, as
+            ``SubprocVecEnv``).
         ConfigError: as :func:`envfleet.make`; an argument this class fixes; the ``envpool``
             backend (its envs are no Python factories to wrap); agents that do not share one
             observation space and one action space.
@@ -161,8 +171,20 @@ class SB3VecEnv(VecEnv):
         *,
         backend: str = "processes",
         env_kwargs: dict[str, Any] | None = None,
+        start_method: str | None = None,
         **make_kwargs: Any,
     ):
+        if isinstance(num_envs, str):  # SubprocVecEnv(env_fns, start_method), positionally
+            num_envs, start_method = None, num_envs
+        if start_method is not None:
+            if make_kwargs.get("context") is not None:
+                raise ConfigError(
+                    "start_method (SB3's name) and context (envfleet's) are the same "
+                    "argument; pass one"
+                )
+            # multiprocessing's own check and ValueError, as SubprocVecEnv's get_context.
+            multiprocessing.get_context(start_method)
+            make_kwargs["context"] = start_method
         fixed = sorted(set(make_kwargs) & set(_FIXED))
         if fixed:
             raise ConfigError(f"SB3VecEnv sets {', '.join(fixed)} itself; leave them out")
@@ -190,8 +212,8 @@ class SB3VecEnv(VecEnv):
                     self.fleet.get_attr("agent_observation_spaces")[0],
                     self.fleet.get_attr("agent_action_spaces")[0],
                 )
-                spaces = (self._rows.num_rows, self._rows.observation_space)
-                super().__init__(*spaces, self._rows.action_space)
+                rows = (self._rows.num_rows, self._rows.observation_space)
+                super().__init__(*rows, self._rows.action_space)
             else:
                 self.fleet = venv
                 super().__init__(
@@ -206,13 +228,15 @@ class SB3VecEnv(VecEnv):
     # -- step and reset ------------------------------------------------------------------------
 
     def step_async(self, actions: np.ndarray) -> None:
-        """Send ``actions`` (``[num_envs, *shape]``) to the envs; collect with :meth:`step_wait`.
+        """Send ``actions`` (``[num_envs, *shape]``; for a Dict or Tuple action space also
+        SB3's list of one action per env) to the envs; collect with :meth:`step_wait`. Each
+        env gets its action in the caller's dtype, as ``SubprocVecEnv`` sends it.
 
         Raises:
             envfleet.InvalidActionError: actions of the wrong shape or dtype (nothing is sent).
         """
         if self._rows is None:
-            self.fleet.step_async(actions)
+            self.fleet.step_async(self._batched(actions))
         else:
             assert self._multi is not None
             self._multi.step_async(self._rows.actions(actions))
@@ -238,7 +262,29 @@ class SB3VecEnv(VecEnv):
         if self._rows is not None:
             assert self._multi is not None
             return self._agents_result(self._multi.step(self._rows.actions(actions)))
-        return self._sb3_step(*self.fleet.step(actions))
+        return self._sb3_step(*self.fleet.step(self._batched(actions)))
+
+    def _batched(self, actions: Any) -> Any:
+        """SB3's per-env actions for a Dict or Tuple action space (a list with one action per
+        env, which ``DummyVecEnv`` and ``SubprocVecEnv`` index by env; for Dict, a tuple too)
+        as gymnasium's batched actions; any other actions as they are. Each leaf keeps the
+        caller's dtype, so each env gets what SB3's vec envs hand it.
+
+        Raises:
+            envfleet.InvalidActionError: not one action per env, or an env's action that
+                does not fit the space's structure or shape (nothing is sent).
+        """
+        space = self.action_space
+        per_env = (isinstance(space, spaces.Dict) and isinstance(actions, (list, tuple))) or (
+            isinstance(space, spaces.Tuple) and isinstance(actions, list)
+        )
+        if not per_env:
+            return actions
+        if len(actions) != self.num_envs:
+            raise InvalidActionError(
+                f"actions: expected one action per env ({self.num_envs}), got {len(actions)}"
+            )
+        return _stack_actions(space, actions, "actions")
 
     def _agents_result(self, result: Any) -> VecEnvStepReturn:
         """A multi-agent step's results as agent rows (see the class)."""
@@ -321,8 +367,19 @@ class SB3VecEnv(VecEnv):
     # -- attributes, methods, wrappers -----------------------------------------------------------
 
     def _targets(self, indices: VecEnvIndices) -> list[int]:
-        """The env of each row in ``indices`` (a row is an env, unless agents are envs)."""
-        rows = [int(i) for i in self._get_indices(indices)]
+        """The env of each row in ``indices`` (a row is an env, unless agents are envs); a
+        negative index counts from the end, as SB3's vec envs index their lists.
+
+        Raises:
+            IndexError: an index outside ``[-num_envs, num_envs)`` (nothing is sent).
+        """
+        n = self.num_envs
+        rows = []
+        for i in self._get_indices(indices):
+            row = operator.index(i)
+            if not -n <= row < n:
+                raise IndexError(f"index {row} is out of range for {n} envs")
+            rows.append(row % n)
         return rows if self._rows is None else [self._rows.env_of(row) for row in rows]
 
     def _on_targets(self, op: str, name: Any, indices: VecEnvIndices, *args: Any, **kw: Any) -> Any:
@@ -397,6 +454,39 @@ class SB3VecEnv(VecEnv):
 
     def __repr__(self) -> str:
         return f"SB3VecEnv({self.fleet!r})"
+
+
+def _stack_actions(space: spaces.Space[Any], items: Sequence[Any], where: str) -> Any:
+    """One action per env (``items``) as the batched actions of ``space``: fixed-size leaves
+    stacked in the caller's dtype (gymnasium's ``concatenate`` would cast them to the space's),
+    other leaves a tuple of the values, as gymnasium batches them."""
+    if isinstance(space, spaces.Dict):
+        for action in items:
+            if not isinstance(action, Mapping) or set(action) != set(space.spaces):
+                got = sorted(action) if isinstance(action, Mapping) else type(action).__name__
+                raise InvalidActionError(
+                    f"{where}: expected per env a dict with keys {sorted(space.spaces)}, got {got}"
+                )
+        return {
+            key: _stack_actions(sub, [action[key] for action in items], f"{where}[{key!r}]")
+            for key, sub in space.spaces.items()
+        }
+    if isinstance(space, spaces.Tuple):
+        for action in items:
+            if not isinstance(action, (tuple, list)) or len(action) != len(space.spaces):
+                raise InvalidActionError(
+                    f"{where}: expected per env a tuple of {len(space.spaces)} actions"
+                )
+        return tuple(
+            _stack_actions(sub, [action[k] for action in items], f"{where}[{k}]")
+            for k, sub in enumerate(space.spaces)
+        )
+    if not is_leaf(space):
+        return tuple(items)
+    try:
+        return np.stack([np.asarray(action) for action in items])
+    except ValueError as exc:  # rows of different shapes
+        raise InvalidActionError(f"{where}: the envs' actions do not stack ({exc})") from exc
 
 
 def _shim_factories(
