@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 import envfleet
-from envfleet._rollout import EpisodeBatch
+from envfleet import EpisodeBatch
 
 ENV_ID = "CartPole-v1"
 

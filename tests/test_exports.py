@@ -6,12 +6,14 @@ A change here is a change of the public API: additions only (issue 18), and on p
 
 from __future__ import annotations
 
+import ast
 import importlib
 import importlib.resources
 import inspect
 import pkgutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -143,3 +145,44 @@ def test_importing_envfleet_imports_no_extra() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
     )
     assert out.stdout.strip() == "[]"
+
+
+def _private_uses(source: str) -> list[str]:
+    """Every ``envfleet`` name that ``source`` reaches with an underscore part: imported
+    modules (``import envfleet._x``, ``from envfleet._x import y``), imported names
+    (``from envfleet import _y``) and attributes (``envfleet._z``, ``envfleet.torch._w``)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names if alias.name.startswith("envfleet")]
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("envfleet"):
+            names = [f"{node.module}.{alias.name}" for alias in node.names]
+        elif isinstance(node, ast.Attribute):
+            parts = []
+            inner: ast.expr = node
+            while isinstance(inner, ast.Attribute):
+                parts.append(inner.attr)
+                inner = inner.value
+            if not (isinstance(inner, ast.Name) and inner.id == "envfleet"):
+                continue
+            names = [".".join(["envfleet", *reversed(parts)])]
+        else:
+            continue
+        found += [n for n in names if any(p.startswith("_") for p in n.split("."))]
+    return found
+
+
+def test_examples_use_only_public_names():
+    """A user copies from examples/: they import and reach only envfleet's public names."""
+    examples = sorted((Path(__file__).resolve().parents[1] / "examples").glob("*.py"))
+    assert examples
+    for path in examples:
+        assert _private_uses(path.read_text()) == [], path.name
+    # The check itself sees each way in.
+    for line in (
+        "import envfleet._rollout",
+        "from envfleet._rollout import EpisodeBatch",
+        "from envfleet import _native",
+        "import envfleet\nenvfleet._native.speedups",
+    ):
+        assert _private_uses(line), line

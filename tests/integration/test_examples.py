@@ -15,7 +15,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from envfleet._rollout import EpisodeBatch  # noqa: E402
+from envfleet import EpisodeBatch  # noqa: E402
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 

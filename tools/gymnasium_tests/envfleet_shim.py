@@ -1,8 +1,8 @@
 """pytest plugin for running gymnasium's own vector tests against envfleet.
 
-Loaded with ``-p envfleet_shim`` (this folder on ``PYTHONPATH``) before the test modules are
-imported. It always records, per test, whether the test created an ``AsyncVectorEnv`` and its
-outcome (into the JSON file named by ``ENVFLEET_SHIM_REPORT``). With ``ENVFLEET_SHIM=1`` it
+Loaded with ``-p envfleet_shim`` (this folder and ``tools/`` on ``PYTHONPATH``) before the test
+modules are imported. It always records, per test, whether the test created an
+``AsyncVectorEnv`` and its outcome (``tools/dropin.py``'s hooks). With ``ENVFLEET_SHIM=1`` it
 also replaces ``gymnasium.vector.AsyncVectorEnv`` (as the tests and ``gymnasium.make_vec``
 see it) with :class:`AsyncVectorEnv` below, which maps gymnasium's arguments to
 ``envfleet.make(list(env_fns), backend="processes", ...)``.
@@ -10,26 +10,22 @@ see it) with :class:`AsyncVectorEnv` below, which maps gymnasium's arguments to
 
 from __future__ import annotations
 
-import json
-import os
 from typing import Any
 
 import gymnasium.vector
 import gymnasium.vector.async_vector_env
-import pytest
+from dropin import (  # noqa: F401  (the recording hooks, for pytest to find here)
+    note,
+    pytest_runtest_logreport,
+    pytest_runtest_protocol,
+    pytest_sessionfinish,
+    shim_on,
+)
 from gymnasium.vector import AutoresetMode
 
 import envfleet
 
 _ORIGINAL = gymnasium.vector.AsyncVectorEnv
-_current: dict[str, Any] = {"test": None}
-_involved: set[str] = set()
-_outcomes: dict[str, str] = {}
-
-
-def _note() -> None:
-    if _current["test"] is not None:
-        _involved.add(_current["test"])
 
 
 class _ShimMeta(type):
@@ -60,7 +56,7 @@ class AsyncVectorEnv(metaclass=_ShimMeta):
         autoreset_mode: Any = AutoresetMode.NEXT_STEP,
         max_concurrency: int | None = None,
     ) -> Any:
-        _note()
+        note()
         if worker is not None:
             raise TypeError("the envfleet shim does not support AsyncVectorEnv(worker=...)")
         kwargs: dict[str, Any] = {
@@ -78,32 +74,11 @@ class _Recording(_ORIGINAL):
     """gymnasium's own AsyncVectorEnv, noting which test created one."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        _note()
+        note()
         super().__init__(*args, **kwargs)
 
 
-_REPLACEMENT: type = AsyncVectorEnv if os.environ.get("ENVFLEET_SHIM") == "1" else _Recording
+_REPLACEMENT: type = AsyncVectorEnv if shim_on() else _Recording
 _REPLACEMENT.__name__ = "AsyncVectorEnv"
 for _module in (gymnasium.vector, gymnasium.vector.async_vector_env):
     setattr(_module, "AsyncVectorEnv", _REPLACEMENT)  # noqa: B010  (mypy: a type's name)
-
-
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_protocol(item: pytest.Item, nextitem: Any) -> Any:
-    _current["test"] = item.nodeid
-    yield
-    _current["test"] = None
-
-
-def pytest_runtest_logreport(report: pytest.TestReport) -> None:
-    if report.failed:
-        _outcomes[report.nodeid] = "failed"
-    elif report.when == "call" or report.skipped:
-        _outcomes.setdefault(report.nodeid, report.outcome)
-
-
-def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    path = os.environ.get("ENVFLEET_SHIM_REPORT")
-    if path:
-        with open(path, "w") as f:
-            json.dump({"outcomes": _outcomes, "involved": sorted(_involved)}, f, indent=1)
