@@ -70,6 +70,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=2.0, help="timed seconds per system")
     parser.add_argument("--repeats", type=int, default=3, help="repetitions, interleaved")
     parser.add_argument("--json", type=Path, default=None, metavar="FILE", help="write JSON")
+    parser.add_argument(
+        "--device", default="cpu", help="torch device of the policy (cpu; cuda where a GPU is)"
+    )
     args = parser.parse_args(argv)
     chosen = [WORKLOADS[w] for w in _names(args.workloads, list(WORKLOADS), "workload")]
     systems = _names(args.systems, list(POLICY_SYSTEMS), "system")
@@ -84,7 +87,12 @@ def main(argv: list[str] | None = None) -> int:
     reports = []
     for workload in chosen:
         report = measure_policy_loop(
-            workload, systems, args.seconds, repeats=args.repeats, progress=progress
+            workload,
+            systems,
+            args.seconds,
+            repeats=args.repeats,
+            progress=progress,
+            device=args.device,
         )
         reports.append(report)
         print(policy_table(report), flush=True)
@@ -93,6 +101,7 @@ def main(argv: list[str] | None = None) -> int:
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "python": platform.python_version(),
             "machine": platform.machine(),
+            "device": args.device,
             "argv": argv if argv is not None else sys.argv[1:],
             "reports": [policy_report_dict(r) for r in reports],
         }

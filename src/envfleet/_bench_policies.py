@@ -156,11 +156,14 @@ class TorchPolicy:
         observation_space: one env's observation space (a ``Box``).
         action_space: one env's action space (``Discrete``).
         seed: seeds the weights (``torch.manual_seed``) and the sampling generator.
+        device: the torch device of the weights and the computation (``"cpu"``, or
+            ``"cuda"`` where a GPU is: observations are copied to it and the actions back).
 
     Calling it with ``obs`` (``[n, *obs_shape]``, any numeric dtype) returns
-    ``int64[n]`` actions drawn from ``Categorical(logits=actor(obs))``, computed in
-    ``torch.no_grad()`` with ``torch.set_num_threads(1)``. It pickles (a worker gets its own
-    copy); :meth:`seed` reseeds the sampling.
+    ``int64[n]`` actions (a numpy array on the CPU) drawn from
+    ``Categorical(logits=actor(obs))``, computed in ``torch.no_grad()`` with
+    ``torch.set_num_threads(1)``. It pickles (a worker gets its own copy); :meth:`seed`
+    reseeds the sampling.
 
     Raises:
         ConfigError: torch is missing, unknown ``kind``, or spaces it does not handle.
@@ -177,6 +180,7 @@ class TorchPolicy:
         observation_space: gymnasium.Space[Any],
         action_space: gymnasium.Space[Any],
         seed: int = 0,
+        device: str = "cpu",
     ):
         torch = require_torch()
         if kind not in POLICY_KINDS:
@@ -218,7 +222,9 @@ class TorchPolicy:
             )
             self.scale = 1.0 / 255.0
         self.kind = kind
-        self.generator = torch.Generator().manual_seed(seed)
+        self.device = torch.device(device)
+        self.actor.to(self.device)
+        self.generator = torch.Generator(device=self.device).manual_seed(seed)
 
     def seed(self, seed: int) -> None:
         """Reseed the sampling generator (the Sampler calls it per worker)."""
@@ -230,10 +236,10 @@ class TorchPolicy:
         if torch.get_num_threads() != 1:  # a fresh worker process
             torch.set_num_threads(1)
         with torch.no_grad():
-            x = torch.as_tensor(np.asarray(obs), dtype=torch.float32)
+            x = torch.as_tensor(np.asarray(obs)).to(self.device, torch.float32)
             if self.scale != 1.0:
                 x = x * self.scale
             logits = self.actor(x)
             probs = torch.softmax(logits, dim=-1)
             actions = torch.multinomial(probs, 1, generator=self.generator).squeeze(-1)
-        return actions.numpy()
+        return actions.cpu().numpy()

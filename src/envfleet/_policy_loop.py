@@ -167,6 +167,7 @@ def measure_policy_loop(
     seed: int = 0,
     warmup_s: float = 0.25,
     progress: Callable[[str, str, int], None] | None = None,
+    device: str = "cpu",
 ) -> PolicyLoopReport:
     """Measure the learner's loop (observations -> torch policy -> step) of every system.
 
@@ -194,6 +195,8 @@ def measure_policy_loop(
         seed: seed of the envs' reset and of the policy.
         warmup_s: untimed seconds before each timed window (capped at ``seconds / 2``).
         progress: called with ``(workload name, system, repetition)`` before each system.
+        device: the torch device of the policy (``"cpu"``; ``"cuda"`` where a GPU is: the
+            Sampler's default then runs driver inference, and ``sampler-worker`` fails).
 
     Returns:
         A :class:`PolicyLoopReport`.
@@ -217,7 +220,7 @@ def measure_policy_loop(
     systems = list(dict.fromkeys(systems))
     if not systems:
         raise ConfigError("no system to measure")
-    bound = measure_bound(workload, seed=seed)
+    bound = measure_bound(workload, seed=seed, device=device)
     skipped = {s: PUFFER_INSTALL for s in systems if s.startswith("puffer") and not _has_puffer()}
     active = [s for s in systems if s not in skipped]
     runs: dict[str, list[float]] = {s: [] for s in active}
@@ -232,7 +235,9 @@ def measure_policy_loop(
         for system in active[shift:] + active[:shift]:
             if progress is not None:
                 progress(workload.name, system, rep)
-            rate, note = _measure_loop(workload, system, seconds, min(warmup_s, seconds / 2), seed)
+            rate, note = _measure_loop(
+                workload, system, seconds, min(warmup_s, seconds / 2), seed, device
+            )
             runs[system].append(rate)
             if note:
                 notes[system].append(note)
@@ -318,7 +323,9 @@ def policy_table(report: PolicyLoopReport) -> str:
     return "\n".join(lines) + "\n"
 
 
-def measure_bound(workload: Any, *, seed: int = 0, seconds: float = 0.5) -> PolicyBound:
+def measure_bound(
+    workload: Any, *, seed: int = 0, seconds: float = 0.5, device: str = "cpu"
+) -> PolicyBound:
     """Measure ``T_p`` and ``t_env`` of a workload and its overlap bound.
 
     ``T_p``: the median time of the policy on a batch of ``num_envs`` observations (one
@@ -335,7 +342,7 @@ def measure_bound(workload: Any, *, seed: int = 0, seconds: float = 0.5) -> Poli
         raise bench_error(exc, "building", "bound", workload.env_id) from exc
     try:
         obs, _ = env.reset(seed=seed)
-        policy = TorchPolicy(workload.policy, env.observation_space, env.action_space, seed)
+        policy = TorchPolicy(workload.policy, env.observation_space, env.action_space, seed, device)
         batch = np.repeat(np.asarray(obs)[None], workload.num_envs, axis=0)
         times: list[float] = []
         deadline = time.perf_counter() + seconds
@@ -387,7 +394,7 @@ def _has_puffer() -> bool:
 
 
 def _measure_loop(
-    workload: Any, system: str, seconds: float, warmup_s: float, seed: int
+    workload: Any, system: str, seconds: float, warmup_s: float, seed: int, device: str = "cpu"
 ) -> tuple[float, str]:
     """Env steps per second of one system's learner loop on ``workload``, and what the
     system said of itself ("" when nothing)."""
@@ -398,7 +405,7 @@ def _measure_loop(
         obs_space, act_space = probe.observation_space, probe.action_space
     finally:
         probe.close()
-    policy = TorchPolicy(workload.policy, obs_space, act_space, seed)
+    policy = TorchPolicy(workload.policy, obs_space, act_space, seed, device)
     closers: list[Callable[[], None]] = []
     notes: list[str] = []
     finished = False

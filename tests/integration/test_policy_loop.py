@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from envfleet import ConfigError
+from envfleet._auto_inference import policy_on_gpu
 from envfleet.bench import (
     POLICY_SYSTEMS,
     PUFFER_INSTALL,
@@ -132,6 +133,22 @@ def test_cnn_policy_on_frame_stacks():
     actions = policy(obs)
     assert actions.shape == (3,) and actions.dtype == np.int64
     assert ((actions >= 0) & (actions < 6)).all()
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_policy_on_a_device_returns_numpy_actions_on_the_cpu(device):
+    """``device=`` puts the weights and the computation there (``--device`` of the
+    benchmark); the actions come back as a numpy array. CUDA only where a GPU is."""
+    torch = pytest.importorskip("torch")
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device here")
+    policy = TorchPolicy("mlp", CARTPOLE_OBS, gymnasium.spaces.Discrete(2), 3, device)
+    assert next(policy.actor.parameters()).device.type == device
+    actions = policy(np.zeros((8, 4), np.float32))
+    assert isinstance(actions, np.ndarray) and actions.shape == (8,)
+    assert actions.dtype == np.int64 and set(actions.tolist()) <= {0, 1}
+    # The Sampler sees where it is: a GPU policy runs driver inference under "auto".
+    assert policy_on_gpu(policy) is (device == "cuda")
 
 
 def test_policy_refuses_spaces_it_cannot_drive():
