@@ -191,17 +191,3 @@ def test_the_checks_see_a_cycle_and_an_underscore_use():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": set()}) == []
     assert _private("_remote_error") and not _private("__version__")
-
-
-MAX_LINES = 650  # issue 18: no source file over 650 lines, C included
-
-
-def test_no_source_file_is_over_650_lines():
-    sources = [*ROOT.rglob("*.py"), *ROOT.rglob("*.c")]
-    assert sources
-    long = {
-        str(p.relative_to(ROOT)): n
-        for p in sources
-        if (n := len(p.read_text(encoding="utf-8").splitlines())) > MAX_LINES
-    }
-    assert long == {}, f"split these by responsibility: {long}"
