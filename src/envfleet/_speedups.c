@@ -14,6 +14,10 @@
  *   timed_call      StepTimer.call: a group's step timed into its stats row, where a backend
  *                   steps the group itself (serial, threads, Ray actors, the driver's block)
  *
+ * The protocol is defined in Python only: the control words' indexes come from set_layout
+ * (_backends/processes_worker.py's native_layout), the command and status codes with each
+ * call, the spin budget's step from SpinBudget.step_s.
+ *
  * Only what measurably pays end to end is here (benchmarks/speedups.py measures each function
  * against its Python twin; the env step loop and the doorbell's post/poll/spin were measured
  * within noise and run in Python only; timed_call pays on the serial no-op round trip,
@@ -46,6 +50,49 @@ static const char *const function_names[F_COUNT] = {
     "serve_steps", "step_round", "timed_call", "write_results", "write_rows",
 };
 static unsigned long long calls[F_COUNT];
+
+/* The control words' layout, given by Python (set_layout, from _backends/processes_worker.py:
+ * CMD, CMD_PAYLOAD, STATUS, REPLY_PAYLOAD), the one place it is defined. -1: not given yet, and
+ * serve_steps / step_round refuse to run. */
+static Py_ssize_t w_cmd = -1, w_cmd_payload = -1, w_status = -1, w_reply_payload = -1;
+
+/* set_layout(cmd, cmd_payload, status, reply_payload, words): the indexes of the control
+ * words in a worker's int64[words] row. */
+static PyObject *
+sp_set_layout(PyObject *self, PyObject *args)
+{
+    Py_ssize_t cmd, cmd_payload, status, reply_payload, words;
+    if (!PyArg_ParseTuple(args, "nnnnn", &cmd, &cmd_payload, &status, &reply_payload, &words))
+        return NULL;
+    Py_ssize_t all[4] = {cmd, cmd_payload, status, reply_payload};
+    for (int i = 0; i < 4; i++) {
+        for (int j = 0; j < i; j++) {
+            if (all[i] == all[j]) {
+                PyErr_SetString(PyExc_ValueError, "set_layout: two words at one index");
+                return NULL;
+            }
+        }
+        if (all[i] < 0 || all[i] >= words) {
+            PyErr_Format(PyExc_ValueError, "set_layout: index %zd outside [0, %zd)", all[i],
+                         words);
+            return NULL;
+        }
+    }
+    w_cmd = cmd;
+    w_cmd_payload = cmd_payload;
+    w_status = status;
+    w_reply_payload = reply_payload;
+    Py_RETURN_NONE;
+}
+
+static int
+layout_set(void)
+{
+    if (w_cmd >= 0)
+        return 1;
+    PyErr_SetString(PyExc_RuntimeError, "_speedups: set_layout() was not called");
+    return 0;
+}
 
 static PyObject *
 sp_counters(PyObject *self, PyObject *unused)
@@ -212,10 +259,12 @@ sp_serve_steps(PyObject *self, PyObject *args)
         return NULL;
     if (aa != Py_None && !as_address(aa, &ap))
         return NULL;
+    if (!layout_set())
+        return NULL;
     int ok = 1;
     double budget_s = get_double(budget, "budget_s", &ok);
     double max_s = get_double(budget, "max_s", &ok);
-    double step_s = max_s / 16; /* SpinBudget's additive step */
+    double step_s = get_double(budget, "step_s", &ok); /* SpinBudget's additive step */
     if (!ok)
         return NULL;
     sem_t *request = (sem_t *)rp, *done = (sem_t *)dp, *any_done = (sem_t *)ap;
@@ -239,7 +288,7 @@ sp_serve_steps(PyObject *self, PyObject *args)
             break;
         }
         budget_s = budget_s + step_s < max_s ? budget_s + step_s : max_s;
-        if (control[0] != step_code || control[1] != 0) {
+        if (control[w_cmd] != step_code || control[w_cmd_payload] != 0) {
             out = Py_BuildValue("(idO)", 1, 0.0, Py_None);
             break;
         }
@@ -258,8 +307,8 @@ sp_serve_steps(PyObject *self, PyObject *args)
             break;
         }
         Py_DECREF(result);
-        control[2] = ok_code;
-        control[3] = 0;
+        control[w_status] = ok_code;
+        control[w_reply_payload] = 0;
         sem_post(done);
         if (any_done != NULL)
             sem_post(any_done);
@@ -301,17 +350,18 @@ catch_exception(PyObject *kind)
 
 /* -- the processes driver's step round -------------------------------------------------------- */
 
-/* A SpinBudget's ``caught``, given its budget_s: that grows by max_s / 16, up to max_s. */
+/* A SpinBudget's ``caught``, given its budget_s: that grows by its step_s, up to max_s. */
 static int
 budget_caught(PyObject *budget, double budget_s)
 {
     int ok = 1;
     double max_s = get_double(budget, "max_s", &ok);
+    double step_s = get_double(budget, "step_s", &ok);
     if (!ok)
         return -1;
     if (budget_s >= max_s)
         return 0;
-    budget_s = budget_s + max_s / 16 < max_s ? budget_s + max_s / 16 : max_s;
+    budget_s = budget_s + step_s < max_s ? budget_s + step_s : max_s;
     PyObject *b = PyFloat_FromDouble(budget_s);
     if (b == NULL)
         return -1;
@@ -346,6 +396,8 @@ sp_step_round(PyObject *self, PyObject *args)
                           &dones, &PyTuple_Type, &controls, &PyList_Type, &budgets, &local,
                           &env_failure, &tight_s, &step_code, &ok_code, &ring))
         return NULL;
+    if (!layout_set())
+        return NULL;
     Py_ssize_t n = PyTuple_GET_SIZE(requests);
     if (PyTuple_GET_SIZE(dones) != n || PyTuple_GET_SIZE(controls) != n ||
         PyList_GET_SIZE(budgets) != n) {
@@ -357,8 +409,8 @@ sp_step_round(PyObject *self, PyObject *args)
         if (!as_address(PyTuple_GET_ITEM(requests, w), &request) ||
             !as_address(PyTuple_GET_ITEM(controls, w), &control))
             return NULL;
-        ((volatile int64_t *)control)[0] = step_code;
-        ((volatile int64_t *)control)[1] = 0;
+        ((volatile int64_t *)control)[w_cmd] = step_code;
+        ((volatile int64_t *)control)[w_cmd_payload] = 0;
         if (sem_post((sem_t *)request) != 0)
             return PyErr_SetFromErrno(PyExc_OSError);
     }
@@ -404,7 +456,7 @@ sp_step_round(PyObject *self, PyObject *args)
         if (budget_caught(budget, budget_s) < 0)
             goto fail_unread;
         volatile int64_t *words = (volatile int64_t *)control;
-        if (words[2] != ok_code || words[3] != 0) {
+        if (words[w_status] != ok_code || words[w_reply_payload] != 0) {
             PyObject *index = PyLong_FromSsize_t(taken);
             if (index == NULL || PyList_Append(unread, index) < 0) {
                 Py_XDECREF(index);
@@ -606,6 +658,8 @@ static PyMethodDef methods[] = {
     {"serve_steps", sp_serve_steps, METH_VARARGS, "_Worker.serve's loop for plain steps."},
     {"step_round", sp_step_round, METH_VARARGS, "ProcessesBackend's step round."},
     {"timed_call", sp_timed_call, METH_VARARGS, "StepTimer.call."},
+    {"set_layout", sp_set_layout, METH_VARARGS,
+     "set_layout(cmd, cmd_payload, status, reply_payload, words): the control words."},
     {"counters", sp_counters, METH_NOARGS, "counters() -> {name: calls in this process}."},
     {"reset_counters", sp_reset_counters, METH_NOARGS, "reset_counters(): zero them."},
     {"register_types", sp_register_types, METH_VARARGS,

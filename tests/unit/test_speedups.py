@@ -13,10 +13,12 @@ from __future__ import annotations
 import functools
 import importlib
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 from typing import Any
 
 import gymnasium as gym
@@ -382,3 +384,47 @@ def test_disabled_functions_run_their_python_twin(make_env, monkeypatch):
     after = c_counters()
     assert after["write_rows"] == before["write_rows"]
     assert after["write_results"] - before["write_results"] >= COUNTED_STEPS
+
+
+# -- the protocol has one definition, in Python ----------------------------------------------
+
+LAYOUT_LINE = "CMD, CMD_PAYLOAD, STATUS, REPLY_PAYLOAD, REPLY_BYTES = 0, 1, 2, 3, 4"
+
+
+def test_the_c_path_reads_the_control_words_layout_from_python(tmp_path):
+    """Moving every control word in ``processes_worker.py`` is all a layout change takes: a
+    copy of the package (its built C module included) with the words at other indexes passes
+    the processes backend's differential contract tests, the C round and worker loop running
+    (their counters, in ``test_processes_runs_the_c_round_and_worker_loop``)."""
+    if envfleet._native.speedups is None:
+        pytest.skip("envfleet._speedups is not built here")
+    package = Path(envfleet.__file__).parent
+    source = (package / "_backends" / "processes_worker.py").read_text()
+    assert source.count(LAYOUT_LINE) == 1, "the layout's one definition moved: update this test"
+    shutil.copytree(package, tmp_path / "envfleet", ignore=shutil.ignore_patterns("__pycache__"))
+    moved = LAYOUT_LINE.replace("= 0, 1, 2, 3, 4", "= 6, 3, 0, 5, 1")
+    (tmp_path / "envfleet" / "_backends" / "processes_worker.py").write_text(
+        source.replace(LAYOUT_LINE, moved)
+    )
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(root)])}
+    env.pop("ENVFLEET_NO_SPEEDUPS", None)
+    check = "import envfleet, sys; print(envfleet.__file__)"
+    where = subprocess.run([sys.executable, "-c", check], env=env, capture_output=True, text=True)
+    assert where.stdout.startswith(str(tmp_path)), where  # the moved copy is the one tested
+    tests = [
+        "tests/contract/test_differential.py",
+        "tests/unit/test_speedups.py::test_processes_runs_the_c_round_and_worker_loop",
+        "tests/unit/test_speedups.py::test_worker_loop_matches_sync_vector_env",
+    ]
+    out = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", *tests]
+        + ["-k", "processes and not spawn", "-m", "not slow and not ray"],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
+    assert " passed" in out.stdout and " failed" not in out.stdout

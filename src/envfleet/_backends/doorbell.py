@@ -54,7 +54,8 @@ class SpinBudget:
     A wait that spins out (its budget ran out and it had to block) halves the budget: the peer
     is slow, or is not running at all because the cores are oversubscribed, and then spinning
     only takes the CPU the peer needs. A wait that is caught while spinning, or that blocked
-    but ended soon enough for a spin to have caught it, adds ``max_s / 16``. On a quiet
+    but ended soon enough for a spin to have caught it, adds ``step_s`` (``max_s / 16``; the
+    C step path reads it from here, the rule's one definition). On a quiet
     machine with short waits the budget stays near ``max_s`` (about 1 µs wake-ups); with long
     waits, or other processes competing for the cores, it falls to almost nothing and waiters
     block at once. After its first :data:`TIGHT_SPIN_S` (20 µs, far below a scheduler slice)
@@ -68,16 +69,16 @@ class SpinBudget:
     def __init__(self, max_s: float):
         self.max_s = max(0.0, max_s)
         self.budget_s = self.max_s
-        self._step_s = self.max_s / 16
+        self.step_s = self.max_s / 16
 
     def caught(self) -> None:
         """A wait ended while spinning."""
-        self.budget_s = min(self.max_s, self.budget_s + self._step_s)
+        self.budget_s = min(self.max_s, self.budget_s + self.step_s)
 
     def blocked(self, wait_s: float) -> None:
         """A wait spun out and blocked; it lasted ``wait_s`` seconds in all."""
         if wait_s <= self.max_s / 2:  # a longer spin would have caught it
-            self.budget_s = min(self.max_s, self.budget_s + self._step_s)
+            self.budget_s = min(self.max_s, self.budget_s + self.step_s)
         else:
             self.budget_s /= 2
 

@@ -75,6 +75,7 @@ from envfleet._backends.processes_worker import (
     STATUS,
     control_words,
     mailbox,
+    native_layout,
     read_region,
     stats_rows,
     word_view,
@@ -328,6 +329,7 @@ class ProcessesBackend(WorkerProcesses):
             )
         ):
             return None
+        native_layout()
         local = None
         if self._local is not None:
             local = functools.partial(self._local_timer.call, self._local.step)

@@ -71,6 +71,7 @@ __all__ = [
     "WorkerSpec",
     "attach_block",
     "control_words",
+    "native_layout",
     "mailbox",
     "mapped_block",
     "read_region",
@@ -100,6 +101,15 @@ _COMMANDS = {int(c): c for c in Command}  # control word -> Command, without Enu
 # The hot path's Enum members as module globals: an Enum member lookup costs ~70 ns.
 _STEP, _CLOSE = Command.STEP, Command.CLOSE
 _SPUN_OUT, _TAKEN, _STEPPED = 0, 1, 2  # why _speedups.serve_steps returned
+
+
+def native_layout() -> None:
+    """Hand the C step path (``_speedups.serve_steps`` and ``step_round``) the control words'
+    layout: its one definition is ``CMD``, ``CMD_PAYLOAD``, ``STATUS``, ``REPLY_PAYLOAD`` and
+    ``WORDS`` above, read when a worker or a driver binds a C function."""
+    set_layout = _speedups.function("set_layout")
+    if set_layout is not None:
+        set_layout(CMD, CMD_PAYLOAD, STATUS, REPLY_PAYLOAD, WORDS)
 
 
 def control_words(region: Any) -> np.ndarray:
@@ -408,6 +418,7 @@ class _Worker:
         sems = (self.doorbell.request, self.done, self.any_done)
         if serve_steps is None or not all(s is None or type(s) is SharedSem for s in sems):
             return None
+        native_layout()
         any_done = None if self.any_done is None else self.any_done.address
         return functools.partial(
             serve_steps,
