@@ -52,7 +52,9 @@ ALL = [
     "UnsupportedError",
     "WrongProcessError",
     "__version__",
+    "check_env_id",
     "make",
+    "usable_cores",
 ]
 
 # Public modules besides envfleet itself, and the libraries each needs (extras).

@@ -191,3 +191,24 @@ def test_the_checks_see_a_cycle_and_an_underscore_use():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": set()}) == []
     assert _private("_remote_error") and not _private("__version__")
+
+
+def _private_module(name: str) -> bool:
+    """``envfleet._*``: a private module of the library (``envfleet.bench._core`` is one of
+    the bench package's own)."""
+    parts = name.split(".")
+    return len(parts) > 1 and parts[1].startswith("_")
+
+
+def test_bench_uses_only_public_names():
+    """``envfleet.bench`` measures envfleet as a user runs it: its modules import ``envfleet``
+    and each other, never a private module of the library (``envfleet._*``)."""
+    bench = [
+        name for name in IMPORTS if name == "envfleet.bench" or name.startswith("envfleet.bench.")
+    ]
+    assert len(bench) > 1
+    private = {
+        (name, edge) for name in bench for edge in IMPORTS[name].edges if _private_module(edge)
+    }
+    assert sorted(private) == []
+    assert _private_module("envfleet._front.make") and not _private_module("envfleet.bench._core")

@@ -6,6 +6,7 @@ See DESIGN.md §5 for the public contract.
 """
 
 from envfleet._auto_inference import SamplerReport
+from envfleet._cores import usable_cores
 from envfleet._errors import (
     AlreadyPendingCallError,
     ClosedEnvironmentError,
@@ -25,6 +26,7 @@ from envfleet._errors import (
     UnsupportedError,
     WrongProcessError,
 )
+from envfleet._front.factories import check_env_id
 from envfleet._front.make import BACKENDS, make
 from envfleet._front.vector_env import FleetVectorEnv
 from envfleet._inference import SamplerStats, SamplerTimers, TimerStat
@@ -70,5 +72,7 @@ __all__ = [
     "UnsupportedError",
     "WrongProcessError",
     "__version__",
+    "check_env_id",
     "make",
+    "usable_cores",
 ]

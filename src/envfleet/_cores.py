@@ -122,8 +122,10 @@ def quota_cores(root: str = CGROUP_ROOT, proc_cgroup: str = PROC_CGROUP) -> int 
 
 
 def usable_cores(root: str = CGROUP_ROOT, proc_cgroup: str = PROC_CGROUP) -> int:
-    """The cores this process may use: the smaller of :func:`affinity_cores` and
-    :func:`quota_cores` (the affinity alone where there is no quota), at least 1.
+    """The cores this process may use: the smaller of its CPU affinity
+    (``os.sched_getaffinity``) and its cgroup v2 ``cpu.max`` quota (the affinity alone where
+    there is no quota), at least 1. envfleet's default worker counts and spin budgets read it,
+    never ``os.cpu_count()``, and so does ``envfleet bench``'s limit.
 
     Args:
         root: where the cgroup v2 hierarchy is mounted (tests point it at a temporary tree).

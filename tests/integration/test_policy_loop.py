@@ -236,7 +236,7 @@ class _ThreeStepEnv(gymnasium.Env):
 
 
 def test_loops_count_transitions_not_the_steps_that_only_reset():
-    from envfleet._policy_loop import _plain_loop, _Resets
+    from envfleet.bench._policy_loop import _plain_loop, _Resets
 
     closers: list = []
     envs = gymnasium.vector.SyncVectorEnv([_ThreeStepEnv] * 2)  # NEXT_STEP autoreset

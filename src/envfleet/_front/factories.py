@@ -73,7 +73,13 @@ def register_namespace(env_id: str) -> str:
 
 def check_env_id(env_id: str) -> None:
     """Check that ``env_id`` is a registered gymnasium id, importing its namespace (ALE) or
-    its module (``"module:EnvId"``, gymnasium's form) first.
+    its module (``"module:EnvId"``, gymnasium's form) first, as :func:`envfleet.make` does
+    before it builds anything; afterwards ``gymnasium.make(env_id)`` finds it.
+
+    Example::
+
+        envfleet.check_env_id("ALE/Pong-v5")   # imports ale_py, which registers ALE/
+        envfleet.check_env_id("CartPole-v2")   # ConfigError: unknown environment id ...
 
     Raises:
         ConfigError: the id is unknown, or it needs a package that is missing (``ALE/`` ids

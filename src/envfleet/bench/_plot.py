@@ -13,8 +13,8 @@ import math
 import textwrap
 from typing import Any
 
-from envfleet._bench_sweep import BenchReport, Machine
-from envfleet._errors import ConfigError
+from envfleet import ConfigError
+from envfleet.bench._sweep import BenchReport, Machine
 
 __all__ = [
     "PLOT_DPI",

@@ -1,5 +1,5 @@
 """The peers of ``envfleet bench``: the vector envs of other libraries, built and stepped the
-way :mod:`envfleet._bench_core` measures every system (see :mod:`envfleet.bench`).
+way :mod:`envfleet.bench._core` measures every system (see :mod:`envfleet.bench`).
 
 Each peer's library is imported only when that peer is built; :func:`peer_unavailable` says,
 without building anything, why a peer cannot run here (not installed, with the command that
@@ -19,8 +19,7 @@ import gymnasium
 import numpy as np
 from gymnasium.vector.utils import batch_space
 
-from envfleet._cores import usable_cores
-from envfleet._front.factories import register_namespace
+from envfleet import check_env_id, usable_cores
 
 __all__ = [
     "PEERS",
@@ -106,7 +105,8 @@ class Stepper:
 def make_gym_env(env_id: str) -> gymnasium.Env[Any, Any]:
     """``gymnasium.make(env_id)`` after registering the id's namespace (ALE) in this process,
     which may be a freshly started worker; picklable through :func:`functools.partial`."""
-    return gymnasium.make(register_namespace(env_id))
+    check_env_id(env_id)  # imports what registers it (ALE, "module:EnvId")
+    return gymnasium.make(env_id)
 
 
 def action_bank(

@@ -40,7 +40,8 @@ env whatever happens. Throughput counts env steps summed over all sub-environmen
 
 from __future__ import annotations
 
-from envfleet._bench_core import (
+from envfleet import check_env_id, usable_cores
+from envfleet.bench._core import (
     ACTION_BANK,
     BASELINES,
     LIMIT,
@@ -55,8 +56,8 @@ from envfleet._bench_core import (
     measure_system,
     timed_loop,
 )
-from envfleet._bench_peers import PEER_INSTALL, envpool_task, puffer_workers
-from envfleet._bench_plot import (
+from envfleet.bench._peers import PEER_INSTALL, envpool_task, puffer_workers
+from envfleet.bench._plot import (
     PLOT_DPI,
     PLOT_INSTALL,
     PLOT_LEGEND_INCHES,
@@ -65,7 +66,7 @@ from envfleet._bench_plot import (
     plot_report,
     require_matplotlib,
 )
-from envfleet._bench_policies import (
+from envfleet.bench._policies import (
     POLICY_KINDS,
     TORCH_INSTALL,
     TorchPolicy,
@@ -75,19 +76,7 @@ from envfleet._bench_policies import (
     require_torch,
     workloads,
 )
-from envfleet._bench_sweep import (
-    BenchReport,
-    LimitResult,
-    Machine,
-    Skipped,
-    bench_rows,
-    describe_machine,
-    measure_limit,
-    run_bench,
-    unavailable,
-)
-from envfleet._front.factories import check_env_id
-from envfleet._policy_loop import (
+from envfleet.bench._policy_loop import (
     POLICY_SYSTEMS,
     PUFFER_INSTALL,
     PolicyBound,
@@ -98,7 +87,17 @@ from envfleet._policy_loop import (
     overlap_bound,
     policy_report_dict,
     policy_table,
-    usable_cores,
+)
+from envfleet.bench._sweep import (
+    BenchReport,
+    LimitResult,
+    Machine,
+    Skipped,
+    bench_rows,
+    describe_machine,
+    measure_limit,
+    run_bench,
+    unavailable,
 )
 
 __all__ = [

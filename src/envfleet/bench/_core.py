@@ -1,5 +1,5 @@
 """The core of ``envfleet bench``: env steps per second of envfleet backends and of their
-peers (other libraries' vector envs, :mod:`envfleet._bench_peers`) on the same environment,
+peers (other libraries' vector envs, :mod:`envfleet.bench._peers`) on the same environment,
 swept over ``num_envs``, with the machine's limit beside them (see :mod:`envfleet.bench`, which
 re-exports it, for the systems and the method).
 """
@@ -14,15 +14,14 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import envfleet
-from envfleet._bench_peers import (
+from envfleet import ConfigError, EnvfleetError, check_env_id
+from envfleet.bench._peers import (
     PEERS,
     Stepper,
     action_bank,
     build_peer,
     peer_unavailable,
 )
-from envfleet._errors import ConfigError, EnvfleetError
-from envfleet._front.factories import check_env_id
 
 __all__ = [
     "ACTION_BANK",

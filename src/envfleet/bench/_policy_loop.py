@@ -15,16 +15,14 @@ import gymnasium
 import numpy as np
 
 import envfleet
-from envfleet import _cores
-from envfleet._bench_core import ACTION_BANK, bench_error, check_args
-from envfleet._bench_peers import PUFFER_INSTALL
-from envfleet._bench_policies import (
+from envfleet import ConfigError, check_env_id, usable_cores
+from envfleet.bench._core import ACTION_BANK, bench_error, check_args
+from envfleet.bench._peers import PUFFER_INSTALL
+from envfleet.bench._policies import (
     TorchPolicy,
     check_workload,
     require_torch,
 )
-from envfleet._errors import ConfigError
-from envfleet._front.factories import check_env_id
 
 __all__ = [
     "POLICY_SYSTEMS",
@@ -37,7 +35,6 @@ __all__ = [
     "overlap_bound",
     "policy_report_dict",
     "policy_table",
-    "usable_cores",
 ]
 
 #: The systems of the learner's-loop benchmark, in the order of its table.
@@ -54,12 +51,6 @@ POLICY_SYSTEMS: tuple[str, ...] = (
 )
 _GYM_LOOPS = ("gym-sync", "gym-async")
 _PEER_LOOPS = (*_GYM_LOOPS, "puffer-sync", "puffer-async")
-
-
-def usable_cores() -> int:
-    """The number of cores this process may run on: the smaller of its CPU affinity and its
-    cgroup's CPU quota (:func:`envfleet._cores.usable_cores`, what envfleet's defaults use)."""
-    return _cores.usable_cores()
 
 
 def overlap_bound(num_envs: int, t_policy: float, t_env: float, cores: int) -> float:

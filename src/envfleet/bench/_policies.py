@@ -24,7 +24,7 @@ from typing import Any
 import gymnasium
 import numpy as np
 
-from envfleet._errors import ConfigError
+from envfleet import ConfigError
 
 __all__ = [
     "POLICY_KINDS",

@@ -14,7 +14,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import envfleet
-from envfleet._bench_core import (
+from envfleet import ConfigError, check_env_id, usable_cores
+from envfleet.bench._core import (
     ACTION_BANK,
     LIMIT,
     BenchProgress,
@@ -27,10 +28,7 @@ from envfleet._bench_core import (
     measure_system,
     timed_loop,
 )
-from envfleet._bench_peers import action_bank, make_gym_env, peer_unavailable
-from envfleet._cores import usable_cores
-from envfleet._errors import ConfigError
-from envfleet._front.factories import check_env_id
+from envfleet.bench._peers import action_bank, make_gym_env, peer_unavailable
 
 __all__ = [
     "BenchReport",
