@@ -9,8 +9,8 @@ from setuptools import Extension, setup
 setup(
     ext_modules=[
         Extension(
-            "envfleet._speedups",
-            sources=["src/envfleet/_speedups.c"],
+            "envfleet._core._speedups",
+            sources=["src/envfleet/_core/_speedups.c"],
             extra_compile_args=["-O2"],
             optional=True,
         )

@@ -1,8 +1,8 @@
 """Each C function of envfleet's optional step path against its Python twin, side by side.
 
-For every function the C module (``envfleet._speedups``) has, the same workload runs with the
+For every function the C module (``envfleet._core._speedups``) has, the same workload runs with the
 C function and with its Python twin, turned off one piece at a time through
-``envfleet._native.disabled`` (read when a vector env is made; its workers inherit it under
+``envfleet._core.native.disabled`` (read when a vector env is made; its workers inherit it under
 ``fork``, the default start method on Linux):
 
 - **micro** (per call, µs): the caller of that one function, with the function in C and in
@@ -44,7 +44,7 @@ import numpy as np
 from gymnasium import spaces
 
 import envfleet
-import envfleet._native as native
+import envfleet._core.native as native
 
 MICRO_CALLS = 2000
 WARMUP_STEPS = 20  # untimed steps at the start of each window: the workers wake up
@@ -71,7 +71,7 @@ class NoopEnv(gymnasium.Env[np.ndarray, int]):
 def pieces() -> list[str]:
     """The C module's step-path functions (those the callers look up)."""
     if native.speedups is None:
-        raise SystemExit("envfleet._speedups is not built (or ENVFLEET_NO_SPEEDUPS is set)")
+        raise SystemExit("envfleet._core._speedups is not built (or ENVFLEET_NO_SPEEDUPS is set)")
     return sorted(n for n in dir(native.speedups) if n in MICRO)
 
 

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 import envfleet
-import envfleet._native
+import envfleet._core.native
 from tests.helpers import Snapshot
 
 
@@ -41,14 +41,14 @@ def make_env(request: pytest.FixtureRequest) -> Iterator[Callable[..., envfleet.
 
 @pytest.fixture(params=["c", "python"])
 def step_path(request: Any, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Run the test with envfleet's C step path (``envfleet._native``), then without it: the
+    """Run the test with envfleet's C step path (``envfleet._core.native``), then without it: the
     Python twin of every C function. Set before the vector env is made; workers inherit it
     (``fork``) or read ``ENVFLEET_NO_SPEEDUPS`` when they import envfleet (spawn, forkserver)."""
     if request.param == "python":
-        monkeypatch.setattr(envfleet._native, "speedups", None)
+        monkeypatch.setattr(envfleet._core.native, "speedups", None)
         monkeypatch.setenv("ENVFLEET_NO_SPEEDUPS", "1")
-    elif envfleet._native.speedups is None:
-        pytest.skip("envfleet._speedups is not built here (or ENVFLEET_NO_SPEEDUPS is set)")
+    elif envfleet._core.native.speedups is None:
+        pytest.skip("envfleet._core._speedups is not built here (or ENVFLEET_NO_SPEEDUPS is set)")
     return str(request.param)
 
 

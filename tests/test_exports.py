@@ -182,8 +182,8 @@ def test_examples_use_only_public_names():
         assert _private_uses(path.read_text()) == [], path.name
     # The check itself sees each way in.
     for line in (
-        "import envfleet._rollout",
-        "from envfleet._rollout import EpisodeBatch",
+        "import envfleet._sampler.rollout",
+        "from envfleet._sampler.rollout import EpisodeBatch",
         "from envfleet import _native",
         "import envfleet\nenvfleet._native.speedups",
     ):

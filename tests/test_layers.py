@@ -212,3 +212,62 @@ def test_bench_uses_only_public_names():
     }
     assert sorted(private) == []
     assert _private_module("envfleet._front.make") and not _private_module("envfleet.bench._core")
+
+
+ARCHITECTURE = ROOT.parents[1] / "docs" / "architecture.md"
+
+
+def _layer_table() -> list[tuple[str, list[str]]]:
+    """docs/architecture.md's layer table, top to bottom: (layer, the paths it names)."""
+    text = ARCHITECTURE.read_text()
+    table = text[text.index("<!-- layers -->") : text.index("<!-- /layers -->")]
+    layers = []
+    for line in table.splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        if len(cells) == 3 and cells[0][:1].isdigit():
+            layers.append((cells[0], [p.strip("` ") for p in cells[1].split(",")]))
+    return layers
+
+
+def _path_of(name: str) -> str:
+    """A module's path inside the package, ``_front/make.py`` or ``bench/`` style."""
+    return MODULES[name].relative_to(ROOT).as_posix()
+
+
+def _layer_of(name: str, layers: list[tuple[str, list[str]]]) -> int | None:
+    path = _path_of(name)
+    for k, (_, places) in enumerate(layers):
+        if any(path == p or (p.endswith("/") and path.startswith(p)) for p in places):
+            return k
+    return None
+
+
+def test_the_folders_are_the_layers_and_imports_go_down():
+    """Every module sits in one layer of the table, every place the table names exists, and
+    each import goes to the importer's own layer or one below it."""
+    layers = _layer_table()
+    assert len(layers) >= 5
+    for _, places in layers:
+        for place in places:
+            assert (ROOT / place).exists(), f"the layer table names {place}, which is not there"
+    unplaced = sorted(name for name in MODULES if _layer_of(name, layers) is None)
+    assert unplaced == [], f"modules in no layer of docs/architecture.md: {unplaced}"
+    upward = sorted(
+        f"{name} ({layers[a][0]}) imports {edge} ({layers[b][0]})"
+        for name, imports in IMPORTS.items()
+        for edge in imports.edges
+        if (a := _layer_of(name, layers)) is not None
+        and (b := _layer_of(edge, layers)) is not None
+        and b < a
+    )
+    assert upward == [], "imports that run up the layers:\n" + "\n".join(upward)
+
+
+def test_the_layer_check_sees_an_import_that_runs_up():
+    layers = [("1. top", ["cli.py"]), ("2. front", ["_front/"]), ("3. core", ["_core/"])]
+    assert _layer_of("envfleet._front.make", layers) == 1
+    assert _layer_of("envfleet._core.errors", layers) == 2
+    assert _layer_of("envfleet._sampler.sampler", layers) is None
+    real = _layer_table()  # an import from the core up to the front would be flagged
+    core, front = _layer_of("envfleet._core.errors", real), _layer_of("envfleet._front.make", real)
+    assert core is not None and front is not None and core > front

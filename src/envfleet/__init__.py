@@ -5,9 +5,9 @@ results are bit-identical to ``gymnasium.vector.SyncVectorEnv`` for the same see
 See DESIGN.md §5 for the public contract.
 """
 
-from envfleet._auto_inference import SamplerReport
-from envfleet._cores import usable_cores
-from envfleet._errors import (
+from envfleet._backends.supervisor import FleetStats, RestartPolicy, StepTimeStats
+from envfleet._core.cores import usable_cores
+from envfleet._core.errors import (
     AlreadyPendingCallError,
     ClosedEnvironmentError,
     ConfigError,
@@ -28,14 +28,14 @@ from envfleet._errors import (
 )
 from envfleet._front.factories import check_env_id
 from envfleet._front.make import BACKENDS, make
+from envfleet._front.multi_agent import AgentError
+from envfleet._front.multi_agent_vector_env import MultiAgentVectorEnv
+from envfleet._front.process_env import ProcessEnv
 from envfleet._front.vector_env import FleetVectorEnv
-from envfleet._inference import SamplerStats, SamplerTimers, TimerStat
-from envfleet._multi_agent import AgentError
-from envfleet._multi_agent_vector_env import MultiAgentVectorEnv
-from envfleet._process_env import ProcessEnv
-from envfleet._rollout import EpisodeBatch
-from envfleet._sampler import Sampler
-from envfleet._supervisor import FleetStats, RestartPolicy, StepTimeStats
+from envfleet._sampler.auto_inference import SamplerReport
+from envfleet._sampler.inference import SamplerStats, SamplerTimers, TimerStat
+from envfleet._sampler.rollout import EpisodeBatch
+from envfleet._sampler.sampler import Sampler
 
 __version__ = "0.1.0"
 

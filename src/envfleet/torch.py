@@ -44,8 +44,8 @@ from typing import TYPE_CHECKING, Any, cast
 import numpy as np
 from gymnasium.vector import VectorEnv, VectorWrapper
 
-from envfleet._buffers import side_leaves
-from envfleet._errors import ConfigError
+from envfleet._core.buffers import side_leaves
+from envfleet._core.errors import ConfigError
 
 if TYPE_CHECKING:
     import torch
@@ -182,7 +182,7 @@ class TorchVectorEnv(VectorWrapper[Any, Any, Any, Any, Any]):
     Raises:
         ConfigError: torch missing, a device this machine lacks, ``pin_memory=True`` without
             an accelerator, an observation or action space with a leaf a tensor cannot hold
-            (Text, Graph, Sequence, OneOf, a custom Space: ``envfleet._buffers.side_leaves``).
+            (Text, Graph, Sequence, OneOf, a custom Space: ``envfleet._core.buffers.side_leaves``).
     """
 
     def __init__(

@@ -19,7 +19,7 @@ import pytest
 from gymnasium.vector import AutoresetMode, SyncVectorEnv
 
 import envfleet
-import envfleet._native
+import envfleet._core.native
 from tests.envs import ActionDtypeEnv, sync_factories
 from tests.helpers import assert_same
 
@@ -106,9 +106,9 @@ def test_pendulum_with_float64_actions_matches_sync(make_env, backend, mode):
 def test_the_fast_step_round_runs_for_the_spaces_own_dtype(make_env, backend):
     """Actions of the space's dtype take the C step round (its counter advances once a step);
     another dtype travels with the step command instead, and the results stay exact."""
-    speedups = envfleet._native.speedups
+    speedups = envfleet._core.native.speedups
     if speedups is None:
-        pytest.skip("envfleet._speedups is not built here")
+        pytest.skip("envfleet._core._speedups is not built here")
     fleet = make_env(functools.partial(ActionDtypeEnv, "box"), NUM_ENVS, **backend.options)
     fleet.reset(seed=0)
     before = speedups.counters()["step_round"]

@@ -21,9 +21,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import envfleet
-import envfleet._envgroup
+import envfleet._core.envgroup
+import envfleet._core.native
 import envfleet._front.results
-import envfleet._native
 from tests.envs import FormObsEnv, MixedObsEnv, NestedSpaceEnv, SparseInfoEnv, sync_factories
 from tests.helpers import assert_same
 
@@ -171,7 +171,7 @@ def test_matches_sync_vector_env(make_env, case, backend, layout, mode):
         assert seen["info_steps"] > 0
 
 
-# Without the C step path (envfleet._native): every case and mode on the serial backend and
+# Without the C step path (envfleet._core.native): every case and mode on the serial backend and
 # on the processes backend's default layout (the driver steps a share), through the Python
 # twins of the C functions. The tests above run with it, where it is built.
 def python_path_cases(backend) -> list[tuple[str, AutoresetMode, dict[str, Any]]]:
@@ -184,7 +184,7 @@ def python_path_cases(backend) -> list[tuple[str, AutoresetMode, dict[str, Any]]
 def test_python_step_path_matches_sync_vector_env(
     make_env, monkeypatch, case, backend, layout, mode
 ):
-    monkeypatch.setattr(envfleet._native, "speedups", None)
+    monkeypatch.setattr(envfleet._core.native, "speedups", None)
     monkeypatch.setenv("ENVFLEET_NO_SPEEDUPS", "1")
     test_matches_sync_vector_env(make_env, case, backend, layout, mode)
 
@@ -468,7 +468,7 @@ def test_contiguous_observations_are_written_without_numpy(make_env, monkeypatch
 def test_large_observation_rows_are_written_by_numpy(make_env, monkeypatch):
     """Rows larger than JOIN_MAX_BYTES (Atari frames) go through np.concatenate, which copies
     them once where the join would copy them twice; the results are the same."""
-    monkeypatch.setattr(envfleet._envgroup, "JOIN_MAX_BYTES", 4 * 4 * 4 - 1)  # 4 CartPole rows
+    monkeypatch.setattr(envfleet._core.envgroup, "JOIN_MAX_BYTES", 4 * 4 * 4 - 1)  # 4 CartPole rows
     sync = SyncVectorEnv([lambda: gym.make("CartPole-v1")] * 4)
     fleet = make_env("CartPole-v1", 4, backend="serial")
     calls = []

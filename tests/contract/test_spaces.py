@@ -17,7 +17,7 @@ from gymnasium.vector import AutoresetMode, SyncVectorEnv
 from gymnasium.vector.utils import batch_space, concatenate, create_empty_array
 
 import envfleet
-import envfleet._native
+import envfleet._core.native
 from tests.contract.test_differential import run_lockstep
 from tests.envs import BoundsEnv, ReusedGraphEnv, SideActionEnv, SideObsEnv, sync_factories
 from tests.helpers import assert_same
@@ -114,7 +114,7 @@ def test_side_spaces_pool_matches_single_envs(make_env):
 
 
 class CountingSpeedups:
-    """envfleet._native.speedups with a count of the calls of each C function."""
+    """envfleet._core.native.speedups with a count of the calls of each C function."""
 
     def __init__(self, module):
         self.module = module
@@ -136,10 +136,10 @@ class CountingSpeedups:
 def test_c_step_path_still_runs(make_env, monkeypatch, kind):
     """The C result write runs for plain spaces (with its joined row write) and for spaces
     with side leaves too (their values are collected after it, in Python)."""
-    if envfleet._native.speedups is None:
-        pytest.skip("envfleet._speedups is not built here")
-    counting = CountingSpeedups(envfleet._native.speedups)
-    monkeypatch.setattr(envfleet._native, "speedups", counting)
+    if envfleet._core.native.speedups is None:
+        pytest.skip("envfleet._core._speedups is not built here")
+    counting = CountingSpeedups(envfleet._core.native.speedups)
+    monkeypatch.setattr(envfleet._core.native, "speedups", counting)
     env = "CartPole-v1" if kind is None else functools.partial(SideObsEnv, kind)
     fleet = make_env(env, NUM_ENVS, backend="serial")
     fleet.reset(seed=0)
@@ -154,10 +154,10 @@ def test_c_step_path_still_runs(make_env, monkeypatch, kind):
 def test_c_step_round_still_runs(make_env, monkeypatch, kind):
     """processes: the driver's C step round (one call per step) runs for plain spaces and
     with side-leaf observations (their values come back as a reply to read)."""
-    if envfleet._native.speedups is None:
-        pytest.skip("envfleet._speedups is not built here")
-    counting = CountingSpeedups(envfleet._native.speedups)
-    monkeypatch.setattr(envfleet._native, "speedups", counting)
+    if envfleet._core.native.speedups is None:
+        pytest.skip("envfleet._core._speedups is not built here")
+    counting = CountingSpeedups(envfleet._core.native.speedups)
+    monkeypatch.setattr(envfleet._core.native, "speedups", counting)
     env = "CartPole-v1" if kind is None else functools.partial(SideObsEnv, kind)
     fleet = make_env(env, NUM_ENVS, backend="processes", num_workers=2)
     fleet.reset(seed=0)
@@ -168,7 +168,7 @@ def test_c_step_round_still_runs(make_env, monkeypatch, kind):
 
 @pytest.mark.backends("serial", "processes")
 def test_side_spaces_python_step_path_match_sync(make_env, monkeypatch, backend):
-    monkeypatch.setattr(envfleet._native, "speedups", None)
+    monkeypatch.setattr(envfleet._core.native, "speedups", None)
     monkeypatch.setenv("ENVFLEET_NO_SPEEDUPS", "1")
     check_side_kind(
         make_env, "dict_text_box", backend.options, AutoresetMode.SAME_STEP, num_workers=2

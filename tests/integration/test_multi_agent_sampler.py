@@ -214,7 +214,7 @@ def test_an_agent_that_leaves_unflagged_ends_truncated_and_a_restart_truncates_a
     """agent_batch on a recorded packed batch: agent 1 leaves ``env.agents`` after step 1
     with no flag (read as truncated, as the adapter reads such an env); step 2 is a restart
     (every acting agent's segment ends truncated, reward 0)."""
-    from envfleet._multi_agent_rollout import agent_batch
+    from envfleet._sampler.multi_agent_rollout import agent_batch
 
     def packed(masks: list[list[bool]], rewards: list[list[float]]) -> dict[str, np.ndarray]:
         n = len(masks)

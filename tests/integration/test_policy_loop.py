@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from envfleet import ConfigError
-from envfleet._auto_inference import policy_on_gpu
+from envfleet._sampler.auto_inference import policy_on_gpu
 from envfleet.bench import (
     POLICY_SYSTEMS,
     PUFFER_INSTALL,

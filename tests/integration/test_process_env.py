@@ -25,7 +25,7 @@ import pytest
 from gymnasium import spaces
 
 import envfleet
-from envfleet._supervisor import restart_seed
+from envfleet._backends.supervisor import restart_seed
 from tests.envs import CrashEnv, IndexedEnv, NestedSpaceEnv, RaisingEnv, make_indexed_kwonly
 from tests.helpers import Snapshot, assert_same
 

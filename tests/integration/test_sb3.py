@@ -250,9 +250,9 @@ def test_ppo_trains_through_the_adapter():
 def test_sb3_step_takes_the_fast_step_round():
     """SB3's ``VecEnv.step`` (what its algorithms call) goes through the vector env's C step
     round, which ``step_async``/``step_wait`` do not take: its counter advances once a step."""
-    speedups = envfleet._native.speedups
+    speedups = envfleet._core.native.speedups
     if speedups is None:
-        pytest.skip("envfleet._speedups is not built here")
+        pytest.skip("envfleet._core._speedups is not built here")
     venv = SB3VecEnv("CartPole-v1", NUM_ENVS, backend="processes")
     try:
         venv.reset()

@@ -519,7 +519,7 @@ class InfoSizeEnv(gym.Env):
 def test_replies_in_the_mailbox_or_on_the_pipe(make_env):
     """A pickled reply that fits a worker's mailbox goes there, a larger one on the pipe;
     both give SyncVectorEnv's infos, in any mix across workers and steps."""
-    from envfleet._backends import processes_worker as processes
+    from envfleet._backends.processes import worker as processes
 
     assert processes.MAILBOX_BYTES < 100_000
     fleet = make_env(InfoSizeEnv, 4, num_workers=2, driver_envs=0)
@@ -557,7 +557,7 @@ def test_large_arrays_of_a_reply_come_through_the_reply_region(snapshot):
     """Arrays of REGION_MIN_BYTES or more in a reply travel through the worker's reply
     region (a new one, its descriptor on the pipe, when it must grow) and come out equal,
     writable and the caller's; the rest of the reply is pickled as before."""
-    from envfleet._backends import processes_worker as processes
+    from envfleet._backends.processes import worker as processes
 
     fleet = envfleet.make("CartPole-v1", 4, num_workers=2)
     where = fleet._backend._control[:, processes.REPLY_PAYLOAD]
@@ -592,7 +592,7 @@ def test_large_arrays_of_a_reply_come_through_the_reply_region(snapshot):
 def test_a_restarted_worker_sends_a_reply_region_of_its_own(snapshot):
     """A worker killed and restarted (restart policy) starts without a region: its next
     large reply brings a new one, and the driver reads that one, not the dead worker's."""
-    from envfleet._backends import processes_worker as processes
+    from envfleet._backends.processes import worker as processes
 
     policy = envfleet.RestartPolicy(max_restarts=5, window_s=60)
     fleet = envfleet.make("CartPole-v1", 4, num_workers=2, restart_policy=policy)
@@ -618,7 +618,7 @@ def test_a_restarted_worker_sends_a_reply_region_of_its_own(snapshot):
     snapshot.assert_nothing_left()
 
 
-# -- the worker-process toolkit (envfleet._workers) ------------------------------------------
+# -- the worker-process toolkit (envfleet._backends.workers) ---------------------------------
 
 
 def _exit_with(code: int) -> None:
@@ -631,7 +631,7 @@ def _sleep_then_send(conn: multiprocessing.connection.Connection) -> None:
 
 
 def test_workers_watch_reports_deaths_with_exit_codes_and_readable_pipes():
-    from envfleet._workers import join_all, spawn, watch
+    from envfleet._backends.workers import join_all, spawn, watch
 
     exits = spawn("fork", _exit_with, (3,), "envfleet-test-exit")
     reader, writer = multiprocessing.Pipe(duplex=False)
@@ -654,8 +654,8 @@ def test_workers_watch_reports_deaths_with_exit_codes_and_readable_pipes():
 
 
 def test_workers_remote_error_carries_the_exception_and_its_traceback():
-    from envfleet._errors import RemoteTraceback
-    from envfleet._workers import remote_cause, remote_error
+    from envfleet._backends.workers import remote_cause, remote_error
+    from envfleet._core.errors import RemoteTraceback
 
     def boom() -> None:
         raise KeyError("the key")

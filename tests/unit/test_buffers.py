@@ -1,4 +1,4 @@
-"""copy=True results without a copy (envfleet._buffers.ObservationSlabs).
+"""copy=True results without a copy (envfleet._core.buffers.ObservationSlabs).
 
 With ``copy=True`` a result is the caller's: no later call may change it. The serial, threads
 and processes backends keep that promise by handing out arrays over spare observation buffers

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from envfleet import _cores
 from envfleet._backends.registry import usable_cores as registry_usable_cores
-from envfleet._cores import cpu_max_cores, quota_cores, usable_cores
+from envfleet._core import cores as _cores
+from envfleet._core.cores import cpu_max_cores, quota_cores, usable_cores
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from envfleet._backends.doorbell import SEM_SLOT, Doorbell, SpinBudget
+from envfleet._backends.processes.doorbell import SEM_SLOT, Doorbell, SpinBudget
 
 
 def test_spin_budget_halves_when_spins_run_out_and_grows_back_when_they_pay():

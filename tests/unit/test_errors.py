@@ -1,4 +1,4 @@
-"""The error types (envfleet._errors, re-exported by envfleet): their hierarchy, which lets
+"""The error types (envfleet._core.errors, re-exported by envfleet): their hierarchy, which lets
 code written for gymnasium's vector envs catch them, their fields, and pickling."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The control messages (envfleet._protocol): one-byte commands and statuses, and requests
+"""The control messages (envfleet._core.protocol): one-byte commands and statuses, and requests
 and replies that survive the pickling they travel with."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pickle
 
 import numpy as np
 
-from envfleet._protocol import (
+from envfleet._core.protocol import (
     CallRequest,
     Command,
     Failure,

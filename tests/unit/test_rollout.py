@@ -12,8 +12,14 @@ from gymnasium import spaces
 from gymnasium.vector.utils import batch_space
 
 from envfleet import Sampler
-from envfleet._front.infos import batch_infos
-from envfleet._rollout import EpisodeBatch, Recorder, StepLog, final_observations, step_infos
+from envfleet._core.infos import batch_infos
+from envfleet._sampler.rollout import (
+    EpisodeBatch,
+    Recorder,
+    StepLog,
+    final_observations,
+    step_infos,
+)
 
 K = 3
 SPACE = spaces.Dict({"pos": spaces.Box(-10, 10, (2,), np.float32), "count": spaces.Discrete(100)})

@@ -1,4 +1,4 @@
-"""The optional C step path (envfleet._speedups) against its Python twins and SyncVectorEnv.
+"""The optional C step path (envfleet._core._speedups) against its Python twins and SyncVectorEnv.
 
 Most tests run twice through the ``step_path`` fixture: with the C functions, and with them
 turned off. Both must give SyncVectorEnv's results bit for bit, and the same errors, for the
@@ -27,7 +27,7 @@ import pytest
 from gymnasium.vector import AutoresetMode, SyncVectorEnv
 
 import envfleet
-import envfleet._native
+import envfleet._core.native
 from tests.envs import RaisingEnv, SparseInfoEnv, ValuesEnv, sync_factories
 from tests.helpers import assert_same
 
@@ -39,7 +39,7 @@ def test_speedups_are_built():
     silent fallback to Python would leave the C path untested."""
     if os.environ.get("ENVFLEET_NO_SPEEDUPS", "").strip() not in ("", "0"):
         pytest.skip("ENVFLEET_NO_SPEEDUPS is set")
-    assert envfleet._native.speedups is not None
+    assert envfleet._core.native.speedups is not None
 
 
 def lockstep(fleet: Any, sync: SyncVectorEnv, steps: int = 6) -> None:
@@ -210,13 +210,13 @@ def test_without_speedups_in_spawned_workers():
     envfleet still runs (as it does where the extension could not be built)."""
     script = textwrap.dedent(
         """
-        import importlib, numpy as np, envfleet, envfleet._native
-        assert envfleet._native.speedups is None
+        import importlib, numpy as np, envfleet, envfleet._core.native
+        assert envfleet._core.native.speedups is None
         envs = envfleet.make("CartPole-v1", 4, context="spawn", num_workers=2, driver_envs=0)
         envs.reset(seed=0)
         for _ in range(20):
             envs.step(np.zeros(4, dtype=np.int64))
-        flags = envs.apply(lambda env: importlib.import_module("envfleet._native").speedups)
+        flags = envs.apply(lambda env: importlib.import_module("envfleet._core.native").speedups)
         assert flags == (None,) * 4, flags
         envs.close()
         print("ok")
@@ -237,14 +237,14 @@ COUNTED_STEPS = 20
 
 def c_counters() -> dict[str, int]:
     """Calls of each C function in this process."""
-    module = envfleet._native.speedups
+    module = envfleet._core.native.speedups
     assert module is not None
     calls: dict[str, int] = module.counters()
     return calls
 
 
 def _worker_counters(env: Any) -> tuple[int, dict[str, int]]:
-    return os.getpid(), importlib.import_module("envfleet._native").speedups.counters()
+    return os.getpid(), importlib.import_module("envfleet._core.native").speedups.counters()
 
 
 def worker_counters(fleet: Any) -> dict[int, dict[str, int]]:
@@ -261,8 +261,8 @@ def step_cartpole(fleet: Any) -> None:
 def test_processes_runs_the_c_round_and_worker_loop(make_env):
     """CartPole-v1 x16 on processes with default settings: every step goes through the
     driver's C step round, and each worker enters its C loop of plain steps."""
-    if envfleet._native.speedups is None:
-        pytest.skip("envfleet._speedups is not built here")
+    if envfleet._core.native.speedups is None:
+        pytest.skip("envfleet._core._speedups is not built here")
     fleet = make_env("CartPole-v1", 16, backend="processes")
     fleet.reset(seed=0)
     driver, workers = c_counters(), worker_counters(fleet)
@@ -280,8 +280,8 @@ def test_step_wait_finishes_the_step_in_the_c_round(make_env):
     """step_async rings the workers; step_wait runs the driver's own block and spins on the
     replies in the C step round (without ringing again), as step() does: its counter
     advances once a step, and the results are step()'s."""
-    if envfleet._native.speedups is None:
-        pytest.skip("envfleet._speedups is not built here")
+    if envfleet._core.native.speedups is None:
+        pytest.skip("envfleet._core._speedups is not built here")
     fleet = make_env("CartPole-v1", 16, backend="processes")
     ref = make_env("CartPole-v1", 16, backend="processes")
     assert len(fleet.worker_ranges) > 1  # the driver steps a block: step_wait runs it
@@ -304,8 +304,8 @@ def test_spawned_workers_run_the_c_writes(make_env, context):
     """Workers that unpickle the spaces (spawn, forkserver; also the default once a library
     such as torchrl sets the start method) write their rows in C too: their buffer's dtype
     is an equal but distinct object, and the step path compares dtypes by identity."""
-    if envfleet._native.speedups is None:
-        pytest.skip("envfleet._speedups is not built here")
+    if envfleet._core.native.speedups is None:
+        pytest.skip("envfleet._core._speedups is not built here")
     fleet = make_env("CartPole-v1", 4, backend="processes", num_workers=2, context=context)
     fleet.reset(seed=0)
     workers = worker_counters(fleet)
@@ -319,8 +319,8 @@ def test_spawned_workers_run_the_c_writes(make_env, context):
 def test_in_process_backends_run_the_c_writes(make_env, backend):
     """CartPole-v1 x16 on serial and threads: each group's step writes its results and its
     observation rows in C, and is timed in C (each worker's stats row counts every step)."""
-    if envfleet._native.speedups is None:
-        pytest.skip("envfleet._speedups is not built here")
+    if envfleet._core.native.speedups is None:
+        pytest.skip("envfleet._core._speedups is not built here")
     fleet = make_env("CartPole-v1", 16, backend=backend)
     before = c_counters()
     step_cartpole(fleet)
@@ -333,17 +333,17 @@ def test_in_process_backends_run_the_c_writes(make_env, backend):
 def test_timed_call_records_as_its_python_twin():
     """C timed_call and StepTimer's Python twin record a call the same way: one count, its
     seconds, and the quarter-octave bucket of those seconds (StepTimer.record's)."""
-    if envfleet._native.speedups is None:
-        pytest.skip("envfleet._speedups is not built here")
-    from envfleet._stats import STATS_WORDS, StepTimer
+    if envfleet._core.native.speedups is None:
+        pytest.skip("envfleet._core._speedups is not built here")
+    from envfleet._core.stats import STATS_WORDS, StepTimer
 
     rows = np.zeros((2, STATS_WORDS))
     c_timer = StepTimer(rows[0])
-    envfleet._native.disabled = frozenset({"timed_call"})
+    envfleet._core.native.disabled = frozenset({"timed_call"})
     try:
         python_timer = StepTimer(rows[1])
     finally:
-        envfleet._native.disabled = frozenset()
+        envfleet._core.native.disabled = frozenset()
     assert c_timer.call != python_timer.call  # one in C, one in Python
     for seconds in (0.0, 0.0004, 0.003):
         before = rows.copy()
@@ -360,8 +360,8 @@ def test_timed_call_records_as_its_python_twin():
 def test_the_c_module_holds_what_pays():
     """The functions benchmarks/speedups.py found to pay end to end, and no others: adding
     one back is a measured decision (with its property test and its counter test)."""
-    if envfleet._native.speedups is None:
-        pytest.skip("envfleet._speedups is not built here")
+    if envfleet._core.native.speedups is None:
+        pytest.skip("envfleet._core._speedups is not built here")
     assert set(c_counters()) == {
         "serve_steps",
         "step_round",
@@ -370,14 +370,14 @@ def test_the_c_module_holds_what_pays():
         "write_rows",
     }
     for name in c_counters():
-        assert envfleet._native.function(name) is getattr(envfleet._native.speedups, name)
+        assert envfleet._core.native.function(name) is getattr(envfleet._core.native.speedups, name)
 
 
 def test_disabled_functions_run_their_python_twin(make_env, monkeypatch):
-    """A function named in envfleet._native.disabled is not called; the others still are."""
-    if envfleet._native.speedups is None:
-        pytest.skip("envfleet._speedups is not built here")
-    monkeypatch.setattr(envfleet._native, "disabled", frozenset({"write_rows"}))
+    """A function named in envfleet._core.native.disabled is not called; the others still are."""
+    if envfleet._core.native.speedups is None:
+        pytest.skip("envfleet._core._speedups is not built here")
+    monkeypatch.setattr(envfleet._core.native, "disabled", frozenset({"write_rows"}))
     fleet = make_env("CartPole-v1", 16, backend="serial")
     before = c_counters()
     step_cartpole(fleet)
@@ -392,18 +392,18 @@ LAYOUT_LINE = "CMD, CMD_PAYLOAD, STATUS, REPLY_PAYLOAD, REPLY_BYTES = 0, 1, 2, 3
 
 
 def test_the_c_path_reads_the_control_words_layout_from_python(tmp_path):
-    """Moving every control word in ``processes_worker.py`` is all a layout change takes: a
-    copy of the package (its built C module included) with the words at other indexes passes
-    the processes backend's differential contract tests, the C round and worker loop running
-    (their counters, in ``test_processes_runs_the_c_round_and_worker_loop``)."""
-    if envfleet._native.speedups is None:
-        pytest.skip("envfleet._speedups is not built here")
+    """Moving every control word in ``_backends/processes/worker.py`` is all a layout change
+    takes: a copy of the package (its built C module included) with the words at other
+    indexes passes the processes backend's differential contract tests, the C round and worker
+    loop running (their counters, in ``test_processes_runs_the_c_round_and_worker_loop``)."""
+    if envfleet._core.native.speedups is None:
+        pytest.skip("envfleet._core._speedups is not built here")
     package = Path(envfleet.__file__).parent
-    source = (package / "_backends" / "processes_worker.py").read_text()
+    source = (package / "_backends" / "processes" / "worker.py").read_text()
     assert source.count(LAYOUT_LINE) == 1, "the layout's one definition moved: update this test"
     shutil.copytree(package, tmp_path / "envfleet", ignore=shutil.ignore_patterns("__pycache__"))
     moved = LAYOUT_LINE.replace("= 0, 1, 2, 3, 4", "= 6, 3, 0, 5, 1")
-    (tmp_path / "envfleet" / "_backends" / "processes_worker.py").write_text(
+    (tmp_path / "envfleet" / "_backends" / "processes" / "worker.py").write_text(
         source.replace(LAYOUT_LINE, moved)
     )
     root = Path(__file__).resolve().parents[2]

@@ -1,8 +1,8 @@
-"""Each C function of envfleet._speedups against its Python twin, on random inputs.
+"""Each C function of envfleet._core._speedups against its Python twin, on random inputs.
 
 The Python implementation is the reference. For each function, two vector envs of the same
 scripted envs are made once: one with the C function, one with its Python twin (named in
-``envfleet._native.disabled``, or ``envfleet._native.speedups = None``, while it is made;
+``envfleet._core.native.disabled``, or ``envfleet._core.native.speedups = None``, while it is made;
 forked workers inherit that). Each example gives both the same random script (rewards of
 many types and values, NaN included, numpy scalars, bools and ints as done flags,
 observations of random dtypes, shapes, contiguity and array subclasses, results in other
@@ -27,14 +27,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import envfleet
-import envfleet._native
+import envfleet._core.native
 from tests.helpers import assert_same
 
 NUM_ENVS = 4
 MAX_STEPS = 5
 
 pytestmark = pytest.mark.skipif(
-    envfleet._native.speedups is None, reason="envfleet._speedups is not built here"
+    envfleet._core.native.speedups is None, reason="envfleet._core._speedups is not built here"
 )
 
 
@@ -169,12 +169,12 @@ def pair() -> Iterator[tuple[Any, Any]]:
     enough that workers catch their requests in the C loop."""
     kwargs: dict[str, Any] = {"backend": "processes", "num_workers": 1, "driver_envs": 2}
     fast = envfleet.make(ScriptedEnv, NUM_ENVS, spin_s=0.01, **kwargs)
-    saved = envfleet._native.speedups
-    envfleet._native.speedups = None
+    saved = envfleet._core.native.speedups
+    envfleet._core.native.speedups = None
     try:
         slow = envfleet.make(ScriptedEnv, NUM_ENVS, spin_s=0.01, **kwargs)
     finally:
-        envfleet._native.speedups = saved
+        envfleet._core.native.speedups = saved
     yield fast, slow
     fast.close(terminate=True)
     slow.close(terminate=True)
@@ -186,12 +186,12 @@ def serial_pairs() -> Iterator[dict[str, tuple[Any, Any]]]:
     pairs = {}
     for name in ("write_results", "write_rows"):
         fast = envfleet.make(ScriptedEnv, NUM_ENVS, backend="serial")
-        saved = envfleet._native.disabled
-        envfleet._native.disabled = frozenset({name})
+        saved = envfleet._core.native.disabled
+        envfleet._core.native.disabled = frozenset({name})
         try:
             pairs[name] = fast, envfleet.make(ScriptedEnv, NUM_ENVS, backend="serial")
         finally:
-            envfleet._native.disabled = saved
+            envfleet._core.native.disabled = saved
     yield pairs
     for pair in pairs.values():
         for envs in pair:
@@ -208,8 +208,8 @@ def outcome(call: Any) -> tuple[str, Any]:
 
 
 def counters() -> dict[str, int]:
-    assert envfleet._native.speedups is not None
-    calls: dict[str, int] = envfleet._native.speedups.counters()
+    assert envfleet._core.native.speedups is not None
+    calls: dict[str, int] = envfleet._core.native.speedups.counters()
     return calls
 
 

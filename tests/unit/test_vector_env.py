@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import envfleet
-from envfleet._backends.processes_plan import plan_processes
+from envfleet._backends.processes.plan import plan_processes
 from tests.envs import (
     IndexedEnv,
     NestedSpaceEnv,
@@ -763,7 +763,7 @@ class _Infos(VectorEnv):
 def test_flat_infos_match_gymnasium_add_info(case):
     """Where the fast path answers, it gives exactly what adding the infos one by one with
     gymnasium's VectorEnv._add_info gives (dtypes, values, masks, key order)."""
-    from envfleet._front.infos import flat_infos
+    from envfleet._core.infos import flat_infos
 
     num_envs, events = case
     want: dict = {}
@@ -782,7 +782,7 @@ def test_flat_infos_match_gymnasium_add_info(case):
 
 def test_flat_infos_take_atari_infos():
     """Atari's infos (the same int keys from every env, every step) take the fast path."""
-    from envfleet._front.infos import flat_infos
+    from envfleet._core.infos import flat_infos
 
     info = {"lives": 3, "episode_frame_number": 8, "frame_number": 12}
     for indices in ([0, 1, 2, 3], [1, 3]):

@@ -16,9 +16,11 @@ from typing import Any
 import gymnasium
 from gymnasium.vector import AutoresetMode
 
-from envfleet._buffers import Batch
-from envfleet._envgroup import EnvFailure, EnvGroup, not_an_env_error
-from envfleet._errors import (
+from envfleet._backends.supervisor import Ledger, StepTimer, StepTimeStats
+from envfleet._backends.workers import remote_cause
+from envfleet._core.buffers import Batch
+from envfleet._core.envgroup import EnvFailure, EnvGroup, not_an_env_error
+from envfleet._core.errors import (
     ConfigError,
     EnvError,
     EnvfleetError,
@@ -26,9 +28,7 @@ from envfleet._errors import (
     WrongProcessError,
     make_env_error,
 )
-from envfleet._protocol import Command, RemoteError
-from envfleet._supervisor import Ledger, StepTimer, StepTimeStats
-from envfleet._workers import remote_cause
+from envfleet._core.protocol import Command, RemoteError
 
 __all__ = [
     "Backend",
@@ -207,7 +207,7 @@ def env_error(
     original: BaseException | None = None,
 ) -> EnvError:
     """The :class:`EnvError` for an env that raised ``original`` (also of its type where
-    possible: :func:`envfleet._errors.make_env_error`)."""
+    possible: :func:`envfleet._core.errors.make_env_error`)."""
     where = f"sub-environment {env_index}" + (
         f" (worker {worker_index})" if worker_index is not None else ""
     )
@@ -246,7 +246,7 @@ def start_error(error: RemoteError, worker_index: int) -> EnvfleetError:
 def remote_env_error(error: RemoteError, worker_index: int, note: str) -> EnvError:
     """The :class:`EnvError` for an env error reported by a worker: the remote exception
     (unpickled, else rebuilt as a ``RuntimeError``) chained as ``__cause__``, with the remote
-    traceback as its own cause (:func:`envfleet._workers.remote_cause`)."""
+    traceback as its own cause (:func:`envfleet._backends.workers.remote_cause`)."""
     cause, original = remote_cause(error)
     text = f"{error.type_name}: {error.message}" + (f" ({note})" if note else "")
     exc = env_error(error.env_index, worker_index, error.method, text, original)
@@ -347,7 +347,7 @@ class Backend(abc.ABC):
         a dead worker raises :class:`EnvCrashedError` at the first call after its death.
         With a restart policy (``ledger.policy``) they, and envs that raise, are rebuilt
         within its budget instead, and their results returned, flagged
-        (:meth:`envfleet._supervisor.Supervisor.ready`).
+        (:meth:`envfleet._backends.supervisor.Supervisor.ready`).
 
         Raises: as :meth:`collect`.
         """

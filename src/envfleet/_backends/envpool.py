@@ -3,7 +3,7 @@
 EnvPool (https://envpool.readthedocs.io) steps its own C++ implementations of many tasks
 (``envpool.list_all_envs()``: ``"CartPole-v1"``, ``"Pendulum-v1"``, ``"Pong-v5"``, ...) on a
 pool of native threads. This backend drives one ``envpool.make(task_id, env_type="gymnasium")``
-pool and writes what it returns into envfleet's :class:`~envfleet._buffers.Batch`, so the front
+pool and writes what it returns into envfleet's :class:`~envfleet._core.buffers.Batch`, so the front
 (:class:`envfleet.FleetVectorEnv`) validates input, runs the call state machine and the
 first-ready pool bookkeeping, and raises the same typed errors as for every other backend.
 
@@ -55,17 +55,23 @@ from gymnasium.vector import AutoresetMode
 
 from envfleet._backends.base import Backend
 from envfleet._backends.registry import BackendSpec, NativeRequest, register
-from envfleet._buffers import (
+from envfleet._backends.supervisor import (
+    STATS_WORDS,
+    Ledger,
+    StepTimer,
+    StepTimeStats,
+    step_time_table,
+)
+from envfleet._core.buffers import (
     Block,
     allocate_batch,
     batch_nbytes,
     check_fixed_size,
 )
-from envfleet._errors import ConfigError, InvalidArgumentError, UnsupportedError
-from envfleet._front.infos import InfoAdder, columns_infos, split_infos
-from envfleet._protocol import Command, InfoEvent, ResetRequest
-from envfleet._supervisor import STATS_WORDS, Ledger, StepTimer, StepTimeStats, step_time_table
-from envfleet._trees import tree_map, tree_row, tree_scatter, tree_take
+from envfleet._core.errors import ConfigError, InvalidArgumentError, UnsupportedError
+from envfleet._core.infos import InfoAdder, columns_infos, split_infos
+from envfleet._core.protocol import Command, InfoEvent, ResetRequest
+from envfleet._core.trees import tree_map, tree_row, tree_scatter, tree_take
 
 __all__ = ["EnvPoolBackend", "open_envpool"]
 
@@ -355,7 +361,7 @@ class EnvPoolBackend(Backend):
 
     def collect(self, timeout: float | None, step: int) -> dict[int, Any]:
         """Receive the synchronous step or reset: ``{0: infos}``, the infos already in
-        gymnasium's vector convention over every env (:func:`envfleet._front.infos.vector_infos`
+        gymnasium's vector convention over every env (:func:`envfleet._core.infos.vector_infos`
         takes them as they are).
         ``timeout`` is ignored: EnvPool's ``recv`` cannot be bounded. In a first-ready pool
         it returns ``{}`` at once (``close()`` lets EnvPool finish what is running)."""

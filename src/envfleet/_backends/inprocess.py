@@ -1,6 +1,6 @@
 """What the in-process backends (``serial``, ``threads``) share: EnvGroups built in the
 driver, step-time statistics, and the mechanics of rebuilding envs that raised; the decisions
-are the supervisor's (:class:`envfleet._supervisor.Supervisor`, DESIGN §4)."""
+are the supervisor's (:class:`envfleet._backends.supervisor.Supervisor`, DESIGN §4)."""
 
 from __future__ import annotations
 
@@ -17,11 +17,7 @@ from envfleet._backends.base import (
     mismatch_error,
     run_command,
 )
-from envfleet._buffers import Block, allocate_batch
-from envfleet._envgroup import EnvFailure, EnvGroup
-from envfleet._errors import EnvCrashedError, EnvError
-from envfleet._protocol import Command, RestartRequest
-from envfleet._supervisor import (
+from envfleet._backends.supervisor import (
     STATS_WORDS,
     Ledger,
     Round,
@@ -30,6 +26,10 @@ from envfleet._supervisor import (
     Supervisor,
     step_time_table,
 )
+from envfleet._core.buffers import Block, allocate_batch
+from envfleet._core.envgroup import EnvFailure, EnvGroup
+from envfleet._core.errors import EnvCrashedError, EnvError
+from envfleet._core.protocol import Command, RestartRequest
 
 __all__ = ["InProcessBackend"]
 

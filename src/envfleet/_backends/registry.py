@@ -43,11 +43,11 @@ from typing import Any
 
 import gymnasium
 
-from envfleet import _cores
 from envfleet._backends.base import Backend, EnvProbe, WorkerLayout, worker_ranges
-from envfleet._buffers import Block
-from envfleet._errors import ConfigError
-from envfleet._supervisor import Ledger, RestartPolicy
+from envfleet._backends.supervisor import Ledger, RestartPolicy
+from envfleet._core import cores as _cores
+from envfleet._core.buffers import Block
+from envfleet._core.errors import ConfigError
 
 __all__ = [
     "BACKENDS",
@@ -68,8 +68,8 @@ __all__ = [
 BUILTIN: dict[str, tuple[str, str]] = {
     "serial": ("envfleet._backends.serial", ""),
     "threads": ("envfleet._backends.threads", ""),
-    "processes": ("envfleet._backends.processes", ""),
-    "ray": ("envfleet._backends.ray", "pip install 'envfleet[ray]'"),
+    "processes": ("envfleet._backends.processes.backend", ""),
+    "ray": ("envfleet._backends.ray.backend", "pip install 'envfleet[ray]'"),
     "envpool": ("envfleet._backends.envpool", "pip install 'envfleet[envpool]'"),
 }
 BACKENDS = tuple(BUILTIN)
@@ -79,7 +79,7 @@ _REGISTRY: dict[str, BackendSpec] = {}
 
 def usable_cores() -> int:
     """Cores this process may use, at least 1: the smaller of its CPU affinity and its cgroup
-    v2 ``cpu.max`` quota (see :func:`envfleet._cores.usable_cores`); the plans' worker counts
+    v2 ``cpu.max`` quota (see :func:`envfleet._core.cores.usable_cores`); the plans' worker counts
     and spin budgets read this, never ``os.cpu_count()``."""
     return _cores.usable_cores()
 
@@ -132,7 +132,7 @@ class Plan:
 class Sizing:
     """What env 0's spaces fix (:meth:`BuildRequest.learn`): the layout with the spaces
     make() settled on, the bytes of the batch's block
-    (:func:`envfleet._buffers.batch_nbytes`) and its spare observation slabs."""
+    (:func:`envfleet._core.buffers.batch_nbytes`) and its spare observation slabs."""
 
     layout: WorkerLayout
     nbytes: int
@@ -249,7 +249,7 @@ class BackendSpec:
             default: they are another backend's.
         pickles_factories: the envs are built in other processes from cloudpickled factories.
         spare_slabs: the envs write into the block the front reads, so ``copy=True`` results
-            can be handed out without a copy (:class:`envfleet._buffers.ObservationSlabs`).
+            can be handed out without a copy (:class:`envfleet._core.buffers.ObservationSlabs`).
         native: for a backend that builds its own envs from ``env`` (EnvPool's task ids): a
             :class:`NativeRequest` to a started backend that also has ``batch_size``,
             ``autoreset_mode``, ``single_observation_space``, ``single_action_space``,

@@ -6,8 +6,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from envfleet._backends.inprocess import InProcessBackend
-from envfleet._envgroup import EnvFailure
-from envfleet._protocol import Command
+from envfleet._core.envgroup import EnvFailure
+from envfleet._core.protocol import Command
 
 __all__ = ["SerialBackend"]
 

@@ -33,11 +33,11 @@ import gymnasium
 
 from envfleet._backends.base import WorkerLayout
 from envfleet._backends.inprocess import InProcessBackend
-from envfleet._buffers import Block
-from envfleet._envgroup import EnvFailure, EnvGroup
-from envfleet._errors import StartTimeoutError
-from envfleet._protocol import Command
-from envfleet._supervisor import Ledger
+from envfleet._backends.supervisor import Ledger
+from envfleet._core.buffers import Block
+from envfleet._core.envgroup import EnvFailure, EnvGroup
+from envfleet._core.errors import StartTimeoutError
+from envfleet._core.protocol import Command
 
 __all__ = ["DEFAULT_CLOSE_TIMEOUT", "ThreadsBackend", "serialize_gfxdraw"]
 

@@ -11,7 +11,7 @@ from typing import Any, cast
 import gymnasium
 import numpy as np
 
-from envfleet._errors import InvalidActionError, InvalidArgumentError
+from envfleet._core.errors import InvalidActionError, InvalidArgumentError
 
 __all__ = [
     "check_actions",

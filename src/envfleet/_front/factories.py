@@ -12,8 +12,8 @@ import cloudpickle
 import gymnasium
 
 from envfleet._backends.base import env_error
-from envfleet._envgroup import not_an_env_error
-from envfleet._errors import ConfigError
+from envfleet._core.envgroup import not_an_env_error
+from envfleet._core.errors import ConfigError
 
 __all__ = [
     "EnvFactory",

@@ -32,19 +32,19 @@ from envfleet._backends.registry import (
     Sizing,
     lookup,
 )
-from envfleet._buffers import batch_nbytes
-from envfleet._errors import ConfigError, EnvError, SpaceMismatchError
+from envfleet._backends.supervisor import Ledger, RestartPolicy
+from envfleet._core.buffers import batch_nbytes
+from envfleet._core.errors import ConfigError, EnvError, SpaceMismatchError
 from envfleet._front.factories import (
     EnvFactory,
     build_env,
     env_factories,
     pickle_factories,
 )
+from envfleet._front.multi_agent import multi_agent_factories, multi_agent_of
+from envfleet._front.multi_agent_vector_env import MultiAgentVectorEnv
 from envfleet._front.results import spare_slab_count
 from envfleet._front.vector_env import FleetVectorEnv
-from envfleet._multi_agent import multi_agent_factories, multi_agent_of
-from envfleet._multi_agent_vector_env import MultiAgentVectorEnv
-from envfleet._supervisor import Ledger, RestartPolicy
 
 if TYPE_CHECKING:
     from envfleet.torch import TorchVectorEnv
@@ -167,12 +167,12 @@ def make(  # type: ignore[misc]  # the overloads stand for its keyword arguments
             ``serial``, ``threads`` and ``processes`` backends (outside a first-ready pool)
             the observations are not copied: the envs write each step's into a spare buffer
             that no earlier result uses, and the arrays returned are built over it (see
-            :class:`envfleet._buffers.ObservationSlabs`). ``False``: views of the shared
+            :class:`envfleet._core.buffers.ObservationSlabs`). ``False``: views of the shared
             buffers, valid until the next call.
         driver_envs: ``processes`` only: how many envs (the first block) the driver steps
             itself while the workers step theirs. Default: an equal share when neither
             ``num_workers``, ``step_timeout`` nor ``restart_policy`` is given (see
-            :func:`envfleet._backends.processes_plan.plan_processes`), else 0.
+            :func:`envfleet._backends.processes.plan.plan_processes`), else 0.
             Those envs live in the driver process: their exceptions are reported as usual,
             but a native crash in them (a segfault) takes the driver down, and no timeout can
             stop them; set 0 to isolate every env in a worker.
@@ -259,7 +259,7 @@ def make(  # type: ignore[misc]  # the overloads stand for its keyword arguments
     )
     accepts = [accepts_env_index(fn) for fn in env_fns]
     # A factory that returns a PettingZoo ParallelEnv gets it adapted, in whichever process
-    # builds it (envfleet._multi_agent); any other env passes through unchanged.
+    # builds it (envfleet._front.multi_agent); any other env passes through unchanged.
     env_fns = multi_agent_factories(env_fns)
     blobs = pickle_factories(env_fns) if spec.pickles_factories else []
     same = observation_mode == "same"

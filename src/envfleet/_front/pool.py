@@ -17,13 +17,13 @@ from gymnasium.vector.async_vector_env import AsyncState
 from gymnasium.vector.utils import create_empty_array
 
 from envfleet._backends.base import Backend
-from envfleet._buffers import fixed_leaf_flags, fixed_part
-from envfleet._errors import EnvError, InvalidArgumentError, PoolStateError
+from envfleet._core.buffers import fixed_leaf_flags, fixed_part
+from envfleet._core.errors import EnvError, InvalidArgumentError, PoolStateError
+from envfleet._core.infos import batch_infos
+from envfleet._core.protocol import Command, ResetRequest
+from envfleet._core.trees import tree_scatter, tree_slice, tree_take
 from envfleet._front.checks import check_actions, check_env_ids, seeds_per_env
-from envfleet._front.infos import batch_infos
 from envfleet._front.results import ResultBuffers
-from envfleet._protocol import Command, ResetRequest
-from envfleet._trees import tree_scatter, tree_slice, tree_take
 
 __all__ = ["IDLE", "READY", "RUNNING", "FirstReadyPool"]
 

@@ -3,10 +3,10 @@
 ``copy=True`` results are the caller's. Where the envs write into the block the front reads
 (serial, threads, processes, outside a first-ready pool) they are handed out without a copy:
 each command writes its observations into a spare slab that no earlier result uses, and the
-arrays returned are built over it (:class:`envfleet._buffers.ObservationSlabs`, which stays
+arrays returned are built over it (:class:`envfleet._core.buffers.ObservationSlabs`, which stays
 in ``_buffers`` because the slabs are regions of the block that module lays out). Observation
 leaves without a fixed size (Text, Graph, ...) have no buffer: their latest values per env
-arrive as :class:`~envfleet._protocol.SideValues` events and are batched here.
+arrive as :class:`~envfleet._core.protocol.SideValues` events and are batched here.
 """
 
 from __future__ import annotations
@@ -19,15 +19,15 @@ import gymnasium
 import numpy as np
 from gymnasium.vector.utils import concatenate, create_empty_array
 
-from envfleet._buffers import (
+from envfleet._core.buffers import (
     Batch,
     ObservationSlabs,
     fill_side,
     observation_nbytes,
     side_leaves,
 )
-from envfleet._protocol import SideValues
-from envfleet._trees import tree_copy, tree_write
+from envfleet._core.protocol import SideValues
+from envfleet._core.trees import tree_copy, tree_write
 
 __all__ = ["SPARE_SLABS", "ResultBuffers", "spare_slab_count"]
 
@@ -90,7 +90,7 @@ class ResultBuffers:
         return tree_copy(obs) if copy else obs
 
     def take_side(self, results: dict[int, Any]) -> dict[int, Any]:
-        """``results`` without their :class:`~envfleet._protocol.SideValues` events, whose
+        """``results`` without their :class:`~envfleet._core.protocol.SideValues` events, whose
         values become the envs' latest side-leaf values."""
         rows = self.side_rows
         kept: dict[int, Any] = {}

@@ -3,7 +3,7 @@
 One vector env class for every backend; :func:`envfleet.make` builds it. It validates input
 before anything reaches a worker (:mod:`envfleet._front.checks`), owns the call state machine
 (idle / waiting-reset / waiting-step / waiting-call, with gymnasium's AsyncVectorEnv errors),
-assembles infos in gymnasium's convention (:mod:`envfleet._front.infos`) and hands results
+assembles infos in gymnasium's convention (:mod:`envfleet._core.infos`) and hands results
 out through :mod:`envfleet._front.results`; the first-ready pool's calls come from
 :class:`envfleet._front.pool.FirstReadyPool`.
 """
@@ -26,8 +26,9 @@ from gymnasium.vector.async_vector_env import AsyncState
 from gymnasium.vector.utils import batch_space
 
 from envfleet._backends.base import Backend, DisownedBackend
-from envfleet._buffers import is_leaf, side_leaves
-from envfleet._errors import (
+from envfleet._backends.supervisor import FleetStats
+from envfleet._core.buffers import is_leaf, side_leaves
+from envfleet._core.errors import (
     AlreadyPendingCallError,
     ClosedEnvironmentError,
     InvalidArgumentError,
@@ -35,12 +36,11 @@ from envfleet._errors import (
     ResetNeededError,
     StepTimeoutError,
 )
+from envfleet._core.infos import one_env_info, vector_infos
+from envfleet._core.protocol import CallRequest, Command, ResetRequest, SetAttrRequest, TaskRequest
 from envfleet._front.checks import check_actions, check_name, check_reset_mask, seeds_per_env
-from envfleet._front.infos import one_env_info, vector_infos
 from envfleet._front.pool import FirstReadyPool
 from envfleet._front.results import ResultBuffers
-from envfleet._protocol import CallRequest, Command, ResetRequest, SetAttrRequest, TaskRequest
-from envfleet._supervisor import FleetStats
 
 __all__ = ["FleetVectorEnv"]
 

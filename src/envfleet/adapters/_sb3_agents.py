@@ -16,10 +16,10 @@ from typing import Any
 import gymnasium
 import numpy as np
 
-from envfleet._errors import InvalidActionError
-from envfleet._front.infos import split_infos
-from envfleet._multi_agent import shared_agent_space
-from envfleet._trees import tree_copy, tree_map, tree_row
+from envfleet._core.errors import InvalidActionError
+from envfleet._core.infos import split_infos
+from envfleet._core.trees import tree_copy, tree_map, tree_row
+from envfleet._front.multi_agent import shared_agent_space
 
 __all__ = ["AgentRows"]
 

@@ -4,8 +4,8 @@ stable-baselines3's ``env_method``, ``get_attr``, ``set_attr`` and ``env_is_wrap
 chosen envs (``indices``) only. gymnasium's ``call`` reaches every env, so each env is
 wrapped in :class:`SB3Shim`, which knows its global index and acts only when it is chosen.
 A factory that returns a PettingZoo ``ParallelEnv`` gets it adapted here
-(:class:`envfleet._multi_agent.ParallelEnvAdapter`, as :func:`envfleet.make` would adapt it) and
-the adapter wrapped: the ops then act on the ParallelEnv itself. This module is kept free of
+(:class:`envfleet._front.multi_agent.ParallelEnvAdapter`, as :func:`envfleet.make` would adapt
+it) and the adapter wrapped: the ops then act on the ParallelEnv itself. This module is kept free of
 stable-baselines3 (and torch) so that workers load it fast.
 """
 
@@ -17,7 +17,7 @@ from typing import Any
 import gymnasium
 
 from envfleet._backends.base import accepts_env_index
-from envfleet._multi_agent import ParallelEnvAdapter, is_parallel_env
+from envfleet._front.multi_agent import ParallelEnvAdapter, is_parallel_env
 
 __all__ = ["SHIM_METHOD", "SB3Shim", "ShimFactory"]
 

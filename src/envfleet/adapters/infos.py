@@ -7,6 +7,6 @@ sub-environment's own info back from the batched ``info[key]`` / ``info["_key"]`
 
 from __future__ import annotations
 
-from envfleet._front.infos import split_infos
+from envfleet._core.infos import split_infos
 
 __all__ = ["split_infos"]

@@ -36,13 +36,13 @@ import numpy as np
 from gymnasium import spaces
 from gymnasium.vector import AutoresetMode
 
-from envfleet._buffers import is_leaf
-from envfleet._errors import ConfigError, InvalidActionError
+from envfleet._core.buffers import is_leaf
+from envfleet._core.errors import ConfigError, InvalidActionError
+from envfleet._core.trees import tree_copy, tree_row
 from envfleet._front.factories import GymMake, check_env_id
 from envfleet._front.make import make
+from envfleet._front.multi_agent_vector_env import MultiAgentVectorEnv
 from envfleet._front.vector_env import FleetVectorEnv
-from envfleet._multi_agent_vector_env import MultiAgentVectorEnv
-from envfleet._trees import tree_copy, tree_row
 from envfleet.adapters._sb3_agents import AgentRows
 from envfleet.adapters._sb3_shim import SHIM_METHOD, ShimFactory
 from envfleet.adapters.infos import split_infos

@@ -56,7 +56,7 @@ import gymnasium as gym
 import numpy as np
 from gymnasium.vector import AutoresetMode, VectorEnv
 
-from envfleet._errors import ConfigError
+from envfleet._core.errors import ConfigError
 from envfleet._front.make import make
 from envfleet.torch import TorchVectorEnv
 

@@ -6,7 +6,7 @@ Every worker process envfleet starts goes through these few functions:
 - :func:`die_with_parent`, called first thing in the worker, makes it exit when the driver
   dies, also when the driver is SIGKILLed (Linux's ``PR_SET_PDEATHSIG``);
 - :func:`remote_error` turns an exception raised in a worker into a picklable
-  :class:`~envfleet._protocol.RemoteError` that carries its traceback; the driver rebuilds it
+  :class:`~envfleet._core.protocol.RemoteError` that carries its traceback; the driver rebuilds it
   (:func:`remote_cause`) and chains it as ``__cause__`` of the typed error it raises, as
   ``concurrent.futures.ProcessPoolExecutor`` does;
 - :func:`watch` waits on many connections and process sentinels at once, with a deadline, and
@@ -32,9 +32,9 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
 
-from envfleet._envgroup import EnvFailure
-from envfleet._errors import RemoteTraceback
-from envfleet._protocol import Failure, RemoteError
+from envfleet._core.envgroup import EnvFailure
+from envfleet._core.errors import RemoteTraceback
+from envfleet._core.protocol import Failure, RemoteError
 
 __all__ = [
     "Exit",
@@ -98,7 +98,7 @@ def remote_error(failure: BaseException, env_index: int, method: str) -> RemoteE
     """What a worker sends back for an exception: type, message, formatted traceback and the
     exception itself pickled (``None`` when it does not pickle and unpickle).
 
-    ``failure``: the exception, or an :class:`~envfleet._envgroup.EnvFailure` whose
+    ``failure``: the exception, or an :class:`~envfleet._core.envgroup.EnvFailure` whose
     ``__cause__`` is the env's exception (then that one is reported).
     """
     cause = failure.__cause__ if isinstance(failure, EnvFailure) else failure
@@ -123,7 +123,7 @@ def remote_cause(error: RemoteError) -> tuple[BaseException, BaseException | Non
 
     ``cause`` is the remote exception unpickled (else a ``RuntimeError`` naming its type and
     message), with the remote traceback as its ``__cause__``
-    (:class:`~envfleet._errors.RemoteTraceback`); chain it as ``__cause__`` of the error
+    (:class:`~envfleet._core.errors.RemoteTraceback`); chain it as ``__cause__`` of the error
     raised. ``original`` is the unpickled exception, ``None`` when it did not unpickle.
     """
     cause: Any = None

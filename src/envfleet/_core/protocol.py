@@ -1,7 +1,7 @@
 """Typed control messages between the front and the EnvGroups (DESIGN §1, §6).
 
 Control is tiny: a one-byte :class:`Command` and, off the hot path, a small pickled dataclass.
-Data never travels here; it lives in the shared :class:`envfleet._buffers.Batch`.
+Data never travels here; it lives in the shared :class:`envfleet._core.buffers.Batch`.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ InfoEvent = tuple[int, dict[str, Any]]
 
 class SideValues(dict[str, Any]):
     """One env's observation values at the leaves without a fixed size (Text, Graph, ...),
-    which have no shared buffer: ``self["values"]``, in ``envfleet._buffers.side_leaves``
+    which have no shared buffer: ``self["values"]``, in ``envfleet._core.buffers.side_leaves``
     order.
 
     They travel as the info of an extra :data:`InfoEvent` ``(env_index, SideValues(...))``

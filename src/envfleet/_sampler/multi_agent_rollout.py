@@ -4,7 +4,7 @@ experience comes back as segments of its own, tagged with its index (DESIGN §2,
 The Sampler steps a multi-agent vector env's packed vector env (``MultiAgentVectorEnv.
 vector_env``, whose observation per env is the adapter's Dict: ``observation [A, ...]``,
 ``reward [A]``, ``terminated [A]``, ``truncated [A]``, ``agent_mask [A]``; see
-:mod:`envfleet._multi_agent`) with :class:`AgentRowsPolicy`, and turns what it records into
+:mod:`envfleet._front.multi_agent`) with :class:`AgentRowsPolicy`, and turns what it records into
 per-agent segments with :func:`agent_batch`. This is SuperSuit's convention for training one
 policy shared by all agents (``pettingzoo_env_to_vec_env_v1``: agents are rows of the batch),
 with each segment keeping its env and its agent, as garage's ``EpisodeBatch`` keeps its env.
@@ -18,9 +18,9 @@ from typing import Any
 import gymnasium
 import numpy as np
 
-from envfleet._multi_agent import shared_agent_space
-from envfleet._rollout import EpisodeBatch
-from envfleet._trees import tree_map
+from envfleet._core.trees import tree_map
+from envfleet._front.multi_agent import shared_agent_space
+from envfleet._sampler.rollout import EpisodeBatch
 
 __all__ = ["AgentRowsPolicy", "agent_batch", "agent_spaces"]
 

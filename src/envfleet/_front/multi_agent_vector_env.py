@@ -1,6 +1,6 @@
 """The public multi-agent vector env: :class:`MultiAgentVectorEnv`, a thin layer over a
 :class:`envfleet.FleetVectorEnv` whose sub-envs are PettingZoo ParallelEnvs adapted by
-:mod:`envfleet._multi_agent`. It unpacks each batch into per-agent arrays; the backends, the
+:mod:`envfleet._front.multi_agent`. It unpacks each batch into per-agent arrays; the backends, the
 autoreset modes and the supervision are the vector env's own.
 """
 
@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 from gymnasium.vector import AutoresetMode, VectorWrapper
 
-from envfleet._errors import InvalidActionError
+from envfleet._core.errors import InvalidActionError
 from envfleet._front.vector_env import FleetVectorEnv
 
 __all__ = ["MultiAgentVectorEnv"]

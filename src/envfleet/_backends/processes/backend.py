@@ -1,10 +1,10 @@
 """``backend="processes"``: EnvGroups in worker processes, data in shared memory (DESIGN §1, §3).
 
 Each worker holds a contiguous block of envs. Observations, actions, rewards, terminations
-and truncations live in one shared :class:`envfleet._buffers.Block`; per worker, a few shared
+and truncations live in one shared :class:`envfleet._core.buffers.Block`; per worker, a few shared
 control words carry the :class:`Command` and the reply status, and a
-:class:`~envfleet._backends.doorbell.Doorbell` (two semaphores, spin-then-block) carries the
-"go" and the "done". Only what does not fit the buffers is pickled: reset options, call
+:class:`~envfleet._backends.processes.doorbell.Doorbell` (two semaphores, spin-then-block)
+carries the "go" and the "done". Only what does not fit the buffers is pickled: reset options, call
 arguments and results, non-empty infos, errors. Requests travel on the worker's pipe, after
 its doorbell rang; a reply goes in the worker's shared mailbox (:data:`MAILBOX_BYTES`) when
 it fits, else on the pipe, so the infos an env returns every step (Atari's) cost no system
@@ -22,9 +22,9 @@ also checks between slices that the driver is still there.
 
 This module holds the driver's side (:class:`ProcessesBackend`: its rounds, the C step round,
 the first-ready pool) and the registration; starting, restarting and closing the worker
-processes is :mod:`envfleet._backends.processes_lifecycle` (the backend's base class); the
+processes is :mod:`envfleet._backends.processes.lifecycle` (the backend's base class); the
 worker process and the shared-memory layout both sides read are
-:mod:`envfleet._backends.processes_worker`; the plan is :mod:`envfleet._backends.processes_plan`.
+:mod:`envfleet._backends.processes.worker`; the plan is :mod:`envfleet._backends.processes.plan`.
 """
 
 from __future__ import annotations
@@ -45,14 +45,13 @@ from multiprocessing import reduction
 from multiprocessing.connection import Connection
 from typing import Any, cast
 
-from envfleet import _native as _speedups
 from envfleet._backends.base import (
     failure_error,
     mismatch_error,
     remote_env_error,
     run_command,
 )
-from envfleet._backends.doorbell import (
+from envfleet._backends.processes.doorbell import (
     SEM_SLOT,
     TIGHT_SPIN_S,
     Doorbell,
@@ -60,9 +59,9 @@ from envfleet._backends.doorbell import (
     SpinBudget,
     shared_semaphore,
 )
-from envfleet._backends.processes_lifecycle import DEFAULT_CLOSE_TIMEOUT, WorkerProcesses
-from envfleet._backends.processes_plan import DEFAULT_SPIN_S, ProcessesPlan, plan_processes
-from envfleet._backends.processes_worker import (
+from envfleet._backends.processes.lifecycle import DEFAULT_CLOSE_TIMEOUT, WorkerProcesses
+from envfleet._backends.processes.plan import DEFAULT_SPIN_S, ProcessesPlan, plan_processes
+from envfleet._backends.processes.worker import (
     CMD,
     CMD_PAYLOAD,
     GROUP_BYTES,
@@ -88,14 +87,7 @@ from envfleet._backends.registry import (
     register,
     usable_cores,
 )
-from envfleet._envgroup import EnvFailure, EnvGroup
-from envfleet._errors import (
-    ConfigError,
-    EnvError,
-    EnvfleetError,
-)
-from envfleet._protocol import Command, Failure, RestartRequest, Status
-from envfleet._supervisor import (
+from envfleet._backends.supervisor import (
     STATS_WORDS,
     Round,
     StepTimer,
@@ -103,7 +95,15 @@ from envfleet._supervisor import (
     Supervisor,
     step_time_table,
 )
-from envfleet._workers import watch
+from envfleet._backends.workers import watch
+from envfleet._core import native as _speedups
+from envfleet._core.envgroup import EnvFailure, EnvGroup
+from envfleet._core.errors import (
+    ConfigError,
+    EnvError,
+    EnvfleetError,
+)
+from envfleet._core.protocol import Command, Failure, RestartRequest, Status
 
 __all__ = ["DEFAULT_CLOSE_TIMEOUT", "DEFAULT_SPIN_S", "ProcessesBackend"]
 
@@ -538,7 +538,7 @@ class ProcessesBackend(WorkerProcesses):
 
     def _reply_payload(self, g: int, where: int, size: int) -> Any:
         """Worker ``g``'s reply payload: from its mailbox or its pipe (``where``), with its
-        large buffers from its reply region (processes_worker.ReplyRegion).
+        large buffers from its reply region (worker.ReplyRegion).
 
         Raises:
             EOFError, OSError: the pipe closed (the worker died while sending).

@@ -22,10 +22,11 @@ from typing import Any
 import cloudpickle
 import numpy as np
 
-from envfleet._envgroup import EnvGroup, PartialFailure
-from envfleet._front.infos import batch_infos
+from envfleet._core.envgroup import EnvGroup, PartialFailure
+from envfleet._core.infos import batch_infos
+from envfleet._core.trees import tree_copy, tree_row, tree_write
 from envfleet._front.vector_env import FleetVectorEnv
-from envfleet._inference import (
+from envfleet._sampler.inference import (
     Inference,
     Policy,
     SamplerStats,
@@ -37,8 +38,7 @@ from envfleet._inference import (
     seed_policy,
     step_and_record,
 )
-from envfleet._rollout import EpisodeBatch, StepLog
-from envfleet._trees import tree_copy, tree_row, tree_write
+from envfleet._sampler.rollout import EpisodeBatch, StepLog
 
 __all__ = ["PolicyUpdate", "WorkerInference", "sampler_round"]
 

@@ -1,4 +1,4 @@
-/* envfleet._speedups: the few hot loops of the step path in C (DESIGN §3).
+/* envfleet._core._speedups: the few hot loops of the step path in C (DESIGN §3).
  *
  * Optional: envfleet runs the same logic in Python when this module is missing (it failed to
  * build, or ENVFLEET_NO_SPEEDUPS=1 is set). Every function here has a Python twin beside its
@@ -6,16 +6,16 @@
  * the caller gets; it only removes interpreter overhead around the env calls:
  *
  *   write_results   EnvGroup's per-env result lists into its float64/bool buffers, and the
- *                   autoreset flags (_envgroup.py)
+ *                   autoreset flags (_core/envgroup.py)
  *   write_rows      the observations into the group's rows of the observation buffer (same)
- *   serve_steps     the processes worker's loop of plain steps (_backends/processes_worker.py)
+ *   serve_steps     the processes worker's loop of plain steps (_backends/processes/worker.py)
  *   step_round      the processes driver's ring, own block and spin of a step
- *                   (_backends/processes.py)
+ *                   (_backends/processes/backend.py)
  *   timed_call      StepTimer.call: a group's step timed into its stats row, where a backend
  *                   steps the group itself (serial, threads, Ray actors, the driver's block)
  *
  * The protocol is defined in Python only: the control words' indexes come from set_layout
- * (_backends/processes_worker.py's native_layout), the command and status codes with each
+ * (_backends/processes/worker.py's native_layout), the command and status codes with each
  * call, the spin budget's step from SpinBudget.step_s.
  *
  * Only what measurably pays end to end is here (benchmarks/speedups.py measures each function
@@ -51,7 +51,7 @@ static const char *const function_names[F_COUNT] = {
 };
 static unsigned long long calls[F_COUNT];
 
-/* The control words' layout, given by Python (set_layout, from _backends/processes_worker.py:
+/* The control words' layout, given by Python (set_layout, from _backends/processes/worker.py:
  * CMD, CMD_PAYLOAD, STATUS, REPLY_PAYLOAD), the one place it is defined. -1: not given yet, and
  * serve_steps / step_round refuse to run. */
 static Py_ssize_t w_cmd = -1, w_cmd_payload = -1, w_status = -1, w_reply_payload = -1;
@@ -172,7 +172,7 @@ spin_take(sem_t *sem, double tight_s, double spin_s)
     }
 }
 
-/* -- step times (StepTimer.record, _supervisor.py) ----------------------------------------- */
+/* -- step times (StepTimer.record, _backends/supervisor.py) ----------------------------------------- */
 
 /* StepTimer.record: count, total seconds, and the quarter-octave histogram bucket (bucket 0
  * holds everything up to 1 µs) of a float64 stats row. */
@@ -190,7 +190,7 @@ record_time(double *words, double seconds, int per_octave, int num_buckets)
     words[2 + b] += 1.0;
 }
 
-/* timed_call(words, per_octave, num_buckets, fn) -> fn(): StepTimer.call (_stats.py), for the
+/* timed_call(words, per_octave, num_buckets, fn) -> fn(): StepTimer.call (_core/stats.py), for the
  * groups stepped by run_command (serial, threads, Ray actors, the processes driver's block);
  * the time of a call that returns is recorded in the stats row at address ``words``. */
 static PyObject *

@@ -24,11 +24,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from envfleet import _cores
-from envfleet._driver_inference import DriverInference
-from envfleet._envgroup import EnvGroup
+from envfleet._core import cores as _cores
+from envfleet._core.envgroup import EnvGroup
+from envfleet._core.trees import tree_concat, tree_copy
 from envfleet._front.vector_env import FleetVectorEnv
-from envfleet._inference import (
+from envfleet._sampler.driver_inference import DriverInference
+from envfleet._sampler.inference import (
     Inference,
     Policy,
     SamplerStats,
@@ -36,9 +37,8 @@ from envfleet._inference import (
     Timers,
     TimerStat,
 )
-from envfleet._rollout import EpisodeBatch
-from envfleet._trees import tree_concat, tree_copy
-from envfleet._worker_inference import WorkerInference
+from envfleet._sampler.rollout import EpisodeBatch
+from envfleet._sampler.worker_inference import WorkerInference
 
 __all__ = ["AutoInference", "SamplerReport", "policy_on_gpu", "sampler_report"]
 

@@ -1,4 +1,4 @@
-"""The optional C step path (``envfleet._speedups``, built from ``_speedups.c``).
+"""The optional C step path (``envfleet._core._speedups``, built from ``_core/_speedups.c``).
 
 :data:`speedups` is the loaded module, or ``None`` when it was not built (no C compiler at
 install time) or ``ENVFLEET_NO_SPEEDUPS=1`` is set in the environment. Every C function has a
@@ -9,8 +9,8 @@ caller gets (``tests/test_speedups_properties.py`` compares the two on random in
 It holds what measurably pays end to end (``benchmarks/speedups.py``): ``write_results`` and
 ``write_rows`` (an EnvGroup's result and observation writes), ``serve_steps`` (a processes
 worker's loop of plain steps) and ``step_round`` (the processes driver's step round). Callers
-look a function up with :func:`function` when an :class:`~envfleet._envgroup.EnvGroup` or a
-processes backend (driver or worker) is built, so setting ``envfleet._native.speedups = None``
+look a function up with :func:`function` when an :class:`~envfleet._core.envgroup.EnvGroup` or a
+processes backend (driver or worker) is built, so setting ``envfleet._core.native.speedups = None``
 (or naming functions in :data:`disabled`) before ``envfleet.make`` turns them off for that
 vector env (and, under ``fork``, for its workers).
 
@@ -37,7 +37,7 @@ def _load() -> ModuleType | None:
     if os.environ.get("ENVFLEET_NO_SPEEDUPS", "").strip() not in ("", "0"):
         return None
     try:
-        module = importlib.import_module("envfleet._speedups")
+        module = importlib.import_module("envfleet._core._speedups")
     except ImportError:
         return None
     # The numpy scalar types whose conversions into the result buffers it does itself.
@@ -56,7 +56,7 @@ def function(name: str) -> Callable[..., Any] | None:
     """The C function ``name`` of :data:`speedups`, or ``None`` where the caller runs its
     Python twin (the module is not loaded, or ``name`` is in :data:`disabled`).
 
-    Example: ``step_round = envfleet._native.function("step_round")``.
+    Example: ``step_round = envfleet._core.native.function("step_round")``.
     """
     module = speedups
     if module is None or name in disabled:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from envfleet._backends.base import worker_ranges
-from envfleet._errors import ConfigError
+from envfleet._core.errors import ConfigError
 
 __all__ = ["DEFAULT_SPIN_S", "ProcessesPlan", "plan_processes"]
 
@@ -44,7 +44,7 @@ def plan_processes(
     """Choose worker count, the driver's share and spin budgets for the processes backend.
 
     Defaults (DESIGN §3): with ``c`` usable cores (``cores``: the process's affinity and
-    cgroup quota, :func:`envfleet._cores.usable_cores`), ``c - 1`` workers (at least 1, at most
+    cgroup quota, :func:`envfleet._core.cores.usable_cores`), ``c - 1`` workers (at least 1, at most
     ``num_envs - 1``) and the driver steps an equal share of the envs itself, so that every
     core steps envs and nobody idles on a round trip. Given ``num_workers`` alone, the driver
     steps none. Waiters spin at most ``spin_s`` seconds (default :data:`DEFAULT_SPIN_S`) and

@@ -28,8 +28,8 @@ import numpy as np
 from gymnasium import spaces
 from gymnasium.vector.utils import create_empty_array
 
-from envfleet._errors import ConfigError
-from envfleet._trees import tree_slice
+from envfleet._core.errors import ConfigError
+from envfleet._core.trees import tree_slice
 
 __all__ = [
     "ALIGN",
@@ -75,7 +75,7 @@ def side_leaves(space: spaces.Space[Any]) -> list[spaces.Space[Any]]:
 
     Such a leaf (Text, Graph, Sequence, OneOf, a custom Space subclass: every space
     gymnasium's ``batch_space`` batches as a Tuple of copies) has no shared-memory buffer:
-    its per-env values travel through a side channel (``SideValues`` of envfleet._protocol)
+    its per-env values travel through a side channel (``SideValues`` of envfleet._core.protocol)
     and the front batches them with gymnasium's ``concatenate``.
     """
     if isinstance(space, spaces.Dict):

@@ -14,8 +14,8 @@ from typing import Any, cast
 
 import numpy as np
 
-from envfleet._front.infos import split_infos
-from envfleet._trees import tree_concat, tree_map, tree_rows, tree_scatter
+from envfleet._core.infos import split_infos
+from envfleet._core.trees import tree_concat, tree_map, tree_rows, tree_scatter
 
 __all__ = ["EpisodeBatch", "Recorder", "StepLog", "final_observations", "step_infos"]
 
@@ -27,7 +27,7 @@ _SKIP_INFO = ("final_obs", "final_info", "env_id")
 
 def step_infos(info: dict[str, Any], rows: np.ndarray, done: np.ndarray) -> list[dict[str, Any]]:
     """Per row ``k`` of a vector info (env ``rows[k]``), the info of the step itself
-    (:func:`envfleet._front.infos.split_infos`).
+    (:func:`envfleet._core.infos.split_infos`).
 
     With ``AutoresetMode.SAME_STEP``, an env whose episode ended reports its step's info under
     ``final_info`` (the rest is its reset info): that is what is returned for it.

@@ -35,7 +35,7 @@ import gymnasium
 import numpy as np
 from gymnasium.vector.utils import batch_space, concatenate, create_empty_array, iterate
 
-from envfleet._errors import ConfigError, EnvfleetError
+from envfleet._core.errors import ConfigError, EnvfleetError
 
 __all__ = [
     "MULTI_AGENT_KEY",

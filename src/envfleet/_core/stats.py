@@ -16,7 +16,7 @@ from typing import TypeVar
 
 import numpy as np
 
-from envfleet import _native
+from envfleet._core import native as _native
 
 _T = TypeVar("_T")
 
@@ -47,7 +47,7 @@ class StepTimer:
         # numpy scalar updates cost ~0.7 µs there against ~0.35 µs this way.
         self._words = row.data.cast("B").cast("d")
         self.call: Callable[[Callable[[], _T]], _T]
-        """``fn()``, its time recorded when it returns (in C where envfleet._native has it)."""
+        """``fn()``, its time recorded when it returns (in C where envfleet._core.native has it)."""
         fast = _native.function("timed_call")
         # (A subclass that overrides record() gets it called, so it times in Python.)
         if (

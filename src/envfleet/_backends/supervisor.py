@@ -8,7 +8,7 @@ worker was sent its command), applies the restart policy within its budget (rebu
 what failed, through the backend's mechanics: :class:`Supervised`), and has the one "broken"
 path: shut the backend down and raise the typed error (:class:`~envfleet.EnvCrashedError`,
 :class:`~envfleet.StepTimeoutError`, :class:`~envfleet.EnvError`). :class:`Ledger` keeps the
-counters and seeds; the step-time statistics live in :mod:`envfleet._stats`.
+counters and seeds; the step-time statistics live in :mod:`envfleet._core.stats`.
 """
 
 from __future__ import annotations
@@ -24,16 +24,16 @@ from typing import Any, NoReturn, Protocol, TypeVar, cast
 
 import numpy as np
 
-from envfleet._envgroup import PartialFailure
-from envfleet._errors import (
+from envfleet._core.envgroup import PartialFailure
+from envfleet._core.errors import (
     ConfigError,
     EnvCrashedError,
     EnvError,
     EnvfleetError,
     StepTimeoutError,
 )
-from envfleet._protocol import Command, Failure, InfoEvent, RestartRequest
-from envfleet._stats import (
+from envfleet._core.protocol import Command, Failure, InfoEvent, RestartRequest
+from envfleet._core.stats import (
     BUCKETS_PER_OCTAVE,
     NUM_BUCKETS,
     STATS_WORDS,

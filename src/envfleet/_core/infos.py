@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 from gymnasium.vector import VectorEnv
 
-from envfleet._protocol import InfoEvent
+from envfleet._core.protocol import InfoEvent
 
 __all__ = [
     "InfoAdder",

@@ -18,8 +18,8 @@ import gymnasium
 import numpy as np
 from gymnasium.vector import AutoresetMode
 
-from envfleet._buffers import is_leaf
-from envfleet._errors import (
+from envfleet._core.buffers import is_leaf
+from envfleet._core.errors import (
     AlreadyPendingCallError,
     ClosedEnvironmentError,
     ConfigError,

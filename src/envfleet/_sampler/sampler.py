@@ -3,7 +3,7 @@
 Three ways to run the policy:
 
 - ``inference="auto"`` (the default): both of the below over one vector env, calibrated on the
-  first steps, keeping the faster (:mod:`envfleet._auto_inference`); ``Sampler.report()``
+  first steps, keeping the faster (:mod:`envfleet._sampler.auto_inference`); ``Sampler.report()``
   says which and why.
 - ``inference="driver"`` (ML-Agents' SubprocessEnvManager, RLlib's EnvRunner): the policy runs
   in this process on batched observations, the envs step in an envfleet vector env. With a
@@ -14,7 +14,8 @@ Three ways to run the policy:
   back without a round trip to the driver per step.
 
 Both run over an envfleet vector env, on any backend, with its supervision:
-:mod:`envfleet._driver_inference` and :mod:`envfleet._worker_inference` implement them.
+:mod:`envfleet._sampler.driver_inference` and :mod:`envfleet._sampler.worker_inference`
+implement them.
 
 Every step is tagged with the version of the policy that chose its action. After
 :meth:`Sampler.update_policy`, steps of older versions are dropped and counted (or, with
@@ -37,13 +38,19 @@ import gymnasium
 import numpy as np
 from gymnasium.vector import AutoresetMode
 
-from envfleet._auto_inference import AutoInference, SamplerReport, policy_on_gpu, sampler_report
-from envfleet._buffers import side_leaves
-from envfleet._driver_inference import DriverInference
-from envfleet._errors import ClosedEnvironmentError, ConfigError, InvalidArgumentError
+from envfleet._core.buffers import side_leaves
+from envfleet._core.errors import ClosedEnvironmentError, ConfigError, InvalidArgumentError
 from envfleet._front.make import make
+from envfleet._front.multi_agent_vector_env import MultiAgentVectorEnv
 from envfleet._front.vector_env import FleetVectorEnv
-from envfleet._inference import (
+from envfleet._sampler.auto_inference import (
+    AutoInference,
+    SamplerReport,
+    policy_on_gpu,
+    sampler_report,
+)
+from envfleet._sampler.driver_inference import DriverInference
+from envfleet._sampler.inference import (
     Inference,
     Policy,
     SamplerStats,
@@ -52,10 +59,9 @@ from envfleet._inference import (
     TimerStat,
     load_params,
 )
-from envfleet._multi_agent_rollout import AgentRowsPolicy, agent_batch, agent_spaces
-from envfleet._multi_agent_vector_env import MultiAgentVectorEnv
-from envfleet._rollout import EpisodeBatch
-from envfleet._worker_inference import PolicyUpdate, WorkerInference
+from envfleet._sampler.multi_agent_rollout import AgentRowsPolicy, agent_batch, agent_spaces
+from envfleet._sampler.rollout import EpisodeBatch
+from envfleet._sampler.worker_inference import PolicyUpdate, WorkerInference
 
 __all__ = ["Sampler"]
 
@@ -78,7 +84,7 @@ def _check_recordable(
     observation_space: gymnasium.Space[Any], action_space: gymnasium.Space[Any]
 ) -> None:
     """Raise :class:`ConfigError` for spaces with leaves without a fixed size (Text, Graph,
-    ...: ``envfleet._buffers.side_leaves``), which episode arrays cannot record."""
+    ...: ``envfleet._core.buffers.side_leaves``), which episode arrays cannot record."""
     for what, space in (("observation", observation_space), ("action", action_space)):
         leaves = side_leaves(space)
         if leaves:
@@ -265,7 +271,7 @@ class Sampler:
             **make_kwargs,
         )
         # A PettingZoo env: the Sampler steps the packed vector env under the multi-agent
-        # layer, with the policy on agent rows (envfleet._multi_agent_rollout).
+        # layer, with the policy on agent rows (envfleet._sampler.multi_agent_rollout).
         self.possible_agents: tuple[str, ...] | None = None
         if isinstance(venv, MultiAgentVectorEnv):
             self.possible_agents = venv.possible_agents

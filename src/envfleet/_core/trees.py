@@ -1,6 +1,6 @@
 """Trees of arrays: nested dicts and tuples of ndarrays, as gymnasium batches a space
 (``create_empty_array``), one set of helpers for every layer. A ``None`` leaf is a leaf
-without a fixed size that has no buffer (``envfleet._buffers.side_leaves``); the helpers that
+without a fixed size that has no buffer (``envfleet._core.buffers.side_leaves``); the helpers that
 meet buffers pass it through.
 """
 

@@ -19,8 +19,8 @@ reason); a wait past the timeout kills the late actors and raises
 replaces dead or hung actors with new ones (placed by the same options).
 
 This module holds the driver's side (:class:`RayBackend`) and the registration; the actor is
-:mod:`envfleet._backends.ray_actor`, the plan (connecting to Ray, the worker count, the
-actors' options) :mod:`envfleet._backends.ray_plan`.
+:mod:`envfleet._backends.ray.actor`, the plan (connecting to Ray, the worker count, the
+actors' options) :mod:`envfleet._backends.ray.plan`.
 """
 
 from __future__ import annotations
@@ -42,18 +42,9 @@ from envfleet._backends.base import (
     remote_env_error,
     start_error,
 )
-from envfleet._backends.ray_actor import ActorLayout, ActorSpec, RemoteWorker, Reply
-from envfleet._backends.ray_plan import RayPlan, plan_ray
-from envfleet._buffers import allocate_batch
-from envfleet._errors import (
-    ConfigError,
-    EnvCrashedError,
-    EnvError,
-    EnvfleetError,
-    StartTimeoutError,
-)
-from envfleet._protocol import Command, Failure, RemoteError, RestartRequest, Status
-from envfleet._supervisor import (
+from envfleet._backends.ray.actor import ActorLayout, ActorSpec, RemoteWorker, Reply
+from envfleet._backends.ray.plan import RayPlan, plan_ray
+from envfleet._backends.supervisor import (
     STATS_WORDS,
     Round,
     StepTimer,
@@ -61,7 +52,16 @@ from envfleet._supervisor import (
     Supervisor,
     step_time_table,
 )
-from envfleet._trees import tree_slice, tree_write
+from envfleet._core.buffers import allocate_batch
+from envfleet._core.errors import (
+    ConfigError,
+    EnvCrashedError,
+    EnvError,
+    EnvfleetError,
+    StartTimeoutError,
+)
+from envfleet._core.protocol import Command, Failure, RemoteError, RestartRequest, Status
+from envfleet._core.trees import tree_slice, tree_write
 
 __all__ = ["DEFAULT_CLOSE_TIMEOUT", "RayBackend", "RayPlan", "plan_ray"]
 

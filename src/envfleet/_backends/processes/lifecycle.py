@@ -1,10 +1,11 @@
 """Starting, restarting and stopping the worker processes of ``backend="processes"``.
 
-:class:`WorkerProcesses` is :class:`envfleet._backends.processes.ProcessesBackend`'s base: it
-spawns a group's worker (:func:`envfleet._backends.processes_worker.worker_main`) over the
-backend's shared memory, respawns a dead or hung one, checks that started workers built their
-envs, tells how a worker died, and closes them all in three bounded phases (ask, terminate,
-kill). The state it reads is the backend's, set up by the backend's ``__init__``.
+:class:`WorkerProcesses` is the base of
+:class:`envfleet._backends.processes.backend.ProcessesBackend`: it spawns a group's worker
+(:func:`envfleet._backends.processes.worker.worker_main`) over the backend's shared memory, respawns
+a dead or hung one, checks that started workers built their envs, tells how a worker died, and
+closes them all in three bounded phases (ask, terminate, kill). The state it reads is the backend's,
+set up by the backend's ``__init__``.
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ from envfleet._backends.base import (
     mismatch_error,
     start_error,
 )
-from envfleet._backends.doorbell import Doorbell
-from envfleet._backends.processes_worker import (
+from envfleet._backends.processes.doorbell import Doorbell
+from envfleet._backends.processes.worker import (
     CMD,
     CMD_PAYLOAD,
     GROUP_BYTES,
@@ -38,17 +39,17 @@ from envfleet._backends.processes_worker import (
     worker_main,
 )
 from envfleet._backends.registry import BuildRequest
-from envfleet._buffers import Batch, Block, allocate_batch
-from envfleet._envgroup import EnvGroup
-from envfleet._errors import (
+from envfleet._backends.supervisor import Round
+from envfleet._backends.workers import join_all, spawn
+from envfleet._core.buffers import Batch, Block, allocate_batch
+from envfleet._core.envgroup import EnvGroup
+from envfleet._core.errors import (
     EnvCrashedError,
     StartTimeoutError,
     StepTimeoutError,
     describe_exitcode,
 )
-from envfleet._protocol import Command
-from envfleet._supervisor import Round
-from envfleet._workers import join_all, spawn
+from envfleet._core.protocol import Command
 
 __all__ = ["DEFAULT_CLOSE_TIMEOUT", "WorkerProcesses"]
 
@@ -59,7 +60,7 @@ _KILL_GRACE = 1.0  # seconds between SIGTERM and SIGKILL
 
 
 class WorkerProcesses(Backend):
-    """The worker processes of a :class:`~envfleet._backends.processes.ProcessesBackend`:
+    """The worker processes of a :class:`~envfleet._backends.processes.backend.ProcessesBackend`:
     start, respawn, check, diagnose and close them (the backend's base class)."""
 
     # Set by the backend's __init__ (the layout, block and batch by _lay_out).

@@ -2,11 +2,11 @@
 
 The layout of the control region (per group: control words, then the doorbell's semaphores),
 the mailboxes and the step-time statistics, read by the driver
-(:class:`envfleet._backends.processes.ProcessesBackend`) and by each worker; what a worker
+(:class:`envfleet._backends.processes.backend.ProcessesBackend`) and by each worker; what a worker
 receives at start (:class:`WorkerSpec`); and the worker process itself (:func:`worker_main`,
 spawned by reference: it stays importable at this path): build the group's envs, then wait
 for the doorbell, run the command, reply, with plain steps looping in C where
-``envfleet._speedups`` is built (``serve_steps``).
+``envfleet._core._speedups`` is built (``serve_steps``).
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ import gymnasium
 import numpy as np
 from gymnasium.vector import AutoresetMode
 
-from envfleet import _native as _speedups
 from envfleet._backends.base import (
     EnvProbe,
     Prebuilt,
@@ -39,7 +38,7 @@ from envfleet._backends.base import (
     none_if_empty,
     run_command,
 )
-from envfleet._backends.doorbell import (
+from envfleet._backends.processes.doorbell import (
     IDLE_SLICE_MAX_S,
     SEM_SLOT,
     TIGHT_SPIN_S,
@@ -47,11 +46,12 @@ from envfleet._backends.doorbell import (
     SharedSem,
     SpinBudget,
 )
-from envfleet._buffers import Block, allocate_batch
-from envfleet._envgroup import EnvFailure, EnvGroup, PartialFailure
-from envfleet._protocol import Command, Failure, Status
-from envfleet._supervisor import BUCKETS_PER_OCTAVE, NUM_BUCKETS, STATS_WORDS, StepTimer
-from envfleet._workers import die_with_parent, failure_reply, remote_error
+from envfleet._backends.supervisor import BUCKETS_PER_OCTAVE, NUM_BUCKETS, STATS_WORDS, StepTimer
+from envfleet._backends.workers import die_with_parent, failure_reply, remote_error
+from envfleet._core import native as _speedups
+from envfleet._core.buffers import Block, allocate_batch
+from envfleet._core.envgroup import EnvFailure, EnvGroup, PartialFailure
+from envfleet._core.protocol import Command, Failure, Status
 
 __all__ = [
     "CMD",
@@ -412,7 +412,7 @@ class _Worker:
     def _serve_steps(
         self, group: EnvGroup, timer: StepTimer
     ) -> Callable[[], tuple[int, float, Any]] | None:
-        """The C loop of plain steps (envfleet._native), bound to this worker; ``None`` where
+        """The C loop of plain steps (envfleet._core.native), bound to this worker; ``None`` where
         it is not built or the semaphores are not the shared POSIX ones it drives."""
         serve_steps = _speedups.function("serve_steps")
         sems = (self.doorbell.request, self.done, self.any_done)

@@ -1,6 +1,6 @@
 """What both kinds of Sampler inference share (DESIGN §2, layer 6): timers and counters, the
 policy helpers, one recorded step, and the :class:`Inference` base that
-:mod:`envfleet._driver_inference` and :mod:`envfleet._worker_inference` implement.
+:mod:`envfleet._sampler.driver_inference` and :mod:`envfleet._sampler.worker_inference` implement.
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from envfleet._errors import InvalidArgumentError
+from envfleet._core.errors import InvalidArgumentError
 from envfleet._front.vector_env import FleetVectorEnv
-from envfleet._rollout import EpisodeBatch, StepLog
+from envfleet._sampler.rollout import EpisodeBatch, StepLog
 
 __all__ = [
     "Inference",
@@ -285,7 +285,8 @@ class Inference(abc.ABC):
         return False
 
     def update_policy(self, update: Any) -> None:  # noqa: B027  (driver inference: nothing)
-        """The policy changed (``update``: see :class:`envfleet._worker_inference.PolicyUpdate`)."""
+        """The policy changed (``update``: see
+        :class:`envfleet._sampler.worker_inference.PolicyUpdate`)."""
 
     def settle(self) -> None:  # noqa: B027  (nothing in flight by default)
         """Finish what is in flight before the envs change (an env update)."""

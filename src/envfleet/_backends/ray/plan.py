@@ -12,9 +12,9 @@ from typing import Any
 
 import ray
 
-from envfleet._backends.ray_actor import RemoteWorker
-from envfleet._cores import usable_cores
-from envfleet._errors import ConfigError
+from envfleet._backends.ray.actor import RemoteWorker
+from envfleet._core.cores import usable_cores
+from envfleet._core.errors import ConfigError
 
 __all__ = ["RayPlan", "connect", "plan_ray"]
 
@@ -38,7 +38,7 @@ def connect(address: str | None) -> bool:
     """Connect to Ray unless this process already is: ``ray.init(address=address)``.
 
     ``address=None`` starts a local cluster whose CPUs are the cores this process may use
-    (:func:`envfleet._cores.usable_cores`), or joins the one ``RAY_ADDRESS`` names;
+    (:func:`envfleet._core.cores.usable_cores`), or joins the one ``RAY_ADDRESS`` names;
     ``"auto"`` joins the cluster started on this machine with ``ray start``;
     ``"ray://host:10001"`` goes through Ray Client. Returns whether it connected now. A
     cluster envfleet starts lives until this interpreter exits (or ``ray.shutdown()``); envfleet
@@ -93,7 +93,7 @@ def plan_ray(
     ``.options(...)`` (``num_cpus``, ``num_gpus``, ``resources={"simulator": 1}``,
     ``scheduling_strategy``, ``runtime_env``, ``memory``, ...). Actors that fit the cluster
     but not what is free now wait for it
-    (:class:`envfleet._backends.ray.RayBackend` warns while they wait).
+    (:class:`envfleet._backends.ray.backend.RayBackend` warns while they wait).
 
     Raises:
         ConfigError: ``options`` is not a mapping, holds an option envfleet owns

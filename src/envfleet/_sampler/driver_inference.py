@@ -11,8 +11,9 @@ from typing import Any
 import numpy as np
 from gymnasium.vector.utils import create_empty_array
 
+from envfleet._core.trees import tree_copy, tree_rows, tree_scatter
 from envfleet._front.vector_env import FleetVectorEnv
-from envfleet._inference import (
+from envfleet._sampler.inference import (
     Inference,
     Policy,
     SamplerStats,
@@ -22,8 +23,13 @@ from envfleet._inference import (
     pick_episodes,
     step_and_record,
 )
-from envfleet._rollout import EpisodeBatch, Recorder, StepLog, final_observations, step_infos
-from envfleet._trees import tree_copy, tree_rows, tree_scatter
+from envfleet._sampler.rollout import (
+    EpisodeBatch,
+    Recorder,
+    StepLog,
+    final_observations,
+    step_infos,
+)
 
 __all__ = ["DriverInference"]
 

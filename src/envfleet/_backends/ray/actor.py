@@ -3,8 +3,9 @@
 :class:`EnvfleetWorker` builds the block's envs when Ray creates it (the actor of env 0 tells
 env 0's spaces: the driver builds no env), lays them over buffers of the block's rows once the
 driver sends the spaces (:meth:`~EnvfleetWorker.attach`) and runs one command at a time; every
-method returns a :data:`Reply`. The driver's side is :class:`envfleet._backends.ray.RayBackend`;
-:data:`RemoteWorker` is the class as a Ray actor.
+method returns a :data:`Reply`. The driver's side is
+:class:`envfleet._backends.ray.backend.RayBackend`; :data:`RemoteWorker` is the class as a Ray
+actor.
 """
 
 from __future__ import annotations
@@ -28,12 +29,12 @@ from envfleet._backends.base import (
     none_if_empty,
     run_command,
 )
-from envfleet._buffers import Block, allocate_batch, batch_nbytes
-from envfleet._envgroup import EnvFailure, EnvGroup, PartialFailure
-from envfleet._protocol import Command, Failure, Status
-from envfleet._supervisor import STATS_WORDS, StepTimer
-from envfleet._trees import tree_write
-from envfleet._workers import remote_error
+from envfleet._backends.supervisor import STATS_WORDS, StepTimer
+from envfleet._backends.workers import remote_error
+from envfleet._core.buffers import Block, allocate_batch, batch_nbytes
+from envfleet._core.envgroup import EnvFailure, EnvGroup, PartialFailure
+from envfleet._core.protocol import Command, Failure, Status
+from envfleet._core.trees import tree_write
 
 __all__ = ["ActorLayout", "ActorSpec", "EnvfleetWorker", "RemoteWorker", "Reply"]
 

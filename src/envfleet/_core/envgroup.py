@@ -19,10 +19,10 @@ from gymnasium.spaces.utils import is_space_dtype_shape_equiv
 from gymnasium.vector import AutoresetMode
 from gymnasium.vector.utils import batch_space, concatenate, create_empty_array, iterate
 
-from envfleet import _native as _speedups
-from envfleet._buffers import Batch, fill_side, is_leaf, side_leaves, side_values
-from envfleet._errors import ConfigError
-from envfleet._protocol import (
+from envfleet._core import native as _speedups
+from envfleet._core.buffers import Batch, fill_side, is_leaf, side_leaves, side_values
+from envfleet._core.errors import ConfigError
+from envfleet._core.protocol import (
     CallRequest,
     Command,
     InfoEvent,
@@ -235,7 +235,7 @@ class EnvGroup:
                         self._obs_row_bytes = out[0].nbytes
             self._obs_slabs.append((out, rows, raw, address))
         self._slab = self.buffers.slab
-        # The C step path (envfleet._native; None where the Python twin runs): the results
+        # The C step path (envfleet._core.native; None where the Python twin runs): the results
         # written straight into the reward and done-flag rows at these addresses.
         self._c_write_results = _speedups.function("write_results")
         self._c_write_rows = _speedups.function("write_rows")
@@ -294,7 +294,7 @@ class EnvGroup:
             leaf_actions: per leaf of the action space (walk order), the group's batched
                 values that do not come from the buffer, or ``None`` for a leaf read from
                 the buffer: the values of a leaf without a fixed size (a tuple, one per env,
-                as gymnasium's batched action holds them; ``envfleet._buffers.side_leaves``)
+                as gymnasium's batched action holds them; ``envfleet._core.buffers.side_leaves``)
                 and the caller's array where its dtype differs from the space's.
         """
         buf = self.buffers
@@ -380,7 +380,7 @@ class EnvGroup:
     def _write_observations(self, method: str, events: list[InfoEvent]) -> None:
         """Write every env's latest observation into the group's rows; with leaves without a
         fixed size, append each env's values there to ``events`` (as
-        :class:`~envfleet._protocol.SideValues` events).
+        :class:`~envfleet._core.protocol.SideValues` events).
 
         Raises:
             EnvFailure: an observation does not fit the observation space's buffer (wrong
