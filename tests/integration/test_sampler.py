@@ -770,3 +770,45 @@ def test_worker_inference_restarts_what_failed_and_leaves_the_rest(
             assert np.array_equal(stream[key][: fault_step + 1], want[key][: fault_step + 1])
         assert stream["trunc"][fault_step]
         assert np.array_equal(stream["next"][fault_step], stream["obs"][fault_step])
+
+
+def pendulum_policy(obs: np.ndarray) -> np.ndarray:
+    """A deterministic float64 torque for Pendulum-v1's float32 Box: bits a float32 cannot
+    hold, so a cast on the way to the env shows in what the env computes."""
+    return np.clip(np.asarray(obs, dtype=np.float64)[:, :1] * 1.7 + 0.1234567891234, -2.0, 2.0)
+
+
+@pytest.mark.parametrize(
+    "inference, options",
+    [
+        ("driver", {"backend": "serial"}),
+        ("driver", {"backend": "processes", "num_workers": 2}),
+        ("worker", {"backend": "processes", "num_workers": 2}),
+        ("worker", {"backend": "threads", "num_workers": 2}),
+    ],
+)
+def test_the_policys_dtype_reaches_the_env_as_in_sync_vector_env(inference, options) -> None:
+    """A float64 policy on a float32 Box: every mode hands each env the policy's own float64
+    action, as a SyncVectorEnv loop does, so the transitions equal that loop's bit for bit."""
+    num_envs, steps = 4, 60
+    sampler = Sampler("Pendulum-v1", pendulum_policy, num_envs, inference=inference, seed=SEED,
+                      segment_length=8, progress=False, **options)  # fmt: skip
+    try:
+        batch = EpisodeBatch.concatenate(*[sampler.sample(num_envs * 8) for _ in range(4)])
+    finally:
+        sampler.close()
+    model = SyncVectorEnv(
+        [lambda: gym.make("Pendulum-v1")] * num_envs, autoreset_mode=AutoresetMode.SAME_STEP
+    )
+    obs, _ = model.reset(seed=SEED)
+    want: list[list[np.ndarray]] = [[] for _ in range(num_envs)]
+    for _ in range(steps):
+        obs, _, _, _, _ = model.step(pendulum_policy(obs))
+        for e in range(num_envs):
+            want[e].append(obs[e].copy())
+    model.close()
+    for e in range(num_envs):
+        got = per_env(batch, e)["next"]
+        assert len(got) > 0, f"env {e} has no steps"
+        assert got.dtype == np.float32
+        np.testing.assert_array_equal(got, np.stack(want[e][: len(got)]), err_msg=f"env {e}")

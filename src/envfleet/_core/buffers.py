@@ -39,6 +39,7 @@ __all__ = [
     "allocate_batch",
     "batch_nbytes",
     "check_fixed_size",
+    "caller_leaves",
     "fill_side",
     "fixed_leaf_flags",
     "fixed_part",
@@ -93,6 +94,31 @@ def fixed_leaf_flags(space: spaces.Space[Any]) -> list[bool]:
     if isinstance(space, spaces.Tuple):
         return [flag for sub in space.spaces for flag in fixed_leaf_flags(sub)]
     return [isinstance(space, _FIXED_LEAVES)]
+
+
+def caller_leaves(space: spaces.Space[Any], buffer: Any, actions: Any) -> list[Any] | None:
+    """What ``EnvGroup.step(leaf_actions)`` takes for ``actions`` that were written into the
+    batched action ``buffer`` of ``space``: per leaf (walk order) the caller's array where its
+    dtype differs from the buffer's (each env then gets the caller's dtype, as gymnasium
+    hands it), the values of a leaf without a fixed size, else ``None``; ``None`` when every
+    leaf is read from the buffer."""
+    out: list[Any] = []
+
+    def walk(sub: spaces.Space[Any], buf: Any, act: Any) -> None:
+        if isinstance(sub, spaces.Dict):
+            for key, inner in sub.spaces.items():
+                walk(inner, buf[key], act[key])
+        elif isinstance(sub, spaces.Tuple):
+            for k, inner in enumerate(sub.spaces):
+                walk(inner, buf[k], act[k])
+        elif isinstance(sub, _FIXED_LEAVES):
+            value = np.asarray(act)
+            out.append(None if value.dtype == buf.dtype else value)
+        else:
+            out.append(tuple(act))
+
+    walk(space, buffer, actions)
+    return out if any(value is not None for value in out) else None
 
 
 def side_values(space: spaces.Space[Any], obs: Any, out: list[Any]) -> None:

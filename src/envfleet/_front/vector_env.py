@@ -27,7 +27,7 @@ from gymnasium.vector.utils import batch_space
 
 from envfleet._backends.base import Backend, DisownedBackend
 from envfleet._backends.supervisor import FleetStats
-from envfleet._core.buffers import is_leaf, side_leaves
+from envfleet._core.buffers import caller_leaves, is_leaf, side_leaves
 from envfleet._core.errors import (
     AlreadyPendingCallError,
     ClosedEnvironmentError,
@@ -272,14 +272,12 @@ class FleetVectorEnv(FirstReadyPool, VectorEnv[Any, Any, np.ndarray]):
             # (iterate over the caller's batch): a leaf whose dtype differs from the buffer's
             # travels with the step command, beside the buffer's cast copy; so do the leaves
             # without a fixed size.
-            travel: list[Any] = []
             for target, value in leaves:
                 if target is not None:
                     target[...] = value
-                    value = None if value.dtype == target.dtype else value
-                travel.append(value)
+            travel = caller_leaves(self.single_action_space, out, actions)
             self._step_payloads = self._every_group
-            if any(value is not None for value in travel):
+            if travel is not None:
                 self._step_payloads = {
                     w: [None if v is None else v[start:stop] for v in travel]
                     for w, (start, stop) in enumerate(self._backend.ranges)

@@ -22,6 +22,7 @@ from typing import Any
 import cloudpickle
 import numpy as np
 
+from envfleet._core.buffers import caller_leaves
 from envfleet._core.envgroup import EnvGroup, PartialFailure
 from envfleet._core.infos import batch_infos
 from envfleet._core.trees import tree_copy, tree_row, tree_write
@@ -115,9 +116,11 @@ class GroupEnvs:
     def step(self, actions: Any) -> tuple[Any, np.ndarray, np.ndarray, np.ndarray, dict[str, Any]]:
         group, buffers = self.group, self.group.buffers
         tree_write(buffers.actions, actions)
+        # Each env gets the policy's dtype, as a vector env's step hands the caller's.
+        leaves = caller_leaves(group.single_action_space, buffers.actions, actions)
         start = group.start
         try:
-            events = group.step()
+            events = group.step(leaves)
             self.failure = None
         except PartialFailure as failure:
             # The other envs stepped: their transitions are kept. Those that raised end their
