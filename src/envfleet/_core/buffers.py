@@ -102,6 +102,8 @@ def caller_leaves(space: spaces.Space[Any], buffer: Any, actions: Any) -> list[A
     dtype differs from the buffer's (each env then gets the caller's dtype, as gymnasium
     hands it), the values of a leaf without a fixed size, else ``None``; ``None`` when every
     leaf is read from the buffer."""
+    if type(actions) is np.ndarray and isinstance(buffer, np.ndarray):  # one leaf, the hot case
+        return None if actions.dtype == buffer.dtype else [actions]
     out: list[Any] = []
 
     def walk(sub: spaces.Space[Any], buf: Any, act: Any) -> None:
