@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from envfleet._backends.registry import usable_cores as registry_usable_cores
+import envfleet
 from envfleet._core import cores as _cores
 from envfleet._core.cores import cpu_max_cores, quota_cores, usable_cores
 
@@ -125,7 +125,7 @@ def test_the_smaller_of_affinity_and_quota_wins(
 
 def test_affinity_is_the_real_mask() -> None:
     assert _cores.affinity_cores() == len(os.sched_getaffinity(0))
-    assert 1 <= registry_usable_cores() <= _cores.affinity_cores()
+    assert 1 <= envfleet.usable_cores() <= _cores.affinity_cores()
 
 
 # Pinned to one core, before envfleet is imported: make()'s default plans and usable_cores()
@@ -134,7 +134,7 @@ ONE_CORE = """
 import json, os, sys
 os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
 import envfleet
-from envfleet._backends.registry import usable_cores
+from envfleet import usable_cores
 from tests.envs import IndexedEnv
 out = {"usable": usable_cores(), "affinity": len(os.sched_getaffinity(0))}
 with envfleet.make(IndexedEnv, 4) as envs:
@@ -170,7 +170,7 @@ def test_a_real_one_core_affinity_mask_gives_one_core_plans() -> None:
     """On this machine (two or more usable cores) the default plan has the driver step a share
     and the threads backend two threads; pinned to one core, one worker steps every env and
     one thread."""
-    if registry_usable_cores() < 2:
+    if envfleet.usable_cores() < 2:
         pytest.skip("needs two usable cores to tell one core's plan from the machine's")
     got = _plan_in_subprocess(ONE_CORE)
     assert got["affinity"] == 1
@@ -185,7 +185,7 @@ def test_a_real_one_core_affinity_mask_gives_one_core_plans() -> None:
 def test_the_machine_plan_differs_from_the_one_core_plan() -> None:
     """The same script unpinned: the driver steps a share, threads are one per core, so the
     one-core test above sees the mask and not a plan that never changes."""
-    cores = registry_usable_cores()
+    cores = envfleet.usable_cores()
     if cores < 2:
         pytest.skip("needs two usable cores")
     got = _plan_in_subprocess(ONE_CORE.replace("os.sched_setaffinity(", "(lambda *a: None)("))
@@ -217,7 +217,7 @@ def test_a_local_ray_cluster_has_the_usable_cores(
     its local cluster with the usable cores. RAY_TMPDIR of its own: ``ray.init()`` would join
     a cluster another test run on this machine started, and that one keeps its CPUs."""
     pytest.importorskip("ray")
-    if registry_usable_cores() < 2:
+    if envfleet.usable_cores() < 2:
         pytest.skip("needs two usable cores to tell one core's cluster from the machine's")
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     monkeypatch.setenv("RAY_TMPDIR", str(tmp_path_factory.mktemp("ray")))

@@ -45,7 +45,6 @@ import gymnasium
 
 from envfleet._backends.base import Backend, EnvProbe, WorkerLayout, worker_ranges
 from envfleet._backends.supervisor import Ledger, RestartPolicy
-from envfleet._core import cores as _cores
 from envfleet._core.buffers import Block
 from envfleet._core.errors import ConfigError
 
@@ -60,7 +59,6 @@ __all__ = [
     "Sizing",
     "lookup",
     "register",
-    "usable_cores",
 ]
 
 # Built-in backends, in the order envfleet.BACKENDS lists them: name -> (module, what installs
@@ -75,13 +73,6 @@ BUILTIN: dict[str, tuple[str, str]] = {
 BACKENDS = tuple(BUILTIN)
 
 _REGISTRY: dict[str, BackendSpec] = {}
-
-
-def usable_cores() -> int:
-    """Cores this process may use, at least 1: the smaller of its CPU affinity and its cgroup
-    v2 ``cpu.max`` quota (see :func:`envfleet._core.cores.usable_cores`); the plans' worker counts
-    and spin budgets read this, never ``os.cpu_count()``."""
-    return _cores.usable_cores()
 
 
 @dataclass(frozen=True)

@@ -35,6 +35,7 @@ from envfleet._backends.base import WorkerLayout
 from envfleet._backends.inprocess import InProcessBackend
 from envfleet._backends.supervisor import Ledger
 from envfleet._core.buffers import Block
+from envfleet._core.cores import usable_cores
 from envfleet._core.envgroup import EnvFailure, EnvGroup
 from envfleet._core.errors import StartTimeoutError
 from envfleet._core.protocol import Command
@@ -342,7 +343,6 @@ from envfleet._backends.registry import (  # noqa: E402
     Plan,
     PlanRequest,
     register,
-    usable_cores,
 )
 
 

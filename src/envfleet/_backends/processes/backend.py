@@ -85,7 +85,6 @@ from envfleet._backends.registry import (
     Plan,
     PlanRequest,
     register,
-    usable_cores,
 )
 from envfleet._backends.supervisor import (
     STATS_WORDS,
@@ -97,6 +96,7 @@ from envfleet._backends.supervisor import (
 )
 from envfleet._backends.workers import watch
 from envfleet._core import native as _speedups
+from envfleet._core.cores import usable_cores
 from envfleet._core.envgroup import EnvFailure, EnvGroup
 from envfleet._core.errors import (
     ConfigError,
