@@ -5,7 +5,7 @@ results are bit-identical to ``gymnasium.vector.SyncVectorEnv`` for the same see
 See DESIGN.md §5 for the public contract.
 """
 
-from envfleet._backends.supervisor import FleetStats, RestartPolicy, StepTimeStats
+from envfleet._backends.supervisor import RestartPolicy
 from envfleet._core.cores import usable_cores
 from envfleet._core.errors import (
     AlreadyPendingCallError,
@@ -26,6 +26,7 @@ from envfleet._core.errors import (
     UnsupportedError,
     WrongProcessError,
 )
+from envfleet._core.stats import FleetStats, StepTimeStats
 from envfleet._front.factories import check_env_id
 from envfleet._front.make import BACKENDS, make
 from envfleet._front.multi_agent import AgentError

@@ -29,7 +29,8 @@ import pytest
 from gymnasium.vector import AutoresetMode, SyncVectorEnv, VectorEnv
 
 import envfleet
-from envfleet._backends.supervisor import STATS_WORDS, StepTimer, restart_seed, step_time_table
+from envfleet._backends.supervisor import restart_seed
+from envfleet._core.stats import STATS_WORDS, StepTimer, step_time_table
 from tests.envs import FlakyEnv, sync_factories
 from tests.helpers import assert_same, wait_gone
 

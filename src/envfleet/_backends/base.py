@@ -16,7 +16,7 @@ from typing import Any
 import gymnasium
 from gymnasium.vector import AutoresetMode
 
-from envfleet._backends.supervisor import Ledger, StepTimer, StepTimeStats
+from envfleet._backends.supervisor import Ledger
 from envfleet._backends.workers import remote_cause
 from envfleet._core.buffers import Batch
 from envfleet._core.envgroup import EnvFailure, EnvGroup, not_an_env_error
@@ -29,6 +29,7 @@ from envfleet._core.errors import (
     make_env_error,
 )
 from envfleet._core.protocol import Command, RemoteError
+from envfleet._core.stats import StepTimer, StepTimeStats
 
 __all__ = [
     "Backend",

@@ -55,13 +55,7 @@ from gymnasium.vector import AutoresetMode
 
 from envfleet._backends.base import Backend
 from envfleet._backends.registry import BackendSpec, NativeRequest, register
-from envfleet._backends.supervisor import (
-    STATS_WORDS,
-    Ledger,
-    StepTimer,
-    StepTimeStats,
-    step_time_table,
-)
+from envfleet._backends.supervisor import Ledger
 from envfleet._core.buffers import (
     Block,
     allocate_batch,
@@ -71,6 +65,7 @@ from envfleet._core.buffers import (
 from envfleet._core.errors import ConfigError, InvalidArgumentError, UnsupportedError
 from envfleet._core.infos import InfoAdder, columns_infos, split_infos
 from envfleet._core.protocol import Command, InfoEvent, ResetRequest
+from envfleet._core.stats import STATS_WORDS, StepTimer, StepTimeStats, step_time_table
 from envfleet._core.trees import tree_map, tree_row, tree_scatter, tree_take
 
 __all__ = ["EnvPoolBackend", "open_envpool"]

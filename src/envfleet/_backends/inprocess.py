@@ -17,19 +17,12 @@ from envfleet._backends.base import (
     mismatch_error,
     run_command,
 )
-from envfleet._backends.supervisor import (
-    STATS_WORDS,
-    Ledger,
-    Round,
-    StepTimer,
-    StepTimeStats,
-    Supervisor,
-    step_time_table,
-)
+from envfleet._backends.supervisor import Ledger, Round, Supervisor
 from envfleet._core.buffers import Block, allocate_batch
 from envfleet._core.envgroup import EnvFailure, EnvGroup
 from envfleet._core.errors import EnvCrashedError, EnvError
 from envfleet._core.protocol import Command, RestartRequest
+from envfleet._core.stats import STATS_WORDS, StepTimer, StepTimeStats, step_time_table
 
 __all__ = ["InProcessBackend"]
 

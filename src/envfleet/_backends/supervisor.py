@@ -33,15 +33,7 @@ from envfleet._core.errors import (
     StepTimeoutError,
 )
 from envfleet._core.protocol import Command, Failure, InfoEvent, RestartRequest
-from envfleet._core.stats import (
-    BUCKETS_PER_OCTAVE,
-    NUM_BUCKETS,
-    STATS_WORDS,
-    FleetStats,
-    StepTimer,
-    StepTimeStats,
-    step_time_table,
-)
+from envfleet._core.stats import FleetStats, StepTimeStats
 
 logger = logging.getLogger("envfleet")
 
@@ -51,22 +43,15 @@ RESTARTABLE = (Command.STEP, Command.RESET, Command.TASK)
 _T = TypeVar("_T")
 
 __all__ = [
-    "BUCKETS_PER_OCTAVE",
-    "NUM_BUCKETS",
-    "STATS_WORDS",
-    "FleetStats",
     "Ledger",
     "RestartBudget",
     "RestartPolicy",
     "Round",
-    "StepTimeStats",
-    "StepTimer",
     "Supervised",
     "Supervisor",
     "log_env_restart",
     "merge_events",
     "restart_seed",
-    "step_time_table",
 ]
 
 

@@ -26,7 +26,6 @@ from gymnasium.vector.async_vector_env import AsyncState
 from gymnasium.vector.utils import batch_space
 
 from envfleet._backends.base import Backend, DisownedBackend
-from envfleet._backends.supervisor import FleetStats
 from envfleet._core.buffers import caller_leaves, is_leaf, side_leaves
 from envfleet._core.errors import (
     AlreadyPendingCallError,
@@ -38,6 +37,7 @@ from envfleet._core.errors import (
 )
 from envfleet._core.infos import one_env_info, vector_infos
 from envfleet._core.protocol import CallRequest, Command, ResetRequest, SetAttrRequest, TaskRequest
+from envfleet._core.stats import FleetStats
 from envfleet._front.checks import check_actions, check_name, check_reset_mask, seeds_per_env
 from envfleet._front.pool import FirstReadyPool
 from envfleet._front.results import ResultBuffers

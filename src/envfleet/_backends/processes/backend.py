@@ -86,14 +86,7 @@ from envfleet._backends.registry import (
     PlanRequest,
     register,
 )
-from envfleet._backends.supervisor import (
-    STATS_WORDS,
-    Round,
-    StepTimer,
-    StepTimeStats,
-    Supervisor,
-    step_time_table,
-)
+from envfleet._backends.supervisor import Round, Supervisor
 from envfleet._backends.workers import watch
 from envfleet._core import native as _speedups
 from envfleet._core.cores import usable_cores
@@ -104,6 +97,7 @@ from envfleet._core.errors import (
     EnvfleetError,
 )
 from envfleet._core.protocol import Command, Failure, RestartRequest, Status
+from envfleet._core.stats import STATS_WORDS, StepTimer, StepTimeStats, step_time_table
 
 __all__ = ["DEFAULT_CLOSE_TIMEOUT", "DEFAULT_SPIN_S", "ProcessesBackend"]
 

@@ -46,12 +46,12 @@ from envfleet._backends.processes.doorbell import (
     SharedSem,
     SpinBudget,
 )
-from envfleet._backends.supervisor import BUCKETS_PER_OCTAVE, NUM_BUCKETS, STATS_WORDS, StepTimer
 from envfleet._backends.workers import die_with_parent, failure_reply, remote_error
 from envfleet._core import native as _speedups
 from envfleet._core.buffers import Block, allocate_batch
 from envfleet._core.envgroup import EnvFailure, EnvGroup, PartialFailure
 from envfleet._core.protocol import Command, Failure, Status
+from envfleet._core.stats import BUCKETS_PER_OCTAVE, NUM_BUCKETS, STATS_WORDS, StepTimer
 
 __all__ = [
     "CMD",

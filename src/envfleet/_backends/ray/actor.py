@@ -29,11 +29,11 @@ from envfleet._backends.base import (
     none_if_empty,
     run_command,
 )
-from envfleet._backends.supervisor import STATS_WORDS, StepTimer
 from envfleet._backends.workers import remote_error
 from envfleet._core.buffers import Block, allocate_batch, batch_nbytes
 from envfleet._core.envgroup import EnvFailure, EnvGroup, PartialFailure
 from envfleet._core.protocol import Command, Failure, Status
+from envfleet._core.stats import STATS_WORDS, StepTimer
 from envfleet._core.trees import tree_write
 
 __all__ = ["ActorLayout", "ActorSpec", "EnvfleetWorker", "RemoteWorker", "Reply"]

@@ -44,14 +44,7 @@ from envfleet._backends.base import (
 )
 from envfleet._backends.ray.actor import ActorLayout, ActorSpec, RemoteWorker, Reply
 from envfleet._backends.ray.plan import RayPlan, plan_ray
-from envfleet._backends.supervisor import (
-    STATS_WORDS,
-    Round,
-    StepTimer,
-    StepTimeStats,
-    Supervisor,
-    step_time_table,
-)
+from envfleet._backends.supervisor import Round, Supervisor
 from envfleet._core.buffers import allocate_batch
 from envfleet._core.errors import (
     ConfigError,
@@ -61,6 +54,7 @@ from envfleet._core.errors import (
     StartTimeoutError,
 )
 from envfleet._core.protocol import Command, Failure, RemoteError, RestartRequest, Status
+from envfleet._core.stats import STATS_WORDS, StepTimer, StepTimeStats, step_time_table
 from envfleet._core.trees import tree_slice, tree_write
 
 __all__ = ["DEFAULT_CLOSE_TIMEOUT", "RayBackend", "RayPlan", "plan_ray"]
