@@ -9,6 +9,9 @@ tree's ``src/`` (the C extension is built in place in a temporary worktree of th
 - ``noop-processes`` / ``noop-serial``: µs per ``step()`` of one no-op env (the round trip);
 - ``pool``: 16 straggler envs (0.2 ms a step, 8 ms one step in 20), ``batch_size=8``,
   ``recv()`` → ``send()``, steps/s.
+- ``sampler-worker``: ``envfleet.Sampler("CartPole-v1", policy, 16, inference="worker")``
+  (processes, defaults) with a numpy policy (the sign of the pole's lean), ``sample(1024)`` in
+  a loop, transitions/s.
 
 Only the public API is used, so any two commits compare. The table gives, per workload, the
 median of each tree and the median of the per-repetition ratios (after / before).
@@ -33,7 +36,7 @@ import gymnasium
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
-WORKLOADS = ("cartpole16", "pong8", "noop-processes", "noop-serial", "pool")
+WORKLOADS = ("cartpole16", "pong8", "noop-processes", "noop-serial", "pool", "sampler-worker")
 
 
 # -- the child: one measurement with whichever envfleet PYTHONPATH gives ----------------------
@@ -83,9 +86,26 @@ def _timed(step: Any, seconds: float, warmup: float) -> tuple[int, float]:
             return n, now - t0
 
 
+def lean_policy(obs: Any) -> Any:
+    """CartPole: push towards the pole's lean (int64 actions, the space's dtype)."""
+    return (np.asarray(obs)[:, 2] > 0).astype(np.int64)
+
+
 def measure(workload: str, seconds: float) -> float:
     import envfleet
 
+    if workload == "sampler-worker":
+        sampler = envfleet.Sampler(
+            "CartPole-v1", lean_policy, 16, inference="worker", seed=0, progress=False
+        )
+        try:
+            sampler.sample(1024)  # warm-up: the workers get the policy, envs reset
+            steps, t0 = 0, time.perf_counter()
+            while time.perf_counter() - t0 < seconds:
+                steps += sampler.sample(1024).num_steps
+            return steps / (time.perf_counter() - t0)
+        finally:
+            sampler.close()
     if workload == "pool":
         envs = envfleet.make(StragglerEnv, 16, batch_size=8)
         try:
