@@ -241,7 +241,8 @@ get_double(PyObject *obj, const char *name, int *ok)
  *   (1, 0.0, None)       a request other than a plain step was taken: dispatch it
  *   (2, 0.0, events)     a step returned events: reply OK with them
  * An exception from step() propagates (nothing recorded, no reply sent). Control words are
- * int64: [command, command has payload, status, reply payload, reply bytes]. */
+ * int64, at the indexes set_layout gave (command, command has payload, status, reply
+ * payload). */
 static PyObject *
 sp_serve_steps(PyObject *self, PyObject *args)
 {
