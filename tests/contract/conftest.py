@@ -19,6 +19,8 @@ from typing import Any
 
 import pytest
 
+from tests.contract import toy_transport  # noqa: F401  (registers backend="toy")
+
 
 @dataclass(frozen=True)
 class Backend:
@@ -55,6 +57,8 @@ class Backend:
 
 BACKENDS = [
     Backend("serial", {"backend": "serial"}, workers=None),
+    # The round driver over a transport of primitives only (tests/contract/toy_transport.py).
+    Backend("toy", {"backend": "toy"}, workers=None),
     Backend("threads", {"backend": "threads"}, workers="threads"),
     Backend("processes", {"backend": "processes"}, workers="processes"),
     Backend(

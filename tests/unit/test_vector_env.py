@@ -73,14 +73,18 @@ def test_a_backend_is_one_registered_module(monkeypatch):
     planned with the default plan and refused other backends' options; make() knows no
     backend by name."""
     from envfleet._backends import registry
-    from envfleet._backends.serial import SerialBackend
+    from envfleet._backends.rounds import RoundDriver
+    from envfleet._backends.serial import SerialTransport
 
-    def build(request: registry.BuildRequest) -> SerialBackend:
-        return SerialBackend(
-            request.layout,
-            request.block(shared=False),
-            first_env=request.first_env,
-            ledger=request.ledger,
+    def build(request: registry.BuildRequest) -> RoundDriver:
+        return RoundDriver(
+            SerialTransport(
+                request.layout,
+                request.block(shared=False),
+                first_env=request.first_env,
+                ledger=request.ledger,
+                pool=request.pool,
+            )
         )
 
     spec = registry.BackendSpec("inline", build=build)

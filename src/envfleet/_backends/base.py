@@ -256,11 +256,15 @@ def remote_env_error(error: RemoteError, worker_index: int, note: str) -> EnvErr
 
 
 class Backend(abc.ABC):
-    """A transport between the front and its EnvGroups.
+    """What the front calls: the rounds between the front and its EnvGroups.
 
     The front writes actions into ``batch.actions``, calls :meth:`submit` with one payload per
     worker that must act, then :meth:`collect` for their results, in worker order. Results
     carry only what does not live in ``batch`` (infos, call results).
+
+    :class:`envfleet._backends.rounds.RoundDriver` implements it once for every transport
+    (``serial``, ``threads``, ``processes``, ``ray``); ``envpool``'s native pool implements
+    it over EnvPool's own C++ threads.
     """
 
     batch: Batch

@@ -1,45 +1,56 @@
-"""What the in-process backends (``serial``, ``threads``) share: EnvGroups built in the
-driver, step-time statistics, and the mechanics of rebuilding envs that raised; the decisions
-are the supervisor's (:class:`envfleet._backends.supervisor.Supervisor`, DESIGN §4)."""
+"""What the in-process transports (``serial``, ``threads``) share: EnvGroups built in the
+driver, their step-time statistics, and the replies of the groups run here; the rounds are
+the round driver's (:class:`envfleet._backends.rounds.RoundDriver`), the decisions the
+supervisor's (DESIGN §4)."""
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 import gymnasium
 import numpy as np
 
 from envfleet._backends.base import (
-    Backend,
     WorkerLayout,
     failure_error,
     mismatch_error,
     run_command,
 )
-from envfleet._backends.supervisor import Ledger, Round, Supervisor
+from envfleet._backends.rounds import Seen, StepAll
+from envfleet._backends.supervisor import Ledger, Round
 from envfleet._core.buffers import Block, allocate_batch
 from envfleet._core.envgroup import EnvFailure, EnvGroup
 from envfleet._core.errors import EnvCrashedError, EnvError
-from envfleet._core.protocol import Command, RestartRequest
+from envfleet._core.protocol import Command
 from envfleet._core.stats import STATS_WORDS, StepTimer, StepTimeStats, step_time_table
 
-__all__ = ["InProcessBackend"]
+__all__ = ["InProcessTransport"]
 
 logger = logging.getLogger("envfleet")
 
 
-class InProcessBackend(Backend):
-    """EnvGroups in this process, one per block of ``layout.ranges``.
+class InProcessTransport:
+    """EnvGroups in this process, one per block of ``layout.ranges`` (a
+    :class:`~envfleet._backends.rounds.Transport`).
 
     Envs are created at construction (as gymnasium's SyncVectorEnv does) and their spaces are
     checked against ``layout``'s. ``first_env``, when given, is used as env 0 instead of
-    building it again. Subclasses decide where each group runs (:meth:`run_group`).
+    building it again. A group sent a command here (:meth:`send`) runs it at once; a subclass
+    may run groups elsewhere (:meth:`inline`, :meth:`wait`). A group never dies on its own and
+    is never replaced: what raised is rebuilt env by env (``Command.RESTART``).
 
     Raises:
         EnvError: a factory raised (``method == "make"``).
         SpaceMismatchError: an env's spaces differ from ``layout``'s.
     """
+
+    late_what = "workers"
+    late_fate = "they were killed"
+    replaceable = False
+    step_all: StepAll | None = None
+    remote: list[int] = []  # noqa: RUF012  (no worker starts apart: nothing to wait for)
 
     def __init__(
         self,
@@ -47,14 +58,17 @@ class InProcessBackend(Backend):
         block: Block,
         first_env: gymnasium.Env[Any, Any] | None = None,
         ledger: Ledger | None = None,
+        pool: bool = False,
     ):
         self.ranges = list(layout.ranges)
+        self.pool = pool
+        self._every_group = frozenset(range(len(self.ranges)))
         self._closed = False
         self.ledger = ledger if ledger is not None else Ledger(layout.num_envs, None)
         self._stats = np.zeros((len(self.ranges), STATS_WORDS))
         self._timers = [StepTimer(row) for row in self._stats]
-        self._command = Command.STEP
-        self.supervisor = Supervisor(self)
+        # Per group run here: (its result, its failure), until read.
+        self._replies: dict[int, tuple[Any, EnvFailure | None]] = {}
         self.batch = allocate_batch(
             layout.single_observation_space,
             layout.single_action_space,
@@ -103,6 +117,10 @@ class InProcessBackend(Backend):
         )
 
     @property
+    def num_workers(self) -> int:
+        return len(self.ranges)
+
+    @property
     def closed(self) -> bool:
         return self._closed
 
@@ -113,34 +131,34 @@ class InProcessBackend(Backend):
         """Run ``command`` on group ``w`` here and now (timing its steps)."""
         return run_command(self.groups[w], command, payload, self._timers[w])
 
-    def settle(
-        self, results: dict[int, Any], failures: dict[int, EnvFailure], step: int
-    ) -> dict[int, Any]:
-        """The supervisor's decision on a synchronous round (:meth:`Supervisor.settle`).
+    # -- Transport ------------------------------------------------------------------------------
 
-        Raises:
-            EnvError: the first failure, when not restarted (the backend stays usable), or a
-                failure while rebuilding (the backend is closed).
-        """
-        if not failures:
-            return results
-        return self.supervisor.settle(self._round(results, failures), None, step, self._command)
+    def inline(self, command: Command) -> frozenset[int]:
+        return self._every_group
 
-    def ready_results(
-        self, results: dict[int, Any], failures: dict[int, EnvFailure], step: int
-    ) -> dict[int, Any]:
-        """For a first-ready pool: ``results`` plus any kept from an earlier call, the envs
-        that raised rebuilt under the restart policy; else one env error per call, the rest
-        kept for the next calls (:meth:`Supervisor.ready`)."""
-        return self.supervisor.ready(self._round(results, failures), None, step)
+    def send(self, w: int, command: Command, payload: Any) -> bool:
+        """Run ``command`` on group ``w`` here, to the end; its reply waits for :meth:`read`."""
+        try:
+            self._replies[w] = (self.run_group(w, command, payload), None)
+        except EnvFailure as failure:
+            self._replies[w] = (None, failure)
+        return True
 
-    @staticmethod
-    def _round(results: dict[int, Any], failures: dict[int, EnvFailure]) -> Round:
-        done = Round()
-        done.results, done.failures = results, failures
-        return done
+    def wait(self, workers: list[int], deadline: float | None, first: bool) -> Seen:
+        return Seen([w for w in workers if w in self._replies])
 
-    # -- the mechanics the supervisor uses (Supervised) ---------------------------------------
+    def read(self, w: int, done: Round) -> None:
+        result, failure = self._replies.pop(w)
+        if failure is None:
+            done.results[w] = result
+        else:
+            done.failures[w] = failure
+
+    def respawn(self, w: int, reason: str) -> None:
+        raise AssertionError("an in-process group is rebuilt env by env, never replaced")
+
+    def lay_out(self, workers: list[int], probe: Any) -> bool:
+        return False
 
     def env_error(self, w: int, failure: Any, note: str) -> EnvError:
         exc = failure_error(failure, note)
@@ -152,27 +170,15 @@ class InProcessBackend(Backend):
     ) -> EnvCrashedError:
         raise AssertionError("an in-process group cannot die on its own")
 
-    def replace_workers(
-        self, workers: list[int], done: Round, timeout: float | None, step: int
-    ) -> None:
-        raise AssertionError("an in-process group is rebuilt env by env, never replaced")
+    def disown(self) -> None:
+        pass
 
-    def restart_envs(
-        self, requests: dict[int, RestartRequest], timeout: float | None, step: int
-    ) -> Round:
-        """Rebuild the envs of each request in its group, here; stop at the first that
-        fails (the group is half rebuilt: the supervisor gives up)."""
-        done = Round()
-        for w, request in requests.items():
-            try:
-                done.results[w] = self.groups[w].restart(request)
-            except EnvFailure as failure:
-                done.failures[w] = failure
-                break
-        return done
+    def close(self, timeout: float | None, terminate: bool, busy: Sequence[int]) -> None:
+        self._close_groups()
 
     def _close_groups(self) -> None:
         self._closed = True
+        self._replies = {}
         for group in self.groups:
             group.close()
         self.groups = []

@@ -9,20 +9,24 @@ neither ray nor envpool. Options every backend shares (``num_workers``, ``batch_
 it alone takes and those shared ones it refuses.
 
 Adding a backend is one new module, ``envfleet/_backends/inline.py``, plus its line in
-:data:`BUILTIN`::
+:data:`BUILTIN`: a transport (the primitives of :class:`envfleet._backends.rounds.Transport`)
+under the one round driver::
 
-    from envfleet._backends.inprocess import InProcessBackend
+    from envfleet._backends.inprocess import InProcessTransport
     from envfleet._backends.registry import BackendSpec, BuildRequest, register
+    from envfleet._backends.rounds import RoundDriver
 
 
-    class InlineBackend(InProcessBackend):
-        ...  # submit / collect / collect_ready / close (see envfleet._backends.base.Backend)
+    class InlineTransport(InProcessTransport):
+        ...  # send / wait / read (see envfleet._backends.rounds.Transport)
 
 
-    def _build(request: BuildRequest) -> InlineBackend:
-        return InlineBackend(
-            request.layout, request.block(shared=False), first_env=request.first_env,
-            ledger=request.ledger,
+    def _build(request: BuildRequest) -> RoundDriver:
+        return RoundDriver(
+            InlineTransport(
+                request.layout, request.block(shared=False), first_env=request.first_env,
+                ledger=request.ledger, pool=request.pool,
+            )
         )
 
 

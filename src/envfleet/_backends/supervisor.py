@@ -1,13 +1,15 @@
 """The supervisor (DESIGN §2, layer 5; §4): what happens when a worker or an env fails.
 
-One implementation for every backend (serial, threads, processes, ray) and mode (a
-synchronous round, a first-ready pool's): liveness is reported to it in a :class:`Round`
-(what one wait on the workers found: results, env failures, dead workers, late workers), and
+One implementation for every transport (serial, threads, processes, ray) and mode (a
+synchronous round, a first-ready pool's): the round driver
+(:class:`envfleet._backends.rounds.RoundDriver`) reports to it in a :class:`Round` (what one
+wait on the workers found: results, env failures, dead workers, late workers), and
 :class:`Supervisor` decides. It keeps per worker the deadline bookkeeping of a pool (when each
 worker was sent its command), applies the restart policy within its budget (rebuilding only
-what failed, through the backend's mechanics: :class:`Supervised`), and has the one "broken"
-path: shut the backend down and raise the typed error (:class:`~envfleet.EnvCrashedError`,
-:class:`~envfleet.StepTimeoutError`, :class:`~envfleet.EnvError`). :class:`Ledger` keeps the
+what failed, through the round driver: :class:`Supervised`; it never calls a transport), and
+has the one "broken" path: shut the backend down and raise the typed error
+(:class:`~envfleet.EnvCrashedError`, :class:`~envfleet.StepTimeoutError`,
+:class:`~envfleet.EnvError`). :class:`Ledger` keeps the
 counters and seeds; the step-time statistics live in :mod:`envfleet._core.stats`.
 """
 
@@ -291,8 +293,8 @@ def _events(failure: Any) -> list[InfoEvent] | None:
 
 
 class Supervised(Protocol):
-    """The mechanics a backend lends its :class:`Supervisor`; the decisions are the
-    supervisor's.
+    """What the round driver lends its :class:`Supervisor` (rebuilding through its
+    transport's primitives); the decisions are the supervisor's.
 
     Attributes:
         ranges: ``[start, stop)`` of envs per worker.
@@ -507,7 +509,7 @@ class Supervisor:
                 for e in envs:
                     ledger.restarted([e])
             results[w] = merge_events(_events(done.failures.get(w)), restarted.results.get(w))
-        return results
+        return dict(sorted(results.items()))
 
     def ready(self, done: Round, timeout: float | None, step: int) -> dict[int, Any]:
         """A first-ready pool's round: :meth:`settle` it with each worker's own command; then

@@ -26,13 +26,14 @@ import queue
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping
-from typing import Any, NoReturn, cast
+from collections.abc import Callable, Sequence
+from typing import Any, cast
 
 import gymnasium
 
 from envfleet._backends.base import WorkerLayout
-from envfleet._backends.inprocess import InProcessBackend
+from envfleet._backends.inprocess import InProcessTransport
+from envfleet._backends.rounds import NOTHING, RoundDriver, Seen
 from envfleet._backends.supervisor import Ledger
 from envfleet._core.buffers import Block
 from envfleet._core.cores import usable_cores
@@ -40,7 +41,7 @@ from envfleet._core.envgroup import EnvFailure, EnvGroup
 from envfleet._core.errors import StartTimeoutError
 from envfleet._core.protocol import Command
 
-__all__ = ["DEFAULT_CLOSE_TIMEOUT", "ThreadsBackend", "serialize_gfxdraw"]
+__all__ = ["DEFAULT_CLOSE_TIMEOUT", "ThreadsTransport", "serialize_gfxdraw"]
 
 logger = logging.getLogger("envfleet")
 
@@ -48,6 +49,7 @@ DEFAULT_CLOSE_TIMEOUT = 5.0  # seconds for the threads to finish before close gi
 
 _IDLE_GRACE = 1.0  # seconds an idle thread gets to see the stop message, even when terminating
 _Reply = tuple[int, Any, "EnvFailure | None"]
+_PARALLEL = (Command.STEP, Command.RESET)  # the commands the threads run
 
 
 _GFXDRAW_LOCK = threading.Lock()
@@ -80,20 +82,26 @@ def serialize_gfxdraw() -> None:
     setattr(gfxdraw, "_envfleet_serialized", True)  # noqa: B010  (a module: mypy)
 
 
-class ThreadsBackend(InProcessBackend):
-    """One thread per EnvGroup (the calling thread runs group 0 when ``inline_first``).
+class ThreadsTransport(InProcessTransport):
+    """One thread per EnvGroup (the calling thread runs group 0 when ``inline_first``); a
+    :class:`~envfleet._backends.rounds.Transport`.
 
-    Its supervisor rebuilds envs that raise (restart policy), in a synchronous round and in a
-    first-ready pool; a thread past the timeout ends the vector env (it cannot be killed).
+    Steps and resets run in the groups' threads; ``call``, ``set_attr``, ``render`` and
+    restarts run one group at a time in the calling thread (renderers such as pygame keep
+    global state that is not thread-safe). The round driver rebuilds envs that raise (restart
+    policy); a thread past the timeout ends the vector env (it cannot be killed).
 
     Args:
-        layout, block, first_env, ledger: as :class:`InProcessBackend`.
-        inline_first: run group 0 in the calling thread during :meth:`submit` (no timeout
+        layout, block, first_env, ledger, pool: as :class:`InProcessTransport`.
+        inline_first: run group 0 in the calling thread when sent its command (no timeout
             can then interrupt it).
         start_timeout: seconds the threads may take to build groups 1 and up (group 0 is
             built in the calling thread); ``None``: no bound. Past it
             :class:`StartTimeoutError` is raised and the late threads are left behind.
     """
+
+    late_what = "threads"
+    late_fate = "a thread cannot be killed: they were left behind"
 
     def __init__(
         self,
@@ -101,16 +109,17 @@ class ThreadsBackend(InProcessBackend):
         block: Block,
         first_env: gymnasium.Env[Any, Any] | None = None,
         ledger: Ledger | None = None,
+        pool: bool = False,
         *,
         inline_first: bool = True,
         start_timeout: float | None = None,
     ):
         self._start_timeout = start_timeout
-        super().__init__(layout, block, first_env, ledger)
+        super().__init__(layout, block, first_env, ledger, pool)
         serialize_gfxdraw()  # the factories have imported what the envs draw with
         first_thread = 1 if inline_first else 0
         self._inboxes: dict[int, queue.SimpleQueue[tuple[Command, Any] | None]] = {}
-        self._replies: queue.SimpleQueue[_Reply] = queue.SimpleQueue()
+        self._from_threads: queue.SimpleQueue[_Reply] = queue.SimpleQueue()
         self._threads: dict[int, threading.Thread] = {}
         for w in range(first_thread, len(self.ranges)):
             self._inboxes[w] = queue.SimpleQueue()
@@ -119,9 +128,7 @@ class ThreadsBackend(InProcessBackend):
             )
             self._threads[w] = thread
             thread.start()
-        self._pending: list[int] = []
-        self._local: dict[int, Any] = {}
-        self._local_failures: dict[int, EnvFailure] = {}
+        self._here = frozenset(w for w in range(len(self.ranges)) if w not in self._inboxes)
 
     def _build_groups(
         self, layout: WorkerLayout, first_env: gymnasium.Env[Any, Any] | None
@@ -177,14 +184,6 @@ class ThreadsBackend(InProcessBackend):
         if errors:
             raise errors[min(errors)]
 
-    late_what = "threads"
-    late_fate = "a thread cannot be killed: they were left behind"
-
-    @property
-    def num_workers(self) -> int:
-        """Groups, each in its own thread (the calling thread's included)."""
-        return len(self.ranges)
-
     def _serve(self, w: int) -> None:
         inbox = self._inboxes[w]
         while True:
@@ -193,106 +192,50 @@ class ThreadsBackend(InProcessBackend):
                 return
             command, payload = item
             try:
-                self._replies.put((w, self.run_group(w, command, payload), None))
+                self._from_threads.put((w, self.run_group(w, command, payload), None))
             except EnvFailure as failure:
-                self._replies.put((w, None, failure))
+                self._from_threads.put((w, None, failure))
             except BaseException as exc:
                 # An env's SystemExit, KeyboardInterrupt or GeneratorExit (which EnvGroup lets
                 # through), or a bug outside any env: report it against the group, never let
                 # it end the thread silently (the caller would wait for good).
                 wrapped = EnvFailure(self.ranges[w][0], command.name.lower())
                 wrapped.__cause__ = exc
-                self._replies.put((w, None, wrapped))
+                self._from_threads.put((w, None, wrapped))
 
-    def submit(self, command: Command, payloads: Mapping[int, Any], step: int) -> None:
-        self._command = command
-        # Only steps and resets run in parallel: call, set_attr and render run one group at
-        # a time in the calling thread, since renderers (pygame) and other env libraries keep
-        # global state that is not thread-safe.
-        parallel = command in (Command.STEP, Command.RESET)
-        threaded = [w for w in payloads if w in self._inboxes and parallel]
-        self._pending += threaded  # a first-ready pool submits while others run
-        self.supervisor.sent(payloads, command)
-        for w in threaded:
-            self._inboxes[w].put((command, payloads[w]))
-        for w in payloads:
-            if w not in threaded:
-                try:
-                    self._local[w] = self.run_group(w, command, payloads[w])
-                except EnvFailure as failure:
-                    self._local_failures[w] = failure
-                except BaseException:
-                    self.close(0, True)  # the threads' replies would be read by the next call
-                    raise
+    # -- Transport ------------------------------------------------------------------------------
 
-    def inline_groups(self, command: Command) -> frozenset[int]:
-        if command in (Command.STEP, Command.RESET):
-            return frozenset(w for w in range(len(self.ranges)) if w not in self._inboxes)
-        return frozenset(range(len(self.ranges)))
+    def inline(self, command: Command) -> frozenset[int]:
+        return self._here if command in _PARALLEL else self._every_group
 
-    def collect(self, timeout: float | None, step: int) -> dict[int, Any]:
-        results, failures = self.supervisor.guarded(self._collect, timeout)
-        return self.settle(results, failures, step)
+    def send(self, w: int, command: Command, payload: Any) -> bool:
+        if command in _PARALLEL and w in self._inboxes:
+            self._inboxes[w].put((command, payload))
+            return True
+        return super().send(w, command, payload)
 
-    def collect_ready(self, timeout: float | None, step: int) -> dict[int, Any]:
-        if self.supervisor.has_kept():
-            return self.supervisor.take_kept()
-        results, failures = self.supervisor.guarded(self._collect, timeout, True)
-        return self.ready_results(results, failures, step)
-
-    def _collect(
-        self, timeout: float | None, ready_only: bool = False
-    ) -> tuple[dict[int, Any], dict[int, EnvFailure]]:
-        """Replies of every pending thread, or with ``ready_only`` of those done once at least
-        one is (or the calling thread ran one).
-
-        ``timeout``: seconds for the whole wait; with ``ready_only``, seconds each thread may
-        take from its own submit (a first-ready pool's), checked even while others reply.
-        """
-        results, failures = self._local, self._local_failures
-        self._local, self._local_failures = {}, {}
-        waiting = set(self._pending)
-        supervisor = self.supervisor
-        if timeout is None or not waiting:
-            deadline = None
-        elif ready_only:
-            deadline = supervisor.deadline(waiting, timeout)
-        else:
-            deadline = time.monotonic() + timeout
-        while waiting:
-            if ready_only and (results or failures):
-                remaining: float | None = 0.0
-            else:
-                remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+    def wait(self, workers: list[int], deadline: float | None, first: bool) -> Seen:
+        """Until a worker of ``workers`` has a reply (its thread's, or the calling thread's
+        run), or ``deadline``; then every reply already there too."""
+        replies = self._replies
+        if not any(w in replies for w in workers):
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
             try:
-                w, result, failure = self._replies.get(timeout=remaining)
+                self._take(self._from_threads.get(timeout=remaining))
             except queue.Empty:
-                if ready_only and (results or failures):
-                    break
-                if not ready_only:
-                    self._raise_late(sorted(waiting), timeout)
-                late = supervisor.late(waiting, timeout)
-                if late:
-                    self._raise_late(late, timeout)
-                deadline = supervisor.deadline(waiting, timeout)
-                continue
-            waiting.discard(w)
-            self._pending.remove(w)
-            if failure is None:
-                results[w] = result
-            else:
-                failures[w] = failure
-        if ready_only and timeout is not None and waiting:
-            late = supervisor.late(waiting, timeout)
-            if late:
-                self._raise_late(late, timeout)
-        return dict(sorted(results.items())), failures
+                return NOTHING
+        while True:  # what else has arrived
+            try:
+                self._take(self._from_threads.get_nowait())
+            except queue.Empty:
+                break
+        return Seen([w for w in workers if w in replies])
 
-    def _raise_late(self, late: list[int], timeout: float | None) -> NoReturn:
-        # A thread cannot be killed: under a restart policy too, a hung one ends the vector env.
-        self.supervisor.timed_out(late, timeout)
+    def _take(self, reply: _Reply) -> None:
+        w, result, failure = reply
+        self._replies[w] = (result, failure)
 
-    def close(self, timeout: float | None, terminate: bool) -> None:
+    def close(self, timeout: float | None, terminate: bool, busy: Sequence[int]) -> None:
         """Stop the threads, then close the envs of every group whose thread has stopped.
 
         A thread still busy after ``timeout`` seconds (default
@@ -308,7 +251,7 @@ class ThreadsBackend(InProcessBackend):
         busy = []
         for w, thread in self._threads.items():
             remaining = max(0.0, deadline - time.monotonic())
-            if w not in self._pending:
+            if w not in busy:
                 thread.join(max(remaining, _IDLE_GRACE))  # idle: it exits at once
             elif not terminate:
                 thread.join(remaining)
@@ -352,14 +295,17 @@ def _plan(request: PlanRequest) -> Plan:
     return Plan(worker_ranges(request.num_envs, num_workers))
 
 
-def _build(request: BuildRequest) -> ThreadsBackend:
-    return ThreadsBackend(
-        request.layout,
-        request.block(shared=False),
-        first_env=request.first_env,
-        ledger=request.ledger,
-        inline_first=request.step_timeout is None and not request.pool,
-        start_timeout=request.start_timeout,
+def _build(request: BuildRequest) -> RoundDriver:
+    return RoundDriver(
+        ThreadsTransport(
+            request.layout,
+            request.block(shared=False),
+            first_env=request.first_env,
+            ledger=request.ledger,
+            pool=request.pool,
+            inline_first=request.step_timeout is None and not request.pool,
+            start_timeout=request.start_timeout,
+        )
     )
 
 

@@ -374,8 +374,8 @@ budget_caught(PyObject *budget, double budget_s)
 /* step_round(requests, dones, controls, budgets, local, env_failure, tight_s, step_code,
  *            ok_code[, ring]) -> (local_result, local_failure, taken, unread, spun_s)
  *
- * ProcessesBackend's _submit + _collect of a plain step, up to reading the replies. For each
- * worker w (the tuples hold the addresses of its request and done semaphores and of its int64
+ * The processes transport's step_all: the round driver's send and gather of a plain step, up
+ * to reading the replies. For each worker w (the tuples hold the addresses of its request and done semaphores and of its int64
  * control words): command word = step_code, payload word = 0, post its request (unless
  * ``ring`` is 0: step_async already did, and step_wait finishes the round). Then call
  * ``local()`` (the driver's own block, timed; None when it has none): its result, or the
@@ -657,7 +657,7 @@ static PyMethodDef methods[] = {
     {"write_results", sp_write_results, METH_VARARGS, "EnvGroup._write_results."},
     {"write_rows", sp_write_rows, METH_VARARGS, "EnvGroup's observation rows, memcpy'd."},
     {"serve_steps", sp_serve_steps, METH_VARARGS, "_Worker.serve's loop for plain steps."},
-    {"step_round", sp_step_round, METH_VARARGS, "ProcessesBackend's step round."},
+    {"step_round", sp_step_round, METH_VARARGS, "The processes transport's step round (step_all)."},
     {"timed_call", sp_timed_call, METH_VARARGS, "StepTimer.call."},
     {"set_layout", sp_set_layout, METH_VARARGS,
      "set_layout(cmd, cmd_payload, status, reply_payload, words): the control words."},

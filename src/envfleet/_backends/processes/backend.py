@@ -20,9 +20,10 @@ raises :class:`envfleet.EnvCrashedError` within one blocking slice instead of ha
 exit when the driver dies: Linux SIGKILLs them (``PR_SET_PDEATHSIG``), and a blocked worker
 also checks between slices that the driver is still there.
 
-This module holds the driver's side (:class:`ProcessesBackend`: its rounds, the C step round,
-the first-ready pool) and the registration; starting, restarting and closing the worker
-processes is :mod:`envfleet._backends.processes.lifecycle` (the backend's base class); the
+This module holds the driver's side (:class:`ProcessesTransport`: the primitives the round
+driver, :class:`envfleet._backends.rounds.RoundDriver`, runs every round over, and the C step
+round) and the registration; starting, restarting and closing the worker processes is
+:mod:`envfleet._backends.processes.lifecycle` (the transport's base class); the
 worker process and the shared-memory layout both sides read are
 :mod:`envfleet._backends.processes.worker`; the plan is :mod:`envfleet._backends.processes.plan`.
 """
@@ -39,8 +40,6 @@ import multiprocessing.sharedctypes
 import os
 import pickle
 import sys
-import time
-from collections.abc import Callable, Mapping
 from multiprocessing import reduction
 from multiprocessing.connection import Connection
 from typing import Any, cast
@@ -86,7 +85,8 @@ from envfleet._backends.registry import (
     PlanRequest,
     register,
 )
-from envfleet._backends.supervisor import Round, Supervisor
+from envfleet._backends.rounds import NOTHING, RoundDriver, Seen, StepAll
+from envfleet._backends.supervisor import Round
 from envfleet._backends.workers import watch
 from envfleet._core import native as _speedups
 from envfleet._core.cores import usable_cores
@@ -94,12 +94,11 @@ from envfleet._core.envgroup import EnvFailure, EnvGroup
 from envfleet._core.errors import (
     ConfigError,
     EnvError,
-    EnvfleetError,
 )
-from envfleet._core.protocol import Command, Failure, RestartRequest, Status
+from envfleet._core.protocol import Command, Failure, Status
 from envfleet._core.stats import STATS_WORDS, StepTimer, StepTimeStats, step_time_table
 
-__all__ = ["DEFAULT_CLOSE_TIMEOUT", "DEFAULT_SPIN_S", "ProcessesBackend"]
+__all__ = ["DEFAULT_CLOSE_TIMEOUT", "DEFAULT_SPIN_S", "ProcessesTransport"]
 
 logger = logging.getLogger("envfleet")
 
@@ -107,8 +106,9 @@ logger = logging.getLogger("envfleet")
 _STEP, _ERROR = Command.STEP, int(Status.ERROR)
 
 
-class ProcessesBackend(WorkerProcesses):
-    """Worker processes holding contiguous blocks of envs over one shared block.
+class ProcessesTransport(WorkerProcesses):
+    """Worker processes holding contiguous blocks of envs over one shared block (a
+    :class:`~envfleet._backends.rounds.Transport`: the rounds are the round driver's).
 
     Args:
         request: make()'s :class:`BuildRequest`: the factories (cloudpickled), the start
@@ -137,6 +137,8 @@ class ProcessesBackend(WorkerProcesses):
         driver_group = plan.driver_envs > 0
         self.ranges = list(request.plan.ranges)
         self.ledger = request.ledger
+        self.pool = request.pool
+        self._request = request
         assert self.ledger.policy is None or not driver_group, "restarts need every env in a worker"
         self._blobs, self._accepts = request.blobs, request.accepts_index
         self._worker_spin_s = plan.worker_spin_s
@@ -163,17 +165,14 @@ class ProcessesBackend(WorkerProcesses):
         )
         self._stats = stats_rows(self._stats_raw)
         self._local_timer = StepTimer(self._stats[0])
-        self.supervisor = Supervisor(self)
         self._any_raw: Any = None
         self._any_done: Any = None
         if request.pool:
             assert not driver_group, "a first-ready pool has every env in a worker"
             self._any_raw = multiprocessing.sharedctypes.RawArray(ctypes.c_uint8, SEM_SLOT)
             self._any_done = shared_semaphore(self._ctx, self._any_raw, 0)
-        self._command = Command.STEP
         self._local: EnvGroup | None = None
-        self._local_result: Any = None
-        self._local_failure: EnvFailure | None = None
+        self._local_reply: tuple[Any, EnvFailure | None] | None = None  # until read
         self._procs: list[Any] = [None] * groups
         self._conns: list[Connection | None] = [None] * groups
         # Per worker, the driver's mapping of its reply region (ReplyRegion), once it sent one.
@@ -181,9 +180,10 @@ class ProcessesBackend(WorkerProcesses):
         self._doorbells: list[Doorbell | None] = [None] * groups
         self._budgets = [SpinBudget(plan.driver_spin_s) for _ in range(groups)]
         self._any_budget = SpinBudget(plan.driver_spin_s)
-        self._remote = list(range(1 if driver_group else 0, groups))
-        self._pending: list[int] = []
-        self._step_round: Callable[[bool], tuple[Any, Any, int, list[int], float]] | None = None
+        self.remote = self._remote = list(range(1 if driver_group else 0, groups))
+        self._here = frozenset((0,)) if driver_group else frozenset()
+        self.step_all: StepAll | None = None
+        self._spun_s: float | None = None  # the C round spun that long on the next reply
         self._closed = False
         # A forked worker flushes the stdio buffers it inherits when it exits: flush them
         # here so nothing the driver printed is printed again.
@@ -214,15 +214,14 @@ class ProcessesBackend(WorkerProcesses):
             if first_env is not None:
                 first_env.close()
                 first_env = None
-            self.check_ready(self.await_started(self._remote, request, request.start_timeout))
-            self._step_round = self._bind_step_round()
+            self.step_all = self._bind_step_all()
         except EnvFailure as failure:
-            self.close(timeout=None, terminate=True)
+            self.close(None, True, ())
             raise failure_error(failure) from failure.__cause__
         except BaseException:
             if first_env is not None:
                 first_env.close()
-            self.close(timeout=None, terminate=True)
+            self.close(None, True, ())
             raise
 
     @property
@@ -230,88 +229,108 @@ class ProcessesBackend(WorkerProcesses):
         """Worker processes (the driver's own block, if any, is not one)."""
         return len(self._remote)
 
-    # -- Backend --------------------------------------------------------------------------
-
     @property
     def closed(self) -> bool:
         return self._closed
 
-    def submit(self, command: Command, payloads: Mapping[int, Any], step: int) -> None:
-        self.supervisor.guarded(self._submit, command, payloads, step)
+    # -- Transport ------------------------------------------------------------------------------
 
-    def collect(self, timeout: float | None, step: int) -> dict[int, Any]:
-        return self.supervisor.guarded(self._collect, timeout, step)
+    late_what = "workers"
+    late_fate = "they were killed"
+    replaceable = True
 
-    def inline_groups(self, command: Command) -> frozenset[int]:
-        return frozenset((0,)) if self._local is not None else frozenset()
+    def inline(self, command: Command) -> frozenset[int]:
+        return self._here
 
-    def round(
-        self, command: Command, payloads: Mapping[int, Any], timeout: float | None, step: int
-    ) -> dict[int, Any]:
-        return self.supervisor.guarded(self._round, command, payloads, timeout, step)
+    def send(self, g: int, command: Command, payload: Any) -> bool:
+        if g in self._here:
+            # The driver's own block, stepped while the workers step theirs.
+            try:
+                self._local_reply = (
+                    run_command(cast(EnvGroup, self._local), command, payload, self._local_timer),
+                    None,
+                )
+            except EnvFailure as failure:
+                self._local_reply = (None, failure)
+            return True
+        words = self._words[g]
+        words[CMD] = int(command)
+        words[CMD_PAYLOAD] = payload is not None
+        cast(Doorbell, self._doorbells[g]).request.release()
+        if payload is not None:
+            try:
+                cast(Connection, self._conns[g]).send_bytes(
+                    pickle.dumps(payload, pickle.HIGHEST_PROTOCOL)
+                )
+            except OSError:  # the worker died since its last reply
+                return False
+        return True
 
-    def finish(
-        self, command: Command, inline: Mapping[int, Any], timeout: float | None, step: int
-    ) -> dict[int, Any]:
-        # step_wait of a plain step: step_async rang every worker, the driver's own block is
-        # left: the C round runs it and spins on the replies, without ringing again.
-        if (
-            command is _STEP
-            and self._step_round is not None
-            and self._pending == self._remote
-            and list(inline) == [0]
-            and inline[0] is None
+    def wait(self, workers: list[int], deadline: float | None, first: bool) -> Seen:
+        """A first-ready pool's wait: on the pool's shared doorbell, then every worker's
+        reply taken; else on the first worker's doorbell. Either watches every worker of
+        ``workers`` for a death between blocking slices."""
+        procs, doorbells = self._procs, self._doorbells
+        g = workers[0]
+        if g in self._here:
+            return Seen([g])
+
+        def alive() -> bool:
+            return all(procs[h].is_alive() for h in workers)
+
+        if first:
+            # A token per reply; a reply may be found before its token is taken (then a
+            # later wait wakes with nothing new, and waits again).
+            Doorbell.wait(self._any_done, self._any_budget, deadline, alive)
+            ready = [h for h in workers if cast(Doorbell, doorbells[h]).done.acquire(False)]
+            unread = [h for h in workers if h not in ready]
+            dead = {unread[e.index]: "" for e in watch([procs[h] for h in unread]).dead}
+            return Seen(ready, dead)
+        spun_s, self._spun_s = self._spun_s, None
+        if Doorbell.wait(
+            cast(Doorbell, doorbells[g]).done, self._budgets[g], deadline, alive, spun_s
         ):
-            return self.supervisor.guarded(self._fast_step_round, timeout, step, False)
-        return super().finish(command, inline, timeout, step)
-
-    def _round(
-        self, command: Command, payloads: Mapping[int, Any], timeout: float | None, step: int
-    ) -> dict[int, Any]:
-        if (
-            command is _STEP
-            and self._step_round is not None
-            and not self._pending
-            and len(payloads) == len(self.ranges)
-        ):
-            return self._fast_step_round(timeout, step)
-        self._submit(command, payloads, step)
-        return self._collect(timeout, step)
-
-    def _fast_step_round(
-        self, timeout: float | None, step: int, ring: bool = True
-    ) -> dict[int, Any]:
-        """A step's _submit and _collect, with the ringing (unless ``ring`` is false: a
-        step_async rang already), the driver's own block and the spin on each worker's reply
-        in C (_speedups.step_round); what that leaves (a reply to read, a worker still
-        running, a failure) goes the Python way, in _collect, with what is left of
-        ``timeout`` after the driver's own block."""
-        self._command = _STEP
-        self._pending = remote = self._remote
-        started = time.monotonic()
-        local_result, local_failure, taken, unread, spun_s = self._step_round(ring)  # type: ignore[misc]
-        if taken == len(remote) and not unread and local_failure is None:
-            self._pending = []
-            results = dict.fromkeys(remote)  # every worker replied OK, with nothing to read
-            if self._local is not None and local_result is not None:
-                results[0] = local_result
-            return results
-        done = Round()
-        fail_fast = not self.ledger.restarts_on(_STEP)
-        for i in range(taken):
-            if i in unread:
-                self._read_reply(remote[i], done, step, fail_fast)
+            return Seen([g])
+        ready, dead = [], {}
+        for exit_ in watch([procs[h] for h in workers]).dead:
+            h = workers[exit_.index]
+            if h != g and cast(Doorbell, doorbells[h]).done.acquire(False):
+                ready.append(h)  # it replied, then exited
             else:
-                done.results[remote[i]] = None
-        self._pending = remote[taken:]
-        self._local_result, self._local_failure = local_result, local_failure
-        if timeout is not None and not ring:
-            timeout = max(0.0, timeout - (time.monotonic() - started))
-        return self._collect(timeout, step, done, spun_s if self._pending else None)
+                dead[h] = ""
+        return Seen(ready, dead) if ready or dead else NOTHING
 
-    def _bind_step_round(self) -> Callable[[bool], tuple[Any, Any, int, list[int], float]] | None:
-        """_speedups.step_round bound to this backend's workers, or ``None`` where it does not
-        apply (no C step path, not the shared POSIX semaphores, a first-ready pool)."""
+    def read(self, g: int, done: Round) -> None:
+        """Read the reply of worker ``g``, whose done semaphore was just taken, into ``done``."""
+        if g in self._here:
+            result, failure = cast(tuple[Any, Any], self._local_reply)
+            self._local_reply = None
+            if failure is None:
+                done.results[g] = result
+            else:
+                done.failures[g] = failure
+            return
+        words = self._words[g]  # its items are Python ints (a numpy int64 compares slowly)
+        status = words[STATUS]
+        payload = None
+        where = words[REPLY_PAYLOAD]
+        if where:
+            try:
+                payload = self._reply_payload(g, where, words[REPLY_BYTES])
+            except (EOFError, OSError):
+                done.crashed[g] = ""
+                return
+        if status == _ERROR:
+            done.failures[g] = cast(Failure, payload)
+        else:
+            done.results[g] = payload
+
+    def _bind_step_all(self) -> StepAll | None:
+        """:attr:`step_all`: _speedups.step_round bound to this transport's workers, or
+        ``None`` where it does not apply (no C step path, not the shared POSIX semaphores, a
+        first-ready pool). It rings every worker (unless told that step_async did), steps the
+        driver's own block, and spins on each reply in turn; the seconds it spun on the first
+        reply it left go to the next :meth:`wait`."""
         step_round = _speedups.function("step_round")
         doorbells = [self._doorbells[g] for g in self._remote]
         if (
@@ -327,7 +346,7 @@ class ProcessesBackend(WorkerProcesses):
         local = None
         if self._local is not None:
             local = functools.partial(self._local_timer.call, self._local.step)
-        return functools.partial(
+        bound = functools.partial(
             step_round,
             tuple(cast(Doorbell, d).request.address for d in doorbells),
             tuple(cast(Doorbell, d).done.address for d in doorbells),
@@ -339,196 +358,17 @@ class ProcessesBackend(WorkerProcesses):
             int(Command.STEP),
             int(Status.OK),
         )
+        remote = len(self._remote)
+
+        def step_all(ring: bool) -> tuple[Any, Any, int, list[int], float]:
+            reply = bound(ring)
+            self._spun_s = reply[4] if reply[2] < remote else None
+            return reply
+
+        return step_all
 
     def step_times(self) -> tuple[StepTimeStats, ...]:
         return step_time_table(self._stats)
-
-    def _submit(self, command: Command, payloads: Mapping[int, Any], step: int) -> None:
-        self._command = command
-        words = self._words
-        if len(payloads) == len(self.ranges):
-            remote = self._remote  # every group (a step, or any synchronous call)
-        else:
-            procs = self._procs
-            remote = sorted(g for g in payloads if procs[g] is not None)
-        code = int(command)
-        for g in remote:
-            payload = payloads[g]
-            words[g][CMD] = code
-            words[g][CMD_PAYLOAD] = payload is not None
-            self._doorbells[g].request.release()  # type: ignore[union-attr]
-            if payload is not None:
-                try:
-                    cast(Connection, self._conns[g]).send_bytes(
-                        pickle.dumps(payload, pickle.HIGHEST_PROTOCOL)
-                    )
-                except OSError:  # the worker died since its last reply
-                    if self.ledger.restarts_on(command):
-                        continue  # the wait for its reply finds it dead and restarts it
-                    self._pending = []
-                    self.supervisor.crashed(g, step)
-        if self._any_done is not None and command is not Command.RESTART:
-            self.supervisor.sent(remote, command)  # a pool's deadlines and restarts
-        # A pool adds to the workers still running; a synchronous call has none pending.
-        self._pending = sorted(set(self._pending).union(remote)) if self._pending else remote
-        self._local_result, self._local_failure = None, None
-        if self._local is not None and 0 in payloads:
-            # The driver's own block, stepped while the workers step theirs.
-            try:
-                self._local_result = run_command(
-                    self._local, command, payloads[0], self._local_timer
-                )
-            except EnvFailure as failure:
-                self._local_failure = failure
-
-    def _collect(
-        self,
-        timeout: float | None,
-        step: int,
-        done: Round | None = None,
-        spun_s: float | None = None,
-    ) -> dict[int, Any]:
-        local_result, local_failure = self._local_result, self._local_failure
-        self._local_result, self._local_failure = None, None
-        fail_fast = not self.ledger.restarts_on(self._command)
-        done = self._collect_remote(timeout, step, fail_fast, done, spun_s)
-        if local_failure is not None:
-            # Every env that raised counts, the workers' as well as the driver's own.
-            self.ledger.count_env_errors([local_failure, *done.failures.values()])
-            raise failure_error(local_failure) from local_failure.__cause__
-        results = self.supervisor.settle(done, timeout, step, self._command)
-        if self._local is not None and local_result is not None:
-            results[0] = local_result
-        return results
-
-    def collect_ready(self, timeout: float | None, step: int) -> dict[int, Any]:
-        """First-ready pool: wait until at least one pending worker has replied; return the
-        replies of every worker done by then (worker index -> result).
-
-        Raises:
-            EnvError: an env raised; the other replies read with it, and any other env error,
-                are kept for the next calls (one error per call).
-            EnvCrashedError: a pending worker died; the backend is shut down.
-            StepTimeoutError: no worker replied within ``timeout`` seconds; shut down.
-        """
-        return self.supervisor.guarded(self._collect_ready, timeout, step)
-
-    def _collect_ready(self, timeout: float | None, step: int) -> dict[int, Any]:
-        supervisor = self.supervisor
-        if supervisor.has_kept():
-            return supervisor.take_kept()
-        if self._any_done is None:  # synchronous: every env is pending, wait for them all
-            return self._collect(timeout, step)
-        procs, doorbells = self._procs, self._doorbells
-        # Without a restart policy a dead or late worker raises at once; with one, it is
-        # noted in the round and the supervisor rebuilds it.
-        fail_fast = self.ledger.policy is None
-
-        def alive() -> bool:
-            return all(procs[g].is_alive() for g in self._pending)
-
-        while True:
-            # Each pending worker has ``timeout`` seconds from its send: the wait ends at the
-            # first of those deadlines, and a worker past its own is late whatever the others
-            # reply meanwhile.
-            deadline = supervisor.deadline(self._pending, timeout)
-            # A token per reply; a reply may be found before its token is taken (then a later
-            # wait wakes with nothing new, and waits again).
-            woke = Doorbell.wait(self._any_done, self._any_budget, deadline, alive)
-            ready = [g for g in self._pending if cast(Doorbell, doorbells[g]).done.acquire(False)]
-            done = Round()
-            # Every call looks at every pending worker: a dead or late one is reported even
-            # while others keep replying (an exited worker's reply was taken above, if any).
-            unread = [g for g in self._pending if g not in ready]
-            for exit_ in watch([procs[g] for g in unread]).dead:
-                if fail_fast:
-                    supervisor.crashed(unread[exit_.index], step)
-                done.crashed[unread[exit_.index]] = ""
-            if deadline is not None and (not woke or time.monotonic() >= deadline):
-                waiting = [g for g in self._pending if g not in ready and g not in done.crashed]
-                late = supervisor.late(waiting, timeout)
-                if late:
-                    if fail_fast:
-                        supervisor.timed_out(late, timeout)
-                    done.late = late
-            if not ready and not done.failed:
-                continue
-            gone = {*ready, *done.crashed, *done.late}
-            self._pending = [g for g in self._pending if g not in gone]
-            for g in ready:
-                self._read_reply(g, done, step, fail_fast)
-            return supervisor.ready(done, timeout, step)
-
-    def _collect_remote(
-        self,
-        timeout: float | None,
-        step: int,
-        fail_fast: bool,
-        done: Round | None = None,
-        spun_s: float | None = None,
-    ) -> Round:
-        """Wait for every pending worker and read its reply.
-
-        ``fail_fast``: a dead worker or the timeout raises at once (and closes the backend);
-        otherwise they are noted in the returned round, and so are env failures, for
-        the supervisor. ``done``: the round so far (what step_round read); ``spun_s``: the
-        first pending worker's reply was already spun for that long.
-        """
-        pending = self._pending
-        self._pending = []
-        deadline = None if timeout is None else time.monotonic() + timeout
-        done = Round() if done is None else done
-        procs, doorbells, budgets = self._procs, self._doorbells, self._budgets
-        # Every wait watches every worker still to reply: a death is seen at once, whatever
-        # the worker waited on is doing.
-        waiting = list(pending)
-
-        def alive() -> bool:
-            return all(procs[h].is_alive() for h in waiting)
-
-        while waiting:
-            g = waiting[0]
-            sem = cast(Doorbell, doorbells[g]).done
-            if Doorbell.wait(sem, budgets[g], deadline, alive, spun_s):
-                spun_s = None
-                waiting.pop(0)
-                self._read_reply(g, done, step, fail_fast)
-                continue
-            spun_s = None
-            dead = [waiting[exit_.index] for exit_ in watch([procs[h] for h in waiting]).dead]
-            for h in dead:
-                waiting.remove(h)
-                if h != g and cast(Doorbell, doorbells[h]).done.acquire(False):
-                    self._read_reply(h, done, step, fail_fast)  # it replied, then exited
-                    continue
-                done.crashed[h] = ""
-                if fail_fast:
-                    self.supervisor.crashed(h, step)
-            if not dead:  # the deadline passed
-                waiting.pop(0)
-                done.late.append(g)
-        if done.late and fail_fast:
-            self.supervisor.timed_out(done.late, timeout)
-        return done
-
-    def _read_reply(self, g: int, done: Round, step: int, fail_fast: bool) -> None:
-        """Read the reply of worker ``g``, whose done semaphore was just taken, into ``done``."""
-        words = self._words[g]  # its items are Python ints (a numpy int64 compares slowly)
-        status = words[STATUS]
-        payload = None
-        where = words[REPLY_PAYLOAD]
-        if where:
-            try:
-                payload = self._reply_payload(g, where, words[REPLY_BYTES])
-            except (EOFError, OSError):
-                done.crashed[g] = ""
-                if fail_fast:
-                    self.supervisor.crashed(g, step)
-                return
-        if status == _ERROR:
-            done.failures[g] = cast(Failure, payload)
-        else:
-            done.results[g] = payload
 
     def _reply_payload(self, g: int, where: int, size: int) -> Any:
         """Worker ``g``'s reply payload: from its mailbox or its pipe (``where``), with its
@@ -557,38 +397,12 @@ class ProcessesBackend(WorkerProcesses):
             return read_region(self._regions[g], blob)
         return pickle.loads(blob)
 
-    # -- the mechanics the supervisor uses (Supervised) ---------------------------------------
-
     def env_error(self, w: int, failure: Any, note: str) -> EnvError:
+        if isinstance(failure, EnvFailure):  # the driver's own block
+            exc = failure_error(failure, note)
+            exc.__cause__ = failure.__cause__
+            return exc
         return remote_env_error(cast(Failure, failure).errors[0], w, note)
-
-    def replace_workers(
-        self, workers: list[int], done: Round, timeout: float | None, step: int
-    ) -> None:
-        for g in workers:
-            why = "died" if g in done.crashed else "did not answer in time"
-            logger.warning("worker %d %s; restarting it and its envs", g, why)
-            self.respawn(g)
-        others = [g for g in self._pending if g not in workers]  # a pool's, still running
-        try:
-            ready = self.await_started(workers, None, timeout, step)
-            self._pending = others
-            self.check_ready(ready)
-        except EnvfleetError:  # a rebuilt worker could not start: give up
-            self.close(timeout=0, terminate=True)
-            raise
-
-    def restart_envs(
-        self, requests: dict[int, RestartRequest], timeout: float | None, step: int
-    ) -> Round:
-        command = self._command
-        others = [g for g in self._pending if g not in requests]  # a pool's, still running
-        self._pending = []
-        self._submit(Command.RESTART, requests, step)
-        self._command = command
-        done = self._collect_remote(timeout, step, fail_fast=True)
-        self._pending = others
-        return done
 
 
 # -- registration (envfleet._backends.registry) ---------------------------------------------
@@ -618,8 +432,9 @@ def _plan(request: PlanRequest) -> Plan:
     return Plan(plan.ranges, plan, driver_free=plan.driver_envs == 0)
 
 
-def _build(request: BuildRequest) -> ProcessesBackend:
-    return ProcessesBackend(request, request.plan.details)
+def _build(request: BuildRequest) -> RoundDriver:
+    transport = ProcessesTransport(request, request.plan.details)
+    return RoundDriver(transport, transport.remote, request.start_timeout)
 
 
 register(

@@ -1,7 +1,7 @@
 """Starting, restarting and stopping the worker processes of ``backend="processes"``.
 
 :class:`WorkerProcesses` is the base of
-:class:`envfleet._backends.processes.backend.ProcessesBackend`: it spawns a group's worker
+:class:`envfleet._backends.processes.backend.ProcessesTransport`: it spawns a group's worker
 (:func:`envfleet._backends.processes.worker.worker_main`) over the backend's shared memory, respawns
 a dead or hung one, checks that started workers built their envs, tells how a worker died, and
 closes them all in three bounded phases (ask, terminate, kill). The state it reads is the backend's,
@@ -15,16 +15,13 @@ import logging
 import mmap
 import multiprocessing
 import os
-import time
+from collections.abc import Sequence
 from multiprocessing.connection import Connection
 from typing import Any, cast
 
 from envfleet._backends.base import (
-    Backend,
     EnvProbe,
     WorkerLayout,
-    mismatch_error,
-    start_error,
 )
 from envfleet._backends.processes.doorbell import Doorbell
 from envfleet._backends.processes.worker import (
@@ -39,14 +36,11 @@ from envfleet._backends.processes.worker import (
     worker_main,
 )
 from envfleet._backends.registry import BuildRequest
-from envfleet._backends.supervisor import Round
 from envfleet._backends.workers import join_all, spawn
 from envfleet._core.buffers import Batch, Block, allocate_batch
 from envfleet._core.envgroup import EnvGroup
 from envfleet._core.errors import (
     EnvCrashedError,
-    StartTimeoutError,
-    StepTimeoutError,
     describe_exitcode,
 )
 from envfleet._core.protocol import Command
@@ -59,8 +53,8 @@ DEFAULT_CLOSE_TIMEOUT = 5.0  # seconds for workers to close their envs before be
 _KILL_GRACE = 1.0  # seconds between SIGTERM and SIGKILL
 
 
-class WorkerProcesses(Backend):
-    """The worker processes of a :class:`~envfleet._backends.processes.backend.ProcessesBackend`:
+class WorkerProcesses:
+    """The worker processes of a :class:`~envfleet._backends.processes.backend.ProcessesTransport`:
     start, respawn, check, diagnose and close them (the backend's base class)."""
 
     # Set by the backend's __init__ (the layout, block and batch by _lay_out).
@@ -84,7 +78,7 @@ class WorkerProcesses(Backend):
     _regions: list[mmap.mmap | None]
     _doorbells: list[Doorbell | None]
     _remote: list[int]
-    _pending: list[int]
+    _request: BuildRequest
     _local: EnvGroup | None
     _closed: bool
 
@@ -137,75 +131,30 @@ class WorkerProcesses(Backend):
         child_conn.close()
         self._procs[g], self._conns[g], self._doorbells[g] = proc, parent_conn, doorbell
 
-    def await_started(
-        self,
-        groups: list[int],
-        request: BuildRequest | None,
-        timeout: float | None,
-        step: int = 0,
-    ) -> Round:
-        """Wait for the workers ``groups``, just spawned, to build their envs; returns the
-        round of their ``READY`` replies (a space mismatch or ``None``) for :meth:`check_ready`.
+    def lay_out(self, workers: list[int], probe: Any) -> bool:
+        """After the ``READY`` replies of ``workers``, just spawned: a worker spawned without
+        its layout (every env in a worker) gets it and the block on its pipe now, and replies
+        ``READY`` again; at the start (``probe``: env 0's, from its worker) the probe goes to
+        make()'s request first, and the shared block is allocated. Returns whether a second
+        ``READY`` is to be waited for."""
+        if not self._layout_later:
+            return False
+        if probe is not None and self._block_fd is None:
+            sizing = self._request.learn(cast(EnvProbe, probe))
+            block, self._block_fd = mapped_block(sizing.nbytes, sizing.spare_slabs)
+            self._lay_out(sizing.layout, block)
+        layout = self._group_layout()
+        for g in workers:
+            with contextlib.suppress(OSError):  # a dead worker: the wait says so
+                conn = cast(Connection, self._conns[g])
+                send_block(conn, layout, cast(int, self._block_fd), self._procs[g].pid)
+        return True
 
-        Workers spawned without their layout (every env in a worker) reply first with env 0's
-        probe: at the start (``request`` given) it goes to ``request.learn`` and the shared
-        block is allocated; then each gets its layout and the block on its pipe. ``timeout``
-        bounds the whole wait: past it, at the start, :class:`StartTimeoutError`, else the
-        :class:`StepTimeoutError` of any wait.
-
-        Raises:
-            EnvError, ConfigError: a worker could not build its envs (:meth:`check_built`).
-            EnvCrashedError: a worker died; StartTimeoutError, StepTimeoutError: as above.
-        """
-        deadline = None if timeout is None else time.monotonic() + timeout
-        try:
-            done = self._collect_started(groups, deadline, step)
-            if not self._layout_later:
-                return done
-            self.check_built(done)
-            if request is not None:
-                sizing = request.learn(cast(EnvProbe, done.results[0]))
-                block, self._block_fd = mapped_block(sizing.nbytes, sizing.spare_slabs)
-                self._lay_out(sizing.layout, block)
-            layout = self._group_layout()
-            for g in groups:
-                with contextlib.suppress(OSError):  # a dead worker: the wait below says so
-                    conn = cast(Connection, self._conns[g])
-                    send_block(conn, layout, cast(int, self._block_fd), self._procs[g].pid)
-            return self._collect_started(groups, deadline, step)
-        except StepTimeoutError as exc:
-            if request is None:
-                raise
-            raise StartTimeoutError(
-                f"sub-environments {exc.env_indices} were not built within "
-                f"{timeout} s (start_timeout); their workers were killed",
-                exc.env_indices,
-                cast(float, timeout),
-            ) from None
-
-    def _collect_started(self, groups: list[int], deadline: float | None, step: int) -> Round:
-        self._pending = list(groups)
-        timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
-        return self._collect_remote(timeout, step, fail_fast=True)
-
-    def _collect_remote(self, timeout: float | None, step: int, fail_fast: bool) -> Round:
-        raise NotImplementedError  # the backend's wait for its pending workers
-
-    def check_built(self, done: Round) -> None:
-        """Raise for the first worker that could not build its envs."""
-        if done.failures:
-            g = min(done.failures)
-            raise start_error(done.failures[g].errors[0], g)
-
-    def check_ready(self, done: Round) -> None:
-        """Raise for the first worker that could not start (an env error or a space mismatch)."""
-        self.check_built(done)
-        for g in sorted(done.results):
-            if done.results[g] is not None:
-                raise mismatch_error(done.results[g])
-
-    def respawn(self, g: int) -> None:
-        """Kill worker ``g`` (dead or hung) and start a new one for the same envs."""
+    def respawn(self, g: int, reason: str) -> None:
+        """Kill worker ``g`` (dead or hung: ``reason`` is ``"late"``) and start a new one for
+        the same envs."""
+        why = "did not answer in time" if reason == "late" else "died"
+        logger.warning("worker %d %s; restarting it and its envs", g, why)
         proc = self._procs[g]
         if proc.is_alive():
             proc.kill()
@@ -248,7 +197,7 @@ class WorkerProcesses(Backend):
                 children.discard(proc)
         self._closed = True
 
-    def close(self, timeout: float | None, terminate: bool) -> None:
+    def close(self, timeout: float | None, terminate: bool, busy: Sequence[int]) -> None:
         """Close in three bounded phases: ask, terminate, kill.
 
         Without ``terminate`` and with no call pending, each worker is asked to close its envs
@@ -261,9 +210,9 @@ class WorkerProcesses(Backend):
             return
         self._closed = True
         procs = [p for p in self._procs if p is not None]
-        graceful = not terminate and not self._pending
-        if self._pending and not terminate:
-            logger.warning("closing while workers %s are busy; terminating them", self._pending)
+        graceful = not terminate and not busy
+        if busy and not terminate:
+            logger.warning("closing while workers %s are busy; terminating them", list(busy))
         if graceful:
             for g in self._remote:
                 if self._procs[g].is_alive():
@@ -290,7 +239,6 @@ class WorkerProcesses(Backend):
         for proc in procs:
             with contextlib.suppress(ValueError):
                 proc.close()
-        self._pending = []
         if self._block_fd is not None:  # the block stays mapped while the driver uses it
             os.close(self._block_fd)
             self._block_fd = None

@@ -2,7 +2,7 @@
 
 The layout of the control region (per group: control words, then the doorbell's semaphores),
 the mailboxes and the step-time statistics, read by the driver
-(:class:`envfleet._backends.processes.backend.ProcessesBackend`) and by each worker; what a worker
+(:class:`envfleet._backends.processes.backend.ProcessesTransport`) and by each worker; what a worker
 receives at start (:class:`WorkerSpec`); and the worker process itself (:func:`worker_main`,
 spawned by reference: it stays importable at this path): build the group's envs, then wait
 for the doorbell, run the command, reply, with plain steps looping in C where

@@ -4,7 +4,7 @@
 env 0's spaces: the driver builds no env), lays them over buffers of the block's rows once the
 driver sends the spaces (:meth:`~EnvfleetWorker.attach`) and runs one command at a time; every
 method returns a :data:`Reply`. The driver's side is
-:class:`envfleet._backends.ray.backend.RayBackend`; :data:`RemoteWorker` is the class as a Ray
+:class:`envfleet._backends.ray.backend.RayTransport`; :data:`RemoteWorker` is the class as a Ray
 actor.
 """
 

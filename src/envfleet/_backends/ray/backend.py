@@ -18,7 +18,9 @@ reason); a wait past the timeout kills the late actors and raises
 :class:`envfleet.StepTimeoutError`. A restart policy rebuilds envs inside their actor and
 replaces dead or hung actors with new ones (placed by the same options).
 
-This module holds the driver's side (:class:`RayBackend`) and the registration; the actor is
+This module holds the driver's side (:class:`RayTransport`: the primitives the round driver,
+:class:`envfleet._backends.rounds.RoundDriver`, runs every round over) and the registration;
+the actor is
 :mod:`envfleet._backends.ray.actor`, the plan (connecting to Ray, the worker count, the
 actors' options) :mod:`envfleet._backends.ray.plan`.
 """
@@ -28,7 +30,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, cast
 
 import numpy as np
@@ -36,28 +38,24 @@ import ray
 import ray.exceptions
 
 from envfleet._backends.base import (
-    Backend,
     EnvProbe,
-    mismatch_error,
     remote_env_error,
-    start_error,
 )
 from envfleet._backends.ray.actor import ActorLayout, ActorSpec, RemoteWorker, Reply
 from envfleet._backends.ray.plan import RayPlan, plan_ray
-from envfleet._backends.supervisor import Round, Supervisor
+from envfleet._backends.rounds import RoundDriver, Seen, StepAll
+from envfleet._backends.supervisor import Round
 from envfleet._core.buffers import allocate_batch
 from envfleet._core.errors import (
     ConfigError,
     EnvCrashedError,
     EnvError,
-    EnvfleetError,
-    StartTimeoutError,
 )
-from envfleet._core.protocol import Command, Failure, RemoteError, RestartRequest, Status
+from envfleet._core.protocol import Command, Failure, RemoteError, Status
 from envfleet._core.stats import STATS_WORDS, StepTimer, StepTimeStats, step_time_table
 from envfleet._core.trees import tree_slice, tree_write
 
-__all__ = ["DEFAULT_CLOSE_TIMEOUT", "RayBackend", "RayPlan", "plan_ray"]
+__all__ = ["DEFAULT_CLOSE_TIMEOUT", "RayPlan", "RayTransport", "plan_ray"]
 
 logger = logging.getLogger("envfleet")
 
@@ -69,43 +67,44 @@ _START_WARN_S = 30.0  # seconds between warnings while actors wait to be placed
 # -- the driver side ----------------------------------------------------------------------------
 
 
-class RayBackend(Backend):
-    """One Ray actor per block of envs; results come back through Ray's object store.
+class RayTransport:
+    """One Ray actor per block of envs; results come back through Ray's object store (a
+    :class:`~envfleet._backends.rounds.Transport`: the rounds are the round driver's).
 
     Args:
         request: make()'s :class:`BuildRequest`: the factories (cloudpickled), the ledger
             (with a restart policy, envs that raise are rebuilt in their actor, and dead or
-            hung actors are replaced), a first-ready pool (:meth:`collect_ready` returns
-            whichever actors finish first) and ``start_timeout``. No env is built in the
-            driver: the actor that holds env 0 sends env 0's spaces (``request.learn``), then
-            every actor lays its envs over buffers of its rows (:meth:`EnvfleetWorker.attach`).
+            hung actors are replaced), a first-ready pool (:meth:`wait` reports whichever
+            actors finish first). No env is built in the driver: the actor that holds env 0
+            sends env 0's spaces in its ``READY`` reply (:meth:`lay_out`), then every actor
+            lays its envs over buffers of its rows (:meth:`EnvfleetWorker.attach`).
         actor_options: passed to each actor's ``.options(...)`` (see :func:`plan_ray`).
 
-    Raises:
-        EnvError: a factory raised while building an env (``method == "make"``).
-        SpaceMismatchError: an env's spaces differ from env 0's (or the given pair's).
-        EnvCrashedError: an actor died while starting.
-        StartTimeoutError: the actors did not build their envs within ``start_timeout``.
+    Its actors are started here; the round driver waits for their ``READY`` replies.
     """
 
     late_what = "Ray actors of workers"
+    late_fate = "they were killed"
+    replaceable = True
+    step_all: StepAll | None = None
 
     def __init__(self, request: BuildRequest, actor_options: Mapping[str, Any] | None = None):
         self.ranges = list(request.plan.ranges)
         self.ledger = request.ledger
+        self.pool = request.pool
+        self._request = request
         self._blobs, self._accepts = request.blobs, request.accepts_index
         self._options = dict(actor_options or {})
-        self._pool = request.pool
-        self._start_timeout = request.start_timeout
         self._layout: ActorLayout | None = None  # once env 0's spaces are known
-        self._probe: EnvProbe | None = None  # env 0's, from its actor
+        self.batch: Any = None
         workers = len(self.ranges)
+        self.remote = list(range(workers))
         self._stats = np.zeros((workers, STATS_WORDS))
         self._timers = [StepTimer(row) for row in self._stats]
         self._actors: list[Any] = [None] * workers
-        self._pending: dict[int, Any] = {}  # worker -> ObjectRef of its running command
-        self._command = Command.STEP
-        self.supervisor = Supervisor(self)
+        self._refs: dict[int, Any] = {}  # worker -> ObjectRef of its running command
+        self._commands: dict[int, Command | None] = {}  # its command; None: starting
+        self._got: dict[int, Reply] = {}  # replies read in one call, until read
         self._closed = False
         first_env = request.first_env
         try:
@@ -114,16 +113,34 @@ class RayBackend(Backend):
             if first_env is not None:
                 first_env.close()
                 first_env = None
-            self._check_ready(self._await_ready(range(workers), step=0, request=request))
         except BaseException:
             if first_env is not None:
                 first_env.close()
-            self.close(timeout=0, terminate=True)
+            self.close(0, True, ())
             raise
 
-    # -- actors -----------------------------------------------------------------------------
+    @property
+    def num_workers(self) -> int:
+        return len(self.ranges)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def step_times(self) -> tuple[StepTimeStats, ...]:
+        return step_time_table(self._stats)
+
+    def disown(self) -> None:
+        pass
+
+    def placement(self) -> list[tuple[str, int]]:
+        """Per worker, the (Ray node id, process id) of its actor (a round trip to each)."""
+        return list(ray.get([actor.where.remote() for actor in self._actors]))
+
+    # -- starting actors ----------------------------------------------------------------------
 
     def _start_actor(self, w: int) -> None:
+        """Start worker ``w``'s actor; its ``READY`` reply comes through :meth:`wait`."""
         start, stop = self.ranges[w]
         spec = ActorSpec(
             worker_index=w,
@@ -132,23 +149,23 @@ class RayBackend(Backend):
             env_fns=self._blobs[start:stop],
             accepts_index=list(self._accepts[start:stop]),
         )
-        self._actors[w] = RemoteWorker.options(**self._options).remote(spec)
+        self._actors[w] = actor = RemoteWorker.options(**self._options).remote(spec)
+        self._refs[w], self._commands[w] = actor.ready.remote(), None
 
-    def _await_ready(
-        self, workers: Iterable[int], step: int, request: BuildRequest | None = None
-    ) -> Round:
-        """Wait (unbounded, warning while Ray cannot place them; ``start_timeout`` at most in
-        all) for the new actors to build their envs, then to lay them out with env 0's
-        spaces: at the start (``request``) learned from the actor of env 0 first. Returns the
-        round of the layouts (a space mismatch or ``None``); a dead actor raises at once, and
-        one that could not build its envs (:meth:`_check_built`)."""
-        workers = list(workers)
-        timeout = self._start_timeout
-        deadline = None if timeout is None else time.monotonic() + timeout
-        self._check_built(self._await(workers, step, deadline, None))
-        if request is not None:
+    def respawn(self, w: int, reason: str) -> None:
+        why = "did not answer in time" if reason == "late" else f"died ({reason})"
+        logger.warning("Ray actor of worker %d %s; replacing it and its envs", w, why)
+        with contextlib.suppress(Exception):
+            ray.kill(self._actors[w], no_restart=True)
+        self._start_actor(w)
+
+    def lay_out(self, workers: list[int], probe: Any) -> bool:
+        """Every actor lays its envs over buffers of its rows once env 0's spaces are known:
+        at the start from env 0's ``READY`` (``probe``), when the driver's batch is made."""
+        if self._layout is None:
+            request = self._request
             if request.probe is None:
-                request.learn(cast(EnvProbe, self._probe))
+                request.learn(cast(EnvProbe, probe))
             layout = request.layout
             self.batch = allocate_batch(
                 layout.single_observation_space,
@@ -162,206 +179,81 @@ class RayBackend(Backend):
                 layout.autoreset_mode,
                 layout.same_observation_space,
             )
-        return self._await(workers, step, deadline, self._layout)
+        for w in workers:
+            self._refs[w], self._commands[w] = self._actors[w].attach.remote(self._layout), None
+        return True
 
-    def _await(
-        self, workers: list[int], step: int, deadline: float | None, layout: ActorLayout | None
-    ) -> Round:
-        """The actors' replies to ``ready`` (``layout`` ``None``) or ``attach(layout)``."""
-        if layout is None:
-            refs = {w: self._actors[w].ready.remote() for w in workers}
-        else:
-            refs = {w: self._actors[w].attach.remote(layout) for w in workers}
-        waiting = list(refs.values())
-        timeout = self._start_timeout
+    # -- Transport ------------------------------------------------------------------------------
+
+    def inline(self, command: Command) -> frozenset[int]:
+        return frozenset()
+
+    def send(self, w: int, command: Command, payload: Any) -> bool:
+        start, stop = self.ranges[w]
+        rows = tree_slice(self.batch.actions, start, stop) if command is Command.STEP else None
+        # A dead actor's call returns a reference that raises when read: read() sees it.
+        self._refs[w] = self._actors[w].run.remote((command, payload, rows))
+        self._commands[w] = command
+        return True
+
+    def wait(self, workers: list[int], deadline: float | None, first: bool) -> Seen:
+        """``ray.wait`` on the workers' replies (a dead actor's reply is ready: it raises
+        when read). While actors are starting and Ray cannot place them, a warning every
+        :data:`_START_WARN_S` seconds."""
+        refs = [self._refs[w] for w in workers]
+        starting = any(self._commands[w] is None for w in workers)
         while True:
-            wait_s = _START_WARN_S
-            if deadline is not None:
-                wait_s = max(0.0, min(wait_s, deadline - time.monotonic()))
-            _, waiting = ray.wait(waiting, num_returns=len(waiting), timeout=wait_s)
-            if not waiting:
-                break
-            late = [w for w, ref in refs.items() if ref in waiting]
-            if deadline is not None and time.monotonic() >= deadline:
-                envs = [e for w in late for e in range(*self.ranges[w])]
-                self.close(timeout=0, terminate=True)
-                raise StartTimeoutError(
-                    f"sub-environments {envs} were not built within {timeout} s "
-                    f"(start_timeout); their Ray actors {late} were killed",
-                    envs,
-                    cast(float, timeout),
-                )
+            wait_s = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if starting and (wait_s is None or wait_s > _START_WARN_S):
+                wait_s = _START_WARN_S
+            if first:
+                found, _ = ray.wait(refs, num_returns=1, timeout=wait_s)
+                ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+                ready_set = {*found, *ready}
+            else:
+                ready, _ = ray.wait(refs, num_returns=len(refs), timeout=wait_s)
+                ready_set = set(ready)
+            if len(ready_set) == len(refs) and not first:
+                # The common case: every reply is there; read them in one call.
+                # An actor that died or whose method raised: read() reads them one by one.
+                with contextlib.suppress(ray.exceptions.RayError):
+                    self._got.update(zip(workers, ray.get(refs), strict=True))
+            if ready_set or not starting or (deadline is not None and time.monotonic() >= deadline):
+                return Seen([w for w, ref in zip(workers, refs, strict=True) if ref in ready_set])
             logger.warning(
                 "Ray actors %s have not started after %g s: is the cluster short of the "
                 "resources they ask for (%s)? Still waiting",
-                late,
+                workers,
                 _START_WARN_S,
                 self._options,
             )
-        done = self._wait(refs, None, step, fail_fast=True, starting=True)
-        if layout is None and 0 in done.results:
-            self._probe = cast(EnvProbe, done.results[0])
-        return done
 
-    def _check_built(self, done: Round) -> None:
-        """Raise for the first actor that could not build its envs."""
-        if done.failures:
-            w = min(done.failures)
-            raise start_error(done.failures[w].errors[0], w)
-
-    def _check_ready(self, done: Round) -> None:
-        """Raise for the first actor that could not start (an env error or a space mismatch)."""
-        self._check_built(done)
-        for w in sorted(done.results):
-            if done.results[w] is not None:
-                raise mismatch_error(done.results[w])
-
-    def placement(self) -> list[tuple[str, int]]:
-        """Per worker, the (Ray node id, process id) of its actor (a round trip to each)."""
-        return list(ray.get([actor.where.remote() for actor in self._actors]))
-
-    # -- Backend ---------------------------------------------------------------------------
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
-    def step_times(self) -> tuple[StepTimeStats, ...]:
-        return step_time_table(self._stats)
-
-    def submit(self, command: Command, payloads: Mapping[int, Any], step: int) -> None:
-        self.supervisor.guarded(self._submit, command, payloads)
-
-    def _submit(self, command: Command, payloads: Mapping[int, Any]) -> None:
-        self._command = command
-        actions = self.batch.actions
-        if command is not Command.RESTART:
-            self.supervisor.sent(payloads, command)
-        for w in sorted(payloads):
-            start, stop = self.ranges[w]
-            rows = tree_slice(actions, start, stop) if command is Command.STEP else None
-            # A dead actor's call returns a reference that raises when read: collect sees it.
-            self._pending[w] = self._actors[w].run.remote((command, payloads[w], rows))
-
-    def collect(self, timeout: float | None, step: int) -> dict[int, Any]:
-        return self.supervisor.guarded(self._collect, timeout, step)
-
-    def _collect(self, timeout: float | None, step: int) -> dict[int, Any]:
-        refs, self._pending = self._pending, {}
-        fail_fast = not self.ledger.restarts_on(self._command)
-        done = self._wait(refs, timeout, step, fail_fast)
-        results = self.supervisor.settle(done, timeout, step, self._command)
-        return dict(sorted(results.items()))
-
-    def collect_ready(self, timeout: float | None, step: int) -> dict[int, Any]:
-        """First-ready pool: wait until at least one pending actor has replied; return the
-        replies of every actor done by then (worker index -> result).
-
-        Raises:
-            EnvError: an env raised; the other replies read with it, and any other env error,
-                are kept for the next calls (one error per call).
-            EnvCrashedError: a pending actor died; the backend is shut down.
-            StepTimeoutError: no actor replied within ``timeout`` seconds; shut down.
-        """
-        return self.supervisor.guarded(self._collect_ready, timeout, step)
-
-    def _collect_ready(self, timeout: float | None, step: int) -> dict[int, Any]:
-        supervisor = self.supervisor
-        if supervisor.has_kept():
-            return supervisor.take_kept()
-        if not self._pool:  # synchronous send/recv: every env is pending, wait for them all
-            return self._collect(timeout, step)
-        # Without a restart policy a dead or late actor raises at once; with one, it is noted
-        # in the round and the supervisor replaces it.
-        fail_fast = self.ledger.policy is None
-        pending = self._pending
-        refs = list(pending.values())
-        # Each actor has ``timeout`` seconds from its own send: one past it is late even while
-        # others keep replying.
-        deadline = supervisor.deadline(pending, timeout)
-        wait_s = None if deadline is None else max(0.0, deadline - time.monotonic())
-        first, _ = ray.wait(refs, num_returns=1, timeout=wait_s)
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
-        ready_set = set(ready) | set(first)
-        late = supervisor.late([w for w, ref in pending.items() if ref not in ready_set], timeout)
-        if late and fail_fast:
-            supervisor.timed_out(late, timeout)
-        if not ready_set and not late:
-            return {}
-        done_refs = {w: ref for w, ref in pending.items() if ref in ready_set}
-        for w in [*done_refs, *late]:
-            del pending[w]
-        done = self._wait(done_refs, None, step, fail_fast)
-        done.late = late
-        return dict(sorted(supervisor.ready(done, timeout, step).items()))
-
-    # -- waiting and reading replies ----------------------------------------------------------
-
-    def _wait(
-        self,
-        refs: Mapping[int, Any],
-        timeout: float | None,
-        step: int,
-        fail_fast: bool,
-        starting: bool = False,
-    ) -> Round:
-        """Wait up to ``timeout`` seconds for the replies ``refs`` (worker -> ObjectRef), in
-        worker order, and read them; an actor's death ends its wait at once.
-
-        ``fail_fast``: a dead actor or the timeout raises at once (and closes the backend);
-        otherwise they are noted in the returned round, with env failures, for the supervisor.
-        """
-        done = Round()
-        if not refs:
-            return done
-        order = list(refs.values())
-        ready, late = ray.wait(order, num_returns=len(order), timeout=timeout)
-        if not late:
-            # The common case: every reply is there; read them in one call.
+    def read(self, w: int, done: Round) -> None:
+        ref = self._refs.pop(w)
+        reply = self._got.pop(w, None)
+        if reply is None:
             try:
-                replies = ray.get(order)
-            except ray.exceptions.RayError:
-                pass  # an actor died or its method raised: read them one by one below
-            else:
-                for w, reply in zip(refs, replies, strict=True):
-                    self._take(w, reply, done, starting)
-                return done
-        finished = set(ready)
-        for w, ref in refs.items():  # in worker order
-            if ref in finished:
-                self._read(w, ref, done, step, fail_fast, starting)
-        done.late = sorted(w for w, ref in refs.items() if ref not in finished)
-        if done.late and fail_fast:
-            self.supervisor.timed_out(done.late, timeout)
-        return done
+                reply = ray.get(ref)
+            except ray.exceptions.RayTaskError as exc:
+                # The actor's method raised outside any env (e.g. infos Ray cannot pickle).
+                cause = exc.cause if isinstance(getattr(exc, "cause", None), BaseException) else exc
+                command = self._commands[w]
+                error = RemoteError(
+                    self.ranges[w][0],
+                    "make" if command is None else command.name.lower(),
+                    type(cause).__qualname__,
+                    str(cause),
+                    str(exc),
+                    None,
+                )
+                done.failures[w] = Failure([error])
+                return
+            except ray.exceptions.RayError as exc:  # the actor died, or its node
+                done.crashed[w] = _reason(exc)
+                return
+        self._take(w, reply, done)
 
-    def _read(
-        self, w: int, ref: Any, done: Round, step: int, fail_fast: bool, starting: bool
-    ) -> None:
-        try:
-            reply = ray.get(ref)
-        except ray.exceptions.RayTaskError as exc:
-            # The actor's method raised outside any env (e.g. infos that Ray cannot pickle).
-            cause = exc.cause if isinstance(getattr(exc, "cause", None), BaseException) else exc
-            error = RemoteError(
-                self.ranges[w][0],
-                "make" if starting else self._command.name.lower(),
-                type(cause).__qualname__,
-                str(cause),
-                str(exc),
-                None,
-            )
-            done.failures[w] = Failure([error])
-            return
-        except ray.exceptions.RayError as exc:  # the actor died, or its node
-            reason = _reason(exc)
-            done.crashed[w] = reason
-            if fail_fast:
-                self.supervisor.crashed(w, step, reason=reason, starting=starting)
-            return
-        self._take(w, reply, done, starting)
-
-    def _take(self, w: int, reply: Reply, done: Round, starting: bool) -> None:
+    def _take(self, w: int, reply: Reply, done: Round) -> None:
         """Write the rows of worker ``w``'s reply into the batch; note its result."""
         status, payload, rows, seconds = reply
         if rows is not None:
@@ -375,10 +267,8 @@ class RayBackend(Backend):
             done.failures[w] = cast(Failure, payload)
             return
         done.results[w] = payload
-        if self._command is Command.STEP and not starting:
+        if self._commands[w] is Command.STEP:
             self._timers[w].record(seconds)
-
-    # -- the mechanics the supervisor uses (Supervised) ---------------------------------------
 
     def env_error(self, w: int, failure: Any, note: str) -> EnvError:
         return remote_env_error(cast(Failure, failure).errors[0], w, note)
@@ -398,35 +288,9 @@ class RayBackend(Backend):
             step=step,
         )
 
-    def replace_workers(
-        self, workers: list[int], done: Round, timeout: float | None, step: int
-    ) -> None:
-        for w in workers:
-            why = f"died ({done.crashed[w]})" if w in done.crashed else "did not answer in time"
-            logger.warning("Ray actor of worker %d %s; replacing it and its envs", w, why)
-            with contextlib.suppress(Exception):
-                ray.kill(self._actors[w], no_restart=True)
-            self._start_actor(w)
-        try:
-            self._check_ready(self._await_ready(workers, step))
-        except EnvfleetError:  # a new actor could not start: give up
-            self.close(timeout=0, terminate=True)
-            raise
-
-    def restart_envs(
-        self, requests: dict[int, RestartRequest], timeout: float | None, step: int
-    ) -> Round:
-        command = self._command
-        self._submit(Command.RESTART, requests)
-        refs = {w: self._pending.pop(w) for w in requests}  # a pool's others still run
-        try:
-            return self._wait(refs, timeout, step, fail_fast=True)
-        finally:
-            self._command = command
-
     # -- close ----------------------------------------------------------------------------------
 
-    def close(self, timeout: float | None, terminate: bool) -> None:
+    def close(self, timeout: float | None, terminate: bool, busy: Sequence[int]) -> None:
         """Close the envs, then kill every actor; bounded.
 
         Without ``terminate`` and with no command pending, each actor closes its envs within
@@ -438,12 +302,10 @@ class RayBackend(Backend):
             return
         self._closed = True
         actors = [actor for actor in self._actors if actor is not None]
-        graceful = not terminate and not self._pending
-        if self._pending and not terminate:
-            logger.warning(
-                "closing while Ray actors %s are busy; killing them", sorted(self._pending)
-            )
-        self._pending = {}
+        graceful = not terminate and not busy
+        if busy and not terminate:
+            logger.warning("closing while Ray actors %s are busy; killing them", sorted(busy))
+        self._refs, self._got = {}, {}
         self._actors = [None] * len(self._actors)
         if not actors or not ray.is_initialized():
             return
@@ -493,9 +355,10 @@ def _plan(request: PlanRequest) -> Plan:
     return Plan(worker_ranges(request.num_envs, plan.num_workers), plan, driver_free=True)
 
 
-def _build(request: BuildRequest) -> RayBackend:
+def _build(request: BuildRequest) -> RoundDriver:
     plan: RayPlan = request.plan.details
-    return RayBackend(request, plan.actor_options)
+    transport = RayTransport(request, plan.actor_options)
+    return RoundDriver(transport, transport.remote, request.start_timeout)
 
 
 register(

@@ -93,7 +93,7 @@ def plan_ray(
     ``.options(...)`` (``num_cpus``, ``num_gpus``, ``resources={"simulator": 1}``,
     ``scheduling_strategy``, ``runtime_env``, ``memory``, ...). Actors that fit the cluster
     but not what is free now wait for it
-    (:class:`envfleet._backends.ray.backend.RayBackend` warns while they wait).
+    (:class:`envfleet._backends.ray.backend.RayTransport` warns while they wait).
 
     Raises:
         ConfigError: ``options`` is not a mapping, holds an option envfleet owns

@@ -1,0 +1,490 @@
+"""The round driver (DESIGN §2, §4): every round of every transport, written once.
+
+A *transport* (``serial``, ``threads``, ``processes``, ``ray``) moves commands to its workers
+and replies back; it implements the few primitives of :class:`Transport` and holds no loop
+over pending workers. :class:`RoundDriver` is the one :class:`~envfleet._backends.base.Backend`
+the front talks to: it runs every round over any transport (the synchronous round, the
+first-ready pool's, ``call``/``get_attr``/tasks, the Sampler's worker rounds, ProcessEnv's
+calls, the start and the replacement of workers):
+
+1. **command out**: :meth:`Transport.send` to each worker of the round (the groups a transport
+   runs in the calling thread, :meth:`Transport.inline`, last, so the others run meanwhile);
+2. **replies, deaths, deadline in**: :meth:`Transport.wait` over the workers still to reply
+   until one replies, one dies or the deadline passes (one wait that watches all three, as
+   CPython's ``concurrent.futures.ProcessPoolExecutor`` waits on result pipes and process
+   sentinels at once); :meth:`Transport.read` takes a reply into the :class:`Round`;
+3. **settle**: the :class:`~envfleet._backends.supervisor.Supervisor` decides (rebuild within
+   the restart policy, or the one broken path), and rebuilds through this driver
+   (:meth:`RoundDriver.replace_workers`, :meth:`RoundDriver.restart_envs`: the transport's
+   :meth:`Transport.respawn` and a round of ``Command.RESTART``). The supervisor never calls
+   a transport.
+
+A transport may lend one leaf accelerator, :attr:`Transport.step_all`: the synchronous step
+round where every worker is pending, in C (``processes``: ``_speedups.step_round``); what it
+leaves (a reply to read, a worker still running, a failure) goes through the same Python
+round.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol
+
+from envfleet._backends.base import Backend, mismatch_error, start_error
+from envfleet._backends.supervisor import Ledger, Round, Supervisor
+from envfleet._core.buffers import Batch
+from envfleet._core.errors import (
+    EnvCrashedError,
+    EnvError,
+    EnvfleetError,
+    StartTimeoutError,
+    StepTimeoutError,
+)
+from envfleet._core.protocol import Command
+from envfleet._core.stats import StepTimeStats
+
+__all__ = ["RoundDriver", "Seen", "Transport"]
+
+_STEP, _RESTART = Command.STEP, Command.RESTART
+
+# (result of the driver's own block, its failure, workers taken in order, positions of those
+# with a reply to read, seconds spun on the first one still running): Transport.step_all.
+StepAll = Callable[[bool], tuple[Any, Any, int, list[int], float]]
+
+
+class Seen:
+    """What one :meth:`Transport.wait` found: workers with a reply to :meth:`Transport.read`
+    (``ready``, in the order of the workers waited on) and workers found dead (``dead``:
+    worker -> why, ``""`` where the exit code says it). Both empty: the deadline passed (or,
+    in a first-ready wait, a wake-up with nothing new)."""
+
+    __slots__ = ("dead", "ready")
+
+    def __init__(self, ready: list[int], dead: dict[int, str] | None = None):
+        self.ready = ready
+        self.dead: dict[int, str] = dead if dead is not None else {}
+
+
+NOTHING = Seen([])
+
+
+class Transport(Protocol):
+    """The primitives a transport implements for :class:`RoundDriver`.
+
+    Attributes:
+        ranges: ``[start, stop)`` of envs per worker.
+        batch: the front's buffers (observations, actions, rewards, ...).
+        ledger: failures, restarts and seeds, shared with the front.
+        pool: workers may be sent commands while others run (a first-ready pool).
+        replaceable: a hung or dead worker can be killed and started anew (``threads``: a
+            thread cannot be killed, so a late one fails fast whatever the restart policy).
+        late_what, late_fate: how a timeout names the late workers and what became of them.
+        step_all: the C step round where every worker is pending, or ``None`` (see the module).
+        remote: the workers :attr:`step_all` rings, in order (the others run in the driver).
+    """
+
+    ranges: list[tuple[int, int]]
+    batch: Batch
+    ledger: Ledger
+    pool: bool
+    replaceable: bool
+    late_what: str
+    late_fate: str
+    step_all: StepAll | None
+    remote: list[int]
+
+    @property
+    def num_workers(self) -> int: ...
+
+    @property
+    def closed(self) -> bool: ...
+
+    def inline(self, command: Command) -> frozenset[int]:
+        """The workers whose :meth:`send` of ``command`` runs it here, to the end."""
+        ...
+
+    def send(self, w: int, command: Command, payload: Any) -> bool:
+        """Start ``command`` on worker ``w``; ``False`` when ``w`` was found dead."""
+        ...
+
+    def wait(self, workers: list[int], deadline: float | None, first: bool) -> Seen:
+        """Wait until a worker of ``workers`` has a reply, dies, or ``deadline``
+        (``time.monotonic()`` seconds, ``None``: none) passes. ``first``: a first-ready
+        pool's wait, which reports every worker ready by then; else the transport may report
+        just the first to reply."""
+        ...
+
+    def read(self, w: int, done: Round) -> None:
+        """Take worker ``w``'s reply (reported ready) into ``done``: its result, its
+        failure, or its death (a reply cut short)."""
+        ...
+
+    def respawn(self, w: int, reason: str) -> None:
+        """Kill worker ``w`` (dead or hung) and start a new one for the same envs; its
+        ``READY`` reply comes through :meth:`wait` like any other."""
+        ...
+
+    def lay_out(self, workers: list[int], probe: Any) -> bool:
+        """After the workers' first ``READY`` replies (``probe``: env 0's, at the start; else
+        ``None``): hand each worker its layout when it was started without one, and return
+        whether a second ``READY`` reply is to be waited for."""
+        ...
+
+    def env_error(self, w: int, failure: Any, note: str) -> EnvError:
+        """The typed error of worker ``w``'s first failed env."""
+        ...
+
+    def crash_error(
+        self, w: int, step: int, note: str, reason: str, starting: bool
+    ) -> EnvCrashedError:
+        """The typed error of worker ``w``, found dead after ``step`` steps."""
+        ...
+
+    def step_times(self) -> tuple[StepTimeStats, ...]: ...
+
+    def close(self, timeout: float | None, terminate: bool, busy: Sequence[int]) -> None:
+        """Shut every worker down (``busy``: those with a command still running)."""
+        ...
+
+    def disown(self) -> None: ...
+
+
+class RoundDriver(Backend):
+    """The one :class:`~envfleet._backends.base.Backend`: every round over ``transport``.
+
+    Args:
+        transport: its workers, spawned (their ``READY`` replies not yet read).
+        start: the workers whose ``READY`` replies to wait for (none: the transport built
+            its envs already).
+        start_timeout: seconds the workers may take to build their envs (``None``: no bound).
+
+    Raises:
+        EnvError, ConfigError: a worker could not build its envs.
+        SpaceMismatchError: an env's spaces differ from env 0's.
+        EnvCrashedError: a worker died while starting.
+        StartTimeoutError: the workers did not build their envs within ``start_timeout``.
+    """
+
+    def __init__(
+        self,
+        transport: Transport,
+        start: list[int] | None = None,
+        start_timeout: float | None = None,
+    ):
+        self.transport = transport
+        self.ranges = transport.ranges
+        self.ledger = transport.ledger
+        self.late_what, self.late_fate = transport.late_what, transport.late_fate
+        self.supervisor = Supervisor(self)
+        self._pending: list[int] = []
+        self._command = _STEP
+        self._pool = transport.pool
+        if not start:
+            return
+        try:
+            self._start(start, start_timeout, 0, at_start=True)
+        except BaseException:
+            transport.close(None, True, ())
+            raise
+
+    @property
+    def batch(self) -> Batch:  # type: ignore[override]
+        return self.transport.batch
+
+    @property
+    def num_workers(self) -> int:
+        return self.transport.num_workers
+
+    @property
+    def closed(self) -> bool:
+        return self.transport.closed
+
+    def __getattr__(self, name: str) -> Any:
+        # What a transport offers beyond the primitives (``placement`` of Ray's actors).
+        if name.startswith("__") or name == "transport":
+            raise AttributeError(name)
+        return getattr(self.transport, name)
+
+    # -- the front's calls ----------------------------------------------------------------
+
+    def inline_groups(self, command: Command) -> frozenset[int]:
+        return self.transport.inline(command)
+
+    def submit(self, command: Command, payloads: Mapping[int, Any], step: int) -> None:
+        self.supervisor.guarded(self._submit, command, payloads, step)
+
+    def collect(self, timeout: float | None, step: int) -> dict[int, Any]:
+        return self.supervisor.guarded(self._collect, timeout, step)
+
+    def round(
+        self, command: Command, payloads: Mapping[int, Any], timeout: float | None, step: int
+    ) -> dict[int, Any]:
+        return self.supervisor.guarded(self._round, command, payloads, timeout, step)
+
+    def finish(
+        self, command: Command, inline: Mapping[int, Any], timeout: float | None, step: int
+    ) -> dict[int, Any]:
+        # step_wait of a plain step: step_async sent every other worker its command and left
+        # the driver's own block: the C round runs it and waits for the replies.
+        transport = self.transport
+        if (
+            command is _STEP
+            and transport.step_all is not None
+            and self._pending == transport.remote
+            and list(inline) == [0]
+            and inline[0] is None
+        ):
+            return self.supervisor.guarded(self._fast_round, timeout, step, False)
+        return super().finish(command, inline, timeout, step)
+
+    def collect_ready(self, timeout: float | None, step: int) -> dict[int, Any]:
+        """First-ready pool: wait until at least one pending worker has replied; return the
+        replies of every worker done by then (worker index -> result).
+
+        Raises:
+            EnvError: an env raised; the other replies read with it, and any other env error,
+                are kept for the next calls (one error per call).
+            EnvCrashedError: a pending worker died; the backend is shut down.
+            StepTimeoutError: a worker ran past ``timeout`` seconds from its own send.
+        """
+        return self.supervisor.guarded(self._collect_ready, timeout, step)
+
+    def step_times(self) -> tuple[StepTimeStats, ...]:
+        return self.transport.step_times()
+
+    def disown(self) -> None:
+        self.transport.disown()
+
+    def close(self, timeout: float | None, terminate: bool) -> None:
+        pending, self._pending = self._pending, []
+        self.transport.close(timeout, terminate, pending)
+
+    # -- the round ----------------------------------------------------------------------------
+
+    def _submit(self, command: Command, payloads: Mapping[int, Any], step: int) -> None:
+        self._command = command
+        transport = self.transport
+        inline = transport.inline(command)
+        if self._pool and command is not _RESTART:
+            self.supervisor.sent(payloads, command)  # a pool's deadlines and restarts
+        workers = sorted(payloads)
+        # A pool adds to the workers still running; a synchronous call has none pending.
+        self._pending = sorted({*self._pending, *workers}) if self._pending else workers
+        for w in workers:
+            # A worker found dead since its last reply: under a restart policy the wait
+            # finds it dead and replaces it.
+            if (
+                w not in inline
+                and not transport.send(w, command, payloads[w])
+                and not self.ledger.restarts_on(command)
+            ):
+                self._pending = []
+                self.supervisor.crashed(w, step)
+        for w in workers:  # the groups run here, while the others run theirs
+            if w in inline:
+                transport.send(w, command, payloads[w])
+
+    def _round(
+        self, command: Command, payloads: Mapping[int, Any], timeout: float | None, step: int
+    ) -> dict[int, Any]:
+        if (
+            command is _STEP
+            and self.transport.step_all is not None
+            and not self._pending
+            and len(payloads) == len(self.ranges)
+        ):
+            return self._fast_round(timeout, step, True)
+        self._submit(command, payloads, step)
+        return self._collect(timeout, step)
+
+    def _collect(
+        self, timeout: float | None, step: int, done: Round | None = None
+    ) -> dict[int, Any]:
+        pending, self._pending = self._pending, []
+        deadline = None if timeout is None else time.monotonic() + timeout
+        fail_fast = not self.ledger.restarts_on(self._command)
+        done = self.gather(pending, deadline, timeout, step, fail_fast, done)
+        return self.supervisor.settle(done, timeout, step, self._command)
+
+    def _fast_round(self, timeout: float | None, step: int, ring: bool) -> dict[int, Any]:
+        """The synchronous step round through the transport's :attr:`Transport.step_all`
+        (``ring``: send every worker its command; false: step_async did), finished the
+        Python way when it leaves anything (with what is left of ``timeout`` after the
+        driver's own block)."""
+        transport = self.transport
+        remote = transport.remote
+        self._command = _STEP
+        started = time.monotonic()
+        local_result, local_failure, taken, unread, _ = transport.step_all(ring)  # type: ignore[misc]
+        if taken == len(remote) and not unread and local_failure is None:
+            results: dict[int, Any] = dict.fromkeys(remote)  # every reply OK, nothing to read
+            if local_result is not None:
+                results[0] = local_result
+            return results
+        done = Round()
+        if local_failure is not None:
+            done.failures[0] = local_failure
+        elif local_result is not None:
+            done.results[0] = local_result
+        fail_fast = not self.ledger.restarts_on(_STEP)
+        for i in range(taken):
+            if i in unread:
+                transport.read(remote[i], done)
+            else:
+                done.results[remote[i]] = None
+        self._check_crashed(done, step, fail_fast)
+        self._pending = remote[taken:]
+        if timeout is not None and not ring:
+            timeout = max(0.0, timeout - (time.monotonic() - started))
+        return self._collect(timeout, step, done)
+
+    def gather(
+        self,
+        workers: list[int],
+        deadline: float | None,
+        timeout: float | None,
+        step: int,
+        fail_fast: bool,
+        done: Round | None = None,
+        starting: bool = False,
+    ) -> Round:
+        """Wait for the reply of every worker of ``workers`` and read it into a round.
+
+        ``fail_fast``: a dead worker or the deadline raises at once (and shuts down);
+        otherwise they are noted in the round for the supervisor. ``done``: the round so far.
+        """
+        transport = self.transport
+        done = Round() if done is None else done
+        waiting = list(workers)
+        while waiting:
+            seen = transport.wait(waiting, deadline, False)
+            if not seen.ready and not seen.dead:  # the deadline passed
+                done.late.append(waiting.pop(0))
+                continue
+            for w in seen.ready:
+                waiting.remove(w)
+                transport.read(w, done)
+            for w, reason in seen.dead.items():
+                waiting.remove(w)
+                done.crashed[w] = reason
+            self._check_crashed(done, step, fail_fast, starting)
+        if done.late and (fail_fast or not transport.replaceable):
+            self._pending = done.late  # still running: close() treats them as busy
+            self.supervisor.timed_out(done.late, timeout)
+        return done
+
+    def _check_crashed(
+        self, done: Round, step: int, fail_fast: bool, starting: bool = False
+    ) -> None:
+        if done.crashed and fail_fast:
+            w = next(iter(done.crashed))
+            self._pending = []
+            self.supervisor.crashed(w, step, reason=done.crashed[w], starting=starting)
+
+    def _collect_ready(self, timeout: float | None, step: int) -> dict[int, Any]:
+        supervisor = self.supervisor
+        if supervisor.has_kept():
+            return supervisor.take_kept()
+        if not self._pool:  # synchronous send/recv: every env is pending, wait for them all
+            return self._collect(timeout, step)
+        transport = self.transport
+        # Without a restart policy a dead or late worker raises at once; with one, it is
+        # noted in the round and the supervisor rebuilds it.
+        fail_fast = self.ledger.policy is None
+        while True:
+            # Each pending worker has ``timeout`` seconds from its own send: the wait ends at
+            # the first of those deadlines, and a worker past its own is late whatever the
+            # others reply meanwhile.
+            deadline = supervisor.deadline(self._pending, timeout)
+            seen = transport.wait(self._pending, deadline, True)
+            done = Round()
+            for w, reason in seen.dead.items():
+                done.crashed[w] = reason
+            self._check_crashed(done, step, fail_fast)
+            if deadline is not None and time.monotonic() >= deadline:
+                waiting = [w for w in self._pending if w not in seen.ready and w not in seen.dead]
+                done.late = supervisor.late(waiting, timeout)
+                if done.late and (fail_fast or not transport.replaceable):
+                    supervisor.timed_out(done.late, timeout)
+            if not seen.ready and not done.failed:
+                continue  # a wake-up with nothing new
+            gone = {*seen.ready, *done.crashed, *done.late}
+            self._pending = [w for w in self._pending if w not in gone]
+            for w in seen.ready:
+                transport.read(w, done)
+            self._check_crashed(done, step, fail_fast)
+            return supervisor.ready(done, timeout, step)
+
+    # -- starting and replacing workers ---------------------------------------------------------
+
+    def _start(self, workers: list[int], timeout: float | None, step: int, at_start: bool) -> None:
+        """Wait for ``workers``, just spawned, to build their envs (within ``timeout``
+        seconds in all), lay them out (:meth:`Transport.lay_out`: at the start with env 0's
+        probe) and check them; raise for the first that could not.
+
+        Raises:
+            StartTimeoutError: at the start, past ``timeout``; later, StepTimeoutError.
+            EnvError, ConfigError, SpaceMismatchError, EnvCrashedError: as :class:`RoundDriver`.
+        """
+        transport = self.transport
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            done = self.gather(workers, deadline, timeout, step, True, starting=True)
+            _check_built(done)
+            probe = done.results.get(0) if at_start else None
+            if transport.lay_out(workers, probe):
+                done = self.gather(workers, deadline, timeout, step, True, starting=True)
+        except StepTimeoutError as exc:
+            if not at_start:
+                raise
+            raise StartTimeoutError(
+                f"sub-environments {exc.env_indices} were not built within {timeout} s "
+                f"(start_timeout); their {transport.late_what} were killed",
+                exc.env_indices,
+                float(timeout if timeout is not None else 0.0),
+            ) from None
+        _check_built(done)
+        for w in sorted(done.results):
+            if done.results[w] is not None:
+                raise mismatch_error(done.results[w])
+
+    # -- the mechanics the supervisor uses (Supervised) ---------------------------------------
+
+    def env_error(self, w: int, failure: Any, note: str) -> EnvError:
+        return self.transport.env_error(w, failure, note)
+
+    def crash_error(
+        self, w: int, step: int, note: str, reason: str, starting: bool
+    ) -> EnvCrashedError:
+        return self.transport.crash_error(w, step, note, reason, starting)
+
+    def replace_workers(
+        self, workers: list[int], done: Round, timeout: float | None, step: int
+    ) -> None:
+        others = [w for w in self._pending if w not in workers]  # a pool's, still running
+        for w in workers:
+            self.transport.respawn(w, done.crashed.get(w, "late"))
+        try:
+            self._start(workers, timeout, step, at_start=False)
+        except EnvfleetError:  # a new worker could not start: give up
+            self.close(timeout=0, terminate=True)
+            raise
+        self._pending = others
+
+    def restart_envs(self, requests: dict[int, Any], timeout: float | None, step: int) -> Round:
+        command = self._command
+        others = [w for w in self._pending if w not in requests]  # a pool's, still running
+        self._pending = []
+        self._submit(_RESTART, requests, step)
+        self._command = command
+        pending, self._pending = self._pending, others
+        deadline = None if timeout is None else time.monotonic() + timeout
+        return self.gather(pending, deadline, timeout, step, fail_fast=True)
+
+
+def _check_built(done: Round) -> None:
+    """Raise for the first worker that could not build its envs."""
+    if done.failures:
+        w = min(done.failures)
+        raise start_error(done.failures[w].errors[0], w)
