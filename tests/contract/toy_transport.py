@@ -31,6 +31,7 @@ class ToyTransport:
     late_what, late_fate = "workers", "they were killed"
     replaceable = False  # a group never dies: what raised is rebuilt env by env
     step_all = None
+    spun_s: float | None = None
     remote: list[int] = []  # noqa: RUF012  (built here: no READY to wait for)
 
     def __init__(self, request: BuildRequest):

@@ -6,7 +6,7 @@ supervisor's (DESIGN §4)."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import gymnasium
@@ -50,6 +50,7 @@ class InProcessTransport:
     late_fate = "they were killed"
     replaceable = False
     step_all: StepAll | None = None
+    spun_s: float | None = None
     remote: list[int] = []  # noqa: RUF012  (no worker starts apart: nothing to wait for)
 
     def __init__(
@@ -143,6 +144,20 @@ class InProcessTransport:
         except EnvFailure as failure:
             self._replies[w] = (None, failure)
         return True
+
+    def run_here(
+        self, command: Command, payloads: Mapping[int, Any]
+    ) -> tuple[dict[int, Any], dict[int, EnvFailure]]:
+        """:meth:`send` then :meth:`read` each group of ``payloads``, in one call (the round
+        driver's round when every group runs here): the results and the failures."""
+        results: dict[int, Any] = {}
+        failures: dict[int, EnvFailure] = {}
+        for w, payload in payloads.items():
+            try:
+                results[w] = self.run_group(w, command, payload)
+            except EnvFailure as failure:
+                failures[w] = failure
+        return results, failures
 
     def wait(self, workers: list[int], deadline: float | None, first: bool) -> Seen:
         return Seen([w for w in workers if w in self._replies])

@@ -81,7 +81,14 @@ class Transport(Protocol):
             thread cannot be killed, so a late one fails fast whatever the restart policy).
         late_what, late_fate: how a timeout names the late workers and what became of them.
         step_all: the C step round where every worker is pending, or ``None`` (see the module).
-        remote: the workers :attr:`step_all` rings, in order (the others run in the driver).
+        remote: the workers :attr:`step_all` rings, in order (the others run in the driver),
+            and whose ``READY`` the driver waits for at the start.
+        spun_s: seconds :attr:`step_all` spun on the first reply it left to :meth:`wait`
+            (which counts them, then sets ``None``).
+
+    A transport whose groups run here may also offer ``run_here(command, payloads)``:
+    :meth:`send` then :meth:`read` of each group in one call, returning ``(results,
+    failures)`` (the in-process transports do: one call a group instead of two).
     """
 
     ranges: list[tuple[int, int]]
@@ -93,6 +100,7 @@ class Transport(Protocol):
     late_fate: str
     step_all: StepAll | None
     remote: list[int]
+    spun_s: float | None
 
     @property
     def num_workers(self) -> int: ...
@@ -180,17 +188,22 @@ class RoundDriver(Backend):
         self._pending: list[int] = []
         self._command = _STEP
         self._pool = transport.pool
-        if not start:
-            return
-        try:
-            self._start(start, start_timeout, 0, at_start=True)
-        except BaseException:
-            transport.close(None, True, ())
-            raise
-
-    @property
-    def batch(self) -> Batch:  # type: ignore[override]
-        return self.transport.batch
+        self._step_all = transport.step_all
+        self._run_here = getattr(transport, "run_here", self._send_and_read)
+        self._remote = transport.remote
+        self._num_workers = len(self.ranges)
+        # The commands every group runs here when sent them (not in a pool: a pool's sends
+        # and reads are apart).
+        self._inline_every = frozenset(
+            c for c in Command if not self._pool and len(transport.inline(c)) == len(self.ranges)
+        )
+        if start:
+            try:
+                self._start(start, start_timeout, 0, at_start=True)
+            except BaseException:
+                transport.close(None, True, ())
+                raise
+        self.batch = transport.batch  # known once the workers are laid out
 
     @property
     def num_workers(self) -> int:
@@ -220,6 +233,20 @@ class RoundDriver(Backend):
     def round(
         self, command: Command, payloads: Mapping[int, Any], timeout: float | None, step: int
     ) -> dict[int, Any]:
+        if not self._pending and len(payloads) == self._num_workers:
+            if command is _STEP and self._step_all is not None:
+                return self.supervisor.guarded(self._fast_round, timeout, step, True)
+            if command in self._inline_every:
+                # Every group runs here as it is sent its command, to the end: each reply is
+                # there to read at once (gather's wait would report each one ready), and
+                # nothing is left in flight to guard.
+                self._command = command
+                results, failures = self._run_here(command, payloads)
+                if failures:
+                    done = Round()
+                    done.results, done.failures = results, failures
+                    return self.supervisor.settle(done, timeout, step, command)
+                return results
         return self.supervisor.guarded(self._round, command, payloads, timeout, step)
 
     def finish(
@@ -227,11 +254,10 @@ class RoundDriver(Backend):
     ) -> dict[int, Any]:
         # step_wait of a plain step: step_async sent every other worker its command and left
         # the driver's own block: the C round runs it and waits for the replies.
-        transport = self.transport
         if (
             command is _STEP
-            and transport.step_all is not None
-            and self._pending == transport.remote
+            and self._step_all is not None
+            and self._pending == self._remote
             and list(inline) == [0]
             and inline[0] is None
         ):
@@ -268,9 +294,12 @@ class RoundDriver(Backend):
         inline = transport.inline(command)
         if self._pool and command is not _RESTART:
             self.supervisor.sent(payloads, command)  # a pool's deadlines and restarts
-        workers = sorted(payloads)
         # A pool adds to the workers still running; a synchronous call has none pending.
-        self._pending = sorted({*self._pending, *workers}) if self._pending else workers
+        if self._pending:
+            workers = sorted(payloads)
+            self._pending = sorted({*self._pending, *workers})
+        else:
+            workers = self._pending = sorted(payloads)
         for w in workers:
             # A worker found dead since its last reply: under a restart policy the wait
             # finds it dead and replaces it.
@@ -288,15 +317,20 @@ class RoundDriver(Backend):
     def _round(
         self, command: Command, payloads: Mapping[int, Any], timeout: float | None, step: int
     ) -> dict[int, Any]:
-        if (
-            command is _STEP
-            and self.transport.step_all is not None
-            and not self._pending
-            and len(payloads) == len(self.ranges)
-        ):
-            return self._fast_round(timeout, step, True)
         self._submit(command, payloads, step)
         return self._collect(timeout, step)
+
+    def _send_and_read(
+        self, command: Command, payloads: Mapping[int, Any]
+    ) -> tuple[dict[int, Any], dict[int, Any]]:
+        """Send each group run here its command and read its reply at once (what a
+        transport's ``run_here`` does in one call): the round's results and failures."""
+        transport = self.transport
+        done = Round()
+        for w, payload in payloads.items():
+            transport.send(w, command, payload)
+            transport.read(w, done)
+        return done.results, done.failures
 
     def _collect(
         self, timeout: float | None, step: int, done: Round | None = None
@@ -312,16 +346,16 @@ class RoundDriver(Backend):
         (``ring``: send every worker its command; false: step_async did), finished the
         Python way when it leaves anything (with what is left of ``timeout`` after the
         driver's own block)."""
-        transport = self.transport
-        remote = transport.remote
+        remote = self._remote
         self._command = _STEP
         started = time.monotonic()
-        local_result, local_failure, taken, unread, _ = transport.step_all(ring)  # type: ignore[misc]
+        local_result, local_failure, taken, unread, spun_s = self._step_all(ring)  # type: ignore[misc]
         if taken == len(remote) and not unread and local_failure is None:
             results: dict[int, Any] = dict.fromkeys(remote)  # every reply OK, nothing to read
             if local_result is not None:
                 results[0] = local_result
             return results
+        transport = self.transport
         done = Round()
         if local_failure is not None:
             done.failures[0] = local_failure
@@ -335,6 +369,8 @@ class RoundDriver(Backend):
                 done.results[remote[i]] = None
         self._check_crashed(done, step, fail_fast)
         self._pending = remote[taken:]
+        if self._pending:
+            transport.spun_s = spun_s  # the next wait, on the first of them, counts it
         if timeout is not None and not ring:
             timeout = max(0.0, timeout - (time.monotonic() - started))
         return self._collect(timeout, step, done)

@@ -183,7 +183,7 @@ class ProcessesTransport(WorkerProcesses):
         self.remote = self._remote = list(range(1 if driver_group else 0, groups))
         self._here = frozenset((0,)) if driver_group else frozenset()
         self.step_all: StepAll | None = None
-        self._spun_s: float | None = None  # the C round spun that long on the next reply
+        self.spun_s: float | None = None  # the C round spun that long on the next reply
         self._closed = False
         # A forked worker flushes the stdio buffers it inherits when it exits: flush them
         # here so nothing the driver printed is printed again.
@@ -286,7 +286,7 @@ class ProcessesTransport(WorkerProcesses):
             unread = [h for h in workers if h not in ready]
             dead = {unread[e.index]: "" for e in watch([procs[h] for h in unread]).dead}
             return Seen(ready, dead)
-        spun_s, self._spun_s = self._spun_s, None
+        spun_s, self.spun_s = self.spun_s, None
         if Doorbell.wait(
             cast(Doorbell, doorbells[g]).done, self._budgets[g], deadline, alive, spun_s
         ):
@@ -329,8 +329,8 @@ class ProcessesTransport(WorkerProcesses):
         """:attr:`step_all`: _speedups.step_round bound to this transport's workers, or
         ``None`` where it does not apply (no C step path, not the shared POSIX semaphores, a
         first-ready pool). It rings every worker (unless told that step_async did), steps the
-        driver's own block, and spins on each reply in turn; the seconds it spun on the first
-        reply it left go to the next :meth:`wait`."""
+        driver's own block, and spins on each reply in turn (the seconds it spun on the first
+        reply it left: :attr:`spun_s`)."""
         step_round = _speedups.function("step_round")
         doorbells = [self._doorbells[g] for g in self._remote]
         if (
@@ -346,7 +346,7 @@ class ProcessesTransport(WorkerProcesses):
         local = None
         if self._local is not None:
             local = functools.partial(self._local_timer.call, self._local.step)
-        bound = functools.partial(
+        return functools.partial(
             step_round,
             tuple(cast(Doorbell, d).request.address for d in doorbells),
             tuple(cast(Doorbell, d).done.address for d in doorbells),
@@ -358,14 +358,6 @@ class ProcessesTransport(WorkerProcesses):
             int(Command.STEP),
             int(Status.OK),
         )
-        remote = len(self._remote)
-
-        def step_all(ring: bool) -> tuple[Any, Any, int, list[int], float]:
-            reply = bound(ring)
-            self._spun_s = reply[4] if reply[2] < remote else None
-            return reply
-
-        return step_all
 
     def step_times(self) -> tuple[StepTimeStats, ...]:
         return step_time_table(self._stats)

@@ -87,6 +87,7 @@ class RayTransport:
     late_fate = "they were killed"
     replaceable = True
     step_all: StepAll | None = None
+    spun_s: float | None = None
 
     def __init__(self, request: BuildRequest, actor_options: Mapping[str, Any] | None = None):
         self.ranges = list(request.plan.ranges)
