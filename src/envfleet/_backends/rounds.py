@@ -92,7 +92,6 @@ class Transport(Protocol):
     """
 
     ranges: list[tuple[int, int]]
-    batch: Batch
     ledger: Ledger
     pool: bool
     replaceable: bool
@@ -101,6 +100,9 @@ class Transport(Protocol):
     step_all: StepAll | None
     remote: list[int]
     spun_s: float | None
+
+    @property
+    def batch(self) -> Batch: ...
 
     @property
     def num_workers(self) -> int: ...

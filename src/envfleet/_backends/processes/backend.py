@@ -31,16 +31,11 @@ worker process and the shared-memory layout both sides read are
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import functools
 import logging
-import mmap
-import multiprocessing
-import multiprocessing.sharedctypes
-import os
 import pickle
 import sys
-from multiprocessing import reduction
+from collections.abc import Sequence
 from multiprocessing.connection import Connection
 from typing import Any, cast
 
@@ -51,32 +46,20 @@ from envfleet._backends.base import (
     run_command,
 )
 from envfleet._backends.processes.doorbell import (
-    SEM_SLOT,
     TIGHT_SPIN_S,
     Doorbell,
     SharedSem,
     SpinBudget,
-    shared_semaphore,
 )
 from envfleet._backends.processes.lifecycle import DEFAULT_CLOSE_TIMEOUT, WorkerProcesses
 from envfleet._backends.processes.plan import DEFAULT_SPIN_S, ProcessesPlan, plan_processes
 from envfleet._backends.processes.worker import (
     CMD,
     CMD_PAYLOAD,
-    GROUP_BYTES,
-    IN_MAILBOX,
-    IN_REGION,
-    MAILBOX_BYTES,
-    NEW_REGION,
     REPLY_BYTES,
     REPLY_PAYLOAD,
     STATUS,
-    control_words,
-    mailbox,
     native_layout,
-    read_region,
-    stats_rows,
-    word_view,
 )
 from envfleet._backends.registry import (
     BackendSpec,
@@ -89,14 +72,12 @@ from envfleet._backends.rounds import NOTHING, RoundDriver, Seen, StepAll
 from envfleet._backends.supervisor import Round
 from envfleet._backends.workers import watch
 from envfleet._core import native as _speedups
+from envfleet._core.buffers import Batch
 from envfleet._core.cores import usable_cores
 from envfleet._core.envgroup import EnvFailure, EnvGroup
-from envfleet._core.errors import (
-    ConfigError,
-    EnvError,
-)
+from envfleet._core.errors import ConfigError, EnvCrashedError, EnvError
 from envfleet._core.protocol import Command, Failure, Status
-from envfleet._core.stats import STATS_WORDS, StepTimer, StepTimeStats, step_time_table
+from envfleet._core.stats import StepTimer, StepTimeStats, step_time_table
 
 __all__ = ["DEFAULT_CLOSE_TIMEOUT", "DEFAULT_SPIN_S", "ProcessesTransport"]
 
@@ -106,7 +87,7 @@ logger = logging.getLogger("envfleet")
 _STEP, _ERROR = Command.STEP, int(Status.ERROR)
 
 
-class ProcessesTransport(WorkerProcesses):
+class ProcessesTransport:
     """Worker processes holding contiguous blocks of envs over one shared block (a
     :class:`~envfleet._backends.rounds.Transport`: the rounds are the round driver's).
 
@@ -133,58 +114,28 @@ class ProcessesTransport(WorkerProcesses):
         StartTimeoutError: the workers did not build their envs within ``start_timeout``.
     """
 
+    late_what = "workers"
+    late_fate = "they were killed"
+    replaceable = True
+
     def __init__(self, request: BuildRequest, plan: ProcessesPlan):
         driver_group = plan.driver_envs > 0
         self.ranges = list(request.plan.ranges)
         self.ledger = request.ledger
         self.pool = request.pool
-        self._request = request
         assert self.ledger.policy is None or not driver_group, "restarts need every env in a worker"
-        self._blobs, self._accepts = request.blobs, request.accepts_index
-        self._worker_spin_s = plan.worker_spin_s
-        # Every env in a worker: env 0's spaces come from its worker, the block after them.
-        self._block_fd: int | None = None
-        self._layout_later = request.first_env is None
-        if not self._layout_later:
-            self._lay_out(request.layout, request.block(shared=True))
-        self._ctx: Any = cast(Any, multiprocessing.get_context(request.context))
-        groups = len(self.ranges)
-        # Per group: one cache line of control words, then the doorbell's two semaphores.
-        self._control_raw: Any = multiprocessing.sharedctypes.RawArray(
-            ctypes.c_uint8, groups * GROUP_BYTES
-        )
-        self._control = control_words(self._control_raw)
-        # The same words as one int64 memoryview per group: ~2x cheaper to write than numpy.
-        self._words = [word_view(row) for row in self._control]
-        self._mail_raw: Any = multiprocessing.sharedctypes.RawArray(
-            ctypes.c_uint8, groups * MAILBOX_BYTES
-        )
-        self._mailboxes = [mailbox(self._mail_raw, g) for g in range(groups)]
-        self._stats_raw: Any = multiprocessing.sharedctypes.RawArray(
-            ctypes.c_double, groups * STATS_WORDS
-        )
-        self._stats = stats_rows(self._stats_raw)
-        self._local_timer = StepTimer(self._stats[0])
-        self._any_raw: Any = None
-        self._any_done: Any = None
-        if request.pool:
-            assert not driver_group, "a first-ready pool has every env in a worker"
-            self._any_raw = multiprocessing.sharedctypes.RawArray(ctypes.c_uint8, SEM_SLOT)
-            self._any_done = shared_semaphore(self._ctx, self._any_raw, 0)
+        assert not (request.pool and driver_group), "a first-ready pool has every env in a worker"
+        self.workers = workers = WorkerProcesses(request, plan.worker_spin_s)
+        self._local_timer = StepTimer(workers.stats[0])
         self._local: EnvGroup | None = None
         self._local_reply: tuple[Any, EnvFailure | None] | None = None  # until read
-        self._procs: list[Any] = [None] * groups
-        self._conns: list[Connection | None] = [None] * groups
-        # Per worker, the driver's mapping of its reply region (ReplyRegion), once it sent one.
-        self._regions: list[mmap.mmap | None] = [None] * groups
-        self._doorbells: list[Doorbell | None] = [None] * groups
+        groups = len(self.ranges)
         self._budgets = [SpinBudget(plan.driver_spin_s) for _ in range(groups)]
         self._any_budget = SpinBudget(plan.driver_spin_s)
-        self.remote = self._remote = list(range(1 if driver_group else 0, groups))
+        self.remote = list(range(1 if driver_group else 0, groups))
         self._here = frozenset((0,)) if driver_group else frozenset()
         self.step_all: StepAll | None = None
         self.spun_s: float | None = None  # the C round spun that long on the next reply
-        self._closed = False
         # A forked worker flushes the stdio buffers it inherits when it exits: flush them
         # here so nothing the driver printed is printed again.
         for stream in (sys.stdout, sys.stderr):
@@ -192,16 +143,16 @@ class ProcessesTransport(WorkerProcesses):
                 stream.flush()
         first_env = request.first_env
         try:
-            for g in self._remote:
-                self.start_worker(g)
+            for g in self.remote:
+                workers.start(g)
             if driver_group:
                 # Built while the workers build theirs; env 0 is the one make() already built.
                 env0, first_env = first_env, None  # the group owns it now
-                layout = self._layout
+                layout = workers.layout
                 self._local = EnvGroup(
                     layout.bound_fns(*self.ranges[0]),
                     0,
-                    self.batch,
+                    cast(Batch, workers.batch),
                     layout.single_observation_space,
                     layout.single_action_space,
                     layout.autoreset_mode,
@@ -227,17 +178,18 @@ class ProcessesTransport(WorkerProcesses):
     @property
     def num_workers(self) -> int:
         """Worker processes (the driver's own block, if any, is not one)."""
-        return len(self._remote)
+        return len(self.remote)
 
     @property
     def closed(self) -> bool:
-        return self._closed
+        return self.workers.closed
+
+    @property
+    def batch(self) -> Batch:
+        """The shared block's arrays (once laid out: at the start, after env 0's probe)."""
+        return cast(Batch, self.workers.batch)
 
     # -- Transport ------------------------------------------------------------------------------
-
-    late_what = "workers"
-    late_fate = "they were killed"
-    replaceable = True
 
     def inline(self, command: Command) -> frozenset[int]:
         return self._here
@@ -253,13 +205,13 @@ class ProcessesTransport(WorkerProcesses):
             except EnvFailure as failure:
                 self._local_reply = (None, failure)
             return True
-        words = self._words[g]
+        words = self.workers.words[g]
         words[CMD] = int(command)
         words[CMD_PAYLOAD] = payload is not None
-        cast(Doorbell, self._doorbells[g]).request.release()
+        cast(Doorbell, self.workers.doorbells[g]).request.release()
         if payload is not None:
             try:
-                cast(Connection, self._conns[g]).send_bytes(
+                cast(Connection, self.workers.conns[g]).send_bytes(
                     pickle.dumps(payload, pickle.HIGHEST_PROTOCOL)
                 )
             except OSError:  # the worker died since its last reply
@@ -270,7 +222,7 @@ class ProcessesTransport(WorkerProcesses):
         """A first-ready pool's wait: on the pool's shared doorbell, then every worker's
         reply taken; else on the first worker's doorbell. Either watches every worker of
         ``workers`` for a death between blocking slices."""
-        procs, doorbells = self._procs, self._doorbells
+        procs, doorbells = self.workers.procs, self.workers.doorbells
         g = workers[0]
         if g in self._here:
             return Seen([g])
@@ -281,7 +233,7 @@ class ProcessesTransport(WorkerProcesses):
         if first:
             # A token per reply; a reply may be found before its token is taken (then a
             # later wait wakes with nothing new, and waits again).
-            Doorbell.wait(self._any_done, self._any_budget, deadline, alive)
+            Doorbell.wait(self.workers.any_done, self._any_budget, deadline, alive)
             ready = [h for h in workers if cast(Doorbell, doorbells[h]).done.acquire(False)]
             unread = [h for h in workers if h not in ready]
             dead = {unread[e.index]: "" for e in watch([procs[h] for h in unread]).dead}
@@ -310,13 +262,13 @@ class ProcessesTransport(WorkerProcesses):
             else:
                 done.failures[g] = failure
             return
-        words = self._words[g]  # its items are Python ints (a numpy int64 compares slowly)
+        words = self.workers.words[g]  # its items are Python ints (a numpy int64 compares slowly)
         status = words[STATUS]
         payload = None
         where = words[REPLY_PAYLOAD]
         if where:
             try:
-                payload = self._reply_payload(g, where, words[REPLY_BYTES])
+                payload = self.workers.payload(g, where, words[REPLY_BYTES])
             except (EOFError, OSError):
                 done.crashed[g] = ""
                 return
@@ -332,10 +284,10 @@ class ProcessesTransport(WorkerProcesses):
         driver's own block, and spins on each reply in turn (the seconds it spun on the first
         reply it left: :attr:`spun_s`)."""
         step_round = _speedups.function("step_round")
-        doorbells = [self._doorbells[g] for g in self._remote]
+        doorbells = [self.workers.doorbells[g] for g in self.remote]
         if (
             step_round is None
-            or self._any_done is not None
+            or self.workers.any_done is not None
             or not all(
                 type(d.request) is SharedSem and type(d.done) is SharedSem
                 for d in cast(list[Doorbell], doorbells)
@@ -350,8 +302,8 @@ class ProcessesTransport(WorkerProcesses):
             step_round,
             tuple(cast(Doorbell, d).request.address for d in doorbells),
             tuple(cast(Doorbell, d).done.address for d in doorbells),
-            tuple(int(self._control[g].ctypes.data) for g in self._remote),
-            [self._budgets[g] for g in self._remote],
+            tuple(int(self.workers.control[g].ctypes.data) for g in self.remote),
+            [self._budgets[g] for g in self.remote],
             local,
             EnvFailure,
             TIGHT_SPIN_S,
@@ -360,34 +312,30 @@ class ProcessesTransport(WorkerProcesses):
         )
 
     def step_times(self) -> tuple[StepTimeStats, ...]:
-        return step_time_table(self._stats)
+        return step_time_table(self.workers.stats)
 
-    def _reply_payload(self, g: int, where: int, size: int) -> Any:
-        """Worker ``g``'s reply payload: from its mailbox or its pipe (``where``), with its
-        large buffers from its reply region (worker.ReplyRegion).
+    def respawn(self, g: int, reason: str) -> None:
+        self.workers.respawn(g, reason)
 
-        Raises:
-            EOFError, OSError: the pipe closed (the worker died while sending).
-        """
-        conn = cast(Connection, self._conns[g])
-        if where & NEW_REGION:  # the worker's new reply region: its descriptor comes first
-            try:
-                fd = reduction.recv_handle(conn)
-            except RuntimeError as exc:  # recvfds: no descriptor came
-                raise EOFError(str(exc)) from exc
-            try:
-                old, self._regions[g] = (
-                    self._regions[g],
-                    mmap.mmap(fd, os.fstat(fd).st_size, prot=mmap.PROT_READ),
-                )
-            finally:
-                os.close(fd)
-            if old is not None:
-                old.close()
-        blob = self._mailboxes[g][:size] if where & IN_MAILBOX else conn.recv_bytes()
-        if where & IN_REGION:
-            return read_region(self._regions[g], blob)
-        return pickle.loads(blob)
+    def lay_out(self, workers: list[int], probe: Any) -> bool:
+        return self.workers.lay_out(workers, probe)
+
+    def crash_error(
+        self, w: int, step: int, note: str, reason: str, starting: bool
+    ) -> EnvCrashedError:
+        return self.workers.crash_error(w, step, note, reason, starting)
+
+    def disown(self) -> None:
+        self.workers.disown()
+
+    def close(self, timeout: float | None, terminate: bool, busy: Sequence[int]) -> None:
+        """Close the driver's own envs, if any, and every worker (:meth:`WorkerProcesses.close`:
+        ask, terminate, kill, within ``timeout``)."""
+        if self.workers.closed:
+            return
+        if self._local is not None:
+            self._local.close()
+        self.workers.close(timeout, terminate, busy)
 
     def env_error(self, w: int, failure: Any, note: str) -> EnvError:
         if isinstance(failure, EnvFailure):  # the driver's own block

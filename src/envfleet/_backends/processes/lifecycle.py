@@ -1,21 +1,26 @@
-"""Starting, restarting and stopping the worker processes of ``backend="processes"``.
+"""The worker processes of ``backend="processes"`` and the shared memory they read.
 
-:class:`WorkerProcesses` is the base of
-:class:`envfleet._backends.processes.backend.ProcessesTransport`: it spawns a group's worker
-(:func:`envfleet._backends.processes.worker.worker_main`) over the backend's shared memory, respawns
-a dead or hung one, checks that started workers built their envs, tells how a worker died, and
-closes them all in three bounded phases (ask, terminate, kill). The state it reads is the backend's,
-set up by the backend's ``__init__``.
+:class:`WorkerProcesses` is a collaborator of
+:class:`envfleet._backends.processes.backend.ProcessesTransport`, which holds one: it owns the
+control words, mailboxes and step-time rows of every group and the shared block, spawns a
+group's worker (:func:`envfleet._backends.processes.worker.worker_main`), respawns a dead or
+hung one, lays out workers started without the spaces, reads a reply's payload (the mailbox,
+the pipe, the reply region), tells how a worker died, and closes them all in three bounded
+phases (ask, terminate, kill).
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
 import mmap
 import multiprocessing
+import multiprocessing.sharedctypes
 import os
+import pickle
 from collections.abc import Sequence
+from multiprocessing import reduction
 from multiprocessing.connection import Connection
 from typing import Any, cast
 
@@ -23,27 +28,36 @@ from envfleet._backends.base import (
     EnvProbe,
     WorkerLayout,
 )
-from envfleet._backends.processes.doorbell import Doorbell
+from envfleet._backends.processes.doorbell import SEM_SLOT, Doorbell, shared_semaphore
 from envfleet._backends.processes.worker import (
     CMD,
     CMD_PAYLOAD,
     GROUP_BYTES,
+    IN_MAILBOX,
+    IN_REGION,
+    MAILBOX_BYTES,
+    NEW_REGION,
     WORDS,
     GroupLayout,
     WorkerSpec,
+    control_words,
+    mailbox,
     mapped_block,
+    read_region,
     send_block,
+    stats_rows,
+    word_view,
     worker_main,
 )
 from envfleet._backends.registry import BuildRequest
 from envfleet._backends.workers import join_all, spawn
 from envfleet._core.buffers import Batch, Block, allocate_batch
-from envfleet._core.envgroup import EnvGroup
 from envfleet._core.errors import (
     EnvCrashedError,
     describe_exitcode,
 )
 from envfleet._core.protocol import Command
+from envfleet._core.stats import STATS_WORDS
 
 __all__ = ["DEFAULT_CLOSE_TIMEOUT", "WorkerProcesses"]
 
@@ -54,37 +68,70 @@ _KILL_GRACE = 1.0  # seconds between SIGTERM and SIGKILL
 
 
 class WorkerProcesses:
-    """The worker processes of a :class:`~envfleet._backends.processes.backend.ProcessesTransport`:
-    start, respawn, check, diagnose and close them (the backend's base class)."""
+    """The worker processes of the processes transport and the shared memory they read: the
+    control words, mailboxes and step-time rows of every group, the shared block once laid
+    out, each worker's process, pipe, doorbell and reply region. It starts, respawns,
+    diagnoses and closes them; the transport
+    (:class:`~envfleet._backends.processes.backend.ProcessesTransport`) holds it and moves
+    commands and replies through what it exposes.
 
-    # Set by the backend's __init__ (the layout, block and batch by _lay_out).
-    ranges: list[tuple[int, int]]
-    block: Block
-    batch: Batch
-    _layout: WorkerLayout
-    _layout_later: bool
-    _block_fd: int | None
-    _blobs: list[bytes]
-    _accepts: list[bool]
-    _worker_spin_s: float
-    _ctx: Any
-    _control_raw: Any
-    _control: Any
-    _mail_raw: Any
-    _stats_raw: Any
-    _any_done: Any
-    _procs: list[Any]
-    _conns: list[Connection | None]
-    _regions: list[mmap.mmap | None]
-    _doorbells: list[Doorbell | None]
-    _remote: list[int]
-    _request: BuildRequest
-    _local: EnvGroup | None
-    _closed: bool
+    Args:
+        request: make()'s :class:`BuildRequest` (the factories, the start method, the ranges,
+            env 0 built in the driver or not: without it, the block is laid out once env 0's
+            worker tells its spaces, :meth:`lay_out`).
+        worker_spin_s: the most seconds a worker polls for a command before blocking.
+
+    Attributes:
+        control, words: per group, its control words (numpy rows; int64 memoryviews, cheaper
+            to write); mailboxes: per group, its reply mailbox; stats: per group, its
+            step-time row; any_done: a first-ready pool's shared doorbell (``None`` otherwise);
+        procs, conns, doorbells, regions: per group, its process, pipe, doorbell and the
+            driver's mapping of its reply region (``None`` for the driver's own group, and
+            before a worker sent one); batch: the shared block's arrays, once laid out.
+    """
+
+    def __init__(self, request: BuildRequest, worker_spin_s: float):
+        self.ranges = list(request.plan.ranges)
+        self._request = request
+        self._blobs, self._accepts = request.blobs, request.accepts_index
+        self._worker_spin_s = worker_spin_s
+        # Every env in a worker: env 0's spaces come from its worker, the block after them.
+        self._block_fd: int | None = None
+        self._layout_later = request.first_env is None
+        self.batch: Batch | None = None
+        if not self._layout_later:
+            self._lay_out(request.layout, request.block(shared=True))
+        self._ctx: Any = cast(Any, multiprocessing.get_context(request.context))
+        groups = len(self.ranges)
+        # Per group: one cache line of control words, then the doorbell's two semaphores.
+        self._control_raw: Any = multiprocessing.sharedctypes.RawArray(
+            ctypes.c_uint8, groups * GROUP_BYTES
+        )
+        self.control = control_words(self._control_raw)
+        # The same words as one int64 memoryview per group: ~2x cheaper to write than numpy.
+        self.words = [word_view(row) for row in self.control]
+        self._mail_raw: Any = multiprocessing.sharedctypes.RawArray(
+            ctypes.c_uint8, groups * MAILBOX_BYTES
+        )
+        self.mailboxes = [mailbox(self._mail_raw, g) for g in range(groups)]
+        self._stats_raw: Any = multiprocessing.sharedctypes.RawArray(
+            ctypes.c_double, groups * STATS_WORDS
+        )
+        self.stats = stats_rows(self._stats_raw)
+        self._any_raw: Any = None
+        self.any_done: Any = None
+        if request.pool:
+            self._any_raw = multiprocessing.sharedctypes.RawArray(ctypes.c_uint8, SEM_SLOT)
+            self.any_done = shared_semaphore(self._ctx, self._any_raw, 0)
+        self.procs: list[Any] = [None] * groups
+        self.conns: list[Connection | None] = [None] * groups
+        self.regions: list[mmap.mmap | None] = [None] * groups
+        self.doorbells: list[Doorbell | None] = [None] * groups
+        self.closed = False
 
     def _lay_out(self, layout: WorkerLayout, block: Block) -> None:
         """Set the spaces' layout and the shared block the workers and the driver read."""
-        self._layout, self.block = layout, block
+        self.layout, self.block = layout, block
         self.batch = allocate_batch(
             layout.single_observation_space, layout.single_action_space, layout.num_envs, block
         )
@@ -92,7 +139,7 @@ class WorkerProcesses:
     def _group_layout(self) -> GroupLayout:
         """What a worker needs to lay its envs over the block (the block itself travels in the
         spawn when known by then, else as a file descriptor on the worker's pipe)."""
-        layout, block = self._layout, self.block
+        layout, block = self.layout, self.block
         return GroupLayout(
             layout.single_observation_space,
             layout.single_action_space,
@@ -104,7 +151,7 @@ class WorkerProcesses:
             block.spare_slabs,
         )
 
-    def start_worker(self, g: int) -> None:
+    def start(self, g: int) -> None:
         """Spawn the worker process of group ``g`` (its envs, doorbell and pipe)."""
         start, stop = self.ranges[g]
         doorbell = Doorbell(self._ctx, self._control_raw, g * GROUP_BYTES + 8 * WORDS)
@@ -119,7 +166,7 @@ class WorkerProcesses:
             mailboxes=self._mail_raw,
             stats=self._stats_raw,
             doorbell=doorbell,
-            any_done=self._any_done,
+            any_done=self.any_done,
             spin_s=self._worker_spin_s,
             parent_pid=os.getpid(),
             start_method=self._ctx.get_start_method(),
@@ -129,7 +176,7 @@ class WorkerProcesses:
             self._ctx, worker_main, (spec, child_conn, parent_conn), f"envfleet-worker-{g}"
         )
         child_conn.close()
-        self._procs[g], self._conns[g], self._doorbells[g] = proc, parent_conn, doorbell
+        self.procs[g], self.conns[g], self.doorbells[g] = proc, parent_conn, doorbell
 
     def lay_out(self, workers: list[int], probe: Any) -> bool:
         """After the ``READY`` replies of ``workers``, just spawned: a worker spawned without
@@ -146,35 +193,63 @@ class WorkerProcesses:
         layout = self._group_layout()
         for g in workers:
             with contextlib.suppress(OSError):  # a dead worker: the wait says so
-                conn = cast(Connection, self._conns[g])
-                send_block(conn, layout, cast(int, self._block_fd), self._procs[g].pid)
+                conn = cast(Connection, self.conns[g])
+                send_block(conn, layout, cast(int, self._block_fd), self.procs[g].pid)
         return True
+
+    def payload(self, g: int, where: int, size: int) -> Any:
+        """Worker ``g``'s reply payload: from its mailbox or its pipe (``where``, its
+        ``REPLY_PAYLOAD`` word), with its large buffers from its reply region
+        (worker.ReplyRegion).
+
+        Raises:
+            EOFError, OSError: the pipe closed (the worker died while sending).
+        """
+        conn = cast(Connection, self.conns[g])
+        if where & NEW_REGION:  # the worker's new reply region: its descriptor comes first
+            try:
+                fd = reduction.recv_handle(conn)
+            except RuntimeError as exc:  # recvfds: no descriptor came
+                raise EOFError(str(exc)) from exc
+            try:
+                old, self.regions[g] = (
+                    self.regions[g],
+                    mmap.mmap(fd, os.fstat(fd).st_size, prot=mmap.PROT_READ),
+                )
+            finally:
+                os.close(fd)
+            if old is not None:
+                old.close()
+        blob = self.mailboxes[g][:size] if where & IN_MAILBOX else conn.recv_bytes()
+        if where & IN_REGION:
+            return read_region(self.regions[g], blob)
+        return pickle.loads(blob)
 
     def respawn(self, g: int, reason: str) -> None:
         """Kill worker ``g`` (dead or hung: ``reason`` is ``"late"``) and start a new one for
         the same envs."""
         why = "did not answer in time" if reason == "late" else "died"
         logger.warning("worker %d %s; restarting it and its envs", g, why)
-        proc = self._procs[g]
+        proc = self.procs[g]
         if proc.is_alive():
             proc.kill()
         proc.join()
-        cast(Connection, self._conns[g]).close()
+        cast(Connection, self.conns[g]).close()
         self._drop_region(g)  # the new worker sends its own
         with contextlib.suppress(ValueError):
             proc.close()
-        self.start_worker(g)
+        self.start(g)
 
     def _drop_region(self, g: int) -> None:
         """Unmap worker ``g``'s reply region (its memory goes with the last mapping)."""
-        region, self._regions[g] = self._regions[g], None
+        region, self.regions[g] = self.regions[g], None
         if region is not None:
             region.close()
 
     def crash_error(
         self, w: int, step: int, note: str, reason: str, starting: bool
     ) -> EnvCrashedError:
-        proc = self._procs[w]
+        proc = self.procs[w]
         proc.join(_KILL_GRACE)
         exitcode = proc.exitcode
         start, stop = self.ranges[w]
@@ -193,9 +268,9 @@ class WorkerProcesses:
         # process's children; a child forked by os.fork() inherits the maker's list.
         children = getattr(multiprocessing.process, "_children", None)
         if children is not None:
-            for proc in self._procs:
+            for proc in self.procs:
                 children.discard(proc)
-        self._closed = True
+        self.closed = True
 
     def close(self, timeout: float | None, terminate: bool, busy: Sequence[int]) -> None:
         """Close in three bounded phases: ask, terminate, kill.
@@ -206,21 +281,19 @@ class WorkerProcesses:
         seconds, then SIGKILL. Some envs catch SIGTERM (SDL does), hence the last phase. The
         driver's own envs, if any, are closed in the driver.
         """
-        if self._closed:
+        if self.closed:
             return
-        self._closed = True
-        procs = [p for p in self._procs if p is not None]
+        self.closed = True
+        procs = [p for p in self.procs if p is not None]
         graceful = not terminate and not busy
         if busy and not terminate:
             logger.warning("closing while workers %s are busy; terminating them", list(busy))
         if graceful:
-            for g in self._remote:
-                if self._procs[g].is_alive():
-                    self._control[g, CMD] = Command.CLOSE
-                    self._control[g, CMD_PAYLOAD] = 0
-                    cast(Doorbell, self._doorbells[g]).ring_request()
-        if self._local is not None:
-            self._local.close()
+            for g, proc in enumerate(self.procs):
+                if proc is not None and proc.is_alive():
+                    self.control[g, CMD] = Command.CLOSE
+                    self.control[g, CMD_PAYLOAD] = 0
+                    cast(Doorbell, self.doorbells[g]).ring_request()
         if graceful:
             join_all(procs, DEFAULT_CLOSE_TIMEOUT if timeout is None else timeout)
         for proc in procs:
@@ -231,10 +304,10 @@ class WorkerProcesses:
             if proc.is_alive():
                 proc.kill()
                 proc.join()
-        for conn in self._conns:
+        for conn in self.conns:
             if conn is not None:
                 conn.close()
-        for g in range(len(self._regions)):
+        for g in range(len(self.regions)):
             self._drop_region(g)
         for proc in procs:
             with contextlib.suppress(ValueError):
@@ -245,4 +318,4 @@ class WorkerProcesses:
         # Where the doorbells fall back to multiprocessing semaphores (no process-shared
         # sem_init), each is a named /dev/shm entry under spawn and forkserver, unlinked when
         # its last reference goes: drop ours now that no worker is left.
-        self._doorbells = [None] * len(self._doorbells)
+        self.doorbells = [None] * len(self.doorbells)
