@@ -4,8 +4,9 @@ One vector env class for every backend; :func:`envfleet.make` builds it. It vali
 before anything reaches a worker (:mod:`envfleet._front.checks`), owns the call state machine
 (idle / waiting-reset / waiting-step / waiting-call, with gymnasium's AsyncVectorEnv errors),
 assembles infos in gymnasium's convention (:mod:`envfleet._core.infos`) and hands results
-out through :mod:`envfleet._front.results`; the first-ready pool's calls come from
-:class:`envfleet._front.pool.FirstReadyPool`.
+out through :mod:`envfleet._front.results`; it holds a
+:class:`envfleet._front.pool.FirstReadyPool`, which keeps the first-ready pool's env states and
+runs its calls.
 """
 
 from __future__ import annotations
@@ -30,8 +31,10 @@ from envfleet._core.buffers import caller_leaves, is_leaf, side_leaves
 from envfleet._core.errors import (
     AlreadyPendingCallError,
     ClosedEnvironmentError,
+    EnvError,
     InvalidArgumentError,
     NoAsyncCallError,
+    PoolStateError,
     ResetNeededError,
     StepTimeoutError,
 )
@@ -65,7 +68,7 @@ os.register_at_fork(after_in_child=_disown_after_fork)
 _NO_CALL, _DISABLED, _STEP = AsyncState.DEFAULT, AutoresetMode.DISABLED, Command.STEP
 
 
-class FleetVectorEnv(FirstReadyPool, VectorEnv[Any, Any, np.ndarray]):
+class FleetVectorEnv(VectorEnv[Any, Any, np.ndarray]):
     """A ``gymnasium.vector.VectorEnv`` over an envfleet backend; build it with :func:`make`.
 
     Results follow ``gymnasium.vector.SyncVectorEnv`` exactly: observations batched as
@@ -119,12 +122,16 @@ class FleetVectorEnv(FirstReadyPool, VectorEnv[Any, Any, np.ndarray]):
         self._needs_reset = np.zeros(self.num_envs, dtype=np.bool_)
         self._steps = 0
         self.closed = False
-        self._init_pool(batch_size)
+        is_pool = batch_size is not None and batch_size < self.num_envs
         # copy=True results handed out without a copy where the batch has spare slabs, and
         # observation leaves without a fixed size (results.ResultBuffers).
         self._outputs = ResultBuffers(
-            backend.batch, single_observation_space, slabs=copy and not self.is_pool
+            backend.batch, single_observation_space, slabs=copy and not is_pool
         )
+        # The first-ready pool's env states and calls (async_reset, send, recv).
+        self._pool = FirstReadyPool(backend, self._outputs, single_action_space, batch_size, copy)
+        self.batch_size = self._pool.batch_size
+        self.is_pool = self._pool.is_pool
         # Action leaves without a fixed size, and leaves of another dtype than the space's:
         # their values go to each worker with the step command (EnvGroup.step's
         # leaf_actions); the step's payloads, or every group's None.
@@ -245,7 +252,7 @@ class FleetVectorEnv(FirstReadyPool, VectorEnv[Any, Any, np.ndarray]):
 
     def _prepare_step(self, actions: Any, name: str) -> None:
         """Check that a step may start and write ``actions`` into the action buffer."""
-        if self.closed or self._pool_started or self.is_pool or self._state is not _NO_CALL:
+        if self.closed or self._pool.started or self.is_pool or self._state is not _NO_CALL:
             self._assert_idle(name)  # raises, except for a started pool with no env pending
         if self.autoreset_mode is _DISABLED and self._needs_reset.any():
             pending = np.flatnonzero(self._needs_reset).tolist()
@@ -324,6 +331,98 @@ class FleetVectorEnv(FirstReadyPool, VectorEnv[Any, Any, np.ndarray]):
         outputs = self._outputs
         obs = outputs.observations(False) if outputs.side_spaces else batch.observations
         return obs, batch.rewards, batch.terminations, batch.truncations, infos
+
+    # -- the first-ready pool (EnvPool's interface; _front/pool.py) -------------------------
+
+    def async_reset(
+        self, seed: int | Sequence[int | None] | None = None, env_ids: Any = None
+    ) -> None:
+        """Reset envs without waiting; :meth:`recv` returns them as they finish (EnvPool's
+        ``async_reset``; ``env_ids`` adds partial resets, as EnvPool's ``reset(env_id)``).
+
+        Args:
+            seed: ``None``, an int (env i gets ``seed + i``) or one seed per env reset.
+            env_ids: ``None``: every env; results of envs that finished but were not received
+                are dropped. Else the envs to reset (distinct ints), each awaiting an action
+                and held by a worker with none of its envs running.
+
+        Raises:
+            PoolStateError: envs are still running (recv them first), an env of ``env_ids``
+                is not awaiting an action, or a synchronous call is pending.
+            InvalidArgumentError: bad seeds or env ids. Nothing is sent on any error.
+        """
+        self._assert_pool_idle("async_reset")
+        self._pool.async_reset(seed, env_ids, self._submit)
+
+    def send(self, actions: Any, env_ids: Any = None) -> None:
+        """Send actions to some envs without waiting (EnvPool's ``send``).
+
+        Args:
+            actions: batched actions for ``env_ids``: ``[len(env_ids), *shape]`` per leaf of the
+                action space, converted to its dtype (same-kind casting), as EnvPool's action
+                buffers convert them (a synchronous ``step`` hands the caller's dtype instead).
+            env_ids: distinct env indices (int array-like); ``None``: every env, as EnvPool.
+                Each must be awaiting an action: returned by :meth:`recv` and not yet sent one.
+                A worker steps once every env it holds has its action.
+
+        Raises:
+            InvalidArgumentError: an unknown or repeated env id, or no env id.
+            InvalidActionError: actions of the wrong structure, shape or dtype.
+            PoolStateError: an env not awaiting an action, no :meth:`async_reset` yet, or a
+                synchronous call pending. Nothing is sent when anything is wrong.
+        """
+        self._assert_pool_idle("send")
+        self._pool.send(actions, env_ids, self._submit)
+
+    def recv(
+        self, timeout: float | None = None
+    ) -> tuple[Any, np.ndarray, np.ndarray, np.ndarray, dict[str, Any]]:
+        """The results of the first ``batch_size`` envs to finish (EnvPool's ``recv``).
+
+        Envs come in the order they finished (a worker's envs in index order). Each returned
+        env then awaits its next action.
+
+        Args:
+            timeout: seconds each env may take from the :meth:`send` (or
+                :meth:`async_reset`) that started it (default ``step_timeout``; ``None``: no
+                bound). An env past it raises :class:`StepTimeoutError` even while others
+                keep finishing.
+
+        Returns:
+            (observations ``[batch_size, *shape]``, rewards ``float64[batch_size]``,
+            terminations ``bool[batch_size]``, truncations ``bool[batch_size]``, infos): infos
+            in gymnasium's convention over the batch, plus ``info["env_id"]``
+            (``int32[batch_size]``), as EnvPool. Observations are one gather copy; with
+            ``copy=False`` and envs that form one ascending run they are views of the shared
+            buffer, valid until the next call.
+
+        Raises:
+            PoolStateError: fewer than ``batch_size`` envs running or ready, or no
+                :meth:`async_reset` yet.
+            EnvError: an env raised; its block of envs awaits actions again, results of other
+                envs that finished are kept for the next :meth:`recv`.
+            EnvCrashedError, StepTimeoutError: a worker died, or nothing finished in time;
+                the vector env is closed.
+        """
+        self._assert_pool_idle("recv")
+        try:
+            results = self._pool.recv(
+                self.step_timeout if timeout is None else timeout, self._steps
+            )
+        except EnvError:
+            raise
+        except BaseException:
+            self.closed = self._backend.closed
+            raise
+        self._steps += 1
+        return results
+
+    def _assert_pool_idle(self, name: str) -> None:
+        self._assert_running()
+        if self._state is not AsyncState.DEFAULT:
+            raise PoolStateError(
+                f"calling `{name}` while a call to `{self._state.value}` is pending"
+            )
 
     # -- call, attributes, render ----------------------------------------------------------
 
@@ -513,7 +612,7 @@ class FleetVectorEnv(FirstReadyPool, VectorEnv[Any, Any, np.ndarray]):
                 terminate = True
         self._state = AsyncState.DEFAULT
         self._deferred = None
-        terminate = self._finish_pool(timeout, terminate)  # envs sent actions in a pool
+        terminate = self._pool.finish(timeout, terminate, self._steps)  # envs sent actions
         self._backend.close(timeout, terminate)
 
     def _disown(self) -> None:
@@ -553,8 +652,8 @@ class FleetVectorEnv(FirstReadyPool, VectorEnv[Any, Any, np.ndarray]):
 
     def _assert_idle(self, name: str) -> None:
         self._assert_running()
-        if self.is_pool or (self._pool_started and self._env_state.any()):
-            self._assert_no_pool(name)
+        if self.is_pool or (self._pool.started and self._pool.env_state.any()):
+            self._pool.assert_no_pool(name)
         if self._state is not AsyncState.DEFAULT:
             raise AlreadyPendingCallError(
                 f"Calling `{name}` while waiting for a pending call to "
