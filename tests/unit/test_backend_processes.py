@@ -654,8 +654,9 @@ def test_workers_watch_reports_deaths_with_exit_codes_and_readable_pipes():
 
 
 def test_workers_remote_error_carries_the_exception_and_its_traceback():
-    from envfleet._backends.workers import remote_cause, remote_error
+    from envfleet._backends.workers import remote_error
     from envfleet._core.errors import RemoteTraceback
+    from envfleet._core.failures import remote_cause
 
     def boom() -> None:
         raise KeyError("the key")

@@ -7,7 +7,6 @@ import contextlib
 import functools
 import inspect
 import os
-import pickle
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -17,18 +16,12 @@ import gymnasium
 from gymnasium.vector import AutoresetMode
 
 from envfleet._backends.supervisor import Ledger
-from envfleet._backends.workers import remote_cause
 from envfleet._core.buffers import Batch
 from envfleet._core.envgroup import EnvFailure, EnvGroup, not_an_env_error
 from envfleet._core.errors import (
-    ConfigError,
-    EnvError,
-    EnvfleetError,
-    SpaceMismatchError,
     WrongProcessError,
-    make_env_error,
 )
-from envfleet._core.protocol import Command, RemoteError
+from envfleet._core.protocol import Command
 from envfleet._core.stats import StepTimer, StepTimeStats
 
 __all__ = [
@@ -40,8 +33,6 @@ __all__ = [
     "bind_env_index",
     "build_group_envs",
     "none_if_empty",
-    "remote_env_error",
-    "start_error",
     "run_command",
     "worker_ranges",
 ]
@@ -198,61 +189,6 @@ def none_if_empty(result: Any) -> Any:
     if isinstance(result, (list, tuple)) and not result:
         return None
     return result
-
-
-def env_error(
-    env_index: int,
-    worker_index: int | None,
-    method: str,
-    cause_text: str,
-    original: BaseException | None = None,
-) -> EnvError:
-    """The :class:`EnvError` for an env that raised ``original`` (also of its type where
-    possible: :func:`envfleet._core.errors.make_env_error`)."""
-    where = f"sub-environment {env_index}" + (
-        f" (worker {worker_index})" if worker_index is not None else ""
-    )
-    return make_env_error(
-        f"{where} raised in {method}: {cause_text}", env_index, worker_index, method, original
-    )
-
-
-def mismatch_error(mismatch: tuple[int, str]) -> SpaceMismatchError:
-    """The error for ``EnvGroup.check_spaces``'s (env_index, description) of a mismatch."""
-    env_index, problem = mismatch
-    return SpaceMismatchError(
-        f"sub-environment {env_index} has another space than env 0: {problem}"
-    )
-
-
-def failure_error(failure: EnvFailure, note: str = "") -> EnvError:
-    """The :class:`EnvError` for an env that raised in this process (no worker index)."""
-    cause = failure.__cause__
-    text = f"{type(cause).__name__}: {cause}" + (f" ({note})" if note else "")
-    return env_error(failure.env_index, None, failure.method, text, cause)
-
-
-def start_error(error: RemoteError, worker_index: int) -> EnvfleetError:
-    """The error for a worker that could not build its envs: a :class:`ConfigError` raised
-    there (a factory that returned no ``gymnasium.Env``) as itself, else the env's
-    :class:`EnvError` (:func:`remote_env_error`)."""
-    if error.exception is not None:
-        with contextlib.suppress(Exception):
-            cause = pickle.loads(error.exception)
-            if isinstance(cause, ConfigError):
-                return cause
-    return remote_env_error(error, worker_index, "")
-
-
-def remote_env_error(error: RemoteError, worker_index: int, note: str) -> EnvError:
-    """The :class:`EnvError` for an env error reported by a worker: the remote exception
-    (unpickled, else rebuilt as a ``RuntimeError``) chained as ``__cause__``, with the remote
-    traceback as its own cause (:func:`envfleet._backends.workers.remote_cause`)."""
-    cause, original = remote_cause(error)
-    text = f"{error.type_name}: {error.message}" + (f" ({note})" if note else "")
-    exc = env_error(error.env_index, worker_index, error.method, text, original)
-    exc.__cause__ = cause
-    return exc
 
 
 class Backend(abc.ABC):

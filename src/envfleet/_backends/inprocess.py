@@ -12,17 +12,13 @@ from typing import Any
 import gymnasium
 import numpy as np
 
-from envfleet._backends.base import (
-    WorkerLayout,
-    failure_error,
-    mismatch_error,
-    run_command,
-)
+from envfleet._backends.base import WorkerLayout, run_command
 from envfleet._backends.rounds import Seen, StepAll
 from envfleet._backends.supervisor import Ledger, Round
 from envfleet._core.buffers import Block, allocate_batch
 from envfleet._core.envgroup import EnvFailure, EnvGroup
 from envfleet._core.errors import EnvCrashedError, EnvError
+from envfleet._core.failures import failure_error, mismatch_error
 from envfleet._core.protocol import Command
 from envfleet._core.stats import STATS_WORDS, StepTimer, StepTimeStats, step_time_table
 

@@ -31,7 +31,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
-from envfleet._backends.base import Backend, mismatch_error, start_error
+from envfleet._backends.base import Backend
 from envfleet._backends.supervisor import Ledger, Round, Supervisor
 from envfleet._core.buffers import Batch
 from envfleet._core.errors import (
@@ -41,6 +41,7 @@ from envfleet._core.errors import (
     StartTimeoutError,
     StepTimeoutError,
 )
+from envfleet._core.failures import mismatch_error, start_error
 from envfleet._core.protocol import Command
 from envfleet._core.stats import StepTimeStats
 

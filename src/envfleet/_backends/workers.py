@@ -6,9 +6,9 @@ Every worker process envfleet starts goes through these few functions:
 - :func:`die_with_parent`, called first thing in the worker, makes it exit when the driver
   dies, also when the driver is SIGKILLed (Linux's ``PR_SET_PDEATHSIG``);
 - :func:`remote_error` turns an exception raised in a worker into a picklable
-  :class:`~envfleet._core.protocol.RemoteError` that carries its traceback; the driver rebuilds it
-  (:func:`remote_cause`) and chains it as ``__cause__`` of the typed error it raises, as
-  ``concurrent.futures.ProcessPoolExecutor`` does;
+  :class:`~envfleet._core.protocol.RemoteError` that carries its traceback; the driver
+  rebuilds it (:func:`envfleet._core.failures.remote_cause`) and chains it as ``__cause__`` of
+  the typed error it raises, as ``concurrent.futures.ProcessPoolExecutor`` does;
 - :func:`watch` waits on many connections and process sentinels at once, with a deadline, and
   reports which processes died, with their exit codes (:func:`join_all` joins them all within
   one timeout).
@@ -33,7 +33,6 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from envfleet._core.envgroup import EnvFailure
-from envfleet._core.errors import RemoteTraceback
 from envfleet._core.protocol import Failure, RemoteError
 
 __all__ = [
@@ -42,7 +41,6 @@ __all__ = [
     "die_with_parent",
     "failure_reply",
     "join_all",
-    "remote_cause",
     "remote_error",
     "spawn",
     "watch",
@@ -116,25 +114,6 @@ def remote_error(failure: BaseException, env_index: int, method: str) -> RemoteE
 def failure_reply(error: RemoteError) -> Failure:
     """The reply of a worker whose command failed with one error."""
     return Failure([error])
-
-
-def remote_cause(error: RemoteError) -> tuple[BaseException, BaseException | None]:
-    """The driver's side of :func:`remote_error`: ``(cause, original)``.
-
-    ``cause`` is the remote exception unpickled (else a ``RuntimeError`` naming its type and
-    message), with the remote traceback as its ``__cause__``
-    (:class:`~envfleet._core.errors.RemoteTraceback`); chain it as ``__cause__`` of the error
-    raised. ``original`` is the unpickled exception, ``None`` when it did not unpickle.
-    """
-    cause: Any = None
-    if error.exception is not None:
-        with contextlib.suppress(Exception):
-            cause = pickle.loads(error.exception)
-    original = cause if isinstance(cause, BaseException) else None
-    if original is None:
-        cause = RuntimeError(f"{error.type_name}: {error.message}")
-    cause.__cause__ = RemoteTraceback(error.traceback)
-    return cause, original
 
 
 @dataclass(frozen=True)

@@ -11,9 +11,9 @@ from typing import Any
 import cloudpickle
 import gymnasium
 
-from envfleet._backends.base import env_error
 from envfleet._core.envgroup import not_an_env_error
 from envfleet._core.errors import ConfigError
+from envfleet._core.failures import env_error
 
 __all__ = [
     "EnvFactory",

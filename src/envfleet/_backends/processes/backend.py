@@ -39,12 +39,7 @@ from collections.abc import Sequence
 from multiprocessing.connection import Connection
 from typing import Any, cast
 
-from envfleet._backends.base import (
-    failure_error,
-    mismatch_error,
-    remote_env_error,
-    run_command,
-)
+from envfleet._backends.base import run_command
 from envfleet._backends.processes.doorbell import (
     TIGHT_SPIN_S,
     Doorbell,
@@ -76,6 +71,7 @@ from envfleet._core.buffers import Batch
 from envfleet._core.cores import usable_cores
 from envfleet._core.envgroup import EnvFailure, EnvGroup
 from envfleet._core.errors import ConfigError, EnvCrashedError, EnvError
+from envfleet._core.failures import failure_error, mismatch_error, remote_env_error
 from envfleet._core.protocol import Command, Failure, Status
 from envfleet._core.stats import StepTimer, StepTimeStats, step_time_table
 

@@ -37,10 +37,7 @@ import numpy as np
 import ray
 import ray.exceptions
 
-from envfleet._backends.base import (
-    EnvProbe,
-    remote_env_error,
-)
+from envfleet._backends.base import EnvProbe
 from envfleet._backends.ray.actor import ActorLayout, ActorSpec, RemoteWorker, Reply
 from envfleet._backends.ray.plan import RayPlan, plan_ray
 from envfleet._backends.rounds import RoundDriver, Seen, StepAll
@@ -51,6 +48,7 @@ from envfleet._core.errors import (
     EnvCrashedError,
     EnvError,
 )
+from envfleet._core.failures import remote_env_error
 from envfleet._core.protocol import Command, Failure, RemoteError, Status
 from envfleet._core.stats import STATS_WORDS, StepTimer, StepTimeStats, step_time_table
 from envfleet._core.trees import tree_slice, tree_write
