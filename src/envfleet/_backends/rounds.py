@@ -477,9 +477,11 @@ class RoundDriver(Backend):
         except StepTimeoutError as exc:
             if not at_start:
                 raise
+            envs = set(exc.env_indices)
+            late = [w for w, (a, b) in enumerate(self.ranges) if envs.intersection(range(a, b))]
             raise StartTimeoutError(
                 f"sub-environments {exc.env_indices} were not built within {timeout} s "
-                f"(start_timeout); their {transport.late_what} were killed",
+                f"(start_timeout); their {transport.late_what} {late} were killed",
                 exc.env_indices,
                 float(timeout if timeout is not None else 0.0),
             ) from None
