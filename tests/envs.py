@@ -11,6 +11,7 @@ the tests build the matching ``gymnasium.vector.SyncVectorEnv`` with
 
 from __future__ import annotations
 
+import ctypes
 import faulthandler
 import os
 import signal
@@ -899,7 +900,9 @@ class TypedRaisingEnv(IndexedEnv):
 class FaultEnv(gym.Env):
     """Env ``env_index`` does ``faults[env_index] = (how, at_step)`` at its ``at_step``-th
     step since make (``how``: as :func:`tests.envs.crash_process`, ``"sigkill"``,
-    ``"sleep:S"`` to sleep S seconds, or ``"raise"`` to raise ``ValueError`` once); every
+    ``"sleep:S"`` to sleep S seconds, ``"spin:S"`` to loop in Python for S seconds,
+    ``"null-write"`` to write at address 0 in C (a real SIGSEGV), or ``"raise"`` to raise
+    ``ValueError`` once); every
     other env behaves.
     Episodes never end."""
 
@@ -920,6 +923,12 @@ class FaultEnv(gym.Env):
             how = self.fault[0]
             if how.startswith("sleep:"):
                 time.sleep(float(how.split(":")[1]))
+            elif how.startswith("spin:"):  # busy in Python, not in a C call
+                end = time.monotonic() + float(how.split(":")[1])
+                while time.monotonic() < end:
+                    pass
+            elif how == "null-write":  # a real SIGSEGV in C, faulthandler left as it is
+                ctypes.memset(0, 0, 1)
             elif how == "sigkill":
                 os.kill(os.getpid(), signal.SIGKILL)
                 time.sleep(60)  # the signal is delivered before this returns

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import glob
 import os
+import tempfile
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -88,6 +90,8 @@ class Snapshot:
         assert not left, f"processes left behind: {left}"
         new_shm = set(os.listdir("/dev/shm")) - self.shm
         assert not new_shm, f"/dev/shm entries left behind: {sorted(new_shm)}"
+        stacks = glob.glob(os.path.join(tempfile.gettempdir(), f"envfleet-stacks-{os.getpid()}-*"))
+        assert not stacks, f"workers' stack files left behind: {stacks}"
 
 
 def wait_gone(pids: list[int], timeout: float) -> list[int]:

@@ -10,6 +10,7 @@ are hang guards and ``step_timeout`` values, never speed bounds.
 from __future__ import annotations
 
 import functools
+import inspect
 import multiprocessing
 import pickle
 import signal
@@ -19,7 +20,8 @@ import numpy as np
 import pytest
 
 import envfleet
-from tests.envs import CustomEnvException, TypedRaisingEnv, fault_factory
+from envfleet._core.stacks import innermost
+from tests.envs import CustomEnvException, FaultEnv, TypedRaisingEnv, fault_factory
 
 KINDS = {
     "value": ValueError,
@@ -133,3 +135,72 @@ def test_hung_env_is_a_step_timeout_error_naming_it(
     assert envs.closed
     if backend.workers == "processes":
         snapshot.assert_nothing_left()
+
+
+def _fault_lines(marker: str, count: int = 1) -> list[str]:
+    """``tests/envs.py:LINE`` of the line of FaultEnv.step that holds ``marker`` and of the
+    ``count - 1`` lines after it."""
+    lines, first = inspect.getsourcelines(FaultEnv.step)
+    offset = next(i for i, line in enumerate(lines) if marker in line)
+    path = inspect.getsourcefile(FaultEnv)
+    return [f"{path}:{first + offset + k}" for k in range(count)]
+
+
+@pytest.mark.backends("threads", "processes", "processes-spawn")
+@pytest.mark.per_backend(
+    "how", lambda backend: ["sleep"] if backend.workers == "threads" else ["sleep", "spin"]
+)
+def test_a_hung_envs_stack_comes_with_its_step_timeout(
+    make_env: Any, snapshot: Any, backend: Any, how: str
+) -> None:
+    """Issue 32 item 1: env 1 hangs in its third step, in a C call (``time.sleep``) or in a
+    Python loop; the StepTimeoutError carries the stacks of worker 1 taken before it was
+    killed (``err.stacks``), and its message names the env's innermost frame."""
+    envs = make_env(
+        fault_factory({1: (f"{how}:60", 3)}),
+        2,
+        **backend.options,
+        num_workers=2,
+        step_timeout=1.0,
+    )
+    envs.reset(seed=0)
+    for _ in range(2):
+        envs.step(_zeros(2))
+    with pytest.raises(envfleet.StepTimeoutError) as info:
+        envs.step(_zeros(2))
+    err = info.value
+    # A signal finds the Python loop on either of its two lines (the test, the body).
+    lines = (
+        _fault_lines("time.sleep(float")
+        if how == "sleep"
+        else _fault_lines("while time.monotonic()", 2)
+    )
+    assert list(err.stacks) == [1]
+    where = innermost(err.stacks[1])
+    assert where in [f"{line} in step" for line in lines]
+    assert f"worker 1 at {where}" in str(err)
+    assert err.stacks[1].startswith("Current thread") and "in step" in err.stacks[1]
+    if backend.workers == "processes":
+        snapshot.assert_nothing_left()  # no worker, and no stack file, left
+
+
+@pytest.mark.backends(processes=True)
+def test_a_segfaults_stack_comes_with_its_crash_error(
+    make_env: Any, snapshot: Any, backend: Any
+) -> None:
+    """Issue 32 item 2: env 1 writes at address 0 in its third step (a real SIGSEGV); the
+    EnvCrashedError carries what the worker's faulthandler wrote at the fault
+    (``err.stacks``), and its message names the env's innermost frame."""
+    envs = make_env(fault_factory({1: ("null-write", 3)}), 2, **backend.options, num_workers=2)
+    envs.reset(seed=0)
+    for _ in range(2):
+        envs.step(_zeros(2))
+    with pytest.raises(envfleet.EnvCrashedError) as info:
+        envs.step(_zeros(2))
+    err = info.value
+    [where] = _fault_lines("ctypes.memset(0, 0, 1)")
+    assert err.signal == signal.SIGSEGV and err.worker_index == 1
+    assert "Segmentation fault" in err.stacks
+    assert innermost(err.stacks) == f"{where} in step"
+    assert f"(at {where} in step)" in str(err)
+    snapshot.assert_nothing_left()

@@ -7,6 +7,7 @@ Real envs, real threads and worker processes, real hangs.
 
 from __future__ import annotations
 
+import inspect
 import threading
 import time
 from typing import Any
@@ -15,6 +16,7 @@ import numpy as np
 import pytest
 
 import envfleet
+from envfleet._core.stacks import innermost
 from tests.envs import FaultEnv
 
 
@@ -72,6 +74,13 @@ def test_start_timeout_bounds_a_hanging_constructor(
     assert time.monotonic() - start < 15.0
     assert info.value.env_indices == [2] and info.value.timeout == 2.0
     assert "2" in str(info.value) and "start_timeout" in str(info.value)
+    # Issue 32 item 1: the stack of the worker building env 2 (worker 2), its constructor's
+    # sleep innermost, taken before it was given up; the message names that frame.
+    lines, first = inspect.getsourcelines(StartEnv.__init__)
+    line = first + next(i for i, text in enumerate(lines) if "time.sleep(hang_s)" in text)
+    where = f"{inspect.getsourcefile(StartEnv)}:{line} in __init__"
+    assert list(info.value.stacks) == [2] and innermost(info.value.stacks[2]) == where
+    assert f"2 at {where}" in str(info.value)
     snapshot.assert_nothing_left()
 
 

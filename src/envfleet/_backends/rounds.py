@@ -27,6 +27,7 @@ round.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
@@ -43,9 +44,12 @@ from envfleet._core.errors import (
 )
 from envfleet._core.failures import mismatch_error, start_error
 from envfleet._core.protocol import Command
+from envfleet._core.stacks import innermost
 from envfleet._core.stats import StepTimeStats
 
 __all__ = ["RoundDriver", "Seen", "Transport"]
+
+logger = logging.getLogger("envfleet")
 
 _STEP, _RESTART = Command.STEP, Command.RESTART
 
@@ -87,7 +91,10 @@ class Transport(Protocol):
         spun_s: seconds :attr:`step_all` spun on the first reply it left to :meth:`wait`
             (which counts them, then sets ``None``).
 
-    A transport whose groups run here may also offer ``run_here(command, payloads)``:
+    A transport may also offer ``stacks(workers)``: each worker's threads' stacks, taken
+    now, before a hung worker is killed (worker -> text in faulthandler's format; processes
+    and threads do). A transport whose groups run here may offer
+    ``run_here(command, payloads)``:
     :meth:`send` then :meth:`read` of each group in one call, returning ``(results,
     failures)`` (the in-process transports do: one call a group instead of two).
     """
@@ -479,11 +486,20 @@ class RoundDriver(Backend):
                 raise
             envs = set(exc.env_indices)
             late = [w for w, (a, b) in enumerate(self.ranges) if envs.intersection(range(a, b))]
+            where = next(
+                (
+                    f" (worker {w} at {innermost(exc.stacks[w])})"
+                    for w in late
+                    if w in exc.stacks and innermost(exc.stacks[w])
+                ),
+                "",
+            )
             raise StartTimeoutError(
                 f"sub-environments {exc.env_indices} were not built within {timeout} s "
-                f"(start_timeout); their {transport.late_what} {late} were killed",
+                f"(start_timeout){where}; their {transport.late_what} {late} were killed",
                 exc.env_indices,
                 float(timeout if timeout is not None else 0.0),
+                exc.stacks,
             ) from None
         _check_built(done)
         for w in sorted(done.results):
@@ -500,10 +516,24 @@ class RoundDriver(Backend):
     ) -> EnvCrashedError:
         return self.transport.crash_error(w, step, note, reason, starting)
 
+    def stacks(self, workers: list[int]) -> dict[int, str]:
+        """Each of ``workers``' stacks, taken now (the transport's ``stacks``, where it has
+        one: processes and threads), worker -> text."""
+        take = getattr(self.transport, "stacks", None)
+        return take(workers) if take is not None else {}
+
     def replace_workers(
         self, workers: list[int], done: Round, timeout: float | None, step: int
     ) -> None:
         others = [w for w in self._pending if w not in workers]  # a pool's, still running
+        late = [w for w in workers if w not in done.crashed]
+        for w, text in self.stacks(late).items():
+            logger.warning(
+                "worker %d did not answer in time%s; its stacks before it was killed:\n%s",
+                w,
+                f" (at {innermost(text)})" if innermost(text) else "",
+                text,
+            )
         for w in workers:
             self.transport.respawn(w, done.crashed.get(w, "late"))
         try:

@@ -35,6 +35,7 @@ from envfleet._core.errors import (
     StepTimeoutError,
 )
 from envfleet._core.protocol import Command, Failure, InfoEvent, RestartRequest
+from envfleet._core.stacks import innermost
 from envfleet._core.stats import FleetStats, StepTimeStats
 
 logger = logging.getLogger("envfleet")
@@ -323,6 +324,10 @@ class Supervised(Protocol):
         ``starting``); ``reason``: what :class:`Round` noted."""
         ...
 
+    def stacks(self, workers: list[int]) -> dict[int, str]:
+        """Each hung worker's stacks (:mod:`envfleet._core.stacks`), where they can be taken."""
+        ...
+
     def replace_workers(
         self, workers: list[int], done: Round, timeout: float | None, step: int
     ) -> None:
@@ -424,13 +429,23 @@ class Supervisor:
         if not counted:
             self.ledger.timeouts += 1
         envs = [e for w in late for e in range(*backend.ranges[w])]
+        stacks = backend.stacks(late)  # before they are killed
+        where = next(
+            (
+                f" (worker {w} at {innermost(stacks[w])})"
+                for w in late
+                if w in stacks and innermost(stacks[w])
+            ),
+            "",
+        )
         backend.close(timeout=0, terminate=True)
         raise StepTimeoutError(
             f"{backend.late_what} {late} (sub-environments {envs}) did not answer within "
-            f"{timeout} s; {note + '; ' if note else ''}{backend.late_fate} and the vector "
-            "env closed",
+            f"{timeout} s{where}; {note + '; ' if note else ''}{backend.late_fate} and the "
+            "vector env closed",
             envs,
             float(timeout if timeout is not None else 0.0),
+            stacks,
         ) from None
 
     # -- after a round ------------------------------------------------------------------------

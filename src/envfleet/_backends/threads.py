@@ -40,6 +40,7 @@ from envfleet._core.cores import usable_cores
 from envfleet._core.envgroup import EnvFailure, EnvGroup
 from envfleet._core.errors import StartTimeoutError
 from envfleet._core.protocol import Command
+from envfleet._core.stacks import format_frames, innermost
 
 __all__ = ["DEFAULT_CLOSE_TIMEOUT", "ThreadsTransport", "serialize_gfxdraw"]
 
@@ -175,11 +176,15 @@ class ThreadsTransport(InProcessTransport):
         self.groups = [g for g in built if g is not None]
         if late:
             envs = [e for w in late for e in range(building[w], self.ranges[w][1])]
+            stacks = _thread_stacks({w: threads[w] for w in late})
+            where = innermost(stacks[late[0]]) if late[0] in stacks else None
             raise StartTimeoutError(
-                f"sub-environments {envs} were not built within {timeout} s (start_timeout); "
+                f"sub-environments {envs} were not built within {timeout} s (start_timeout)"
+                f"{f' (thread {late[0]} at {where})' if where else ''}; "
                 f"a thread cannot be killed: threads {late} were left behind",
                 envs,
                 cast(float, timeout),
+                stacks,
             )
         if errors:
             raise errors[min(errors)]
@@ -231,6 +236,10 @@ class ThreadsTransport(InProcessTransport):
                 break
         return Seen([w for w in workers if w in replies])
 
+    def stacks(self, workers: list[int]) -> dict[int, str]:
+        """The stack of each worker's thread, now (worker -> faulthandler's format)."""
+        return _thread_stacks({w: self._threads[w] for w in workers if w in self._threads})
+
     def _take(self, reply: _Reply) -> None:
         w, result, failure = reply
         self._replies[w] = (result, failure)
@@ -275,6 +284,16 @@ class ThreadsTransport(InProcessTransport):
         if hung:
             logger.warning("%s still running after the close timeout; left behind", hung)
         self.groups = []
+
+
+def _thread_stacks(threads: dict[int, threading.Thread]) -> dict[int, str]:
+    """Worker -> the stack of its thread, now, in faulthandler's format (innermost first)."""
+    frames = sys._current_frames()
+    return {
+        w: format_frames(frames[thread.ident], thread.ident)
+        for w, thread in threads.items()
+        if thread.ident is not None and thread.ident in frames
+    }
 
 
 # -- registration (envfleet._backends.registry) ----------------------------------------------

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import multiprocessing
 import signal as _signal
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import gymnasium.error
@@ -254,6 +254,10 @@ class EnvCrashedError(EnvfleetError):
         exitcode: the process exit code (negative: killed by signal ``-exitcode``).
         signal: the signal number that killed it, or ``None``.
         step: how many ``step`` calls the vector env had completed when the crash was seen.
+        stacks: for a worker process killed by a fatal signal (SIGSEGV, SIGBUS, SIGFPE,
+            SIGILL, SIGABRT), what its faulthandler wrote: every thread's stack at the fault,
+            innermost frame first (the message names the env's innermost frame); ``""`` for a
+            death that leaves none (SIGKILL, ``os._exit``) and on Ray.
     """
 
     def __init__(
@@ -264,8 +268,10 @@ class EnvCrashedError(EnvfleetError):
         worker_index: int,
         exitcode: int | None,
         step: int,
+        stacks: str = "",
     ):
         super().__init__(message)
+        self.stacks = stacks
         self.env_indices = list(env_indices)
         self.env_index = self.env_indices[0] if self.env_indices else -1
         self.worker_index = worker_index
@@ -284,12 +290,22 @@ class StepTimeoutError(EnvfleetError, multiprocessing.TimeoutError):
     Attributes:
         env_indices: the sub-environments whose workers had not answered.
         timeout: the timeout that expired, in seconds.
+        stacks: worker index -> the stacks of its threads, taken just before it was killed
+            (faulthandler's format, innermost frame first; the message names the env's
+            innermost frame). Empty where the backend cannot take them (``serial``, ``ray``).
     """
 
-    def __init__(self, message: str, env_indices: Sequence[int], timeout: float):
+    def __init__(
+        self,
+        message: str,
+        env_indices: Sequence[int],
+        timeout: float,
+        stacks: Mapping[int, str] | None = None,
+    ):
         super().__init__(message)
         self.env_indices = list(env_indices)
         self.timeout = timeout
+        self.stacks = dict(stacks or {})
 
 
 class StartTimeoutError(EnvfleetError, multiprocessing.TimeoutError):
@@ -303,12 +319,21 @@ class StartTimeoutError(EnvfleetError, multiprocessing.TimeoutError):
         env_indices: the sub-environments not built in time (with ``threads``, the one each
             late thread was building and those after it in its block).
         timeout: the ``start_timeout`` that expired, in seconds.
+        stacks: worker index -> the stacks of its threads when it was given up, as
+            :attr:`StepTimeoutError.stacks`.
     """
 
-    def __init__(self, message: str, env_indices: Sequence[int], timeout: float):
+    def __init__(
+        self,
+        message: str,
+        env_indices: Sequence[int],
+        timeout: float,
+        stacks: Mapping[int, str] | None = None,
+    ):
         super().__init__(message)
         self.env_indices = list(env_indices)
         self.timeout = timeout
+        self.stacks = dict(stacks or {})
 
 
 class AlreadyPendingCallError(EnvfleetError, gymnasium.error.AlreadyPendingCallError):

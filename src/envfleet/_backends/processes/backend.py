@@ -313,6 +313,9 @@ class ProcessesTransport:
     def respawn(self, g: int, reason: str) -> None:
         self.workers.respawn(g, reason)
 
+    def stacks(self, workers: list[int]) -> dict[int, str]:
+        return self.workers.stacks(workers)
+
     def lay_out(self, workers: list[int], probe: Any) -> bool:
         return self.workers.lay_out(workers, probe)
 

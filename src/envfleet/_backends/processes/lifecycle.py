@@ -19,6 +19,8 @@ import multiprocessing
 import multiprocessing.sharedctypes
 import os
 import pickle
+import tempfile
+import time
 from collections.abc import Sequence
 from multiprocessing import reduction
 from multiprocessing.connection import Connection
@@ -37,6 +39,7 @@ from envfleet._backends.processes.worker import (
     IN_REGION,
     MAILBOX_BYTES,
     NEW_REGION,
+    STACKS_SIGNAL,
     WORDS,
     GroupLayout,
     WorkerSpec,
@@ -57,6 +60,7 @@ from envfleet._core.errors import (
     describe_exitcode,
 )
 from envfleet._core.protocol import Command
+from envfleet._core.stacks import innermost
 from envfleet._core.stats import STATS_WORDS
 
 __all__ = ["DEFAULT_CLOSE_TIMEOUT", "WorkerProcesses"]
@@ -64,6 +68,8 @@ __all__ = ["DEFAULT_CLOSE_TIMEOUT", "WorkerProcesses"]
 logger = logging.getLogger("envfleet")
 
 DEFAULT_CLOSE_TIMEOUT = 5.0  # seconds for workers to close their envs before being terminated
+STACKS_WAIT_S = 2.0  # the most seconds a hung worker gets to write its stacks
+STACKS_POLL_S = 0.01  # seconds between looks at a stack file being written
 _KILL_GRACE = 1.0  # seconds between SIGTERM and SIGKILL
 
 
@@ -127,6 +133,8 @@ class WorkerProcesses:
         self.conns: list[Connection | None] = [None] * groups
         self.regions: list[mmap.mmap | None] = [None] * groups
         self.doorbells: list[Doorbell | None] = [None] * groups
+        # Per worker, the file its faulthandler writes its stacks to (removed at close).
+        self._stack_paths: list[str | None] = [None] * groups
         self.closed = False
 
     def _lay_out(self, layout: WorkerLayout, block: Block) -> None:
@@ -170,6 +178,7 @@ class WorkerProcesses:
             spin_s=self._worker_spin_s,
             parent_pid=os.getpid(),
             start_method=self._ctx.get_start_method(),
+            stacks_path=self._new_stack_path(g),
         )
         parent_conn, child_conn = self._ctx.Pipe(duplex=True)
         proc = spawn(
@@ -225,11 +234,65 @@ class WorkerProcesses:
             return read_region(self.regions[g], blob)
         return pickle.loads(blob)
 
+    def _new_stack_path(self, g: int) -> str:
+        """A new, empty file for worker ``g``'s stacks (the old one removed)."""
+        self._remove_stack_path(g)
+        fd, path = tempfile.mkstemp(prefix=f"envfleet-stacks-{os.getpid()}-{g}-", suffix=".txt")
+        os.close(fd)
+        self._stack_paths[g] = path
+        return path
+
+    def _remove_stack_path(self, g: int) -> None:
+        path, self._stack_paths[g] = self._stack_paths[g], None
+        if path is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+
+    def stacks(self, workers: list[int], wait_s: float = STACKS_WAIT_S) -> dict[int, str]:
+        """Ask each live worker of ``workers`` for its stacks (:data:`STACKS_SIGNAL`, which
+        its faulthandler answers in its file) and read them: worker -> text, for those that
+        wrote within ``wait_s`` seconds (a worker whose dump is still growing is read again
+        until it stops). A worker not yet watching the signal (one still starting) dies of
+        it: it was about to be killed."""
+        asked: dict[int, str] = {}
+        for g in workers:
+            proc, path = self.procs[g], self._stack_paths[g]
+            if proc is None or path is None or not proc.is_alive():
+                continue
+            with contextlib.suppress(OSError):
+                os.truncate(path, 0)  # the worker appends: its dump starts at 0
+                os.kill(proc.pid, STACKS_SIGNAL)
+                asked[g] = path
+        found: dict[int, str] = {}
+        sizes: dict[int, int] = {}
+        deadline = time.monotonic() + wait_s
+        while asked and time.monotonic() < deadline:
+            for g, path in list(asked.items()):
+                with contextlib.suppress(OSError):
+                    size = os.path.getsize(path)
+                    if size and sizes.get(g) == size:  # written, and no longer growing
+                        with open(path, encoding="utf-8", errors="replace") as f:
+                            found[g] = f.read()
+                        del asked[g]
+                    sizes[g] = size
+                if not self.procs[g].is_alive():
+                    asked.pop(g, None)
+            time.sleep(STACKS_POLL_S)
+        return found
+
     def respawn(self, g: int, reason: str) -> None:
         """Kill worker ``g`` (dead or hung: ``reason`` is ``"late"``) and start a new one for
         the same envs."""
         why = "did not answer in time" if reason == "late" else "died"
-        logger.warning("worker %d %s; restarting it and its envs", g, why)
+        stacks = self.crash_stacks(g) if reason != "late" else ""
+        where = innermost(stacks) if stacks else None
+        logger.warning(
+            "worker %d %s%s; restarting it and its envs%s",
+            g,
+            why,
+            f" (at {where})" if where else "",
+            f"; its stacks when it died:\n{stacks}" if stacks else "",
+        )
         proc = self.procs[g]
         if proc.is_alive():
             proc.kill()
@@ -253,15 +316,32 @@ class WorkerProcesses:
         proc.join(_KILL_GRACE)
         exitcode = proc.exitcode
         start, stop = self.ranges[w]
+        stacks = self.crash_stacks(w)
+        where = innermost(stacks) if stacks else None
         return EnvCrashedError(
             f"worker {w} (sub-environments {start}..{stop - 1}) died with "
-            f"{describe_exitcode(exitcode)} after {step} steps; "
+            f"{describe_exitcode(exitcode)} after {step} steps"
+            f"{f' (at {where})' if where else ''}; "
             f"{note + '; ' if note else ''}the vector env was closed",
             env_indices=range(start, stop),
             worker_index=w,
             exitcode=exitcode,
             step=step,
+            stacks=stacks,
         )
+
+    def crash_stacks(self, g: int) -> str:
+        """What worker ``g``'s faulthandler wrote when it died of a fatal signal (SIGSEGV,
+        SIGBUS, SIGFPE, SIGILL, SIGABRT): every thread's stack, innermost first; ``""`` for a
+        death that leaves none (SIGKILL, ``os._exit``)."""
+        path = self._stack_paths[g]
+        if path is None:
+            return ""
+        try:
+            with open(path, encoding="utf-8", errors="replace") as f:
+                return f.read()
+        except OSError:
+            return ""
 
     def disown(self) -> None:
         # multiprocessing's exit handler terminates the daemonic processes it counts as this
@@ -312,6 +392,8 @@ class WorkerProcesses:
         for proc in procs:
             with contextlib.suppress(ValueError):
                 proc.close()
+        for g in range(len(self._stack_paths)):
+            self._remove_stack_path(g)
         if self._block_fd is not None:  # the block stays mapped while the driver uses it
             os.close(self._block_fd)
             self._block_fd = None

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import faulthandler
 import functools
 import mmap
 import os
@@ -53,8 +54,11 @@ from envfleet._core.envgroup import EnvFailure, EnvGroup, PartialFailure
 from envfleet._core.protocol import Command, Failure, Status
 from envfleet._core.stats import BUCKETS_PER_OCTAVE, NUM_BUCKETS, STATS_WORDS, StepTimer
 
+STACKS_SIGNAL = signal.SIGUSR1  # asks a worker for its stacks (watch_stacks)
+
 __all__ = [
     "CMD",
+    "STACKS_SIGNAL",
     "CMD_PAYLOAD",
     "GROUP_BYTES",
     "GroupLayout",
@@ -78,6 +82,7 @@ __all__ = [
     "send_block",
     "stats_rows",
     "word_view",
+    "watch_stacks",
     "worker_main",
 ]
 
@@ -173,6 +178,22 @@ class WorkerSpec:
     spin_s: float
     parent_pid: int
     start_method: str
+    stacks_path: str | None = None  # where faulthandler writes this worker's stacks
+
+
+def watch_stacks(path: str | None) -> Any:
+    """Have :mod:`faulthandler` write every thread's stack to ``path`` (appending) when this
+    process gets :data:`STACKS_SIGNAL` (the driver asks before it kills a hung worker) and
+    when it dies of a fatal signal (SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGABRT: it then dies of
+    that signal still). The dump runs in the signal handler, in C: a worker stuck in C code
+    (``time.sleep``, a socket read, a simulator) still shows the Python frame that called it.
+    Returns the open file (kept for the process's life), ``None`` without a path."""
+    if path is None:
+        return None
+    out = open(path, "a", encoding="utf-8")  # noqa: SIM115  (open until the process exits)
+    faulthandler.enable(out, all_threads=True)
+    faulthandler.register(STACKS_SIGNAL, out, all_threads=True, chain=False)
+    return out
 
 
 def _anonymous_file(name: str, nbytes: int) -> int:
@@ -441,6 +462,7 @@ def worker_main(spec: WorkerSpec, conn: Connection, parent_conn: Connection) -> 
     parent_conn.close()  # inherited under fork; only the driver may hold it
     die_with_parent(spec.parent_pid, spec.start_method)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the driver's to handle
+    stacks = watch_stacks(spec.stacks_path)  # noqa: F841  (its file stays open)
     worker = _Worker(spec, conn)
     group: EnvGroup | None = None
     built: list[gymnasium.Env[Any, Any]] = []

@@ -1,0 +1,50 @@
+"""Stacks of a hung or crashed worker, as text (DESIGN §4: finding the cause).
+
+One format for every backend: :mod:`faulthandler`'s, every thread with its Python frames,
+innermost first::
+
+    Current thread 0x00007f... (most recent call first):
+      File "/path/to/env.py", line 42 in step
+      File ".../envfleet/_core/envgroup.py", line 310 in step
+      ...
+
+A worker process writes it itself (``faulthandler`` on a signal, and at a fatal signal);
+a thread's stack is formatted here from its frame (:func:`format_frames`).
+:func:`innermost` names the innermost frame of the thread that ran the env, for a message.
+"""
+
+from __future__ import annotations
+
+import re
+import types
+
+__all__ = ["format_frames", "innermost"]
+
+_FRAME = re.compile(r'^\s+File "(?P<file>.*)", line (?P<line>\d+) in (?P<function>.*)$')
+
+
+def format_frames(frame: types.FrameType | None, ident: int, current: bool = True) -> str:
+    """The stack of ``frame`` (a thread's innermost frame) in faulthandler's format: its
+    header (``Current thread``, or ``Thread`` when ``current`` is false) and one line per
+    frame, innermost first."""
+    head = "Current thread" if current else "Thread"
+    lines = [f"{head} 0x{ident:016x} (most recent call first):"]
+    while frame is not None:
+        code = frame.f_code
+        lines.append(f'  File "{code.co_filename}", line {frame.f_lineno} in {code.co_name}')
+        frame = frame.f_back
+    return "\n".join(lines) + "\n"
+
+
+def innermost(stacks: str) -> str | None:
+    """``file:line in function`` of the innermost frame of the thread that ran the env: the
+    ``Current thread`` block's first frame (the thread a signal interrupted: a worker's main
+    thread, which runs its envs), else the first frame of the text; ``None`` without one."""
+    blocks = stacks.split("\n\n")
+    chosen = [b for b in blocks if b.lstrip().startswith("Current thread")] or blocks
+    for block in chosen:
+        for line in block.splitlines():
+            match = _FRAME.match(line)
+            if match:
+                return f"{match['file']}:{match['line']} in {match['function']}"
+    return None
