@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import gc
+import logging
 import multiprocessing
 import os
 import signal
@@ -390,13 +391,20 @@ def test_close_with_hanging_step_pending(snapshot, terminate):
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("how", ["hang", "hang-ignore-term", "segfault", "exit"])
-def test_close_is_bounded_when_an_env_misbehaves_in_close(snapshot, how):
+def test_close_is_bounded_when_an_env_misbehaves_in_close(snapshot, caplog, how):
     factory = functools.partial(CrashEnv, crash_index=1, how=how, crash_in="close")
     envs = envfleet.make(factory, 3, backend="processes", num_workers=2)
     envs.reset(seed=0)
     envs.step(_zeros(3))
-    envs.close(timeout=1.0)
+    with caplog.at_level(logging.WARNING, logger="envfleet"):
+        envs.close(timeout=1.0)
     assert envs.closed
+    if how.startswith("hang"):
+        # Issue 32 item 1: a close that times out logs the hung worker's stacks first.
+        [record] = [r for r in caplog.records if "did not close its envs" in r.getMessage()]
+        text = record.getMessage()
+        assert text.startswith("worker 0 did not close its envs within 1 s (at ")  # envs 0, 1
+        assert "in crash_process" in text and "in close" in text
     snapshot.assert_nothing_left()
 
 

@@ -375,7 +375,19 @@ class WorkerProcesses:
                     self.control[g, CMD_PAYLOAD] = 0
                     cast(Doorbell, self.doorbells[g]).ring_request()
         if graceful:
-            join_all(procs, DEFAULT_CLOSE_TIMEOUT if timeout is None else timeout)
+            limit = DEFAULT_CLOSE_TIMEOUT if timeout is None else timeout
+            join_all(procs, limit)
+            hung = [g for g, p in enumerate(self.procs) if p is not None and p.is_alive()]
+            for g, text in self.stacks(hung).items():
+                where = innermost(text)
+                logger.warning(
+                    "worker %d did not close its envs within %g s%s; terminating it. Its "
+                    "stacks:\n%s",
+                    g,
+                    limit,
+                    f" (at {where})" if where else "",
+                    text,
+                )
         for proc in procs:
             if proc.is_alive():
                 proc.terminate()
