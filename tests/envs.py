@@ -945,3 +945,38 @@ def fault_factory(faults: dict[int, tuple[str, int]]) -> Any:
         return FaultEnv(env_index, faults)
 
     return factory
+
+
+class MemoryHogEnv(gym.Env):
+    """Env ``hog_index`` takes ``mb`` MiB of resident memory in its first step, then SIGKILLs
+    its own process in step ``kill_at`` (as the OOM killer would); every step sleeps
+    ``step_s`` seconds. Only for the processes backend."""
+
+    def __init__(
+        self,
+        env_index: int = 0,
+        hog_index: int = 1,
+        mb: int = 256,
+        kill_at: int = 20,
+        step_s: float = 0.02,
+    ):
+        self.env_index, self.hog, self.mb = env_index, env_index == hog_index, mb
+        self.kill_at, self.step_s = kill_at, step_s
+        self.observation_space = spaces.Box(-1.0, 1.0, (2,), np.float32)
+        self.action_space = spaces.Discrete(2)
+        self._steps = 0
+        self._held: np.ndarray | None = None
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
+        super().reset(seed=seed)
+        return np.zeros(2, np.float32), {}
+
+    def step(self, action: Any):
+        self._steps += 1
+        time.sleep(self.step_s)
+        if self.hog and self._steps == 1:
+            self._held = np.ones(self.mb * 2**20, dtype=np.uint8)  # every page touched
+        if self.hog and self._steps == self.kill_at:
+            os.kill(os.getpid(), signal.SIGKILL)
+            time.sleep(60)  # the signal is delivered before this returns
+        return np.zeros(2, np.float32), 0.0, False, False, {}

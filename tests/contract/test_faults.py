@@ -20,8 +20,15 @@ import numpy as np
 import pytest
 
 import envfleet
+from envfleet._backends import workers
 from envfleet._core.stacks import innermost
-from tests.envs import CustomEnvException, FaultEnv, TypedRaisingEnv, fault_factory
+from tests.envs import (
+    CustomEnvException,
+    FaultEnv,
+    MemoryHogEnv,
+    TypedRaisingEnv,
+    fault_factory,
+)
 
 KINDS = {
     "value": ValueError,
@@ -203,4 +210,25 @@ def test_a_segfaults_stack_comes_with_its_crash_error(
     assert "Segmentation fault" in err.stacks
     assert innermost(err.stacks) == f"{where} in step"
     assert f"(at {where} in step)" in str(err)
+    snapshot.assert_nothing_left()
+
+
+@pytest.mark.backends(processes=True)
+def test_a_sigkilled_worker_is_reported_with_its_last_memory(
+    make_env: Any, snapshot: Any, backend: Any, monkeypatch: Any
+) -> None:
+    """Issue 32 item 2: env 1 takes 256 MiB, then is SIGKILLed (the OOM killer's way, which
+    leaves no stack); the EnvCrashedError gives the worker's resident memory last seen."""
+    monkeypatch.setattr(workers, "RSS_PERIOD_S", 0.05)  # the driver's sampling thread
+    envs = make_env(
+        functools.partial(MemoryHogEnv, mb=256, kill_at=20), 2, **backend.options, num_workers=2
+    )
+    envs.reset(seed=0)
+    with pytest.raises(envfleet.EnvCrashedError) as info:
+        for _ in range(20):
+            envs.step(_zeros(2))
+    err = info.value
+    assert err.signal == signal.SIGKILL and err.stacks == ""
+    assert err.rss_bytes is not None and err.rss_bytes >= 256 * 2**20
+    assert "its resident memory last seen: " in str(err)
     snapshot.assert_nothing_left()

@@ -11,7 +11,9 @@ Every worker process envfleet starts goes through these few functions:
   the typed error it raises, as ``concurrent.futures.ProcessPoolExecutor`` does;
 - :func:`watch` waits on many connections and process sentinels at once, with a deadline, and
   reports which processes died, with their exit codes (:func:`join_all` joins them all within
-  one timeout).
+  one timeout);
+- :class:`MemoryWatch` samples the workers' resident memory in the background, so that a
+  worker SIGKILLed (the OOM killer's way) is reported with the last memory seen.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import os
 import pickle
 import signal
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -32,11 +35,14 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
 
+import psutil
+
 from envfleet._core.envgroup import EnvFailure
 from envfleet._core.protocol import Failure, RemoteError
 
 __all__ = [
     "Exit",
+    "MemoryWatch",
     "Watch",
     "die_with_parent",
     "failure_reply",
@@ -176,3 +182,58 @@ def join_all(procs: Sequence[Any], timeout: float) -> None:
     for proc in procs:  # reap what exited (sets exitcode)
         if not proc.is_alive():
             proc.join(0)
+
+
+RSS_PERIOD_S = 1.0  # seconds between two samples of the workers' resident memory
+
+
+class MemoryWatch:
+    """Each worker process's resident memory, sampled every :data:`RSS_PERIOD_S` seconds by
+    a daemon thread (psutil; a sample costs a few microseconds a worker), so that the last
+    value seen before a worker died is known (:meth:`last`).
+
+    Call :meth:`watch` with each worker's pid as it starts, :meth:`start` once the first
+    workers are spawned, and :meth:`stop` at close.
+    """
+
+    def __init__(self) -> None:
+        self._pids: dict[int, int] = {}  # worker -> pid
+        self._last: dict[int, tuple[int, float]] = {}  # worker -> (bytes, monotonic time)
+        self._stopped = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def watch(self, w: int, pid: int) -> None:
+        """Sample worker ``w`` (process ``pid``) from now on (a new pid forgets the old)."""
+        self._pids[w] = pid
+        self._last.pop(w, None)
+
+    def start(self) -> None:
+        """Start sampling, once the first workers are spawned (fork is simplest from a
+        process with one thread)."""
+        if self._thread is None and not self._stopped.is_set():
+            self._thread = threading.Thread(target=self._run, name="envfleet-memory", daemon=True)
+            self._thread.start()
+
+    def last(self, w: int) -> tuple[int, float] | None:
+        """Worker ``w``'s last sample: (resident bytes, ``time.monotonic()`` when taken)."""
+        return self._last.get(w)
+
+    def sample(self) -> None:
+        """Sample every watched worker now."""
+        for w, pid in list(self._pids.items()):
+            with contextlib.suppress(psutil.Error):
+                rss = psutil.Process(pid).memory_info().rss
+                # A zombie (dead, not yet reaped) reads 0: the last live sample stands.
+                if rss and self._pids.get(w) == pid:
+                    self._last[w] = (int(rss), time.monotonic())
+
+    def stop(self) -> None:
+        """End the sampling thread (bounded: it wakes within one period)."""
+        self._stopped.set()
+        thread, self._thread = self._thread, None
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(RSS_PERIOD_S + 1.0)
+
+    def _run(self) -> None:
+        while not self._stopped.wait(RSS_PERIOD_S):
+            self.sample()

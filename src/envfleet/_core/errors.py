@@ -258,6 +258,9 @@ class EnvCrashedError(EnvfleetError):
             SIGILL, SIGABRT), what its faulthandler wrote: every thread's stack at the fault,
             innermost frame first (the message names the env's innermost frame); ``""`` for a
             death that leaves none (SIGKILL, ``os._exit``) and on Ray.
+        rss_bytes: the worker process's resident memory when last seen (sampled about once
+            a second), ``None`` where unknown; a SIGKILL's message gives it (the OOM killer
+            kills so).
     """
 
     def __init__(
@@ -269,9 +272,11 @@ class EnvCrashedError(EnvfleetError):
         exitcode: int | None,
         step: int,
         stacks: str = "",
+        rss_bytes: int | None = None,
     ):
         super().__init__(message)
         self.stacks = stacks
+        self.rss_bytes = rss_bytes
         self.env_indices = list(env_indices)
         self.env_index = self.env_indices[0] if self.env_indices else -1
         self.worker_index = worker_index

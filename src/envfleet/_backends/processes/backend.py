@@ -141,6 +141,7 @@ class ProcessesTransport:
         try:
             for g in self.remote:
                 workers.start(g)
+            workers.memory.start()
             if driver_group:
                 # Built while the workers build theirs; env 0 is the one make() already built.
                 env0, first_env = first_env, None  # the group owns it now

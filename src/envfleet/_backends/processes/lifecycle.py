@@ -19,6 +19,7 @@ import multiprocessing
 import multiprocessing.sharedctypes
 import os
 import pickle
+import signal
 import tempfile
 import time
 from collections.abc import Sequence
@@ -53,7 +54,7 @@ from envfleet._backends.processes.worker import (
     worker_main,
 )
 from envfleet._backends.registry import BuildRequest
-from envfleet._backends.workers import join_all, spawn
+from envfleet._backends.workers import MemoryWatch, join_all, spawn
 from envfleet._core.buffers import Batch, Block, allocate_batch
 from envfleet._core.errors import (
     EnvCrashedError,
@@ -135,6 +136,7 @@ class WorkerProcesses:
         self.doorbells: list[Doorbell | None] = [None] * groups
         # Per worker, the file its faulthandler writes its stacks to (removed at close).
         self._stack_paths: list[str | None] = [None] * groups
+        self.memory = MemoryWatch()  # each worker's resident memory, for a SIGKILL's report
         self.closed = False
 
     def _lay_out(self, layout: WorkerLayout, block: Block) -> None:
@@ -186,6 +188,7 @@ class WorkerProcesses:
         )
         child_conn.close()
         self.procs[g], self.conns[g], self.doorbells[g] = proc, parent_conn, doorbell
+        self.memory.watch(g, proc.pid)
 
     def lay_out(self, workers: list[int], probe: Any) -> bool:
         """After the ``READY`` replies of ``workers``, just spawned: a worker spawned without
@@ -317,17 +320,25 @@ class WorkerProcesses:
         exitcode = proc.exitcode
         start, stop = self.ranges[w]
         stacks = self.crash_stacks(w)
-        where = innermost(stacks) if stacks else None
+        where = f" (at {innermost(stacks)})" if stacks and innermost(stacks) else ""
+        seen = self.memory.last(w)
+        rss = seen[0] if seen is not None else None
+        if exitcode == -signal.SIGKILL and seen is not None:
+            # The OOM killer's way: say how much memory the worker held when last seen.
+            where = (
+                f" (its resident memory last seen: {seen[0] / 2**20:.1f} MiB, "
+                f"{max(0.0, time.monotonic() - seen[1]):.1f} s before)"
+            )
         return EnvCrashedError(
             f"worker {w} (sub-environments {start}..{stop - 1}) died with "
-            f"{describe_exitcode(exitcode)} after {step} steps"
-            f"{f' (at {where})' if where else ''}; "
+            f"{describe_exitcode(exitcode)} after {step} steps{where}; "
             f"{note + '; ' if note else ''}the vector env was closed",
             env_indices=range(start, stop),
             worker_index=w,
             exitcode=exitcode,
             step=step,
             stacks=stacks,
+            rss_bytes=rss,
         )
 
     def crash_stacks(self, g: int) -> str:
@@ -350,7 +361,7 @@ class WorkerProcesses:
         if children is not None:
             for proc in self.procs:
                 children.discard(proc)
-        self.closed = True
+        self.closed = True  # (the maker's memory thread did not survive the fork)
 
     def close(self, timeout: float | None, terminate: bool, busy: Sequence[int]) -> None:
         """Close in three bounded phases: ask, terminate, kill.
@@ -364,6 +375,7 @@ class WorkerProcesses:
         if self.closed:
             return
         self.closed = True
+        self.memory.stop()
         procs = [p for p in self.procs if p is not None]
         graceful = not terminate and not busy
         if busy and not terminate:
