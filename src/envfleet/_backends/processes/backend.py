@@ -91,8 +91,8 @@ class ProcessesTransport:
         request: make()'s :class:`BuildRequest`: the factories (cloudpickled), the start
             method, the ledger (with a restart policy, failed envs and dead or hung workers
             are rebuilt; the driver's own block must then be empty), a first-ready pool
-            (workers may be sent commands while others run, and :meth:`collect_ready` returns
-            whichever finish first; no driver block then), ``start_timeout``, and env 0: built
+            (workers may be sent commands while others run, and a first-ready :meth:`wait`
+            reports whichever finish first; no driver block then), and env 0: built
             in the driver (``request.first_env``: used as the driver's env 0 when the driver
             steps a block, else closed), or, with every env in a worker (``driver_envs=0``),
             built by the first worker, which sends its spaces back (``request.learn``): no
@@ -103,11 +103,12 @@ class ProcessesTransport:
             seconds a wait polls before blocking, in the driver and in each worker; 0: always
             block; the budget adapts to the waits seen).
 
+    Its workers are spawned here; the round driver waits for their ``READY`` replies
+    (``start_timeout``) and checks them.
+
     Raises:
-        EnvError: a factory raised while building an env (``method == "make"``).
-        SpaceMismatchError: an env's spaces differ from env 0's (or the given pair's).
-        EnvCrashedError: a worker died while starting.
-        StartTimeoutError: the workers did not build their envs within ``start_timeout``.
+        EnvError: a factory raised while building the driver's own envs (``method == "make"``).
+        SpaceMismatchError: the driver's own envs' spaces differ from env 0's.
     """
 
     late_what = "workers"
