@@ -63,14 +63,16 @@ def descendants() -> list[psutil.Process]:
 
 @dataclass
 class Snapshot:
-    """Child processes and /dev/shm entries at one moment, to find what a test left behind."""
+    """Child processes, /dev/shm entries and workers' stack files at one moment, to find
+    what a test left behind."""
 
     pids: set[int]
     shm: set[str]
+    stack_files: set[str]
 
     @classmethod
     def take(cls) -> Snapshot:
-        return cls({p.pid for p in descendants()}, set(os.listdir("/dev/shm")))
+        return cls({p.pid for p in descendants()}, set(os.listdir("/dev/shm")), set(_stack_files()))
 
     def new_processes(self) -> list[psutil.Process]:
         """Processes started since the snapshot that still exist (zombies included)."""
@@ -90,8 +92,13 @@ class Snapshot:
         assert not left, f"processes left behind: {left}"
         new_shm = set(os.listdir("/dev/shm")) - self.shm
         assert not new_shm, f"/dev/shm entries left behind: {sorted(new_shm)}"
-        stacks = glob.glob(os.path.join(tempfile.gettempdir(), f"envfleet-stacks-{os.getpid()}-*"))
-        assert not stacks, f"workers' stack files left behind: {stacks}"
+        stacks = set(_stack_files()) - self.stack_files
+        assert not stacks, f"workers' stack files left behind: {sorted(stacks)}"
+
+
+def _stack_files() -> list[str]:
+    """The stack files of this process's worker processes (envfleet's processes backend)."""
+    return glob.glob(os.path.join(tempfile.gettempdir(), f"envfleet-stacks-{os.getpid()}-*"))
 
 
 def wait_gone(pids: list[int], timeout: float) -> list[int]:

@@ -206,10 +206,11 @@ def test_a_segfaults_stack_comes_with_its_crash_error(
         envs.step(_zeros(2))
     err = info.value
     [where] = _fault_lines("ctypes.memset(0, 0, 1)")
-    assert err.signal == signal.SIGSEGV and err.worker_index == 1
-    assert "Segmentation fault" in err.stacks
-    assert innermost(err.stacks) == f"{where} in step"
-    assert f"(at {where} in step)" in str(err)
+    seen = f"{err}\n{err.stacks}"  # what the assertions below read, shown if one fails
+    assert err.signal == signal.SIGSEGV and err.worker_index == 1, seen
+    assert "Segmentation fault" in err.stacks, seen
+    assert innermost(err.stacks) == f"{where} in step", seen
+    assert f"(at {where} in step)" in str(err), seen
     snapshot.assert_nothing_left()
 
 
