@@ -688,3 +688,39 @@ def test_workers_remote_error_carries_the_exception_and_its_traceback():
     assert error.exception is None
     cause, original = remote_cause(error)
     assert original is None and isinstance(cause, RuntimeError) and "Unpicklable: x" in str(cause)
+
+
+SEGFAULT_AFTER_ANOTHER_HANDLER = """
+import faulthandler, signal, sys
+import numpy as np
+faulthandler.enable()  # as pytest does
+signal.signal(signal.SIGSEGV, signal.SIG_DFL)  # then another library takes SIGSEGV (pygame)
+import envfleet
+from tests.envs import fault_factory
+envs = envfleet.make(
+    fault_factory({1: ("null-write", 3)}), 2, backend="processes", num_workers=2,
+    context=sys.argv[1],
+)
+envs.reset(seed=0)
+try:
+    for _ in range(3):
+        envs.step(np.zeros(2, dtype=np.int64))
+except envfleet.EnvCrashedError as err:
+    print(err.signal, "Segmentation fault" in err.stacks, "in step)" in str(err))
+"""
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_a_segfaults_stack_comes_whoever_took_sigsegv_in_the_driver(context):
+    """Issue 32 item 2: a driver that enabled faulthandler and then let another library take
+    SIGSEGV (pygame's parachute does; the full suite's render tests did) hands a forked worker
+    both: the worker's faulthandler is still the one that answers its segfault."""
+    done = subprocess.run(
+        [sys.executable, "-c", SEGFAULT_AFTER_ANOTHER_HANDLER, context],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.stdout.split() == [str(int(signal.SIGSEGV)), "True", "True"], done.stderr

@@ -191,6 +191,10 @@ def watch_stacks(path: str | None) -> Any:
     if path is None:
         return None
     out = open(path, "a", encoding="utf-8")  # noqa: SIM115  (open until the process exits)
+    # Enabled already (inherited from a driver that enabled it), enable() keeps the signal
+    # handlers it finds, which another library may have replaced since (pygame's parachute
+    # takes SIGSEGV): disable first, so that faulthandler's own handlers are installed.
+    faulthandler.disable()
     faulthandler.enable(out, all_threads=True)
     faulthandler.register(STACKS_SIGNAL, out, all_threads=True, chain=False)
     return out
