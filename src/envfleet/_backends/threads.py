@@ -257,7 +257,7 @@ class ThreadsTransport(InProcessTransport):
         for inbox in self._inboxes.values():
             inbox.put(None)
         deadline = time.monotonic() + (DEFAULT_CLOSE_TIMEOUT if timeout is None else timeout)
-        busy = []
+        still = []  # threads still busy after their join
         for w, thread in self._threads.items():
             remaining = max(0.0, deadline - time.monotonic())
             if w not in busy:
@@ -265,15 +265,15 @@ class ThreadsTransport(InProcessTransport):
             elif not terminate:
                 thread.join(remaining)
             if thread.is_alive():
-                busy.append(w)
-        if busy:
-            logger.warning("threads %s are still busy; leaving their envs open", busy)
+                still.append(w)
+        if still:
+            logger.warning("threads %s are still busy; leaving their envs open", still)
         # Each group closes in a thread of its own, so an env that hangs in close() cannot
         # hold the caller past the deadline (it is left behind with its thread).
         closers = [
             threading.Thread(target=group.close, name=f"envfleet-close-{w}", daemon=True)
             for w, group in enumerate(self.groups)
-            if w not in busy
+            if w not in still
         ]
         for closer in closers:
             closer.start()
