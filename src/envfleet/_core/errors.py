@@ -285,7 +285,24 @@ class EnvCrashedError(EnvfleetError):
         self.step = step
 
 
-class StepTimeoutError(EnvfleetError, multiprocessing.TimeoutError):
+class _TimedOut(EnvfleetError, multiprocessing.TimeoutError):
+    """What :class:`StepTimeoutError` and :class:`StartTimeoutError` share: the envs not
+    done in time, the timeout (seconds) and the late workers' stacks."""
+
+    def __init__(
+        self,
+        message: str,
+        env_indices: Sequence[int],
+        timeout: float,
+        stacks: Mapping[int, str] | None = None,
+    ):
+        super().__init__(message)
+        self.env_indices = list(env_indices)
+        self.timeout = timeout
+        self.stacks = dict(stacks or {})
+
+
+class StepTimeoutError(_TimedOut):
     """A wait ran past its timeout (``step_timeout`` or ``step_wait(timeout=)``), in seconds.
 
     It also derives from ``multiprocessing.TimeoutError``, the error gymnasium's AsyncVectorEnv
@@ -300,20 +317,8 @@ class StepTimeoutError(EnvfleetError, multiprocessing.TimeoutError):
             innermost frame). Empty where the backend cannot take them (``serial``, ``ray``).
     """
 
-    def __init__(
-        self,
-        message: str,
-        env_indices: Sequence[int],
-        timeout: float,
-        stacks: Mapping[int, str] | None = None,
-    ):
-        super().__init__(message)
-        self.env_indices = list(env_indices)
-        self.timeout = timeout
-        self.stacks = dict(stacks or {})
 
-
-class StartTimeoutError(EnvfleetError, multiprocessing.TimeoutError):
+class StartTimeoutError(_TimedOut):
     """Sub-environments were not built within ``start_timeout`` seconds of ``make()``.
 
     The workers building them were killed (threads, which cannot be killed, were left behind
@@ -327,18 +332,6 @@ class StartTimeoutError(EnvfleetError, multiprocessing.TimeoutError):
         stacks: worker index -> the stacks of its threads when it was given up, as
             :attr:`StepTimeoutError.stacks`.
     """
-
-    def __init__(
-        self,
-        message: str,
-        env_indices: Sequence[int],
-        timeout: float,
-        stacks: Mapping[int, str] | None = None,
-    ):
-        super().__init__(message)
-        self.env_indices = list(env_indices)
-        self.timeout = timeout
-        self.stacks = dict(stacks or {})
 
 
 class AlreadyPendingCallError(EnvfleetError, gymnasium.error.AlreadyPendingCallError):
