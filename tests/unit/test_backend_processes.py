@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import functools
 import gc
+import glob
 import logging
 import multiprocessing
 import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -468,6 +470,9 @@ def test_workers_exit_when_driver_is_killed(context, activity):
         driver.kill()
         driver.wait(30)
         assert wait_gone(pids, timeout=30) == []
+        # Issue 32: the workers' stack files have no name on disk once opened: none is left.
+        left = glob.glob(os.path.join(tempfile.gettempdir(), f"envfleet-stacks-{driver.pid}-*"))
+        assert left == []
     finally:
         driver.kill()
         driver.wait(30)

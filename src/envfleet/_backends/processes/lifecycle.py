@@ -134,8 +134,10 @@ class WorkerProcesses:
         self.conns: list[Connection | None] = [None] * groups
         self.regions: list[mmap.mmap | None] = [None] * groups
         self.doorbells: list[Doorbell | None] = [None] * groups
-        # Per worker, the file its faulthandler writes its stacks to (removed at close).
+        # Per worker, the file its faulthandler writes its stacks to: its name (which the
+        # worker removes once it has opened it) and the driver's descriptor of it.
         self._stack_paths: list[str | None] = [None] * groups
+        self._stack_fds: list[int | None] = [None] * groups
         self.memory = MemoryWatch()  # each worker's resident memory, for a SIGKILL's report
         self.closed = False
 
@@ -238,18 +240,36 @@ class WorkerProcesses:
         return pickle.loads(blob)
 
     def _new_stack_path(self, g: int) -> str:
-        """A new, empty file for worker ``g``'s stacks (the old one removed)."""
+        """A new, empty file for worker ``g``'s stacks (the old one dropped). The driver
+        keeps a descriptor of it; the worker opens it by name, then removes the name, so the
+        file goes with the last of the two descriptors and nothing is left on disk when the
+        driver dies."""
         self._remove_stack_path(g)
         fd, path = tempfile.mkstemp(prefix=f"envfleet-stacks-{os.getpid()}-{g}-", suffix=".txt")
-        os.close(fd)
-        self._stack_paths[g] = path
+        self._stack_paths[g], self._stack_fds[g] = path, fd
         return path
 
     def _remove_stack_path(self, g: int) -> None:
+        """Close the driver's descriptor of worker ``g``'s stack file, and remove its name
+        if the worker never did (it died before it opened it)."""
         path, self._stack_paths[g] = self._stack_paths[g], None
+        fd, self._stack_fds[g] = self._stack_fds[g], None
+        if fd is not None:
+            os.close(fd)
         if path is not None:
             with contextlib.suppress(OSError):
                 os.unlink(path)
+
+    def _read_stacks(self, g: int) -> str:
+        """All worker ``g``'s faulthandler has written to its stack file so far."""
+        fd = self._stack_fds[g]
+        if fd is None:
+            return ""
+        try:
+            data = os.pread(fd, os.fstat(fd).st_size, 0)
+        except OSError:
+            return ""
+        return data.decode("utf-8", errors="replace")
 
     def stacks(self, workers: list[int], wait_s: float = STACKS_WAIT_S) -> dict[int, str]:
         """Ask each live worker of ``workers`` for its stacks (:data:`STACKS_SIGNAL`, which
@@ -257,25 +277,24 @@ class WorkerProcesses:
         wrote within ``wait_s`` seconds (a worker whose dump is still growing is read again
         until it stops). A worker not yet watching the signal (one still starting) dies of
         it: it was about to be killed."""
-        asked: dict[int, str] = {}
+        asked: dict[int, int] = {}  # worker -> the driver's descriptor of its file
         for g in workers:
-            proc, path = self.procs[g], self._stack_paths[g]
-            if proc is None or path is None or not proc.is_alive():
+            proc, fd = self.procs[g], self._stack_fds[g]
+            if proc is None or fd is None or not proc.is_alive():
                 continue
             with contextlib.suppress(OSError):
-                os.truncate(path, 0)  # the worker appends: its dump starts at 0
+                os.ftruncate(fd, 0)  # the worker appends: its dump starts at 0
                 os.kill(proc.pid, STACKS_SIGNAL)
-                asked[g] = path
+                asked[g] = fd
         found: dict[int, str] = {}
         sizes: dict[int, int] = {}
         deadline = time.monotonic() + wait_s
         while asked and time.monotonic() < deadline:
-            for g, path in list(asked.items()):
+            for g, fd in list(asked.items()):
                 with contextlib.suppress(OSError):
-                    size = os.path.getsize(path)
+                    size = os.fstat(fd).st_size
                     if size and sizes.get(g) == size:  # written, and no longer growing
-                        with open(path, encoding="utf-8", errors="replace") as f:
-                            found[g] = f.read()
+                        found[g] = self._read_stacks(g)
                         del asked[g]
                     sizes[g] = size
                 if not self.procs[g].is_alive():
@@ -345,14 +364,7 @@ class WorkerProcesses:
         """What worker ``g``'s faulthandler wrote when it died of a fatal signal (SIGSEGV,
         SIGBUS, SIGFPE, SIGILL, SIGABRT): every thread's stack, innermost first; ``""`` for a
         death that leaves none (SIGKILL, ``os._exit``)."""
-        path = self._stack_paths[g]
-        if path is None:
-            return ""
-        try:
-            with open(path, encoding="utf-8", errors="replace") as f:
-                return f.read()
-        except OSError:
-            return ""
+        return self._read_stacks(g)
 
     def disown(self) -> None:
         # multiprocessing's exit handler terminates the daemonic processes it counts as this

@@ -187,10 +187,13 @@ def watch_stacks(path: str | None) -> Any:
     when it dies of a fatal signal (SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGABRT: it then dies of
     that signal still). The dump runs in the signal handler, in C: a worker stuck in C code
     (``time.sleep``, a socket read, a simulator) still shows the Python frame that called it.
+    The worker removes the file's name once it has it open (the driver holds a descriptor).
     Returns the open file (kept for the process's life), ``None`` without a path."""
     if path is None:
         return None
     out = open(path, "a", encoding="utf-8")  # noqa: SIM115  (open until the process exits)
+    with contextlib.suppress(OSError):
+        os.unlink(path)  # the driver keeps its own descriptor: nothing is left on disk
     # Enabled already (inherited from a driver that enabled it), enable() keeps the signal
     # handlers it finds, which another library may have replaced since (pygame's parachute
     # takes SIGSEGV): disable first, so that faulthandler's own handlers are installed.
