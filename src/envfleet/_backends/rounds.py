@@ -44,7 +44,7 @@ from envfleet._core.errors import (
 )
 from envfleet._core.failures import mismatch_error, start_error
 from envfleet._core.protocol import Command
-from envfleet._core.stacks import innermost
+from envfleet._core.stacks import at, first_at
 from envfleet._core.stats import StepTimeStats
 
 __all__ = ["RoundDriver", "Seen", "Transport"]
@@ -486,14 +486,7 @@ class RoundDriver(Backend):
                 raise
             envs = set(exc.env_indices)
             late = [w for w, (a, b) in enumerate(self.ranges) if envs.intersection(range(a, b))]
-            where = next(
-                (
-                    f" (worker {w} at {innermost(exc.stacks[w])})"
-                    for w in late
-                    if w in exc.stacks and innermost(exc.stacks[w])
-                ),
-                "",
-            )
+            where = first_at(exc.stacks, late)
             raise StartTimeoutError(
                 f"sub-environments {exc.env_indices} were not built within {timeout} s "
                 f"(start_timeout){where}; their {transport.late_what} {late} were killed",
@@ -531,7 +524,7 @@ class RoundDriver(Backend):
             logger.warning(
                 "worker %d did not answer in time%s; its stacks before it was killed:\n%s",
                 w,
-                f" (at {innermost(text)})" if innermost(text) else "",
+                at(text),
                 text,
             )
         for w in workers:

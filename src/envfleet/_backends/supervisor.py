@@ -35,7 +35,7 @@ from envfleet._core.errors import (
     StepTimeoutError,
 )
 from envfleet._core.protocol import Command, Failure, InfoEvent, RestartRequest
-from envfleet._core.stacks import innermost
+from envfleet._core.stacks import first_at
 from envfleet._core.stats import FleetStats, StepTimeStats
 
 logger = logging.getLogger("envfleet")
@@ -430,14 +430,7 @@ class Supervisor:
             self.ledger.timeouts += 1
         envs = [e for w in late for e in range(*backend.ranges[w])]
         stacks = backend.stacks(late)  # before they are killed
-        where = next(
-            (
-                f" (worker {w} at {innermost(stacks[w])})"
-                for w in late
-                if w in stacks and innermost(stacks[w])
-            ),
-            "",
-        )
+        where = first_at(stacks, late)
         backend.close(timeout=0, terminate=True)
         raise StepTimeoutError(
             f"{backend.late_what} {late} (sub-environments {envs}) did not answer within "

@@ -40,7 +40,7 @@ from envfleet._core.cores import usable_cores
 from envfleet._core.envgroup import EnvFailure, EnvGroup
 from envfleet._core.errors import StartTimeoutError
 from envfleet._core.protocol import Command
-from envfleet._core.stacks import format_frames, innermost
+from envfleet._core.stacks import first_at, format_frames
 
 __all__ = ["DEFAULT_CLOSE_TIMEOUT", "ThreadsTransport", "serialize_gfxdraw"]
 
@@ -177,10 +177,9 @@ class ThreadsTransport(InProcessTransport):
         if late:
             envs = [e for w in late for e in range(building[w], self.ranges[w][1])]
             stacks = _thread_stacks({w: threads[w] for w in late})
-            where = innermost(stacks[late[0]]) if late[0] in stacks else None
             raise StartTimeoutError(
                 f"sub-environments {envs} were not built within {timeout} s (start_timeout)"
-                f"{f' (thread {late[0]} at {where})' if where else ''}; "
+                f"{first_at(stacks, late[:1], 'thread')}; "
                 f"a thread cannot be killed: threads {late} were left behind",
                 envs,
                 cast(float, timeout),

@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import re
 import types
+from collections.abc import Iterable, Mapping
 
-__all__ = ["format_frames", "innermost"]
+__all__ = ["at", "first_at", "format_frames", "innermost"]
 
 _FRAME = re.compile(r'^\s+File "(?P<file>.*)", line (?P<line>\d+) in (?P<function>.*)$')
 
@@ -48,3 +49,20 @@ def innermost(stacks: str) -> str | None:
             if match:
                 return f"{match['file']}:{match['line']} in {match['function']}"
     return None
+
+
+def at(stacks: str) -> str:
+    """`` (at file:line in function)`` of ``stacks``' innermost frame (:func:`innermost`),
+    for a message; ``""`` without one."""
+    frame = innermost(stacks) if stacks else None
+    return f" (at {frame})" if frame else ""
+
+
+def first_at(stacks: Mapping[int, str], workers: Iterable[int], noun: str = "worker") -> str:
+    """`` (worker W at file:line in function)`` for the first of ``workers`` whose stacks
+    name a frame, for a message; ``""`` when none does."""
+    for w in workers:
+        frame = innermost(stacks[w]) if w in stacks else None
+        if frame:
+            return f" ({noun} {w} at {frame})"
+    return ""

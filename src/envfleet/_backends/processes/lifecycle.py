@@ -61,7 +61,7 @@ from envfleet._core.errors import (
     describe_exitcode,
 )
 from envfleet._core.protocol import Command
-from envfleet._core.stacks import innermost
+from envfleet._core.stacks import at
 from envfleet._core.stats import STATS_WORDS
 
 __all__ = ["DEFAULT_CLOSE_TIMEOUT", "WorkerProcesses"]
@@ -307,12 +307,11 @@ class WorkerProcesses:
         the same envs."""
         why = "did not answer in time" if reason == "late" else "died"
         stacks = self.crash_stacks(g) if reason != "late" else ""
-        where = innermost(stacks) if stacks else None
         logger.warning(
             "worker %d %s%s; restarting it and its envs%s",
             g,
             why,
-            f" (at {where})" if where else "",
+            at(stacks),
             f"; its stacks when it died:\n{stacks}" if stacks else "",
         )
         proc = self.procs[g]
@@ -339,7 +338,7 @@ class WorkerProcesses:
         exitcode = proc.exitcode
         start, stop = self.ranges[w]
         stacks = self.crash_stacks(w)
-        where = f" (at {innermost(stacks)})" if stacks and innermost(stacks) else ""
+        where = at(stacks)
         seen = self.memory.last(w)
         rss = seen[0] if seen is not None else None
         if exitcode == -signal.SIGKILL and seen is not None:
@@ -403,13 +402,12 @@ class WorkerProcesses:
             join_all(procs, limit)
             hung = [g for g, p in enumerate(self.procs) if p is not None and p.is_alive()]
             for g, text in self.stacks(hung).items():
-                where = innermost(text)
                 logger.warning(
                     "worker %d did not close its envs within %g s%s; terminating it. Its "
                     "stacks:\n%s",
                     g,
                     limit,
-                    f" (at {where})" if where else "",
+                    at(text),
                     text,
                 )
         for proc in procs:
