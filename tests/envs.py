@@ -980,3 +980,50 @@ class MemoryHogEnv(gym.Env):
             os.kill(os.getpid(), signal.SIGKILL)
             time.sleep(60)  # the signal is delivered before this returns
         return np.zeros(2, np.float32), 0.0, False, False, {}
+
+
+class BuggyEnv(gym.Env):
+    """An env with a bug its seed reaches: each step draws from ``np_random``; after action 1
+    a draw below ``p`` does ``how`` (as :class:`FaultEnv`: ``"raise"``, ``"null-write"``,
+    ``"sleep:S"``, ``"sigkill"``, ...) in env ``bug_index`` only. Episodes end when another
+    draw falls below ``end_p`` (autoresets then continue the same random stream), so which
+    step fails depends only on the seed and the actions, as a real env's bug would."""
+
+    def __init__(
+        self,
+        env_index: int = 0,
+        how: str = "raise",
+        bug_index: int = 1,
+        p: float = 0.02,
+        end_p: float = 0.1,
+    ):
+        self.env_index, self.how, self.bug = env_index, how, env_index == bug_index
+        self.p, self.end_p = p, end_p
+        self.observation_space = spaces.Box(0.0, 1.0, (2,), np.float64)
+        self.action_space = spaces.Discrete(2)
+        self.episode_steps = 0
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
+        super().reset(seed=seed)
+        self.episode_steps = 0
+        return self.np_random.random(2), {}
+
+    def step(self, action: Any):
+        self.episode_steps += 1
+        draw, end = self.np_random.random(), self.np_random.random()
+        if self.bug and int(action) == 1 and draw < self.p:
+            how = self.how
+            if how == "raise":
+                raise ValueError(
+                    f"bug hit at step {self.episode_steps} of an episode (draw {draw:.6f})"
+                )
+            if how.startswith("sleep:"):
+                time.sleep(float(how.split(":")[1]))
+            elif how == "null-write":
+                ctypes.memset(0, 0, 1)
+            elif how == "sigkill":
+                os.kill(os.getpid(), signal.SIGKILL)
+                time.sleep(60)
+            else:
+                crash_process(how)
+        return np.array([draw, end]), 1.0, bool(end < self.end_p), False, {}

@@ -93,12 +93,19 @@ class Snapshot:
         new_shm = set(os.listdir("/dev/shm")) - self.shm
         assert not new_shm, f"/dev/shm entries left behind: {sorted(new_shm)}"
         stacks = set(_stack_files()) - self.stack_files
-        assert not stacks, f"workers' stack files left behind: {sorted(stacks)}"
+        assert not stacks, f"workers' stack or action-log files left behind: {sorted(stacks)}"
 
 
 def _stack_files() -> list[str]:
-    """The stack files of this process's worker processes (envfleet's processes backend)."""
-    return glob.glob(os.path.join(tempfile.gettempdir(), f"envfleet-stacks-{os.getpid()}-*"))
+    """The stack and action-log files of this process's worker processes (envfleet's
+    processes backend)."""
+    return [
+        path
+        for kind in ("stacks", "replay")
+        for path in glob.glob(
+            os.path.join(tempfile.gettempdir(), f"envfleet-{kind}-{os.getpid()}-*")
+        )
+    ]
 
 
 def wait_gone(pids: list[int], timeout: float) -> list[int]:

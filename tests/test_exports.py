@@ -38,6 +38,8 @@ ALL = [
     "PoolStateError",
     "ProcessEnv",
     "RemoteTraceback",
+    "Replay",
+    "ReplayFileError",
     "ResetNeededError",
     "RestartPolicy",
     "Sampler",
@@ -54,6 +56,7 @@ ALL = [
     "__version__",
     "check_env_id",
     "make",
+    "replay",
     "usable_cores",
 ]
 

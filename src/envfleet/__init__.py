@@ -26,6 +26,8 @@ from envfleet._core.errors import (
     UnsupportedError,
     WrongProcessError,
 )
+from envfleet._core.replay import Replay, ReplayFileError
+from envfleet._core.replay import run_replay as replay
 from envfleet._core.stats import FleetStats, StepTimeStats
 from envfleet._front.factories import check_env_id
 from envfleet._front.make import BACKENDS, make
@@ -59,6 +61,8 @@ __all__ = [
     "PoolStateError",
     "ProcessEnv",
     "RemoteTraceback",
+    "Replay",
+    "ReplayFileError",
     "ResetNeededError",
     "RestartPolicy",
     "Sampler",
@@ -75,5 +79,6 @@ __all__ = [
     "__version__",
     "check_env_id",
     "make",
+    "replay",
     "usable_cores",
 ]

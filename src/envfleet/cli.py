@@ -10,6 +10,10 @@ instead of the table) and ``--plot FILE.png`` draws them (matplotlib, the ``plot
 system's steps/s, its fraction of the overlap bound and its ratio to the faster gymnasium
 loop. This module is the only place where envfleet prints.
 
+``envfleet replay PATH`` reproduces a failure saved with ``err.replay.save(PATH)``
+(:mod:`envfleet._core.replay`): exit status 0 when it happened again, 1 when not, 2 for a file
+that is not a replay.
+
 Exit status: 0 on success, 1 when a system failed while being measured, 2 for bad arguments
 (argparse's convention; also an unknown env id or a missing ale-py), 130 on Ctrl-C.
 """
@@ -18,12 +22,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import pickle
 import sys
 from collections.abc import Sequence
 from typing import Any
 
 import envfleet
-from envfleet import ConfigError
+from envfleet import ConfigError, ReplayFileError
+from envfleet._core.replay import ReplayOutcome, watch_replay
 from envfleet.bench import (
     BASELINES,
     LIMIT,
@@ -60,6 +66,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "bench":
         return _bench(args)
+    if args.command == "replay":
+        return _replay(args)
     parser.error(f"unknown command {args.command!r}")  # unreachable: argparse checks choices
     return 2
 
@@ -188,6 +196,38 @@ def _parser() -> argparse.ArgumentParser:
         metavar="R",
         help="repetitions, systems interleaved; medians are reported (default: 1)",
     )
+    replay = commands.add_parser(
+        "replay",
+        help="reproduce a failure saved with err.replay.save(PATH), in one process",
+        description=(
+            "Rebuild the envs of a replay file (err.replay.save(PATH) of an EnvError, "
+            "EnvCrashedError or StepTimeoutError) in a child process, step them to the "
+            "failure and say whether it happened again: the same exception, the same signal "
+            "(a segfault's stack comes from the child's faulthandler) or the same hang "
+            "(reported at the call that does not return). Exit status 0: reproduced; 1: not "
+            "reproduced; 2: not a replay file. A replay file holds pickled factories: load "
+            "only files you made, as torch.load warns."
+        ),
+    )
+    replay.add_argument("path", metavar="PATH", help="a file written by Replay.save")
+    replay.add_argument(
+        "--timeout",
+        type=_positive_float,
+        default=None,
+        metavar="S",
+        help=(
+            "seconds an env call may take before it counts as hung (default: the recorded "
+            "step timeout for a hang, else none)"
+        ),
+    )
+    replay.add_argument(
+        "--pdb",
+        action="store_true",
+        help=(
+            "then run it again in this process under pdb: post mortem at an exception, or "
+            "stopped just before the call that crashes or hangs"
+        ),
+    )
     return parser
 
 
@@ -246,6 +286,44 @@ def _names(available: Sequence[str], kind: str) -> Any:
 
 
 # -- bench ---------------------------------------------------------------------------------
+
+
+def _replay(args: argparse.Namespace) -> int:
+    try:
+        outcome = watch_replay(args.path, args.timeout)
+    except (ReplayFileError, OSError, pickle.UnpicklingError) as exc:
+        print(f"envfleet replay: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    if outcome.how == "completed":
+        print(f"not reproduced: {outcome.calls} env calls ran and none failed")
+        return 1
+    where = (
+        f"sub-environment {outcome.env_index} {outcome.how} in "
+        + ("the reset that began its episode" if outcome.step == 0 else f"step {outcome.step}")
+        + f" of its episode: {outcome.detail} ({outcome.calls} env calls)"
+    )
+    print(f"{'reproduced' if outcome.reproduced else 'not reproduced, another failure'}: {where}")
+    if args.pdb:
+        _replay_under_pdb(args.path, outcome)
+    return 0 if outcome.reproduced else 1
+
+
+def _replay_under_pdb(path: str, outcome: ReplayOutcome) -> None:
+    """Run the replay again here: post mortem at its exception, or stopped before the call
+    that crashed or hung."""
+    import pdb  # noqa: T100  (asked for: --pdb)
+
+    if outcome.how == "raised":
+        try:
+            envfleet.replay(path)
+        except Exception as exc:
+            pdb.post_mortem(exc.__traceback__)
+        return
+    print(f"stopping before that call; continuing {outcome.how} here as in the child")
+    assert outcome.env_index is not None and outcome.step is not None
+    envfleet.replay(path, stop_at=(outcome.env_index, outcome.step))
 
 
 def _bench(args: argparse.Namespace) -> int:

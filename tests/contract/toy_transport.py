@@ -23,6 +23,7 @@ from envfleet._core.envgroup import EnvFailure, EnvGroup
 from envfleet._core.errors import EnvCrashedError, EnvError
 from envfleet._core.failures import failure_error, mismatch_error
 from envfleet._core.protocol import Command
+from envfleet._core.replay import new_log
 from envfleet._core.stats import STATS_WORDS, StepTimer, StepTimeStats, step_time_table
 
 
@@ -62,6 +63,9 @@ class ToyTransport:
                         layout.autoreset_mode,
                         first_env=request.first_env if start == 0 else None,
                         same_observation_space=layout.same_observation_space,
+                        action_log=new_log(
+                            layout.single_action_space, stop - start, layout.replay_steps
+                        ),
                     )
                 )
                 mismatch = self.groups[-1].check_spaces()

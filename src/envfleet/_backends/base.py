@@ -22,6 +22,7 @@ from envfleet._core.errors import (
     WrongProcessError,
 )
 from envfleet._core.protocol import Command
+from envfleet._core.replay import REPLAY_STEPS
 from envfleet._core.stats import StepTimer, StepTimeStats
 
 __all__ = [
@@ -87,6 +88,8 @@ class WorkerLayout:
         autoreset_mode: as gymnasium's.
         ranges: ``[start, stop)`` per worker, contiguous, in order.
         same_observation_space: ``observation_mode == "same"`` (see EnvGroup).
+        replay_steps: the steps each env keeps for a replay (0: none; see
+            :mod:`envfleet._core.replay`).
     """
 
     env_fns: Sequence[EnvFn]
@@ -96,6 +99,7 @@ class WorkerLayout:
     autoreset_mode: AutoresetMode
     ranges: Sequence[tuple[int, int]]
     same_observation_space: bool = True
+    replay_steps: int = REPLAY_STEPS
 
     @property
     def num_envs(self) -> int:
@@ -208,6 +212,8 @@ class Backend(abc.ABC):
     ledger: Ledger  # failures, restarts and seeds, for the supervisor and ``envs.stats``
     late_what = "workers"  # how a timeout names the late workers (Supervisor.timed_out)
     late_fate = "they were killed"  # what became of them
+    # Per env index, its zero-argument factory (set by make()): what a replay rebuilds it from.
+    factories: Sequence[Callable[[], gymnasium.Env[Any, Any]]] | None = None
 
     @property
     def num_workers(self) -> int:

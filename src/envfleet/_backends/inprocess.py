@@ -20,6 +20,7 @@ from envfleet._core.envgroup import EnvFailure, EnvGroup
 from envfleet._core.errors import EnvCrashedError, EnvError
 from envfleet._core.failures import failure_error, mismatch_error
 from envfleet._core.protocol import Command
+from envfleet._core.replay import EnvRecording, new_log
 from envfleet._core.stats import STATS_WORDS, StepTimer, StepTimeStats, step_time_table
 
 __all__ = ["InProcessTransport"]
@@ -111,6 +112,7 @@ class InProcessTransport:
             layout.autoreset_mode,
             first_env=first_env if start == 0 else None,
             same_observation_space=layout.same_observation_space,
+            action_log=new_log(layout.single_action_space, stop - start, layout.replay_steps),
         )
 
     @property
@@ -164,6 +166,14 @@ class InProcessTransport:
             done.results[w] = result
         else:
             done.failures[w] = failure
+
+    def recordings(self, w: int) -> list[EnvRecording]:
+        """Each env of group ``w``'s episode so far (for a replay), none without a log."""
+        group = self.groups[w]
+        log = group.action_log
+        if log is None:
+            return []
+        return [log.recording(j, group.start + j) for j in range(group.size)]
 
     def respawn(self, w: int, reason: str) -> None:
         raise AssertionError("an in-process group is rebuilt env by env, never replaced")

@@ -44,6 +44,7 @@ from envfleet._core.errors import (
 )
 from envfleet._core.failures import mismatch_error, start_error
 from envfleet._core.protocol import Command
+from envfleet._core.replay import EnvRecording, recording_of, replays_of
 from envfleet._core.stacks import at, first_at
 from envfleet._core.stats import StepTimeStats
 
@@ -502,12 +503,24 @@ class RoundDriver(Backend):
     # -- the mechanics the supervisor uses (Supervised) ---------------------------------------
 
     def env_error(self, w: int, failure: Any, note: str) -> EnvError:
-        return self.transport.env_error(w, failure, note)
+        error = self.transport.env_error(w, failure, note)
+        recording = recording_of(failure, error.env_index)
+        if recording is not None:
+            error.replay = replays_of("error", str(error), [recording], self.factories)
+        return error
 
     def crash_error(
         self, w: int, step: int, note: str, reason: str, starting: bool
     ) -> EnvCrashedError:
-        return self.transport.crash_error(w, step, note, reason, starting)
+        error = self.transport.crash_error(w, step, note, reason, starting)
+        error.replay = replays_of("crash", str(error), self.recordings(w), self.factories)
+        return error
+
+    def recordings(self, w: int) -> list[EnvRecording]:
+        """Worker ``w``'s envs' episodes so far (for a replay), read where its record
+        outlives it (the transport's ``recordings``: in-process, processes); else none."""
+        read = getattr(self.transport, "recordings", None)
+        return read(w) if read is not None else []
 
     def stacks(self, workers: list[int]) -> dict[int, str]:
         """Each of ``workers``' stacks, taken now (the transport's ``stacks``, where it has

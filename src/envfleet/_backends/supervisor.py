@@ -35,6 +35,7 @@ from envfleet._core.errors import (
     StepTimeoutError,
 )
 from envfleet._core.protocol import Command, Failure, InfoEvent, RestartRequest
+from envfleet._core.replay import replays_of
 from envfleet._core.stacks import first_at
 from envfleet._core.stats import FleetStats, StepTimeStats
 
@@ -328,6 +329,13 @@ class Supervised(Protocol):
         """Each hung worker's stacks (:mod:`envfleet._core.stacks`), where they can be taken."""
         ...
 
+    factories: Any  # env index -> its zero-argument factory (for a replay), or None
+
+    def recordings(self, w: int) -> list[Any]:
+        """Worker ``w``'s envs' episodes so far (:class:`~envfleet._core.replay.EnvRecording`),
+        where its record outlives it."""
+        ...
+
     def replace_workers(
         self, workers: list[int], done: Round, timeout: float | None, step: int
     ) -> None:
@@ -431,15 +439,18 @@ class Supervisor:
         envs = [e for w in late for e in range(*backend.ranges[w])]
         stacks = backend.stacks(late)  # before they are killed
         where = first_at(stacks, late)
+        recordings = backend.recordings(late[0]) if late else []
         backend.close(timeout=0, terminate=True)
-        raise StepTimeoutError(
+        error = StepTimeoutError(
             f"{backend.late_what} {late} (sub-environments {envs}) did not answer within "
             f"{timeout} s{where}; {note + '; ' if note else ''}{backend.late_fate} and the "
             "vector env closed",
             envs,
             float(timeout if timeout is not None else 0.0),
             stacks,
-        ) from None
+        )
+        error.replay = replays_of("hang", str(error), recordings, backend.factories, timeout)
+        raise error from None
 
     # -- after a round ------------------------------------------------------------------------
 

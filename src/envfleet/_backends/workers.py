@@ -27,6 +27,7 @@ import os
 import pickle
 import signal
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -41,6 +42,7 @@ from envfleet._core.envgroup import EnvFailure
 from envfleet._core.protocol import Failure, RemoteError
 
 __all__ = [
+    "DriverFiles",
     "Exit",
     "MemoryWatch",
     "Watch",
@@ -114,7 +116,8 @@ def remote_error(failure: BaseException, env_index: int, method: str) -> RemoteE
         pickle.loads(blob)  # some exceptions pickle but do not unpickle
     except Exception:
         blob = None
-    return RemoteError(env_index, method, type(cause).__qualname__, str(cause), tb, blob)
+    recording = getattr(failure, "recording", None)
+    return RemoteError(env_index, method, type(cause).__qualname__, str(cause), tb, blob, recording)
 
 
 def failure_reply(error: RemoteError) -> Failure:
@@ -185,6 +188,50 @@ def join_all(procs: Sequence[Any], timeout: float) -> None:
 
 
 RSS_PERIOD_S = 1.0  # seconds between two samples of the workers' resident memory
+
+
+class DriverFiles:
+    """Per worker, a file the worker writes and the driver reads, even after the worker died
+    (its stacks, its action log). The driver makes it and keeps a descriptor; the worker
+    opens it by name, then removes the name, so the file goes with the last of the two
+    descriptors and nothing is left on disk when the driver dies."""
+
+    def __init__(self, workers: int, prefix: str, suffix: str):
+        self.prefix, self.suffix = prefix, suffix
+        self.paths: list[str | None] = [None] * workers
+        self.fds: list[int | None] = [None] * workers
+
+    def new(self, g: int) -> str:
+        """A new, empty file for worker ``g`` (its old one dropped): its path."""
+        self.remove(g)
+        fd, path = tempfile.mkstemp(prefix=f"{self.prefix}-{g}-", suffix=self.suffix)
+        self.paths[g], self.fds[g] = path, fd
+        return path
+
+    def remove(self, g: int) -> None:
+        """Close the driver's descriptor of worker ``g``'s file, and remove its name if the
+        worker never did (it died before it opened it)."""
+        path, self.paths[g] = self.paths[g], None
+        fd, self.fds[g] = self.fds[g], None
+        if fd is not None:
+            os.close(fd)
+        if path is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+
+    def remove_all(self) -> None:
+        for g in range(len(self.paths)):
+            self.remove(g)
+
+    def read(self, g: int) -> bytes:
+        """All worker ``g`` has written to its file so far (``b""`` when none)."""
+        fd = self.fds[g]
+        if fd is None:
+            return b""
+        try:
+            return os.pread(fd, os.fstat(fd).st_size, 0)
+        except OSError:
+            return b""
 
 
 class MemoryWatch:

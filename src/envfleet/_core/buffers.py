@@ -35,6 +35,7 @@ __all__ = [
     "ALIGN",
     "Batch",
     "Block",
+    "Carver",
     "ObservationSlabs",
     "allocate_batch",
     "batch_nbytes",
@@ -178,7 +179,7 @@ def is_leaf(space: spaces.Space[Any]) -> bool:
     return isinstance(space, _FIXED_LEAVES)
 
 
-class _Carver:
+class Carver:
     """Allocator for ``create_empty_array``: hands out aligned views of a byte array in order."""
 
     def __init__(self, memory: np.ndarray | None):
@@ -269,14 +270,14 @@ def batch_nbytes(
 ) -> int:
     """Bytes of the block that :func:`allocate_batch` needs, with ``spare_slabs`` spare
     observation buffers (see :class:`ObservationSlabs`)."""
-    carver = _Carver(None)
+    carver = Carver(None)
     _layout(observation_space, action_space, num_envs, carver, spare_slabs)
     return max(carver.offset, 1)
 
 
 def observation_nbytes(observation_space: spaces.Space[Any], num_envs: int) -> int:
     """Bytes of one batched observation (one slab), alignment included."""
-    carver = _Carver(None)
+    carver = Carver(None)
     create_empty_array(fixed_part(observation_space), n=num_envs, fn=carver)
     return carver.offset
 
@@ -333,7 +334,7 @@ def allocate_batch(
 ) -> Batch:
     """Build the :class:`Batch` views over ``block``; its bytes are left as they are."""
     batch = _layout(
-        observation_space, action_space, num_envs, _Carver(block.array), block.spare_slabs
+        observation_space, action_space, num_envs, Carver(block.array), block.spare_slabs
     )
     batch.block = block
     return batch

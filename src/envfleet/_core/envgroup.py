@@ -31,6 +31,7 @@ from envfleet._core.protocol import (
     SetAttrRequest,
     SideValues,
 )
+from envfleet._core.replay import ActionLog, reset_start
 
 __all__ = ["JOIN_MAX_BYTES", "EnvFailure", "EnvGroup", "PartialFailure", "spaces_mismatch"]
 
@@ -47,6 +48,8 @@ class EnvFailure(Exception):
         super().__init__(f"sub-environment {env_index} raised in {method}")
         self.env_index = env_index
         self.method = method
+        # The env's episode so far (envfleet._core.replay.EnvRecording), for a replay.
+        self.recording: Any = None
 
 
 class PartialFailure(EnvFailure):
@@ -144,6 +147,8 @@ class EnvGroup:
         same_observation_space: ``observation_mode == "same"``: every env's observation space
             must equal ``single_observation_space``; else only share its shape and dtype (see
             :func:`spaces_mismatch`).
+        action_log: where the group records its actions and each env's episode start for a
+            replay (:class:`~envfleet._core.replay.ActionLog`, opened here), or ``None``.
     """
 
     def __init__(
@@ -157,8 +162,12 @@ class EnvGroup:
         first_env: gymnasium.Env[Any, Any] | None = None,
         batch_offset: int = 0,
         same_observation_space: bool = True,
+        action_log: ActionLog | None = None,
     ):
         self.start = start
+        self.action_log = action_log
+        if action_log is not None:
+            action_log.open()
         self.same_observation_space = same_observation_space
         self.size = len(env_fns)
         self.stop = start + self.size
@@ -301,13 +310,19 @@ class EnvGroup:
         # Like SyncVectorEnv, each env gets a view of its row of the batched actions; the
         # row is only rewritten by the next step, once this one has completed.
         actions: Any
+        log = self.action_log
         if leaf_actions is not None:
             batched = fill_side(self.single_action_space, buf.actions, iter(leaf_actions), True)
+            if log is not None:
+                log.record(batched)
             actions = iter(batched) if self._action_leaf else iterate(self._action_space, batched)
-        elif self._action_leaf:
-            actions = iter(buf.actions)
         else:
-            actions = iter(iterate(self._action_space, buf.actions))
+            if log is not None:
+                log.record(buf.actions)  # before any env runs: a hang's action is kept
+            if self._action_leaf:
+                actions = iter(buf.actions)
+            else:
+                actions = iter(iterate(self._action_space, buf.actions))
         # Per-env results gather in Python lists and reach the buffers in one assignment
         # each: numpy converts every element exactly as SyncVectorEnv's scalar writes do.
         rewards, terms, truncs = self._rewards, self._terminations, self._truncations
@@ -321,6 +336,8 @@ class EnvGroup:
             env = envs[j]
             try:
                 if resets and autoreset[j]:
+                    if log is not None:
+                        log.began(j, reset_start(env))
                     env_obs[j], env_info = env.reset()
                     rewards[j], terms[j], truncs[j] = 0.0, False, False
                 else:
@@ -331,11 +348,13 @@ class EnvGroup:
                         # is now, as SyncVectorEnv's _add_info batches it before reset.
                         final = {"final_obs": env_obs[j], "final_info": info_as_now(env_info)}
                         events.append((self.start + j, final))
+                        if log is not None:
+                            log.began(j, reset_start(env))
                         env_obs[j], env_info = env.reset()
             except Exception as exc:
                 # The other envs still step: their data must not depend on this one's fault.
                 failures = failures or []
-                failures.append(_failure(self.start + j, "step", exc))
+                failures.append(self._recorded(_failure(self.start + j, "step", exc)))
                 rewards[j], terms[j], truncs[j] = 0.0, False, False
                 continue
             if env_info:
@@ -349,6 +368,13 @@ class EnvGroup:
         self._write_results()
         self._write_observations("step", events)
         return events
+
+    def _recorded(self, failure: EnvFailure) -> EnvFailure:
+        """``failure`` with its env's episode so far (``failure.recording``), if recorded."""
+        if self.action_log is not None:
+            j = failure.env_index - self.start
+            failure.recording = self.action_log.recording(j, failure.env_index)
+        return failure
 
     def _write_results(self) -> None:
         write_results, addresses = self._c_write_results, self._result_addresses
@@ -373,7 +399,7 @@ class EnvGroup:
                     buf.terminations[j] = self._terminations[j]
                     buf.truncations[j] = self._truncations[j]
                 except Exception as exc:
-                    raise EnvFailure(self.start + j, "step (result)") from exc
+                    raise self._recorded(EnvFailure(self.start + j, "step (result)")) from exc
             raise
         self._autoreset = np.logical_or(buf.terminations, buf.truncations).tolist()
 
@@ -399,7 +425,7 @@ class EnvGroup:
                 except Exception:
                     bad = self.start + j
                     break
-            raise EnvFailure(bad, f"{method} (observation)") from exc
+            raise self._recorded(EnvFailure(bad, f"{method} (observation)")) from exc
         if self._side:
             space = self.single_observation_space
             for j, obs in enumerate(self._env_obs):
@@ -456,12 +482,14 @@ class EnvGroup:
         for j, env in enumerate(self.envs):
             if mask is not None and not mask[j]:
                 continue
+            if self.action_log is not None:
+                self.action_log.began(j, ("seed", request.seeds[j], request.options))
             try:
                 self._env_obs[j], env_info = env.reset(
                     seed=request.seeds[j], options=request.options
                 )
             except Exception as exc:
-                failures.append(_failure(self.start + j, "reset", exc))
+                failures.append(self._recorded(_failure(self.start + j, "reset", exc)))
                 continue
             if env_info:
                 events.append((self.start + j, env_info))
@@ -511,6 +539,8 @@ class EnvGroup:
                 )
                 if problem is not None:
                     raise EnvFailure(index, "restart (spaces)") from ValueError(problem)
+            if self.action_log is not None:
+                self.action_log.began(j, ("seed", seed, None))
             try:
                 self._env_obs[j], env_info = self.envs[j].reset(seed=seed)
             except Exception as exc:

@@ -127,6 +127,9 @@ class EnvError(EnvfleetError):
         env_index: global index of the sub-environment that raised (``0 <= env_index < num_envs``).
         worker_index: index of the worker that holds it (``None`` for in-process backends).
         method: the environment method that raised, e.g. ``"step"`` or ``"reset"``.
+        replay: for ``step`` and ``reset``, what reproduces it in one process
+            (:class:`envfleet.Replay`: ``err.replay.save(path)``, then ``envfleet replay
+            PATH``); ``None`` for other methods and with ``replay_steps=0``.
 
     The original exception is chained as ``__cause__``; for a process backend its own
     ``__cause__`` is a :class:`RemoteTraceback` with the worker-side traceback text.
@@ -143,6 +146,7 @@ class EnvError(EnvfleetError):
         self.env_index = env_index
         self.worker_index = worker_index
         self.method = method
+        self.replay: Any = None
 
     def __reduce__(self) -> tuple[Any, ...]:
         original = getattr(type(self), "original_type", None)
@@ -261,6 +265,9 @@ class EnvCrashedError(EnvfleetError):
         rss_bytes: the worker process's resident memory when last seen (sampled about once
             a second), ``None`` where unknown; a SIGKILL's message gives it (the OOM killer
             kills so).
+        replay: the dead worker's envs' episodes up to the crash (:class:`envfleet.Replay`),
+            which ``envfleet replay`` runs in a child process it watches; ``None`` on Ray
+            (the record dies with the actor) and with ``replay_steps=0``.
     """
 
     def __init__(
@@ -283,6 +290,7 @@ class EnvCrashedError(EnvfleetError):
         self.exitcode = exitcode
         self.signal = -exitcode if exitcode is not None and exitcode < 0 else None
         self.step = step
+        self.replay: Any = None
 
 
 class _TimedOut(EnvfleetError, multiprocessing.TimeoutError):
@@ -300,6 +308,7 @@ class _TimedOut(EnvfleetError, multiprocessing.TimeoutError):
         self.env_indices = list(env_indices)
         self.timeout = timeout
         self.stacks = dict(stacks or {})
+        self.replay: Any = None
 
 
 class StepTimeoutError(_TimedOut):
@@ -315,6 +324,9 @@ class StepTimeoutError(_TimedOut):
         stacks: worker index -> the stacks of its threads, taken just before it was killed
             (faulthandler's format, innermost frame first; the message names the env's
             innermost frame). Empty where the backend cannot take them (``serial``, ``ray``).
+        replay: the first hung worker's envs' episodes up to the hang (:class:`envfleet.Replay`;
+            ``envfleet replay`` reports the step where it hangs again); ``None`` on Ray and
+            with ``replay_steps=0``.
     """
 
 

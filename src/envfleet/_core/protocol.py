@@ -121,6 +121,7 @@ class RemoteError:
     message: str
     traceback: str
     exception: bytes | None
+    recording: Any = None  # the env's episode so far (envfleet._core.replay.EnvRecording)
 
 
 @dataclass

@@ -35,6 +35,7 @@ from envfleet._backends.registry import (
 from envfleet._backends.supervisor import Ledger, RestartPolicy
 from envfleet._core.buffers import batch_nbytes
 from envfleet._core.errors import ConfigError, EnvError, SpaceMismatchError
+from envfleet._core.replay import REPLAY_STEPS
 from envfleet._front.factories import (
     EnvFactory,
     build_env,
@@ -95,6 +96,7 @@ def make(  # type: ignore[misc]  # the overloads stand for its keyword arguments
     device: Any = None,
     pin_memory: bool = False,
     observation_mode: str | tuple[gymnasium.Space[Any], gymnasium.Space[Any]] = "same",
+    replay_steps: int = REPLAY_STEPS,
 ) -> FleetVectorEnv | TorchVectorEnv:
     """Create a vector env of ``num_envs`` sub-environments on ``backend``.
 
@@ -214,6 +216,15 @@ def make(  # type: ignore[misc]  # the overloads stand for its keyword arguments
             ``observation_space`` gymnasium's ``batch_differing_spaces`` of every env's. A
             pair ``(observation_space, single_observation_space)``: used as given, every
             env's space sharing the single one's shape and dtype.
+        replay_steps: the steps each env's record keeps (default 1000), from which an
+            :class:`envfleet.EnvError` (in ``step`` or ``reset``), an
+            :class:`envfleet.EnvCrashedError` and a :class:`envfleet.StepTimeoutError` carry a
+            :class:`envfleet.Replay` of the failing episode (``err.replay``; see
+            :func:`envfleet.replay`). The record costs one copy of each worker's action rows
+            per step and ``replay_steps`` of them in memory per worker (1000 steps of 8
+            CartPole actions: 64 KB), plus 1 KiB per env; an episode longer than
+            ``replay_steps`` is not replayable. ``0``: no record, ``err.replay`` is ``None``.
+            Not for ``envpool``.
 
     Returns:
         A :class:`FleetVectorEnv`, a ``gymnasium.vector.VectorEnv``; a
@@ -236,6 +247,8 @@ def make(  # type: ignore[misc]  # the overloads stand for its keyword arguments
         from envfleet.torch import make_with_output
 
         return make_with_output(make, arguments)
+    if not _is_int(replay_steps, 0, 2**31):
+        raise ConfigError(f"replay_steps must be an integer >= 0, got {replay_steps!r}")
     spec = lookup(backend)
     options = spec.own_options(
         {"driver_envs": driver_envs, "spin_s": spin_s}
@@ -269,7 +282,9 @@ def make(  # type: ignore[misc]  # the overloads stand for its keyword arguments
         """The layout, block bytes and spare slabs that env 0's spaces fix."""
         obs_space = probe.observation_space if pair is None else pair[1]
         act_space = probe.action_space
-        layout = WorkerLayout(env_fns, accepts, obs_space, act_space, mode, plan.ranges, same)
+        layout = WorkerLayout(
+            env_fns, accepts, obs_space, act_space, mode, plan.ranges, same, int(replay_steps)
+        )
         spare = spare_slab_count(obs_space, num_envs, copy, pool, spec.spare_slabs)
         return Sizing(layout, batch_nbytes(obs_space, act_space, num_envs, spare), spare)
 
@@ -288,6 +303,7 @@ def make(  # type: ignore[misc]  # the overloads stand for its keyword arguments
         build.learn(EnvProbe.of(first))
     assert spec.build is not None  # every backend but a native one has a constructor
     built = spec.build(build)
+    built.factories = [bind_env_index(fn, i, accepts[i]) for i, fn in enumerate(env_fns)]
     probe = build.probe
     assert probe is not None, f"backend {spec.name!r} built its envs without learning env 0's"
     venv = FleetVectorEnv(

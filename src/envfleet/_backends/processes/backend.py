@@ -73,6 +73,7 @@ from envfleet._core.envgroup import EnvFailure, EnvGroup
 from envfleet._core.errors import ConfigError, EnvCrashedError, EnvError
 from envfleet._core.failures import failure_error, mismatch_error, remote_env_error
 from envfleet._core.protocol import Command, Failure, Status
+from envfleet._core.replay import EnvRecording, new_log
 from envfleet._core.stats import StepTimer, StepTimeStats, step_time_table
 
 __all__ = ["DEFAULT_CLOSE_TIMEOUT", "DEFAULT_SPIN_S", "ProcessesTransport"]
@@ -156,6 +157,9 @@ class ProcessesTransport:
                     layout.autoreset_mode,
                     first_env=env0,
                     same_observation_space=layout.same_observation_space,
+                    action_log=new_log(
+                        layout.single_action_space, self.ranges[0][1], layout.replay_steps
+                    ),
                 )
                 mismatch = self._local.check_spaces()
                 if mismatch is not None:
@@ -317,6 +321,9 @@ class ProcessesTransport:
 
     def stacks(self, workers: list[int]) -> dict[int, str]:
         return self.workers.stacks(workers)
+
+    def recordings(self, g: int) -> list[EnvRecording]:
+        return self.workers.recordings(g)
 
     def lay_out(self, workers: list[int], probe: Any) -> bool:
         return self.workers.lay_out(workers, probe)

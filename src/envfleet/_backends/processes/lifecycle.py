@@ -20,7 +20,6 @@ import multiprocessing.sharedctypes
 import os
 import pickle
 import signal
-import tempfile
 import time
 from collections.abc import Sequence
 from multiprocessing import reduction
@@ -54,13 +53,14 @@ from envfleet._backends.processes.worker import (
     worker_main,
 )
 from envfleet._backends.registry import BuildRequest
-from envfleet._backends.workers import MemoryWatch, join_all, spawn
+from envfleet._backends.workers import DriverFiles, MemoryWatch, join_all, spawn
 from envfleet._core.buffers import Batch, Block, allocate_batch
 from envfleet._core.errors import (
     EnvCrashedError,
     describe_exitcode,
 )
 from envfleet._core.protocol import Command
+from envfleet._core.replay import EnvRecording, read_log
 from envfleet._core.stacks import at
 from envfleet._core.stats import STATS_WORDS
 
@@ -134,10 +134,10 @@ class WorkerProcesses:
         self.conns: list[Connection | None] = [None] * groups
         self.regions: list[mmap.mmap | None] = [None] * groups
         self.doorbells: list[Doorbell | None] = [None] * groups
-        # Per worker, the file its faulthandler writes its stacks to: its name (which the
-        # worker removes once it has opened it) and the driver's descriptor of it.
-        self._stack_paths: list[str | None] = [None] * groups
-        self._stack_fds: list[int | None] = [None] * groups
+        # Per worker, the file its faulthandler writes its stacks to and the file of its
+        # action log (envfleet._core.replay), each held by the driver's descriptor.
+        self._stack_files = DriverFiles(groups, f"envfleet-stacks-{os.getpid()}", ".txt")
+        self._log_files = DriverFiles(groups, f"envfleet-replay-{os.getpid()}", ".log")
         self.memory = MemoryWatch()  # each worker's resident memory, for a SIGKILL's report
         self.closed = False
 
@@ -161,6 +161,7 @@ class WorkerProcesses:
             None if self._layout_later else block,
             block.nbytes,
             block.spare_slabs,
+            layout.replay_steps,
         )
 
     def start(self, g: int) -> None:
@@ -182,7 +183,8 @@ class WorkerProcesses:
             spin_s=self._worker_spin_s,
             parent_pid=os.getpid(),
             start_method=self._ctx.get_start_method(),
-            stacks_path=self._new_stack_path(g),
+            stacks_path=self._stack_files.new(g),
+            replay_path=self._log_files.new(g),
         )
         parent_conn, child_conn = self._ctx.Pipe(duplex=True)
         proc = spawn(
@@ -239,37 +241,21 @@ class WorkerProcesses:
             return read_region(self.regions[g], blob)
         return pickle.loads(blob)
 
-    def _new_stack_path(self, g: int) -> str:
-        """A new, empty file for worker ``g``'s stacks (the old one dropped). The driver
-        keeps a descriptor of it; the worker opens it by name, then removes the name, so the
-        file goes with the last of the two descriptors and nothing is left on disk when the
-        driver dies."""
-        self._remove_stack_path(g)
-        fd, path = tempfile.mkstemp(prefix=f"envfleet-stacks-{os.getpid()}-{g}-", suffix=".txt")
-        self._stack_paths[g], self._stack_fds[g] = path, fd
-        return path
-
-    def _remove_stack_path(self, g: int) -> None:
-        """Close the driver's descriptor of worker ``g``'s stack file, and remove its name
-        if the worker never did (it died before it opened it)."""
-        path, self._stack_paths[g] = self._stack_paths[g], None
-        fd, self._stack_fds[g] = self._stack_fds[g], None
-        if fd is not None:
-            os.close(fd)
-        if path is not None:
-            with contextlib.suppress(OSError):
-                os.unlink(path)
-
     def _read_stacks(self, g: int) -> str:
         """All worker ``g``'s faulthandler has written to its stack file so far."""
-        fd = self._stack_fds[g]
-        if fd is None:
-            return ""
-        try:
-            data = os.pread(fd, os.fstat(fd).st_size, 0)
-        except OSError:
-            return ""
-        return data.decode("utf-8", errors="replace")
+        return self._stack_files.read(g).decode("utf-8", errors="replace")
+
+    def recordings(self, g: int) -> list[EnvRecording]:
+        """Each of worker ``g``'s envs' episode so far, from the action log it writes to its
+        file (readable after it died or while it hangs); none without a log."""
+        layout = getattr(self, "layout", None)  # known once the workers are laid out
+        if layout is None:
+            return []
+        start, stop = self.ranges[g]
+        log = read_log(self._log_files.read(g), layout.single_action_space, stop - start)
+        if log is None:
+            return []
+        return [log.recording(j, start + j) for j in range(stop - start)]
 
     def stacks(self, workers: list[int], wait_s: float = STACKS_WAIT_S) -> dict[int, str]:
         """Ask each live worker of ``workers`` for its stacks (:data:`STACKS_SIGNAL`, which
@@ -279,7 +265,7 @@ class WorkerProcesses:
         it: it was about to be killed."""
         asked: dict[int, int] = {}  # worker -> the driver's descriptor of its file
         for g in workers:
-            proc, fd = self.procs[g], self._stack_fds[g]
+            proc, fd = self.procs[g], self._stack_files.fds[g]
             if proc is None or fd is None or not proc.is_alive():
                 continue
             with contextlib.suppress(OSError):
@@ -426,8 +412,8 @@ class WorkerProcesses:
         for proc in procs:
             with contextlib.suppress(ValueError):
                 proc.close()
-        for g in range(len(self._stack_paths)):
-            self._remove_stack_path(g)
+        self._stack_files.remove_all()
+        self._log_files.remove_all()
         if self._block_fd is not None:  # the block stays mapped while the driver uses it
             os.close(self._block_fd)
             self._block_fd = None

@@ -52,6 +52,7 @@ from envfleet._core import native as _speedups
 from envfleet._core.buffers import Block, allocate_batch
 from envfleet._core.envgroup import EnvFailure, EnvGroup, PartialFailure
 from envfleet._core.protocol import Command, Failure, Status
+from envfleet._core.replay import file_log
 from envfleet._core.stats import BUCKETS_PER_OCTAVE, NUM_BUCKETS, STATS_WORDS, StepTimer
 
 STACKS_SIGNAL = signal.SIGUSR1  # asks a worker for its stacks (watch_stacks)
@@ -152,6 +153,7 @@ class GroupLayout:
     block: Block | None
     nbytes: int = 0
     spare_slabs: int = 0
+    replay_steps: int = 0
 
 
 @dataclass
@@ -179,6 +181,7 @@ class WorkerSpec:
     parent_pid: int
     start_method: str
     stacks_path: str | None = None  # where faulthandler writes this worker's stacks
+    replay_path: str | None = None  # the file of its action log (envfleet._core.replay)
 
 
 def watch_stacks(path: str | None) -> Any:
@@ -500,6 +503,12 @@ def worker_main(spec: WorkerSpec, conn: Connection, parent_conn: Connection) -> 
                 layout.single_action_space,
                 layout.autoreset_mode,
                 same_observation_space=layout.same_observation_space,
+                action_log=file_log(
+                    spec.replay_path,
+                    layout.single_action_space,
+                    spec.stop - spec.start,
+                    layout.replay_steps,
+                ),
             )
             built = []  # the group's now
             mismatch = group.check_spaces()

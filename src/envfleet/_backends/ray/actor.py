@@ -33,6 +33,7 @@ from envfleet._backends.workers import remote_error
 from envfleet._core.buffers import Block, allocate_batch, batch_nbytes
 from envfleet._core.envgroup import EnvFailure, EnvGroup, PartialFailure
 from envfleet._core.protocol import Command, Failure, Status
+from envfleet._core.replay import REPLAY_STEPS, new_log
 from envfleet._core.stats import STATS_WORDS, StepTimer
 from envfleet._core.trees import tree_write
 
@@ -63,6 +64,7 @@ class ActorLayout:
     single_action_space: gymnasium.Space[Any]
     autoreset_mode: AutoresetMode
     same_observation_space: bool = True
+    replay_steps: int = REPLAY_STEPS
 
 
 class _LastStepTimer(StepTimer):
@@ -132,6 +134,7 @@ class EnvfleetWorker:
                 layout.autoreset_mode,
                 batch_offset=spec.start,
                 same_observation_space=layout.same_observation_space,
+                action_log=new_log(act_space, size, layout.replay_steps),
             )
             self.built = []  # the group's now
             return Status.READY, self.group.check_spaces(), None, 0.0

@@ -177,6 +177,7 @@ class RayTransport:
                 layout.single_action_space,
                 layout.autoreset_mode,
                 layout.same_observation_space,
+                layout.replay_steps,
             )
         for w in workers:
             self._refs[w], self._commands[w] = self._actors[w].attach.remote(self._layout), None

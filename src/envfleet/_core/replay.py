@@ -1,0 +1,574 @@
+"""Replay: what each env keeps to be rebuilt at a failure, and running it again in one process.
+
+An :class:`EnvGroup <envfleet._core.envgroup.EnvGroup>` writes every step's actions into an
+:class:`ActionLog` (a ring of its last ``replay_steps`` steps) and, at each reset of an env,
+how that reset began: the seed and options of a ``reset``, or the env's ``np_random`` state
+just before an autoreset's ``reset()`` (:func:`reset_start`). The log lives in memory the
+driver can read after the worker is gone (a processes worker's is a file the driver holds:
+a segfault or a SIGKILL leaves it readable), so an :class:`~envfleet.EnvError`, an
+:class:`~envfleet.EnvCrashedError` and a :class:`~envfleet.StepTimeoutError` carry a
+:class:`Replay`: the factory of each env concerned, its episode's start and its actions
+since, up to the failing one. :func:`run_replay` builds the envs in this process and steps
+them to the failure, in the order their worker stepped them.
+
+The record costs one copy of the group's action rows per step; its memory is
+``replay_steps`` times one step's action rows per worker (plus ``SLOT_BYTES`` per env).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import faulthandler
+import io
+import mmap
+import os
+import pickle
+import select
+import signal
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+import cloudpickle
+import gymnasium
+import numpy as np
+from gymnasium.vector.utils import batch_space, create_empty_array, iterate
+
+from envfleet._core.buffers import Carver, side_leaves
+from envfleet._core.errors import EnvfleetError, describe_exitcode
+from envfleet._core.trees import tree_row
+
+__all__ = [
+    "MAGIC",
+    "REPLAY_STEPS",
+    "SLOT_BYTES",
+    "VERSION",
+    "ActionLog",
+    "EnvRecording",
+    "Replay",
+    "ReplayFileError",
+    "ReplayOutcome",
+    "load_replay",
+    "file_log",
+    "new_log",
+    "read_log",
+    "recording_of",
+    "replays_of",
+    "reset_start",
+    "run_replay",
+    "watch_replay",
+]
+
+REPLAY_STEPS = 1000  # make()'s default replay_steps: the steps per env kept for a replay
+SLOT_BYTES = 1024  # per env, the most bytes of its pickled episode start
+MAGIC = b"envfleet-replay\n"  # the first bytes of a replay file
+VERSION = 1  # the replay file format's version, after MAGIC
+
+_HEADER_WORDS = 4  # actions written (n), capacity, envs (K), slot bytes
+_N = 0
+
+
+class ReplayFileError(EnvfleetError, ValueError):
+    """A file that is not a replay this envfleet can read: another file, or another version."""
+
+
+def reset_start(env: gymnasium.Env[Any, Any]) -> tuple[Any, ...]:
+    """How an autoreset's ``env.reset()`` (no seed) begins: the env's ``np_random`` state now
+    (``("rng", state)``; ``("rng", None)`` for an env that never had one)."""
+    generator = getattr(env.unwrapped, "_np_random", None)
+    if generator is None:
+        return ("rng", None)
+    return ("rng", generator.bit_generator.state)
+
+
+def _begin(env: gymnasium.Env[Any, Any], start: tuple[Any, ...]) -> Any:
+    """Reset ``env`` as the recorded episode began; returns ``reset``'s result."""
+    if start[0] == "seed":
+        return env.reset(seed=start[1], options=start[2])
+    state = start[1]
+    if state is not None:
+        bit_generator = getattr(np.random, state["bit_generator"])()
+        bit_generator.state = state
+        env.unwrapped._np_random = np.random.Generator(bit_generator)
+    return env.reset()
+
+
+class ActionLog:
+    """One EnvGroup's record: its last ``capacity`` steps' action rows and each env's start.
+
+    Laid over ``memory`` (``uint8``, :meth:`nbytes` long; a new array when ``None``): a
+    header, per env the index of its episode's first action and its pickled start, then the
+    ring ``[capacity, K, *action]`` (as ``create_empty_array(batch_space(space, K), capacity)``).
+    An action space with leaves of no fixed size (Text, Sequence, Graph) keeps its ring in a
+    Python list instead, which dies with its process.
+    """
+
+    def __init__(
+        self,
+        action_space: gymnasium.Space[Any],
+        size: int,
+        capacity: int,
+        memory: np.ndarray | None = None,
+    ):
+        self.size, self.capacity = size, capacity
+        if memory is None:
+            memory = np.zeros(self.nbytes(action_space, size, capacity), dtype=np.uint8)
+        carve = Carver(memory)
+        self.header = carve((_HEADER_WORDS,), np.int64)
+        self.starts = carve((size,), np.int64)  # index of the episode's first action
+        self.start_bytes = carve((size,), np.int64)  # -1: none, or too large to keep
+        self.slots = carve((size, SLOT_BYTES), np.uint8)
+        self._listed = bool(side_leaves(action_space))
+        self.ring: Any = None
+        self._list: list[Any] = []
+        self._batched_space = batch_space(action_space, size)
+        if not self._listed:
+            self.ring = create_empty_array(batch_space(action_space, size), capacity, fn=carve)
+        self.n = int(self.header[_N])
+
+    @staticmethod
+    def nbytes(action_space: gymnasium.Space[Any], size: int, capacity: int) -> int:
+        carve = Carver(None)
+        carve((_HEADER_WORDS,), np.int64)
+        carve((size,), np.int64)
+        carve((size,), np.int64)
+        carve((size, SLOT_BYTES), np.uint8)
+        if not side_leaves(action_space):
+            create_empty_array(batch_space(action_space, size), capacity, fn=carve)
+        return carve.offset
+
+    def open(self) -> None:
+        """Start a new log over the memory (the writer's side, once)."""
+        self.header[:] = (0, self.capacity, self.size, SLOT_BYTES)
+        self.start_bytes[:] = -1
+        self.n = 0
+
+    def record(self, actions: Any) -> None:
+        """Keep one step's action rows (the group's batched action)."""
+        n = self.n
+        if self._listed:
+            if len(self._list) < self.capacity:
+                self._list.append(None)
+            self._list[n % self.capacity] = copy.deepcopy(
+                list(iterate(self._batched_space, actions))
+            )
+        elif isinstance(actions, np.ndarray):
+            self.ring[n % self.capacity] = actions
+        else:
+            _write_row(self.ring, n % self.capacity, actions)
+        self.n = n + 1
+        self.header[_N] = n + 1
+
+    def began(self, j: int, start: tuple[Any, ...]) -> None:
+        """Env ``j`` (local) begins an episode at the next action, as ``start`` says."""
+        try:
+            blob = pickle.dumps(start, pickle.HIGHEST_PROTOCOL)
+        except Exception:
+            blob = b""
+        self.starts[j] = self.n
+        if 0 < len(blob) <= SLOT_BYTES:
+            self.slots[j, : len(blob)] = np.frombuffer(blob, dtype=np.uint8)
+            self.start_bytes[j] = len(blob)
+        else:
+            self.start_bytes[j] = -1
+
+    def recording(self, j: int, env_index: int) -> EnvRecording:
+        """What env ``j`` (local; ``env_index`` in the vector env) did in its episode so far."""
+        n, first = int(self.header[_N]), int(self.starts[j])
+        length = int(self.start_bytes[j])
+        count = n - first
+        if length < 0 or count > self.capacity or count < 0:
+            why = (
+                "its episode began before the record (no reset seen)"
+                if length < 0
+                else f"its episode is longer than replay_steps={self.capacity}"
+            )
+            return EnvRecording(env_index, None, [], complete=False, why=why, steps=max(count, 0))
+        start = pickle.loads(self.slots[j, :length].tobytes())
+        actions = [self._row(t % self.capacity, j) for t in range(first, n)]
+        return EnvRecording(env_index, start, actions, complete=True, why="", steps=count)
+
+    def _row(self, i: int, j: int) -> Any:
+        if self._listed:
+            return self._list[i][j]
+        return tree_row(_take(self.ring, i), j)
+
+
+def new_log(action_space: gymnasium.Space[Any], size: int, replay_steps: int) -> ActionLog | None:
+    """A group's :class:`ActionLog` in this process's memory, ``None`` with ``replay_steps=0``."""
+    return ActionLog(action_space, size, replay_steps) if replay_steps > 0 else None
+
+
+def file_log(
+    path: str | None, action_space: gymnasium.Space[Any], size: int, replay_steps: int
+) -> ActionLog | None:
+    """A worker's :class:`ActionLog` over the file at ``path`` (made by the driver, which holds
+    a descriptor and reads it with :func:`read_log`); the file's name is removed once it is
+    open. ``None`` without a path or with ``replay_steps=0``."""
+    if path is None or replay_steps <= 0:
+        return None
+    fd = os.open(path, os.O_RDWR)
+    try:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        nbytes = ActionLog.nbytes(action_space, size, replay_steps)
+        os.ftruncate(fd, nbytes)
+        memory = mmap.mmap(fd, nbytes)
+    finally:
+        os.close(fd)
+    return ActionLog(action_space, size, replay_steps, np.frombuffer(memory, dtype=np.uint8))
+
+
+def read_log(data: bytes, action_space: gymnasium.Space[Any], size: int) -> ActionLog | None:
+    """The :class:`ActionLog` a worker wrote (``data``: its file's bytes), ``None`` when it
+    wrote none (it never laid out its envs, or keeps no log) or another layout."""
+    if len(data) < 8 * _HEADER_WORDS:
+        return None
+    memory = np.frombuffer(data, dtype=np.uint8)
+    _n, capacity, envs, slot = (int(v) for v in memory[: 8 * _HEADER_WORDS].view(np.int64))
+    if envs != size or slot != SLOT_BYTES or capacity <= 0:
+        return None
+    if len(data) < ActionLog.nbytes(action_space, size, capacity):
+        return None
+    return ActionLog(action_space, size, capacity, memory)
+
+
+def _write_row(ring: Any, i: int, actions: Any) -> None:
+    if isinstance(ring, dict):
+        for key, leaf in ring.items():
+            _write_row(leaf, i, actions[key])
+    elif isinstance(ring, tuple):
+        for k, leaf in enumerate(ring):
+            _write_row(leaf, i, actions[k])
+    else:
+        ring[i] = actions
+
+
+def _take(ring: Any, i: int) -> Any:
+    if isinstance(ring, dict):
+        return {key: _take(leaf, i) for key, leaf in ring.items()}
+    if isinstance(ring, tuple):
+        return tuple(_take(leaf, i) for leaf in ring)
+    return ring[i]
+
+
+@dataclass
+class EnvRecording:
+    """One env's episode up to a failure.
+
+    Attributes:
+        env_index: the env's index in its vector env.
+        start: how the episode began: ``("seed", seed, options)`` (a ``reset``) or
+            ``("rng", np_random_state)`` (an autoreset); ``None`` when not ``complete``.
+        actions: every action of the episode, in order, the failing one last.
+        complete: whether the record holds the whole episode (``why`` says what is missing).
+        steps: the episode's actions up to the failure.
+    """
+
+    env_index: int
+    start: tuple[Any, ...] | None
+    actions: list[Any]
+    complete: bool
+    why: str
+    steps: int
+
+
+@dataclass
+class Replay:
+    """What reproduces a failure in one process: ``envfleet.replay(err.replay)``.
+
+    An :class:`~envfleet.EnvError` (raised in ``step`` or ``reset``) carries the failed env's;
+    an :class:`~envfleet.EnvCrashedError` and a :class:`~envfleet.StepTimeoutError` carry every
+    env of the dead or hung worker (which one did it is not known to the driver), replayed in
+    their worker's order. ``err.replay`` is ``None`` where the record died with its worker
+    (a Ray actor's crash or hang) or ``replay_steps=0``.
+
+    Attributes:
+        kind: ``"error"`` (an env raised), ``"crash"`` (its worker died) or ``"hang"``.
+        failure: the error's message.
+        envs: each env's :class:`EnvRecording`.
+        factories: env index -> its zero-argument factory.
+        timeout_s: for a hang, the step timeout (seconds) the worker ran past.
+
+    Example::
+
+        try:
+            envs.step(actions)
+        except envfleet.EnvError as err:
+            err.replay.save("failure.replay")  # then: envfleet replay failure.replay
+
+    A replay file holds pickled factories: load only files you made, as ``torch.load`` warns.
+    """
+
+    kind: str
+    failure: str
+    envs: list[EnvRecording]
+    factories: dict[int, Callable[[], gymnasium.Env[Any, Any]]] = field(repr=False)
+    timeout_s: float | None = None
+
+    @property
+    def complete(self) -> bool:
+        """Whether every env's episode is recorded whole (a replay can run)."""
+        return all(r.complete for r in self.envs)
+
+    def save(self, path: str) -> None:
+        """Write one file: :data:`MAGIC`, the format version, then the replay (cloudpickle)."""
+        out = io.BytesIO()
+        out.write(MAGIC)
+        out.write(VERSION.to_bytes(2, "little"))
+        cloudpickle.dump(self, out)
+        with open(path, "wb") as f:
+            f.write(out.getvalue())
+
+
+def load_replay(path: str) -> Replay:
+    """The :class:`Replay` saved at ``path``; its header and version are checked before
+    anything is unpickled.
+
+    Raises:
+        ReplayFileError: ``path`` is not an envfleet replay file, or of another version.
+    """
+    with open(path, "rb") as f:
+        head = f.read(len(MAGIC) + 2)
+        if head[: len(MAGIC)] != MAGIC:
+            raise ReplayFileError(f"{path} is not an envfleet replay file (no replay header)")
+        version = int.from_bytes(head[len(MAGIC) :], "little")
+        if version != VERSION:
+            raise ReplayFileError(
+                f"{path} is a replay file of format version {version}; this envfleet reads "
+                f"version {VERSION}"
+            )
+        replay = pickle.load(f)
+    if not isinstance(replay, Replay):
+        raise ReplayFileError(f"{path} holds a {type(replay).__name__}, not a Replay")
+    return replay
+
+
+Progress = Callable[[int, int, str], None]
+
+
+def run_replay(
+    replay: Replay | str,
+    progress: Progress | None = None,
+    stop_at: tuple[int, int] | None = None,
+) -> int:
+    """Build the replay's envs in this process and step them to the failure.
+
+    Each env is built from its factory and reset as its episode began (its seed and options,
+    or its ``np_random`` state at its autoreset), then stepped with its recorded actions; the
+    envs of one worker go step by step in their worker's order. ``progress(env_index, step,
+    method)`` is called before each env call (``step`` counts the episode's actions, 0 for
+    its reset). An env whose randomness comes from its seed and ``np_random`` fails here as
+    it failed in its worker: the same exception (raised from here), the same segfault, the
+    same hang. ``stop_at=(env_index, step)`` enters :mod:`pdb` just before that call.
+
+    Returns:
+        The env calls made, when none failed (the failure did not reproduce).
+
+    Raises:
+        ReplayFileError: a path that is not a replay file (see :func:`load_replay`).
+        ValueError: an env's record is not whole (``EnvRecording.why``).
+        Exception: what an env raised.
+    """
+    if isinstance(replay, str):
+        replay = load_replay(replay)
+    for r in replay.envs:
+        if not r.complete:
+            raise ValueError(f"sub-environment {r.env_index} cannot be replayed: {r.why}")
+    envs = {r.env_index: replay.factories[r.env_index]() for r in replay.envs}
+    calls = 0
+    try:
+        longest = max((len(r.actions) for r in replay.envs), default=0)
+        resets_last = [r for r in replay.envs if not r.actions]
+        for t in range(longest):
+            for r in replay.envs:
+                k = t - (longest - len(r.actions))
+                if k < 0:
+                    continue
+                env = envs[r.env_index]
+                if k == 0:
+                    _call(progress, stop_at, r.env_index, 0, "reset")
+                    _begin(env, r.start)  # type: ignore[arg-type]
+                    calls += 1
+                _call(progress, stop_at, r.env_index, k + 1, "step")
+                env.step(r.actions[k])  # (pdb: `step` goes into the env's step)
+                calls += 1
+        for r in resets_last:  # a failure in the reset that began the episode
+            _call(progress, stop_at, r.env_index, 0, "reset")
+            _begin(envs[r.env_index], r.start)  # type: ignore[arg-type]
+            calls += 1
+    finally:
+        for env in envs.values():
+            with contextlib.suppress(Exception):  # an env that just failed may fail to close
+                env.close()
+    return calls
+
+
+def _call(
+    progress: Progress | None,
+    stop_at: tuple[int, int] | None,
+    env_index: int,
+    step: int,
+    method: str,
+) -> None:
+    if progress is not None:
+        progress(env_index, step, method)
+    if stop_at == (env_index, step):
+        import pdb  # noqa: T100  (asked for: envfleet replay --pdb)
+
+        pdb.Pdb().set_trace(sys._getframe(1))
+
+
+@dataclass
+class ReplayOutcome:
+    """What :func:`watch_replay` saw when it ran a replay in a child process.
+
+    Attributes:
+        how: ``"raised"``, ``"died"``, ``"hung"`` or ``"completed"`` (nothing failed).
+        reproduced: whether that is the replay's own failure (``error`` raised, ``crash``
+            died, ``hang`` hung).
+        env_index, step, method: the env call that failed (``step``: its episode's actions
+            so far, 0 for its ``reset``); ``None`` when none did.
+        detail: ``"ValueError: ..."``, ``"signal SIGSEGV"`` or ``"no answer within 5 s"``.
+        calls: the env calls made.
+    """
+
+    how: str
+    reproduced: bool
+    env_index: int | None
+    step: int | None
+    method: str | None
+    detail: str
+    calls: int
+
+
+_KINDS = {"error": "raised", "crash": "died", "hang": "hung"}
+
+
+def watch_replay(path: str, timeout_s: float | None = None, stderr: Any = None) -> ReplayOutcome:
+    """Run the replay at ``path`` in a child Python process and watch it: what it raised,
+    the signal it died of, or the call it hung in (no next call within ``timeout_s``
+    seconds; default the replay's own step timeout for a hang, else none; the child's
+    stacks go to ``stderr`` before it is killed).
+
+    Raises:
+        ReplayFileError: ``path`` is not a replay file (checked here before the child runs).
+    """
+    replay = load_replay(path)
+    if timeout_s is None and replay.kind == "hang":
+        timeout_s = replay.timeout_s or 10.0
+    read, write = os.pipe()
+    try:
+        child = subprocess.Popen(
+            [sys.executable, "-c", _CHILD, path, str(write)],
+            pass_fds=(write,),
+            stderr=stderr,
+        )
+    finally:
+        os.close(write)
+    last: tuple[int, int, str] | None = None
+    calls, how, detail = 0, "", ""
+    buffer = b""
+    try:
+        with os.fdopen(read, "rb", buffering=0) as pipe:
+            while not how:
+                ready, _, _ = select.select([pipe], [], [], timeout_s)
+                if not ready:
+                    how, detail = "hung", f"no answer within {timeout_s:g} s"
+                    with contextlib.suppress(ProcessLookupError):
+                        child.send_signal(signal.SIGUSR1)  # its stacks, to stderr
+                        time.sleep(0.5)
+                    break
+                chunk = pipe.read(65536)
+                if not chunk:  # the child is gone
+                    break
+                buffer += chunk
+                while b"\n" in buffer and not how:
+                    line, buffer = buffer.split(b"\n", 1)
+                    word, _, rest = line.decode("utf-8", "replace").partition(" ")
+                    if word == "call":
+                        env_index, step, method = rest.split(" ")
+                        last, calls = (int(env_index), int(step), method), calls + 1
+                    elif word == "raised":
+                        how, detail = "raised", rest
+                    elif word == "done":
+                        how = "completed"
+    finally:
+        if child.poll() is None and how in ("hung", ""):
+            child.kill()
+        code = child.wait()
+    if not how:
+        how = "died"
+        detail = describe_exitcode(code)
+    failed = None if how == "completed" else last
+    return ReplayOutcome(
+        how,
+        _KINDS.get(replay.kind) == how,
+        failed[0] if failed else None,
+        failed[1] if failed else None,
+        failed[2] if failed else None,
+        detail,
+        calls,
+    )
+
+
+def _child(path: str, fd: int) -> int:
+    """The child process of :func:`watch_replay`: run the replay, telling each call."""
+    faulthandler.enable(sys.stderr, all_threads=True)
+    faulthandler.register(signal.SIGUSR1, sys.stderr, all_threads=True)
+    out = os.fdopen(fd, "wb", buffering=0)
+
+    def progress(env_index: int, step: int, method: str) -> None:
+        out.write(f"call {env_index} {step} {method}\n".encode())
+
+    try:
+        calls = run_replay(path, progress)
+    except Exception as exc:
+        traceback.print_exc()
+        text = f"{type(exc).__name__}: {exc}".replace("\n", " ")
+        out.write(f"raised {text}\n".encode())
+        return 1
+    out.write(f"done {calls}\n".encode())
+    return 0
+
+
+_CHILD = (
+    "import sys; from envfleet._core.replay import _child; "
+    "sys.exit(_child(sys.argv[1], int(sys.argv[2])))"
+)
+
+
+def recording_of(failure: Any, env_index: int) -> EnvRecording | None:
+    """The recording of env ``env_index`` in a failure as a transport reports it: an
+    :class:`~envfleet._core.envgroup.EnvFailure` (its ``failures`` for a partial one) or a
+    :class:`~envfleet._core.protocol.Failure` of remote errors; ``None`` when it has none."""
+    for item in [failure, *getattr(failure, "failures", ()), *getattr(failure, "errors", ())]:
+        recording = getattr(item, "recording", None)
+        if recording is not None and getattr(item, "env_index", None) == env_index:
+            return cast(EnvRecording, recording)
+    return None
+
+
+def replays_of(
+    kind: str,
+    failure: str,
+    recordings: Sequence[EnvRecording],
+    factories: Sequence[Callable[[], gymnasium.Env[Any, Any]]] | None,
+    timeout_s: float | None = None,
+) -> Replay | None:
+    """A :class:`Replay` of ``recordings`` with their factories (``factories[env_index]``),
+    or ``None`` when there is nothing to replay."""
+    if not recordings or factories is None:
+        return None
+    return Replay(
+        kind,
+        failure,
+        list(recordings),
+        {r.env_index: factories[r.env_index] for r in recordings},
+        timeout_s,
+    )

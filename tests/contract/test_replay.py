@@ -1,0 +1,230 @@
+"""Issue 32 item 3: a failure carries a replay that reproduces it in one process.
+
+An env with a bug its seed reaches (``tests.envs.BuggyEnv``: a draw from ``np_random`` after
+action 1, over episodes that autoreset) raises, segfaults or hangs in a worker; the error's
+``err.replay`` holds the env's factory, how its episode began (the seed, or the ``np_random``
+state at its autoreset) and its actions since, and running it here fails again at the same
+step. Real envs, real workers, real signals; timeouts are hang guards and ``step_timeout``
+values, never speed bounds.
+"""
+
+from __future__ import annotations
+
+import functools
+import signal
+from typing import Any
+
+import numpy as np
+import pytest
+from gymnasium.vector import AutoresetMode
+
+import envfleet
+from envfleet import cli
+from envfleet._core.replay import MAGIC, load_replay, watch_replay
+from tests.envs import BuggyEnv
+
+SEED = 7
+
+
+def _buggy(how: str, p: float = 0.004) -> Any:
+    return functools.partial(BuggyEnv, how=how, p=p)
+
+
+def _run_to_failure(envs: Any, num_envs: int, errors: Any) -> tuple[Any, list[np.ndarray]]:
+    """Reset with :data:`SEED`, step with random actions until ``errors`` is raised: the
+    error and every action sent."""
+    rng = np.random.default_rng(0)
+    sent: list[np.ndarray] = []
+    envs.reset(seed=SEED)
+    with pytest.raises(errors) as info:
+        for _ in range(20_000):
+            actions = rng.integers(0, 2, num_envs)
+            sent.append(actions)
+            envs.step(actions)
+    return info.value, sent
+
+
+def _assert_recorded(recording: Any, sent: list[np.ndarray], env_index: int) -> None:
+    """The recording holds the env's episode: its last actions are those sent to it."""
+    assert recording.complete and recording.steps == len(recording.actions) > 0
+    tail = [int(a[env_index]) for a in sent[-len(recording.actions) :]]
+    assert [int(a) for a in recording.actions] == tail
+
+
+@pytest.mark.per_backend(
+    "mode",
+    lambda backend: (
+        [AutoresetMode.NEXT_STEP, AutoresetMode.SAME_STEP]
+        if backend.cheap
+        else [AutoresetMode.NEXT_STEP]
+    ),
+)
+def test_an_env_errors_replay_raises_it_again(
+    make_env: Any, backend: Any, mode: AutoresetMode, tmp_path: Any
+) -> None:
+    """Env 1 raises after many autoresets: ``err.replay`` holds its episode from the
+    ``np_random`` state at its autoreset; run here (in memory, and from a file), it raises
+    the same exception at the same step."""
+    envs = make_env(
+        _buggy("raise"),
+        2,
+        **backend.options,
+        num_workers=2 if backend.workers else 1,
+        autoreset_mode=mode,
+    )
+    err, sent = _run_to_failure(envs, 2, envfleet.EnvError)
+    replay = err.replay
+    assert (replay.kind, [r.env_index for r in replay.envs]) == ("error", [1])
+    [recording] = replay.envs
+    assert recording.start[0] == "rng"  # an autoreset's episode, long after the seed
+    _assert_recorded(recording, sent, 1)
+    with pytest.raises(ValueError, match="bug hit at step") as again:
+        envfleet.replay(replay)
+    assert str(again.value) == str(err.__cause__)
+    path = str(tmp_path / "failure.replay")
+    replay.save(path)
+    with pytest.raises(ValueError) as from_file:
+        envfleet.replay(path)
+    assert str(from_file.value) == str(err.__cause__)
+
+
+@pytest.mark.backends(cheap=True)
+def test_a_failure_in_the_first_episode_replays_from_its_seed(make_env: Any, backend: Any) -> None:
+    """A bug in the episode a seeded reset began: the replay starts from that seed."""
+    envs = make_env(_buggy("raise", p=0.3), 2, **backend.options)
+    err, sent = _run_to_failure(envs, 2, envfleet.EnvError)
+    [recording] = err.replay.envs
+    assert recording.start == ("seed", SEED + 1, None)  # reset(seed=7) seeds env 1 with 8
+    _assert_recorded(recording, sent, 1)
+    with pytest.raises(ValueError, match="bug hit"):
+        envfleet.replay(err.replay)
+
+
+@pytest.mark.backends(processes=True)
+def test_a_crash_replays_the_same_segfault_in_a_watched_child(
+    make_env: Any, snapshot: Any, backend: Any, tmp_path: Any
+) -> None:
+    """Env 1 writes at address 0 (a real SIGSEGV) after many autoresets: the EnvCrashedError's
+    replay holds both envs of the dead worker, and ``envfleet replay`` sees the child die of
+    SIGSEGV in env 1's step where the worker did."""
+    envs = make_env(_buggy("null-write"), 4, **backend.options, num_workers=2)
+    err, sent = _run_to_failure(envs, 4, envfleet.EnvCrashedError)
+    assert err.signal == signal.SIGSEGV
+    replay = err.replay
+    assert replay.kind == "crash" and [r.env_index for r in replay.envs] == [0, 1]
+    _assert_recorded(replay.envs[1], sent, 1)
+    path = str(tmp_path / "crash.replay")
+    replay.save(path)
+    outcome = watch_replay(path, stderr=open(tmp_path / "child.err", "w"))  # noqa: SIM115
+    assert (outcome.how, outcome.reproduced, outcome.detail) == ("died", True, "signal SIGSEGV")
+    assert (outcome.env_index, outcome.step) == (1, replay.envs[1].steps)
+    assert "Segmentation fault" in (tmp_path / "child.err").read_text()
+    snapshot.assert_nothing_left()  # no worker, no stack file, no action-log file
+
+
+@pytest.mark.backends("threads", "processes")
+def test_a_hangs_replay_hangs_at_the_same_step(make_env: Any, backend: Any, tmp_path: Any) -> None:
+    """Env 1 sleeps past ``step_timeout`` after many autoresets: the StepTimeoutError's replay
+    hangs again at env 1's same step, which the watcher reports."""
+    envs = make_env(_buggy("sleep:60"), 2, **backend.options, num_workers=2, step_timeout=1.0)
+    err, sent = _run_to_failure(envs, 2, envfleet.StepTimeoutError)
+    replay = err.replay
+    assert (replay.kind, replay.timeout_s) == ("hang", 1.0)
+    recording = next(r for r in replay.envs if r.env_index == 1)
+    _assert_recorded(recording, sent, 1)
+    path = str(tmp_path / "hang.replay")
+    replay.save(path)
+    outcome = watch_replay(path, stderr=open(tmp_path / "child.err", "w"))  # noqa: SIM115
+    assert (outcome.how, outcome.reproduced) == ("hung", True)
+    assert (outcome.env_index, outcome.step, outcome.method) == (1, recording.steps, "step")
+    assert "in step" in (tmp_path / "child.err").read_text()  # its stack, before the kill
+
+
+@pytest.mark.backends("serial", "processes")
+def test_the_first_ready_pools_errors_carry_a_replay(make_env: Any, backend: Any) -> None:
+    """In a first-ready pool (send/recv), env 1's error carries its replay too."""
+    envs = make_env(_buggy("raise", p=0.05), 3, **backend.options, batch_size=2)
+    envs.async_reset(seed=SEED)
+    rng = np.random.default_rng(1)
+    with pytest.raises(envfleet.EnvError) as info:
+        for _ in range(5_000):
+            _, _, _, _, infos = envs.recv()
+            envs.send(rng.integers(0, 2, len(infos["env_id"])), infos["env_id"])
+    [recording] = info.value.replay.envs
+    assert recording.env_index == 1 and recording.complete
+    with pytest.raises(ValueError, match="bug hit"):
+        envfleet.replay(info.value.replay)
+
+
+@pytest.mark.backends("serial", "processes")
+@pytest.mark.parametrize("inference", ["driver", "worker"])
+def test_a_samplers_env_error_carries_a_replay(backend: Any, inference: str) -> None:
+    """A Sampler's env error carries its replay, with the policy in the driver or in the
+    workers (where the actions never pass the driver)."""
+    sampler = envfleet.Sampler(
+        _buggy("raise", p=0.05),
+        lambda obs: (obs[:, 0] > 0.5).astype(np.int64),
+        2,
+        inference=inference,
+        seed=SEED,
+        backend=backend.name,
+    )
+    try:
+        with pytest.raises(envfleet.EnvError) as info:
+            for _ in range(100):
+                sampler.sample(64)
+    finally:
+        sampler.close()
+    [recording] = info.value.replay.envs
+    assert recording.env_index == 1 and recording.complete
+    with pytest.raises(ValueError, match="bug hit"):
+        envfleet.replay(info.value.replay)
+
+
+def test_an_episode_longer_than_replay_steps_is_not_replayable(make_env: Any) -> None:
+    """An episode past ``replay_steps`` actions has lost its start: the replay says so."""
+    envs = make_env(_buggy("raise", p=0.01), 2, backend="serial", replay_steps=2)
+    err, _ = _run_to_failure(envs, 2, envfleet.EnvError)
+    [recording] = err.replay.envs
+    assert not recording.complete and "longer than replay_steps=2" in recording.why
+    with pytest.raises(ValueError, match="cannot be replayed: its episode is longer"):
+        envfleet.replay(err.replay)
+
+
+def test_replay_steps_0_keeps_no_record(make_env: Any) -> None:
+    envs = make_env(_buggy("raise", p=0.3), 2, backend="processes", replay_steps=0)
+    err, _ = _run_to_failure(envs, 2, envfleet.EnvError)
+    assert err.replay is None
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, "10", True])
+def test_a_bad_replay_steps_is_a_config_error(bad: Any) -> None:
+    with pytest.raises(envfleet.ConfigError, match="replay_steps"):
+        envfleet.make("CartPole-v1", 2, backend="serial", replay_steps=bad)
+
+
+def test_the_cli_reproduces_refuses_and_says_when_it_did_not(
+    make_env: Any, tmp_path: Any, capsys: Any
+) -> None:
+    """``envfleet replay PATH``: 0 and "reproduced" for a replay that fails again, 1 for one
+    that runs through (its last action dropped), 2 for a file that is not a replay, checked
+    before anything is unpickled."""
+    envs = make_env(_buggy("raise", p=0.05), 2, backend="serial")
+    err, _ = _run_to_failure(envs, 2, envfleet.EnvError)
+    path = str(tmp_path / "a.replay")
+    err.replay.save(path)
+    assert cli.main(["replay", path]) == 0
+    assert capsys.readouterr().out.startswith("reproduced: sub-environment 1 raised in step ")
+    err.replay.envs[0].actions.pop()
+    short = str(tmp_path / "short.replay")
+    err.replay.save(short)
+    assert cli.main(["replay", short]) == 1
+    assert capsys.readouterr().out.startswith("not reproduced: ")
+    other = tmp_path / "other.replay"
+    other.write_bytes(b"\x80\x04not a replay")  # a pickle would run code: never unpickled
+    assert cli.main(["replay", str(other)]) == 2
+    assert "is not an envfleet replay file" in capsys.readouterr().err
+    newer = tmp_path / "newer.replay"
+    newer.write_bytes(MAGIC + (99).to_bytes(2, "little") + b"...")
+    with pytest.raises(envfleet.ReplayFileError, match="format version 99"):
+        load_replay(str(newer))
