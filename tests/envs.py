@@ -1027,3 +1027,29 @@ class BuggyEnv(gym.Env):
             else:
                 crash_process(how)
         return np.array([draw, end]), 1.0, bool(end < self.end_p), False, {}
+
+
+class LeakyEnv(gym.Env):
+    """An env that leaks: every step keeps ``leak_kb`` KiB more (a list that only grows,
+    every page written), over episodes of ``episode_steps`` steps that sleep ``step_s``
+    seconds each. Its observations and rewards come from its ``np_random``."""
+
+    def __init__(self, leak_kb: int = 64, episode_steps: int = 10, step_s: float = 0.001):
+        self.leak, self.episode_steps, self.step_s = leak_kb * 1024, episode_steps, step_s
+        self.observation_space = spaces.Box(0.0, 1.0, (2,), np.float64)
+        self.action_space = spaces.Discrete(2)
+        self.kept: list[bytes] = []
+        self.t = 0
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
+        super().reset(seed=seed)
+        self.t = 0
+        return self.np_random.random(2), {}
+
+    def step(self, action: Any):
+        self.t += 1
+        self.kept.append(b"x" * self.leak)
+        if self.step_s:
+            time.sleep(self.step_s)
+        obs = self.np_random.random(2)
+        return obs, float(obs[0]) + int(action), False, self.t >= self.episode_steps, {}

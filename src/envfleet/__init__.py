@@ -5,6 +5,7 @@ results are bit-identical to ``gymnasium.vector.SyncVectorEnv`` for the same see
 See DESIGN.md §5 for the public contract.
 """
 
+from envfleet._backends.recycle import Recycle
 from envfleet._backends.supervisor import RestartPolicy
 from envfleet._core.cores import usable_cores
 from envfleet._core.errors import (
@@ -28,7 +29,7 @@ from envfleet._core.errors import (
 )
 from envfleet._core.replay import Replay, ReplayFileError
 from envfleet._core.replay import run_replay as replay
-from envfleet._core.stats import FleetStats, StepTimeStats
+from envfleet._core.stats import FleetStats, StepTimeStats, WorkerMemory
 from envfleet._front.factories import check_env_id
 from envfleet._front.make import BACKENDS, make
 from envfleet._front.multi_agent import AgentError
@@ -60,6 +61,7 @@ __all__ = [
     "NoAsyncCallError",
     "PoolStateError",
     "ProcessEnv",
+    "Recycle",
     "RemoteTraceback",
     "Replay",
     "ReplayFileError",
@@ -75,6 +77,7 @@ __all__ = [
     "StepTimeoutError",
     "TimerStat",
     "UnsupportedError",
+    "WorkerMemory",
     "WrongProcessError",
     "__version__",
     "check_env_id",

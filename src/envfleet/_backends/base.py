@@ -23,7 +23,7 @@ from envfleet._core.errors import (
 )
 from envfleet._core.protocol import Command
 from envfleet._core.replay import REPLAY_STEPS
-from envfleet._core.stats import StepTimer, StepTimeStats
+from envfleet._core.stats import StepTimer, StepTimeStats, WorkerMemory
 
 __all__ = [
     "Backend",
@@ -218,6 +218,11 @@ class Backend(abc.ABC):
     @property
     def num_workers(self) -> int:
         return len(self.ranges)
+
+    def worker_memory(self) -> tuple[WorkerMemory, ...]:
+        """Per worker process, its memory as sampled (``envs.stats.memory``); ``()`` where
+        the backend has no worker processes of its own."""
+        return ()
 
     @property
     def closed(self) -> bool:

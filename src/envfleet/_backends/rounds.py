@@ -30,9 +30,10 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 from envfleet._backends.base import Backend
+from envfleet._backends.recycle import Recycle, Recycler
 from envfleet._backends.supervisor import Ledger, Round, Supervisor
 from envfleet._core.buffers import Batch
 from envfleet._core.errors import (
@@ -43,16 +44,16 @@ from envfleet._core.errors import (
     StepTimeoutError,
 )
 from envfleet._core.failures import mismatch_error, start_error
-from envfleet._core.protocol import Command
-from envfleet._core.replay import EnvRecording, recording_of, replays_of
+from envfleet._core.protocol import Command, TaskRequest
+from envfleet._core.replay import EnvRecording, recording_of, replays_of, restore_envs
 from envfleet._core.stacks import at, first_at
-from envfleet._core.stats import StepTimeStats
+from envfleet._core.stats import StepTimeStats, WorkerMemory
 
 __all__ = ["RoundDriver", "Seen", "Transport"]
 
 logger = logging.getLogger("envfleet")
 
-_STEP, _RESTART = Command.STEP, Command.RESTART
+_STEP, _RESTART, _TASK = Command.STEP, Command.RESTART, Command.TASK
 
 # (result of the driver's own block, its failure, workers taken in order, positions of those
 # with a reply to read, seconds spun on the first one still running): Transport.step_all.
@@ -203,6 +204,7 @@ class RoundDriver(Backend):
         self._run_here = getattr(transport, "run_here", self._send_and_read)
         self._remote = transport.remote
         self._num_workers = len(self.ranges)
+        self._recycler: Recycler | None = None
         # The commands every group runs here when sent them (not in a pool: a pool's sends
         # and reads are apart).
         self._inline_every = frozenset(
@@ -239,9 +241,21 @@ class RoundDriver(Backend):
         self.supervisor.guarded(self._submit, command, payloads, step)
 
     def collect(self, timeout: float | None, step: int) -> dict[int, Any]:
-        return self.supervisor.guarded(self._collect, timeout, step)
+        stepped = self._command is _STEP
+        results = self.supervisor.guarded(self._collect, timeout, step)
+        if stepped and self._recycler is not None:
+            self._recycle_due(timeout, step)
+        return results
 
     def round(
+        self, command: Command, payloads: Mapping[int, Any], timeout: float | None, step: int
+    ) -> dict[int, Any]:
+        results = self._any_round(command, payloads, timeout, step)
+        if command is _STEP and self._recycler is not None:
+            self._recycle_due(timeout, step)
+        return results
+
+    def _any_round(
         self, command: Command, payloads: Mapping[int, Any], timeout: float | None, step: int
     ) -> dict[int, Any]:
         if not self._pending and len(payloads) == self._num_workers:
@@ -272,8 +286,12 @@ class RoundDriver(Backend):
             and list(inline) == [0]
             and inline[0] is None
         ):
-            return self.supervisor.guarded(self._fast_round, timeout, step, False)
-        return super().finish(command, inline, timeout, step)
+            results = self.supervisor.guarded(self._fast_round, timeout, step, False)
+        else:
+            results = super().finish(command, inline, timeout, step)
+        if command is _STEP and self._recycler is not None:
+            self._recycle_due(timeout, step)
+        return results
 
     def collect_ready(self, timeout: float | None, step: int) -> dict[int, Any]:
         """First-ready pool: wait until at least one pending worker has replied; return the
@@ -527,6 +545,52 @@ class RoundDriver(Backend):
         one: processes and threads), worker -> text."""
         take = getattr(self.transport, "stacks", None)
         return take(workers) if take is not None else {}
+
+    # -- recycling (envfleet.Recycle) ----------------------------------------------------------
+
+    def recycle_with(self, policy: Recycle) -> None:
+        """Recycle the workers past ``policy``'s limits from now on (the transport gives
+        ``log_head`` and ``rss``: processes)."""
+        self._recycler = Recycler(policy, self)
+
+    def log_head(self, w: int) -> tuple[int, int, Any] | None:
+        """Worker ``w``'s action-log counters (:func:`envfleet._core.replay.read_head`)."""
+        return cast(Any, self.transport).log_head(w)
+
+    def rss(self, w: int) -> int | None:
+        """Worker ``w``'s resident memory last sampled, in bytes, ``None`` if unknown."""
+        return cast(Any, self.transport).rss(w)
+
+    def worker_memory(self) -> tuple[WorkerMemory, ...]:
+        read = getattr(self.transport, "worker_memory", None)
+        return read() if read is not None else ()
+
+    def _recycle_due(self, timeout: float | None, step: int) -> None:
+        for w in cast(Recycler, self._recycler).due():
+            self._recycle(w, timeout, step)
+
+    def _recycle(self, w: int, timeout: float | None, step: int) -> None:
+        """Replace idle worker ``w`` with a new one whose envs continue its envs' episodes."""
+        recycler = cast(Recycler, self._recycler)
+        recordings = self.recordings(w)
+        if not recycler.replayable(w, recordings):
+            return
+        self.transport.respawn(w, "recycle")
+        try:
+            self._start([w], timeout, step, at_start=False)
+        except EnvfleetError:  # a new worker could not start: give up
+            self.close(timeout=0, terminate=True)
+            raise
+        command = self._command
+        self._submit(_TASK, {w: TaskRequest(restore_envs, recordings)}, step)
+        self._command = command
+        pending, self._pending = self._pending, []
+        deadline = None if timeout is None else time.monotonic() + timeout
+        done = self.gather(pending, deadline, timeout, step, fail_fast=True)
+        if done.failures:
+            self.supervisor.broken(self.env_error(w, done.failures[w], "recycling its worker"))
+        self.ledger.recycled += 1
+        recycler.recycled(w, self.log_head(w))
 
     def replace_workers(
         self, workers: list[int], done: Round, timeout: float | None, step: int

@@ -37,7 +37,7 @@ from envfleet._core.errors import (
 from envfleet._core.protocol import Command, Failure, InfoEvent, RestartRequest
 from envfleet._core.replay import replays_of
 from envfleet._core.stacks import first_at
-from envfleet._core.stats import FleetStats, StepTimeStats
+from envfleet._core.stats import FleetStats, StepTimeStats, WorkerMemory
 
 logger = logging.getLogger("envfleet")
 
@@ -157,6 +157,7 @@ class Ledger:
         self.timeouts = 0
         self.crashes = 0
         self.env_errors = 0
+        self.recycled = 0
 
     def note_seeds(self, start: int, seeds: list[int | None], mask: Any) -> None:
         """Remember the seeds a reset gives envs ``start, start + 1, ...`` (``mask``: reset
@@ -216,7 +217,9 @@ class Ledger:
             per_env = getattr(failure, "failures", None) or getattr(failure, "errors", None)
             self.env_errors += len(per_env) if per_env else 1
 
-    def snapshot(self, workers: tuple[StepTimeStats, ...]) -> FleetStats:
+    def snapshot(
+        self, workers: tuple[StepTimeStats, ...], memory: tuple[WorkerMemory, ...] = ()
+    ) -> FleetStats:
         return FleetStats(
             restarts=self.restarts,
             env_restarts={e: n for e, n in enumerate(self.env_restarts) if n},
@@ -224,6 +227,8 @@ class Ledger:
             crashes=self.crashes,
             env_errors=self.env_errors,
             workers=workers,
+            recycled=self.recycled,
+            memory=memory,
         )
 
 

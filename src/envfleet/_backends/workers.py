@@ -18,9 +18,12 @@ Every worker process envfleet starts goes through these few functions:
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import ctypes
 import ctypes.util
+import logging
+import math
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -36,10 +39,13 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
 
+import numpy as np
 import psutil
 
 from envfleet._core.envgroup import EnvFailure
 from envfleet._core.protocol import Failure, RemoteError
+
+logger = logging.getLogger("envfleet")
 
 __all__ = [
     "DriverFiles",
@@ -51,6 +57,7 @@ __all__ = [
     "join_all",
     "remote_error",
     "spawn",
+    "steady_growth",
     "watch",
 ]
 
@@ -190,6 +197,50 @@ def join_all(procs: Sequence[Any], timeout: float) -> None:
 RSS_PERIOD_S = 1.0  # seconds between two samples of the workers' resident memory
 
 
+GROWTH_SAMPLES = 120  # the samples a worker's memory growth is fitted over
+GROWTH_MIN_EPISODES = 20  # the episodes they must span for a growth figure
+# A steady growth: samples over at least this many episodes, that grow together with them
+# (correlation), by at least this many bytes over the samples.
+STEADY_MIN_SAMPLES = 10
+STEADY_MIN_EPISODES = 100
+STEADY_MIN_CORRELATION = 0.9
+STEADY_MIN_BYTES = 16 * 2**20
+
+
+def _fit(history: list[tuple[int, int]]) -> tuple[float, float] | None:
+    """(slope in bytes per episode, correlation) of resident memory against episodes."""
+    if len(history) < 3 or history[-1][0] - history[0][0] < GROWTH_MIN_EPISODES:
+        return None
+    x = np.array([h[0] for h in history], dtype=np.float64)
+    y = np.array([h[1] for h in history], dtype=np.float64)
+    x -= x.mean()
+    y -= y.mean()
+    sxx, syy = float(x @ x), float(y @ y)
+    if sxx == 0.0:
+        return None
+    slope = float(x @ y) / sxx
+    correlation = float(x @ y) / math.sqrt(sxx * syy) if syy > 0 else 0.0
+    return slope, correlation
+
+
+def steady_growth(history: list[tuple[int, int]]) -> float | None:
+    """The growth in bytes per 1,000 episodes of ``history`` ((episodes, resident bytes)
+    samples) when it is steady: enough samples over enough episodes, rising with them
+    (correlation >= 0.9) by at least 16 MiB; else ``None``."""
+    fit = _fit(history)
+    if fit is None or len(history) < STEADY_MIN_SAMPLES:
+        return None
+    slope, correlation = fit
+    span = history[-1][0] - history[0][0]
+    if (
+        span >= STEADY_MIN_EPISODES
+        and correlation >= STEADY_MIN_CORRELATION
+        and slope * span >= STEADY_MIN_BYTES
+    ):
+        return slope * 1000.0
+    return None
+
+
 class DriverFiles:
     """Per worker, a file the worker writes and the driver reads, even after the worker died
     (its stacks, its action log). The driver makes it and keeps a descriptor; the worker
@@ -223,13 +274,14 @@ class DriverFiles:
         for g in range(len(self.paths)):
             self.remove(g)
 
-    def read(self, g: int) -> bytes:
-        """All worker ``g`` has written to its file so far (``b""`` when none)."""
+    def read(self, g: int, nbytes: int | None = None) -> bytes:
+        """All worker ``g`` has written to its file so far, or its first ``nbytes`` bytes
+        (``b""`` when none)."""
         fd = self.fds[g]
         if fd is None:
             return b""
         try:
-            return os.pread(fd, os.fstat(fd).st_size, 0)
+            return os.pread(fd, os.fstat(fd).st_size if nbytes is None else nbytes, 0)
         except OSError:
             return b""
 
@@ -237,15 +289,26 @@ class DriverFiles:
 class MemoryWatch:
     """Each worker process's resident memory, sampled every :data:`RSS_PERIOD_S` seconds by
     a daemon thread (psutil; a sample costs a few microseconds a worker), so that the last
-    value seen before a worker died is known (:meth:`last`).
+    value seen before a worker died is known (:meth:`last`), and how it grows with the
+    episodes its envs began (:meth:`growth`; ``episodes(w)`` reads the worker's count). A
+    steady growth (:func:`steady_growth`) logs one warning per worker naming its envs.
 
     Call :meth:`watch` with each worker's pid as it starts, :meth:`start` once the first
     workers are spawned, and :meth:`stop` at close.
     """
 
-    def __init__(self) -> None:
+    def __init__(
+        self,
+        episodes: Callable[[int], int | None] | None = None,
+        ranges: Sequence[tuple[int, int]] = (),
+    ) -> None:
         self._pids: dict[int, int] = {}  # worker -> pid
         self._last: dict[int, tuple[int, float]] = {}  # worker -> (bytes, monotonic time)
+        self._episodes = episodes
+        self._ranges = list(ranges)
+        # worker -> its last samples: (episodes begun, resident bytes)
+        self._history: dict[int, collections.deque[tuple[int, int]]] = {}
+        self._warned: set[int] = set()
         self._stopped = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -253,6 +316,19 @@ class MemoryWatch:
         """Sample worker ``w`` (process ``pid``) from now on (a new pid forgets the old)."""
         self._pids[w] = pid
         self._last.pop(w, None)
+        self._history[w] = collections.deque(maxlen=GROWTH_SAMPLES)
+        self._warned.discard(w)
+
+    def episodes(self, w: int) -> int:
+        """The episodes worker ``w``'s envs began, at its last sample."""
+        history = self._history.get(w)
+        return history[-1][0] if history else 0
+
+    def growth(self, w: int) -> float | None:
+        """Worker ``w``'s resident bytes per 1,000 episodes over its last samples (least
+        squares), ``None`` until they span :data:`GROWTH_MIN_EPISODES` episodes."""
+        fit = _fit(list(self._history.get(w, ())))
+        return None if fit is None else fit[0] * 1000.0
 
     def start(self) -> None:
         """Start sampling, once the first workers are spawned (fork is simplest from a
@@ -273,6 +349,33 @@ class MemoryWatch:
                 # A zombie (dead, not yet reaped) reads 0: the last live sample stands.
                 if rss and self._pids.get(w) == pid:
                     self._last[w] = (int(rss), time.monotonic())
+                    self._note(w, int(rss))
+
+    def _note(self, w: int, rss: int) -> None:
+        """Keep ``(episodes, rss)`` for the growth of worker ``w``; warn once at a steady one."""
+        episodes = self._episodes(w) if self._episodes is not None else None
+        history = self._history.get(w)
+        if episodes is None or history is None:
+            return
+        history.append((episodes, rss))
+        if w in self._warned:
+            return
+        growth = steady_growth(list(history))
+        if growth is not None:
+            self._warned.add(w)
+            start, stop = self._ranges[w] if w < len(self._ranges) else (0, 0)
+            logger.warning(
+                "worker %d's resident memory grows steadily: %+.1f MiB per 1,000 episodes "
+                "over its last %d episodes (now %.1f MiB); a leak suspect among its "
+                "sub-environments %d..%d. envfleet.Recycle(max_rss_mb=...) replaces a worker "
+                "before it runs out of memory",
+                w,
+                growth / 2**20,
+                history[-1][0] - history[0][0],
+                rss / 2**20,
+                start,
+                stop - 1,
+            )
 
     def stop(self) -> None:
         """End the sampling thread (bounded: it wakes within one period)."""

@@ -260,6 +260,14 @@ class EnvGroup:
         ):
             self._result_addresses = tuple(a.ctypes.data for a in results)  # type: ignore[assignment]
 
+    def resume_autoreset(self) -> None:
+        """Take each env's autoreset flag from its row of the batch (terminated or
+        truncated): a group that takes over envs mid-run (a recycled worker's) resets on its
+        next step those whose episode just ended, as the old group would have."""
+        self._autoreset = np.logical_or(
+            self.buffers.terminations, self.buffers.truncations
+        ).tolist()
+
     def check_spaces(self) -> tuple[int, str] | None:
         """(env_index, description) of the first env whose spaces differ, or ``None``."""
         for j, env in enumerate(self.envs):

@@ -37,7 +37,7 @@ from typing import Any, cast
 import cloudpickle
 import gymnasium
 import numpy as np
-from gymnasium.vector.utils import batch_space, create_empty_array, iterate
+from gymnasium.vector.utils import batch_space, concatenate, create_empty_array, iterate
 
 from envfleet._core.buffers import Carver, side_leaves
 from envfleet._core.errors import EnvfleetError, describe_exitcode
@@ -56,21 +56,24 @@ __all__ = [
     "load_replay",
     "file_log",
     "new_log",
+    "read_head",
     "read_log",
     "recording_of",
     "replays_of",
     "reset_start",
+    "restore_envs",
     "run_replay",
     "watch_replay",
 ]
 
 REPLAY_STEPS = 1000  # make()'s default replay_steps: the steps per env kept for a replay
-SLOT_BYTES = 1024  # per env, the most bytes of its pickled episode start
+SLOT_BYTES = 16 << 10  # per env, the most bytes of its pickled episode start (ALE's: 14 KB)
 MAGIC = b"envfleet-replay\n"  # the first bytes of a replay file
 VERSION = 1  # the replay file format's version, after MAGIC
 
-_HEADER_WORDS = 4  # actions written (n), capacity, envs (K), slot bytes
+_HEADER_WORDS = 5  # actions written (n), capacity, envs (K), slot bytes, episodes begun
 _N = 0
+_EPISODES = 4
 
 
 class ReplayFileError(EnvfleetError, ValueError):
@@ -78,23 +81,33 @@ class ReplayFileError(EnvfleetError, ValueError):
 
 
 def reset_start(env: gymnasium.Env[Any, Any]) -> tuple[Any, ...]:
-    """How an autoreset's ``env.reset()`` (no seed) begins: the env's ``np_random`` state now
-    (``("rng", state)``; ``("rng", None)`` for an env that never had one)."""
-    generator = getattr(env.unwrapped, "_np_random", None)
-    if generator is None:
-        return ("rng", None)
-    return ("rng", generator.bit_generator.state)
+    """How an autoreset's ``env.reset()`` (no seed) begins: ``("rng", state, native)``, the
+    env's ``np_random`` state now (``None`` for an env that never had one) and the random
+    state the env keeps outside it, where the field has an API for it: an Atari env's ALE
+    state with its generator (``ale.cloneState(include_rng=True)``, pickled), else ``None``."""
+    unwrapped = env.unwrapped
+    generator = getattr(unwrapped, "_np_random", None)
+    state = None if generator is None else generator.bit_generator.state
+    native = None
+    ale = getattr(unwrapped, "ale", None)
+    if ale is not None and hasattr(ale, "cloneState"):
+        with contextlib.suppress(Exception):
+            native = ("ale", pickle.dumps(ale.cloneState(include_rng=True)))
+    return ("rng", state, native)
 
 
 def _begin(env: gymnasium.Env[Any, Any], start: tuple[Any, ...]) -> Any:
     """Reset ``env`` as the recorded episode began; returns ``reset``'s result."""
     if start[0] == "seed":
         return env.reset(seed=start[1], options=start[2])
-    state = start[1]
+    state, native = start[1], start[2]
+    unwrapped: Any = env.unwrapped
     if state is not None:
         bit_generator = getattr(np.random, state["bit_generator"])()
         bit_generator.state = state
-        env.unwrapped._np_random = np.random.Generator(bit_generator)
+        unwrapped._np_random = np.random.Generator(bit_generator)
+    if native is not None and native[0] == "ale":
+        unwrapped.ale.restoreState(pickle.loads(native[1]))
     return env.reset()
 
 
@@ -127,6 +140,7 @@ class ActionLog:
         self.ring: Any = None
         self._list: list[Any] = []
         self._batched_space = batch_space(action_space, size)
+        self._single_space = action_space
         if not self._listed:
             self.ring = create_empty_array(batch_space(action_space, size), capacity, fn=carve)
         self.n = int(self.header[_N])
@@ -144,9 +158,36 @@ class ActionLog:
 
     def open(self) -> None:
         """Start a new log over the memory (the writer's side, once)."""
-        self.header[:] = (0, self.capacity, self.size, SLOT_BYTES)
+        self.header[:] = (0, self.capacity, self.size, SLOT_BYTES, 0)
         self.start_bytes[:] = -1
         self.n = 0
+
+    @staticmethod
+    def head_nbytes(size: int) -> int:
+        """The bytes of a log's header and per-env starts (what :func:`read_head` reads)."""
+        carve = Carver(None)
+        carve((_HEADER_WORDS,), np.int64)
+        carve((size,), np.int64)
+        return carve.offset
+
+    def restore(self, recordings: Sequence[EnvRecording]) -> None:
+        """Write the episodes of ``recordings`` (one per env, in order) as if this group had
+        run them: the action rows in their steps' order, each env's start at its first
+        action (a recycled worker's new group continues the old one's record)."""
+        longest = max((len(r.actions) for r in recordings), default=0)
+        space = self._single_space
+        for t in range(longest):
+            row = []
+            for j, r in enumerate(recordings):
+                k = t - (longest - len(r.actions))
+                if k == 0:
+                    self.began(j, cast(tuple, r.start))
+                # Envs not yet in their episode at this step: any valid action stands in.
+                row.append(r.actions[max(k, 0)] if r.actions else space.sample())
+            self.record(concatenate(space, row, cast(Any, create_empty_array(space, self.size))))
+        for j, r in enumerate(recordings):
+            if not r.actions:
+                self.began(j, cast(tuple, r.start))
 
     def record(self, actions: Any) -> None:
         """Keep one step's action rows (the group's batched action)."""
@@ -170,6 +211,7 @@ class ActionLog:
             blob = pickle.dumps(start, pickle.HIGHEST_PROTOCOL)
         except Exception:
             blob = b""
+        self.header[_EPISODES] += 1
         self.starts[j] = self.n
         if 0 < len(blob) <= SLOT_BYTES:
             self.slots[j, : len(blob)] = np.frombuffer(blob, dtype=np.uint8)
@@ -230,12 +272,43 @@ def read_log(data: bytes, action_space: gymnasium.Space[Any], size: int) -> Acti
     if len(data) < 8 * _HEADER_WORDS:
         return None
     memory = np.frombuffer(data, dtype=np.uint8)
-    _n, capacity, envs, slot = (int(v) for v in memory[: 8 * _HEADER_WORDS].view(np.int64))
+    _n, capacity, envs, slot, _episodes = (
+        int(v) for v in memory[: 8 * _HEADER_WORDS].view(np.int64)
+    )
     if envs != size or slot != SLOT_BYTES or capacity <= 0:
         return None
     if len(data) < ActionLog.nbytes(action_space, size, capacity):
         return None
     return ActionLog(action_space, size, capacity, memory)
+
+
+def read_head(data: bytes, size: int) -> tuple[int, int, np.ndarray] | None:
+    """From the first :meth:`ActionLog.head_nbytes` bytes of a worker's log: its group steps,
+    the episodes its envs began and each env's episode start (the index of its first
+    action); ``None`` before the worker opened its log."""
+    if len(data) < ActionLog.head_nbytes(size):
+        return None
+    memory = np.frombuffer(data, dtype=np.uint8)
+    carve = Carver(memory)
+    header = carve((_HEADER_WORDS,), np.int64)
+    starts = carve((size,), np.int64)
+    if int(header[2]) != size:
+        return None
+    return int(header[_N]), int(header[_EPISODES]), starts.copy()
+
+
+def restore_envs(group: Any, recordings: list[EnvRecording]) -> None:
+    """A task (``Command.TASK``) run in a recycled worker's new group: bring each env to
+    where the old worker's was, by running its episode (``recordings``, one per env) from
+    its start, and continue the old record. Nothing is written to the batch's rows: they
+    hold the old envs' last results already."""
+    for env, r in zip(group.envs, recordings, strict=True):
+        _begin(env, cast(tuple, r.start))
+        for action in r.actions:
+            env.step(action)
+    if group.action_log is not None:
+        group.action_log.restore(recordings)
+    group.resume_autoreset()
 
 
 def _write_row(ring: Any, i: int, actions: Any) -> None:
@@ -264,7 +337,9 @@ class EnvRecording:
     Attributes:
         env_index: the env's index in its vector env.
         start: how the episode began: ``("seed", seed, options)`` (a ``reset``) or
-            ``("rng", np_random_state)`` (an autoreset); ``None`` when not ``complete``.
+            ``("rng", np_random_state, native)`` (an autoreset; ``native``: the env's own
+            random state where it has one, see :func:`reset_start`); ``None`` when not
+            ``complete``.
         actions: every action of the episode, in order, the failing one last.
         complete: whether the record holds the whole episode (``why`` says what is missing).
         steps: the episode's actions up to the failure.

@@ -27,6 +27,7 @@ __all__ = [
     "FleetStats",
     "StepTimeStats",
     "StepTimer",
+    "WorkerMemory",
     "step_time_table",
 ]
 
@@ -120,6 +121,24 @@ def step_time_table(rows: np.ndarray) -> tuple[StepTimeStats, ...]:
 
 
 @dataclass(frozen=True)
+class WorkerMemory:
+    """One worker process's memory, as sampled about once a second (``envs.stats.memory``).
+
+    Attributes:
+        rss_bytes: its resident memory when last sampled, ``None`` before the first sample.
+        episodes: episodes its envs began, counted in the worker (since it started).
+        growth_per_1000_episodes: the slope of its resident memory against those episodes
+            over the last samples (least squares), in bytes per 1,000 episodes; ``None``
+            until the samples span enough episodes. A steady growth logs a warning naming
+            the worker's envs, a leak suspect (see :class:`envfleet.Recycle`).
+    """
+
+    rss_bytes: int | None
+    episodes: int
+    growth_per_1000_episodes: float | None
+
+
+@dataclass(frozen=True)
 class FleetStats:
     """What the supervisor has seen so far (``envs.stats``; a snapshot, readable at any time).
 
@@ -130,6 +149,10 @@ class FleetStats:
         crashes: workers found dead.
         env_errors: exceptions raised by envs (restarted or not).
         workers: per worker, its step-time statistics, in worker order.
+        recycled: workers replaced under :class:`envfleet.Recycle`.
+        memory: per worker process, its resident memory and how it grows
+            (:class:`WorkerMemory`), in worker order; empty where the backend has no worker
+            processes of its own (serial, threads, ray, envpool).
     """
 
     restarts: int = 0
@@ -138,3 +161,5 @@ class FleetStats:
     crashes: int = 0
     env_errors: int = 0
     workers: tuple[StepTimeStats, ...] = ()
+    recycled: int = 0
+    memory: tuple[WorkerMemory, ...] = ()

@@ -23,6 +23,7 @@ from envfleet._backends.base import (
     accepts_env_index,
     bind_env_index,
 )
+from envfleet._backends.recycle import Recycle
 from envfleet._backends.registry import (
     BACKENDS,
     BackendSpec,
@@ -32,6 +33,7 @@ from envfleet._backends.registry import (
     Sizing,
     lookup,
 )
+from envfleet._backends.rounds import RoundDriver
 from envfleet._backends.supervisor import Ledger, RestartPolicy
 from envfleet._core.buffers import batch_nbytes
 from envfleet._core.errors import ConfigError, EnvError, SpaceMismatchError
@@ -97,6 +99,7 @@ def make(  # type: ignore[misc]  # the overloads stand for its keyword arguments
     pin_memory: bool = False,
     observation_mode: str | tuple[gymnasium.Space[Any], gymnasium.Space[Any]] = "same",
     replay_steps: int = REPLAY_STEPS,
+    recycle: Recycle | None = None,
 ) -> FleetVectorEnv | TorchVectorEnv:
     """Create a vector env of ``num_envs`` sub-environments on ``backend``.
 
@@ -225,6 +228,11 @@ def make(  # type: ignore[misc]  # the overloads stand for its keyword arguments
             CartPole actions: 64 KB), plus 1 KiB per env; an episode longer than
             ``replay_steps`` is not replayable. ``0``: no record, ``err.replay`` is ``None``.
             Not for ``envpool``.
+        recycle: ``processes`` only, synchronous: an :class:`envfleet.Recycle` replaces each
+            worker past its limits (episodes, steps, resident memory) between episodes, its
+            envs continuing exactly where they were; every env then runs in a worker
+            (``driver_envs=0``). Needs ``replay_steps > 0`` (the record the new worker's envs
+            are brought up to date from).
 
     Returns:
         A :class:`FleetVectorEnv`, a ``gymnasium.vector.VectorEnv``; a
@@ -249,6 +257,10 @@ def make(  # type: ignore[misc]  # the overloads stand for its keyword arguments
         return make_with_output(make, arguments)
     if not _is_int(replay_steps, 0, 2**31):
         raise ConfigError(f"replay_steps must be an integer >= 0, got {replay_steps!r}")
+    if recycle is not None:
+        driver_envs = _check_recycle(
+            recycle, backend, batch_size, num_envs, replay_steps, driver_envs
+        )
     spec = lookup(backend)
     options = spec.own_options(
         {"driver_envs": driver_envs, "spin_s": spin_s}
@@ -304,6 +316,8 @@ def make(  # type: ignore[misc]  # the overloads stand for its keyword arguments
     assert spec.build is not None  # every backend but a native one has a constructor
     built = spec.build(build)
     built.factories = [bind_env_index(fn, i, accepts[i]) for i, fn in enumerate(env_fns)]
+    if recycle is not None:
+        cast(RoundDriver, built).recycle_with(recycle)
     probe = build.probe
     assert probe is not None, f"backend {spec.name!r} built its envs without learning env 0's"
     venv = FleetVectorEnv(
@@ -324,6 +338,38 @@ def make(  # type: ignore[misc]  # the overloads stand for its keyword arguments
         return venv
     multi_agent: Any = MultiAgentVectorEnv(venv, agents)  # the overloads' types are single-agent
     return multi_agent
+
+
+def _check_recycle(
+    recycle: Any,
+    backend: str,
+    batch_size: Any,
+    num_envs: Any,
+    replay_steps: int,
+    driver_envs: int | None,
+) -> int:
+    """Check ``recycle=`` against the other arguments; returns ``driver_envs`` (0)."""
+    if not isinstance(recycle, Recycle):
+        raise ConfigError(f"recycle must be None or an envfleet.Recycle, got {recycle!r}")
+    if backend != "processes":
+        raise ConfigError(
+            f"recycle= is for backend='processes' (got {backend!r}): serial and threads envs "
+            "live in this process, which replacing a worker does not shrink, and a Ray "
+            "actor keeps its envs' record in its own memory"
+        )
+    if batch_size is not None and batch_size != num_envs:
+        raise ConfigError("recycle= is for the synchronous vector env, not a first-ready pool")
+    if replay_steps == 0:
+        raise ConfigError(
+            "recycle= brings a new worker's envs up to date from their record: it needs "
+            "replay_steps > 0"
+        )
+    if driver_envs not in (None, 0):
+        raise ConfigError(
+            "recycle= replaces worker processes: the driver's own envs (driver_envs) could "
+            "not be; leave driver_envs unset or 0"
+        )
+    return 0
 
 
 def _is_int(value: Any, low: int, high: int) -> bool:

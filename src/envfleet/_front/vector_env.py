@@ -572,7 +572,9 @@ class FleetVectorEnv(VectorEnv[Any, Any, np.ndarray]):
         """What the supervisor has seen: restarts, timeouts, crashes, env errors, and per
         worker its step-time statistics (mean, p50, p99 in seconds). A snapshot, read without
         a round trip to the workers, at any time (also while a step is pending)."""
-        return self._backend.ledger.snapshot(self._backend.step_times())
+        return self._backend.ledger.snapshot(
+            self._backend.step_times(), self._backend.worker_memory()
+        )
 
     @property
     def np_random_seed(self) -> tuple[int, ...]:  # type: ignore[override]

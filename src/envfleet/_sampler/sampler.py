@@ -246,8 +246,16 @@ class Sampler:
         if inference != "worker" and background:
             raise ConfigError("background is an option of inference='worker'")
         why_not_worker = ""
+        recycle = make_kwargs.get("recycle") is not None
+        if inference == "worker" and recycle:
+            raise ConfigError(
+                "recycle= replaces workers between the vector env's steps: it needs "
+                "inference='driver' (worker inference steps the envs in the workers)"
+            )
         if inference == "auto":
             why_not_worker = self._why_not_worker(policy, make_kwargs.get("batch_size"))
+            if not why_not_worker and recycle:
+                why_not_worker = "recycle= replaces workers between the vector env's steps"
             if not why_not_worker:
                 make_kwargs["copy"] = False  # as worker inference needs, below
         if inference == "worker":

@@ -74,7 +74,7 @@ from envfleet._core.errors import ConfigError, EnvCrashedError, EnvError
 from envfleet._core.failures import failure_error, mismatch_error, remote_env_error
 from envfleet._core.protocol import Command, Failure, Status
 from envfleet._core.replay import EnvRecording, new_log
-from envfleet._core.stats import StepTimer, StepTimeStats, step_time_table
+from envfleet._core.stats import StepTimer, StepTimeStats, WorkerMemory, step_time_table
 
 __all__ = ["DEFAULT_CLOSE_TIMEOUT", "DEFAULT_SPIN_S", "ProcessesTransport"]
 
@@ -324,6 +324,15 @@ class ProcessesTransport:
 
     def recordings(self, g: int) -> list[EnvRecording]:
         return self.workers.recordings(g)
+
+    def log_head(self, g: int) -> tuple[int, int, Any] | None:
+        return self.workers.log_head(g)
+
+    def rss(self, g: int) -> int | None:
+        return self.workers.rss(g)
+
+    def worker_memory(self) -> tuple[WorkerMemory, ...]:
+        return self.workers.worker_memory()
 
     def lay_out(self, workers: list[int], probe: Any) -> bool:
         return self.workers.lay_out(workers, probe)

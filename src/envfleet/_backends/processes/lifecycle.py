@@ -60,9 +60,9 @@ from envfleet._core.errors import (
     describe_exitcode,
 )
 from envfleet._core.protocol import Command
-from envfleet._core.replay import EnvRecording, read_log
+from envfleet._core.replay import ActionLog, EnvRecording, read_head, read_log
 from envfleet._core.stacks import at
-from envfleet._core.stats import STATS_WORDS
+from envfleet._core.stats import STATS_WORDS, WorkerMemory
 
 __all__ = ["DEFAULT_CLOSE_TIMEOUT", "WorkerProcesses"]
 
@@ -138,7 +138,8 @@ class WorkerProcesses:
         # action log (envfleet._core.replay), each held by the driver's descriptor.
         self._stack_files = DriverFiles(groups, f"envfleet-stacks-{os.getpid()}", ".txt")
         self._log_files = DriverFiles(groups, f"envfleet-replay-{os.getpid()}", ".log")
-        self.memory = MemoryWatch()  # each worker's resident memory, for a SIGKILL's report
+        # Each worker's resident memory, for a SIGKILL's report, and its growth per episode.
+        self.memory = MemoryWatch(self._log_episodes, self.ranges)
         self.closed = False
 
     def _lay_out(self, layout: WorkerLayout, block: Block) -> None:
@@ -245,6 +246,30 @@ class WorkerProcesses:
         """All worker ``g``'s faulthandler has written to its stack file so far."""
         return self._stack_files.read(g).decode("utf-8", errors="replace")
 
+    def log_head(self, g: int) -> tuple[int, int, Any] | None:
+        """Worker ``g``'s action-log counters: its group steps, the episodes its envs began and
+        each env's episode start (:func:`envfleet._core.replay.read_head`); ``None`` before it
+        opened its log."""
+        start, stop = self.ranges[g]
+        size = stop - start
+        return read_head(self._log_files.read(g, ActionLog.head_nbytes(size)), size)
+
+    def _log_episodes(self, g: int) -> int | None:
+        head = self.log_head(g)
+        return None if head is None else head[1]
+
+    def rss(self, g: int) -> int | None:
+        """Worker ``g``'s resident memory when last sampled (bytes), ``None`` before."""
+        seen = self.memory.last(g)
+        return None if seen is None else seen[0]
+
+    def worker_memory(self) -> tuple[WorkerMemory, ...]:
+        """Per worker process: its memory last sampled and its growth per 1,000 episodes."""
+        return tuple(
+            WorkerMemory(self.rss(g), self.memory.episodes(g), self.memory.growth(g))
+            for g in range(len(self.ranges))
+        )
+
     def recordings(self, g: int) -> list[EnvRecording]:
         """Each of worker ``g``'s envs' episode so far, from the action log it writes to its
         file (readable after it died or while it hangs); none without a log."""
@@ -291,15 +316,19 @@ class WorkerProcesses:
     def respawn(self, g: int, reason: str) -> None:
         """Kill worker ``g`` (dead or hung: ``reason`` is ``"late"``) and start a new one for
         the same envs."""
-        why = "did not answer in time" if reason == "late" else "died"
-        stacks = self.crash_stacks(g) if reason != "late" else ""
-        logger.warning(
-            "worker %d %s%s; restarting it and its envs%s",
-            g,
-            why,
-            at(stacks),
-            f"; its stacks when it died:\n{stacks}" if stacks else "",
-        )
+        if reason == "recycle":
+            start, stop = self.ranges[g]
+            logger.info("recycling worker %d (sub-environments %d..%d)", g, start, stop - 1)
+        else:
+            why = "did not answer in time" if reason == "late" else "died"
+            stacks = self.crash_stacks(g) if reason != "late" else ""
+            logger.warning(
+                "worker %d %s%s; restarting it and its envs%s",
+                g,
+                why,
+                at(stacks),
+                f"; its stacks when it died:\n{stacks}" if stacks else "",
+            )
         proc = self.procs[g]
         if proc.is_alive():
             proc.kill()

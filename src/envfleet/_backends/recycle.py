@@ -1,0 +1,168 @@
+"""Workers recycled before they leak (DESIGN §4): :class:`Recycle`, the policy, and
+:class:`Recycler`, which the round driver asks after its step rounds.
+
+A worker past a limit (episodes its envs began, env steps, resident memory) is replaced once
+each of its envs has begun a new episode since: the new worker builds its envs from their
+factories and brings each to where the old one's was by running its episode from its start
+(the action log of :mod:`envfleet._core.replay`: the ``np_random`` state at its autoreset, or
+its seed, and its actions since), so no episode is cut and no step is lost or repeated.
+"""
+
+from __future__ import annotations
+
+import logging
+import numbers
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from envfleet._core.errors import ConfigError
+from envfleet._core.replay import EnvRecording
+
+logger = logging.getLogger("envfleet")
+
+__all__ = ["CHECK_EVERY", "Recycle", "Recycler"]
+
+CHECK_EVERY = 32  # step rounds between two looks at the workers' counters
+
+
+@dataclass(frozen=True)
+class Recycle:
+    """Replace a worker process before it leaks: ``make(..., recycle=Recycle(...))``.
+
+    Per worker, as gunicorn's ``max_requests`` and Celery's ``max_tasks_per_child``: a worker
+    past any limit is replaced once each of its envs has finished the episode it was in (the
+    limits are looked at every 32 steps). The new worker's envs continue the old ones exactly:
+    each is rebuilt from its factory and run through its current episode from how it began
+    (its ``np_random`` state at its autoreset, or its seed) with its recorded actions, so a
+    recycled run is bit-identical to one without recycling for envs whose randomness lives in
+    their seed and ``np_random``. Nothing the caller sees changes: no result, no info, no
+    truncation.
+
+    Args:
+        max_episodes: episodes the worker's envs begin, together.
+        max_steps: env steps the worker's envs take, together.
+        max_rss_mb: the worker process's resident memory, in MiB (sampled about once a
+            second).
+
+    Raises:
+        ConfigError: no limit, or a limit that is not a positive number.
+
+    Example::
+
+        envs = envfleet.make("LunarLander-v3", 16, recycle=envfleet.Recycle(max_rss_mb=2048))
+
+    Only ``backend="processes"``, synchronous (no ``batch_size``), with every env in a worker
+    (``driver_envs=0``, which it implies) and ``replay_steps > 0`` (the record it restores
+    from): threads and serial envs live in the caller's process, which replacing a thread
+    does not shrink; a Ray actor's record lives in the actor.
+    """
+
+    max_episodes: int | None = None
+    max_steps: int | None = None
+    max_rss_mb: float | None = None
+
+    def __post_init__(self) -> None:
+        limits = {
+            "max_episodes": self.max_episodes,
+            "max_steps": self.max_steps,
+            "max_rss_mb": self.max_rss_mb,
+        }
+        if all(v is None for v in limits.values()):
+            raise ConfigError("Recycle needs a limit: max_episodes, max_steps or max_rss_mb")
+        for name, value in limits.items():
+            integral = name != "max_rss_mb"
+            kind = numbers.Integral if integral else numbers.Real
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, kind) or value <= 0
+            ):
+                what = "an integer" if integral else "a number of MiB"
+                raise ConfigError(f"{name} must be None or {what} > 0, got {value!r}")
+
+
+class Recycling(Protocol):
+    """What the :class:`Recycler` needs of the round driver."""
+
+    ranges: Any
+
+    def log_head(self, w: int) -> tuple[int, int, Any] | None: ...
+
+    def rss(self, w: int) -> int | None: ...
+
+
+@dataclass
+class _Life:
+    """A worker's counters since it started: its log's group steps and episodes then."""
+
+    steps0: int = 0
+    episodes0: int = 0
+    drain_from: int | None = None  # the group step at which it passed a limit
+
+
+class Recycler:
+    """Which workers are due to be recycled (:meth:`due`), looked at every
+    :data:`CHECK_EVERY` step rounds from their action logs' counters and resident memory."""
+
+    def __init__(self, policy: Recycle, driver: Recycling):
+        self.policy = policy
+        self.driver = driver
+        self.lives = [_Life() for _ in driver.ranges]
+        self._rounds = 0
+        self._warned: set[int] = set()
+
+    def due(self) -> list[int]:
+        """After a step round: the workers to recycle now (each past a limit, and each of its
+        envs in an episode begun since)."""
+        self._rounds += 1
+        if self._rounds < CHECK_EVERY:
+            return []
+        self._rounds = 0
+        ready = []
+        for w, life in enumerate(self.lives):
+            head = self.driver.log_head(w)
+            if head is None:
+                continue
+            steps, episodes, starts = head
+            if life.drain_from is None:
+                reason = self._past(w, life, steps, episodes)
+                if reason is None:
+                    continue
+                life.drain_from = steps
+                logger.info("worker %d is past %s: recycling it between episodes", w, reason)
+            if bool((starts >= life.drain_from).all()) and steps > life.drain_from:
+                ready.append(w)
+        return ready
+
+    def _past(self, w: int, life: _Life, steps: int, episodes: int) -> str | None:
+        policy = self.policy
+        start, stop = self.driver.ranges[w]
+        if policy.max_steps is not None and (steps - life.steps0) * (stop - start) >= (
+            policy.max_steps
+        ):
+            return f"max_steps={policy.max_steps}"
+        if policy.max_episodes is not None and episodes - life.episodes0 >= policy.max_episodes:
+            return f"max_episodes={policy.max_episodes}"
+        if policy.max_rss_mb is not None:
+            rss = self.driver.rss(w)
+            if rss is not None and rss >= policy.max_rss_mb * 2**20:
+                return f"max_rss_mb={policy.max_rss_mb:g} ({rss / 2**20:.1f} MiB)"
+        return None
+
+    def replayable(self, w: int, recordings: list[EnvRecording]) -> bool:
+        """Whether each env's episode is whole in the record; warn once when not (its
+        episodes are longer than ``replay_steps``: the worker cannot be recycled)."""
+        missing = [r for r in recordings if not r.complete]
+        if missing and w not in self._warned:
+            self._warned.add(w)
+            logger.warning(
+                "worker %d is past its recycle limit but cannot be recycled: sub-environment "
+                "%d %s; raise replay_steps",
+                w,
+                missing[0].env_index,
+                missing[0].why,
+            )
+        return not missing and bool(recordings)
+
+    def recycled(self, w: int, head: tuple[int, int, Any] | None) -> None:
+        """Worker ``w`` was replaced; ``head``: its new log's counters (after the restore)."""
+        steps, episodes = (head[0], head[1]) if head is not None else (0, 0)
+        self.lives[w] = _Life(steps, episodes)

@@ -1,0 +1,184 @@
+"""Issue 32 item 4: workers recycled before they leak.
+
+A worker past a limit of ``envfleet.Recycle`` is replaced between episodes, and the new
+worker's envs continue the old ones exactly: differential tests against the same run
+without recycling on CartPole-v1, LunarLander-v3 and ALE/Pong-v5, bit for bit. A leaking env
+(one that keeps more memory each step) is reported by ``envs.stats.memory`` and a warning,
+and ``max_rss_mb`` keeps its worker's memory bounded. Real workers, real memory.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+from typing import Any
+
+import numpy as np
+import pytest
+from gymnasium.vector import AutoresetMode
+
+import envfleet
+from envfleet._backends import workers
+from tests.envs import LeakyEnv
+
+
+def _run(
+    make_env: Any,
+    env: Any,
+    recycle: Any,
+    steps: int,
+    actions: Any,
+    num_envs: int = 4,
+    **kwargs: Any,
+) -> tuple[list[tuple[np.ndarray, ...]], Any]:
+    """Every result of ``steps`` steps after ``reset(seed=3)`` (the observations as digests,
+    so that a run of Atari frames holds little memory), and the stats at the end."""
+    envs = make_env(env, num_envs, backend="processes", num_workers=2, recycle=recycle, **kwargs)
+    obs, _ = envs.reset(seed=3)
+    rng = np.random.default_rng(0)
+    seen = [(_digest(obs),)]
+    for _ in range(steps):
+        obs, rewards, terminated, truncated, _ = envs.step(actions(rng, num_envs))
+        seen.append((_digest(obs), rewards.copy(), terminated.copy(), truncated.copy()))
+    stats = envs.stats
+    envs.close()
+    return seen, stats
+
+
+def _digest(obs: np.ndarray) -> np.ndarray:
+    """The observation rows' bytes hashed (BLAKE2b, 16 bytes a row)."""
+    return np.array(
+        [
+            hashlib.blake2b(np.ascontiguousarray(row).tobytes(), digest_size=16).digest()
+            for row in obs
+        ]
+    )
+
+
+def _discrete(n: int) -> Any:
+    return lambda rng, num_envs: rng.integers(0, n, num_envs)
+
+
+def _assert_same(plain: list[tuple[np.ndarray, ...]], recycled: list[tuple[np.ndarray, ...]]):
+    assert len(plain) == len(recycled)
+    for t, (a, b) in enumerate(zip(plain, recycled, strict=True)):
+        for x, y in zip(a, b, strict=True):
+            assert np.array_equal(x, y), f"step {t} differs"
+
+
+@pytest.mark.parametrize(
+    "env, recycle, steps, actions, kwargs",
+    [
+        ("CartPole-v1", envfleet.Recycle(max_episodes=10), 1500, _discrete(2), {}),
+        (
+            "CartPole-v1",
+            envfleet.Recycle(max_steps=300),
+            1500,
+            _discrete(2),
+            {"autoreset_mode": AutoresetMode.SAME_STEP},
+        ),
+        ("LunarLander-v3", envfleet.Recycle(max_episodes=4), 600, _discrete(4), {}),
+        pytest.param(
+            "ALE/Pong-v5",
+            envfleet.Recycle(max_steps=200),
+            2400,  # Pong's episodes with random actions last about 900 steps
+            _discrete(6),
+            {"replay_steps": 2000},
+            marks=pytest.mark.atari,
+        ),
+    ],
+    ids=["CartPole-episodes", "CartPole-steps-same-step", "LunarLander", "Pong"],
+)
+def test_a_recycled_run_is_bit_identical_to_a_plain_one(
+    make_env: Any, snapshot: Any, env: str, recycle: Any, steps: int, actions: Any, kwargs: Any
+) -> None:
+    """The same seeds and actions with and without recycling give the same observations,
+    rewards and done flags at every step, and the workers were recycled."""
+    if env.startswith("ALE/"):
+        pytest.importorskip("ale_py")
+    plain, _ = _run(make_env, env, None, steps, actions, **kwargs)
+    recycled, stats = _run(make_env, env, recycle, steps, actions, **kwargs)
+    assert stats.recycled >= 2, stats
+    _assert_same(plain, recycled)
+    snapshot.assert_nothing_left()  # the old workers, their stack and log files: gone
+
+
+def test_a_leaking_worker_is_named_and_recycled_under_max_rss(
+    make_env: Any, monkeypatch: Any, caplog: Any
+) -> None:
+    """An env that keeps 256 KiB more each step: its worker's memory growth per 1,000
+    episodes shows in ``envs.stats.memory`` with a warning naming its envs; with
+    ``max_rss_mb`` the worker is recycled and its memory stays under the limit plus what
+    grows between two looks. The workers come from a forkserver: a worker forked from this
+    process would start with its heap, whose free pages a leak fills before it grows."""
+    monkeypatch.setattr(workers, "RSS_PERIOD_S", 0.02)
+    leaky = functools.partial(LeakyEnv, leak_kb=256, episode_steps=5, step_s=0.001)
+    with caplog.at_level(logging.WARNING, logger="envfleet"):
+        envs = make_env(leaky, 2, backend="processes", num_workers=2, context="forkserver")
+        envs.reset(seed=0)
+        for _ in range(800):
+            envs.step(np.zeros(2, np.int64))
+        memory = envs.stats.memory
+    assert len(memory) == 2 and all(m.episodes >= 100 for m in memory)
+    growth = [m.growth_per_1000_episodes for m in memory]
+    # 5 steps an episode, 256 KiB a step: about 1.25 GiB per 1,000 episodes.
+    assert all(g is not None and g > 500 * 2**20 for g in growth), growth
+    warned = [r.getMessage() for r in caplog.records if "grows steadily" in r.getMessage()]
+    assert any("sub-environments 0..0" in m for m in warned), warned
+    # Where the workers started, before they leaked: the limit is 64 MiB above.
+    base = min(m.rss_bytes - m.growth_per_1000_episodes * m.episodes / 1000 for m in memory)
+    limit_mb = (base + 64 * 2**20) / 2**20
+    recycle = envfleet.Recycle(max_rss_mb=limit_mb)
+    envs = make_env(
+        leaky, 2, backend="processes", num_workers=2, context="forkserver", recycle=recycle
+    )
+    envs.reset(seed=0)
+    peak = 0
+    for _ in range(800):
+        envs.step(np.zeros(2, np.int64))
+        peak = max([peak, *(m.rss_bytes or 0 for m in envs.stats.memory)])
+    assert envs.stats.recycled >= 2
+    # Between two looks (32 steps, 8 MiB) and the end of an episode the worker grows on.
+    assert peak < (limit_mb + 64) * 2**20
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"backend": "threads"}, "backend='processes'"),
+        ({"backend": "processes", "batch_size": 2}, "first-ready pool"),
+        ({"backend": "processes", "replay_steps": 0}, "replay_steps > 0"),
+        ({"backend": "processes", "driver_envs": 1}, "driver_envs"),
+    ],
+)
+def test_recycle_where_it_cannot_apply_is_a_config_error(kwargs: Any, match: str) -> None:
+    with pytest.raises(envfleet.ConfigError, match=match):
+        envfleet.make("CartPole-v1", 4, recycle=envfleet.Recycle(max_steps=10), **kwargs)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({}, "needs a limit"),
+        ({"max_steps": 0}, "max_steps must be"),
+        ({"max_episodes": 2.5}, "max_episodes must be"),
+        ({"max_rss_mb": -1}, "max_rss_mb must be"),
+        ({"max_episodes": True}, "max_episodes must be"),
+    ],
+)
+def test_a_bad_recycle_is_a_config_error(kwargs: Any, match: str) -> None:
+    with pytest.raises(envfleet.ConfigError, match=match):
+        envfleet.Recycle(**kwargs)
+
+
+def test_a_samplers_worker_inference_refuses_recycle() -> None:
+    with pytest.raises(envfleet.ConfigError, match="inference='driver'"):
+        envfleet.Sampler(
+            "CartPole-v1",
+            lambda obs: np.zeros(len(obs), np.int64),
+            2,
+            inference="worker",
+            backend="processes",
+            recycle=envfleet.Recycle(max_steps=10),
+        )
