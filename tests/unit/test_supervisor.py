@@ -685,9 +685,19 @@ def test_stats(make_env, backend, num_workers):
     envs = _make(make_env, FlakyEnv, 6, num_workers, backend=backend)
     before = envs.stats
     assert before == envfleet.FleetStats(
-        restarts=0, env_restarts={}, timeouts=0, crashes=0, env_errors=0, workers=before.workers
+        restarts=0,
+        env_restarts={},
+        timeouts=0,
+        crashes=0,
+        env_errors=0,
+        workers=before.workers,
+        recycled=0,
+        memory=before.memory,
     )
     assert len(before.workers) == num_workers
+    # Per worker process (none on serial): its memory, episodes and their growth.
+    assert len(before.memory) == (num_workers if backend == "processes" else 0)
+    assert all(m.episodes == 0 and m.growth_per_1000_episodes is None for m in before.memory)
     for w in before.workers:
         assert isinstance(w, envfleet.StepTimeStats)
         assert w.count == 0 and math.isnan(w.mean_s) and math.isnan(w.p99_s)

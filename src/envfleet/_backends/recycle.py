@@ -122,6 +122,8 @@ class Recycler:
             if head is None:
                 continue
             steps, episodes, starts = head
+            if steps < life.steps0:  # a new log: the supervisor replaced the worker
+                life = self.lives[w] = _Life()
             if life.drain_from is None:
                 reason = self._past(w, life, steps, episodes)
                 if reason is None:
