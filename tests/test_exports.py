@@ -47,6 +47,7 @@ ALL = [
     "SamplerReport",
     "SamplerStats",
     "SamplerTimers",
+    "Snapshot",
     "SpaceMismatchError",
     "StartTimeoutError",
     "StepTimeStats",

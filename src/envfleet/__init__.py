@@ -27,7 +27,7 @@ from envfleet._core.errors import (
     UnsupportedError,
     WrongProcessError,
 )
-from envfleet._core.replay import Replay, ReplayFileError
+from envfleet._core.replay import Replay, ReplayFileError, Snapshot
 from envfleet._core.replay import run_replay as replay
 from envfleet._core.stats import FleetStats, StepTimeStats, WorkerMemory
 from envfleet._front.factories import check_env_id
@@ -71,6 +71,7 @@ __all__ = [
     "SamplerStats",
     "SamplerReport",
     "SamplerTimers",
+    "Snapshot",
     "SpaceMismatchError",
     "StepTimeStats",
     "StartTimeoutError",

@@ -582,7 +582,10 @@ class RoundDriver(Backend):
             self.close(timeout=0, terminate=True)
             raise
         command = self._command
-        self._submit(_TASK, {w: TaskRequest(restore_envs, recordings)}, step)
+        start, stop = self.ranges[w]
+        batch = self.batch
+        done = (batch.terminations[start:stop] | batch.truncations[start:stop]).tolist()
+        self._submit(_TASK, {w: TaskRequest(restore_envs, (recordings, done))}, step)
         self._command = command
         pending, self._pending = self._pending, []
         deadline = None if timeout is None else time.monotonic() + timeout

@@ -260,13 +260,11 @@ class EnvGroup:
         ):
             self._result_addresses = tuple(a.ctypes.data for a in results)  # type: ignore[assignment]
 
-    def resume_autoreset(self) -> None:
-        """Take each env's autoreset flag from its row of the batch (terminated or
-        truncated): a group that takes over envs mid-run (a recycled worker's) resets on its
-        next step those whose episode just ended, as the old group would have."""
-        self._autoreset = np.logical_or(
-            self.buffers.terminations, self.buffers.truncations
-        ).tolist()
+    def resume_autoreset(self, done: Sequence[bool]) -> None:
+        """Set each env's autoreset flag (``done``: its last step ended its episode): a group
+        that takes over envs mid-run (a recycled worker's, a resumed vector env's) resets on
+        its next step those whose episode just ended, as the old group would have."""
+        self._autoreset = [bool(d) for d in done]
 
     def check_spaces(self) -> tuple[int, str] | None:
         """(env_index, description) of the first env whose spaces differ, or ``None``."""
@@ -491,7 +489,13 @@ class EnvGroup:
             if mask is not None and not mask[j]:
                 continue
             if self.action_log is not None:
-                self.action_log.began(j, ("seed", request.seeds[j], request.options))
+                seed = request.seeds[j]
+                self.action_log.began(
+                    j,
+                    ("seed", seed, request.options)
+                    if seed is not None
+                    else reset_start(env, request.options),
+                )
             try:
                 self._env_obs[j], env_info = env.reset(
                     seed=request.seeds[j], options=request.options
@@ -548,7 +552,8 @@ class EnvGroup:
                 if problem is not None:
                     raise EnvFailure(index, "restart (spaces)") from ValueError(problem)
             if self.action_log is not None:
-                self.action_log.began(j, ("seed", seed, None))
+                start = ("seed", seed, None) if seed is not None else reset_start(self.envs[j])
+                self.action_log.began(j, start)
             try:
                 self._env_obs[j], env_info = self.envs[j].reset(seed=seed)
             except Exception as exc:

@@ -53,6 +53,7 @@ __all__ = [
     "Replay",
     "ReplayFileError",
     "ReplayOutcome",
+    "Snapshot",
     "load_replay",
     "file_log",
     "new_log",
@@ -62,6 +63,7 @@ __all__ = [
     "replays_of",
     "reset_start",
     "restore_envs",
+    "group_recordings",
     "run_replay",
     "watch_replay",
 ]
@@ -80,11 +82,12 @@ class ReplayFileError(EnvfleetError, ValueError):
     """A file that is not a replay this envfleet can read: another file, or another version."""
 
 
-def reset_start(env: gymnasium.Env[Any, Any]) -> tuple[Any, ...]:
-    """How an autoreset's ``env.reset()`` (no seed) begins: ``("rng", state, native)``, the
-    env's ``np_random`` state now (``None`` for an env that never had one) and the random
-    state the env keeps outside it, where the field has an API for it: an Atari env's ALE
-    state with its generator (``ale.cloneState(include_rng=True)``, pickled), else ``None``."""
+def reset_start(env: gymnasium.Env[Any, Any], options: Any = None) -> tuple[Any, ...]:
+    """How a ``reset`` without a seed (an autoreset's, or one given ``seed=None``) begins:
+    ``("rng", state, native, options)``, the env's ``np_random`` state now (``None`` for an
+    env that never had one), the random state the env keeps outside it where the field has
+    an API for it (an Atari env's ALE state with its generator,
+    ``ale.cloneState(include_rng=True)``, pickled; else ``None``), and the reset's options."""
     unwrapped = env.unwrapped
     generator = getattr(unwrapped, "_np_random", None)
     state = None if generator is None else generator.bit_generator.state
@@ -93,7 +96,7 @@ def reset_start(env: gymnasium.Env[Any, Any]) -> tuple[Any, ...]:
     if ale is not None and hasattr(ale, "cloneState"):
         with contextlib.suppress(Exception):
             native = ("ale", pickle.dumps(ale.cloneState(include_rng=True)))
-    return ("rng", state, native)
+    return ("rng", state, native, options)
 
 
 def _begin(env: gymnasium.Env[Any, Any], start: tuple[Any, ...]) -> Any:
@@ -101,6 +104,7 @@ def _begin(env: gymnasium.Env[Any, Any], start: tuple[Any, ...]) -> Any:
     if start[0] == "seed":
         return env.reset(seed=start[1], options=start[2])
     state, native = start[1], start[2]
+    options = start[3] if len(start) > 3 else None
     unwrapped: Any = env.unwrapped
     if state is not None:
         bit_generator = getattr(np.random, state["bit_generator"])()
@@ -108,7 +112,7 @@ def _begin(env: gymnasium.Env[Any, Any], start: tuple[Any, ...]) -> Any:
         unwrapped._np_random = np.random.Generator(bit_generator)
     if native is not None and native[0] == "ale":
         unwrapped.ale.restoreState(pickle.loads(native[1]))
-    return env.reset()
+    return env.reset(options=options)
 
 
 class ActionLog:
@@ -297,18 +301,28 @@ def read_head(data: bytes, size: int) -> tuple[int, int, np.ndarray] | None:
     return int(header[_N]), int(header[_EPISODES]), starts.copy()
 
 
-def restore_envs(group: Any, recordings: list[EnvRecording]) -> None:
-    """A task (``Command.TASK``) run in a recycled worker's new group: bring each env to
-    where the old worker's was, by running its episode (``recordings``, one per env) from
-    its start, and continue the old record. Nothing is written to the batch's rows: they
-    hold the old envs' last results already."""
+def restore_envs(group: Any, argument: tuple[list[EnvRecording], list[bool]]) -> None:
+    """A task (``Command.TASK``) run in a new group (a recycled worker's, a resumed vector
+    env's): bring each env to where it was, by running its episode (``recordings``, one per
+    env) from its start, and continue its record; ``done``: per env, whether its last step
+    ended its episode (with NEXT_STEP its next step resets it). Nothing is written to the
+    batch's rows."""
+    recordings, done = argument
     for env, r in zip(group.envs, recordings, strict=True):
         _begin(env, cast(tuple, r.start))
         for action in r.actions:
             env.step(action)
     if group.action_log is not None:
         group.action_log.restore(recordings)
-    group.resume_autoreset()
+    group.resume_autoreset(done)
+
+
+def group_recordings(group: Any, argument: Any = None) -> list[EnvRecording]:
+    """A task: each env of ``group``'s episode so far (none without an action log)."""
+    log = group.action_log
+    if log is None:
+        return []
+    return [log.recording(j, group.start + j) for j in range(group.size)]
 
 
 def _write_row(ring: Any, i: int, actions: Any) -> None:
@@ -337,9 +351,9 @@ class EnvRecording:
     Attributes:
         env_index: the env's index in its vector env.
         start: how the episode began: ``("seed", seed, options)`` (a ``reset``) or
-            ``("rng", np_random_state, native)`` (an autoreset; ``native``: the env's own
-            random state where it has one, see :func:`reset_start`); ``None`` when not
-            ``complete``.
+            ``("rng", np_random_state, native, options)`` (an autoreset, or a reset without
+            a seed; ``native``: the env's own random state where it has one, see
+            :func:`reset_start`); ``None`` when not ``complete``.
         actions: every action of the episode, in order, the failing one last.
         complete: whether the record holds the whole episode (``why`` says what is missing).
         steps: the episode's actions up to the failure.
@@ -393,12 +407,34 @@ class Replay:
 
     def save(self, path: str) -> None:
         """Write one file: :data:`MAGIC`, the format version, then the replay (cloudpickle)."""
-        out = io.BytesIO()
-        out.write(MAGIC)
-        out.write(VERSION.to_bytes(2, "little"))
-        cloudpickle.dump(self, out)
-        with open(path, "wb") as f:
-            f.write(out.getvalue())
+        _save(self, path, MAGIC)
+
+
+def _save(obj: Any, path: str, magic: bytes) -> None:
+    out = io.BytesIO()
+    out.write(magic)
+    out.write(VERSION.to_bytes(2, "little"))
+    cloudpickle.dump(obj, out)
+    with open(path, "wb") as f:
+        f.write(out.getvalue())
+
+
+def _load(path: str, magic: bytes, cls: type[Any], what: str) -> Any:
+    """The ``cls`` saved at ``path`` by :func:`_save`, its header checked first."""
+    with open(path, "rb") as f:
+        head = f.read(len(magic) + 2)
+        if head[: len(magic)] != magic:
+            raise ReplayFileError(f"{path} is not an envfleet {what} file (no {what} header)")
+        version = int.from_bytes(head[len(magic) :], "little")
+        if version != VERSION:
+            raise ReplayFileError(
+                f"{path} is a {what} file of format version {version}; this envfleet reads "
+                f"version {VERSION}"
+            )
+        obj = pickle.load(f)
+    if not isinstance(obj, cls):
+        raise ReplayFileError(f"{path} holds a {type(obj).__name__}, not a {cls.__name__}")
+    return obj
 
 
 def load_replay(path: str) -> Replay:
@@ -408,20 +444,56 @@ def load_replay(path: str) -> Replay:
     Raises:
         ReplayFileError: ``path`` is not an envfleet replay file, or of another version.
     """
-    with open(path, "rb") as f:
-        head = f.read(len(MAGIC) + 2)
-        if head[: len(MAGIC)] != MAGIC:
-            raise ReplayFileError(f"{path} is not an envfleet replay file (no replay header)")
-        version = int.from_bytes(head[len(MAGIC) :], "little")
-        if version != VERSION:
-            raise ReplayFileError(
-                f"{path} is a replay file of format version {version}; this envfleet reads "
-                f"version {VERSION}"
-            )
-        replay = pickle.load(f)
-    if not isinstance(replay, Replay):
-        raise ReplayFileError(f"{path} holds a {type(replay).__name__}, not a Replay")
-    return replay
+    return cast(Replay, _load(path, MAGIC, Replay, "replay"))
+
+
+SNAPSHOT_MAGIC = b"envfleet-snapshot\n"  # the first bytes of a snapshot file
+
+
+@dataclass
+class Snapshot:
+    """A vector env's state between two steps, from which ``envfleet.make(..., resume=state)``
+    continues exactly: ``state = envs.snapshot()``.
+
+    Per env, its episode so far, as a replay holds it (how it began: its seed, or its
+    ``np_random`` state at its autoreset and, for an Atari env, ALE's own state; its actions
+    since), and whether its last step ended it; the vector env's step count and autoreset
+    mode. A resumed vector env (any backend, any worker count) rebuilds each env from the
+    factory given to ``make`` and runs its episode again, so that its next ``step`` returns
+    what the uninterrupted run would have, bit for bit, for envs whose randomness lives in
+    their seed and ``np_random``. It holds no factory: ``make`` is given the env again.
+
+    Attributes:
+        num_envs: sub-environments.
+        autoreset_mode: the ``AutoresetMode``'s value.
+        recordings: per env, its :class:`EnvRecording`.
+        done: per env, whether its last step ended its episode.
+        steps: the vector env's ``step`` calls so far.
+        seeds: per env, its last reset seed (for a restart policy's seeds).
+
+    ``save(path)`` writes it with a header; :meth:`load` checks the header before it
+    unpickles. Load only files you made.
+    """
+
+    num_envs: int
+    autoreset_mode: str
+    recordings: list[EnvRecording]
+    done: list[bool]
+    steps: int
+    seeds: list[int | None]
+
+    def save(self, path: str) -> None:
+        """Write one file: a header, the format version, then the snapshot (pickled)."""
+        _save(self, path, SNAPSHOT_MAGIC)
+
+    @staticmethod
+    def load(path: str) -> Snapshot:
+        """The snapshot saved at ``path``.
+
+        Raises:
+            ReplayFileError: not an envfleet snapshot file, or of another format version.
+        """
+        return cast(Snapshot, _load(path, SNAPSHOT_MAGIC, Snapshot, "snapshot"))
 
 
 Progress = Callable[[int, int, str], None]

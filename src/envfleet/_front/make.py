@@ -37,7 +37,7 @@ from envfleet._backends.rounds import RoundDriver
 from envfleet._backends.supervisor import Ledger, RestartPolicy
 from envfleet._core.buffers import batch_nbytes
 from envfleet._core.errors import ConfigError, EnvError, SpaceMismatchError
-from envfleet._core.replay import REPLAY_STEPS
+from envfleet._core.replay import REPLAY_STEPS, Snapshot
 from envfleet._front.factories import (
     EnvFactory,
     build_env,
@@ -100,6 +100,7 @@ def make(  # type: ignore[misc]  # the overloads stand for its keyword arguments
     observation_mode: str | tuple[gymnasium.Space[Any], gymnasium.Space[Any]] = "same",
     replay_steps: int = REPLAY_STEPS,
     recycle: Recycle | None = None,
+    resume: Snapshot | None = None,
 ) -> FleetVectorEnv | TorchVectorEnv:
     """Create a vector env of ``num_envs`` sub-environments on ``backend``.
 
@@ -233,6 +234,10 @@ def make(  # type: ignore[misc]  # the overloads stand for its keyword arguments
             envs continuing exactly where they were; every env then runs in a worker
             (``driver_envs=0``). Needs ``replay_steps > 0`` (the record the new worker's envs
             are brought up to date from).
+        resume: an :class:`envfleet.Snapshot` (``envs.snapshot()``, from any backend and
+            worker count, of the same ``num_envs`` and ``autoreset_mode``): the new vector
+            env's envs are brought to where the snapshot's were, and its next ``step``
+            continues that run exactly (no ``reset`` first). Synchronous vector envs only.
 
     Returns:
         A :class:`FleetVectorEnv`, a ``gymnasium.vector.VectorEnv``; a
@@ -332,6 +337,12 @@ def make(  # type: ignore[misc]  # the overloads stand for its keyword arguments
         copy=copy,
         batch_size=num_envs if batch_size is None else int(batch_size),
     )
+    if resume is not None:
+        try:
+            venv.resume(resume)
+        except BaseException:
+            venv.close(terminate=True)
+            raise
     venv = _batch_observation_space(venv, observation_mode)
     agents = multi_agent_of(probe.metadata)
     if agents is None:

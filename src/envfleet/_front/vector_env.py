@@ -31,15 +31,18 @@ from envfleet._core.buffers import caller_leaves, is_leaf, side_leaves
 from envfleet._core.errors import (
     AlreadyPendingCallError,
     ClosedEnvironmentError,
+    ConfigError,
     EnvError,
     InvalidArgumentError,
     NoAsyncCallError,
     PoolStateError,
     ResetNeededError,
     StepTimeoutError,
+    UnsupportedError,
 )
 from envfleet._core.infos import one_env_info, vector_infos
 from envfleet._core.protocol import CallRequest, Command, ResetRequest, SetAttrRequest, TaskRequest
+from envfleet._core.replay import Snapshot, group_recordings, restore_envs
 from envfleet._core.stats import FleetStats
 from envfleet._front.checks import check_actions, check_name, check_reset_mask, seeds_per_env
 from envfleet._front.pool import FirstReadyPool
@@ -454,6 +457,78 @@ class FleetVectorEnv(VectorEnv[Any, Any, np.ndarray]):
         """
         results = self._wait(AsyncState.WAITING_CALL, "call_wait", timeout)
         return tuple(value for w in sorted(results) for value in results[w])
+
+    def snapshot(self) -> Snapshot:
+        """The vector env's state now, between two steps: ``envfleet.make(..., resume=state)``
+        continues exactly from it (see :class:`envfleet.Snapshot`). An envfleet addition, as
+        asked of gymnasium since 2022 (Gymnasium #94).
+
+        Each env's episode so far comes from its action log (``make(replay_steps=)``), read
+        in its worker. Example::
+
+            state = envs.snapshot()
+            state.save("run.snapshot")
+            ...  # later, in another process, on any backend and worker count:
+            envs = envfleet.make("CartPole-v1", 16, resume=envfleet.Snapshot.load("run.snapshot"))
+            envs.step(actions)  # what the first vector env's next step would have returned
+
+        Raises:
+            UnsupportedError: a first-ready pool; ``replay_steps=0``; an env whose episode is
+                longer than ``replay_steps`` (its start is no longer recorded).
+            AlreadyPendingCallError: a call is pending.
+        """
+        self._assert_idle("snapshot")
+        if self.is_pool:
+            raise UnsupportedError("snapshot() is for the synchronous vector env, not a pool")
+        self.run_in_workers_async(group_recordings, dict.fromkeys(self._every_group))
+        results = self.run_in_workers_wait()
+        recordings = [r for w in sorted(results) for r in results[w]]
+        if len(recordings) != self.num_envs:
+            raise UnsupportedError("snapshot() needs the envs' action logs: replay_steps > 0")
+        for r in recordings:
+            if not r.complete:
+                raise UnsupportedError(
+                    f"snapshot() cannot take sub-environment {r.env_index}: {r.why} (raise "
+                    "make()'s replay_steps, or snapshot between episodes)"
+                )
+        batch = self._backend.batch
+        return Snapshot(
+            self.num_envs,
+            self.autoreset_mode.value,
+            recordings,
+            np.logical_or(batch.terminations, batch.truncations).tolist(),
+            self._steps,
+            list(self._backend.ledger.seeds),
+        )
+
+    def resume(self, state: Snapshot) -> None:
+        """Bring every env to where ``state`` (:meth:`snapshot`) left it: the next
+        :meth:`step` continues that run. ``envfleet.make(..., resume=state)`` calls it.
+
+        Raises:
+            ConfigError: ``state`` is not a :class:`envfleet.Snapshot`, or of another number
+                of envs or autoreset mode; a first-ready pool.
+        """
+        if not isinstance(state, Snapshot):
+            raise ConfigError(f"resume must be an envfleet.Snapshot, got {state!r}")
+        if state.num_envs != self.num_envs or state.autoreset_mode != self.autoreset_mode.value:
+            raise ConfigError(
+                f"this snapshot is of {state.num_envs} envs in autoreset mode "
+                f"{state.autoreset_mode!r}; this vector env has {self.num_envs} in "
+                f"{self.autoreset_mode.value!r}"
+            )
+        if self.is_pool:
+            raise ConfigError("resume= is for the synchronous vector env, not a pool")
+        self._assert_idle("resume")
+        arguments = {
+            w: (state.recordings[start:stop], state.done[start:stop])
+            for w, (start, stop) in enumerate(self._backend.ranges)
+        }
+        self.run_in_workers_async(restore_envs, arguments)
+        self.run_in_workers_wait()
+        self._steps = state.steps
+        self._needs_reset[:] = state.done if self.autoreset_mode is _DISABLED else False
+        self._backend.ledger.seeds[:] = state.seeds
 
     def apply(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[Any, ...]:
         """Call ``function(env, *args, **kwargs)`` on every sub-environment, where it lives.

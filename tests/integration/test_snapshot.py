@@ -1,0 +1,128 @@
+"""Issue 32 item 5: snapshots that resume a vector env exactly.
+
+Run 300 steps, ``envs.snapshot()``, run 300 more; a vector env made with ``resume=`` on
+another backend and worker count (and, once, in a fresh process from a saved file) runs the
+same 300 steps: identical observations, rewards and done flags, in each autoreset mode.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import pickle
+import subprocess
+import sys
+from typing import Any
+
+import numpy as np
+import pytest
+from gymnasium.vector import AutoresetMode
+
+import envfleet
+
+MODES = [AutoresetMode.NEXT_STEP, AutoresetMode.SAME_STEP, AutoresetMode.DISABLED]
+
+
+def _digest(obs: np.ndarray) -> list[bytes]:
+    return [
+        hashlib.blake2b(np.ascontiguousarray(row).tobytes(), digest_size=16).digest() for row in obs
+    ]
+
+
+def _steps(envs: Any, first: int, count: int, actions: int, mode: AutoresetMode) -> list[Any]:
+    """``count`` steps with the actions of steps ``first, first + 1, ...`` (each drawn from
+    its own seed); with DISABLED the envs that ended are reset (no seed) after each step."""
+    seen = []
+    for t in range(first, first + count):
+        obs, rewards, terminated, truncated, _ = envs.step(
+            np.random.default_rng(t).integers(0, actions, envs.num_envs)
+        )
+        seen.append((_digest(obs), rewards.tolist(), terminated.tolist(), truncated.tolist()))
+        if mode is AutoresetMode.DISABLED and (terminated | truncated).any():
+            obs, _ = envs.reset(options={"reset_mask": terminated | truncated})
+            seen.append(_digest(obs))
+    return seen
+
+
+CASES = [
+    *[("CartPole-v1", 2, mode, 300, {}) for mode in MODES],
+    ("LunarLander-v3", 4, AutoresetMode.NEXT_STEP, 300, {}),
+    ("LunarLander-v3", 4, AutoresetMode.SAME_STEP, 300, {}),
+    pytest.param(
+        "ALE/Pong-v5",
+        6,
+        AutoresetMode.NEXT_STEP,
+        300,
+        {"replay_steps": 4000},
+        marks=pytest.mark.atari,
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    "env_id, actions, mode, steps, kwargs",
+    CASES,
+    ids=lambda v: getattr(v, "value", v) if not isinstance(v, dict) else "",
+)
+def test_a_resumed_vector_env_continues_the_run_exactly(
+    make_env: Any, env_id: str, actions: int, mode: AutoresetMode, steps: int, kwargs: Any
+) -> None:
+    if env_id.startswith("ALE/"):
+        pytest.importorskip("ale_py")
+    first = make_env(env_id, 4, backend="processes", num_workers=2, autoreset_mode=mode, **kwargs)
+    first.reset(seed=1)
+    _steps(first, 0, steps, actions, mode)
+    state = pickle.loads(pickle.dumps(first.snapshot()))  # it travels
+    expected = _steps(first, steps, steps, actions, mode)
+    again = make_env(
+        env_id, 4, backend="threads", num_workers=3, autoreset_mode=mode, resume=state, **kwargs
+    )
+    assert _steps(again, steps, steps, actions, mode) == expected
+
+
+def test_a_snapshot_file_resumes_in_a_fresh_process(make_env: Any, tmp_path: Any) -> None:
+    """Saved to a file, loaded in another Python process on ``serial``: the same steps."""
+    first = make_env("CartPole-v1", 4, backend="processes", num_workers=2)
+    first.reset(seed=5)
+    _steps(first, 0, 300, 2, AutoresetMode.NEXT_STEP)
+    path = tmp_path / "run.snapshot"
+    first.snapshot().save(str(path))
+    expected = _steps(first, 300, 300, 2, AutoresetMode.NEXT_STEP)
+    out = tmp_path / "seen.pickle"
+    script = (
+        "import pickle, sys, envfleet\n"
+        "from gymnasium.vector import AutoresetMode\n"
+        "from tests.integration.test_snapshot import _steps\n"
+        "state = envfleet.Snapshot.load(sys.argv[1])\n"
+        "envs = envfleet.make('CartPole-v1', 4, backend='serial', resume=state)\n"
+        "seen = _steps(envs, 300, 300, 2, AutoresetMode.NEXT_STEP)\n"
+        "open(sys.argv[2], 'wb').write(pickle.dumps(seen))\n"
+    )
+    subprocess.run([sys.executable, "-c", script, str(path), str(out)], check=True, timeout=120)
+    assert pickle.loads(out.read_bytes()) == expected
+
+
+def test_what_cannot_be_snapshotted_or_resumed_says_why(make_env: Any, tmp_path: Any) -> None:
+    long = make_env("CartPole-v1", 2, backend="serial", replay_steps=3)
+    long.reset(seed=0)
+    for _ in range(5):
+        long.step(np.zeros(2, np.int64))
+    with pytest.raises(envfleet.UnsupportedError, match="longer than replay_steps=3"):
+        long.snapshot()
+    none = make_env("CartPole-v1", 2, backend="serial", replay_steps=0)
+    none.reset(seed=0)
+    with pytest.raises(envfleet.UnsupportedError, match="replay_steps > 0"):
+        none.snapshot()
+    pool = make_env("CartPole-v1", 2, backend="serial", batch_size=1)
+    with pytest.raises(envfleet.UnsupportedError, match="not a pool"):
+        pool.snapshot()
+    ok = make_env("CartPole-v1", 2, backend="serial")
+    ok.reset(seed=0)
+    state = ok.snapshot()
+    with pytest.raises(envfleet.ConfigError, match="snapshot is of 2 envs"):
+        envfleet.make("CartPole-v1", 3, backend="serial", resume=state)
+    with pytest.raises(envfleet.ConfigError, match="resume must be an envfleet.Snapshot"):
+        envfleet.make("CartPole-v1", 2, backend="serial", resume={"not": "a snapshot"})
+    other = tmp_path / "other"
+    other.write_bytes(b"\x80\x04not one")
+    with pytest.raises(envfleet.ReplayFileError, match="not an envfleet snapshot file"):
+        envfleet.Snapshot.load(str(other))
