@@ -600,13 +600,28 @@ class RoundDriver(Backend):
     ) -> None:
         others = [w for w in self._pending if w not in workers]  # a pool's, still running
         late = [w for w in workers if w not in done.crashed]
-        for w, text in self.stacks(late).items():
+        stacks = self.stacks(late)
+        for w, text in stacks.items():
             logger.warning(
                 "worker %d did not answer in time%s; its stacks before it was killed:\n%s",
                 w,
                 at(text),
                 text,
             )
+        for w in late:  # what it would have raised, kept: envs.stats.failures
+            envs = list(range(*self.ranges[w]))
+            error = StepTimeoutError(
+                f"{self.late_what} [{w}] (sub-environments {envs}) did not answer within "
+                f"{timeout} s{first_at(stacks, [w])}; killed and restarted by the restart "
+                "policy",
+                envs,
+                float(timeout if timeout is not None else 0.0),
+                {w: stacks[w]} if w in stacks else {},
+            )
+            error.replay = replays_of(
+                "hang", str(error), self.recordings(w), self.factories, timeout
+            )
+            self.ledger.failures.append(error)
         for w in workers:
             self.transport.respawn(w, done.crashed.get(w, "late"))
         try:

@@ -43,6 +43,7 @@ logger = logging.getLogger("envfleet")
 
 # The commands whose failures a policy restarts (a task: the Sampler's worker inference).
 RESTARTABLE = (Command.STEP, Command.RESET, Command.TASK)
+FAILURES_KEPT = 100  # the failures a restart policy survived that envs.stats.failures keeps
 
 _T = TypeVar("_T")
 
@@ -158,6 +159,15 @@ class Ledger:
         self.crashes = 0
         self.env_errors = 0
         self.recycled = 0
+        # The last failures a restart policy survived, each the error it would have raised.
+        self.failures: collections.deque[EnvfleetError] = collections.deque(maxlen=FAILURES_KEPT)
+
+    def survived(self, error: EnvfleetError) -> None:
+        """Keep ``error``, a failure the restart policy survived, for ``envs.stats.failures``
+        (its message says what was restarted instead of that the vector env closed)."""
+        text = str(error).replace("the vector env was closed", "restarted by the restart policy")
+        error.args = (text, *error.args[1:])
+        self.failures.append(error)
 
     def note_seeds(self, start: int, seeds: list[int | None], mask: Any) -> None:
         """Remember the seeds a reset gives envs ``start, start + 1, ...`` (``mask``: reset
@@ -229,6 +239,7 @@ class Ledger:
             workers=workers,
             recycled=self.recycled,
             memory=memory,
+            failures=tuple(self.failures),
         )
 
 
@@ -510,9 +521,12 @@ class Supervisor:
                 self._kept_failures.update((v, f) for v, f in done.failures.items() if v != w)
             raise backend.env_error(w, done.failures[w], note)
         ledger.crashes += len(done.crashed)
-        for f in done.failures.values():
+        for w, f in sorted(done.failures.items()):
             for env_index, method, type_name, message in failed_envs(f):
                 log_env_restart(env_index, method, type_name, message)
+            ledger.survived(backend.env_error(w, f, ""))
+        for w, reason in sorted(done.crashed.items()):  # before they are replaced
+            ledger.survived(backend.crash_error(w, step, "", reason, False))
         if respawn:
             backend.replace_workers(respawn, done, timeout, step)
             for w in respawn:

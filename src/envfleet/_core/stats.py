@@ -12,7 +12,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -153,6 +153,10 @@ class FleetStats:
         memory: per worker process, its resident memory and how it grows
             (:class:`WorkerMemory`), in worker order; empty where the backend has no worker
             processes of its own (serial, threads, ray, envpool).
+        failures: the last 100 failures a restart policy survived, oldest first, each the
+            typed error it would have raised without one (:class:`~envfleet.EnvError`,
+            :class:`~envfleet.EnvCrashedError`, :class:`~envfleet.StepTimeoutError`), with
+            its ``stacks`` and ``replay``.
     """
 
     restarts: int = 0
@@ -163,3 +167,4 @@ class FleetStats:
     workers: tuple[StepTimeStats, ...] = ()
     recycled: int = 0
     memory: tuple[WorkerMemory, ...] = ()
+    failures: tuple[Any, ...] = ()
