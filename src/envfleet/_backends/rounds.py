@@ -34,7 +34,7 @@ from typing import Any, Protocol, cast
 
 from envfleet._backends.base import Backend
 from envfleet._backends.recycle import Recycle, Recycler
-from envfleet._backends.supervisor import Ledger, Round, Supervisor
+from envfleet._backends.supervisor import Ledger, Round, Supervisor, timeout_error
 from envfleet._core.buffers import Batch
 from envfleet._core.errors import (
     EnvCrashedError,
@@ -609,19 +609,9 @@ class RoundDriver(Backend):
                 text,
             )
         for w in late:  # what it would have raised, kept: envs.stats.failures
-            envs = list(range(*self.ranges[w]))
-            error = StepTimeoutError(
-                f"{self.late_what} [{w}] (sub-environments {envs}) did not answer within "
-                f"{timeout} s{first_at(stacks, [w])}; killed and restarted by the restart "
-                "policy",
-                envs,
-                float(timeout if timeout is not None else 0.0),
-                {w: stacks[w]} if w in stacks else {},
-            )
-            error.replay = replays_of(
-                "hang", str(error), self.recordings(w), self.factories, timeout
-            )
-            self.ledger.failures.append(error)
+            fate = "killed and restarted by the restart policy"
+            mine = {w: stacks[w]} if w in stacks else {}
+            self.ledger.failures.append(timeout_error(self, [w], timeout, mine, fate))
         for w in workers:
             self.transport.respawn(w, done.crashed.get(w, "late"))
         try:

@@ -57,6 +57,7 @@ __all__ = [
     "log_env_restart",
     "merge_events",
     "restart_seed",
+    "timeout_error",
 ]
 
 
@@ -241,6 +242,28 @@ class Ledger:
             memory=memory,
             failures=tuple(self.failures),
         )
+
+
+def timeout_error(
+    backend: Supervised,
+    late: list[int],
+    timeout: float | None,
+    stacks: dict[int, str],
+    fate: str,
+) -> StepTimeoutError:
+    """The :class:`StepTimeoutError` of ``late`` workers (their ``stacks``, the first one's
+    replay; ``fate``: what became of them), built while they are still there to read."""
+    envs = [e for w in late for e in range(*backend.ranges[w])]
+    error = StepTimeoutError(
+        f"{backend.late_what} {late} (sub-environments {envs}) did not answer within "
+        f"{timeout} s{first_at(stacks, late)}; {fate}",
+        envs,
+        float(timeout if timeout is not None else 0.0),
+        stacks,
+    )
+    recordings = backend.recordings(late[0]) if late else []
+    error.replay = replays_of("hang", str(error), recordings, backend.factories, timeout)
+    return error
 
 
 def log_env_restart(env_index: int, method: str, type_name: str, message: str) -> None:
@@ -452,20 +475,10 @@ class Supervisor:
         backend = self.backend
         if not counted:
             self.ledger.timeouts += 1
-        envs = [e for w in late for e in range(*backend.ranges[w])]
         stacks = backend.stacks(late)  # before they are killed
-        where = first_at(stacks, late)
-        recordings = backend.recordings(late[0]) if late else []
+        fate = f"{note + '; ' if note else ''}{backend.late_fate} and the vector env closed"
+        error = timeout_error(backend, late, timeout, stacks, fate)
         backend.close(timeout=0, terminate=True)
-        error = StepTimeoutError(
-            f"{backend.late_what} {late} (sub-environments {envs}) did not answer within "
-            f"{timeout} s{where}; {note + '; ' if note else ''}{backend.late_fate} and the "
-            "vector env closed",
-            envs,
-            float(timeout if timeout is not None else 0.0),
-            stacks,
-        )
-        error.replay = replays_of("hang", str(error), recordings, backend.factories, timeout)
         raise error from None
 
     # -- after a round ------------------------------------------------------------------------
