@@ -82,15 +82,64 @@ class ReplayFileError(EnvfleetError, ValueError):
     """A file that is not a replay this envfleet can read: another file, or another version."""
 
 
+# The attributes followed from an env to the objects that may hold its random generators:
+# gymnasium's wrapper chain (env, unwrapped) and envfleet's PettingZoo adapter (par_env, and
+# PettingZoo's conversion wrappers: aec_env, env, unwrapped).
+_LINKS = ("unwrapped", "env", "par_env", "aec_env")
+_GENERATORS = ("_np_random", "np_random")  # as instance attributes, never a property's
+
+
+def _generators(env: Any) -> dict[str, np.random.Generator]:
+    """Every ``numpy`` generator an env keeps in an ``np_random`` (or ``_np_random``)
+    attribute of itself or of what it wraps (:data:`_LINKS`), by its path from the env
+    (``"unwrapped._np_random"``; a PettingZoo env's ``"unwrapped.par_env.aec_env.unwrapped
+    .np_random"``); each generator once, at the first path found."""
+    found: dict[str, np.random.Generator] = {}
+    seen_objects: set[int] = set()
+    seen_generators: set[int] = set()
+
+    def walk(obj: Any, path: tuple[str, ...]) -> None:
+        if id(obj) in seen_objects or len(path) > 8:
+            return
+        seen_objects.add(id(obj))
+        attributes = getattr(obj, "__dict__", {})
+        for name in _GENERATORS:
+            generator = attributes.get(name)
+            if isinstance(generator, np.random.Generator) and id(generator) not in seen_generators:
+                seen_generators.add(id(generator))
+                found[".".join((*path, name))] = generator
+        for link in _LINKS:
+            try:
+                nxt = getattr(obj, link, None)
+            except Exception:  # a property that raises
+                continue
+            if nxt is not None and nxt is not obj:
+                walk(nxt, (*path, link))
+
+    walk(env, ())
+    return found
+
+
+def _set_generator(env: Any, path: str, state: dict[str, Any]) -> None:
+    """Give the env a generator in the state ``state`` at ``path`` (:func:`_generators`)."""
+    *links, name = path.split(".")
+    obj = env
+    for link in links:
+        obj = getattr(obj, link)
+    bit_generator = getattr(np.random, state["bit_generator"])()
+    bit_generator.state = state
+    setattr(obj, name, np.random.Generator(bit_generator))
+
+
 def reset_start(env: gymnasium.Env[Any, Any], options: Any = None) -> tuple[Any, ...]:
     """How a ``reset`` without a seed (an autoreset's, or one given ``seed=None``) begins:
-    ``("rng", state, native, options)``, the env's ``np_random`` state now (``None`` for an
-    env that never had one), the random state the env keeps outside it where the field has
-    an API for it (an Atari env's ALE state with its generator,
+    ``("rng", states, native, options)``: the state of every ``numpy`` generator the env
+    keeps, by path (its ``np_random``; a PettingZoo env's own, under envfleet's adapter:
+    :func:`_generators`), the random state the env keeps elsewhere where the field has an
+    API for it (an Atari env's ALE state with its generator,
     ``ale.cloneState(include_rng=True)``, pickled; else ``None``), and the reset's options."""
     unwrapped = env.unwrapped
-    generator = getattr(unwrapped, "_np_random", None)
-    state = None if generator is None else generator.bit_generator.state
+    state = {path: g.bit_generator.state for path, g in _generators(env).items()}
     native = None
     ale = getattr(unwrapped, "ale", None)
     if ale is not None and hasattr(ale, "cloneState"):
@@ -103,13 +152,10 @@ def _begin(env: gymnasium.Env[Any, Any], start: tuple[Any, ...]) -> Any:
     """Reset ``env`` as the recorded episode began; returns ``reset``'s result."""
     if start[0] == "seed":
         return env.reset(seed=start[1], options=start[2])
-    state, native = start[1], start[2]
-    options = start[3] if len(start) > 3 else None
+    states, native, options = start[1], start[2], start[3]
     unwrapped: Any = env.unwrapped
-    if state is not None:
-        bit_generator = getattr(np.random, state["bit_generator"])()
-        bit_generator.state = state
-        unwrapped._np_random = np.random.Generator(bit_generator)
+    for path, state in states.items():
+        _set_generator(env, path, state)
     if native is not None and native[0] == "ale":
         unwrapped.ale.restoreState(pickle.loads(native[1]))
     return env.reset(options=options)
@@ -351,9 +397,8 @@ class EnvRecording:
     Attributes:
         env_index: the env's index in its vector env.
         start: how the episode began: ``("seed", seed, options)`` (a ``reset``) or
-            ``("rng", np_random_state, native, options)`` (an autoreset, or a reset without
-            a seed; ``native``: the env's own random state where it has one, see
-            :func:`reset_start`); ``None`` when not ``complete``.
+            ``("rng", generator_states, native, options)`` (an autoreset, or a reset
+            without a seed: see :func:`reset_start`); ``None`` when not ``complete``.
         actions: every action of the episode, in order, the failing one last.
         complete: whether the record holds the whole episode (``why`` says what is missing).
         steps: the episode's actions up to the failure.

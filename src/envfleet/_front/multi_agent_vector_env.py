@@ -12,6 +12,7 @@ import numpy as np
 from gymnasium.vector import AutoresetMode, VectorWrapper
 
 from envfleet._core.errors import InvalidActionError
+from envfleet._core.replay import Snapshot
 from envfleet._front.vector_env import FleetVectorEnv
 
 __all__ = ["MultiAgentVectorEnv"]
@@ -98,6 +99,12 @@ class MultiAgentVectorEnv(VectorWrapper[Any, Any, Any, Any, Any]):
         packed, infos = self.vector_env.reset(seed=seed, options=options)
         infos["agent_mask"] = packed["agent_mask"]
         return packed["observation"], infos
+
+    def snapshot(self) -> Snapshot:
+        """:meth:`FleetVectorEnv.snapshot` of the packed vector env: ``envfleet.make(...,
+        resume=state)`` with the same PettingZoo factory continues exactly (each env's own
+        generator, the PettingZoo env's ``np_random``, travels with it)."""
+        return self.vector_env.snapshot()
 
     def step(self, actions: Any) -> tuple[Any, np.ndarray, np.ndarray, np.ndarray, dict[str, Any]]:
         """Step every env. Returns (observations, rewards ``float64[N, A]``, terminated
