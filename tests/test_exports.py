@@ -45,6 +45,7 @@ ALL = [
     "RestartPolicy",
     "Sampler",
     "SamplerReport",
+    "SamplerSnapshot",
     "SamplerStats",
     "SamplerTimers",
     "Snapshot",

@@ -39,7 +39,7 @@ from envfleet._front.vector_env import FleetVectorEnv
 from envfleet._sampler.auto_inference import SamplerReport
 from envfleet._sampler.inference import SamplerStats, SamplerTimers, TimerStat
 from envfleet._sampler.rollout import EpisodeBatch
-from envfleet._sampler.sampler import Sampler
+from envfleet._sampler.sampler import Sampler, SamplerSnapshot
 
 __version__ = "0.1.0"
 
@@ -70,6 +70,7 @@ __all__ = [
     "Sampler",
     "SamplerStats",
     "SamplerReport",
+    "SamplerSnapshot",
     "SamplerTimers",
     "Snapshot",
     "SpaceMismatchError",

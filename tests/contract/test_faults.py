@@ -153,7 +153,7 @@ def _fault_lines(marker: str, count: int = 1) -> list[str]:
     return [f"{path}:{first + offset + k}" for k in range(count)]
 
 
-@pytest.mark.backends("threads", "processes", "processes-spawn")
+@pytest.mark.backends("threads", "processes", "processes-spawn", "ray")
 @pytest.mark.per_backend(
     "how", lambda backend: ["sleep"] if backend.workers == "threads" else ["sleep", "spin"]
 )
@@ -191,13 +191,14 @@ def test_a_hung_envs_stack_comes_with_its_step_timeout(
         snapshot.assert_nothing_left()  # no worker, and no stack file, left
 
 
-@pytest.mark.backends(processes=True)
+@pytest.mark.backends(isolated=True)
 def test_a_segfaults_stack_comes_with_its_crash_error(
     make_env: Any, snapshot: Any, backend: Any
 ) -> None:
     """Issue 32 item 2: env 1 writes at address 0 in its third step (a real SIGSEGV); the
     EnvCrashedError carries what the worker's faulthandler wrote at the fault
-    (``err.stacks``), and its message names the env's innermost frame."""
+    (``err.stacks``), and its message names the env's innermost frame. On Ray, from the
+    actor's file on this node (Ray gives no exit code)."""
     envs = make_env(fault_factory({1: ("null-write", 3)}), 2, **backend.options, num_workers=2)
     envs.reset(seed=0)
     for _ in range(2):
@@ -207,11 +208,14 @@ def test_a_segfaults_stack_comes_with_its_crash_error(
     err = info.value
     [where] = _fault_lines("ctypes.memset(0, 0, 1)")
     seen = f"{err}\n{err.stacks}"  # what the assertions below read, shown if one fails
-    assert err.signal == signal.SIGSEGV and err.worker_index == 1, seen
+    assert err.worker_index == 1, seen
+    if backend.owns_processes:
+        assert err.signal == signal.SIGSEGV, seen
     assert "Segmentation fault" in err.stacks, seen
     assert innermost(err.stacks) == f"{where} in step", seen
-    assert f"(at {where} in step)" in str(err), seen
-    snapshot.assert_nothing_left()
+    assert f"at {where} in step)" in str(err), seen
+    if backend.owns_processes:
+        snapshot.assert_nothing_left()
 
 
 @pytest.mark.backends(processes=True)

@@ -155,3 +155,54 @@ def test_a_pettingzoo_vector_env_resumes_exactly(make_env: Any, mode: AutoresetM
     expected = steps(first, 60)
     again = make_env(_pistonball, 2, backend="serial", autoreset_mode=mode, resume=state)
     assert steps(again, 60) == expected
+
+
+def _lean(obs: np.ndarray) -> np.ndarray:
+    """A deterministic CartPole policy: push the way the pole leans."""
+    return (obs[:, 2] + 0.1 * obs[:, 3] > 0).astype(np.int64)
+
+
+def test_a_samplers_snapshot_resumes_its_next_batch_exactly() -> None:
+    """A driver-inference Sampler, its policy updated once: the resumed sampler (another
+    backend) returns the same next batch, policy version included."""
+    first = envfleet.Sampler(
+        "CartPole-v1", _lean, 4, inference="driver", seed=3, backend="processes", num_workers=2
+    )
+    try:
+        first.sample(200)
+        first.update_policy()
+        first.sample(200)
+        state = pickle.loads(pickle.dumps(first.snapshot()))
+        expected = first.sample(300)
+    finally:
+        first.close()
+    again = envfleet.Sampler(
+        "CartPole-v1", _lean, 4, inference="driver", backend="serial", resume=state
+    )
+    try:
+        got = again.sample(300)
+        assert again.policy_version == 1
+    finally:
+        again.close()
+    fields = ["observations", "actions", "rewards", "terminated", "truncated"]
+    fields += ["last_observations", "env_index", "policy_version", "lengths"]
+    for name in fields:
+        assert np.array_equal(getattr(got, name), getattr(expected, name)), name
+
+
+def test_a_sampler_snapshot_where_it_is_not_built_says_so() -> None:
+    worker = envfleet.Sampler("CartPole-v1", _lean, 2, inference="worker", backend="serial")
+    try:
+        worker.sample(10)
+        with pytest.raises(envfleet.UnsupportedError, match="inference='driver'"):
+            worker.snapshot()
+    finally:
+        worker.close()
+    driver = envfleet.Sampler("CartPole-v1", _lean, 2, inference="driver", backend="serial")
+    try:
+        driver.sample(10)
+        state = driver.snapshot()
+    finally:
+        driver.close()
+    with pytest.raises(envfleet.ConfigError, match="inference='driver'"):
+        envfleet.Sampler("CartPole-v1", _lean, 2, inference="worker", resume=state)

@@ -22,6 +22,7 @@ import collections
 import contextlib
 import ctypes
 import ctypes.util
+import faulthandler
 import logging
 import math
 import multiprocessing
@@ -48,6 +49,7 @@ from envfleet._core.protocol import Failure, RemoteError
 logger = logging.getLogger("envfleet")
 
 __all__ = [
+    "STACKS_SIGNAL",
     "DriverFiles",
     "Exit",
     "MemoryWatch",
@@ -57,8 +59,11 @@ __all__ = [
     "join_all",
     "remote_error",
     "spawn",
+    "ask_stacks",
+    "read_text",
     "steady_growth",
     "watch",
+    "watch_stacks",
 ]
 
 _PR_SET_PDEATHSIG = 1
@@ -195,6 +200,79 @@ def join_all(procs: Sequence[Any], timeout: float) -> None:
 
 
 RSS_PERIOD_S = 1.0  # seconds between two samples of the workers' resident memory
+
+
+STACKS_SIGNAL = signal.SIGUSR1  # asks a worker for its stacks (watch_stacks)
+STACKS_WAIT_S = 2.0  # the most seconds a hung worker gets to write its stacks
+STACKS_POLL_S = 0.01  # seconds between looks at a stack file being written
+
+
+def watch_stacks(path: str | None, keep_name: bool = False) -> Any:
+    """Have :mod:`faulthandler` write every thread's stack to ``path`` (appending) when this
+    process gets :data:`STACKS_SIGNAL` (the driver asks before it kills a hung worker) and
+    when it dies of a fatal signal (SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGABRT: it then dies of
+    that signal still). The dump runs in the signal handler, in C: a worker stuck in C code
+    (``time.sleep``, a socket read, a simulator) still shows the Python frame that called it.
+    The worker removes the file's name once it has it open (the driver holds a descriptor),
+    unless ``keep_name``. Returns the open file (kept for the process's life), ``None``
+    without a path."""
+    if path is None:
+        return None
+    out = open(path, "a", encoding="utf-8")  # noqa: SIM115  (open until the process exits)
+    if not keep_name:
+        with contextlib.suppress(OSError):
+            os.unlink(path)  # the driver keeps its own descriptor: nothing is left on disk
+    # Enabled already (inherited from a driver that enabled it), enable() keeps the signal
+    # handlers it finds, which another library may have replaced since (pygame's parachute
+    # takes SIGSEGV): disable first, so that faulthandler's own handlers are installed.
+    faulthandler.disable()
+    faulthandler.enable(out, all_threads=True)
+    faulthandler.register(STACKS_SIGNAL, out, all_threads=True, chain=False)
+    return out
+
+
+def ask_stacks(
+    targets: dict[int, tuple[int, int]],
+    alive: Callable[[int], bool],
+    wait_s: float = STACKS_WAIT_S,
+) -> dict[int, str]:
+    """Ask each worker of ``targets`` (worker -> (pid, the driver's descriptor of its stack
+    file)) for its stacks (:data:`STACKS_SIGNAL`, which its faulthandler answers in its
+    file) and read them: worker -> text, for those that wrote within ``wait_s`` seconds (a
+    dump still growing is read again until it stops). ``alive(w)``: whether it still runs.
+    A worker not yet watching the signal (one still starting) dies of it: it was about to be
+    killed."""
+    asked: dict[int, int] = {}
+    for w, (pid, fd) in targets.items():
+        with contextlib.suppress(OSError):
+            os.ftruncate(fd, 0)  # the worker appends: its dump starts at 0
+            os.kill(pid, STACKS_SIGNAL)
+            asked[w] = fd
+    found: dict[int, str] = {}
+    sizes: dict[int, int] = {}
+    deadline = time.monotonic() + wait_s
+    while asked and time.monotonic() < deadline:
+        for w, fd in list(asked.items()):
+            with contextlib.suppress(OSError):
+                size = os.fstat(fd).st_size
+                if size and sizes.get(w) == size:  # written, and no longer growing
+                    found[w] = read_text(fd)
+                    del asked[w]
+                sizes[w] = size
+            if not alive(w):
+                asked.pop(w, None)
+        time.sleep(STACKS_POLL_S)
+    return found
+
+
+def read_text(fd: int | None) -> str:
+    """All of the file ``fd`` as text (``""`` when none or unreadable)."""
+    if fd is None:
+        return ""
+    try:
+        return os.pread(fd, os.fstat(fd).st_size, 0).decode("utf-8", errors="replace")
+    except OSError:
+        return ""
 
 
 GROWTH_SAMPLES = 120  # the samples a worker's memory growth is fitted over

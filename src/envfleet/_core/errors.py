@@ -261,7 +261,8 @@ class EnvCrashedError(EnvfleetError):
         stacks: for a worker process killed by a fatal signal (SIGSEGV, SIGBUS, SIGFPE,
             SIGILL, SIGABRT), what its faulthandler wrote: every thread's stack at the fault,
             innermost frame first (the message names the env's innermost frame); ``""`` for a
-            death that leaves none (SIGKILL, ``os._exit``) and on Ray.
+            death that leaves none (SIGKILL, ``os._exit``) and for a Ray actor on another
+            node than the driver's.
         rss_bytes: the worker process's resident memory when last seen (sampled about once
             a second), ``None`` where unknown; a SIGKILL's message gives it (the OOM killer
             kills so).
@@ -323,7 +324,8 @@ class StepTimeoutError(_TimedOut):
         timeout: the timeout that expired, in seconds.
         stacks: worker index -> the stacks of its threads, taken just before it was killed
             (faulthandler's format, innermost frame first; the message names the env's
-            innermost frame). Empty where the backend cannot take them (``serial``, ``ray``).
+            innermost frame). Empty where the backend cannot take them (``serial``; a Ray
+            actor on another node than the driver's).
         replay: the first hung worker's envs' episodes up to the hang (:class:`envfleet.Replay`;
             ``envfleet replay`` reports the step where it hangs again); ``None`` on Ray and
             with ``replay_steps=0``.

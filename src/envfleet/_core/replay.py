@@ -9,7 +9,11 @@ a segfault or a SIGKILL leaves it readable), so an :class:`~envfleet.EnvError`, 
 :class:`~envfleet.EnvCrashedError` and a :class:`~envfleet.StepTimeoutError` carry a
 :class:`Replay`: the factory of each env concerned, its episode's start and its actions
 since, up to the failing one. :func:`run_replay` builds the envs in this process and steps
-them to the failure, in the order their worker stepped them.
+them to the failure, in the order their worker stepped them; :func:`watch_replay` runs it in
+a child process and reports the call that raised, died or hung (``envfleet replay``).
+
+The same record brings envs back to where they were in a new worker: a recycled worker's
+(:func:`restore_envs`, ``envfleet.Recycle``) and a resumed vector env's (:class:`Snapshot`).
 
 The record costs one copy of the group's action rows per step; its memory is
 ``replay_steps`` times one step's action rows per worker (plus ``SLOT_BYTES`` per env).

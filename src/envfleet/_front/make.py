@@ -226,7 +226,7 @@ def make(  # type: ignore[misc]  # the overloads stand for its keyword arguments
             :class:`envfleet.Replay` of the failing episode (``err.replay``; see
             :func:`envfleet.replay`). The record costs one copy of each worker's action rows
             per step and ``replay_steps`` of them in memory per worker (1000 steps of 8
-            CartPole actions: 64 KB), plus 1 KiB per env; an episode longer than
+            CartPole actions: 64 KB), plus 16 KiB per env; an episode longer than
             ``replay_steps`` is not replayable. ``0``: no record, ``err.replay`` is ``None``.
             Not for ``envpool``.
         recycle: ``processes`` only, synchronous: an :class:`envfleet.Recycle` replaces each

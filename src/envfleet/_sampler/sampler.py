@@ -25,6 +25,7 @@ Every step is tagged with the version of the policy that chose its action. After
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import numbers
 import os
@@ -39,7 +40,14 @@ import numpy as np
 from gymnasium.vector import AutoresetMode
 
 from envfleet._core.buffers import side_leaves
-from envfleet._core.errors import ClosedEnvironmentError, ConfigError, InvalidArgumentError
+from envfleet._core.errors import (
+    ClosedEnvironmentError,
+    ConfigError,
+    InvalidArgumentError,
+    UnsupportedError,
+)
+from envfleet._core.replay import Snapshot
+from envfleet._core.trees import tree_copy
 from envfleet._front.make import make
 from envfleet._front.multi_agent_vector_env import MultiAgentVectorEnv
 from envfleet._front.vector_env import FleetVectorEnv
@@ -124,6 +132,18 @@ class _ApplyToEnvs:
 # -- the sampler -----------------------------------------------------------------------------
 
 
+@dataclasses.dataclass
+class SamplerSnapshot:
+    """A :class:`Sampler`'s state between two ``sample`` calls (:meth:`Sampler.snapshot`):
+    the vector env's :class:`envfleet.Snapshot`, the observations the policy acts on next,
+    and the sampler's counters (:class:`SamplerStats`, the policy version included).
+    Picklable; ``Sampler(..., inference="driver", resume=state)`` continues from it."""
+
+    vector_env: Snapshot
+    observations: Any
+    stats: SamplerStats
+
+
 class Sampler:
     """Collects experience with a policy, tagged with policy versions.
 
@@ -180,6 +200,8 @@ class Sampler:
         timeout: seconds a round of worker inference, or a step of driver inference, may
             take before :class:`envfleet.StepTimeoutError` (the vector env's
             ``step_timeout``); ``None``: no bound.
+        resume: a :meth:`snapshot` of a sampler of the same env, ``num_envs`` and policy,
+            with ``inference="driver"``: this one continues it exactly (no reset).
         make_kwargs: more arguments for :func:`envfleet.make` (``backend``, ``batch_size``,
             ``start_timeout``, ``restart_policy``, ``copy``...). The sampler uses
             ``AutoresetMode.SAME_STEP``. A first-ready pool (``batch_size``, driver inference
@@ -217,6 +239,7 @@ class Sampler:
         env_kwargs: dict[str, Any] | None = None,
         context: str | None = None,
         timeout: float | None = None,
+        resume: SamplerSnapshot | None = None,
         **make_kwargs: Any,
     ):
         if not callable(policy):
@@ -231,6 +254,12 @@ class Sampler:
             raise ConfigError(f"timeout must be None or seconds > 0, got {timeout!r}")
         if "autoreset_mode" in make_kwargs:
             raise ConfigError("the Sampler sets autoreset_mode itself (SAME_STEP)")
+        if resume is not None:
+            if not isinstance(resume, SamplerSnapshot):
+                raise ConfigError(f"resume must be a Sampler.snapshot(), got {resume!r}")
+            if inference != "driver":
+                raise ConfigError("a Sampler resumes with inference='driver' (as it was taken)")
+            make_kwargs["resume"] = resume.vector_env
         self.inference = inference
         self.num_envs = int(num_envs)
         self.seed = None if seed is None else int(seed)
@@ -309,6 +338,11 @@ class Sampler:
             self._inference = DriverInference(
                 venv, self.stats, self._timers, self.keep_stale, self.seed
             )
+            if resume is not None:
+                self._inference.obs = resume.observations
+                self._inference.started = True
+                for name, value in vars(resume.stats).items():
+                    setattr(self.stats, name, value)
         elif inference == "auto":
             worker = None
             if not why_not_worker and len(venv.worker_ranges) < 2:
@@ -335,6 +369,36 @@ class Sampler:
             )
 
     # -- public API ------------------------------------------------------------------------
+
+    def snapshot(self) -> SamplerSnapshot:
+        """The sampler's state between two :meth:`sample` calls: ``Sampler(..., resume=state)``
+        (the same env, ``num_envs`` and policy) continues exactly, its next ``sample`` the
+        one this sampler's would have returned. It holds the vector env's
+        :class:`envfleet.Snapshot`, the observations the policy acts on next and the counters
+        (:attr:`stats`, the policy version included); the policy's parameters are the
+        caller's to keep.
+
+        Raises:
+            UnsupportedError: not ``inference="driver"`` over a synchronous vector env of a
+                single-agent env (a first-ready pool, worker inference and PettingZoo envs
+                keep state in flight or in the workers that a snapshot does not take yet).
+        """
+        self._check_open()
+        inference = self._inference
+        if (
+            type(inference) is not DriverInference
+            or self._venv.is_pool
+            or self.possible_agents is not None
+        ):
+            raise UnsupportedError(
+                "Sampler.snapshot() is for inference='driver' over a synchronous vector env "
+                "of a single-agent env"
+            )
+        if not inference.started:
+            raise UnsupportedError("Sampler.snapshot() before the first sample(): nothing to take")
+        return SamplerSnapshot(
+            self._venv.snapshot(), tree_copy(inference.obs), dataclasses.replace(self.stats)
+        )
 
     @property
     def policy_version(self) -> int:

@@ -39,7 +39,6 @@ from envfleet._backends.processes.worker import (
     IN_REGION,
     MAILBOX_BYTES,
     NEW_REGION,
-    STACKS_SIGNAL,
     WORDS,
     GroupLayout,
     WorkerSpec,
@@ -53,7 +52,14 @@ from envfleet._backends.processes.worker import (
     worker_main,
 )
 from envfleet._backends.registry import BuildRequest
-from envfleet._backends.workers import DriverFiles, MemoryWatch, join_all, spawn
+from envfleet._backends.workers import (
+    STACKS_WAIT_S,
+    DriverFiles,
+    MemoryWatch,
+    ask_stacks,
+    join_all,
+    spawn,
+)
 from envfleet._core.buffers import Batch, Block, allocate_batch
 from envfleet._core.errors import (
     EnvCrashedError,
@@ -69,8 +75,6 @@ __all__ = ["DEFAULT_CLOSE_TIMEOUT", "WorkerProcesses"]
 logger = logging.getLogger("envfleet")
 
 DEFAULT_CLOSE_TIMEOUT = 5.0  # seconds for workers to close their envs before being terminated
-STACKS_WAIT_S = 2.0  # the most seconds a hung worker gets to write its stacks
-STACKS_POLL_S = 0.01  # seconds between looks at a stack file being written
 _KILL_GRACE = 1.0  # seconds between SIGTERM and SIGKILL
 
 
@@ -283,35 +287,14 @@ class WorkerProcesses:
         return [log.recording(j, start + j) for j in range(stop - start)]
 
     def stacks(self, workers: list[int], wait_s: float = STACKS_WAIT_S) -> dict[int, str]:
-        """Ask each live worker of ``workers`` for its stacks (:data:`STACKS_SIGNAL`, which
-        its faulthandler answers in its file) and read them: worker -> text, for those that
-        wrote within ``wait_s`` seconds (a worker whose dump is still growing is read again
-        until it stops). A worker not yet watching the signal (one still starting) dies of
-        it: it was about to be killed."""
-        asked: dict[int, int] = {}  # worker -> the driver's descriptor of its file
+        """Each live worker of ``workers``'s stacks, asked for now
+        (:func:`~envfleet._backends.workers.ask_stacks`): worker -> text."""
+        targets = {}
         for g in workers:
             proc, fd = self.procs[g], self._stack_files.fds[g]
-            if proc is None or fd is None or not proc.is_alive():
-                continue
-            with contextlib.suppress(OSError):
-                os.ftruncate(fd, 0)  # the worker appends: its dump starts at 0
-                os.kill(proc.pid, STACKS_SIGNAL)
-                asked[g] = fd
-        found: dict[int, str] = {}
-        sizes: dict[int, int] = {}
-        deadline = time.monotonic() + wait_s
-        while asked and time.monotonic() < deadline:
-            for g, fd in list(asked.items()):
-                with contextlib.suppress(OSError):
-                    size = os.fstat(fd).st_size
-                    if size and sizes.get(g) == size:  # written, and no longer growing
-                        found[g] = self._read_stacks(g)
-                        del asked[g]
-                    sizes[g] = size
-                if not self.procs[g].is_alive():
-                    asked.pop(g, None)
-            time.sleep(STACKS_POLL_S)
-        return found
+            if proc is not None and fd is not None and proc.is_alive():
+                targets[g] = (proc.pid, fd)
+        return ask_stacks(targets, lambda g: bool(self.procs[g].is_alive()), wait_s)
 
     def respawn(self, g: int, reason: str) -> None:
         """Kill worker ``g`` (dead or hung: ``reason`` is ``"late"``) and start a new one for

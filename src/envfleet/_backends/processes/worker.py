@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import faulthandler
 import functools
 import mmap
 import os
@@ -47,7 +46,12 @@ from envfleet._backends.processes.doorbell import (
     SharedSem,
     SpinBudget,
 )
-from envfleet._backends.workers import die_with_parent, failure_reply, remote_error
+from envfleet._backends.workers import (
+    die_with_parent,
+    failure_reply,
+    remote_error,
+    watch_stacks,
+)
 from envfleet._core import native as _speedups
 from envfleet._core.buffers import Block, allocate_batch
 from envfleet._core.envgroup import EnvFailure, EnvGroup, PartialFailure
@@ -55,11 +59,8 @@ from envfleet._core.protocol import Command, Failure, Status
 from envfleet._core.replay import file_log
 from envfleet._core.stats import BUCKETS_PER_OCTAVE, NUM_BUCKETS, STATS_WORDS, StepTimer
 
-STACKS_SIGNAL = signal.SIGUSR1  # asks a worker for its stacks (watch_stacks)
-
 __all__ = [
     "CMD",
-    "STACKS_SIGNAL",
     "CMD_PAYLOAD",
     "GROUP_BYTES",
     "GroupLayout",
@@ -83,7 +84,6 @@ __all__ = [
     "send_block",
     "stats_rows",
     "word_view",
-    "watch_stacks",
     "worker_main",
 ]
 
@@ -182,28 +182,6 @@ class WorkerSpec:
     start_method: str
     stacks_path: str | None = None  # where faulthandler writes this worker's stacks
     replay_path: str | None = None  # the file of its action log (envfleet._core.replay)
-
-
-def watch_stacks(path: str | None) -> Any:
-    """Have :mod:`faulthandler` write every thread's stack to ``path`` (appending) when this
-    process gets :data:`STACKS_SIGNAL` (the driver asks before it kills a hung worker) and
-    when it dies of a fatal signal (SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGABRT: it then dies of
-    that signal still). The dump runs in the signal handler, in C: a worker stuck in C code
-    (``time.sleep``, a socket read, a simulator) still shows the Python frame that called it.
-    The worker removes the file's name once it has it open (the driver holds a descriptor).
-    Returns the open file (kept for the process's life), ``None`` without a path."""
-    if path is None:
-        return None
-    out = open(path, "a", encoding="utf-8")  # noqa: SIM115  (open until the process exits)
-    with contextlib.suppress(OSError):
-        os.unlink(path)  # the driver keeps its own descriptor: nothing is left on disk
-    # Enabled already (inherited from a driver that enabled it), enable() keeps the signal
-    # handlers it finds, which another library may have replaced since (pygame's parachute
-    # takes SIGSEGV): disable first, so that faulthandler's own handlers are installed.
-    faulthandler.disable()
-    faulthandler.enable(out, all_threads=True)
-    faulthandler.register(STACKS_SIGNAL, out, all_threads=True, chain=False)
-    return out
 
 
 def _anonymous_file(name: str, nbytes: int) -> int:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import tempfile
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -29,7 +30,7 @@ from envfleet._backends.base import (
     none_if_empty,
     run_command,
 )
-from envfleet._backends.workers import remote_error
+from envfleet._backends.workers import remote_error, watch_stacks
 from envfleet._core.buffers import Block, allocate_batch, batch_nbytes
 from envfleet._core.envgroup import EnvFailure, EnvGroup, PartialFailure
 from envfleet._core.protocol import Command, Failure, Status
@@ -91,6 +92,11 @@ class EnvfleetWorker:
 
     def __init__(self, spec: ActorSpec):
         self.spec = spec
+        # Its stacks at a hang (asked for by a signal) and at a fatal signal, into a file of
+        # this node that the driver opens when it runs on the same node (stack_file).
+        fd, self.stacks_path = tempfile.mkstemp(prefix="envfleet-ray-stacks-", suffix=".txt")
+        os.close(fd)
+        self._stacks = watch_stacks(self.stacks_path, keep_name=True)
         self.group: EnvGroup | None = None
         self.timer = _LastStepTimer()
         self.batch: Any = None
@@ -119,6 +125,8 @@ class EnvfleetWorker:
         """Lay the envs built over buffers of the block's rows, with env 0's spaces: READY
         with a space mismatch (``(env_index, description)``) or ``None``, or ERROR."""
         spec = self.spec
+        with contextlib.suppress(OSError):  # opened by a driver on this node by now, or not
+            os.unlink(self.stacks_path)  # at all: either way its name is not needed
         try:
             size = spec.stop - spec.start
             obs_space, act_space = layout.single_observation_space, layout.single_action_space
@@ -176,6 +184,11 @@ class EnvfleetWorker:
     def where(self) -> tuple[str, int]:
         """(Ray node id, process id) of this actor."""
         return ray.get_runtime_context().get_node_id(), os.getpid()
+
+    def stack_file(self) -> tuple[str, int, str]:
+        """(Ray node id, process id, path of its stack file): a driver on the same node
+        opens the file and removes its name (:meth:`RayTransport.lay_out`)."""
+        return ray.get_runtime_context().get_node_id(), os.getpid(), self.stacks_path
 
     def close(self) -> None:
         for env in self.built:  # built, but never laid out

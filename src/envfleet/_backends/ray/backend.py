@@ -29,11 +29,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any, cast
 
 import numpy as np
+import psutil
 import ray
 import ray.exceptions
 
@@ -42,6 +44,7 @@ from envfleet._backends.ray.actor import ActorLayout, ActorSpec, RemoteWorker, R
 from envfleet._backends.ray.plan import RayPlan, plan_ray
 from envfleet._backends.rounds import RoundDriver, Seen, StepAll
 from envfleet._backends.supervisor import Round
+from envfleet._backends.workers import ask_stacks, read_text
 from envfleet._core.buffers import allocate_batch
 from envfleet._core.errors import (
     ConfigError,
@@ -50,6 +53,7 @@ from envfleet._core.errors import (
 )
 from envfleet._core.failures import remote_env_error
 from envfleet._core.protocol import Command, Failure, RemoteError, Status
+from envfleet._core.stacks import at
 from envfleet._core.stats import STATS_WORDS, StepTimer, StepTimeStats, step_time_table
 from envfleet._core.trees import tree_slice, tree_write
 
@@ -104,6 +108,9 @@ class RayTransport:
         self._refs: dict[int, Any] = {}  # worker -> ObjectRef of its running command
         self._commands: dict[int, Command | None] = {}  # its command; None: starting
         self._got: dict[int, Reply] = {}  # replies read in one call, until read
+        # Per worker on this node: its actor's pid and the driver's descriptor of its stack
+        # file (opened at lay_out; an actor on another node has none).
+        self._stack_files: dict[int, tuple[int, int]] = {}
         self._closed = False
         first_env = request.first_env
         try:
@@ -152,6 +159,7 @@ class RayTransport:
         self._refs[w], self._commands[w] = actor.ready.remote(), None
 
     def respawn(self, w: int, reason: str) -> None:
+        self._drop_stack_file(w)
         why = "did not answer in time" if reason == "late" else f"died ({reason})"
         logger.warning("Ray actor of worker %d %s; replacing it and its envs", w, why)
         with contextlib.suppress(Exception):
@@ -179,9 +187,36 @@ class RayTransport:
                 layout.same_observation_space,
                 layout.replay_steps,
             )
+        self._open_stack_files(workers)
         for w in workers:
             self._refs[w], self._commands[w] = self._actors[w].attach.remote(self._layout), None
         return True
+
+    def _open_stack_files(self, workers: list[int]) -> None:
+        """Open the stack file of each of ``workers``' actors that runs on this node, and
+        remove its name (the driver's descriptor keeps it; nothing is left on disk)."""
+        with contextlib.suppress(Exception):  # a dead actor: the wait says so
+            here = ray.get_runtime_context().get_node_id()
+            places = ray.get([self._actors[w].stack_file.remote() for w in workers], timeout=10)
+            for w, (node, pid, path) in zip(workers, places, strict=True):
+                self._drop_stack_file(w)
+                if node != here:
+                    continue
+                with contextlib.suppress(OSError):
+                    fd = os.open(path, os.O_RDWR)
+                    self._stack_files[w] = (pid, fd)
+                    os.unlink(path)
+
+    def _drop_stack_file(self, w: int) -> None:
+        entry = self._stack_files.pop(w, None)
+        if entry is not None:
+            os.close(entry[1])
+
+    def stacks(self, workers: list[int]) -> dict[int, str]:
+        """Each of ``workers``' actors' stacks, asked for by a signal, where the actor runs
+        on this node (:func:`~envfleet._backends.workers.ask_stacks`)."""
+        targets = {w: self._stack_files[w] for w in workers if w in self._stack_files}
+        return ask_stacks(targets, lambda w: psutil.pid_exists(self._stack_files[w][0]))
 
     # -- Transport ------------------------------------------------------------------------------
 
@@ -278,14 +313,17 @@ class RayTransport:
     ) -> EnvCrashedError:
         start, stop = self.ranges[w]
         when = "while starting" if starting else f"after {step} steps"
+        entry = self._stack_files.get(w)
+        stacks = read_text(entry[1]) if entry is not None else ""
         return EnvCrashedError(
             f"the Ray actor of worker {w} (sub-environments {start}..{stop - 1}) died {when}"
-            f"{f' ({reason})' if reason else ''}; {note + '; ' if note else ''}"
+            f"{at(stacks)}{f' ({reason})' if reason else ''}; {note + '; ' if note else ''}"
             "the vector env was closed",
             env_indices=range(start, stop),
             worker_index=w,
             exitcode=None,
             step=step,
+            stacks=stacks,
         )
 
     # -- close ----------------------------------------------------------------------------------
@@ -307,6 +345,8 @@ class RayTransport:
             logger.warning("closing while Ray actors %s are busy; killing them", sorted(busy))
         self._refs, self._got = {}, {}
         self._actors = [None] * len(self._actors)
+        for w in list(self._stack_files):
+            self._drop_stack_file(w)
         if not actors or not ray.is_initialized():
             return
         with contextlib.suppress(Exception):
