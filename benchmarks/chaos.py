@@ -126,6 +126,7 @@ class ChaosResult:
     lost_envs: list[int] = field(default_factory=list)
     stacks: dict[str, str] = field(default_factory=dict)  # kind -> "k of n"
     reproduced: dict[str, str] = field(default_factory=dict)  # kind -> "k of n"
+    not_reproduced: list[str] = field(default_factory=list)  # what those replays did instead
     left: dict[str, Any] = field(default_factory=dict)
     rss_mb: tuple[float, float] = (0.0, 0.0)
 
@@ -326,6 +327,11 @@ def chaos(config: ChaosConfig, log: Any = print) -> ChaosResult:
                 with open(os.devnull, "w") as quiet:
                     outcome = watch_replay(path, timeout_s=config.step_timeout, stderr=quiet)
                 reproduced += outcome.reproduced
+                if not outcome.reproduced and kind != "kill":
+                    result.not_reproduced.append(
+                        f"{kind}: {error} -> {outcome.how} at env {outcome.env_index} "
+                        f"step {outcome.step}: {outcome.detail}"
+                    )
             result.reproduced[kind] = f"{reproduced} of {len(tried)}"
     # The closed vector envs, and arrays over the last one's shared block.
     del obs, rewards, term, trunc, envs, reference
@@ -370,6 +376,8 @@ def main(argv: list[str] | None = None) -> int:
     config = ChaosConfig(**{k: getattr(args, k) for k in asdict(defaults)})
     result = chaos(config)
     print(table(result, config))
+    for line in result.not_reproduced:
+        print(f"not reproduced: {line}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"config": asdict(config), "result": asdict(result)}, f, indent=2)
