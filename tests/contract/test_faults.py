@@ -186,7 +186,10 @@ def test_a_hung_envs_stack_comes_with_its_step_timeout(
     where = innermost(err.stacks[1])
     assert where in [f"{line} in step" for line in lines]
     assert f"worker 1 at {where}" in str(err)
-    assert err.stacks[1].startswith("Current thread") and "in step" in err.stacks[1]
+    # A Ray actor's other threads (Ray's own) may come first; the hung one is marked.
+    assert "Current thread" in err.stacks[1] and "in step" in err.stacks[1]
+    if backend.name != "ray":
+        assert err.stacks[1].startswith("Current thread")
     if backend.workers == "processes":
         snapshot.assert_nothing_left()  # no worker, and no stack file, left
 
