@@ -191,6 +191,11 @@ def _factory(config: ChaosConfig, faults: bool) -> Any:
     return lambda: ChaosEnv(p, hang_s)
 
 
+def _pid(env: Any) -> int:
+    """The process an env lives in."""
+    return os.getpid()
+
+
 def _plain() -> dict[str, Any]:
     return {"backend": "processes", "step_timeout": 1.0}
 
@@ -208,10 +213,17 @@ def _open_files() -> set[str]:
     return out
 
 
+def _running(process: psutil.Process) -> bool:
+    with contextlib.suppress(psutil.Error):
+        return bool(process.status() != psutil.STATUS_ZOMBIE)
+    return False
+
+
 def _leftovers() -> dict[str, Any]:
     me = psutil.Process()
     return {
-        "children": [c.pid for c in me.children(recursive=True) if c.is_running()],
+        # This process's own children (a Ray cluster started here has its own below them).
+        "children": {c.pid for c in me.children() if _running(c)},
         "fds": _open_files(),
         "shm": sorted(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else [],
     }
@@ -263,11 +275,12 @@ def chaos(config: ChaosConfig, log: Any = print) -> ChaosResult:
             now = time.monotonic()
             if now >= next_kill:
                 next_kill = now + config.kill_every
-                children = psutil.Process().children()
-                if children:
-                    with contextlib.suppress(psutil.Error):
-                        random_.choice(children).send_signal(signal.SIGKILL)
-            if now >= next_snapshot:
+                # The worker processes, as their envs tell (nothing else of this process's
+                # children: a Ray cluster started here is not to be killed).
+                pids = sorted(set(envs.apply(_pid)))
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(random_.choice(pids), signal.SIGKILL)
+            elif now >= next_snapshot:  # not right after a kill: the next step sees it
                 next_snapshot = now + config.snapshot_every
                 state = envs.snapshot()
                 stats = envs.stats
@@ -338,7 +351,7 @@ def chaos(config: ChaosConfig, log: Any = print) -> ChaosResult:
     gc.collect()
     after = _leftovers()
     result.left = {
-        "children": after["children"],
+        "children": sorted(after["children"] - before["children"]),
         "fds": sorted(after["fds"] - before["fds"]),
         "shm": sorted(set(after["shm"]) - set(before["shm"])),
     }

@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import gc
 import hashlib
 import importlib.metadata
 import json
@@ -366,6 +367,9 @@ def soak(
     config: SoakConfig, progress: Progress | None = None, phases: Sequence[str] = PHASES
 ) -> SoakResult:
     """Run the phases of ``config`` (both by default) and judge them."""
+    # What earlier work left in reference cycles (a closed vector env's arrays over its
+    # shared memory) goes now, not in the middle of the samples.
+    gc.collect()
     t0 = time.perf_counter()
     samples: list[Sample] = []
     workers: dict[str, int] = {}

@@ -207,7 +207,8 @@ def test_the_cli_reproduces_refuses_and_says_when_it_did_not(
     make_env: Any, tmp_path: Any, capsys: Any
 ) -> None:
     """``envfleet replay PATH``: 0 and "reproduced" for a replay that fails again, 1 for one
-    that runs through (its last action dropped), 2 for a file that is not a replay, checked
+    that raises another exception than the recorded one and for one that runs through (its
+    last action dropped), 2 for a file that is not a replay, checked
     before anything is unpickled."""
     envs = make_env(_buggy("raise", p=0.05), 2, backend="serial")
     err, _ = _run_to_failure(envs, 2, envfleet.EnvError)
@@ -215,6 +216,11 @@ def test_the_cli_reproduces_refuses_and_says_when_it_did_not(
     err.replay.save(path)
     assert cli.main(["replay", path]) == 0
     assert capsys.readouterr().out.startswith("reproduced: sub-environment 1 raised in step ")
+    err.replay.failure = "sub-environment 1 raised in step: KeyError: not this one"
+    other_failure = str(tmp_path / "other-failure.replay")
+    err.replay.save(other_failure)
+    assert cli.main(["replay", other_failure]) == 1  # raised, but not the same exception
+    assert capsys.readouterr().out.startswith("not reproduced, another failure: ")
     err.replay.envs[0].actions.pop()
     short = str(tmp_path / "short.replay")
     err.replay.save(short)

@@ -17,6 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import weakref
 from pathlib import Path
 
 import gymnasium as gym
@@ -729,3 +730,25 @@ def test_a_segfaults_stack_comes_whoever_took_sigsegv_in_the_driver(context):
         timeout=60,
     )
     assert done.stdout.split() == [str(int(signal.SIGSEGV)), "True", "True"], done.stderr
+
+
+@pytest.mark.parametrize(
+    "recycle", [None, envfleet.Recycle(max_steps=10**9)], ids=["plain", "recycle"]
+)
+def test_a_closed_vector_env_is_freed_without_the_garbage_collector(recycle):
+    """No reference cycle holds a closed processes vector env's workers: their shared memory
+    goes at once, not when the garbage collector runs (else multiprocessing's heap grows a
+    new arena per make while the old ones wait: benchmarks/soak.py's open files grow)."""
+    gc.collect()
+    gc.disable()
+    try:
+        envs = envfleet.make("CartPole-v1", 2, backend="processes", num_workers=2, recycle=recycle)
+        envs.reset(seed=0)
+        envs.step(np.zeros(2, dtype=np.int64))
+        workers = weakref.ref(envs._backend.transport.workers)
+        driver = weakref.ref(envs._backend)
+        envs.close()
+        del envs
+        assert workers() is None and driver() is None
+    finally:
+        gc.enable()

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol, cast
 
@@ -201,7 +202,9 @@ class RoundDriver(Backend):
         self._command = _STEP
         self._pool = transport.pool
         self._step_all = transport.step_all
-        self._run_here = getattr(transport, "run_here", self._send_and_read)
+        # The transport's, or None: a bound method of self here would be a reference cycle,
+        # which keeps the workers' shared memory past close until the garbage collector runs.
+        self._run_here = getattr(transport, "run_here", None)
         self._remote = transport.remote
         self._num_workers = len(self.ranges)
         self._recycler: Recycler | None = None
@@ -266,7 +269,8 @@ class RoundDriver(Backend):
                 # there to read at once (gather's wait would report each one ready), and
                 # nothing is left in flight to guard.
                 self._command = command
-                results, failures = self._run_here(command, payloads)
+                run_here = self._run_here or self._send_and_read
+                results, failures = run_here(command, payloads)
                 if failures:
                     done = Round()
                     done.results, done.failures = results, failures
@@ -551,7 +555,8 @@ class RoundDriver(Backend):
     def recycle_with(self, policy: Recycle) -> None:
         """Recycle the workers past ``policy``'s limits from now on (the transport gives
         ``log_head`` and ``rss``: processes)."""
-        self._recycler = Recycler(policy, self)
+        # A proxy, as the supervisor's: no reference cycle keeps the workers past close.
+        self._recycler = Recycler(policy, cast(Any, weakref.proxy(self)))
 
     def log_head(self, w: int) -> tuple[int, int, Any] | None:
         """Worker ``w``'s action-log counters (:func:`envfleet._core.replay.read_head`)."""

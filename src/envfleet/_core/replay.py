@@ -626,8 +626,8 @@ class ReplayOutcome:
 
     Attributes:
         how: ``"raised"``, ``"died"``, ``"hung"`` or ``"completed"`` (nothing failed).
-        reproduced: whether that is the replay's own failure (``error`` raised, ``crash``
-            died, ``hang`` hung).
+        reproduced: whether that is the replay's own failure: ``error`` raised the same
+            exception (its type and message), ``crash`` died, ``hang`` hung.
         env_index, step, method: the env call that failed (``step``: its episode's actions
             so far, 0 for its ``reset``); ``None`` when none did.
         detail: ``"ValueError: ..."``, ``"signal SIGSEGV"`` or ``"no answer within 5 s"``.
@@ -702,9 +702,11 @@ def watch_replay(path: str, timeout_s: float | None = None, stderr: Any = None) 
         how = "died"
         detail = describe_exitcode(code)
     failed = None if how == "completed" else last
+    # The same failure: for an env error, the same exception (type and message) too.
+    same = _KINDS.get(replay.kind) == how and (how != "raised" or detail in replay.failure)
     return ReplayOutcome(
         how,
-        _KINDS.get(replay.kind) == how,
+        same,
         failed[0] if failed else None,
         failed[1] if failed else None,
         failed[2] if failed else None,

@@ -42,7 +42,7 @@ from envfleet._core.errors import (
 )
 from envfleet._core.infos import one_env_info, vector_infos
 from envfleet._core.protocol import CallRequest, Command, ResetRequest, SetAttrRequest, TaskRequest
-from envfleet._core.replay import Snapshot, group_recordings, restore_envs
+from envfleet._core.replay import EnvRecording, Snapshot, group_recordings, restore_envs
 from envfleet._core.stats import FleetStats
 from envfleet._front.checks import check_actions, check_name, check_reset_mask, seeds_per_env
 from envfleet._front.pool import FirstReadyPool
@@ -480,10 +480,15 @@ class FleetVectorEnv(VectorEnv[Any, Any, np.ndarray]):
         self._assert_idle("snapshot")
         if self.is_pool:
             raise UnsupportedError("snapshot() is for the synchronous vector env, not a pool")
-        self.run_in_workers_async(group_recordings, dict.fromkeys(self._every_group))
-        results = self.run_in_workers_wait()
-        recordings = [r for w in sorted(results) for r in results[w]]
-        if len(recordings) != self.num_envs:
+        for _ in range(3):
+            self.run_in_workers_async(group_recordings, dict.fromkeys(self._every_group))
+            results = self.run_in_workers_wait()
+            # A worker that died meanwhile, rebuilt by a restart policy, answers with its
+            # restarted envs' infos instead: ask again, their new episodes are recorded.
+            if all(_recordings(result) for result in results.values()):
+                break
+        recordings = [r for w in sorted(results) for r in (results[w] or [])]
+        if len(recordings) != self.num_envs or not all(_recordings(r) for r in results.values()):
             raise UnsupportedError("snapshot() needs the envs' action logs: replay_steps > 0")
         for r in recordings:
             if not r.complete:
@@ -808,3 +813,8 @@ class FleetVectorEnv(VectorEnv[Any, Any, np.ndarray]):
         if self.unbatched_infos:
             return one_env_info(results)  # envfleet.ProcessEnv: the one env's own info dict
         return vector_infos(results, self.num_envs)
+
+
+def _recordings(result: Any) -> bool:
+    """Whether a worker's answer to ``group_recordings`` is its envs' recordings."""
+    return isinstance(result, list) and all(isinstance(r, EnvRecording) for r in result)

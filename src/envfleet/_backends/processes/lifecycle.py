@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import logging
 import mmap
 import multiprocessing
@@ -142,8 +143,11 @@ class WorkerProcesses:
         # action log (envfleet._core.replay), each held by the driver's descriptor.
         self._stack_files = DriverFiles(groups, f"envfleet-stacks-{os.getpid()}", ".txt")
         self._log_files = DriverFiles(groups, f"envfleet-replay-{os.getpid()}", ".log")
-        # Each worker's resident memory, for a SIGKILL's report, and its growth per episode.
-        self.memory = MemoryWatch(self._log_episodes, self.ranges)
+        # Each worker's resident memory, for a SIGKILL's report, and its growth per episode
+        # (read from the log files, not through self: no reference cycle keeps this object,
+        # and its shared memory, past close until the garbage collector runs).
+        episodes = functools.partial(_log_episodes, self._log_files, list(self.ranges))
+        self.memory = MemoryWatch(episodes, self.ranges)
         self.closed = False
 
     def _lay_out(self, layout: WorkerLayout, block: Block) -> None:
@@ -254,13 +258,7 @@ class WorkerProcesses:
         """Worker ``g``'s action-log counters: its group steps, the episodes its envs began and
         each env's episode start (:func:`envfleet._core.replay.read_head`); ``None`` before it
         opened its log."""
-        start, stop = self.ranges[g]
-        size = stop - start
-        return read_head(self._log_files.read(g, ActionLog.head_nbytes(size)), size)
-
-    def _log_episodes(self, g: int) -> int | None:
-        head = self.log_head(g)
-        return None if head is None else head[1]
+        return _log_head(self._log_files, self.ranges, g)
 
     def rss(self, g: int) -> int | None:
         """Worker ``g``'s resident memory when last sampled (bytes), ``None`` before."""
@@ -433,3 +431,17 @@ class WorkerProcesses:
         # sem_init), each is a named /dev/shm entry under spawn and forkserver, unlinked when
         # its last reference goes: drop ours now that no worker is left.
         self.doorbells = [None] * len(self.doorbells)
+
+
+def _log_head(
+    files: DriverFiles, ranges: Sequence[tuple[int, int]], g: int
+) -> tuple[int, int, Any] | None:
+    start, stop = ranges[g]
+    size = stop - start
+    return read_head(files.read(g, ActionLog.head_nbytes(size)), size)
+
+
+def _log_episodes(files: DriverFiles, ranges: Sequence[tuple[int, int]], g: int) -> int | None:
+    """The episodes worker ``g``'s envs began, from its log (the memory thread's count)."""
+    head = _log_head(files, ranges, g)
+    return None if head is None else head[1]

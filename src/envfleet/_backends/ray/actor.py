@@ -93,10 +93,11 @@ class EnvfleetWorker:
     def __init__(self, spec: ActorSpec):
         self.spec = spec
         # Its stacks at a hang (asked for by a signal) and at a fatal signal, into a file of
-        # this node that the driver opens when it runs on the same node (stack_file).
-        fd, self.stacks_path = tempfile.mkstemp(prefix="envfleet-ray-stacks-", suffix=".txt")
+        # this node, nameless once open: a driver on the same node opens it through
+        # /proc/PID/fd (stack_file), and nothing is left on disk whatever becomes of either.
+        fd, path = tempfile.mkstemp(prefix="envfleet-ray-stacks-", suffix=".txt")
         os.close(fd)
-        self._stacks = watch_stacks(self.stacks_path, keep_name=True)
+        self._stacks = watch_stacks(path)
         self.group: EnvGroup | None = None
         self.timer = _LastStepTimer()
         self.batch: Any = None
@@ -125,8 +126,6 @@ class EnvfleetWorker:
         """Lay the envs built over buffers of the block's rows, with env 0's spaces: READY
         with a space mismatch (``(env_index, description)``) or ``None``, or ERROR."""
         spec = self.spec
-        with contextlib.suppress(OSError):  # opened by a driver on this node by now, or not
-            os.unlink(self.stacks_path)  # at all: either way its name is not needed
         try:
             size = spec.stop - spec.start
             obs_space, act_space = layout.single_observation_space, layout.single_action_space
@@ -185,10 +184,10 @@ class EnvfleetWorker:
         """(Ray node id, process id) of this actor."""
         return ray.get_runtime_context().get_node_id(), os.getpid()
 
-    def stack_file(self) -> tuple[str, int, str]:
-        """(Ray node id, process id, path of its stack file): a driver on the same node
-        opens the file and removes its name (:meth:`RayTransport.lay_out`)."""
-        return ray.get_runtime_context().get_node_id(), os.getpid(), self.stacks_path
+    def stack_file(self) -> tuple[str, int, int]:
+        """(Ray node id, process id, descriptor of its stack file): a driver on the same node
+        opens ``/proc/PID/fd/FD`` (:meth:`RayTransport.lay_out`)."""
+        return ray.get_runtime_context().get_node_id(), os.getpid(), self._stacks.fileno()
 
     def close(self) -> None:
         for env in self.built:  # built, but never laid out

@@ -193,19 +193,18 @@ class RayTransport:
         return True
 
     def _open_stack_files(self, workers: list[int]) -> None:
-        """Open the stack file of each of ``workers``' actors that runs on this node, and
-        remove its name (the driver's descriptor keeps it; nothing is left on disk)."""
+        """Open the stack file of each of ``workers``' actors that runs on this node, through
+        ``/proc/PID/fd`` (the file has no name: nothing is left on disk; no stacks where
+        there is no /proc)."""
         with contextlib.suppress(Exception):  # a dead actor: the wait says so
             here = ray.get_runtime_context().get_node_id()
             places = ray.get([self._actors[w].stack_file.remote() for w in workers], timeout=10)
-            for w, (node, pid, path) in zip(workers, places, strict=True):
+            for w, (node, pid, fd) in zip(workers, places, strict=True):
                 self._drop_stack_file(w)
                 if node != here:
                     continue
                 with contextlib.suppress(OSError):
-                    fd = os.open(path, os.O_RDWR)
-                    self._stack_files[w] = (pid, fd)
-                    os.unlink(path)
+                    self._stack_files[w] = (pid, os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR))
 
     def _drop_stack_file(self, w: int) -> None:
         entry = self._stack_files.pop(w, None)
