@@ -21,7 +21,7 @@ from envfleet._backends.supervisor import Round
 from envfleet._core.buffers import allocate_batch
 from envfleet._core.envgroup import EnvFailure, EnvGroup
 from envfleet._core.errors import EnvCrashedError, EnvError
-from envfleet._core.failures import failure_error, mismatch_error
+from envfleet._core.failures import CLOSED, failure_error, mismatch_error
 from envfleet._core.protocol import Command
 from envfleet._core.replay import new_log
 from envfleet._core.stats import STATS_WORDS, StepTimer, StepTimeStats, step_time_table
@@ -111,7 +111,7 @@ class ToyTransport:
         return error
 
     def crash_error(
-        self, w: int, step: int, note: str, reason: str, starting: bool
+        self, w: int, step: int, note: str, reason: str, starting: bool, fate: str = CLOSED
     ) -> EnvCrashedError:
         raise AssertionError("a toy group never dies")
 

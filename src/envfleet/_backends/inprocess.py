@@ -18,9 +18,9 @@ from envfleet._backends.supervisor import Ledger, Round
 from envfleet._core.buffers import Block, allocate_batch
 from envfleet._core.envgroup import EnvFailure, EnvGroup
 from envfleet._core.errors import EnvCrashedError, EnvError
-from envfleet._core.failures import failure_error, mismatch_error
+from envfleet._core.failures import CLOSED, failure_error, mismatch_error
 from envfleet._core.protocol import Command
-from envfleet._core.replay import EnvRecording, new_log
+from envfleet._core.replay import EnvRecording, group_recordings, new_log
 from envfleet._core.stats import STATS_WORDS, StepTimer, StepTimeStats, step_time_table
 
 __all__ = ["InProcessTransport"]
@@ -169,11 +169,7 @@ class InProcessTransport:
 
     def recordings(self, w: int) -> list[EnvRecording]:
         """Each env of group ``w``'s episode so far (for a replay), none without a log."""
-        group = self.groups[w]
-        log = group.action_log
-        if log is None:
-            return []
-        return [log.recording(j, group.start + j) for j in range(group.size)]
+        return group_recordings(self.groups[w])
 
     def respawn(self, w: int, reason: str) -> None:
         raise AssertionError("an in-process group is rebuilt env by env, never replaced")
@@ -187,7 +183,7 @@ class InProcessTransport:
         return exc
 
     def crash_error(
-        self, w: int, step: int, note: str, reason: str, starting: bool
+        self, w: int, step: int, note: str, reason: str, starting: bool, fate: str = CLOSED
     ) -> EnvCrashedError:
         raise AssertionError("an in-process group cannot die on its own")
 

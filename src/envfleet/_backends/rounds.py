@@ -44,7 +44,7 @@ from envfleet._core.errors import (
     StartTimeoutError,
     StepTimeoutError,
 )
-from envfleet._core.failures import mismatch_error, start_error
+from envfleet._core.failures import CLOSED, mismatch_error, start_error
 from envfleet._core.protocol import Command, TaskRequest
 from envfleet._core.replay import EnvRecording, recording_of, replays_of, restore_envs
 from envfleet._core.stacks import at, first_at
@@ -157,7 +157,7 @@ class Transport(Protocol):
         ...
 
     def crash_error(
-        self, w: int, step: int, note: str, reason: str, starting: bool
+        self, w: int, step: int, note: str, reason: str, starting: bool, fate: str = CLOSED
     ) -> EnvCrashedError:
         """The typed error of worker ``w``, found dead after ``step`` steps."""
         ...
@@ -532,9 +532,9 @@ class RoundDriver(Backend):
         return error
 
     def crash_error(
-        self, w: int, step: int, note: str, reason: str, starting: bool
+        self, w: int, step: int, note: str, reason: str, starting: bool, fate: str = CLOSED
     ) -> EnvCrashedError:
-        error = self.transport.crash_error(w, step, note, reason, starting)
+        error = self.transport.crash_error(w, step, note, reason, starting, fate)
         error.replay = replays_of("crash", str(error), self.recordings(w), self.factories)
         return error
 
@@ -586,15 +586,11 @@ class RoundDriver(Backend):
         except EnvfleetError:  # a new worker could not start: give up
             self.close(timeout=0, terminate=True)
             raise
-        command = self._command
         start, stop = self.ranges[w]
         batch = self.batch
-        done = (batch.terminations[start:stop] | batch.truncations[start:stop]).tolist()
-        self._submit(_TASK, {w: TaskRequest(restore_envs, (recordings, done))}, step)
-        self._command = command
-        pending, self._pending = self._pending, []
-        deadline = None if timeout is None else time.monotonic() + timeout
-        done = self.gather(pending, deadline, timeout, step, fail_fast=True)
+        ended = (batch.terminations[start:stop] | batch.truncations[start:stop]).tolist()
+        request = TaskRequest(restore_envs, (recordings, ended))
+        done = self._side_round(_TASK, {w: request}, timeout, step)
         if done.failures:
             self.supervisor.broken(self.env_error(w, done.failures[w], "recycling its worker"))
         self.ledger.recycled += 1
@@ -627,11 +623,19 @@ class RoundDriver(Backend):
         self._pending = others
 
     def restart_envs(self, requests: dict[int, Any], timeout: float | None, step: int) -> Round:
-        command = self._command
-        others = [w for w in self._pending if w not in requests]  # a pool's, still running
+        return self._side_round(_RESTART, requests, timeout, step)
+
+    def _side_round(
+        self, command: Command, payloads: dict[int, Any], timeout: float | None, step: int
+    ) -> Round:
+        """Run ``command`` on the workers of ``payloads`` only and wait for them (a restart,
+        a recycled worker's restore), leaving the round in progress as it was: a pool's
+        other workers still running, the command they run."""
+        running = self._command
+        others = [w for w in self._pending if w not in payloads]  # a pool's, still running
         self._pending = []
-        self._submit(_RESTART, requests, step)
-        self._command = command
+        self._submit(command, payloads, step)
+        self._command = running
         pending, self._pending = self._pending, others
         deadline = None if timeout is None else time.monotonic() + timeout
         return self.gather(pending, deadline, timeout, step, fail_fast=True)

@@ -34,6 +34,7 @@ from envfleet._core.errors import (
     EnvfleetError,
     StepTimeoutError,
 )
+from envfleet._core.failures import CLOSED
 from envfleet._core.protocol import Command, Failure, InfoEvent, RestartRequest
 from envfleet._core.replay import replays_of
 from envfleet._core.stacks import first_at
@@ -44,6 +45,7 @@ logger = logging.getLogger("envfleet")
 # The commands whose failures a policy restarts (a task: the Sampler's worker inference).
 RESTARTABLE = (Command.STEP, Command.RESET, Command.TASK)
 FAILURES_KEPT = 100  # the failures a restart policy survived that envs.stats.failures keeps
+RESTARTED = "restarted by the restart policy"  # a survived crash's fate, in its message
 
 _T = TypeVar("_T")
 
@@ -164,10 +166,7 @@ class Ledger:
         self.failures: collections.deque[EnvfleetError] = collections.deque(maxlen=FAILURES_KEPT)
 
     def survived(self, error: EnvfleetError) -> None:
-        """Keep ``error``, a failure the restart policy survived, for ``envs.stats.failures``
-        (its message says what was restarted instead of that the vector env closed)."""
-        text = str(error).replace("the vector env was closed", "restarted by the restart policy")
-        error.args = (text, *error.args[1:])
+        """Keep ``error``, a failure the restart policy survived, for ``envs.stats.failures``."""
         self.failures.append(error)
 
     def note_seeds(self, start: int, seeds: list[int | None], mask: Any) -> None:
@@ -358,7 +357,7 @@ class Supervised(Protocol):
         ...
 
     def crash_error(
-        self, w: int, step: int, note: str, reason: str, starting: bool
+        self, w: int, step: int, note: str, reason: str, starting: bool, fate: str = CLOSED
     ) -> EnvCrashedError:
         """The typed error of worker ``w``, found dead after ``step`` steps (or while
         ``starting``); ``reason``: what :class:`Round` noted."""
@@ -539,7 +538,7 @@ class Supervisor:
                 log_env_restart(env_index, method, type_name, message)
             ledger.survived(backend.env_error(w, f, ""))
         for w, reason in sorted(done.crashed.items()):  # before they are replaced
-            ledger.survived(backend.crash_error(w, step, "", reason, False))
+            ledger.survived(backend.crash_error(w, step, "", reason, False, RESTARTED))
         if respawn:
             backend.replace_workers(respawn, done, timeout, step)
             for w in respawn:

@@ -60,6 +60,7 @@ __all__ = [
     "remote_error",
     "spawn",
     "ask_stacks",
+    "read_bytes",
     "read_text",
     "steady_growth",
     "watch",
@@ -207,21 +208,20 @@ STACKS_WAIT_S = 2.0  # the most seconds a hung worker gets to write its stacks
 STACKS_POLL_S = 0.01  # seconds between looks at a stack file being written
 
 
-def watch_stacks(path: str | None, keep_name: bool = False) -> Any:
+def watch_stacks(path: str | None) -> Any:
     """Have :mod:`faulthandler` write every thread's stack to ``path`` (appending) when this
     process gets :data:`STACKS_SIGNAL` (the driver asks before it kills a hung worker) and
     when it dies of a fatal signal (SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGABRT: it then dies of
     that signal still). The dump runs in the signal handler, in C: a worker stuck in C code
     (``time.sleep``, a socket read, a simulator) still shows the Python frame that called it.
-    The worker removes the file's name once it has it open (the driver holds a descriptor),
-    unless ``keep_name``. Returns the open file (kept for the process's life), ``None``
-    without a path."""
+    The worker removes the file's name once it has it open (the driver holds a descriptor,
+    or opens it through ``/proc/PID/fd``). Returns the open file (kept for the process's
+    life), ``None`` without a path."""
     if path is None:
         return None
     out = open(path, "a", encoding="utf-8")  # noqa: SIM115  (open until the process exits)
-    if not keep_name:
-        with contextlib.suppress(OSError):
-            os.unlink(path)  # the driver keeps its own descriptor: nothing is left on disk
+    with contextlib.suppress(OSError):
+        os.unlink(path)  # the driver keeps its own descriptor: nothing is left on disk
     # Enabled already (inherited from a driver that enabled it), enable() keeps the signal
     # handlers it finds, which another library may have replaced since (pygame's parachute
     # takes SIGSEGV): disable first, so that faulthandler's own handlers are installed.
@@ -265,14 +265,20 @@ def ask_stacks(
     return found
 
 
+def read_bytes(fd: int | None, nbytes: int | None = None) -> bytes:
+    """All of the file ``fd``, or its first ``nbytes`` bytes (``b""`` when none or
+    unreadable): what a worker wrote for the driver, even after it died."""
+    if fd is None:
+        return b""
+    try:
+        return os.pread(fd, os.fstat(fd).st_size if nbytes is None else nbytes, 0)
+    except OSError:
+        return b""
+
+
 def read_text(fd: int | None) -> str:
     """All of the file ``fd`` as text (``""`` when none or unreadable)."""
-    if fd is None:
-        return ""
-    try:
-        return os.pread(fd, os.fstat(fd).st_size, 0).decode("utf-8", errors="replace")
-    except OSError:
-        return ""
+    return read_bytes(fd).decode("utf-8", errors="replace")
 
 
 GROWTH_SAMPLES = 120  # the samples a worker's memory growth is fitted over
@@ -355,13 +361,7 @@ class DriverFiles:
     def read(self, g: int, nbytes: int | None = None) -> bytes:
         """All worker ``g`` has written to its file so far, or its first ``nbytes`` bytes
         (``b""`` when none)."""
-        fd = self.fds[g]
-        if fd is None:
-            return b""
-        try:
-            return os.pread(fd, os.fstat(fd).st_size if nbytes is None else nbytes, 0)
-        except OSError:
-            return b""
+        return read_bytes(self.fds[g], nbytes)
 
 
 class MemoryWatch:

@@ -31,6 +31,7 @@ from envfleet._core.errors import (
 from envfleet._core.protocol import RemoteError
 
 __all__ = [
+    "CLOSED",
     "env_error",
     "failure_error",
     "mismatch_error",
@@ -38,6 +39,10 @@ __all__ = [
     "remote_env_error",
     "start_error",
 ]
+
+# What became of the vector env after a worker's crash, as its EnvCrashedError says
+# (the default; a restart policy's survived crash says it was restarted instead).
+CLOSED = "the vector env was closed"
 
 
 def env_error(

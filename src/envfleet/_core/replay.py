@@ -185,29 +185,19 @@ class ActionLog:
         self.size, self.capacity = size, capacity
         if memory is None:
             memory = np.zeros(self.nbytes(action_space, size, capacity), dtype=np.uint8)
-        carve = Carver(memory)
-        self.header = carve((_HEADER_WORDS,), np.int64)
-        self.starts = carve((size,), np.int64)  # index of the episode's first action
-        self.start_bytes = carve((size,), np.int64)  # -1: none, or too large to keep
-        self.slots = carve((size, SLOT_BYTES), np.uint8)
-        self._listed = bool(side_leaves(action_space))
-        self.ring: Any = None
-        self._list: list[Any] = []
-        self._batched_space = batch_space(action_space, size)
         self._single_space = action_space
-        if not self._listed:
-            self.ring = create_empty_array(batch_space(action_space, size), capacity, fn=carve)
+        self._batched_space = batch_space(action_space, size)
+        self._listed = bool(side_leaves(action_space))
+        self._list: list[Any] = []
+        parts = _lay_out(Carver(memory), self._batched_space, size, capacity, self._listed)
+        self.header, self.starts, self.start_bytes, self.slots, self.ring = parts
         self.n = int(self.header[_N])
 
     @staticmethod
     def nbytes(action_space: gymnasium.Space[Any], size: int, capacity: int) -> int:
         carve = Carver(None)
-        carve((_HEADER_WORDS,), np.int64)
-        carve((size,), np.int64)
-        carve((size,), np.int64)
-        carve((size, SLOT_BYTES), np.uint8)
-        if not side_leaves(action_space):
-            create_empty_array(batch_space(action_space, size), capacity, fn=carve)
+        listed = bool(side_leaves(action_space))
+        _lay_out(carve, batch_space(action_space, size), size, capacity, listed)
         return carve.offset
 
     def open(self) -> None:
@@ -220,9 +210,13 @@ class ActionLog:
     def head_nbytes(size: int) -> int:
         """The bytes of a log's header and per-env starts (what :func:`read_head` reads)."""
         carve = Carver(None)
-        carve((_HEADER_WORDS,), np.int64)
-        carve((size,), np.int64)
+        _lay_out_head(carve, size)
         return carve.offset
+
+    def recordings(self, start: int) -> list[EnvRecording]:
+        """Every env's episode so far, in order (``start``: env 0's index in the vector
+        env)."""
+        return [self.recording(j, start + j) for j in range(self.size)]
 
     def restore(self, recordings: Sequence[EnvRecording]) -> None:
         """Write the episodes of ``recordings`` (one per env, in order) as if this group had
@@ -295,6 +289,25 @@ class ActionLog:
         return tree_row(_take(self.ring, i), j)
 
 
+def _lay_out_head(carve: Carver, size: int) -> tuple[np.ndarray, np.ndarray]:
+    """A log's header and each env's episode start (the index of its first action): the
+    first bytes of every log, all a counter-reader needs (:func:`read_head`)."""
+    return carve((_HEADER_WORDS,), np.int64), carve((size,), np.int64)
+
+
+def _lay_out(
+    carve: Carver, batched_space: gymnasium.Space[Any], size: int, capacity: int, listed: bool
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, Any]:
+    """The views of a log, in the order :class:`ActionLog` lays them: header, starts, each
+    start's pickled bytes (-1: none, or too large to keep) and slot, and the ring (``None``
+    for an action space kept in a Python list)."""
+    header, starts = _lay_out_head(carve, size)
+    start_bytes = carve((size,), np.int64)
+    slots = carve((size, SLOT_BYTES), np.uint8)
+    ring = None if listed else create_empty_array(batched_space, capacity, fn=carve)
+    return header, starts, start_bytes, slots, ring
+
+
 def new_log(action_space: gymnasium.Space[Any], size: int, replay_steps: int) -> ActionLog | None:
     """A group's :class:`ActionLog` in this process's memory, ``None`` with ``replay_steps=0``."""
     return ActionLog(action_space, size, replay_steps) if replay_steps > 0 else None
@@ -342,10 +355,7 @@ def read_head(data: bytes, size: int) -> tuple[int, int, np.ndarray] | None:
     action); ``None`` before the worker opened its log."""
     if len(data) < ActionLog.head_nbytes(size):
         return None
-    memory = np.frombuffer(data, dtype=np.uint8)
-    carve = Carver(memory)
-    header = carve((_HEADER_WORDS,), np.int64)
-    starts = carve((size,), np.int64)
+    header, starts = _lay_out_head(Carver(np.frombuffer(data, dtype=np.uint8)), size)
     if int(header[2]) != size:
         return None
     return int(header[_N]), int(header[_EPISODES]), starts.copy()
@@ -370,9 +380,7 @@ def restore_envs(group: Any, argument: tuple[list[EnvRecording], list[bool]]) ->
 def group_recordings(group: Any, argument: Any = None) -> list[EnvRecording]:
     """A task: each env of ``group``'s episode so far (none without an action log)."""
     log = group.action_log
-    if log is None:
-        return []
-    return [log.recording(j, group.start + j) for j in range(group.size)]
+    return [] if log is None else log.recordings(group.start)
 
 
 def _write_row(ring: Any, i: int, actions: Any) -> None:

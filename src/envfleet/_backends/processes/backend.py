@@ -71,7 +71,7 @@ from envfleet._core.buffers import Batch
 from envfleet._core.cores import usable_cores
 from envfleet._core.envgroup import EnvFailure, EnvGroup
 from envfleet._core.errors import ConfigError, EnvCrashedError, EnvError
-from envfleet._core.failures import failure_error, mismatch_error, remote_env_error
+from envfleet._core.failures import CLOSED, failure_error, mismatch_error, remote_env_error
 from envfleet._core.protocol import Command, Failure, Status
 from envfleet._core.replay import EnvRecording, new_log
 from envfleet._core.stats import StepTimer, StepTimeStats, WorkerMemory, step_time_table
@@ -338,9 +338,9 @@ class ProcessesTransport:
         return self.workers.lay_out(workers, probe)
 
     def crash_error(
-        self, w: int, step: int, note: str, reason: str, starting: bool
+        self, w: int, step: int, note: str, reason: str, starting: bool, fate: str = CLOSED
     ) -> EnvCrashedError:
-        return self.workers.crash_error(w, step, note, reason, starting)
+        return self.workers.crash_error(w, step, note, reason, starting, fate)
 
     def disown(self) -> None:
         self.workers.disown()

@@ -59,6 +59,7 @@ from envfleet._backends.workers import (
     MemoryWatch,
     ask_stacks,
     join_all,
+    read_text,
     spawn,
 )
 from envfleet._core.buffers import Batch, Block, allocate_batch
@@ -66,6 +67,7 @@ from envfleet._core.errors import (
     EnvCrashedError,
     describe_exitcode,
 )
+from envfleet._core.failures import CLOSED
 from envfleet._core.protocol import Command
 from envfleet._core.replay import ActionLog, EnvRecording, read_head, read_log
 from envfleet._core.stacks import at
@@ -252,7 +254,7 @@ class WorkerProcesses:
 
     def _read_stacks(self, g: int) -> str:
         """All worker ``g``'s faulthandler has written to its stack file so far."""
-        return self._stack_files.read(g).decode("utf-8", errors="replace")
+        return read_text(self._stack_files.fds[g])
 
     def log_head(self, g: int) -> tuple[int, int, Any] | None:
         """Worker ``g``'s action-log counters: its group steps, the episodes its envs began and
@@ -280,9 +282,7 @@ class WorkerProcesses:
             return []
         start, stop = self.ranges[g]
         log = read_log(self._log_files.read(g), layout.single_action_space, stop - start)
-        if log is None:
-            return []
-        return [log.recording(j, start + j) for j in range(stop - start)]
+        return [] if log is None else log.recordings(start)
 
     def stacks(self, workers: list[int], wait_s: float = STACKS_WAIT_S) -> dict[int, str]:
         """Each live worker of ``workers``'s stacks, asked for now
@@ -327,7 +327,7 @@ class WorkerProcesses:
             region.close()
 
     def crash_error(
-        self, w: int, step: int, note: str, reason: str, starting: bool
+        self, w: int, step: int, note: str, reason: str, starting: bool, fate: str = CLOSED
     ) -> EnvCrashedError:
         proc = self.procs[w]
         proc.join(_KILL_GRACE)
@@ -346,7 +346,7 @@ class WorkerProcesses:
         return EnvCrashedError(
             f"worker {w} (sub-environments {start}..{stop - 1}) died with "
             f"{describe_exitcode(exitcode)} after {step} steps{where}; "
-            f"{note + '; ' if note else ''}the vector env was closed",
+            f"{note + '; ' if note else ''}{fate}",
             env_indices=range(start, stop),
             worker_index=w,
             exitcode=exitcode,

@@ -51,7 +51,7 @@ from envfleet._core.errors import (
     EnvCrashedError,
     EnvError,
 )
-from envfleet._core.failures import remote_env_error
+from envfleet._core.failures import CLOSED, remote_env_error
 from envfleet._core.protocol import Command, Failure, RemoteError, Status
 from envfleet._core.stacks import at
 from envfleet._core.stats import STATS_WORDS, StepTimer, StepTimeStats, step_time_table
@@ -308,7 +308,7 @@ class RayTransport:
         return remote_env_error(cast(Failure, failure).errors[0], w, note)
 
     def crash_error(
-        self, w: int, step: int, note: str, reason: str, starting: bool
+        self, w: int, step: int, note: str, reason: str, starting: bool, fate: str = CLOSED
     ) -> EnvCrashedError:
         start, stop = self.ranges[w]
         when = "while starting" if starting else f"after {step} steps"
@@ -316,8 +316,7 @@ class RayTransport:
         stacks = read_text(entry[1]) if entry is not None else ""
         return EnvCrashedError(
             f"the Ray actor of worker {w} (sub-environments {start}..{stop - 1}) died {when}"
-            f"{at(stacks)}{f' ({reason})' if reason else ''}; {note + '; ' if note else ''}"
-            "the vector env was closed",
+            f"{at(stacks)}{f' ({reason})' if reason else ''}; {note + '; ' if note else ''}{fate}",
             env_indices=range(start, stop),
             worker_index=w,
             exitcode=None,
