@@ -44,7 +44,7 @@ import numpy as np
 from gymnasium.vector.utils import batch_space, concatenate, create_empty_array, iterate
 
 from envfleet._core.buffers import Carver, side_leaves
-from envfleet._core.errors import EnvfleetError, describe_exitcode
+from envfleet._core.errors import ConfigError, EnvfleetError, describe_exitcode
 from envfleet._core.trees import tree_row
 
 __all__ = [
@@ -542,6 +542,27 @@ class Snapshot:
     def save(self, path: str) -> None:
         """Write one file: a header, the format version, then the snapshot (pickled)."""
         _save(self, path, SNAPSHOT_MAGIC)
+
+    @staticmethod
+    def check(state: Any, num_envs: int, autoreset_mode: str, pool: bool) -> Snapshot:
+        """``state`` when a vector env of ``num_envs`` envs in ``autoreset_mode`` (its value)
+        can resume from it.
+
+        Raises:
+            ConfigError: not a :class:`Snapshot`; of another number of envs or autoreset
+                mode; a first-ready pool (``pool``).
+        """
+        if not isinstance(state, Snapshot):
+            raise ConfigError(f"resume must be an envfleet.Snapshot, got {state!r}")
+        if state.num_envs != num_envs or state.autoreset_mode != autoreset_mode:
+            raise ConfigError(
+                f"this snapshot is of {state.num_envs} envs in autoreset mode "
+                f"{state.autoreset_mode!r}; this vector env has {num_envs} in "
+                f"{autoreset_mode!r}"
+            )
+        if pool:
+            raise ConfigError("resume= is for the synchronous vector env, not a pool")
+        return state
 
     @staticmethod
     def load(path: str) -> Snapshot:

@@ -282,6 +282,8 @@ def make(  # type: ignore[misc]  # the overloads stand for its keyword arguments
     if pool and num_workers is None:
         num_workers = num_envs  # one env per worker: each env is handed back when it finishes
     mode = _check_mode(autoreset_mode, pool)
+    if resume is not None:  # before any worker starts
+        Snapshot.check(resume, num_envs, mode.value, pool)
     _check_limits(start_timeout, step_timeout, restart_policy, context)
     explicit = _check_observation_mode(observation_mode)
     plan = spec.plan(

@@ -31,7 +31,6 @@ from envfleet._core.buffers import caller_leaves, is_leaf, side_leaves
 from envfleet._core.errors import (
     AlreadyPendingCallError,
     ClosedEnvironmentError,
-    ConfigError,
     EnvError,
     InvalidArgumentError,
     NoAsyncCallError,
@@ -485,10 +484,13 @@ class FleetVectorEnv(VectorEnv[Any, Any, np.ndarray]):
             results = self.run_in_workers_wait()
             # A worker that died meanwhile, rebuilt by a restart policy, answers with its
             # restarted envs' infos instead: ask again, their new episodes are recorded.
-            if all(_recordings(result) for result in results.values()):
+            answered = all(_recordings(result) for result in results.values())
+            if answered:
                 break
-        recordings = [r for w in sorted(results) for r in (results[w] or [])]
-        if len(recordings) != self.num_envs or not all(_recordings(r) for r in results.values()):
+        if not answered:
+            raise UnsupportedError("snapshot(): workers died each of 3 times it asked them")
+        recordings = [r for w in sorted(results) for r in results[w]]
+        if len(recordings) != self.num_envs:
             raise UnsupportedError("snapshot() needs the envs' action logs: replay_steps > 0")
         for r in recordings:
             if not r.complete:
@@ -514,16 +516,7 @@ class FleetVectorEnv(VectorEnv[Any, Any, np.ndarray]):
             ConfigError: ``state`` is not a :class:`envfleet.Snapshot`, or of another number
                 of envs or autoreset mode; a first-ready pool.
         """
-        if not isinstance(state, Snapshot):
-            raise ConfigError(f"resume must be an envfleet.Snapshot, got {state!r}")
-        if state.num_envs != self.num_envs or state.autoreset_mode != self.autoreset_mode.value:
-            raise ConfigError(
-                f"this snapshot is of {state.num_envs} envs in autoreset mode "
-                f"{state.autoreset_mode!r}; this vector env has {self.num_envs} in "
-                f"{self.autoreset_mode.value!r}"
-            )
-        if self.is_pool:
-            raise ConfigError("resume= is for the synchronous vector env, not a pool")
+        Snapshot.check(state, self.num_envs, self.autoreset_mode.value, self.is_pool)
         self._assert_idle("resume")
         arguments = {
             w: (state.recordings[start:stop], state.done[start:stop])
