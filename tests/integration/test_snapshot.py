@@ -28,14 +28,23 @@ def _digest(obs: np.ndarray) -> list[bytes]:
     ]
 
 
-def _steps(envs: Any, first: int, count: int, actions: int, mode: AutoresetMode) -> list[Any]:
-    """``count`` steps with the actions of steps ``first, first + 1, ...`` (each drawn from
-    its own seed); with DISABLED the envs that ended are reset (no seed) after each step."""
+def _actions(t: int, actions: int | tuple[int, ...], num_envs: int) -> np.ndarray:
+    """Step ``t``'s actions, drawn from their own seed: ``actions`` discrete actions (an int),
+    or a Box in [-1, 1] of that shape (float32)."""
+    rng = np.random.default_rng(t)
+    if isinstance(actions, int):
+        return rng.integers(0, actions, num_envs)
+    return rng.uniform(-1.0, 1.0, (num_envs, *actions)).astype(np.float32)
+
+
+def _steps(
+    envs: Any, first: int, count: int, actions: int | tuple[int, ...], mode: AutoresetMode
+) -> list[Any]:
+    """``count`` steps with the actions of steps ``first, first + 1, ...`` (see
+    :func:`_actions`); with DISABLED the envs that ended are reset (no seed) after each step."""
     seen = []
     for t in range(first, first + count):
-        obs, rewards, terminated, truncated, _ = envs.step(
-            np.random.default_rng(t).integers(0, actions, envs.num_envs)
-        )
+        obs, rewards, terminated, truncated, _ = envs.step(_actions(t, actions, envs.num_envs))
         seen.append((_digest(obs), rewards.tolist(), terminated.tolist(), truncated.tolist()))
         if mode is AutoresetMode.DISABLED and (terminated | truncated).any():
             obs, _ = envs.reset(options={"reset_mask": terminated | truncated})
@@ -55,6 +64,12 @@ CASES = [
         {"replay_steps": 4000},
         marks=pytest.mark.atari,
     ),
+    # MuJoCo: episodes cut at 200 steps, so that autoresets (whose start is the generator's
+    # state: HalfCheetah's reset noise) fall on both sides of the snapshot.
+    *[
+        ("HalfCheetah-v5", (6,), mode, 300, {"env_kwargs": {"max_episode_steps": 200}})
+        for mode in MODES
+    ],
 ]
 
 
@@ -64,10 +79,17 @@ CASES = [
     ids=lambda v: getattr(v, "value", v) if not isinstance(v, dict) else "",
 )
 def test_a_resumed_vector_env_continues_the_run_exactly(
-    make_env: Any, env_id: str, actions: int, mode: AutoresetMode, steps: int, kwargs: Any
+    make_env: Any,
+    env_id: str,
+    actions: int | tuple[int, ...],
+    mode: AutoresetMode,
+    steps: int,
+    kwargs: Any,
 ) -> None:
     if env_id.startswith("ALE/"):
         pytest.importorskip("ale_py")
+    if env_id.startswith("HalfCheetah"):
+        pytest.importorskip("mujoco")  # envfleet[mujoco]
     first = make_env(env_id, 4, backend="processes", num_workers=2, autoreset_mode=mode, **kwargs)
     first.reset(seed=1)
     _steps(first, 0, steps, actions, mode)
