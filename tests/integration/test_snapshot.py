@@ -7,6 +7,7 @@ same 300 steps: identical observations, rewards and done flags, in each autorese
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import pickle
 import subprocess
@@ -184,6 +185,32 @@ def _lean(obs: np.ndarray) -> np.ndarray:
     return (obs[:, 2] + 0.1 * obs[:, 3] > 0).astype(np.int64)
 
 
+class _Noisy:
+    """A stochastic CartPole policy with its own generator (seeded per worker copy through
+    ``seed``, as the Sampler seeds copies): it leans with probability 0.8."""
+
+    def __init__(self) -> None:
+        self.rng = np.random.default_rng(0)
+
+    def seed(self, seed: int) -> None:
+        self.rng = np.random.default_rng(seed)
+
+    def __call__(self, obs: np.ndarray) -> np.ndarray:
+        lean = _lean(obs)
+        flip = self.rng.random(len(obs)) < 0.2
+        return np.where(flip, 1 - lean, lean)
+
+
+FIELDS = ["observations", "actions", "rewards", "terminated", "truncated"]
+FIELDS += ["last_observations", "env_index", "policy_version", "lengths"]
+
+
+def _same_batches(got: Any, expected: Any) -> None:
+    assert got.num_steps == expected.num_steps
+    for name in FIELDS:
+        assert np.array_equal(getattr(got, name), getattr(expected, name)), name
+
+
 def test_a_samplers_snapshot_resumes_its_next_batch_exactly() -> None:
     """A driver-inference Sampler, its policy updated once: the resumed sampler (another
     backend) returns the same next batch, policy version included."""
@@ -206,25 +233,128 @@ def test_a_samplers_snapshot_resumes_its_next_batch_exactly() -> None:
         assert again.policy_version == 1
     finally:
         again.close()
-    fields = ["observations", "actions", "rewards", "terminated", "truncated"]
-    fields += ["last_observations", "env_index", "policy_version", "lengths"]
-    for name in fields:
-        assert np.array_equal(getattr(got, name), getattr(expected, name)), name
+    _same_batches(got, expected)
+
+
+@pytest.mark.parametrize("background", [False, True], ids=["foreground", "background"])
+def test_a_worker_inference_snapshot_resumes_exactly(background: bool) -> None:
+    """Worker inference: each worker's policy copy travels with its generator, a policy
+    update not yet sent travels too, and a background round's rollouts are kept; the resumed
+    sampler (same workers, a fresh set of processes) returns the same next batches."""
+    kwargs: dict[str, Any] = {"inference": "worker", "backend": "processes", "num_workers": 2}
+    kwargs.update(segment_length=16, background=background)
+    first = envfleet.Sampler("CartPole-v1", _Noisy(), 4, seed=5, **kwargs)
+    try:
+        first.sample(300)
+        state = pickle.loads(pickle.dumps(first.snapshot()))
+        expected = [first.sample(300)]
+        first.update_policy()  # sent with the next round: the second snapshot holds it
+        second = pickle.loads(pickle.dumps(first.snapshot()))
+        expected.append(first.sample(300))
+    finally:
+        first.close()
+    for taken, batch in ((state, expected[0]), (second, expected[1])):
+        again = envfleet.Sampler("CartPole-v1", _Noisy(), 4, resume=taken, **kwargs)
+        try:
+            _same_batches(again.sample(300), batch)
+        finally:
+            again.close()
+    assert state.workers is not None and state.workers.update is None
+    assert second.workers is not None and second.workers.update is not None
+
+
+def test_an_auto_samplers_snapshot_resumes_in_the_mode_it_chose() -> None:
+    """``inference="auto"``: no snapshot while it calibrates; after, the snapshot resumes in
+    the mode it chose, without calibrating again, and continues exactly."""
+    kwargs: dict[str, Any] = {"backend": "processes", "num_workers": 2, "segment_length": 8}
+    policy = _Noisy()  # driver inference draws from it: the caller keeps it, as its weights
+    first = envfleet.Sampler("CartPole-v1", policy, 4, seed=1, **kwargs)
+    try:
+        first.sample(50)
+        with pytest.raises(envfleet.UnsupportedError, match="calibrates"):
+            first.snapshot()
+        first.sample(6 * 4 * 8)  # the calibration's pieces: 6 rounds of 4 envs x 8 steps
+        mode = first.report().inference
+        state = pickle.loads(pickle.dumps(first.snapshot()))
+        kept = copy.deepcopy(policy)
+        expected = first.sample(200)
+    finally:
+        first.close()
+    assert state.inference == mode
+    again = envfleet.Sampler("CartPole-v1", kept, 4, resume=state, **kwargs)
+    try:
+        _same_batches(again.sample(200), expected)
+        assert again.report().inference == mode
+        assert "resumed a snapshot (calibrated" in again.report().choice
+    finally:
+        again.close()
+
+
+@pytest.mark.parametrize("inference", ["driver", "worker"])
+def test_a_multi_agent_samplers_snapshot_resumes_exactly(inference: str) -> None:
+    """A PettingZoo env (pistonball, episodes of 25 cycles) under the Sampler, with a policy
+    on agent rows: the resumed sampler returns the same per-agent segments."""
+    pytest.importorskip("pettingzoo.butterfly")
+
+    class Pistons:
+        def __init__(self) -> None:
+            self.rng = np.random.default_rng(0)
+
+        def seed(self, seed: int) -> None:
+            self.rng = np.random.default_rng(seed)
+
+        def __call__(self, obs: np.ndarray) -> np.ndarray:
+            return self.rng.uniform(-1, 1, (len(obs), 1)).astype(np.float32)
+
+    kwargs: dict[str, Any] = {"inference": inference, "backend": "processes", "num_workers": 2}
+    policy = Pistons()
+    first = envfleet.Sampler(_pistonball, policy, 2, seed=2, segment_length=10, **kwargs)
+    try:
+        first.sample(40)
+        state = pickle.loads(pickle.dumps(first.snapshot()))
+        kept = copy.deepcopy(policy)  # the driver's draws: the caller keeps its policy
+        expected = first.sample(60)
+    finally:
+        first.close()
+    again = envfleet.Sampler(_pistonball, kept, 2, segment_length=10, resume=state, **kwargs)
+    try:
+        got = again.sample(60)
+    finally:
+        again.close()
+    _same_batches(got, expected)
+    assert np.array_equal(got.agent_index, expected.agent_index)
 
 
 def test_a_sampler_snapshot_where_it_is_not_built_says_so() -> None:
-    worker = envfleet.Sampler("CartPole-v1", _lean, 2, inference="worker", backend="serial")
+    pool = envfleet.Sampler(
+        "CartPole-v1", _lean, 4, inference="driver", backend="serial", batch_size=2
+    )
     try:
-        worker.sample(10)
-        with pytest.raises(envfleet.UnsupportedError, match="inference='driver'"):
-            worker.snapshot()
+        pool.sample(10)
+        with pytest.raises(envfleet.UnsupportedError, match="first-ready pool"):
+            pool.snapshot()
     finally:
-        worker.close()
+        pool.close()
     driver = envfleet.Sampler("CartPole-v1", _lean, 2, inference="driver", backend="serial")
     try:
+        with pytest.raises(envfleet.UnsupportedError, match="before the first sample"):
+            driver.snapshot()
         driver.sample(10)
         state = driver.snapshot()
     finally:
         driver.close()
-    with pytest.raises(envfleet.ConfigError, match="inference='driver'"):
+    with pytest.raises(envfleet.ConfigError, match="taken with inference='driver'"):
         envfleet.Sampler("CartPole-v1", _lean, 2, inference="worker", resume=state)
+    worker = envfleet.Sampler(
+        "CartPole-v1", _Noisy(), 4, inference="worker", backend="processes", num_workers=2
+    )
+    try:
+        worker.sample(10)
+        taken = worker.snapshot()
+    finally:
+        worker.close()
+    with pytest.raises(envfleet.ConfigError, match="resumes on the same workers"):
+        envfleet.Sampler(
+            "CartPole-v1", _Noisy(), 4, inference="worker", backend="processes",
+            num_workers=3, resume=taken,
+        )  # fmt: skip

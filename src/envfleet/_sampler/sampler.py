@@ -69,7 +69,11 @@ from envfleet._sampler.inference import (
 )
 from envfleet._sampler.multi_agent_rollout import AgentRowsPolicy, agent_batch, agent_spaces
 from envfleet._sampler.rollout import EpisodeBatch
-from envfleet._sampler.worker_inference import PolicyUpdate, WorkerInference
+from envfleet._sampler.worker_inference import (
+    PolicyUpdate,
+    WorkerInference,
+    WorkerInferenceState,
+)
 
 __all__ = ["Sampler"]
 
@@ -134,14 +138,31 @@ class _ApplyToEnvs:
 
 @dataclasses.dataclass
 class SamplerSnapshot:
-    """A :class:`Sampler`'s state between two ``sample`` calls (:meth:`Sampler.snapshot`):
-    the vector env's :class:`envfleet.Snapshot`, the observations the policy acts on next,
-    and the sampler's counters (:class:`SamplerStats`, the policy version included).
-    Picklable; ``Sampler(..., inference="driver", resume=state)`` continues from it."""
+    """A :class:`Sampler`'s state between two ``sample`` calls (:meth:`Sampler.snapshot`).
+    Picklable; ``Sampler(..., resume=state)`` continues from it.
+
+    Attributes:
+        vector_env: the vector env's :class:`envfleet.Snapshot`.
+        observations: driver inference: the observations the policy acts on next
+            (``[num_envs, *obs_shape]``; packed, for a PettingZoo env); worker inference:
+            ``None`` (each worker's are in ``workers``).
+        stats: the sampler's counters (:class:`SamplerStats`), the policy version included.
+        inference: the inference that ran: ``"driver"`` or ``"worker"``.
+        seed: the sampler's ``seed`` (the seeds of policy copies sent to workers derive
+            from it).
+        workers: worker inference: each worker's policy copy (pickled, its generator
+            included), the observations it acts on next, the policy update not yet sent, and
+            a background round's rollouts; ``None`` for driver inference.
+        reason: why ``inference="auto"`` chose that inference ("as asked" otherwise).
+    """
 
     vector_env: Snapshot
     observations: Any
     stats: SamplerStats
+    inference: str = "driver"
+    seed: int | None = None
+    workers: WorkerInferenceState | None = None
+    reason: str = "as asked"
 
 
 class Sampler:
@@ -200,8 +221,11 @@ class Sampler:
         timeout: seconds a round of worker inference, or a step of driver inference, may
             take before :class:`envfleet.StepTimeoutError` (the vector env's
             ``step_timeout``); ``None``: no bound.
-        resume: a :meth:`snapshot` of a sampler of the same env, ``num_envs`` and policy,
-            with ``inference="driver"``: this one continues it exactly (no reset).
+        resume: a :meth:`snapshot` of a sampler of the same env, ``num_envs`` and policy:
+            this one continues it exactly (no reset), with the inference the snapshot was
+            taken with (``inference`` that one, or ``"auto"``, which then does not
+            calibrate again); worker inference on the same worker layout (``num_workers``,
+            ``driver_envs``), driver inference on any. ``seed`` is the snapshot's.
         make_kwargs: more arguments for :func:`envfleet.make` (``backend``, ``batch_size``,
             ``start_timeout``, ``restart_policy``, ``copy``...). The sampler uses
             ``AutoresetMode.SAME_STEP``. A first-ready pool (``batch_size``, driver inference
@@ -257,9 +281,13 @@ class Sampler:
         if resume is not None:
             if not isinstance(resume, SamplerSnapshot):
                 raise ConfigError(f"resume must be a Sampler.snapshot(), got {resume!r}")
-            if inference != "driver":
-                raise ConfigError("a Sampler resumes with inference='driver' (as it was taken)")
+            if inference not in (resume.inference, "auto"):
+                raise ConfigError(
+                    f"this snapshot was taken with inference={resume.inference!r}: resume it "
+                    f"with inference={resume.inference!r} or 'auto'"
+                )
             make_kwargs["resume"] = resume.vector_env
+            seed = resume.seed
         self.inference = inference
         self.num_envs = int(num_envs)
         self.seed = None if seed is None else int(seed)
@@ -281,7 +309,9 @@ class Sampler:
                 "recycle= replaces workers between the vector env's steps: it needs "
                 "inference='driver' (worker inference steps the envs in the workers)"
             )
-        if inference == "auto":
+        if inference == "auto" and resume is not None and resume.inference == "driver":
+            why_not_worker = f"resumed a snapshot of driver inference ({resume.reason})"
+        if inference == "auto" and not why_not_worker:
             why_not_worker = self._why_not_worker(policy, make_kwargs.get("batch_size"))
             if not why_not_worker and recycle:
                 why_not_worker = "recycle= replaces workers between the vector env's steps"
@@ -338,11 +368,6 @@ class Sampler:
             self._inference = DriverInference(
                 venv, self.stats, self._timers, self.keep_stale, self.seed
             )
-            if resume is not None:
-                self._inference.obs = resume.observations
-                self._inference.started = True
-                for name, value in vars(resume.stats).items():
-                    setattr(self.stats, name, value)
         elif inference == "auto":
             worker = None
             if not why_not_worker and len(venv.worker_ranges) < 2:
@@ -367,38 +392,61 @@ class Sampler:
                 bool(background),
                 None if timeout is None else float(timeout),
             )
+        if resume is not None:
+            try:
+                self._resume(resume)
+            except ConfigError:
+                venv.close()
+                raise
 
     # -- public API ------------------------------------------------------------------------
 
     def snapshot(self) -> SamplerSnapshot:
         """The sampler's state between two :meth:`sample` calls: ``Sampler(..., resume=state)``
         (the same env, ``num_envs`` and policy) continues exactly, its next ``sample`` the
-        one this sampler's would have returned. It holds the vector env's
-        :class:`envfleet.Snapshot`, the observations the policy acts on next and the counters
-        (:attr:`stats`, the policy version included); the policy's parameters are the
-        caller's to keep.
+        one this sampler's would have returned, bit for bit, for envs whose randomness lives
+        in their seed and ``np_random`` (see :class:`envfleet.Snapshot`). It holds the vector
+        env's :class:`envfleet.Snapshot`, the counters (:attr:`stats`, the policy version
+        included) and, per inference: the observations the policy acts on next (driver), or
+        each worker's policy copy, pickled with its generator, and observations (worker; a
+        background round is collected first and its rollouts kept). The driver's policy and
+        its parameters are the caller's to keep (``update_policy`` them into the resumed
+        sampler, or give it the same policy object).
 
         Raises:
-            UnsupportedError: not ``inference="driver"`` over a synchronous vector env of a
-                single-agent env (a first-ready pool, worker inference and PettingZoo envs
-                keep state in flight or in the workers that a snapshot does not take yet).
+            UnsupportedError: a first-ready pool (``batch_size``: envs in flight); before the
+                first ``sample``; while ``inference="auto"`` calibrates (its first
+                ``4 * num_envs * segment_length`` steps); and as
+                :meth:`envfleet.FleetVectorEnv.snapshot`.
         """
         self._check_open()
         inference = self._inference
-        if (
-            type(inference) is not DriverInference
-            or self._venv.is_pool
-            or self.possible_agents is not None
-        ):
+        reason = "as asked"
+        if isinstance(inference, AutoInference):
+            if inference.chosen is None:
+                raise UnsupportedError(
+                    "Sampler.snapshot() while inference='auto' calibrates (its first "
+                    "4 * num_envs * segment_length steps): sample on, then take it"
+                )
+            reason = inference.reason
+            inference = inference.active
+        if self._venv.is_pool:
             raise UnsupportedError(
-                "Sampler.snapshot() is for inference='driver' over a synchronous vector env "
-                "of a single-agent env"
+                "Sampler.snapshot() over a first-ready pool: its envs are in flight"
             )
         if not inference.started:
             raise UnsupportedError("Sampler.snapshot() before the first sample(): nothing to take")
+        if isinstance(inference, WorkerInference):
+            workers = inference.snapshot()  # first: it collects a background round
+            return SamplerSnapshot(
+                self._venv.snapshot(), None, dataclasses.replace(self.stats), "worker",
+                self.seed, workers, reason,
+            )  # fmt: skip
+        assert isinstance(inference, DriverInference)
         return SamplerSnapshot(
-            self._venv.snapshot(), tree_copy(inference.obs), dataclasses.replace(self.stats)
-        )
+            self._venv.snapshot(), tree_copy(inference.obs), dataclasses.replace(self.stats),
+            "driver", self.seed, None, reason,
+        )  # fmt: skip
 
     @property
     def policy_version(self) -> int:
@@ -594,6 +642,30 @@ class Sampler:
         )
 
     # -- helpers ---------------------------------------------------------------------------
+
+    def _resume(self, state: SamplerSnapshot) -> None:
+        """Continue ``state`` (the vector env was made with its ``Snapshot``): the inference's
+        state and the counters."""
+        inference = self._inference
+        if isinstance(inference, AutoInference):
+            # Calibrated before: run what the snapshot's sampler ran.
+            active = inference.worker if state.inference == "worker" else inference.driver
+            if active is None:
+                raise ConfigError(
+                    f"this snapshot ran worker inference, which cannot run here: {inference.reason}"
+                )
+            inference.pieces, inference.chosen = [], state.inference
+            inference.reason = f"resumed a snapshot ({state.reason})"
+            inference.active, inference.started = active, True
+            inference = active
+        if state.inference == "worker":
+            assert isinstance(inference, WorkerInference) and state.workers is not None
+            inference.resume(state.workers)
+        else:
+            assert isinstance(inference, DriverInference)
+            inference.obs, inference.started = state.observations, True
+        for name, value in vars(state.stats).items():
+            setattr(self.stats, name, value)
 
     def _runnable(self) -> Policy:
         """The policy as the inference runs it: over agent rows for a multi-agent env."""

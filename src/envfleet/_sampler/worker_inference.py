@@ -24,6 +24,7 @@ import numpy as np
 
 from envfleet._core.buffers import caller_leaves
 from envfleet._core.envgroup import EnvGroup, PartialFailure
+from envfleet._core.errors import ConfigError, UnsupportedError
 from envfleet._core.infos import batch_infos
 from envfleet._core.trees import tree_copy, tree_row, tree_write
 from envfleet._front.vector_env import FleetVectorEnv
@@ -41,7 +42,13 @@ from envfleet._sampler.inference import (
 )
 from envfleet._sampler.rollout import EpisodeBatch, StepLog
 
-__all__ = ["PolicyUpdate", "WorkerInference", "sampler_round"]
+__all__ = [
+    "PolicyUpdate",
+    "WorkerInference",
+    "WorkerInferenceState",
+    "sampler_round",
+    "worker_snapshot",
+]
 
 
 # -- what the driver and the task exchange --------------------------------------------------
@@ -67,6 +74,31 @@ class RoundRequest:
     env_version: int
     policy: PolicyUpdate | None  # None: go on with the worker's policy
     policy_seed: int | None  # seed of a new policy object (``seed(seed)``, when it has one)
+    resume: WorkerResume | None = None  # a resumed sampler's first round: the worker's state
+
+
+@dataclass
+class WorkerResume:
+    """A worker's part of a worker-inference snapshot (:func:`worker_snapshot`)."""
+
+    policy: bytes | None  # its policy copy, cloudpickled with its randomness; None: it has none
+    version: int  # that copy's policy version
+    obs: Any  # the observations its next round acts on
+    salvage: StepLog | None  # a round an env's exception cut: its steps so far
+    salvage_env_version: int
+
+
+@dataclass
+class WorkerInferenceState:
+    """What :meth:`WorkerInference.snapshot` takes: each worker's :class:`WorkerResume`, the
+    policy version each worker's copy has, the policy update not yet sent, and the rollouts a
+    background round collected for the next ``sample``."""
+
+    workers: list[WorkerResume]
+    version_of: list[int]
+    update: PolicyUpdate | None
+    carry: list[Rollout]
+    worker_ranges: list[tuple[int, int]]
 
 
 @dataclass
@@ -154,6 +186,14 @@ class WorkerState:
         # the env version they belong to, returned with the next round.
         self.salvage: StepLog | None = None
         self.salvage_env_version = 0
+
+    def resume(self, taken: WorkerResume) -> None:
+        """Take over a snapshot's worker state (a resumed sampler's first round)."""
+        if taken.policy is not None:
+            self.policy = cloudpickle.loads(taken.policy)
+        self.version = taken.version
+        self.obs = taken.obs
+        self.salvage, self.salvage_env_version = taken.salvage, taken.salvage_env_version
 
     def install(self, request: RoundRequest) -> None:
         update = request.policy
@@ -248,12 +288,27 @@ def sampler_round(group: EnvGroup, request: RoundRequest) -> Rollout | Episodes:
         return _round(group, request)
 
 
+def worker_snapshot(group: EnvGroup, restart: bool) -> WorkerResume:
+    """The task (``Command.TASK``) that takes a worker's sampler state for a snapshot: its
+    policy copy (pickled as it is now, its generator included), and the observations its next
+    round acts on (the buffers' rows when it restarts from them: ``restart``)."""
+    state: WorkerState | None = group.task_state.get(STATE_KEY)
+    if state is None or state.policy is None:
+        obs = tree_copy(group.buffers.observations)
+        return WorkerResume(None, -1, obs, None, 0)
+    obs = state.envs.observations() if restart or state.obs is None else tree_copy(state.obs)
+    blob = cloudpickle.dumps(state.policy)
+    return WorkerResume(blob, state.version, obs, state.salvage, state.salvage_env_version)
+
+
 def _round(group: EnvGroup, request: RoundRequest) -> Rollout | Episodes:
     state: WorkerState | None = group.task_state.get(STATE_KEY)
-    if state is None:
-        if request.policy is None or request.policy.params:
-            raise RuntimeError("the sampler's policy copy in this worker is gone")
+    if state is None or request.resume is not None:
         state = group.task_state[STATE_KEY] = WorkerState(group)
+        if request.resume is not None:
+            state.resume(request.resume)
+    if state.policy is None and (request.policy is None or request.policy.params):
+        raise RuntimeError("the sampler's policy copy in this worker is gone")
     state.install(request)
     if request.restart or state.obs is None:
         state.obs = state.envs.observations()
@@ -318,6 +373,55 @@ class WorkerInference(Inference):
         self.restart_of = [True] * n
         self.in_flight = False  # a round runs in the workers (background)
         self.carry: list[Rollout] = []  # rollouts collected before an update, for sample()
+        self.resume_of: list[WorkerResume] | None = None  # a snapshot's, for the first round
+
+    def snapshot(self) -> WorkerInferenceState:
+        """The workers' sampler state, between two rounds (a background round is collected
+        first, its rollouts kept for the next ``sample``).
+
+        Raises:
+            UnsupportedError: workers died each of 3 times it asked them.
+        """
+        self.settle()
+        n = len(self.version_of)
+        for _ in range(3):
+            arguments = {w: self.restart_of[w] or self.version_of[w] < 0 for w in range(n)}
+            self.venv.run_in_workers_async(worker_snapshot, arguments)
+            results = self.venv.run_in_workers_wait(self.timeout)
+            taken = [results[w] for w in range(n)]
+            if all(isinstance(r, WorkerResume) for r in taken):
+                break
+            for w, result in enumerate(taken):
+                if not isinstance(result, WorkerResume):  # rebuilt by the restart policy
+                    self.version_of[w], self.restart_of[w] = -1, True
+        else:
+            raise UnsupportedError("Sampler.snapshot(): workers died each of 3 times it asked")
+        for w, resume in enumerate(taken):
+            if resume.policy is None:  # no copy: the next round sends one, as to a new worker
+                self.version_of[w] = -1
+        return WorkerInferenceState(
+            taken, list(self.version_of), self.update, list(self.carry),
+            [(int(a), int(b)) for a, b in self.venv.worker_ranges],
+        )  # fmt: skip
+
+    def resume(self, state: WorkerInferenceState) -> None:
+        """Continue from ``state`` (:meth:`snapshot`): the first round hands each worker its
+        policy copy and observations.
+
+        Raises:
+            ConfigError: the vector env's workers hold other envs than the snapshot's.
+        """
+        ranges = [(int(a), int(b)) for a, b in self.venv.worker_ranges]
+        if ranges != state.worker_ranges:
+            raise ConfigError(
+                "a worker-inference snapshot resumes on the same workers (each holds its own "
+                f"policy copy): the snapshot's hold envs {state.worker_ranges}, these {ranges}"
+            )
+        self.resume_of = list(state.workers)
+        self.version_of = list(state.version_of)
+        self.update, self.carry = state.update, list(state.carry)
+        self.restart_of = [False] * len(ranges)
+        self.started = True
 
     def reset(self, seed: int | None) -> None:
         self.venv.reset(seed=seed)
@@ -355,11 +459,13 @@ class WorkerInference(Inference):
                     sent = PolicyUpdate(version, cloudpickle.dumps(policy), False)
                 if version and not sent.params:
                     seed = policy_seed(seed, version)
+            resume = None if self.resume_of is None else self.resume_of[w]
             requests[w] = RoundRequest(
-                w, steps, episodes, self.restart_of[w], self.stats.env_version, sent, seed
+                w, steps, episodes, self.restart_of[w], self.stats.env_version, sent, seed, resume
             )
             self.version_of[w] = version
             self.restart_of[w] = False
+        self.resume_of = None
         return requests
 
     def start_round(self, policy: Policy, steps: int, episodes: bool = False) -> None:
