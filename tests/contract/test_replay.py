@@ -100,16 +100,17 @@ def test_a_failure_in_the_first_episode_replays_from_its_seed(make_env: Any, bac
         envfleet.replay(err.replay)
 
 
-@pytest.mark.backends(processes=True)
+@pytest.mark.backends("processes", "processes-spawn", "ray")
 def test_a_crash_replays_the_same_segfault_in_a_watched_child(
     make_env: Any, snapshot: Any, backend: Any, tmp_path: Any
 ) -> None:
     """Env 1 writes at address 0 (a real SIGSEGV) after many autoresets: the EnvCrashedError's
-    replay holds both envs of the dead worker, and ``envfleet replay`` sees the child die of
-    SIGSEGV in env 1's step where the worker did."""
+    replay holds both envs of the dead worker (read from the file its process wrote: a Ray
+    actor's on this node too), and ``envfleet replay`` sees the child die of SIGSEGV in env
+    1's step where the worker did."""
     envs = make_env(_buggy("null-write"), 4, **backend.options, num_workers=2)
     err, sent = _run_to_failure(envs, 4, envfleet.EnvCrashedError)
-    assert err.signal == signal.SIGSEGV
+    assert err.signal == (None if backend.name == "ray" else signal.SIGSEGV)  # Ray: no exit code
     replay = err.replay
     assert replay.kind == "crash" and [r.env_index for r in replay.envs] == [0, 1]
     _assert_recorded(replay.envs[1], sent, 1)
@@ -119,7 +120,8 @@ def test_a_crash_replays_the_same_segfault_in_a_watched_child(
     assert (outcome.how, outcome.reproduced, outcome.detail) == ("died", True, "signal SIGSEGV")
     assert (outcome.env_index, outcome.step) == (1, replay.envs[1].steps)
     assert "Segmentation fault" in (tmp_path / "child.err").read_text()
-    snapshot.assert_nothing_left()  # no worker, no stack file, no action-log file
+    if backend.name != "ray":  # Ray's own processes outlive the vector env
+        snapshot.assert_nothing_left()  # no worker, no stack file, no action-log file
 
 
 @pytest.mark.backends("threads", "processes")

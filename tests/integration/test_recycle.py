@@ -30,11 +30,12 @@ def _run(
     steps: int,
     actions: Any,
     num_envs: int = 4,
+    backend: str = "processes",
     **kwargs: Any,
 ) -> tuple[list[tuple[np.ndarray, ...]], Any]:
     """Every result of ``steps`` steps after ``reset(seed=3)`` (the observations as digests,
     so that a run of Atari frames holds little memory), and the stats at the end."""
-    envs = make_env(env, num_envs, backend="processes", num_workers=2, recycle=recycle, **kwargs)
+    envs = make_env(env, num_envs, backend=backend, num_workers=2, recycle=recycle, **kwargs)
     obs, _ = envs.reset(seed=3)
     rng = np.random.default_rng(0)
     seen = [(_digest(obs),)]
@@ -104,6 +105,16 @@ def test_a_recycled_run_is_bit_identical_to_a_plain_one(
     snapshot.assert_nothing_left()  # the old workers, their stack and log files: gone
 
 
+def test_ray_actors_are_recycled_with_the_run_unchanged(make_env: Any, ray_cluster: Any) -> None:
+    """On Ray (actors on the driver's node, whose action logs the driver reads from their
+    files): the recycled run equals the plain run on processes, bit for bit."""
+    plain, _ = _run(make_env, "CartPole-v1", None, 800, _discrete(2))
+    recycle = envfleet.Recycle(max_episodes=30)
+    recycled, stats = _run(make_env, "CartPole-v1", recycle, 800, _discrete(2), backend="ray")
+    assert stats.recycled >= 2, stats
+    _assert_same(plain, recycled)
+
+
 def test_a_leaking_worker_is_named_and_recycled_under_max_rss(
     make_env: Any, monkeypatch: Any, caplog: Any
 ) -> None:
@@ -146,7 +157,7 @@ def test_a_leaking_worker_is_named_and_recycled_under_max_rss(
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        ({"backend": "threads"}, "backend='processes'"),
+        ({"backend": "threads"}, "backend='processes' or 'ray'"),
         ({"backend": "processes", "batch_size": 2}, "first-ready pool"),
         ({"backend": "processes", "replay_steps": 0}, "replay_steps > 0"),
         ({"backend": "processes", "driver_envs": 1}, "driver_envs"),

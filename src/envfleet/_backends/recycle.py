@@ -51,10 +51,11 @@ class Recycle:
 
         envs = envfleet.make("LunarLander-v3", 16, recycle=envfleet.Recycle(max_rss_mb=2048))
 
-    Only ``backend="processes"``, synchronous (no ``batch_size``), with every env in a worker
-    (``driver_envs=0``, which it implies) and ``replay_steps > 0`` (the record it restores
-    from): threads and serial envs live in the caller's process, which replacing a thread
-    does not shrink; a Ray actor's record lives in the actor.
+    Only ``backend="processes"`` or ``"ray"`` (the actors on the driver's node, whose record
+    and memory the driver reads there), synchronous (no ``batch_size``), with every env in a
+    worker (``driver_envs=0``, which it implies) and ``replay_steps > 0`` (the record it
+    restores from): threads and serial envs live in the caller's process, which replacing a
+    thread does not shrink.
     """
 
     max_episodes: int | None = None

@@ -325,11 +325,21 @@ def file_log(
     try:
         with contextlib.suppress(OSError):
             os.unlink(path)
-        nbytes = ActionLog.nbytes(action_space, size, replay_steps)
-        os.ftruncate(fd, nbytes)
-        memory = mmap.mmap(fd, nbytes)
+        return fd_log(fd, action_space, size, replay_steps)
     finally:
         os.close(fd)
+
+
+def fd_log(
+    fd: int, action_space: gymnasium.Space[Any], size: int, replay_steps: int
+) -> ActionLog | None:
+    """A worker's :class:`ActionLog` over the open file ``fd`` (sized to it, mapped; ``fd``
+    stays the caller's), ``None`` with ``replay_steps=0``."""
+    if replay_steps <= 0:
+        return None
+    nbytes = ActionLog.nbytes(action_space, size, replay_steps)
+    os.ftruncate(fd, nbytes)
+    memory = mmap.mmap(fd, nbytes)
     return ActionLog(action_space, size, replay_steps, np.frombuffer(memory, dtype=np.uint8))
 
 

@@ -229,7 +229,8 @@ def make(  # type: ignore[misc]  # the overloads stand for its keyword arguments
             CartPole actions: 64 KB), plus 16 KiB per env; an episode longer than
             ``replay_steps`` is not replayable. ``0``: no record, ``err.replay`` is ``None``.
             Not for ``envpool``.
-        recycle: ``processes`` only, synchronous: an :class:`envfleet.Recycle` replaces each
+        recycle: ``processes`` or ``ray`` (the actors on the driver's node), synchronous:
+            an :class:`envfleet.Recycle` replaces each
             worker past its limits (episodes, steps, resident memory) between episodes, its
             envs continuing exactly where they were; every env then runs in a worker
             (``driver_envs=0``). Needs ``replay_steps > 0`` (the record the new worker's envs
@@ -361,14 +362,14 @@ def _check_recycle(
     replay_steps: int,
     driver_envs: int | None,
 ) -> int:
-    """Check ``recycle=`` against the other arguments; returns ``driver_envs`` (0)."""
+    """Check ``recycle=`` against the other arguments; returns ``driver_envs`` (0 on
+    processes; Ray has none)."""
     if not isinstance(recycle, Recycle):
         raise ConfigError(f"recycle must be None or an envfleet.Recycle, got {recycle!r}")
-    if backend != "processes":
+    if backend not in ("processes", "ray"):
         raise ConfigError(
-            f"recycle= is for backend='processes' (got {backend!r}): serial and threads envs "
-            "live in this process, which replacing a worker does not shrink, and a Ray "
-            "actor keeps its envs' record in its own memory"
+            f"recycle= is for backend='processes' or 'ray' (got {backend!r}): serial and "
+            "threads envs live in this process, which replacing a worker does not shrink"
         )
     if batch_size is not None and batch_size != num_envs:
         raise ConfigError("recycle= is for the synchronous vector env, not a first-ready pool")
@@ -382,7 +383,7 @@ def _check_recycle(
             "recycle= replaces worker processes: the driver's own envs (driver_envs) could "
             "not be; leave driver_envs unset or 0"
         )
-    return 0
+    return 0 if backend == "processes" else driver_envs
 
 
 def _is_int(value: Any, low: int, high: int) -> bool:

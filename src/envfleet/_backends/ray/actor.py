@@ -34,7 +34,7 @@ from envfleet._backends.workers import remote_error, watch_stacks
 from envfleet._core.buffers import Block, allocate_batch, batch_nbytes
 from envfleet._core.envgroup import EnvFailure, EnvGroup, PartialFailure
 from envfleet._core.protocol import Command, Failure, Status
-from envfleet._core.replay import REPLAY_STEPS, new_log
+from envfleet._core.replay import REPLAY_STEPS, fd_log
 from envfleet._core.stats import STATS_WORDS, StepTimer
 from envfleet._core.trees import tree_write
 
@@ -98,6 +98,10 @@ class EnvfleetWorker:
         fd, path = tempfile.mkstemp(prefix="envfleet-ray-stacks-", suffix=".txt")
         os.close(fd)
         self._stacks = watch_stacks(path)
+        # Its envs' action log, in a nameless file of this node that the driver reads the same
+        # way (a replay after a crash, the recycler's counters).
+        self._log_fd, path = tempfile.mkstemp(prefix="envfleet-ray-log-")
+        os.unlink(path)
         self.group: EnvGroup | None = None
         self.timer = _LastStepTimer()
         self.batch: Any = None
@@ -141,7 +145,7 @@ class EnvfleetWorker:
                 layout.autoreset_mode,
                 batch_offset=spec.start,
                 same_observation_space=layout.same_observation_space,
-                action_log=new_log(act_space, size, layout.replay_steps),
+                action_log=fd_log(self._log_fd, act_space, size, layout.replay_steps),
             )
             self.built = []  # the group's now
             return Status.READY, self.group.check_spaces(), None, 0.0
@@ -184,10 +188,11 @@ class EnvfleetWorker:
         """(Ray node id, process id) of this actor."""
         return ray.get_runtime_context().get_node_id(), os.getpid()
 
-    def stack_file(self) -> tuple[str, int, int]:
-        """(Ray node id, process id, descriptor of its stack file): a driver on the same node
-        opens ``/proc/PID/fd/FD`` (:meth:`RayTransport.lay_out`)."""
-        return ray.get_runtime_context().get_node_id(), os.getpid(), self._stacks.fileno()
+    def stack_file(self) -> tuple[str, int, int, int]:
+        """(Ray node id, process id, descriptors of its stack file and of its action log): a
+        driver on the same node opens ``/proc/PID/fd/FD`` (:meth:`RayTransport.lay_out`)."""
+        node = ray.get_runtime_context().get_node_id()
+        return node, os.getpid(), self._stacks.fileno(), self._log_fd
 
     def close(self) -> None:
         for env in self.built:  # built, but never laid out

@@ -44,7 +44,7 @@ from envfleet._backends.ray.actor import ActorLayout, ActorSpec, RemoteWorker, R
 from envfleet._backends.ray.plan import RayPlan, plan_ray
 from envfleet._backends.rounds import RoundDriver, Seen, StepAll
 from envfleet._backends.supervisor import Round
-from envfleet._backends.workers import ask_stacks, read_text
+from envfleet._backends.workers import ask_stacks, read_bytes, read_text
 from envfleet._core.buffers import allocate_batch
 from envfleet._core.errors import (
     ConfigError,
@@ -53,6 +53,7 @@ from envfleet._core.errors import (
 )
 from envfleet._core.failures import CLOSED, remote_env_error
 from envfleet._core.protocol import Command, Failure, RemoteError, Status
+from envfleet._core.replay import ActionLog, EnvRecording, read_head, read_log
 from envfleet._core.stacks import at
 from envfleet._core.stats import STATS_WORDS, StepTimer, StepTimeStats, step_time_table
 from envfleet._core.trees import tree_slice, tree_write
@@ -109,8 +110,9 @@ class RayTransport:
         self._commands: dict[int, Command | None] = {}  # its command; None: starting
         self._got: dict[int, Reply] = {}  # replies read in one call, until read
         # Per worker on this node: its actor's pid and the driver's descriptor of its stack
-        # file (opened at lay_out; an actor on another node has none).
+        # file, and of its action log (opened at lay_out; an actor on another node has none).
         self._stack_files: dict[int, tuple[int, int]] = {}
+        self._log_files: dict[int, int] = {}
         self._closed = False
         first_env = request.first_env
         try:
@@ -160,8 +162,12 @@ class RayTransport:
 
     def respawn(self, w: int, reason: str) -> None:
         self._drop_stack_file(w)
-        why = "did not answer in time" if reason == "late" else f"died ({reason})"
-        logger.warning("Ray actor of worker %d %s; replacing it and its envs", w, why)
+        if reason == "recycle":
+            start, stop = self.ranges[w]
+            logger.info("recycling worker %d (sub-environments %d..%d)", w, start, stop - 1)
+        else:
+            why = "did not answer in time" if reason == "late" else f"died ({reason})"
+            logger.warning("Ray actor of worker %d %s; replacing it and its envs", w, why)
         with contextlib.suppress(Exception):
             ray.kill(self._actors[w], no_restart=True)
         self._start_actor(w)
@@ -193,23 +199,56 @@ class RayTransport:
         return True
 
     def _open_stack_files(self, workers: list[int]) -> None:
-        """Open the stack file of each of ``workers``' actors that runs on this node, through
-        ``/proc/PID/fd`` (the file has no name: nothing is left on disk; no stacks where
-        there is no /proc)."""
+        """Open the stack file and the action log of each of ``workers``' actors that runs
+        on this node, through ``/proc/PID/fd`` (the files have no name: nothing is left on
+        disk; no stacks, replays after a crash or recycling where there is no /proc)."""
         with contextlib.suppress(Exception):  # a dead actor: the wait says so
             here = ray.get_runtime_context().get_node_id()
             places = ray.get([self._actors[w].stack_file.remote() for w in workers], timeout=10)
-            for w, (node, pid, fd) in zip(workers, places, strict=True):
+            for w, (node, pid, stacks, log) in zip(workers, places, strict=True):
                 self._drop_stack_file(w)
                 if node != here:
                     continue
                 with contextlib.suppress(OSError):
-                    self._stack_files[w] = (pid, os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR))
+                    self._stack_files[w] = (pid, os.open(f"/proc/{pid}/fd/{stacks}", os.O_RDWR))
+                    self._log_files[w] = os.open(f"/proc/{pid}/fd/{log}", os.O_RDONLY)
 
     def _drop_stack_file(self, w: int) -> None:
-        entry = self._stack_files.pop(w, None)
+        entry, log = self._stack_files.pop(w, None), self._log_files.pop(w, None)
         if entry is not None:
             os.close(entry[1])
+        if log is not None:
+            os.close(log)
+
+    # -- what the recycler and replays read (actors on this node) -----------------------------
+
+    def log_head(self, w: int) -> tuple[int, int, Any] | None:
+        """Worker ``w``'s action-log counters (:func:`envfleet._core.replay.read_head`),
+        ``None`` for an actor on another node."""
+        start, stop = self.ranges[w]
+        fd = self._log_files.get(w)
+        return read_head(read_bytes(fd, ActionLog.head_nbytes(stop - start)), stop - start)
+
+    def rss(self, w: int) -> int | None:
+        """Worker ``w``'s actor's resident memory now, in bytes (``None`` off this node)."""
+        entry = self._stack_files.get(w)
+        if entry is None:
+            return None
+        try:
+            return int(psutil.Process(entry[0]).memory_info().rss)
+        except psutil.Error:
+            return None
+
+    def recordings(self, w: int) -> list[EnvRecording]:
+        """Each of worker ``w``'s envs' episode so far, from the action log its actor writes
+        to a file of this node (readable after it died or while it hangs); none off this
+        node or without a log."""
+        fd, layout = self._log_files.get(w), self._layout
+        if fd is None or layout is None:
+            return []
+        start, stop = self.ranges[w]
+        log = read_log(read_bytes(fd), layout.single_action_space, stop - start)
+        return [] if log is None else log.recordings(start)
 
     def stacks(self, workers: list[int]) -> dict[int, str]:
         """Each of ``workers``' actors' stacks, asked for by a signal, where the actor runs
