@@ -8,7 +8,9 @@ CLI (:mod:`envfleet.cli`) renders both.
 
 The learner's loop (``envfleet bench --policy``): :func:`measure_policy_loop` steps every
 system of :data:`POLICY_SYSTEMS` with a torch policy choosing the actions (CleanRL's PPO actor,
-:class:`TorchPolicy`) and compares each with the overlap bound (:func:`overlap_bound`).
+:class:`TorchPolicy`) and compares each with the overlap bound (:func:`overlap_bound`) and the
+schedule bound (:func:`schedule_bound`: the best of the structures a loop can take,
+:func:`schedule_structures`, from the policy's time at the sizes of :func:`schedule_sizes`).
 
 Systems:
 
@@ -82,11 +84,17 @@ from envfleet.bench._policy_loop import (
     PolicyBound,
     PolicyLoopReport,
     PolicyLoopResult,
+    groups_bound,
     measure_bound,
     measure_policy_loop,
+    one_call_bound,
     overlap_bound,
     policy_report_dict,
     policy_table,
+    schedule_bound,
+    schedule_sizes,
+    schedule_structures,
+    workers_bound,
 )
 from envfleet.bench._sweep import (
     BenchReport,
@@ -134,6 +142,7 @@ __all__ = [
     "check_workload",
     "describe_machine",
     "envpool_task",
+    "groups_bound",
     "puffer_workers",
     "machine_line",
     "make_env",
@@ -142,6 +151,7 @@ __all__ = [
     "measure_limit",
     "measure_policy_loop",
     "measure_system",
+    "one_call_bound",
     "overlap_bound",
     "plot_report",
     "policy_report_dict",
@@ -149,8 +159,12 @@ __all__ = [
     "require_matplotlib",
     "require_torch",
     "run_bench",
+    "schedule_bound",
+    "schedule_sizes",
+    "schedule_structures",
     "timed_loop",
     "unavailable",
     "usable_cores",
+    "workers_bound",
     "workloads",
 ]

@@ -1,14 +1,17 @@
 """The learner's loop of ``envfleet bench --policy``: every system of :data:`POLICY_SYSTEMS`
-stepped with a torch policy choosing the actions, against the overlap bound (see
-:mod:`envfleet.bench`, which re-exports it).
+stepped with a torch policy choosing the actions, against two bounds (see
+:mod:`envfleet.bench`, which re-exports it): the overlap bound (:func:`overlap_bound`: one
+policy call on the whole batch overlapping the envs, which no loop reaches) and the schedule
+bound (:func:`schedule_bound`: the best of the structures a loop can take, from the policy's
+time on whole and split batches).
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import gymnasium
@@ -30,11 +33,17 @@ __all__ = [
     "PolicyBound",
     "PolicyLoopReport",
     "PolicyLoopResult",
+    "groups_bound",
     "measure_bound",
     "measure_policy_loop",
+    "one_call_bound",
     "overlap_bound",
     "policy_report_dict",
     "policy_table",
+    "schedule_bound",
+    "schedule_sizes",
+    "schedule_structures",
+    "workers_bound",
 ]
 
 #: The systems of the learner's-loop benchmark, in the order of its table.
@@ -80,21 +89,203 @@ def overlap_bound(num_envs: int, t_policy: float, t_env: float, cores: int) -> f
     return num_envs / max(t_policy, (t_policy + num_envs * t_env) / cores)
 
 
+def _check_schedule(num_envs: int, parts: int, t_policy: float, t_env: float, cores: int) -> None:
+    """Refuse what no bound of a structure of ``parts`` groups or workers can be computed from."""
+    if num_envs < 1 or cores < 1:
+        raise ConfigError(f"num_envs and cores must be >= 1, got {num_envs} and {cores}")
+    if not 1 <= parts <= num_envs:
+        raise ConfigError(f"groups or workers must be in 1..num_envs, got {parts}")
+    if t_policy < 0 or t_env < 0 or t_policy + t_env <= 0:
+        raise ConfigError(f"times must be >= 0 and not both 0, got {t_policy} and {t_env}")
+
+
+def one_call_bound(num_envs: int, t_policy: float, t_env: float, cores: int) -> float:
+    """The "one call" structure's bound, in env steps per second: the policy on the whole
+    batch, then every env stepped, spread over ``cores`` cores (the plain loop's structure).
+
+    ``num_envs / (t_policy + num_envs * t_env / cores)``.
+
+    Args:
+        num_envs: envs per batch (``N``).
+        t_policy: seconds of the policy on a batch of ``N`` observations (``T_p(N)``).
+        t_env: seconds one env takes for one step in a plain loop.
+        cores: cores available.
+
+    Raises:
+        ConfigError: ``num_envs`` or ``cores`` below 1, a negative time, or both times 0.
+
+    Example::
+
+        one_call_bound(16, 100e-6, 1e-6, 2)  # 16 / (100e-6 + 8e-6) = 148148.1
+    """
+    _check_schedule(num_envs, 1, t_policy, t_env, cores)
+    return num_envs / (t_policy + num_envs * t_env / cores)
+
+
+def groups_bound(
+    num_envs: int, groups: int, t_policy_group: float, t_env: float, cores: int
+) -> float:
+    """The "``groups`` groups alternating" structure's bound, in env steps per second: the
+    driver runs the policy on one group while the other groups' envs step.
+
+    A cycle has ``groups`` policy calls of ``T_p(N / groups)`` in sequence on one core and
+    ``N`` env steps spread over the cores: ``num_envs / max(groups * t_policy_group,
+    (groups * t_policy_group + num_envs * t_env) / cores)``.
+
+    Args:
+        num_envs: envs per batch (``N``).
+        groups: groups of ``N / groups`` envs (1 to ``N``).
+        t_policy_group: seconds of the policy on one group's observations (``T_p(N/groups)``).
+        t_env: seconds one env takes for one step in a plain loop.
+        cores: cores available.
+
+    Raises:
+        ConfigError: ``groups`` outside 1..``num_envs``, or as :func:`one_call_bound`.
+
+    Example::
+
+        groups_bound(16, 2, 10e-6, 10e-6, 4)  # 16 / max(20e-6, 45e-6) = 355555.6
+    """
+    _check_schedule(num_envs, groups, t_policy_group, t_env, cores)
+    policy = groups * t_policy_group
+    return num_envs / max(policy, (policy + num_envs * t_env) / cores)
+
+
+def workers_bound(
+    num_envs: int, workers: int, t_policy_share: float, t_env: float, cores: int
+) -> float:
+    """The "policy in each of ``workers`` workers" structure's bound, in env steps per
+    second: each worker runs its own copy of the policy on its share of the envs, then steps
+    them.
+
+    A worker's cycle is ``T_p(N / workers) + (N / workers) * t_env``, and the cores hold
+    all the workers' work: ``num_envs / max(t_policy_share + num_envs / workers * t_env,
+    (workers * t_policy_share + num_envs * t_env) / cores)``.
+
+    Args:
+        num_envs: envs per batch (``N``).
+        workers: workers of ``N / workers`` envs each (1 to ``N``).
+        t_policy_share: seconds of the policy on one worker's observations
+            (``T_p(N/workers)``).
+        t_env: seconds one env takes for one step in a plain loop.
+        cores: cores available.
+
+    Raises:
+        ConfigError: ``workers`` outside 1..``num_envs``, or as :func:`one_call_bound`.
+
+    Example::
+
+        workers_bound(16, 4, 40e-6, 1e-6, 8)  # 16 / max(44e-6, 22e-6) = 363636.4
+    """
+    _check_schedule(num_envs, workers, t_policy_share, t_env, cores)
+    worker = t_policy_share + num_envs / workers * t_env
+    return num_envs / max(worker, (workers * t_policy_share + num_envs * t_env) / cores)
+
+
+#: The splits of the batch the schedule bound tries: groups alternating, workers with a policy.
+_SPLITS = (2, 4)
+
+
+def schedule_sizes(num_envs: int) -> tuple[int, ...]:
+    """The batch sizes at which the schedule bound needs the policy's time: ``N`` and
+    ``N // k`` for ``k`` in 2, 4 where ``k <= N`` (distinct, largest first).
+
+    A ``k`` that does not divide ``N`` takes the smaller groups' size, so that the bound stays
+    one: a cycle's calls on groups of unequal sizes take at least ``k`` calls on the smaller.
+
+    Example::
+
+        schedule_sizes(16)  # (16, 8, 4)
+    """
+    if num_envs < 1:
+        raise ConfigError(f"num_envs must be >= 1, got {num_envs}")
+    sizes = [num_envs] + [num_envs // k for k in _SPLITS if k <= num_envs]
+    return tuple(dict.fromkeys(sizes))
+
+
+def schedule_structures(
+    num_envs: int, t_policy_by_n: Mapping[int, float], t_env: float, cores: int
+) -> dict[str, float]:
+    """Each structure a loop can take, and its bound in env steps per second.
+
+    The structures, in this order: ``"one call"`` (:func:`one_call_bound`), ``"k groups
+    alternating"`` (:func:`groups_bound`) and ``"policy in each of k workers"``
+    (:func:`workers_bound`) for ``k`` in 2, 4 where ``k <= N``.
+
+    Args:
+        num_envs: envs per batch (``N``).
+        t_policy_by_n: seconds of the policy on a batch of ``n`` observations, for every ``n``
+            of :func:`schedule_sizes` (more are ignored).
+        t_env: seconds one env takes for one step in a plain loop.
+        cores: cores available.
+
+    Raises:
+        ConfigError: a size of :func:`schedule_sizes` missing from ``t_policy_by_n``, or as
+            the structures' functions.
+    """
+    missing = [n for n in schedule_sizes(num_envs) if n not in t_policy_by_n]
+    if missing:
+        raise ConfigError(f"the policy's time is missing at batch sizes {missing}")
+    out = {"one call": one_call_bound(num_envs, t_policy_by_n[num_envs], t_env, cores)}
+    for k in _SPLITS:
+        if k <= num_envs:
+            t = t_policy_by_n[num_envs // k]
+            out[f"{k} groups alternating"] = groups_bound(num_envs, k, t, t_env, cores)
+    for k in _SPLITS:
+        if k <= num_envs:
+            t = t_policy_by_n[num_envs // k]
+            out[f"policy in each of {k} workers"] = workers_bound(num_envs, k, t, t_env, cores)
+    return out
+
+
+def schedule_bound(
+    num_envs: int, t_policy_by_n: Mapping[int, float], t_env: float, cores: int
+) -> tuple[float, str]:
+    """The schedule bound of a learner's loop: the best of :func:`schedule_structures`, in
+    env steps per second, and the name of the structure that attains it (on a tie, the first
+    in that order).
+
+    Unlike :func:`overlap_bound`, it assumes only what some loop can do: split the batch and
+    pay the policy's time on each part (``T_p(n)`` measured at each size). Arguments and
+    errors as :func:`schedule_structures`.
+
+    Example::
+
+        # A policy whose time does not shrink with the batch: one call is best.
+        schedule_bound(16, {16: 100e-6, 8: 100e-6, 4: 100e-6}, 1e-6, 1)  # (137931.0, "one call")
+    """
+    structures = schedule_structures(num_envs, t_policy_by_n, t_env, cores)
+    best = max(structures, key=lambda name: structures[name])
+    return structures[best], best
+
+
 @dataclass(frozen=True)
 class PolicyBound:
-    """The measured overlap bound of one workload (see :func:`overlap_bound`).
+    """The measured bounds of one workload: the overlap bound (:func:`overlap_bound`) and the
+    schedule bound (:func:`schedule_bound`).
 
     Attributes:
         t_policy_s: median seconds of the policy on one batch of ``num_envs`` observations.
         t_env_s: seconds per step of one env in a plain loop (autoresetting, random actions).
         cores: cores this process may use.
-        steps_per_s: the bound, env steps per second.
+        steps_per_s: the overlap bound, env steps per second.
+        t_policy_by_n: median seconds of the policy on a batch of ``n`` observations, for each
+            ``n`` of :func:`schedule_sizes` (``N``, ``N // 2``, ``N // 4``); ``n = N`` is
+            ``t_policy_s``.
+        schedule_steps_per_s: the schedule bound, env steps per second.
+        schedule_structure: the structure that attains it (a key of ``structures``).
+        structures: each structure's bound, env steps per second
+            (:func:`schedule_structures`).
     """
 
     t_policy_s: float
     t_env_s: float
     cores: int
     steps_per_s: float
+    t_policy_by_n: dict[int, float] = field(default_factory=dict)
+    schedule_steps_per_s: float = math.nan
+    schedule_structure: str = ""
+    structures: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -104,13 +295,17 @@ class PolicyLoopResult:
     Attributes:
         system: a name from :data:`POLICY_SYSTEMS`.
         steps_per_s: median over repetitions of env steps per second (``nan`` when skipped).
-        of_bound: ``steps_per_s`` over the workload's bound.
+        of_bound: ``steps_per_s`` over the workload's overlap bound.
         vs_best_gym: median over repetitions of this system's steps/s over the faster of
             gymnasium's two loops in the same repetition (``nan`` without a gymnasium loop).
         vs_best_peer: the same over the fastest peer loop of the repetition: gymnasium's
             two and PufferLib's two (``nan`` without any).
         vs_envfleet_loop: the same over envfleet's plain loop (``envfleet``) of the
             repetition (``nan`` without it).
+        of_schedule_bound: ``steps_per_s`` over the workload's schedule bound.
+        vs_envfleet_store: the same as ``vs_best_gym`` over envfleet's storing plain loop
+            (``envfleet-store``, the loop a learner writes) of the repetition (``nan``
+            without it).
         runs: steps/s of each repetition.
         skipped: why the system was not measured (e.g. how to install it), else ``None``.
         notes: per repetition, what the system said of itself (``sampler``: the inference
@@ -126,6 +321,8 @@ class PolicyLoopResult:
     notes: tuple[str, ...] = ()
     vs_best_peer: float = math.nan
     vs_envfleet_loop: float = math.nan
+    of_schedule_bound: float = math.nan
+    vs_envfleet_store: float = math.nan
 
 
 @dataclass(frozen=True)
@@ -136,7 +333,7 @@ class PolicyLoopReport:
         env_id, num_envs, policy: the workload (``policy`` is ``"mlp"`` or ``"cnn"``).
         seconds: timed seconds per system and repetition.
         repeats: repetitions (systems interleaved within each).
-        bound: the measured :class:`PolicyBound`.
+        bound: the measured :class:`PolicyBound` (overlap and schedule bounds).
         results: one :class:`PolicyLoopResult` per system, in the order asked.
     """
 
@@ -164,8 +361,9 @@ def measure_policy_loop(
 
     Each system is built, warmed up, timed for ``seconds`` and closed; within a repetition
     the systems run one after the other, and each repetition starts one system later (so no
-    system always follows the same one). The bound is measured first. A PufferLib system is
-    skipped, with :data:`PUFFER_INSTALL` as its reason, when pufferlib is missing.
+    system always follows the same one). The bounds are measured first (:func:`measure_bound`).
+    A PufferLib system is skipped, with :data:`PUFFER_INSTALL` as its reason, when pufferlib is
+    missing.
 
     Loops: ``gym-*``, ``puffer-sync``, ``envfleet``: ``actions = policy(obs)``,
     ``obs = envs.step(actions)[0]``; ``envfleet-pool`` (``batch_size = num_envs // 2``) and
@@ -256,6 +454,7 @@ def measure_policy_loop(
                 notes=tuple(notes[system]),
                 vs_best_peer=_median(peer_ratios[system]),
                 vs_envfleet_loop=_median(loop_ratios[system]),
+                of_schedule_bound=rate / bound.schedule_steps_per_s,
             )
         )
     return PolicyLoopReport(
@@ -286,26 +485,32 @@ def policy_report_dict(report: PolicyLoopReport) -> dict[str, Any]:
 
 
 def policy_table(report: PolicyLoopReport) -> str:
-    """A learner's-loop report as Markdown: a line on the workload and its bound, then a table
-    of ``system | steps/s | of bound | vs best gym | vs best peer | vs envfleet loop`` (a
-    skipped system says why; the ratios are medians of each repetition's)."""
+    """A learner's-loop report as Markdown: a line on the workload and its two bounds (the
+    schedule bound with the structure that attains it, and ``T_p(n)`` at each size), then a
+    table of ``system | steps/s | of overlap bound | of schedule bound | vs best gym | vs best
+    peer | vs envfleet loop`` (a skipped system says why; the ratios are medians of each
+    repetition's)."""
     b = report.bound
+    t_policy = ", ".join(f"T_p({n}) = {t * 1e6:,.0f} us" for n, t in b.t_policy_by_n.items())
     lines = [
-        f"{report.env_id} x{report.num_envs}, {report.policy} policy: bound "
-        f"{b.steps_per_s:,.0f} steps/s (T_p = {b.t_policy_s * 1e6:,.0f} us, "
-        f"t_env = {b.t_env_s * 1e6:,.1f} us, {b.cores} cores); {report.seconds:g} s per "
-        f"system, {report.repeats} repetition(s), medians",
+        f"{report.env_id} x{report.num_envs}, {report.policy} policy: overlap bound "
+        f"{b.steps_per_s:,.0f} steps/s, schedule bound {b.schedule_steps_per_s:,.0f} steps/s "
+        f"({b.schedule_structure}); {t_policy}, t_env = {b.t_env_s * 1e6:,.1f} us, "
+        f"{b.cores} cores; {report.seconds:g} s per system, {report.repeats} repetition(s), "
+        "medians",
         "",
-        "| system | steps/s | of bound | vs best gym | vs best peer | vs envfleet loop |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| system | steps/s | of overlap bound | of schedule bound | vs best gym | vs best peer "
+        "| vs envfleet loop |",
+        "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in report.results:
         if r.skipped is not None:
-            lines.append(f"| {r.system} | not installed: {r.skipped} | - | - | - | - |")
+            lines.append(f"| {r.system} | not installed: {r.skipped} | - | - | - | - | - |")
         else:
             lines.append(
-                f"| {r.system} | {r.steps_per_s:,.0f} | {r.of_bound:.2f} | {r.vs_best_gym:.2f} "
-                f"| {r.vs_best_peer:.2f} | {r.vs_envfleet_loop:.2f} |"
+                f"| {r.system} | {r.steps_per_s:,.0f} | {r.of_bound:.2f} "
+                f"| {r.of_schedule_bound:.2f} | {r.vs_best_gym:.2f} | {r.vs_best_peer:.2f} "
+                f"| {r.vs_envfleet_loop:.2f} |"
             )
     chosen = [(r.system, note) for r in report.results for note in dict.fromkeys(r.notes)]
     if chosen:
@@ -317,12 +522,13 @@ def policy_table(report: PolicyLoopReport) -> str:
 def measure_bound(
     workload: Any, *, seed: int = 0, seconds: float = 0.5, device: str = "cpu"
 ) -> PolicyBound:
-    """Measure ``T_p`` and ``t_env`` of a workload and its overlap bound.
+    """Measure ``T_p(n)`` and ``t_env`` of a workload, and its overlap and schedule bounds.
 
-    ``T_p``: the median time of the policy on a batch of ``num_envs`` observations (one
-    env's reset observation repeated), over about ``seconds``. ``t_env``: one env stepped in a
-    plain loop with random actions drawn in advance (reset at each episode's end) for about
-    ``seconds``, its seconds per step.
+    ``T_p(n)``, for each ``n`` of :func:`schedule_sizes` (``N``, ``N // 2``, ``N // 4``): the
+    median time of the policy on a batch of ``n`` observations (one env's reset observation
+    repeated), over about ``seconds`` each, after a few untimed calls. ``t_env``: one env
+    stepped in a plain loop with random actions drawn in advance (reset at each episode's end)
+    for about ``seconds``, its seconds per step.
 
     Raises:
         ConfigError: torch missing. BenchError: the env failed.
@@ -335,17 +541,9 @@ def measure_bound(
         obs, _ = env.reset(seed=seed)
         policy = TorchPolicy(workload.policy, env.observation_space, env.action_space, seed, device)
         batch = np.repeat(np.asarray(obs)[None], workload.num_envs, axis=0)
-        times: list[float] = []
-        deadline = time.perf_counter() + seconds
-        for i in range(1_000_000):
-            t0 = time.perf_counter()
-            policy(batch)
-            t1 = time.perf_counter()
-            if i >= 3:  # warm-up calls
-                times.append(t1 - t0)
-            if t1 >= deadline and len(times) >= 5:
-                break
-        t_policy = _median(times)
+        t_policy_by_n = {
+            n: _policy_time(policy, batch[:n], seconds) for n in schedule_sizes(workload.num_envs)
+        }
         env.action_space.seed(seed)
         bank = [env.action_space.sample() for _ in range(ACTION_BANK)]
         steps = 0
@@ -367,9 +565,36 @@ def measure_bound(
     finally:
         env.close()
     cores = usable_cores()
+    n = workload.num_envs
+    t_policy = t_policy_by_n[n]
+    structures = schedule_structures(n, t_policy_by_n, t_env, cores)
+    best, structure = schedule_bound(n, t_policy_by_n, t_env, cores)
     return PolicyBound(
-        t_policy, t_env, cores, overlap_bound(workload.num_envs, t_policy, t_env, cores)
+        t_policy,
+        t_env,
+        cores,
+        overlap_bound(n, t_policy, t_env, cores),
+        t_policy_by_n,
+        best,
+        structure,
+        structures,
     )
+
+
+def _policy_time(policy: Callable[[Any], Any], batch: np.ndarray, seconds: float) -> float:
+    """The median seconds of ``policy(batch)`` over about ``seconds`` (at least 5 timed calls),
+    after 3 untimed ones."""
+    times: list[float] = []
+    deadline = time.perf_counter() + seconds
+    for i in range(1_000_000):
+        t0 = time.perf_counter()
+        policy(batch)
+        t1 = time.perf_counter()
+        if i >= 3:  # warm-up calls
+            times.append(t1 - t0)
+        if t1 >= deadline and len(times) >= 5:
+            break
+    return _median(times)
 
 
 def _median(values: Sequence[float]) -> float:
