@@ -13,9 +13,13 @@ plain loop (obs -> policy -> step); PufferLib 3's ``Multiprocessing`` vector env
 a plain loop and two workers with recv/send (a row with the install command when pufferlib is
 missing); envfleet's ``make()`` in a plain loop; envfleet's first-ready pool
 (``batch_size = N/2``: recv -> policy -> send); ``envfleet.Sampler`` with driver and with worker
-inference (``sample(64 N)`` in a loop). Every system counts transitions: a step that only
-resets an env whose episode ended in the step before (gymnasium's ``NEXT_STEP`` autoreset,
-PufferLib's; the action is ignored) is not one.
+inference (``sample(64 N)`` in a loop). The loop a learner writes, ``gym-sync-store``,
+``gym-async-store``, ``puffer-sync-store`` and ``envfleet-store``: the plain loop of the same
+system that also writes each step's observations, actions, rewards and dones (terminated |
+truncated) into preallocated ``[T, N, ...]`` numpy arrays (T = 128, wrapping around), as
+CleanRL's PPO rollout does. Every system counts transitions: a step that only resets an env
+whose episode ended in the step before (gymnasium's ``NEXT_STEP`` autoreset, PufferLib's; the
+action is ignored) is not one.
 
 The bounds, from ``T_p(n)`` the policy's time on a batch of n (measured at n = N, N/2, N/4),
 ``t_env`` one env's step time in a plain loop (measured) and ``cores`` those this process may
@@ -27,8 +31,8 @@ the envs, ``N / (T_p(N) + N t_env / cores)``; k = 2, 4 groups alternating,
 workers, ``N / max(T_p(N/w) + N/w t_env, (w T_p(N/w) + N t_env) / cores)``; the table names the
 structure that attains it. Each workload's systems are interleaved over ``--repeats``
 repetitions; the table gives median steps/s, its fraction of each bound and the median of the
-per-repetition ratios to the faster gymnasium loop, the fastest peer and envfleet's plain
-loop. This is the code of ``envfleet bench --policy {mlp,cnn}``
+per-repetition ratios to the faster gymnasium loop, the fastest peer, envfleet's plain loop
+and envfleet's storing loop. This is the code of ``envfleet bench --policy {mlp,cnn}``
 (``envfleet.bench.measure_policy_loop``), run over several workloads.
 
 Run: ``python benchmarks/policy_loop.py [--workloads cartpole,pong] [--repeats 3]

@@ -21,6 +21,8 @@ from envfleet._sampler.auto_inference import policy_on_gpu
 from envfleet.bench import (
     POLICY_SYSTEMS,
     PUFFER_INSTALL,
+    ROLLOUT_STEPS,
+    STORE_SYSTEMS,
     TORCH_INSTALL,
     TorchPolicy,
     Workload,
@@ -304,16 +306,19 @@ def test_measure_policy_loop_every_system_tiny_budget():
     peers = [by_system[p].runs for p in ("gym-sync", "gym-async", "puffer-sync", "puffer-async")]
     best_peer = [max(rates) for rates in zip(*(runs for runs in peers if runs), strict=True)]
     plain = by_system["envfleet"].runs
+    store = by_system["envfleet-store"].runs
     for r in report.results:
         if r.runs:
             for got, refs in (
                 (r.vs_best_gym, best),
                 (r.vs_best_peer, best_peer),
                 (r.vs_envfleet_loop, plain),
+                (r.vs_envfleet_store, store),
             ):
                 ratios = [rate / ref for rate, ref in zip(r.runs, refs, strict=True)]
                 assert got == pytest.approx(float(np.median(ratios)))
     assert by_system["envfleet"].vs_envfleet_loop == pytest.approx(1.0)
+    assert by_system["envfleet-store"].vs_envfleet_store == pytest.approx(1.0)
     # The default Sampler says, per repetition, which inference its calibration chose.
     notes = by_system["sampler"].notes
     assert len(notes) == 2
@@ -324,6 +329,11 @@ def test_measure_policy_loop_every_system_tiny_budget():
     assert f"schedule bound {bound.schedule_steps_per_s:,.0f} steps/s" in table
     assert f"({bound.schedule_structure})" in table and "T_p(1) = " in table
     assert "| of overlap bound | of schedule bound |" in table
+    assert "| vs envfleet loop | vs envfleet store |" in table
+    for system in STORE_SYSTEMS:  # the loop a learner writes, marked as such
+        assert f"| {system} (the loop a learner writes) |" in table
+    assert f"T = {ROLLOUT_STEPS}" in table
+    assert "| envfleet |" in table and "| gym-sync |" in table
 
 
 def test_measure_policy_loop_rejects_bad_arguments():
@@ -366,3 +376,59 @@ def test_loops_count_transitions_not_the_steps_that_only_reset():
     assert resets.taken([0, 1], [True, False], [False, False]) == 2
     assert resets.taken([2, 0], [False, False], [False, True]) == 1  # env 0's was a reset
     assert resets.taken([0, 1], [False, False], [False, False]) == 1  # and again: truncated
+
+
+def test_storing_loop_writes_the_rollout_and_counts_transitions():
+    from envfleet.bench._policy_loop import _StoringLoop
+
+    assert STORE_SYSTEMS == (
+        "gym-sync-store",
+        "gym-async-store",
+        "puffer-sync-store",
+        "envfleet-store",
+    )
+    assert all(s.removesuffix("-store") in POLICY_SYSTEMS for s in STORE_SYSTEMS)
+    closers: list = []
+    envs = gymnasium.vector.SyncVectorEnv([_ThreeStepEnv] * 2)  # NEXT_STEP autoreset
+    calls = []
+
+    def policy(obs):
+        calls.append(obs.copy())
+        return np.full(len(obs), len(calls) % 2, np.int64)
+
+    store = _StoringLoop(envs, 2, policy, 0, closers, steps=3)
+    assert store.obs.shape == (3, 2, 1) and store.obs.dtype == np.float32
+    assert store.actions.shape == (3, 2) and store.actions.dtype == np.int64
+    assert store.rewards.shape == (3, 2) and store.rewards.dtype == np.float32
+    assert store.dones.shape == (3, 2) and store.dones.dtype == np.bool_
+    # The same count as the plain loop: step 4 only resets (NEXT_STEP), not a transition.
+    assert [store() for _ in range(4)] == [2, 2, 2, 0]
+    # Rows 0-2 held steps 1-3 (observations 0, 1, 2; done at the third); step 4 wrapped
+    # around into row 0: it saw the last observation (3) and its result is the reset's.
+    np.testing.assert_array_equal(store.obs[:, :, 0], [[3, 3], [1, 1], [2, 2]])
+    np.testing.assert_array_equal(store.dones, [[False, False], [False, False], [True, True]])
+    np.testing.assert_array_equal(store.actions, [[1, 1], [1, 1], [0, 0]])
+    np.testing.assert_array_equal(store.rewards, np.zeros((3, 2), np.float32))
+    assert store.t == 1
+    # The stored observations are the ones the policy saw, copied (not the env's buffer).
+    np.testing.assert_array_equal(store.obs[1], calls[2])
+    for close in closers:
+        close()
+    assert ROLLOUT_STEPS == 128
+
+
+def test_storing_loop_over_envfleet_copies_each_step():
+    """envfleet's observations are views of its shared block; the rollout keeps copies."""
+    import envfleet
+    from envfleet.bench._policy_loop import _StoringLoop
+
+    closers: list = []
+    envs = envfleet.make(_ThreeStepEnv, 2)
+    store = _StoringLoop(envs, 2, lambda obs: np.zeros(len(obs), np.int64), 0, closers, steps=4)
+    try:
+        assert [store() for _ in range(4)] == [2, 2, 2, 0]
+        np.testing.assert_array_equal(store.obs[:, :, 0], [[0, 0], [1, 1], [2, 2], [3, 3]])
+        np.testing.assert_array_equal(store.dones[:, 0], [False, False, True, False])
+    finally:
+        for close in closers:
+            close()

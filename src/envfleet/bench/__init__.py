@@ -11,6 +11,9 @@ system of :data:`POLICY_SYSTEMS` with a torch policy choosing the actions (Clean
 :class:`TorchPolicy`) and compares each with the overlap bound (:func:`overlap_bound`) and the
 schedule bound (:func:`schedule_bound`: the best of the structures a loop can take,
 :func:`schedule_structures`, from the policy's time at the sizes of :func:`schedule_sizes`).
+Its ``*-store`` systems (:data:`STORE_SYSTEMS`) are the loop a learner writes: the plain loop
+storing each step's observations, actions, rewards and dones in ``[T, N, ...]`` arrays
+(``T =`` :data:`ROLLOUT_STEPS`, CleanRL's rollout).
 
 Systems:
 
@@ -81,6 +84,8 @@ from envfleet.bench._policies import (
 from envfleet.bench._policy_loop import (
     POLICY_SYSTEMS,
     PUFFER_INSTALL,
+    ROLLOUT_STEPS,
+    STORE_SYSTEMS,
     PolicyBound,
     PolicyLoopReport,
     PolicyLoopResult,
@@ -121,6 +126,8 @@ __all__ = [
     "POLICY_KINDS",
     "POLICY_SYSTEMS",
     "PUFFER_INSTALL",
+    "ROLLOUT_STEPS",
+    "STORE_SYSTEMS",
     "SYSTEMS",
     "TORCH_INSTALL",
     "BenchError",

@@ -30,6 +30,8 @@ from envfleet.bench._policies import (
 __all__ = [
     "POLICY_SYSTEMS",
     "PUFFER_INSTALL",
+    "ROLLOUT_STEPS",
+    "STORE_SYSTEMS",
     "PolicyBound",
     "PolicyLoopReport",
     "PolicyLoopResult",
@@ -46,18 +48,31 @@ __all__ = [
     "workers_bound",
 ]
 
-#: The systems of the learner's-loop benchmark, in the order of its table.
+#: The systems of the learner's-loop benchmark, in the order of its table. A ``*-store`` system
+#: is the plain loop of the system before it storing what a learner keeps
+#: (:data:`STORE_SYSTEMS`).
 POLICY_SYSTEMS: tuple[str, ...] = (
     "gym-sync",
+    "gym-sync-store",
     "gym-async",
+    "gym-async-store",
     "puffer-sync",
+    "puffer-sync-store",
     "puffer-async",
     "envfleet",
+    "envfleet-store",
     "envfleet-pool",
     "sampler",
     "sampler-driver",
     "sampler-worker",
 )
+#: The storing plain loops, the loop a learner writes (CleanRL's rollout): each step, the
+#: observations the policy saw, its actions, the rewards and the dones (``terminated |
+#: truncated``) written into preallocated arrays of shape ``[T, N, ...]``
+#: (``T =`` :data:`ROLLOUT_STEPS`, wrapping around).
+STORE_SYSTEMS: tuple[str, ...] = tuple(s for s in POLICY_SYSTEMS if s.endswith("-store"))
+#: ``T``, the steps a storing loop's arrays hold before it wraps around (CleanRL's PPO default).
+ROLLOUT_STEPS = 128
 _GYM_LOOPS = ("gym-sync", "gym-async")
 _PEER_LOOPS = (*_GYM_LOOPS, "puffer-sync", "puffer-async")
 
@@ -366,7 +381,10 @@ def measure_policy_loop(
     missing.
 
     Loops: ``gym-*``, ``puffer-sync``, ``envfleet``: ``actions = policy(obs)``,
-    ``obs = envs.step(actions)[0]``; ``envfleet-pool`` (``batch_size = num_envs // 2``) and
+    ``obs = envs.step(actions)[0]``; their ``*-store`` twins (:data:`STORE_SYSTEMS`, the loop
+    a learner writes) also write ``obs``, ``actions``, the rewards and the dones into
+    ``[T, N, ...]`` arrays (``T =`` :data:`ROLLOUT_STEPS`); ``envfleet-pool``
+    (``batch_size = num_envs // 2``) and
     ``puffer-async``: ``recv`` -> policy -> ``send``; ``sampler``, ``sampler-*``:
     ``Sampler.sample(64 * num_envs)`` (``sampler`` is the default, ``inference="auto"``, its
     calibration done before the warm-up; ``sampler-driver`` and ``sampler-worker`` ask for
@@ -419,6 +437,7 @@ def measure_policy_loop(
     ratios: dict[str, list[float]] = {s: [] for s in active}
     peer_ratios: dict[str, list[float]] = {s: [] for s in active}
     loop_ratios: dict[str, list[float]] = {s: [] for s in active}
+    store_ratios: dict[str, list[float]] = {s: [] for s in active}
     for rep in range(repeats):
         shift = rep % len(active) if active else 0
         for system in active[shift:] + active[:shift]:
@@ -433,10 +452,12 @@ def measure_policy_loop(
         best_gym = max((runs[s][-1] for s in _GYM_LOOPS if s in runs), default=math.nan)
         best_peer = max((runs[s][-1] for s in _PEER_LOOPS if s in runs), default=math.nan)
         plain = runs["envfleet"][-1] if "envfleet" in runs else math.nan
+        store = runs["envfleet-store"][-1] if "envfleet-store" in runs else math.nan
         for system in active:
             ratios[system].append(runs[system][-1] / best_gym)
             peer_ratios[system].append(runs[system][-1] / best_peer)
             loop_ratios[system].append(runs[system][-1] / plain)
+            store_ratios[system].append(runs[system][-1] / store)
     results = []
     for system in systems:
         if system in skipped:
@@ -455,6 +476,7 @@ def measure_policy_loop(
                 vs_best_peer=_median(peer_ratios[system]),
                 vs_envfleet_loop=_median(loop_ratios[system]),
                 of_schedule_bound=rate / bound.schedule_steps_per_s,
+                vs_envfleet_store=_median(store_ratios[system]),
             )
         )
     return PolicyLoopReport(
@@ -488,8 +510,9 @@ def policy_table(report: PolicyLoopReport) -> str:
     """A learner's-loop report as Markdown: a line on the workload and its two bounds (the
     schedule bound with the structure that attains it, and ``T_p(n)`` at each size), then a
     table of ``system | steps/s | of overlap bound | of schedule bound | vs best gym | vs best
-    peer | vs envfleet loop`` (a skipped system says why; the ratios are medians of each
-    repetition's)."""
+    peer | vs envfleet loop | vs envfleet store`` (a skipped system says why; the ratios are
+    medians of each repetition's). The storing loops (:data:`STORE_SYSTEMS`) are marked
+    ``(the loop a learner writes)``."""
     b = report.bound
     t_policy = ", ".join(f"T_p({n}) = {t * 1e6:,.0f} us" for n, t in b.t_policy_by_n.items())
     lines = [
@@ -500,23 +523,36 @@ def policy_table(report: PolicyLoopReport) -> str:
         "medians",
         "",
         "| system | steps/s | of overlap bound | of schedule bound | vs best gym | vs best peer "
-        "| vs envfleet loop |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| vs envfleet loop | vs envfleet store |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in report.results:
+        name = r.system + (f" {_LEARNER_MARK}" if r.system in STORE_SYSTEMS else "")
         if r.skipped is not None:
-            lines.append(f"| {r.system} | not installed: {r.skipped} | - | - | - | - | - |")
+            lines.append(f"| {name} | not installed: {r.skipped} | - | - | - | - | - | - |")
         else:
             lines.append(
-                f"| {r.system} | {r.steps_per_s:,.0f} | {r.of_bound:.2f} "
+                f"| {name} | {r.steps_per_s:,.0f} | {r.of_bound:.2f} "
                 f"| {r.of_schedule_bound:.2f} | {r.vs_best_gym:.2f} | {r.vs_best_peer:.2f} "
-                f"| {r.vs_envfleet_loop:.2f} |"
+                f"| {r.vs_envfleet_loop:.2f} | {r.vs_envfleet_store:.2f} |"
             )
+    if any(r.system in STORE_SYSTEMS for r in report.results):
+        lines += [
+            "",
+            "The loop a learner writes (*-store): the system's plain loop, also writing each "
+            "step's observations, actions, rewards and dones into preallocated [T, N, ...] "
+            f"arrays (T = {ROLLOUT_STEPS}, CleanRL's rollout); vs envfleet store: steps/s over "
+            "envfleet-store's in the same repetition",
+        ]
     chosen = [(r.system, note) for r in report.results for note in dict.fromkeys(r.notes)]
     if chosen:
         lines.append("")
         lines += [f"{system}: {note}" for system, note in chosen]
     return "\n".join(lines) + "\n"
+
+
+#: How the table marks a storing loop.
+_LEARNER_MARK = "(the loop a learner writes)"
 
 
 def measure_bound(
@@ -676,14 +712,17 @@ def _loop(
     """Build ``system`` and return its loop's one iteration (returning env steps taken);
     what must be closed goes into ``closers``, what it says of itself into ``notes`` (when
     it is closed)."""
-    if system in ("gym-sync", "gym-async", "envfleet"):
+    plain = system.removesuffix("-store")
+    if plain in ("gym-sync", "gym-async", "envfleet"):
         envs: Any
-        if system == "envfleet":
+        if plain == "envfleet":
             envs = envfleet.make(factory, n)
-        elif system == "gym-sync":
+        elif plain == "gym-sync":
             envs = gymnasium.vector.SyncVectorEnv([factory] * n)
         else:
             envs = gymnasium.vector.AsyncVectorEnv([factory] * n)
+        if system in STORE_SYSTEMS:
+            return _StoringLoop(envs, n, policy, seed, closers)
         return _plain_loop(envs, n, policy, seed, closers)
     if system == "envfleet-pool":
         batch = max(1, n // 2)
@@ -741,6 +780,63 @@ def _plain_loop(
     return plain
 
 
+class _StoringLoop:
+    """The storing plain loop's iteration (the loop a learner writes, CleanRL's rollout) over a
+    vector env ``envs`` of ``n`` envs (reset with ``seed`` here; its ``close`` goes into
+    ``closers``): each step writes the observations the policy saw, its actions, the rewards
+    and the dones (``terminated | truncated``) into row ``t`` of preallocated arrays, then
+    ``t`` moves on, wrapping around after ``steps`` rows. Calling it returns the transitions
+    taken, counted as :func:`_plain_loop` counts them.
+
+    Attributes:
+        obs: ``[steps, n, *obs_shape]``, the observations' dtype.
+        actions: ``[steps, n, *action_shape]``, the policy's dtype.
+        rewards: ``[steps, n]`` float32.
+        dones: ``[steps, n]`` bool.
+        t: the row the next step writes.
+    """
+
+    def __init__(
+        self,
+        envs: Any,
+        n: int,
+        policy: Callable[[Any], Any],
+        seed: int,
+        closers: list[Callable[[], None]],
+        steps: int = ROLLOUT_STEPS,
+    ):
+        closers.append(envs.close)
+        self.envs, self.policy = envs, policy
+        self.next_obs = envs.reset(seed=seed)[0]
+        first = np.asarray(self.next_obs)
+        actions = np.asarray(policy(first))  # its shape and dtype, before any timed step
+        self.obs = _zeros((steps, *first.shape), first.dtype)
+        self.actions = _zeros((steps, *actions.shape), actions.dtype)
+        self.rewards = _zeros((steps, n), np.float32)
+        self.dones = _zeros((steps, n), np.bool_)
+        self.t = 0
+        self.every, self.resets = np.arange(n), _Resets(n)
+
+    def __call__(self) -> int:
+        t = self.t
+        self.obs[t] = self.next_obs
+        actions = self.policy(self.next_obs)
+        self.actions[t] = actions
+        self.next_obs, rewards, terminated, truncated = self.envs.step(actions)[:4]
+        self.rewards[t] = rewards
+        np.logical_or(terminated, truncated, out=self.dones[t])
+        self.t = t + 1 if t + 1 < len(self.obs) else 0
+        return self.resets.taken(self.every, terminated, truncated)
+
+
+def _zeros(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+    """A zeroed array whose pages are written now (as ``torch.zeros`` writes them), so that no
+    step of a timed window is the first to touch one."""
+    out = np.empty(shape, dtype)
+    out.fill(0)
+    return out
+
+
 class _Resets:
     """The envs of a loop whose episode ended when they were last received: their next result
     is a reset's (``NEXT_STEP`` autoreset), not a transition."""
@@ -765,19 +861,21 @@ def _puffer_loop(
     closers: list[Callable[[], None]],
 ) -> Callable[[], int]:
     """PufferLib 3's ``Multiprocessing`` vector env: ``puffer-sync``, one worker stepped in a
-    plain loop; ``puffer-async``, two workers (when ``n`` is even), ``recv``/``send`` of half
-    the envs."""
+    plain loop (``puffer-sync-store``: the storing one, :class:`_StoringLoop`);
+    ``puffer-async``, two workers (when ``n`` is even), ``recv``/``send`` of half the envs."""
     import functools
 
     import pufferlib.emulation
     import pufferlib.vector
 
     creator = functools.partial(pufferlib.emulation.GymnasiumPufferEnv, env_creator=factory)
-    if system == "puffer-sync":
+    if system in ("puffer-sync", "puffer-sync-store"):
         venv = pufferlib.vector.make(
             creator, num_envs=n, num_workers=1, batch_size=n,
             backend=pufferlib.vector.Multiprocessing,
         )  # fmt: skip
+        if system == "puffer-sync-store":
+            return _StoringLoop(venv, n, policy, seed, closers)
         return _plain_loop(venv, n, policy, seed, closers)
     workers = 2 if n % 2 == 0 else 1
     batch = n // workers
