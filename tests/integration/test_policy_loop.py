@@ -323,6 +323,8 @@ def test_measure_policy_loop_every_system_tiny_budget():
     notes = by_system["sampler"].notes
     assert len(notes) == 2
     assert all(n.split(" ")[0] in ("driver", "worker") and "calibrated" in n for n in notes)
+    # ... and its report, the schedule bound filled in from the bound's T_p(n).
+    assert all("of the schedule bound" in n and "its own t_env" in n for n in notes)
     assert all(not r.notes for r in report.results if r.system != "sampler")
     table = policy_table(report)
     assert f"sampler: {notes[0]}" in table

@@ -444,7 +444,13 @@ def measure_policy_loop(
             if progress is not None:
                 progress(workload.name, system, rep)
             rate, note = _measure_loop(
-                workload, system, seconds, min(warmup_s, seconds / 2), seed, device
+                workload,
+                system,
+                seconds,
+                min(warmup_s, seconds / 2),
+                seed,
+                device,
+                bound.t_policy_by_n,
             )
             runs[system].append(rate)
             if note:
@@ -646,10 +652,17 @@ def _has_puffer() -> bool:
 
 
 def _measure_loop(
-    workload: Any, system: str, seconds: float, warmup_s: float, seed: int, device: str = "cpu"
+    workload: Any,
+    system: str,
+    seconds: float,
+    warmup_s: float,
+    seed: int,
+    device: str = "cpu",
+    t_policy_by_n: Mapping[int, float] | None = None,
 ) -> tuple[float, str]:
     """Env steps per second of one system's learner loop on ``workload``, and what the
-    system said of itself ("" when nothing)."""
+    system said of itself ("" when nothing; ``t_policy_by_n``, the bound's ``T_p(n)``, goes
+    into the default Sampler's report)."""
     n = workload.num_envs
     factory = workload.factory()
     probe = factory()
@@ -663,7 +676,7 @@ def _measure_loop(
     finished = False
     try:
         try:
-            advance = _loop(system, factory, n, policy, seed, closers, notes)
+            advance = _loop(system, factory, n, policy, seed, closers, notes, t_policy_by_n)
         except ConfigError:
             raise
         except Exception as exc:
@@ -708,10 +721,12 @@ def _loop(
     seed: int,
     closers: list[Callable[[], None]],
     notes: list[str],
+    t_policy_by_n: Mapping[int, float] | None = None,
 ) -> Callable[[], int]:
     """Build ``system`` and return its loop's one iteration (returning env steps taken);
     what must be closed goes into ``closers``, what it says of itself into ``notes`` (when
-    it is closed)."""
+    it is closed: the default Sampler's report, its schedule bound from ``t_policy_by_n``,
+    see :func:`_sampler_note`)."""
     plain = system.removesuffix("-store")
     if plain in ("gym-sync", "gym-async", "envfleet"):
         envs: Any
@@ -745,9 +760,8 @@ def _loop(
         chunk = n * 64
         while sampler.report().choice == "calibrating":  # the default's calibration: untimed
             sampler.sample(chunk)
-        if inference == "auto":
-            report = sampler.report()
-            closers.append(lambda: notes.append(f"{report.inference} inference, {report.choice}"))
+        if inference == "auto":  # its report at the end, before it closes
+            closers.append(lambda: notes.append(_sampler_note(sampler.report(), t_policy_by_n)))
         closers.append(sampler.close)
 
         def sample() -> int:
@@ -755,6 +769,23 @@ def _loop(
 
         return sample
     return _puffer_loop(system, factory, n, policy, seed, closers)
+
+
+def _sampler_note(report: envfleet.SamplerReport, t_policy_by_n: Mapping[int, float] | None) -> str:
+    """What the default Sampler says of itself: the inference its calibration chose and why,
+    and, given ``T_p(n)`` (``t_policy_by_n``), its report with the schedule bound filled in
+    (:meth:`envfleet.SamplerReport.with_schedule_bound`; the bound from those times and the
+    report's own ``t_env`` and cores): its steps/s over the whole run and their fraction of it."""
+    note = f"{report.inference} inference, {report.choice}"
+    if not t_policy_by_n or not report.t_env_s > 0:  # no curve, or no t_env measured (nan)
+        return note
+    best, structure = schedule_bound(report.num_envs, t_policy_by_n, report.t_env_s, report.cores)
+    report = report.with_schedule_bound(dict(t_policy_by_n), best, structure)
+    return (
+        f"{note}; its report: {report.steps_per_s:,.0f} steps/s, "
+        f"{report.of_schedule_bound:.2f} of the schedule bound {best:,.0f} ({structure}) "
+        f"by its own t_env {report.t_env_s * 1e6:,.1f} us"
+    )
 
 
 def _plain_loop(
