@@ -1,4 +1,4 @@
-"""The learner's loop: every system stepped by a real torch policy, against the overlap bound.
+"""The learner's loop: every system stepped by a real torch policy, against two bounds.
 
 Workloads (CleanRL's PPO actor on the CPU, ``torch.set_num_threads(1)``, Categorical
 sampling; see ``envfleet.bench.TorchPolicy``):
@@ -13,17 +13,27 @@ plain loop (obs -> policy -> step); PufferLib 3's ``Multiprocessing`` vector env
 a plain loop and two workers with recv/send (a row with the install command when pufferlib is
 missing); envfleet's ``make()`` in a plain loop; envfleet's first-ready pool
 (``batch_size = N/2``: recv -> policy -> send); ``envfleet.Sampler`` with driver and with worker
-inference (``sample(64 N)`` in a loop). Every system counts transitions: a step that only
-resets an env whose episode ended in the step before (gymnasium's ``NEXT_STEP`` autoreset,
-PufferLib's; the action is ignored) is not one.
+inference (``sample(64 N)`` in a loop). The loop a learner writes, ``gym-sync-store``,
+``gym-async-store``, ``puffer-sync-store`` and ``envfleet-store``: the plain loop of the same
+system that also writes each step's observations, actions, rewards and dones (terminated |
+truncated) into preallocated ``[T, N, ...]`` numpy arrays (T = 128, wrapping around), as
+CleanRL's PPO rollout does. Every system counts transitions: a step that only resets an env
+whose episode ended in the step before (gymnasium's ``NEXT_STEP`` autoreset, PufferLib's; the
+action is ignored) is not one.
 
-The bound: ``N / max(T_p, (T_p + N t_env) / cores)``, with ``T_p`` the policy's time on a batch
-of N (measured), ``t_env`` one env's step time in a plain loop (measured) and ``cores`` those
-this process may use (affinity). Each workload's systems are interleaved over ``--repeats``
-repetitions; the table gives median steps/s, its fraction of the bound and the median of the
-per-repetition ratios to the faster gymnasium loop. This is the code of
-``envfleet bench --policy {mlp,cnn}`` (``envfleet.bench.measure_policy_loop``), run over
-several workloads.
+The bounds, from ``T_p(n)`` the policy's time on a batch of n (measured at n = N, N/2, N/4),
+``t_env`` one env's step time in a plain loop (measured) and ``cores`` those this process may
+use (affinity): the overlap bound ``N / max(T_p(N), (T_p(N) + N t_env) / cores)``, one policy
+call on the whole batch overlapping the envs, which no loop reaches; and the schedule bound, the
+best of the structures a loop can take (``envfleet.bench.schedule_structures``): one call then
+the envs, ``N / (T_p(N) + N t_env / cores)``; k = 2, 4 groups alternating,
+``N / max(k T_p(N/k), (k T_p(N/k) + N t_env) / cores)``; the policy in each of w = 2, 4
+workers, ``N / max(T_p(N/w) + N/w t_env, (w T_p(N/w) + N t_env) / cores)``; the table names the
+structure that attains it. Each workload's systems are interleaved over ``--repeats``
+repetitions; the table gives median steps/s, its fraction of each bound and the median of the
+per-repetition ratios to the faster gymnasium loop, the fastest peer, envfleet's plain loop
+and envfleet's storing loop. This is the code of ``envfleet bench --policy {mlp,cnn}``
+(``envfleet.bench.measure_policy_loop``), run over several workloads.
 
 Run: ``python benchmarks/policy_loop.py [--workloads cartpole,pong] [--repeats 3]
 [--seconds 2] [--json FILE]``. Needs torch; Pong needs ale-py and OpenCV.

@@ -297,7 +297,8 @@ def test_bench_atari():
 # -- envfleet bench --policy (the learner's loop) ------------------------------------------
 
 POLICY_SYSTEMS = [
-    "gym-sync", "gym-async", "puffer-sync", "puffer-async", "envfleet", "envfleet-pool",
+    "gym-sync", "gym-sync-store", "gym-async", "gym-async-store", "puffer-sync",
+    "puffer-sync-store", "puffer-async", "envfleet", "envfleet-store", "envfleet-pool",
     "sampler", "sampler-driver", "sampler-worker",
 ]  # fmt: skip
 
@@ -310,6 +311,14 @@ def check_policy_report(report: dict, env_id: str, num_envs: int, policy: str) -
         bound["t_policy_s"], (bound["t_policy_s"] + num_envs * bound["t_env_s"]) / bound["cores"]
     )
     assert math.isclose(bound["steps_per_s"], expected, rel_tol=1e-9)
+    # T_p(n) at N, N / 2, N / 4 (JSON's keys are strings), the schedule bound and its structure.
+    sizes = [num_envs] + [num_envs // k for k in (2, 4) if k <= num_envs]
+    assert list(bound["t_policy_by_n"]) == [str(n) for n in dict.fromkeys(sizes)]
+    assert bound["t_policy_by_n"][str(num_envs)] == bound["t_policy_s"]
+    structures = bound["structures"]
+    assert structures["one call"] > 0
+    assert bound["schedule_structure"] in structures
+    assert bound["schedule_steps_per_s"] == max(structures.values())
     assert [r["system"] for r in report["results"]] == POLICY_SYSTEMS
     for r in report["results"]:
         if r["skipped"] is not None:  # PufferLib not installed
@@ -319,7 +328,11 @@ def check_policy_report(report: dict, env_id: str, num_envs: int, policy: str) -
             continue
         assert r["steps_per_s"] > 0
         assert math.isclose(r["of_bound"], r["steps_per_s"] / bound["steps_per_s"], rel_tol=1e-9)
+        assert math.isclose(
+            r["of_schedule_bound"], r["steps_per_s"] / bound["schedule_steps_per_s"], rel_tol=1e-9
+        )
         assert r["vs_best_gym"] > 0 and r["vs_best_peer"] > 0 and r["vs_envfleet_loop"] > 0
+        assert r["vs_envfleet_store"] > 0
 
 
 @pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="needs torch")
@@ -327,11 +340,17 @@ def test_bench_policy_mlp_prints_every_system():
     proc = run("bench", "--policy", "mlp", "--num-envs", "2", "--seconds", "0.1")
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
-    assert "CartPole-v1 x2, mlp policy: bound" in out
-    for column in ("steps/s", "of bound", "vs best gym", "vs best peer", "vs envfleet loop"):
+    assert "CartPole-v1 x2, mlp policy: overlap bound" in out
+    assert "schedule bound" in out and "T_p(2) = " in out and "T_p(1) = " in out
+    columns = ("steps/s", "of overlap bound", "of schedule bound", "vs best gym", "vs best peer")
+    for column in (*columns, "vs envfleet loop", "vs envfleet store"):
         assert column in out
     rows = [line for line in out.splitlines() if line.startswith("| ") and "---" not in line]
-    assert [row.split("|")[1].strip() for row in rows[1:]] == POLICY_SYSTEMS
+    cells = [row.split("|")[1].strip() for row in rows[1:]]
+    assert [cell.split(" ")[0] for cell in cells] == POLICY_SYSTEMS
+    # The storing plain loops are marked as the loop a learner writes.
+    marked = [cell.split(" ")[0] for cell in cells if "(the loop a learner writes)" in cell]
+    assert marked == [s for s in POLICY_SYSTEMS if s.endswith("-store")]
 
 
 @pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="needs torch")

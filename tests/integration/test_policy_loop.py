@@ -21,15 +21,23 @@ from envfleet._sampler.auto_inference import policy_on_gpu
 from envfleet.bench import (
     POLICY_SYSTEMS,
     PUFFER_INSTALL,
+    ROLLOUT_STEPS,
+    STORE_SYSTEMS,
     TORCH_INSTALL,
     TorchPolicy,
     Workload,
     check_workload,
+    groups_bound,
     measure_policy_loop,
+    one_call_bound,
     overlap_bound,
     policy_table,
     require_torch,
+    schedule_bound,
+    schedule_sizes,
+    schedule_structures,
     usable_cores,
+    workers_bound,
     workloads,
 )
 
@@ -62,6 +70,104 @@ def test_overlap_bound_one_core_is_the_serial_sum():
 def test_overlap_bound_rejects_bad_numbers(args):
     with pytest.raises(ConfigError):
         overlap_bound(*args)
+
+
+def test_schedule_sizes_halve_and_quarter_the_batch():
+    assert schedule_sizes(16) == (16, 8, 4)
+    assert schedule_sizes(10) == (10, 5, 2)  # 4 groups of 2 or 3: the smaller size
+    assert schedule_sizes(3) == (3, 1)  # no 4 groups of 3 envs
+    assert schedule_sizes(2) == (2, 1)
+    assert schedule_sizes(1) == (1,)
+    with pytest.raises(ConfigError):
+        schedule_sizes(0)
+
+
+def test_each_structure_on_hand_computed_numbers():
+    # One call: T_p(16) = 100 us, then 16 * 1 us over 2 cores: 108 us a cycle.
+    assert one_call_bound(16, 100e-6, 1e-6, 2) == pytest.approx(16 / 108e-6)
+    # 2 groups: 2 * 10 us of policy on one core; (20 + 16 * 10) / 4 = 45 us over the cores.
+    assert groups_bound(16, 2, 10e-6, 10e-6, 4) == pytest.approx(16 / 45e-6)
+    # ... and the driver's 4 calls of 50 us are the cycle when the envs are light.
+    assert groups_bound(16, 4, 50e-6, 1e-6, 8) == pytest.approx(16 / 200e-6)
+    # 4 workers: 40 us of policy + 4 envs * 1 us each; the cores hold (160 + 16) / 8 = 22 us.
+    assert workers_bound(16, 4, 40e-6, 1e-6, 8) == pytest.approx(16 / 44e-6)
+    # ... and on 2 cores the cores' share, (160 + 16) / 2 = 88 us, is the cycle.
+    assert workers_bound(16, 4, 40e-6, 1e-6, 2) == pytest.approx(16 / 88e-6)
+    # One group or one worker on one core is one call.
+    assert groups_bound(4, 1, 1e-3, 0.5e-3, 1) == pytest.approx(one_call_bound(4, 1e-3, 0.5e-3, 1))
+    assert workers_bound(4, 1, 1e-3, 0.5e-3, 1) == pytest.approx(4 / 3e-3)
+
+
+def test_schedule_bound_a_policy_whose_cost_does_not_shrink_is_best_in_one_call():
+    t_policy = {16: 100e-6, 8: 100e-6, 4: 100e-6}
+    structures = schedule_structures(16, t_policy, 1e-6, 1)
+    assert structures == pytest.approx(
+        {
+            "one call": 16 / 116e-6,  # 100 + 16
+            "2 groups alternating": 16 / 216e-6,  # max(200, 200 + 16)
+            "4 groups alternating": 16 / 416e-6,  # max(400, 400 + 16)
+            "policy in each of 2 workers": 16 / 216e-6,  # max(100 + 8, 200 + 16)
+            "policy in each of 4 workers": 16 / 416e-6,  # max(100 + 4, 400 + 16)
+        }
+    )
+    assert list(structures) == [
+        "one call",
+        "2 groups alternating",
+        "4 groups alternating",
+        "policy in each of 2 workers",
+        "policy in each of 4 workers",
+    ]
+    best, structure = schedule_bound(16, t_policy, 1e-6, 1)
+    assert structure == "one call" and best == pytest.approx(16 / 116e-6)
+    # On 2 cores, 2 workers tie with one call (100 + 8 = (200 + 16) / 2): the first is named.
+    assert schedule_bound(16, t_policy, 1e-6, 2) == (pytest.approx(16 / 108e-6), "one call")
+
+
+def test_schedule_bound_a_policy_cost_proportional_to_n_on_many_cores_is_best_in_workers():
+    t_policy = {n: 10e-6 * n for n in (16, 8, 4)}
+    structures = schedule_structures(16, t_policy, 1e-6, 8)
+    assert structures == pytest.approx(
+        {
+            "one call": 16 / 162e-6,  # 160 + 16 / 8
+            "2 groups alternating": 16 / 160e-6,  # max(2 * 80, (160 + 16) / 8)
+            "4 groups alternating": 16 / 160e-6,  # max(4 * 40, (160 + 16) / 8)
+            "policy in each of 2 workers": 16 / 88e-6,  # max(80 + 8, 22)
+            "policy in each of 4 workers": 16 / 44e-6,  # max(40 + 4, 22)
+        }
+    )
+    best, structure = schedule_bound(16, t_policy, 1e-6, 8)
+    assert structure == "policy in each of 4 workers" and best == pytest.approx(16 / 44e-6)
+    # The overlap bound keeps the policy's batch whole, on one core: the schedule passes it.
+    overlap = overlap_bound(16, 160e-6, 1e-6, 8)
+    assert overlap == pytest.approx(16 / 160e-6) and overlap < best
+
+
+def test_schedule_bound_heavy_envs_and_a_fixed_policy_cost_alternate_two_groups():
+    # T_p = 10 us at every size, t_env = 10 us, 4 cores: one call 10 + 40 = 50 us; 2 groups
+    # max(20, (20 + 160) / 4) = 45 us; 4 groups max(40, 50) = 50 us; 2 workers
+    # max(10 + 80, 45) = 90 us; 4 workers max(10 + 40, 50) = 50 us.
+    best, structure = schedule_bound(16, {16: 10e-6, 8: 10e-6, 4: 10e-6}, 10e-6, 4)
+    assert structure == "2 groups alternating" and best == pytest.approx(16 / 45e-6)
+
+
+def test_schedule_bound_small_batches_and_bad_numbers():
+    # N = 2: no 4-way split; N = 1: one call only.
+    assert list(schedule_structures(2, {2: 1e-3, 1: 1e-3}, 1e-3, 2)) == [
+        "one call",
+        "2 groups alternating",
+        "policy in each of 2 workers",
+    ]
+    assert schedule_bound(1, {1: 1e-3}, 1e-3, 4) == (pytest.approx(1 / 1.25e-3), "one call")
+    with pytest.raises(ConfigError, match=r"missing at batch sizes \[4\]"):
+        schedule_bound(16, {16: 1e-3, 8: 1e-3}, 1e-3, 2)
+    with pytest.raises(ConfigError):
+        groups_bound(4, 5, 1e-3, 1e-3, 2)
+    with pytest.raises(ConfigError):
+        workers_bound(4, 0, 1e-3, 1e-3, 2)
+    with pytest.raises(ConfigError):
+        one_call_bound(4, -1.0, 1e-3, 2)
+    with pytest.raises(ConfigError):
+        schedule_bound(4, {4: 1e-3, 2: 1e-3, 1: 1e-3}, 1e-3, 0)
 
 
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no CPU affinity here")
@@ -172,6 +278,15 @@ def test_measure_policy_loop_every_system_tiny_budget():
     assert bound.steps_per_s == pytest.approx(
         overlap_bound(2, bound.t_policy_s, bound.t_env_s, bound.cores)
     )
+    # T_p at N and N / 2 (no quarter of 2 envs), and the schedule bound from them.
+    assert list(bound.t_policy_by_n) == [2, 1] and all(t > 0 for t in bound.t_policy_by_n.values())
+    assert bound.t_policy_by_n[2] == bound.t_policy_s
+    assert bound.structures == schedule_structures(
+        2, bound.t_policy_by_n, bound.t_env_s, bound.cores
+    )
+    assert (bound.schedule_steps_per_s, bound.schedule_structure) == schedule_bound(
+        2, bound.t_policy_by_n, bound.t_env_s, bound.cores
+    )
     assert [r.system for r in report.results] == list(POLICY_SYSTEMS)
     has_puffer = importlib.util.find_spec("pufferlib") is not None
     for r in report.results:
@@ -183,6 +298,7 @@ def test_measure_policy_loop_every_system_tiny_budget():
         assert len(r.runs) == 2 and all(rate > 0 for rate in r.runs)
         assert r.steps_per_s == pytest.approx(float(np.median(r.runs)))
         assert r.of_bound == pytest.approx(r.steps_per_s / bound.steps_per_s)
+        assert r.of_schedule_bound == pytest.approx(r.steps_per_s / bound.schedule_steps_per_s)
     by_system = {r.system: r for r in report.results}
     # Each repetition's ratio is to the faster gymnasium loop of that repetition.
     gym = zip(by_system["gym-sync"].runs, by_system["gym-async"].runs, strict=True)
@@ -190,23 +306,36 @@ def test_measure_policy_loop_every_system_tiny_budget():
     peers = [by_system[p].runs for p in ("gym-sync", "gym-async", "puffer-sync", "puffer-async")]
     best_peer = [max(rates) for rates in zip(*(runs for runs in peers if runs), strict=True)]
     plain = by_system["envfleet"].runs
+    store = by_system["envfleet-store"].runs
     for r in report.results:
         if r.runs:
             for got, refs in (
                 (r.vs_best_gym, best),
                 (r.vs_best_peer, best_peer),
                 (r.vs_envfleet_loop, plain),
+                (r.vs_envfleet_store, store),
             ):
                 ratios = [rate / ref for rate, ref in zip(r.runs, refs, strict=True)]
                 assert got == pytest.approx(float(np.median(ratios)))
     assert by_system["envfleet"].vs_envfleet_loop == pytest.approx(1.0)
+    assert by_system["envfleet-store"].vs_envfleet_store == pytest.approx(1.0)
     # The default Sampler says, per repetition, which inference its calibration chose.
     notes = by_system["sampler"].notes
     assert len(notes) == 2
     assert all(n.split(" ")[0] in ("driver", "worker") and "calibrated" in n for n in notes)
+    # ... and its report, the schedule bound filled in from the bound's T_p(n).
+    assert all("of the schedule bound" in n and "its own t_env" in n for n in notes)
     assert all(not r.notes for r in report.results if r.system != "sampler")
     table = policy_table(report)
     assert f"sampler: {notes[0]}" in table
+    assert f"schedule bound {bound.schedule_steps_per_s:,.0f} steps/s" in table
+    assert f"({bound.schedule_structure})" in table and "T_p(1) = " in table
+    assert "| of overlap bound | of schedule bound |" in table
+    assert "| vs envfleet loop | vs envfleet store |" in table
+    for system in STORE_SYSTEMS:  # the loop a learner writes, marked as such
+        assert f"| {system} (the loop a learner writes) |" in table
+    assert f"T = {ROLLOUT_STEPS}" in table
+    assert "| envfleet |" in table and "| gym-sync |" in table
 
 
 def test_measure_policy_loop_rejects_bad_arguments():
@@ -249,3 +378,59 @@ def test_loops_count_transitions_not_the_steps_that_only_reset():
     assert resets.taken([0, 1], [True, False], [False, False]) == 2
     assert resets.taken([2, 0], [False, False], [False, True]) == 1  # env 0's was a reset
     assert resets.taken([0, 1], [False, False], [False, False]) == 1  # and again: truncated
+
+
+def test_storing_loop_writes_the_rollout_and_counts_transitions():
+    from envfleet.bench._policy_loop import _StoringLoop
+
+    assert STORE_SYSTEMS == (
+        "gym-sync-store",
+        "gym-async-store",
+        "puffer-sync-store",
+        "envfleet-store",
+    )
+    assert all(s.removesuffix("-store") in POLICY_SYSTEMS for s in STORE_SYSTEMS)
+    closers: list = []
+    envs = gymnasium.vector.SyncVectorEnv([_ThreeStepEnv] * 2)  # NEXT_STEP autoreset
+    calls = []
+
+    def policy(obs):
+        calls.append(obs.copy())
+        return np.full(len(obs), len(calls) % 2, np.int64)
+
+    store = _StoringLoop(envs, 2, policy, 0, closers, steps=3)
+    assert store.obs.shape == (3, 2, 1) and store.obs.dtype == np.float32
+    assert store.actions.shape == (3, 2) and store.actions.dtype == np.int64
+    assert store.rewards.shape == (3, 2) and store.rewards.dtype == np.float32
+    assert store.dones.shape == (3, 2) and store.dones.dtype == np.bool_
+    # The same count as the plain loop: step 4 only resets (NEXT_STEP), not a transition.
+    assert [store() for _ in range(4)] == [2, 2, 2, 0]
+    # Rows 0-2 held steps 1-3 (observations 0, 1, 2; done at the third); step 4 wrapped
+    # around into row 0: it saw the last observation (3) and its result is the reset's.
+    np.testing.assert_array_equal(store.obs[:, :, 0], [[3, 3], [1, 1], [2, 2]])
+    np.testing.assert_array_equal(store.dones, [[False, False], [False, False], [True, True]])
+    np.testing.assert_array_equal(store.actions, [[1, 1], [1, 1], [0, 0]])
+    np.testing.assert_array_equal(store.rewards, np.zeros((3, 2), np.float32))
+    assert store.t == 1
+    # The stored observations are the ones the policy saw, copied (not the env's buffer).
+    np.testing.assert_array_equal(store.obs[1], calls[2])
+    for close in closers:
+        close()
+    assert ROLLOUT_STEPS == 128
+
+
+def test_storing_loop_over_envfleet_copies_each_step():
+    """envfleet's observations are views of its shared block; the rollout keeps copies."""
+    import envfleet
+    from envfleet.bench._policy_loop import _StoringLoop
+
+    closers: list = []
+    envs = envfleet.make(_ThreeStepEnv, 2)
+    store = _StoringLoop(envs, 2, lambda obs: np.zeros(len(obs), np.int64), 0, closers, steps=4)
+    try:
+        assert [store() for _ in range(4)] == [2, 2, 2, 0]
+        np.testing.assert_array_equal(store.obs[:, :, 0], [[0, 0], [1, 1], [2, 2], [3, 3]])
+        np.testing.assert_array_equal(store.dones[:, 0], [False, False, True, False])
+    finally:
+        for close in closers:
+            close()

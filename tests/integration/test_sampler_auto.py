@@ -9,6 +9,7 @@ call where the other side takes microseconds), so the faster mode is never in do
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 import time
@@ -153,6 +154,38 @@ def test_the_report_gives_the_bound_and_a_verdict() -> None:
     assert report.verdict == ("policy-bound" if report.t_policy_s >= overlapped else "env-bound")
     text = str(report)
     assert report.inference in text and report.verdict in text and "driver/policy" in text
+    # No T_p(n) curve in a Sampler: the schedule bound waits for one (envfleet bench fills it).
+    assert report.t_policy_by_n is None and report.schedule_structure is None
+    assert math.isnan(report.schedule_bound_steps_per_s) and math.isnan(report.of_schedule_bound)
+    assert "schedule bound" not in text
+
+
+def test_the_report_takes_a_policy_curve_and_its_schedule_bound() -> None:
+    report = SamplerReport(
+        inference="driver",
+        choice="as asked",
+        steps_per_s=50_000.0,
+        calibration={},
+        num_envs=16,
+        cores=2,
+        t_policy_s=100e-6,
+        t_env_s=1e-6,
+        bound_steps_per_s=16 / 108e-6,
+        of_bound=50_000.0 / (16 / 108e-6),
+        verdict="env-bound",
+    )
+    before = str(report)
+    # T_p = 100 us at every size, 2 cores: one call, 100 + 16 * 1 / 2 = 108 us a cycle.
+    filled = report.with_schedule_bound({16: 100e-6, 8: 100e-6, 4: 100e-6}, 16 / 108e-6, "one call")
+    assert filled.t_policy_by_n == {16: 100e-6, 8: 100e-6, 4: 100e-6}
+    assert filled.schedule_bound_steps_per_s == pytest.approx(148_148.148)
+    assert filled.schedule_structure == "one call"
+    assert filled.of_schedule_bound == pytest.approx(50_000.0 / 148_148.148)
+    assert (filled.steps_per_s, filled.of_bound) == (report.steps_per_s, report.of_bound)
+    text = str(filled)
+    assert text.startswith(before.split("\n")[0])  # the existing lines are kept
+    assert "schedule bound: 148,148 steps/s, 0.34 of it (one call; T_p(16) 100 us" in text
+    assert report.t_policy_by_n is None  # the original is unchanged (frozen)
 
 
 def test_explicit_modes_are_kept_and_reported_as_asked() -> None:

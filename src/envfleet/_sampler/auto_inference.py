@@ -239,6 +239,21 @@ class SamplerReport:
             time alone is the limit), else ``"env-bound"``.
         phases: mean seconds per call of each timed phase: ``driver/<name>`` and
             ``worker/<name>`` (``policy``, ``env_step``, ``waiting``).
+        t_policy_by_n: the policy's seconds on a batch of ``n`` observations at ``n = N``,
+            ``N // 2``, ``N // 4`` (``T_p(n)``), the figures the schedule bound needs; ``None``
+            where no one measured them: the Sampler runs the policy at one or two batch sizes
+            only, so :meth:`envfleet.Sampler.report` leaves it ``None``.
+            ``envfleet bench --policy`` (:func:`envfleet.bench.measure_policy_loop`) fills it,
+            with the schedule bound, in the note of its ``sampler`` row, from its own
+            measurement of ``T_p(n)`` (:func:`envfleet.bench.measure_bound`), through
+            :meth:`with_schedule_bound`.
+        schedule_bound_steps_per_s: the schedule bound
+            (:func:`envfleet.bench.schedule_bound` of ``t_policy_by_n``, ``t_env_s`` and
+            ``cores``): the best steps/s of the structures a loop can take (one policy call,
+            groups alternating, the policy in each worker); ``nan`` without
+            ``t_policy_by_n``.
+        schedule_structure: the structure that attains it (``None`` without it).
+        of_schedule_bound: ``steps_per_s / schedule_bound_steps_per_s`` (``nan`` without it).
     """
 
     inference: str
@@ -253,6 +268,27 @@ class SamplerReport:
     of_bound: float
     verdict: str
     phases: dict[str, float] = field(default_factory=dict)
+    t_policy_by_n: dict[int, float] | None = None
+    schedule_bound_steps_per_s: float = math.nan
+    schedule_structure: str | None = None
+    of_schedule_bound: float = math.nan
+
+    def with_schedule_bound(
+        self, t_policy_by_n: dict[int, float], steps_per_s: float, structure: str
+    ) -> SamplerReport:
+        """This report with the schedule bound: ``t_policy_by_n`` (seconds by batch size),
+        the bound ``steps_per_s`` computed from it with this report's ``t_env_s`` and ``cores``
+        (:func:`envfleet.bench.schedule_bound`), the ``structure`` that attains it, and
+        ``of_schedule_bound``."""
+        from dataclasses import replace
+
+        return replace(
+            self,
+            t_policy_by_n=dict(t_policy_by_n),
+            schedule_bound_steps_per_s=steps_per_s,
+            schedule_structure=structure,
+            of_schedule_bound=self.steps_per_s / steps_per_s if steps_per_s > 0 else math.nan,
+        )
 
     def __str__(self) -> str:
         lines = [
@@ -261,6 +297,12 @@ class SamplerReport:
             f"{self.bound_steps_per_s:,.0f} ({self.verdict}: T_p {self.t_policy_s * 1e6:,.0f} us "
             f"for {self.num_envs} envs, t_env {self.t_env_s * 1e6:,.1f} us, {self.cores} cores)",
         ]
+        if self.t_policy_by_n is not None and self.schedule_structure is not None:
+            sizes = ", ".join(f"T_p({n}) {t * 1e6:,.0f} us" for n, t in self.t_policy_by_n.items())
+            lines.append(
+                f"schedule bound: {self.schedule_bound_steps_per_s:,.0f} steps/s, "
+                f"{self.of_schedule_bound:.2f} of it ({self.schedule_structure}; {sizes})"
+            )
         lines += [
             f"  {name}: {seconds * 1e6:,.1f} us/call" for name, seconds in self.phases.items()
         ]

@@ -8,7 +8,12 @@ CLI (:mod:`envfleet.cli`) renders both.
 
 The learner's loop (``envfleet bench --policy``): :func:`measure_policy_loop` steps every
 system of :data:`POLICY_SYSTEMS` with a torch policy choosing the actions (CleanRL's PPO actor,
-:class:`TorchPolicy`) and compares each with the overlap bound (:func:`overlap_bound`).
+:class:`TorchPolicy`) and compares each with the overlap bound (:func:`overlap_bound`) and the
+schedule bound (:func:`schedule_bound`: the best of the structures a loop can take,
+:func:`schedule_structures`, from the policy's time at the sizes of :func:`schedule_sizes`).
+Its ``*-store`` systems (:data:`STORE_SYSTEMS`) are the loop a learner writes: the plain loop
+storing each step's observations, actions, rewards and dones in ``[T, N, ...]`` arrays
+(``T =`` :data:`ROLLOUT_STEPS`, CleanRL's rollout).
 
 Systems:
 
@@ -79,14 +84,22 @@ from envfleet.bench._policies import (
 from envfleet.bench._policy_loop import (
     POLICY_SYSTEMS,
     PUFFER_INSTALL,
+    ROLLOUT_STEPS,
+    STORE_SYSTEMS,
     PolicyBound,
     PolicyLoopReport,
     PolicyLoopResult,
+    groups_bound,
     measure_bound,
     measure_policy_loop,
+    one_call_bound,
     overlap_bound,
     policy_report_dict,
     policy_table,
+    schedule_bound,
+    schedule_sizes,
+    schedule_structures,
+    workers_bound,
 )
 from envfleet.bench._sweep import (
     BenchReport,
@@ -113,6 +126,8 @@ __all__ = [
     "POLICY_KINDS",
     "POLICY_SYSTEMS",
     "PUFFER_INSTALL",
+    "ROLLOUT_STEPS",
+    "STORE_SYSTEMS",
     "SYSTEMS",
     "TORCH_INSTALL",
     "BenchError",
@@ -134,6 +149,7 @@ __all__ = [
     "check_workload",
     "describe_machine",
     "envpool_task",
+    "groups_bound",
     "puffer_workers",
     "machine_line",
     "make_env",
@@ -142,6 +158,7 @@ __all__ = [
     "measure_limit",
     "measure_policy_loop",
     "measure_system",
+    "one_call_bound",
     "overlap_bound",
     "plot_report",
     "policy_report_dict",
@@ -149,8 +166,12 @@ __all__ = [
     "require_matplotlib",
     "require_torch",
     "run_bench",
+    "schedule_bound",
+    "schedule_sizes",
+    "schedule_structures",
     "timed_loop",
     "unavailable",
     "usable_cores",
+    "workers_bound",
     "workloads",
 ]

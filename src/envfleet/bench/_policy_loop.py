@@ -1,14 +1,17 @@
 """The learner's loop of ``envfleet bench --policy``: every system of :data:`POLICY_SYSTEMS`
-stepped with a torch policy choosing the actions, against the overlap bound (see
-:mod:`envfleet.bench`, which re-exports it).
+stepped with a torch policy choosing the actions, against two bounds (see
+:mod:`envfleet.bench`, which re-exports it): the overlap bound (:func:`overlap_bound`: one
+policy call on the whole batch overlapping the envs, which no loop reaches) and the schedule
+bound (:func:`schedule_bound`: the best of the structures a loop can take, from the policy's
+time on whole and split batches).
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import gymnasium
@@ -27,28 +30,49 @@ from envfleet.bench._policies import (
 __all__ = [
     "POLICY_SYSTEMS",
     "PUFFER_INSTALL",
+    "ROLLOUT_STEPS",
+    "STORE_SYSTEMS",
     "PolicyBound",
     "PolicyLoopReport",
     "PolicyLoopResult",
+    "groups_bound",
     "measure_bound",
     "measure_policy_loop",
+    "one_call_bound",
     "overlap_bound",
     "policy_report_dict",
     "policy_table",
+    "schedule_bound",
+    "schedule_sizes",
+    "schedule_structures",
+    "workers_bound",
 ]
 
-#: The systems of the learner's-loop benchmark, in the order of its table.
+#: The systems of the learner's-loop benchmark, in the order of its table. A ``*-store`` system
+#: is the plain loop of the system before it storing what a learner keeps
+#: (:data:`STORE_SYSTEMS`).
 POLICY_SYSTEMS: tuple[str, ...] = (
     "gym-sync",
+    "gym-sync-store",
     "gym-async",
+    "gym-async-store",
     "puffer-sync",
+    "puffer-sync-store",
     "puffer-async",
     "envfleet",
+    "envfleet-store",
     "envfleet-pool",
     "sampler",
     "sampler-driver",
     "sampler-worker",
 )
+#: The storing plain loops, the loop a learner writes (CleanRL's rollout): each step, the
+#: observations the policy saw, its actions, the rewards and the dones (``terminated |
+#: truncated``) written into preallocated arrays of shape ``[T, N, ...]``
+#: (``T =`` :data:`ROLLOUT_STEPS`, wrapping around).
+STORE_SYSTEMS: tuple[str, ...] = tuple(s for s in POLICY_SYSTEMS if s.endswith("-store"))
+#: ``T``, the steps a storing loop's arrays hold before it wraps around (CleanRL's PPO default).
+ROLLOUT_STEPS = 128
 _GYM_LOOPS = ("gym-sync", "gym-async")
 _PEER_LOOPS = (*_GYM_LOOPS, "puffer-sync", "puffer-async")
 
@@ -80,21 +104,203 @@ def overlap_bound(num_envs: int, t_policy: float, t_env: float, cores: int) -> f
     return num_envs / max(t_policy, (t_policy + num_envs * t_env) / cores)
 
 
+def _check_schedule(num_envs: int, parts: int, t_policy: float, t_env: float, cores: int) -> None:
+    """Refuse what no bound of a structure of ``parts`` groups or workers can be computed from."""
+    if num_envs < 1 or cores < 1:
+        raise ConfigError(f"num_envs and cores must be >= 1, got {num_envs} and {cores}")
+    if not 1 <= parts <= num_envs:
+        raise ConfigError(f"groups or workers must be in 1..num_envs, got {parts}")
+    if t_policy < 0 or t_env < 0 or t_policy + t_env <= 0:
+        raise ConfigError(f"times must be >= 0 and not both 0, got {t_policy} and {t_env}")
+
+
+def one_call_bound(num_envs: int, t_policy: float, t_env: float, cores: int) -> float:
+    """The "one call" structure's bound, in env steps per second: the policy on the whole
+    batch, then every env stepped, spread over ``cores`` cores (the plain loop's structure).
+
+    ``num_envs / (t_policy + num_envs * t_env / cores)``.
+
+    Args:
+        num_envs: envs per batch (``N``).
+        t_policy: seconds of the policy on a batch of ``N`` observations (``T_p(N)``).
+        t_env: seconds one env takes for one step in a plain loop.
+        cores: cores available.
+
+    Raises:
+        ConfigError: ``num_envs`` or ``cores`` below 1, a negative time, or both times 0.
+
+    Example::
+
+        one_call_bound(16, 100e-6, 1e-6, 2)  # 16 / (100e-6 + 8e-6) = 148148.1
+    """
+    _check_schedule(num_envs, 1, t_policy, t_env, cores)
+    return num_envs / (t_policy + num_envs * t_env / cores)
+
+
+def groups_bound(
+    num_envs: int, groups: int, t_policy_group: float, t_env: float, cores: int
+) -> float:
+    """The "``groups`` groups alternating" structure's bound, in env steps per second: the
+    driver runs the policy on one group while the other groups' envs step.
+
+    A cycle has ``groups`` policy calls of ``T_p(N / groups)`` in sequence on one core and
+    ``N`` env steps spread over the cores: ``num_envs / max(groups * t_policy_group,
+    (groups * t_policy_group + num_envs * t_env) / cores)``.
+
+    Args:
+        num_envs: envs per batch (``N``).
+        groups: groups of ``N / groups`` envs (1 to ``N``).
+        t_policy_group: seconds of the policy on one group's observations (``T_p(N/groups)``).
+        t_env: seconds one env takes for one step in a plain loop.
+        cores: cores available.
+
+    Raises:
+        ConfigError: ``groups`` outside 1..``num_envs``, or as :func:`one_call_bound`.
+
+    Example::
+
+        groups_bound(16, 2, 10e-6, 10e-6, 4)  # 16 / max(20e-6, 45e-6) = 355555.6
+    """
+    _check_schedule(num_envs, groups, t_policy_group, t_env, cores)
+    policy = groups * t_policy_group
+    return num_envs / max(policy, (policy + num_envs * t_env) / cores)
+
+
+def workers_bound(
+    num_envs: int, workers: int, t_policy_share: float, t_env: float, cores: int
+) -> float:
+    """The "policy in each of ``workers`` workers" structure's bound, in env steps per
+    second: each worker runs its own copy of the policy on its share of the envs, then steps
+    them.
+
+    A worker's cycle is ``T_p(N / workers) + (N / workers) * t_env``, and the cores hold
+    all the workers' work: ``num_envs / max(t_policy_share + num_envs / workers * t_env,
+    (workers * t_policy_share + num_envs * t_env) / cores)``.
+
+    Args:
+        num_envs: envs per batch (``N``).
+        workers: workers of ``N / workers`` envs each (1 to ``N``).
+        t_policy_share: seconds of the policy on one worker's observations
+            (``T_p(N/workers)``).
+        t_env: seconds one env takes for one step in a plain loop.
+        cores: cores available.
+
+    Raises:
+        ConfigError: ``workers`` outside 1..``num_envs``, or as :func:`one_call_bound`.
+
+    Example::
+
+        workers_bound(16, 4, 40e-6, 1e-6, 8)  # 16 / max(44e-6, 22e-6) = 363636.4
+    """
+    _check_schedule(num_envs, workers, t_policy_share, t_env, cores)
+    worker = t_policy_share + num_envs / workers * t_env
+    return num_envs / max(worker, (workers * t_policy_share + num_envs * t_env) / cores)
+
+
+#: The splits of the batch the schedule bound tries: groups alternating, workers with a policy.
+_SPLITS = (2, 4)
+
+
+def schedule_sizes(num_envs: int) -> tuple[int, ...]:
+    """The batch sizes at which the schedule bound needs the policy's time: ``N`` and
+    ``N // k`` for ``k`` in 2, 4 where ``k <= N`` (distinct, largest first).
+
+    A ``k`` that does not divide ``N`` takes the smaller groups' size, so that the bound stays
+    one: a cycle's calls on groups of unequal sizes take at least ``k`` calls on the smaller.
+
+    Example::
+
+        schedule_sizes(16)  # (16, 8, 4)
+    """
+    if num_envs < 1:
+        raise ConfigError(f"num_envs must be >= 1, got {num_envs}")
+    sizes = [num_envs] + [num_envs // k for k in _SPLITS if k <= num_envs]
+    return tuple(dict.fromkeys(sizes))
+
+
+def schedule_structures(
+    num_envs: int, t_policy_by_n: Mapping[int, float], t_env: float, cores: int
+) -> dict[str, float]:
+    """Each structure a loop can take, and its bound in env steps per second.
+
+    The structures, in this order: ``"one call"`` (:func:`one_call_bound`), ``"k groups
+    alternating"`` (:func:`groups_bound`) and ``"policy in each of k workers"``
+    (:func:`workers_bound`) for ``k`` in 2, 4 where ``k <= N``.
+
+    Args:
+        num_envs: envs per batch (``N``).
+        t_policy_by_n: seconds of the policy on a batch of ``n`` observations, for every ``n``
+            of :func:`schedule_sizes` (more are ignored).
+        t_env: seconds one env takes for one step in a plain loop.
+        cores: cores available.
+
+    Raises:
+        ConfigError: a size of :func:`schedule_sizes` missing from ``t_policy_by_n``, or as
+            the structures' functions.
+    """
+    missing = [n for n in schedule_sizes(num_envs) if n not in t_policy_by_n]
+    if missing:
+        raise ConfigError(f"the policy's time is missing at batch sizes {missing}")
+    out = {"one call": one_call_bound(num_envs, t_policy_by_n[num_envs], t_env, cores)}
+    for k in _SPLITS:
+        if k <= num_envs:
+            t = t_policy_by_n[num_envs // k]
+            out[f"{k} groups alternating"] = groups_bound(num_envs, k, t, t_env, cores)
+    for k in _SPLITS:
+        if k <= num_envs:
+            t = t_policy_by_n[num_envs // k]
+            out[f"policy in each of {k} workers"] = workers_bound(num_envs, k, t, t_env, cores)
+    return out
+
+
+def schedule_bound(
+    num_envs: int, t_policy_by_n: Mapping[int, float], t_env: float, cores: int
+) -> tuple[float, str]:
+    """The schedule bound of a learner's loop: the best of :func:`schedule_structures`, in
+    env steps per second, and the name of the structure that attains it (on a tie, the first
+    in that order).
+
+    Unlike :func:`overlap_bound`, it assumes only what some loop can do: split the batch and
+    pay the policy's time on each part (``T_p(n)`` measured at each size). Arguments and
+    errors as :func:`schedule_structures`.
+
+    Example::
+
+        # A policy whose time does not shrink with the batch: one call is best.
+        schedule_bound(16, {16: 100e-6, 8: 100e-6, 4: 100e-6}, 1e-6, 1)  # (137931.0, "one call")
+    """
+    structures = schedule_structures(num_envs, t_policy_by_n, t_env, cores)
+    best = max(structures, key=lambda name: structures[name])
+    return structures[best], best
+
+
 @dataclass(frozen=True)
 class PolicyBound:
-    """The measured overlap bound of one workload (see :func:`overlap_bound`).
+    """The measured bounds of one workload: the overlap bound (:func:`overlap_bound`) and the
+    schedule bound (:func:`schedule_bound`).
 
     Attributes:
         t_policy_s: median seconds of the policy on one batch of ``num_envs`` observations.
         t_env_s: seconds per step of one env in a plain loop (autoresetting, random actions).
         cores: cores this process may use.
-        steps_per_s: the bound, env steps per second.
+        steps_per_s: the overlap bound, env steps per second.
+        t_policy_by_n: median seconds of the policy on a batch of ``n`` observations, for each
+            ``n`` of :func:`schedule_sizes` (``N``, ``N // 2``, ``N // 4``); ``n = N`` is
+            ``t_policy_s``.
+        schedule_steps_per_s: the schedule bound, env steps per second.
+        schedule_structure: the structure that attains it (a key of ``structures``).
+        structures: each structure's bound, env steps per second
+            (:func:`schedule_structures`).
     """
 
     t_policy_s: float
     t_env_s: float
     cores: int
     steps_per_s: float
+    t_policy_by_n: dict[int, float] = field(default_factory=dict)
+    schedule_steps_per_s: float = math.nan
+    schedule_structure: str = ""
+    structures: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -104,13 +310,17 @@ class PolicyLoopResult:
     Attributes:
         system: a name from :data:`POLICY_SYSTEMS`.
         steps_per_s: median over repetitions of env steps per second (``nan`` when skipped).
-        of_bound: ``steps_per_s`` over the workload's bound.
+        of_bound: ``steps_per_s`` over the workload's overlap bound.
         vs_best_gym: median over repetitions of this system's steps/s over the faster of
             gymnasium's two loops in the same repetition (``nan`` without a gymnasium loop).
         vs_best_peer: the same over the fastest peer loop of the repetition: gymnasium's
             two and PufferLib's two (``nan`` without any).
         vs_envfleet_loop: the same over envfleet's plain loop (``envfleet``) of the
             repetition (``nan`` without it).
+        of_schedule_bound: ``steps_per_s`` over the workload's schedule bound.
+        vs_envfleet_store: the same as ``vs_best_gym`` over envfleet's storing plain loop
+            (``envfleet-store``, the loop a learner writes) of the repetition (``nan``
+            without it).
         runs: steps/s of each repetition.
         skipped: why the system was not measured (e.g. how to install it), else ``None``.
         notes: per repetition, what the system said of itself (``sampler``: the inference
@@ -126,6 +336,8 @@ class PolicyLoopResult:
     notes: tuple[str, ...] = ()
     vs_best_peer: float = math.nan
     vs_envfleet_loop: float = math.nan
+    of_schedule_bound: float = math.nan
+    vs_envfleet_store: float = math.nan
 
 
 @dataclass(frozen=True)
@@ -136,7 +348,7 @@ class PolicyLoopReport:
         env_id, num_envs, policy: the workload (``policy`` is ``"mlp"`` or ``"cnn"``).
         seconds: timed seconds per system and repetition.
         repeats: repetitions (systems interleaved within each).
-        bound: the measured :class:`PolicyBound`.
+        bound: the measured :class:`PolicyBound` (overlap and schedule bounds).
         results: one :class:`PolicyLoopResult` per system, in the order asked.
     """
 
@@ -164,11 +376,15 @@ def measure_policy_loop(
 
     Each system is built, warmed up, timed for ``seconds`` and closed; within a repetition
     the systems run one after the other, and each repetition starts one system later (so no
-    system always follows the same one). The bound is measured first. A PufferLib system is
-    skipped, with :data:`PUFFER_INSTALL` as its reason, when pufferlib is missing.
+    system always follows the same one). The bounds are measured first (:func:`measure_bound`).
+    A PufferLib system is skipped, with :data:`PUFFER_INSTALL` as its reason, when pufferlib is
+    missing.
 
     Loops: ``gym-*``, ``puffer-sync``, ``envfleet``: ``actions = policy(obs)``,
-    ``obs = envs.step(actions)[0]``; ``envfleet-pool`` (``batch_size = num_envs // 2``) and
+    ``obs = envs.step(actions)[0]``; their ``*-store`` twins (:data:`STORE_SYSTEMS`, the loop
+    a learner writes) also write ``obs``, ``actions``, the rewards and the dones into
+    ``[T, N, ...]`` arrays (``T =`` :data:`ROLLOUT_STEPS`); ``envfleet-pool``
+    (``batch_size = num_envs // 2``) and
     ``puffer-async``: ``recv`` -> policy -> ``send``; ``sampler``, ``sampler-*``:
     ``Sampler.sample(64 * num_envs)`` (``sampler`` is the default, ``inference="auto"``, its
     calibration done before the warm-up; ``sampler-driver`` and ``sampler-worker`` ask for
@@ -221,13 +437,20 @@ def measure_policy_loop(
     ratios: dict[str, list[float]] = {s: [] for s in active}
     peer_ratios: dict[str, list[float]] = {s: [] for s in active}
     loop_ratios: dict[str, list[float]] = {s: [] for s in active}
+    store_ratios: dict[str, list[float]] = {s: [] for s in active}
     for rep in range(repeats):
         shift = rep % len(active) if active else 0
         for system in active[shift:] + active[:shift]:
             if progress is not None:
                 progress(workload.name, system, rep)
             rate, note = _measure_loop(
-                workload, system, seconds, min(warmup_s, seconds / 2), seed, device
+                workload,
+                system,
+                seconds,
+                min(warmup_s, seconds / 2),
+                seed,
+                device,
+                bound.t_policy_by_n,
             )
             runs[system].append(rate)
             if note:
@@ -235,10 +458,12 @@ def measure_policy_loop(
         best_gym = max((runs[s][-1] for s in _GYM_LOOPS if s in runs), default=math.nan)
         best_peer = max((runs[s][-1] for s in _PEER_LOOPS if s in runs), default=math.nan)
         plain = runs["envfleet"][-1] if "envfleet" in runs else math.nan
+        store = runs["envfleet-store"][-1] if "envfleet-store" in runs else math.nan
         for system in active:
             ratios[system].append(runs[system][-1] / best_gym)
             peer_ratios[system].append(runs[system][-1] / best_peer)
             loop_ratios[system].append(runs[system][-1] / plain)
+            store_ratios[system].append(runs[system][-1] / store)
     results = []
     for system in systems:
         if system in skipped:
@@ -256,6 +481,8 @@ def measure_policy_loop(
                 notes=tuple(notes[system]),
                 vs_best_peer=_median(peer_ratios[system]),
                 vs_envfleet_loop=_median(loop_ratios[system]),
+                of_schedule_bound=rate / bound.schedule_steps_per_s,
+                vs_envfleet_store=_median(store_ratios[system]),
             )
         )
     return PolicyLoopReport(
@@ -286,27 +513,43 @@ def policy_report_dict(report: PolicyLoopReport) -> dict[str, Any]:
 
 
 def policy_table(report: PolicyLoopReport) -> str:
-    """A learner's-loop report as Markdown: a line on the workload and its bound, then a table
-    of ``system | steps/s | of bound | vs best gym | vs best peer | vs envfleet loop`` (a
-    skipped system says why; the ratios are medians of each repetition's)."""
+    """A learner's-loop report as Markdown: a line on the workload and its two bounds (the
+    schedule bound with the structure that attains it, and ``T_p(n)`` at each size), then a
+    table of ``system | steps/s | of overlap bound | of schedule bound | vs best gym | vs best
+    peer | vs envfleet loop | vs envfleet store`` (a skipped system says why; the ratios are
+    medians of each repetition's). The storing loops (:data:`STORE_SYSTEMS`) are marked
+    ``(the loop a learner writes)``."""
     b = report.bound
+    t_policy = ", ".join(f"T_p({n}) = {t * 1e6:,.0f} us" for n, t in b.t_policy_by_n.items())
     lines = [
-        f"{report.env_id} x{report.num_envs}, {report.policy} policy: bound "
-        f"{b.steps_per_s:,.0f} steps/s (T_p = {b.t_policy_s * 1e6:,.0f} us, "
-        f"t_env = {b.t_env_s * 1e6:,.1f} us, {b.cores} cores); {report.seconds:g} s per "
-        f"system, {report.repeats} repetition(s), medians",
+        f"{report.env_id} x{report.num_envs}, {report.policy} policy: overlap bound "
+        f"{b.steps_per_s:,.0f} steps/s, schedule bound {b.schedule_steps_per_s:,.0f} steps/s "
+        f"({b.schedule_structure}); {t_policy}, t_env = {b.t_env_s * 1e6:,.1f} us, "
+        f"{b.cores} cores; {report.seconds:g} s per system, {report.repeats} repetition(s), "
+        "medians",
         "",
-        "| system | steps/s | of bound | vs best gym | vs best peer | vs envfleet loop |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| system | steps/s | of overlap bound | of schedule bound | vs best gym | vs best peer "
+        "| vs envfleet loop | vs envfleet store |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in report.results:
+        name = r.system + (f" {_LEARNER_MARK}" if r.system in STORE_SYSTEMS else "")
         if r.skipped is not None:
-            lines.append(f"| {r.system} | not installed: {r.skipped} | - | - | - | - |")
+            lines.append(f"| {name} | not installed: {r.skipped} | - | - | - | - | - | - |")
         else:
             lines.append(
-                f"| {r.system} | {r.steps_per_s:,.0f} | {r.of_bound:.2f} | {r.vs_best_gym:.2f} "
-                f"| {r.vs_best_peer:.2f} | {r.vs_envfleet_loop:.2f} |"
+                f"| {name} | {r.steps_per_s:,.0f} | {r.of_bound:.2f} "
+                f"| {r.of_schedule_bound:.2f} | {r.vs_best_gym:.2f} | {r.vs_best_peer:.2f} "
+                f"| {r.vs_envfleet_loop:.2f} | {r.vs_envfleet_store:.2f} |"
             )
+    if any(r.system in STORE_SYSTEMS for r in report.results):
+        lines += [
+            "",
+            "The loop a learner writes (*-store): the system's plain loop, also writing each "
+            "step's observations, actions, rewards and dones into preallocated [T, N, ...] "
+            f"arrays (T = {ROLLOUT_STEPS}, CleanRL's rollout); vs envfleet store: steps/s over "
+            "envfleet-store's in the same repetition",
+        ]
     chosen = [(r.system, note) for r in report.results for note in dict.fromkeys(r.notes)]
     if chosen:
         lines.append("")
@@ -314,15 +557,20 @@ def policy_table(report: PolicyLoopReport) -> str:
     return "\n".join(lines) + "\n"
 
 
+#: How the table marks a storing loop.
+_LEARNER_MARK = "(the loop a learner writes)"
+
+
 def measure_bound(
     workload: Any, *, seed: int = 0, seconds: float = 0.5, device: str = "cpu"
 ) -> PolicyBound:
-    """Measure ``T_p`` and ``t_env`` of a workload and its overlap bound.
+    """Measure ``T_p(n)`` and ``t_env`` of a workload, and its overlap and schedule bounds.
 
-    ``T_p``: the median time of the policy on a batch of ``num_envs`` observations (one
-    env's reset observation repeated), over about ``seconds``. ``t_env``: one env stepped in a
-    plain loop with random actions drawn in advance (reset at each episode's end) for about
-    ``seconds``, its seconds per step.
+    ``T_p(n)``, for each ``n`` of :func:`schedule_sizes` (``N``, ``N // 2``, ``N // 4``): the
+    median time of the policy on a batch of ``n`` observations (one env's reset observation
+    repeated), over about ``seconds`` each, after a few untimed calls. ``t_env``: one env
+    stepped in a plain loop with random actions drawn in advance (reset at each episode's end)
+    for about ``seconds``, its seconds per step.
 
     Raises:
         ConfigError: torch missing. BenchError: the env failed.
@@ -335,17 +583,9 @@ def measure_bound(
         obs, _ = env.reset(seed=seed)
         policy = TorchPolicy(workload.policy, env.observation_space, env.action_space, seed, device)
         batch = np.repeat(np.asarray(obs)[None], workload.num_envs, axis=0)
-        times: list[float] = []
-        deadline = time.perf_counter() + seconds
-        for i in range(1_000_000):
-            t0 = time.perf_counter()
-            policy(batch)
-            t1 = time.perf_counter()
-            if i >= 3:  # warm-up calls
-                times.append(t1 - t0)
-            if t1 >= deadline and len(times) >= 5:
-                break
-        t_policy = _median(times)
+        t_policy_by_n = {
+            n: _policy_time(policy, batch[:n], seconds) for n in schedule_sizes(workload.num_envs)
+        }
         env.action_space.seed(seed)
         bank = [env.action_space.sample() for _ in range(ACTION_BANK)]
         steps = 0
@@ -367,9 +607,36 @@ def measure_bound(
     finally:
         env.close()
     cores = usable_cores()
+    n = workload.num_envs
+    t_policy = t_policy_by_n[n]
+    structures = schedule_structures(n, t_policy_by_n, t_env, cores)
+    best, structure = schedule_bound(n, t_policy_by_n, t_env, cores)
     return PolicyBound(
-        t_policy, t_env, cores, overlap_bound(workload.num_envs, t_policy, t_env, cores)
+        t_policy,
+        t_env,
+        cores,
+        overlap_bound(n, t_policy, t_env, cores),
+        t_policy_by_n,
+        best,
+        structure,
+        structures,
     )
+
+
+def _policy_time(policy: Callable[[Any], Any], batch: np.ndarray, seconds: float) -> float:
+    """The median seconds of ``policy(batch)`` over about ``seconds`` (at least 5 timed calls),
+    after 3 untimed ones."""
+    times: list[float] = []
+    deadline = time.perf_counter() + seconds
+    for i in range(1_000_000):
+        t0 = time.perf_counter()
+        policy(batch)
+        t1 = time.perf_counter()
+        if i >= 3:  # warm-up calls
+            times.append(t1 - t0)
+        if t1 >= deadline and len(times) >= 5:
+            break
+    return _median(times)
 
 
 def _median(values: Sequence[float]) -> float:
@@ -385,10 +652,17 @@ def _has_puffer() -> bool:
 
 
 def _measure_loop(
-    workload: Any, system: str, seconds: float, warmup_s: float, seed: int, device: str = "cpu"
+    workload: Any,
+    system: str,
+    seconds: float,
+    warmup_s: float,
+    seed: int,
+    device: str = "cpu",
+    t_policy_by_n: Mapping[int, float] | None = None,
 ) -> tuple[float, str]:
     """Env steps per second of one system's learner loop on ``workload``, and what the
-    system said of itself ("" when nothing)."""
+    system said of itself ("" when nothing; ``t_policy_by_n``, the bound's ``T_p(n)``, goes
+    into the default Sampler's report)."""
     n = workload.num_envs
     factory = workload.factory()
     probe = factory()
@@ -402,7 +676,7 @@ def _measure_loop(
     finished = False
     try:
         try:
-            advance = _loop(system, factory, n, policy, seed, closers, notes)
+            advance = _loop(system, factory, n, policy, seed, closers, notes, t_policy_by_n)
         except ConfigError:
             raise
         except Exception as exc:
@@ -447,18 +721,23 @@ def _loop(
     seed: int,
     closers: list[Callable[[], None]],
     notes: list[str],
+    t_policy_by_n: Mapping[int, float] | None = None,
 ) -> Callable[[], int]:
     """Build ``system`` and return its loop's one iteration (returning env steps taken);
     what must be closed goes into ``closers``, what it says of itself into ``notes`` (when
-    it is closed)."""
-    if system in ("gym-sync", "gym-async", "envfleet"):
+    it is closed: the default Sampler's report, its schedule bound from ``t_policy_by_n``,
+    see :func:`_sampler_note`)."""
+    plain = system.removesuffix("-store")
+    if plain in ("gym-sync", "gym-async", "envfleet"):
         envs: Any
-        if system == "envfleet":
+        if plain == "envfleet":
             envs = envfleet.make(factory, n)
-        elif system == "gym-sync":
+        elif plain == "gym-sync":
             envs = gymnasium.vector.SyncVectorEnv([factory] * n)
         else:
             envs = gymnasium.vector.AsyncVectorEnv([factory] * n)
+        if system in STORE_SYSTEMS:
+            return _StoringLoop(envs, n, policy, seed, closers)
         return _plain_loop(envs, n, policy, seed, closers)
     if system == "envfleet-pool":
         batch = max(1, n // 2)
@@ -481,9 +760,8 @@ def _loop(
         chunk = n * 64
         while sampler.report().choice == "calibrating":  # the default's calibration: untimed
             sampler.sample(chunk)
-        if inference == "auto":
-            report = sampler.report()
-            closers.append(lambda: notes.append(f"{report.inference} inference, {report.choice}"))
+        if inference == "auto":  # its report at the end, before it closes
+            closers.append(lambda: notes.append(_sampler_note(sampler.report(), t_policy_by_n)))
         closers.append(sampler.close)
 
         def sample() -> int:
@@ -491,6 +769,23 @@ def _loop(
 
         return sample
     return _puffer_loop(system, factory, n, policy, seed, closers)
+
+
+def _sampler_note(report: envfleet.SamplerReport, t_policy_by_n: Mapping[int, float] | None) -> str:
+    """What the default Sampler says of itself: the inference its calibration chose and why,
+    and, given ``T_p(n)`` (``t_policy_by_n``), its report with the schedule bound filled in
+    (:meth:`envfleet.SamplerReport.with_schedule_bound`; the bound from those times and the
+    report's own ``t_env`` and cores): its steps/s over the whole run and their fraction of it."""
+    note = f"{report.inference} inference, {report.choice}"
+    if not t_policy_by_n or not report.t_env_s > 0:  # no curve, or no t_env measured (nan)
+        return note
+    best, structure = schedule_bound(report.num_envs, t_policy_by_n, report.t_env_s, report.cores)
+    report = report.with_schedule_bound(dict(t_policy_by_n), best, structure)
+    return (
+        f"{note}; its report: {report.steps_per_s:,.0f} steps/s, "
+        f"{report.of_schedule_bound:.2f} of the schedule bound {best:,.0f} ({structure}) "
+        f"by its own t_env {report.t_env_s * 1e6:,.1f} us"
+    )
 
 
 def _plain_loop(
@@ -514,6 +809,63 @@ def _plain_loop(
         return resets.taken(every, terminated, truncated)
 
     return plain
+
+
+class _StoringLoop:
+    """The storing plain loop's iteration (the loop a learner writes, CleanRL's rollout) over a
+    vector env ``envs`` of ``n`` envs (reset with ``seed`` here; its ``close`` goes into
+    ``closers``): each step writes the observations the policy saw, its actions, the rewards
+    and the dones (``terminated | truncated``) into row ``t`` of preallocated arrays, then
+    ``t`` moves on, wrapping around after ``steps`` rows. Calling it returns the transitions
+    taken, counted as :func:`_plain_loop` counts them.
+
+    Attributes:
+        obs: ``[steps, n, *obs_shape]``, the observations' dtype.
+        actions: ``[steps, n, *action_shape]``, the policy's dtype.
+        rewards: ``[steps, n]`` float32.
+        dones: ``[steps, n]`` bool.
+        t: the row the next step writes.
+    """
+
+    def __init__(
+        self,
+        envs: Any,
+        n: int,
+        policy: Callable[[Any], Any],
+        seed: int,
+        closers: list[Callable[[], None]],
+        steps: int = ROLLOUT_STEPS,
+    ):
+        closers.append(envs.close)
+        self.envs, self.policy = envs, policy
+        self.next_obs = envs.reset(seed=seed)[0]
+        first = np.asarray(self.next_obs)
+        actions = np.asarray(policy(first))  # its shape and dtype, before any timed step
+        self.obs = _zeros((steps, *first.shape), first.dtype)
+        self.actions = _zeros((steps, *actions.shape), actions.dtype)
+        self.rewards = _zeros((steps, n), np.float32)
+        self.dones = _zeros((steps, n), np.bool_)
+        self.t = 0
+        self.every, self.resets = np.arange(n), _Resets(n)
+
+    def __call__(self) -> int:
+        t = self.t
+        self.obs[t] = self.next_obs
+        actions = self.policy(self.next_obs)
+        self.actions[t] = actions
+        self.next_obs, rewards, terminated, truncated = self.envs.step(actions)[:4]
+        self.rewards[t] = rewards
+        np.logical_or(terminated, truncated, out=self.dones[t])
+        self.t = t + 1 if t + 1 < len(self.obs) else 0
+        return self.resets.taken(self.every, terminated, truncated)
+
+
+def _zeros(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+    """A zeroed array whose pages are written now (as ``torch.zeros`` writes them), so that no
+    step of a timed window is the first to touch one."""
+    out = np.empty(shape, dtype)
+    out.fill(0)
+    return out
 
 
 class _Resets:
@@ -540,19 +892,21 @@ def _puffer_loop(
     closers: list[Callable[[], None]],
 ) -> Callable[[], int]:
     """PufferLib 3's ``Multiprocessing`` vector env: ``puffer-sync``, one worker stepped in a
-    plain loop; ``puffer-async``, two workers (when ``n`` is even), ``recv``/``send`` of half
-    the envs."""
+    plain loop (``puffer-sync-store``: the storing one, :class:`_StoringLoop`);
+    ``puffer-async``, two workers (when ``n`` is even), ``recv``/``send`` of half the envs."""
     import functools
 
     import pufferlib.emulation
     import pufferlib.vector
 
     creator = functools.partial(pufferlib.emulation.GymnasiumPufferEnv, env_creator=factory)
-    if system == "puffer-sync":
+    if system in ("puffer-sync", "puffer-sync-store"):
         venv = pufferlib.vector.make(
             creator, num_envs=n, num_workers=1, batch_size=n,
             backend=pufferlib.vector.Multiprocessing,
         )  # fmt: skip
+        if system == "puffer-sync-store":
+            return _StoringLoop(venv, n, policy, seed, closers)
         return _plain_loop(venv, n, policy, seed, closers)
     workers = 2 if n % 2 == 0 else 1
     batch = n // workers
