@@ -361,7 +361,7 @@ def _check_recycle(
     num_envs: Any,
     replay_steps: int,
     driver_envs: int | None,
-) -> int:
+) -> int | None:
     """Check ``recycle=`` against the other arguments; returns ``driver_envs`` (0 on
     processes; Ray has none)."""
     if not isinstance(recycle, Recycle):
