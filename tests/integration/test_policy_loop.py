@@ -35,6 +35,7 @@ from envfleet.bench import (
     require_torch,
     schedule_bound,
     schedule_sizes,
+    schedule_splits,
     schedule_structures,
     usable_cores,
     workers_bound,
@@ -82,6 +83,23 @@ def test_schedule_sizes_halve_and_quarter_the_batch():
         schedule_sizes(0)
 
 
+def test_many_cores_add_a_worker_per_core_to_the_splits():
+    """On 16 cores a loop can run the policy in 8 workers of one Pong env each: the bound
+    takes that structure (a Sampler's worker inference on 16 cores ran it, above a bound of
+    2 and 4 workers only)."""
+    assert schedule_splits(16, cores=16) == (2, 4, 8, 16)
+    assert schedule_splits(8, cores=16) == (2, 4, 8)
+    assert schedule_splits(16, cores=2) == (2, 4)
+    assert schedule_sizes(8, cores=16) == (8, 4, 2, 1)
+    # A CNN whose time is proportional to its batch, 1 ms of env: 8 workers of one env win.
+    times = {8: 6.4e-3, 4: 3.2e-3, 2: 1.6e-3, 1: 0.8e-3}
+    best, structure = schedule_bound(8, times, 1e-3, 16)
+    assert structure == "policy in each of 8 workers"
+    assert best == pytest.approx(8 / 1.8e-3)
+    with pytest.raises(ConfigError, match="missing at batch sizes \\[1\\]"):
+        schedule_bound(8, {8: 1e-3, 4: 1e-3, 2: 1e-3}, 1e-3, 16)
+
+
 def test_each_structure_on_hand_computed_numbers():
     # One call: T_p(16) = 100 us, then 16 * 1 us over 2 cores: 108 us a cycle.
     assert one_call_bound(16, 100e-6, 1e-6, 2) == pytest.approx(16 / 108e-6)
@@ -124,19 +142,21 @@ def test_schedule_bound_a_policy_whose_cost_does_not_shrink_is_best_in_one_call(
 
 
 def test_schedule_bound_a_policy_cost_proportional_to_n_on_many_cores_is_best_in_workers():
-    t_policy = {n: 10e-6 * n for n in (16, 8, 4)}
+    t_policy = {n: 10e-6 * n for n in (16, 8, 4, 2)}  # 8 cores: up to 8 groups or workers
     structures = schedule_structures(16, t_policy, 1e-6, 8)
     assert structures == pytest.approx(
         {
             "one call": 16 / 162e-6,  # 160 + 16 / 8
             "2 groups alternating": 16 / 160e-6,  # max(2 * 80, (160 + 16) / 8)
             "4 groups alternating": 16 / 160e-6,  # max(4 * 40, (160 + 16) / 8)
+            "8 groups alternating": 16 / 160e-6,  # max(8 * 20, (160 + 16) / 8)
             "policy in each of 2 workers": 16 / 88e-6,  # max(80 + 8, 22)
             "policy in each of 4 workers": 16 / 44e-6,  # max(40 + 4, 22)
+            "policy in each of 8 workers": 16 / 22e-6,  # max(20 + 2, 22)
         }
     )
     best, structure = schedule_bound(16, t_policy, 1e-6, 8)
-    assert structure == "policy in each of 4 workers" and best == pytest.approx(16 / 44e-6)
+    assert structure == "policy in each of 8 workers" and best == pytest.approx(16 / 22e-6)
     # The overlap bound keeps the policy's batch whole, on one core: the schedule passes it.
     overlap = overlap_bound(16, 160e-6, 1e-6, 8)
     assert overlap == pytest.approx(16 / 160e-6) and overlap < best

@@ -98,6 +98,7 @@ from envfleet.bench._policy_loop import (
     policy_table,
     schedule_bound,
     schedule_sizes,
+    schedule_splits,
     schedule_structures,
     workers_bound,
 )
@@ -168,6 +169,7 @@ __all__ = [
     "run_bench",
     "schedule_bound",
     "schedule_sizes",
+    "schedule_splits",
     "schedule_structures",
     "timed_loop",
     "unavailable",

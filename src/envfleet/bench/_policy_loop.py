@@ -44,6 +44,7 @@ __all__ = [
     "policy_table",
     "schedule_bound",
     "schedule_sizes",
+    "schedule_splits",
     "schedule_structures",
     "workers_bound",
 ]
@@ -201,9 +202,25 @@ def workers_bound(
 _SPLITS = (2, 4)
 
 
-def schedule_sizes(num_envs: int) -> tuple[int, ...]:
+def schedule_splits(num_envs: int, cores: int = 1) -> tuple[int, ...]:
+    """The ``k`` of the split structures (``k`` groups, ``k`` workers): 2 and 4, and the
+    larger powers of two up to ``cores`` (a worker per core: on 16 cores, 8 workers of one
+    Pong env each are a structure a loop takes), each at most ``N``.
+
+    Example::
+
+        schedule_splits(16, cores=16)  # (2, 4, 8, 16)
+    """
+    splits, k = [], 2
+    while k <= num_envs and (k in _SPLITS or k <= cores):
+        splits.append(k)
+        k *= 2
+    return tuple(splits)
+
+
+def schedule_sizes(num_envs: int, cores: int = 1) -> tuple[int, ...]:
     """The batch sizes at which the schedule bound needs the policy's time: ``N`` and
-    ``N // k`` for ``k`` in 2, 4 where ``k <= N`` (distinct, largest first).
+    ``N // k`` for each ``k`` of :func:`schedule_splits` (distinct, largest first).
 
     A ``k`` that does not divide ``N`` takes the smaller groups' size, so that the bound stays
     one: a cycle's calls on groups of unequal sizes take at least ``k`` calls on the smaller.
@@ -214,7 +231,7 @@ def schedule_sizes(num_envs: int) -> tuple[int, ...]:
     """
     if num_envs < 1:
         raise ConfigError(f"num_envs must be >= 1, got {num_envs}")
-    sizes = [num_envs] + [num_envs // k for k in _SPLITS if k <= num_envs]
+    sizes = [num_envs] + [num_envs // k for k in schedule_splits(num_envs, cores)]
     return tuple(dict.fromkeys(sizes))
 
 
@@ -225,7 +242,7 @@ def schedule_structures(
 
     The structures, in this order: ``"one call"`` (:func:`one_call_bound`), ``"k groups
     alternating"`` (:func:`groups_bound`) and ``"policy in each of k workers"``
-    (:func:`workers_bound`) for ``k`` in 2, 4 where ``k <= N``.
+    (:func:`workers_bound`) for each ``k`` of :func:`schedule_splits`.
 
     Args:
         num_envs: envs per batch (``N``).
@@ -238,18 +255,17 @@ def schedule_structures(
         ConfigError: a size of :func:`schedule_sizes` missing from ``t_policy_by_n``, or as
             the structures' functions.
     """
-    missing = [n for n in schedule_sizes(num_envs) if n not in t_policy_by_n]
+    missing = [n for n in schedule_sizes(num_envs, cores) if n not in t_policy_by_n]
     if missing:
         raise ConfigError(f"the policy's time is missing at batch sizes {missing}")
     out = {"one call": one_call_bound(num_envs, t_policy_by_n[num_envs], t_env, cores)}
-    for k in _SPLITS:
-        if k <= num_envs:
-            t = t_policy_by_n[num_envs // k]
-            out[f"{k} groups alternating"] = groups_bound(num_envs, k, t, t_env, cores)
-    for k in _SPLITS:
-        if k <= num_envs:
-            t = t_policy_by_n[num_envs // k]
-            out[f"policy in each of {k} workers"] = workers_bound(num_envs, k, t, t_env, cores)
+    splits = schedule_splits(num_envs, cores)
+    for k in splits:
+        t = t_policy_by_n[num_envs // k]
+        out[f"{k} groups alternating"] = groups_bound(num_envs, k, t, t_env, cores)
+    for k in splits:
+        t = t_policy_by_n[num_envs // k]
+        out[f"policy in each of {k} workers"] = workers_bound(num_envs, k, t, t_env, cores)
     return out
 
 
@@ -285,7 +301,7 @@ class PolicyBound:
         cores: cores this process may use.
         steps_per_s: the overlap bound, env steps per second.
         t_policy_by_n: median seconds of the policy on a batch of ``n`` observations, for each
-            ``n`` of :func:`schedule_sizes` (``N``, ``N // 2``, ``N // 4``); ``n = N`` is
+            ``n`` of :func:`schedule_sizes` (``N``, ``N // 2``, ``N // 4``...); ``n = N`` is
             ``t_policy_s``.
         schedule_steps_per_s: the schedule bound, env steps per second.
         schedule_structure: the structure that attains it (a key of ``structures``).
@@ -583,9 +599,8 @@ def measure_bound(
         obs, _ = env.reset(seed=seed)
         policy = TorchPolicy(workload.policy, env.observation_space, env.action_space, seed, device)
         batch = np.repeat(np.asarray(obs)[None], workload.num_envs, axis=0)
-        t_policy_by_n = {
-            n: _policy_time(policy, batch[:n], seconds) for n in schedule_sizes(workload.num_envs)
-        }
+        sizes = schedule_sizes(workload.num_envs, usable_cores())
+        t_policy_by_n = {n: _policy_time(policy, batch[:n], seconds) for n in sizes}
         env.action_space.seed(seed)
         bank = [env.action_space.sample() for _ in range(ACTION_BANK)]
         steps = 0
