@@ -268,6 +268,8 @@ class SamplerRollouts:
             kwargs["inference"] = args.inference
         if args.backend is not None:
             kwargs["backend"] = args.backend
+        if args.prefetch:  # collect the next batch during the update (one version behind)
+            kwargs["prefetch"] = True
         self.sampler = envfleet.Sampler(
             env_factory(args.env_id),
             policy,
@@ -427,6 +429,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--inference", default=None, help="Sampler inference mode (default: the Sampler's own)"
     )
     parser.add_argument("--backend", default=None, help="envfleet backend (default: make's)")
+    parser.add_argument(
+        "--prefetch",
+        action="store_true",
+        help="envfleet: collect the next batch during the update (Sampler(prefetch=True))",
+    )
     parser.add_argument("--lr", type=float, default=2.5e-4)
     parser.add_argument("--anneal-lr", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--epochs", type=int, default=4)

@@ -197,6 +197,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--backend", default="serial", help="envfleet backend of the envs")
     parser.add_argument("--inference", default="driver", choices=["driver"])
+    parser.add_argument(
+        "--prefetch",
+        action="store_true",
+        help="collect the next batch during the update (Sampler(prefetch=True)): PPO then "
+        "learns from steps one policy version behind, their log-probabilities recorded",
+    )
     parser.add_argument("--target", type=float, default=475.0)
     parser.add_argument("--criterion", default="train", choices=["train", "eval"])
     parser.add_argument("--eval-episodes", type=int, default=10)
@@ -252,6 +258,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         seed=args.seed,
         backend=args.backend,
         progress=False,
+        prefetch=args.prefetch,
     )
     steps = 0
     start = time.perf_counter()

@@ -103,6 +103,19 @@ def test_ppo_cartpole_runs(ppo, criterion):
         )
 
 
+def test_ppo_cartpole_learns_from_steps_collected_during_the_update(ppo):
+    """``--prefetch``: the same budget, every update after the first learning from the batch
+    collected during the one before (one version behind): it runs, and reproducibly."""
+    argv = [
+        *("--num-envs", "4", "--steps-per-update", "64", "--total-steps", "1024"),
+        *("--epochs", "2", "--target", "1e9", "--seed", "3", "--quiet", "--prefetch"),
+    ]
+    result = ppo.main(argv)
+    assert (result["steps"], result["updates"]) == (1024, 4)
+    assert result["episodes"] > 0
+    assert ppo.main(argv)["train_return"] == result["train_return"]
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("criterion", ["eval", "train"])
@@ -177,6 +190,14 @@ ATARI_SMOKE = [
     *("--num-envs", "2", "--num-steps", "16", "--total-steps", "64"),
     *("--seed", "5", "--log-every", "0"),
 ]
+
+
+@pytest.mark.atari
+def test_ppo_atari_prefetch_smoke(ppo_atari):
+    """``--prefetch``: the second update learns from the batch collected during the first."""
+    result = ppo_atari.main([*ATARI_SMOKE, "--vector", "envfleet", "--prefetch"])
+    assert (result["steps"], result["updates"]) == (64, 2)
+    assert all(math.isfinite(x) for x in result["losses"])
 
 
 @pytest.mark.atari

@@ -75,7 +75,7 @@ class DriverInference(Inference):
         current = 0
         while current < num_steps:
             _, versions, _ = self.step(policy, recorder)
-            n = int(np.count_nonzero(versions == self.stats.policy_version))
+            n = int(np.count_nonzero(versions == self.version()))
             current += n
             advance(n)
         batch = recorder.build()
@@ -98,7 +98,7 @@ class DriverInference(Inference):
             ended).
         """
         venv = self.venv
-        version = self.stats.policy_version
+        version = self.version()
         if not venv.is_pool:
             assert isinstance(recorder, StepLog)
             self.obs, done = step_and_record(

@@ -257,6 +257,15 @@ class Inference(abc.ABC):
         self.keep_stale = keep_stale
         self.seed = seed
         self.started = False  # the envs were reset once (with ``seed``)
+        # While the sampler collects ahead (``prefetch``): the version its steps carry, that
+        # of the policy copy they are chosen with, whatever update comes meanwhile.
+        self.frozen_version: int | None = None
+
+    def version(self) -> int:
+        """The policy version the steps sampled now carry: the current one, or while
+        collecting ahead, the one that collection began with."""
+        frozen = self.frozen_version
+        return self.stats.policy_version if frozen is None else frozen
 
     def restart_envs(self) -> None:
         """Reset every env: with ``seed`` the first time, after that continuing each env's
@@ -301,7 +310,10 @@ class Inference(abc.ABC):
 
     def keep_current(self, batch: EpisodeBatch) -> EpisodeBatch:
         """``batch`` without the steps of older policy versions (counted), or with them
-        (``keep_stale``, counted too)."""
+        (``keep_stale``, counted too); while collecting ahead, ``batch`` as it is (the
+        sampler keeps what it returns when it is asked for it)."""
+        if self.frozen_version is not None:
+            return batch
         current = batch.policy_version == self.stats.policy_version
         if current.all():
             return batch

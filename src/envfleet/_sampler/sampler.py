@@ -24,11 +24,14 @@ Every step is tagged with the version of the policy that chose its action. After
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
+import copy
 import dataclasses
 import logging
 import numbers
 import os
+import random
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -136,6 +139,44 @@ class _ApplyToEnvs:
 # -- the sampler -----------------------------------------------------------------------------
 
 
+def _no_progress(n: int) -> None:
+    """The progress callback of a batch collected in the background (none is shown)."""
+
+
+_GENERATORS: tuple[type, ...] = (np.random.Generator, np.random.RandomState, random.Random)
+
+
+def _generators(value: Any, found: dict[int, Any], depth: int = 0) -> None:
+    """The random generators among ``value``'s attributes, items and their own (a few
+    levels down), by id into ``found``."""
+    torch = sys.modules.get("torch")
+    kinds = _GENERATORS if torch is None else (*_GENERATORS, torch.Generator)
+    if isinstance(value, kinds):
+        found[id(value)] = value
+        return
+    if depth >= 4:
+        return
+    if isinstance(value, dict):
+        children: Any = value.values()
+    elif isinstance(value, (list, tuple)):
+        children = value
+    else:
+        children = getattr(value, "__dict__", {}).values()
+    for child in children:
+        if isinstance(child, (dict, list, tuple, *kinds)) or hasattr(child, "__dict__"):
+            _generators(child, found, depth + 1)
+
+
+def behaviour_copy(policy: Any) -> Any:
+    """A copy of ``policy`` to collect ahead with (``copy.deepcopy``: its parameters as they
+    are now) that shares its random generators (numpy, ``random``, torch generators among
+    its attributes), so the random stream goes on from one batch to the next as without
+    ``prefetch``."""
+    memo: dict[int, Any] = {}
+    _generators(policy, memo)
+    return copy.deepcopy(policy, memo)
+
+
 @dataclasses.dataclass
 class SamplerSnapshot:
     """A :class:`Sampler`'s state between two ``sample`` calls (:meth:`Sampler.snapshot`).
@@ -154,6 +195,8 @@ class SamplerSnapshot:
             included), the observations it acts on next, the policy update not yet sent, and
             a background round's rollouts; ``None`` for driver inference.
         reason: why ``inference="auto"`` chose that inference ("as asked" otherwise).
+        ahead: with ``prefetch``, the batch collected ahead, which the next ``sample``
+            returns first (``None`` without).
     """
 
     vector_env: Snapshot
@@ -163,6 +206,7 @@ class SamplerSnapshot:
     seed: int | None = None
     workers: WorkerInferenceState | None = None
     reason: str = "as asked"
+    ahead: EpisodeBatch | None = None
 
 
 class Sampler:
@@ -215,6 +259,19 @@ class Sampler:
         background: ``"worker"`` only: keep stepping between :meth:`sample` calls (one round of
             ``segment_length`` steps ahead), as asynchronous actors do; default ``False``: the
             workers step only during sampling.
+        prefetch: collect the next batch while the learner updates (Sample Factory's and
+            IMPALA's way; APPO learns from it): once :meth:`sample` returns, a thread of this
+            process samples as many steps again with a copy of the policy as it is then
+            (``copy.deepcopy``, sharing the random generators it holds, numpy's, torch's or
+            ``random``'s, so that its random stream goes on; its version), which the next
+            :meth:`sample` returns, then tops up with the current policy if it asked for
+            more. Every step keeps the version
+            that chose it (``policy_version``) and its agent infos (log-probabilities), so the
+            learner uses it or drops it: steps one version behind are returned (counted in
+            :attr:`stats` ``stale_steps_kept``), older ones as ``keep_stale`` says. Driver or
+            worker inference over a synchronous vector env (``"auto"``: once calibrated);
+            not with ``background`` or a first-ready pool. What it buys depends on a free
+            core during the update (torch on one thread, or the update on a GPU).
         progress: a progress bar (rich) on :meth:`sample`: ``None``: when stderr is a
             terminal and ``num_steps >= 10_000``; ``True``/``False``: always/never.
         env_kwargs, context: as :func:`envfleet.make`.
@@ -259,6 +316,7 @@ class Sampler:
         keep_stale: bool = False,
         segment_length: int = 64,
         background: bool = False,
+        prefetch: bool = False,
         progress: bool | None = None,
         env_kwargs: dict[str, Any] | None = None,
         context: str | None = None,
@@ -302,6 +360,24 @@ class Sampler:
         self._sampled = 0  # steps sample() returned
         if inference != "worker" and background:
             raise ConfigError("background is an option of inference='worker'")
+        self._prefetch = bool(prefetch)
+        self._ahead: concurrent.futures.Future[EpisodeBatch] | None = None  # collecting ahead
+        self._ahead_of: Inference | None = None  # the inference collecting it
+        self._pending: EpisodeBatch | None = None  # collected ahead, for the next sample()
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        if prefetch:
+            if background:
+                raise ConfigError("prefetch collects ahead itself: leave background False")
+            if make_kwargs.get("batch_size") not in (None, self.num_envs):
+                raise ConfigError(
+                    "prefetch is for a synchronous vector env, not a first-ready pool"
+                )
+            try:
+                copy.deepcopy(policy)
+            except Exception as exc:
+                raise ConfigError(
+                    f"prefetch samples with a copy of the policy (copy.deepcopy): {exc}"
+                ) from exc
         why_not_worker = ""
         recycle = make_kwargs.get("recycle") is not None
         if inference == "worker" and recycle:
@@ -420,6 +496,7 @@ class Sampler:
                 :meth:`envfleet.FleetVectorEnv.snapshot`.
         """
         self._check_open()
+        self._join_ahead()  # its batch travels in the snapshot
         inference = self._inference
         reason = "as asked"
         if isinstance(inference, AutoInference):
@@ -440,12 +517,12 @@ class Sampler:
             workers = inference.snapshot()  # first: it collects a background round
             return SamplerSnapshot(
                 self._venv.snapshot(), None, dataclasses.replace(self.stats), "worker",
-                self.seed, workers, reason,
+                self.seed, workers, reason, self._pending,
             )  # fmt: skip
         assert isinstance(inference, DriverInference)
         return SamplerSnapshot(
             self._venv.snapshot(), tree_copy(inference.obs), dataclasses.replace(self.stats),
-            "driver", self.seed, None, reason,
+            "driver", self.seed, None, reason, self._pending,
         )  # fmt: skip
 
     @property
@@ -493,7 +570,10 @@ class Sampler:
         num_steps = _integer(num_steps, "num_steps", InvalidArgumentError)
         t0 = time.perf_counter()
         with self._progress(int(num_steps)) as advance:
-            batch = self._inference.sample(self._runnable(), int(num_steps), advance)
+            if self._prefetch or self._pending is not None:
+                batch = self._sample_ahead(int(num_steps), advance)
+            else:
+                batch = self._inference.sample(self._runnable(), int(num_steps), advance)
         self._sampled += batch.num_steps  # env steps (the report's steps/s)
         batch = self._per_agent(batch)
         self._sample_s += time.perf_counter() - t0
@@ -546,6 +626,7 @@ class Sampler:
         """
         self._check_open()
         n_per_worker = _integer(n_per_worker, "n_per_worker", InvalidArgumentError)
+        self._join_ahead()  # what was collected ahead stays for the next sample()
         batch = self._per_agent(self._inference.episodes(self._runnable(), int(n_per_worker)))
         self.stats.steps_returned += batch.num_steps
         return batch
@@ -609,6 +690,10 @@ class Sampler:
         self._check_open()
         apply = self._env_update(update)
         version = self.stats.env_version + 1
+        self._join_ahead()
+        if self._pending is not None:  # stepped before the update: dropped
+            self.stats.env_update_steps_dropped += self._pending.num_steps
+            self._pending = None
         self._inference.settle()
         apply(self._venv, 0)
         self.stats.env_version = version
@@ -622,6 +707,11 @@ class Sampler:
         self._closed = True
         if os.getpid() != self._owner_pid:
             return  # a forked copy: the workers are the maker's, which keeps using them
+        if self._ahead is not None:  # what it collects goes with the sampler
+            with contextlib.suppress(Exception):
+                self._ahead.result(timeout=5.0 if timeout is None else timeout)
+        if self._executor is not None:
+            self._executor.shutdown(wait=False)
         self._inference.close(timeout)
 
     def __enter__(self) -> Sampler:
@@ -642,6 +732,72 @@ class Sampler:
         )
 
     # -- helpers ---------------------------------------------------------------------------
+
+    def _sample_ahead(self, num_steps: int, advance: Callable[[int], None]) -> EpisodeBatch:
+        """``sample`` with ``prefetch`` (or a snapshot's batch collected ahead): what was
+        collected ahead (its steps one version behind kept, older ones as ``keep_stale``
+        says), topped up with the current policy, then with ``prefetch`` the next batch
+        begun in the background."""
+        self._join_ahead()
+        out: list[EpisodeBatch] = []
+        got = 0
+        if self._pending is not None:
+            ahead, self._pending = self._keep_ahead(self._pending), None
+            out.append(ahead)
+            got = ahead.num_steps
+            advance(got)
+        if got < num_steps:
+            out.append(self._inference.sample(self._runnable(), num_steps - got, advance))
+        batch = EpisodeBatch.concatenate(*out)
+        if self._prefetch:
+            self._start_ahead(num_steps)
+        return batch
+
+    def _keep_ahead(self, batch: EpisodeBatch) -> EpisodeBatch:
+        """Steps collected ahead: those of the current version and of the one before it are
+        returned (the latter counted as stale, kept); older ones per ``keep_stale``."""
+        version = self.stats.policy_version
+        recent = batch.policy_version >= version - 1
+        stale = batch.policy_version < version
+        self.stats.stale_steps_kept += int(batch.lengths[stale & recent].sum())
+        if recent.all() or self.keep_stale:
+            self.stats.stale_steps_kept += int(batch.lengths[~recent].sum())
+            return batch
+        self.stats.stale_steps_dropped += int(batch.lengths[~recent].sum())
+        return batch.select(recent)
+
+    def _start_ahead(self, num_steps: int) -> None:
+        """Begin collecting the next ``num_steps`` in the background, with a copy of the
+        policy as it is now (its version frozen on the inference that samples)."""
+        inference = self._inference
+        if isinstance(inference, AutoInference):
+            if inference.chosen is None:
+                return  # calibrating: sample() steps in the foreground
+            inference = inference.active
+        policy = behaviour_copy(self._runnable())
+        inference.frozen_version = self.stats.policy_version
+        if self._executor is None:
+            self._executor = concurrent.futures.ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix="envfleet-prefetch"
+            )
+        self._ahead_of = inference
+        self._ahead = self._executor.submit(inference.sample, policy, num_steps, _no_progress)
+
+    def _join_ahead(self) -> None:
+        """Wait for the batch collected ahead, if any (kept for the next ``sample``).
+
+        Raises:
+            EnvError, EnvCrashedError, StepTimeoutError: as :meth:`sample`, from the envs
+                while collecting ahead.
+        """
+        ahead, inference = self._ahead, self._ahead_of
+        if ahead is None or inference is None:
+            return
+        self._ahead = self._ahead_of = None
+        try:
+            self._pending = ahead.result()
+        finally:
+            inference.frozen_version = None
 
     def _resume(self, state: SamplerSnapshot) -> None:
         """Continue ``state`` (the vector env was made with its ``Snapshot``): the inference's
@@ -666,6 +822,7 @@ class Sampler:
             inference.obs, inference.started = state.observations, True
         for name, value in vars(state.stats).items():
             setattr(self.stats, name, value)
+        self._pending = state.ahead
 
     def _runnable(self) -> Policy:
         """The policy as the inference runs it: over agent rows for a multi-agent env."""

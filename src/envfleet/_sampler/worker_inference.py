@@ -446,7 +446,7 @@ class WorkerInference(Inference):
 
     def requests(self, policy: Policy, steps: int, episodes: bool) -> dict[int, RoundRequest]:
         """Each worker's part of the next round, with what it lacks of the current policy."""
-        version = self.stats.policy_version
+        version = self.version()
         update = self.update
         requests = {}
         for w, had in enumerate(self.version_of):
@@ -516,7 +516,7 @@ class WorkerInference(Inference):
         kept = self.keep_current(batch)
         if kept.num_segments:
             out.append(kept)
-        return int(kept.lengths[kept.policy_version == self.stats.policy_version].sum())
+        return int(kept.lengths[kept.policy_version == self.version()].sum())
 
     def sample(
         self, policy: Policy, num_steps: int, advance: Callable[[int], None]
