@@ -136,8 +136,12 @@ def test_what_cannot_be_snapshotted_or_resumed_says_why(make_env: Any, tmp_path:
     with pytest.raises(envfleet.UnsupportedError, match="replay_steps > 0"):
         none.snapshot()
     pool = make_env("CartPole-v1", 2, backend="serial", batch_size=1)
-    with pytest.raises(envfleet.UnsupportedError, match="not a pool"):
+    with pytest.raises(envfleet.PoolStateError, match="async_reset"):
         pool.snapshot()
+    pool.async_reset(seed=0)  # two results wait for recv(): not for a synchronous vector env
+    waiting = pool.snapshot()
+    with pytest.raises(envfleet.ConfigError, match="resume it into a pool"):
+        envfleet.make("CartPole-v1", 2, backend="serial", resume=waiting)
     ok = make_env("CartPole-v1", 2, backend="serial")
     ok.reset(seed=0)
     state = ok.snapshot()
@@ -149,6 +153,77 @@ def test_what_cannot_be_snapshotted_or_resumed_says_why(make_env: Any, tmp_path:
     other.write_bytes(b"\x80\x04not one")
     with pytest.raises(envfleet.ReplayFileError, match="not an envfleet snapshot file"):
         envfleet.Snapshot.load(str(other))
+
+
+def _pool_run(envs: Any, rounds: int, counts: dict[int, int], seen: dict[int, list[Any]]) -> None:
+    """``rounds`` of recv -> send on a first-ready pool, each env's action a function of its
+    own step count (so that the order envs come in does not matter); each env's results in
+    ``seen`` (per env, in its own order)."""
+    for _ in range(rounds):
+        obs, rewards, terminated, truncated, info = envs.recv()
+        ids = info["env_id"]
+        for k, e in enumerate(ids.tolist()):
+            seen.setdefault(e, []).append(
+                (
+                    _digest(obs[k : k + 1])[0],
+                    float(rewards[k]),
+                    bool(terminated[k]),
+                    bool(truncated[k]),
+                )
+            )
+        actions = np.array(
+            [np.random.default_rng([e, counts.get(e, 0)]).integers(0, 2) for e in ids.tolist()]
+        )
+        for e in ids.tolist():
+            counts[e] = counts.get(e, 0) + 1
+        envs.send(actions, ids)
+
+
+@pytest.mark.parametrize("mode", [AutoresetMode.NEXT_STEP, AutoresetMode.SAME_STEP], ids=str)
+def test_a_first_ready_pool_resumes_with_its_results_waiting(
+    make_env: Any, mode: AutoresetMode
+) -> None:
+    """A pool of 6 envs (3 workers, ``batch_size=2``) snapshotted right after a send (envs in
+    flight: they finish first, their results wait in the snapshot), resumed on another
+    backend: every env goes on with the same results, whatever order they come in."""
+    kwargs: dict[str, Any] = {"batch_size": 2, "autoreset_mode": mode}
+    first = make_env("CartPole-v1", 6, backend="processes", num_workers=3, **kwargs)
+    first.async_reset(seed=5)
+    counts: dict[int, int] = {}
+    _pool_run(first, 150, counts, {})
+    state = pickle.loads(pickle.dumps(first.snapshot()))
+    assert state.pool is not None and len(state.pool.ready) >= 2
+    resumed_counts = dict(counts)
+    expected: dict[int, list[Any]] = {}
+    _pool_run(first, 150, counts, expected)
+    again = make_env("CartPole-v1", 6, backend="threads", num_workers=2, resume=state, **kwargs)
+    got: dict[int, list[Any]] = {}
+    _pool_run(again, 150, resumed_counts, got)
+    # Each env's results in its own order; the pools may interleave envs differently, so
+    # compare each env over the steps both saw.
+    for e in range(6):
+        n = min(len(expected.get(e, [])), len(got.get(e, [])))
+        assert n >= 20, (e, n)
+        assert got[e][:n] == expected[e][:n], e
+
+
+def test_a_pools_actions_sent_to_a_worker_not_yet_stepped_travel(make_env: Any) -> None:
+    """One worker of two envs, ``batch_size=1``: env 0 is sent its action while env 1's result
+    waits, so the worker has not stepped. The snapshot holds both; the resumed pool returns
+    env 1's result, then steps the worker once env 1 has its action too, as the first would."""
+    first = make_env("CartPole-v1", 2, backend="processes", num_workers=1, batch_size=1)
+    first.async_reset(seed=2)
+    counts: dict[int, int] = {}
+    _pool_run(first, 41, counts, {})
+    state = pickle.loads(pickle.dumps(first.snapshot()))
+    assert state.pool is not None and len(state.pool.sent) == 1 and len(state.pool.ready) == 1
+    resumed_counts = dict(counts)
+    expected: dict[int, list[Any]] = {}
+    _pool_run(first, 60, counts, expected)
+    again = make_env("CartPole-v1", 2, backend="serial", batch_size=1, resume=state)
+    got: dict[int, list[Any]] = {}
+    _pool_run(again, 60, resumed_counts, got)
+    assert got == expected
 
 
 def _pistonball() -> Any:
@@ -325,16 +400,45 @@ def test_a_multi_agent_samplers_snapshot_resumes_exactly(inference: str) -> None
     assert np.array_equal(got.agent_index, expected.agent_index)
 
 
-def test_a_sampler_snapshot_where_it_is_not_built_says_so() -> None:
-    pool = envfleet.Sampler(
-        "CartPole-v1", _lean, 4, inference="driver", backend="serial", batch_size=2
+def _per_env(batch: Any) -> dict[int, list[Any]]:
+    """Each env's steps in a batch, in its own order: (observation, action, reward)."""
+    out: dict[int, list[Any]] = {}
+    starts = np.concatenate([[0], np.cumsum(batch.lengths)[:-1]])
+    for seg, (start, n) in enumerate(zip(starts.tolist(), batch.lengths.tolist(), strict=True)):
+        rows = out.setdefault(int(batch.env_index[seg]), [])
+        for t in range(start, start + n):
+            obs = batch.observations[t].tobytes()
+            rows.append((obs, int(batch.actions[t]), float(batch.rewards[t])))
+    return out
+
+
+def test_a_samplers_snapshot_over_a_first_ready_pool_resumes_each_env() -> None:
+    """Driver inference over a pool (``batch_size=2`` of 6): the snapshot lets the envs in
+    flight finish and keeps each env's last observation, action and version; the resumed
+    sampler's envs go on as the first one's, whatever order they come in."""
+    kwargs: dict[str, Any] = {"inference": "driver", "batch_size": 2}
+    first = envfleet.Sampler(
+        "CartPole-v1", _lean, 6, seed=8, backend="processes", num_workers=3, **kwargs
     )
     try:
-        pool.sample(10)
-        with pytest.raises(envfleet.UnsupportedError, match="first-ready pool"):
-            pool.snapshot()
+        first.sample(300)
+        state = pickle.loads(pickle.dumps(first.snapshot()))
+        expected = _per_env(first.sample(600))
     finally:
-        pool.close()
+        first.close()
+    again = envfleet.Sampler("CartPole-v1", _lean, 6, backend="threads", resume=state, **kwargs)
+    try:
+        got = _per_env(again.sample(600))
+    finally:
+        again.close()
+    for e in range(6):
+        n = min(len(expected[e]), len(got[e]))
+        assert n >= 30 and got[e][:n] == expected[e][:n], e
+    with pytest.raises(envfleet.ConfigError, match="into a pool"):
+        envfleet.Sampler("CartPole-v1", _lean, 6, inference="driver", resume=state)
+
+
+def test_a_sampler_snapshot_where_it_is_not_built_says_so() -> None:
     driver = envfleet.Sampler("CartPole-v1", _lean, 2, inference="driver", backend="serial")
     try:
         with pytest.raises(envfleet.UnsupportedError, match="before the first sample"):

@@ -537,6 +537,9 @@ class Snapshot:
         done: per env, whether its last step ended its episode.
         steps: the vector env's ``step`` calls so far.
         seeds: per env, its last reset seed (for a restart policy's seeds).
+        pool: a first-ready pool's state (``envfleet._front.pool.PoolState``: the results
+            waiting for ``recv``, the actions sent to envs not yet stepped); ``None`` for a
+            synchronous vector env.
 
     ``save(path)`` writes it with a header; :meth:`load` checks the header before it
     unpickles. Load only files you made.
@@ -548,6 +551,7 @@ class Snapshot:
     done: list[bool]
     steps: int
     seeds: list[int | None]
+    pool: Any = None
 
     def save(self, path: str) -> None:
         """Write one file: a header, the format version, then the snapshot (pickled)."""
@@ -560,7 +564,8 @@ class Snapshot:
 
         Raises:
             ConfigError: not a :class:`Snapshot`; of another number of envs or autoreset
-                mode; a first-ready pool (``pool``).
+                mode; a pool's snapshot with results waiting for ``recv`` or actions not yet
+                stepped, into a synchronous vector env (``pool`` false).
         """
         if not isinstance(state, Snapshot):
             raise ConfigError(f"resume must be an envfleet.Snapshot, got {state!r}")
@@ -570,8 +575,12 @@ class Snapshot:
                 f"{state.autoreset_mode!r}; this vector env has {num_envs} in "
                 f"{autoreset_mode!r}"
             )
-        if pool:
-            raise ConfigError("resume= is for the synchronous vector env, not a pool")
+        taken = state.pool
+        if not pool and taken is not None and (taken.ready or taken.sent):
+            raise ConfigError(
+                "this snapshot of a first-ready pool has results waiting for recv() or "
+                "actions not yet stepped: resume it into a pool (batch_size)"
+            )
         return state
 
     @staticmethod

@@ -238,7 +238,8 @@ def make(  # type: ignore[misc]  # the overloads stand for its keyword arguments
         resume: an :class:`envfleet.Snapshot` (``envs.snapshot()``, from any backend and
             worker count, of the same ``num_envs`` and ``autoreset_mode``): the new vector
             env's envs are brought to where the snapshot's were, and its next ``step``
-            continues that run exactly (no ``reset`` first). Synchronous vector envs only.
+            continues that run exactly (no ``reset`` first); a first-ready pool's
+            (``batch_size``) returns the snapshot's results waiting for ``recv`` first.
 
     Returns:
         A :class:`FleetVectorEnv`, a ``gymnasium.vector.VectorEnv``; a

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import gymnasium
@@ -18,19 +19,48 @@ from gymnasium.vector.utils import create_empty_array
 
 from envfleet._backends.base import Backend
 from envfleet._core.buffers import fixed_leaf_flags, fixed_part, is_leaf, side_leaves
-from envfleet._core.errors import EnvError, InvalidArgumentError, PoolStateError
+from envfleet._core.errors import (
+    EnvError,
+    InvalidArgumentError,
+    PoolStateError,
+    UnsupportedError,
+)
 from envfleet._core.infos import batch_infos
 from envfleet._core.protocol import Command, ResetRequest
 from envfleet._core.trees import tree_scatter, tree_slice, tree_take
 from envfleet._front.checks import check_actions, check_env_ids, seeds_per_env
 from envfleet._front.results import ResultBuffers
 
-__all__ = ["IDLE", "READY", "RUNNING", "FirstReadyPool"]
+__all__ = ["IDLE", "READY", "RUNNING", "FirstReadyPool", "PoolState"]
 
 IDLE, RUNNING, READY = 0, 1, 2  # an env's state in the pool
 
 # The vector env's submit (FleetVectorEnv._submit): a command to the workers of ``payloads``.
 Submit = Callable[[Command, dict[int, Any]], None]
+
+
+@dataclass
+class PoolState:
+    """A first-ready pool's part of an :class:`envfleet.Snapshot`.
+
+    Attributes:
+        ready: the envs whose results wait for ``recv``, in the order it returns them.
+        observations, rewards, terminations, truncations: their results (rows in that
+            order).
+        infos: per ready env, the infos that come with its result.
+        sent: envs sent an action whose worker had not stepped yet (its other envs had
+            none).
+        actions: their actions (rows in that order).
+    """
+
+    ready: list[int]
+    observations: Any
+    rewards: np.ndarray
+    terminations: np.ndarray
+    truncations: np.ndarray
+    infos: dict[int, list[dict[str, Any]]]
+    sent: list[int]
+    actions: Any
 
 
 class FirstReadyPool:
@@ -216,36 +246,8 @@ class FirstReadyPool:
                 f"recv() returns {need} envs but only {in_flight} are running or ready; "
                 "send() actions to more envs first"
             )
-        ranges = self.backend.ranges
         while len(self._ready) < need:
-            try:
-                # The backend bounds each worker's time from its own send by ``timeout``.
-                results = self.backend.collect_ready(timeout, steps)
-            except EnvError as exc:
-                if not self.is_pool:
-                    # batch_size == num_envs: as for step(), the whole batch is lost and every
-                    # env awaits an action again.
-                    self.backend.drop_kept()
-                    self._in_flight.clear()
-                    self._ready.clear()
-                    self._ready_infos.clear()
-                    self.env_state[:] = IDLE
-                    raise
-                w = int(self._group_of[exc.env_index])
-                self.env_state[self._in_flight.pop(w, np.arange(*ranges[w]))] = IDLE
-                raise
-            if self.outputs.side_spaces:
-                results = self.outputs.take_side(results)
-            if not results:
-                continue
-            flying, ready_infos = self._in_flight, self._ready_infos
-            done = [flying.pop(w) for w in sorted(results)]
-            envs = done[0] if len(done) == 1 else np.concatenate(done)
-            self.env_state[envs] = READY
-            self._ready.extend(envs.tolist())
-            for events in results.values():  # an env's infos all come from its one worker
-                for index, info in events or ():
-                    ready_infos.setdefault(index, []).append(info)
+            self._collect(timeout, steps)
         popleft = self._ready.popleft
         ids_list = [popleft() for _ in range(need)]
         ids = np.array(ids_list, dtype=np.int32)
@@ -269,6 +271,99 @@ class FirstReadyPool:
         infos = batch_infos(events, need)
         infos["env_id"] = ids
         return obs, batch.rewards[ids], batch.terminations[ids], batch.truncations[ids], infos
+
+    def _collect(self, timeout: float | None, steps: int) -> None:
+        """Wait for the next envs to finish and queue them as ready, with their infos.
+
+        Raises: as :meth:`recv`."""
+        ranges = self.backend.ranges
+        try:
+            # The backend bounds each worker's time from its own send by ``timeout``.
+            results = self.backend.collect_ready(timeout, steps)
+        except EnvError as exc:
+            if not self.is_pool:
+                # batch_size == num_envs: as for step(), the whole batch is lost and every
+                # env awaits an action again.
+                self.backend.drop_kept()
+                self._in_flight.clear()
+                self._ready.clear()
+                self._ready_infos.clear()
+                self.env_state[:] = IDLE
+                raise
+            w = int(self._group_of[exc.env_index])
+            self.env_state[self._in_flight.pop(w, np.arange(*ranges[w]))] = IDLE
+            raise
+        if self.outputs.side_spaces:
+            results = self.outputs.take_side(results)
+        if not results:
+            return
+        flying, ready_infos = self._in_flight, self._ready_infos
+        done = [flying.pop(w) for w in sorted(results)]
+        envs = done[0] if len(done) == 1 else np.concatenate(done)
+        self.env_state[envs] = READY
+        self._ready.extend(envs.tolist())
+        for events in results.values():  # an env's infos all come from its one worker
+            for index, info in events or ():
+                ready_infos.setdefault(index, []).append(info)
+
+    # -- snapshots ---------------------------------------------------------------------------
+
+    def take(self, timeout: float | None, steps: int) -> PoolState:
+        """The pool's state for a snapshot, once every env sent an action has finished (its
+        result queued for :meth:`recv`, as if the learner had waited for it).
+
+        Raises:
+            PoolStateError: no :meth:`async_reset` yet.
+            UnsupportedError: spaces with leaves without a fixed size (their values live
+                outside the rows a snapshot copies).
+            EnvError, EnvCrashedError, StepTimeoutError: as :meth:`recv`, while they finish.
+        """
+        if not self.started:
+            raise PoolStateError("call async_reset() before snapshot()")
+        if self.outputs.side_spaces or self._side_actions:
+            raise UnsupportedError(
+                "snapshot() of a pool whose spaces have leaves without a fixed size"
+            )
+        while (self.env_state == RUNNING).any():
+            self._collect(timeout, steps)
+        batch = self.backend.batch
+        ready = list(self._ready)
+        rows = np.array(ready, dtype=np.int64)
+        sent = np.flatnonzero(self._has_action)
+        return PoolState(
+            ready,
+            tree_take(batch.observations, rows),
+            batch.rewards[rows].copy(),
+            batch.terminations[rows].copy(),
+            batch.truncations[rows].copy(),
+            {e: list(self._ready_infos.get(e, ())) for e in ready},
+            sent.tolist(),
+            tree_take(batch.actions, sent),
+        )
+
+    def restore(self, state: PoolState | None, submit: Submit) -> None:
+        """Take over ``state`` (:meth:`take`; ``None``: a synchronous vector env's snapshot,
+        every env awaiting an action) in a new pool whose envs were brought to where the
+        snapshot's were: the ready envs' results are queued for :meth:`recv`, and the actions
+        sent to envs whose worker had not stepped yet are sent again."""
+        self.started = True
+        self.env_state[:] = IDLE
+        self._has_action[:] = False
+        self._ready.clear()
+        self._ready_infos.clear()
+        if state is None:
+            return
+        batch = self.backend.batch
+        rows = np.array(state.ready, dtype=np.int64)
+        tree_scatter(batch.observations, rows, state.observations)
+        batch.rewards[rows] = state.rewards
+        batch.terminations[rows] = state.terminations
+        batch.truncations[rows] = state.truncations
+        self.env_state[rows] = READY
+        self._ready.extend(state.ready)
+        self._ready_infos.update({e: list(i) for e, i in state.infos.items() if i})
+        if state.sent:
+            self.send(state.actions, np.array(state.sent, dtype=np.int64), submit)
 
     def assert_no_pool(self, name: str) -> None:
         """Refuse a synchronous call that does not fit the pool's state (see PoolStateError)."""

@@ -463,7 +463,10 @@ class FleetVectorEnv(VectorEnv[Any, Any, np.ndarray]):
         asked of gymnasium since 2022 (Gymnasium #94).
 
         Each env's episode so far comes from its action log (``make(replay_steps=)``), read
-        in its worker. Example::
+        in its worker. A first-ready pool first lets every env sent an action finish: the
+        snapshot holds the results waiting for ``recv`` (in the order ``recv`` returns
+        them) and the actions sent to envs whose worker has not stepped yet; a pool resumed
+        from it returns them first. Example::
 
             state = envs.snapshot()
             state.save("run.snapshot")
@@ -472,13 +475,25 @@ class FleetVectorEnv(VectorEnv[Any, Any, np.ndarray]):
             envs.step(actions)  # what the first vector env's next step would have returned
 
         Raises:
-            UnsupportedError: a first-ready pool; ``replay_steps=0``; an env whose episode is
-                longer than ``replay_steps`` (its start is no longer recorded).
-            AlreadyPendingCallError: a call is pending.
+            UnsupportedError: ``replay_steps=0``; an env whose episode is longer than
+                ``replay_steps`` (its start is no longer recorded); a pool whose spaces have
+                leaves without a fixed size.
+            AlreadyPendingCallError, PoolStateError: a call is pending.
+            EnvError, EnvCrashedError, StepTimeoutError: a pool's env failed while finishing
+                its step (as :meth:`recv`).
         """
-        self._assert_idle("snapshot")
-        if self.is_pool:
-            raise UnsupportedError("snapshot() is for the synchronous vector env, not a pool")
+        pool = None
+        if self.is_pool or self._pool.started:
+            self._assert_pool_idle("snapshot")
+            try:  # every env sent an action finishes first: its result waits for recv()
+                pool = self._pool.take(self.step_timeout, self._steps)
+            except EnvError:
+                raise
+            except BaseException:
+                self.closed = self._backend.closed
+                raise
+        else:
+            self._assert_idle("snapshot")
         for _ in range(3):
             self.run_in_workers_async(group_recordings, dict.fromkeys(self._every_group))
             results = self.run_in_workers_wait()
@@ -506,6 +521,7 @@ class FleetVectorEnv(VectorEnv[Any, Any, np.ndarray]):
             np.logical_or(batch.terminations, batch.truncations).tolist(),
             self._steps,
             list(self._backend.ledger.seeds),
+            pool,
         )
 
     def resume(self, state: Snapshot) -> None:
@@ -514,7 +530,8 @@ class FleetVectorEnv(VectorEnv[Any, Any, np.ndarray]):
 
         Raises:
             ConfigError: ``state`` is not a :class:`envfleet.Snapshot`, or of another number
-                of envs or autoreset mode; a first-ready pool.
+                of envs or autoreset mode; a pool's snapshot with results waiting for
+                ``recv`` into a synchronous vector env.
         """
         Snapshot.check(state, self.num_envs, self.autoreset_mode.value, self.is_pool)
         self._assert_idle("resume")
@@ -527,6 +544,8 @@ class FleetVectorEnv(VectorEnv[Any, Any, np.ndarray]):
         self._steps = state.steps
         self._needs_reset[:] = state.done if self.autoreset_mode is _DISABLED else False
         self._backend.ledger.seeds[:] = state.seeds
+        if self.is_pool or state.pool is not None:
+            self._pool.restore(state.pool, self._submit)
 
     def apply(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[Any, ...]:
         """Call ``function(env, *args, **kwargs)`` on every sub-environment, where it lives.

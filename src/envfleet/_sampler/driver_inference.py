@@ -6,6 +6,7 @@ first-ready pool whose envs step while the policy runs on the batch that came ba
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -31,7 +32,19 @@ from envfleet._sampler.rollout import (
     step_infos,
 )
 
-__all__ = ["DriverInference"]
+__all__ = ["DriverInference", "PoolInference"]
+
+
+@dataclass
+class PoolInference:
+    """Driver inference's state over a first-ready pool, per env: the observation its last
+    action was chosen on, that action, its agent infos and the version that chose it (-1:
+    none, the env was reset)."""
+
+    observations: Any
+    actions: Any
+    agent_infos: dict[str, np.ndarray]
+    action_version: np.ndarray
 
 
 class DriverInference(Inference):
@@ -149,6 +162,19 @@ class DriverInference(Inference):
             if key not in self.pool_agent_infos:
                 self.pool_agent_infos[key] = np.zeros((n, *value.shape[1:]), dtype=value.dtype)
             self.pool_agent_infos[key][ids] = value
+
+    def pool_state(self) -> PoolInference:
+        """Over a pool: each env's last observation and action, the version that chose the
+        action (-1: none) and its agent infos (for a snapshot)."""
+        return PoolInference(
+            self.pool_obs, self.pool_actions, dict(self.pool_agent_infos), self.action_version
+        )
+
+    def restore_pool(self, state: PoolInference) -> None:
+        """Take over a snapshot's :meth:`pool_state`."""
+        self.pool_obs, self.pool_actions = state.observations, state.actions
+        self.pool_agent_infos = dict(state.agent_infos)
+        self.action_version = np.array(state.action_version, dtype=np.int64)
 
     def settle(self) -> None:
         """Pool: receive every env in flight (their steps are dropped), so that all are idle."""

@@ -60,7 +60,7 @@ from envfleet._sampler.auto_inference import (
     policy_on_gpu,
     sampler_report,
 )
-from envfleet._sampler.driver_inference import DriverInference
+from envfleet._sampler.driver_inference import DriverInference, PoolInference
 from envfleet._sampler.inference import (
     Inference,
     Policy,
@@ -185,8 +185,10 @@ class SamplerSnapshot:
     Attributes:
         vector_env: the vector env's :class:`envfleet.Snapshot`.
         observations: driver inference: the observations the policy acts on next
-            (``[num_envs, *obs_shape]``; packed, for a PettingZoo env); worker inference:
-            ``None`` (each worker's are in ``workers``).
+            (``[num_envs, *obs_shape]``; packed, for a PettingZoo env), or over a first-ready
+            pool each env's last observation, action and the version that chose it
+            (``PoolInference``); worker inference: ``None`` (each worker's are in
+            ``workers``).
         stats: the sampler's counters (:class:`SamplerStats`), the policy version included.
         inference: the inference that ran: ``"driver"`` or ``"worker"``.
         seed: the sampler's ``seed`` (the seeds of policy copies sent to workers derive
@@ -490,8 +492,8 @@ class Sampler:
         sampler, or give it the same policy object).
 
         Raises:
-            UnsupportedError: a first-ready pool (``batch_size``: envs in flight); before the
-                first ``sample``; while ``inference="auto"`` calibrates (its first
+            UnsupportedError: before the first ``sample``; while ``inference="auto"``
+                calibrates (its first
                 ``4 * num_envs * segment_length`` steps); and as
                 :meth:`envfleet.FleetVectorEnv.snapshot`.
         """
@@ -507,10 +509,6 @@ class Sampler:
                 )
             reason = inference.reason
             inference = inference.active
-        if self._venv.is_pool:
-            raise UnsupportedError(
-                "Sampler.snapshot() over a first-ready pool: its envs are in flight"
-            )
         if not inference.started:
             raise UnsupportedError("Sampler.snapshot() before the first sample(): nothing to take")
         if isinstance(inference, WorkerInference):
@@ -520,9 +518,14 @@ class Sampler:
                 self.seed, workers, reason, self._pending,
             )  # fmt: skip
         assert isinstance(inference, DriverInference)
+        if self._venv.is_pool:  # each env's last observation, action and its version
+            vector_env = self._venv.snapshot()  # first: the envs in flight finish
+            observations: Any = copy.deepcopy(inference.pool_state())
+        else:
+            vector_env, observations = self._venv.snapshot(), tree_copy(inference.obs)
         return SamplerSnapshot(
-            self._venv.snapshot(), tree_copy(inference.obs), dataclasses.replace(self.stats),
-            "driver", self.seed, None, reason, self._pending,
+            vector_env, observations, dataclasses.replace(self.stats), "driver", self.seed,
+            None, reason, self._pending,
         )  # fmt: skip
 
     @property
@@ -819,7 +822,16 @@ class Sampler:
             inference.resume(state.workers)
         else:
             assert isinstance(inference, DriverInference)
-            inference.obs, inference.started = state.observations, True
+            if self._venv.is_pool != isinstance(state.observations, PoolInference):
+                raise ConfigError(
+                    "a Sampler's snapshot over a first-ready pool resumes over a pool "
+                    "(batch_size), and one over a synchronous vector env over one"
+                )
+            if isinstance(state.observations, PoolInference):
+                inference.restore_pool(state.observations)
+            else:
+                inference.obs = state.observations
+            inference.started = True
         for name, value in vars(state.stats).items():
             setattr(self.stats, name, value)
         self._pending = state.ahead
