@@ -356,6 +356,12 @@ def test_measure_policy_loop_every_system_tiny_budget():
         assert f"| {system} (the loop a learner writes) |" in table
     assert f"T = {ROLLOUT_STEPS}" in table
     assert "| envfleet |" in table and "| gym-sync |" in table
+    # How often "auto" kept the mode that ran faster in the same repetition.
+    driver, worker = by_system["sampler-driver"].runs, by_system["sampler-worker"].runs
+    faster = ["worker" if w > d else "driver" for d, w in zip(driver, worker, strict=True)]
+    kept = sum(n.split(" ")[0] == f for n, f in zip(notes, faster, strict=True))
+    assert report.auto_kept == (kept, 2)
+    assert f"in {kept} of 2 repetitions" in table
 
 
 def test_measure_policy_loop_rejects_bad_arguments():

@@ -366,6 +366,9 @@ class PolicyLoopReport:
         repeats: repetitions (systems interleaved within each).
         bound: the measured :class:`PolicyBound` (overlap and schedule bounds).
         results: one :class:`PolicyLoopResult` per system, in the order asked.
+        auto_kept: where ``sampler``, ``sampler-driver`` and ``sampler-worker`` all ran:
+            (repetitions in which the default Sampler's ``"auto"`` chose the mode that ran
+            faster in that repetition, repetitions); else ``None``.
     """
 
     env_id: str
@@ -375,6 +378,7 @@ class PolicyLoopReport:
     repeats: int
     bound: PolicyBound
     results: tuple[PolicyLoopResult, ...]
+    auto_kept: tuple[int, int] | None = None
 
 
 def measure_policy_loop(
@@ -454,6 +458,9 @@ def measure_policy_loop(
     peer_ratios: dict[str, list[float]] = {s: [] for s in active}
     loop_ratios: dict[str, list[float]] = {s: [] for s in active}
     store_ratios: dict[str, list[float]] = {s: [] for s in active}
+    judged = all(s in active for s in ("sampler", "sampler-driver", "sampler-worker"))
+    kept = 0  # repetitions where "auto" chose the mode that ran faster
+    chosen = ""  # the mode "auto" ran in this repetition
     for rep in range(repeats):
         shift = rep % len(active) if active else 0
         for system in active[shift:] + active[:shift]:
@@ -471,6 +478,11 @@ def measure_policy_loop(
             runs[system].append(rate)
             if note:
                 notes[system].append(note)
+            if system == "sampler":
+                chosen = note.split(" ", 1)[0]  # "driver" or "worker" (inference, ...)
+        if judged:
+            worker_won = runs["sampler-worker"][-1] > runs["sampler-driver"][-1]
+            kept += int(chosen == ("worker" if worker_won else "driver"))
         best_gym = max((runs[s][-1] for s in _GYM_LOOPS if s in runs), default=math.nan)
         best_peer = max((runs[s][-1] for s in _PEER_LOOPS if s in runs), default=math.nan)
         plain = runs["envfleet"][-1] if "envfleet" in runs else math.nan
@@ -509,6 +521,7 @@ def measure_policy_loop(
         repeats,
         bound,
         tuple(results),
+        (kept, repeats) if judged else None,
     )
 
 
@@ -570,6 +583,13 @@ def policy_table(report: PolicyLoopReport) -> str:
     if chosen:
         lines.append("")
         lines += [f"{system}: {note}" for system, note in chosen]
+    if report.auto_kept is not None:
+        kept, repeats = report.auto_kept
+        lines += [
+            "",
+            f'sampler ("auto"): chose the mode that ran faster in the same repetition '
+            f"(sampler-driver against sampler-worker) in {kept} of {repeats} repetitions",
+        ]
     return "\n".join(lines) + "\n"
 
 
