@@ -729,7 +729,7 @@ class _ActionsOnly:
     def __init__(self, policy: Callable[[Any], Any]):
         self.policy = policy
 
-    def seed(self, seed: int) -> None:
+    def seed(self, seed: int | None) -> None:
         if hasattr(self.policy, "seed"):
             self.policy.seed(seed)
 
