@@ -29,6 +29,7 @@ from envfleet.bench import (
     tune_report_dict,
     tune_table,
     tune_workers,
+    usable_cores,
 )
 from envfleet.cli import main
 
@@ -152,6 +153,10 @@ def test_grid_grows_with_the_cores():
                 assert c.batch_size is None or (c.batch_size == n // 2 and n % c.num_workers == 0)
 
 
+def test_grid_defaults_to_the_usable_cores():
+    assert tune_grid(16) == tune_grid(16, usable_cores())
+
+
 def test_grid_on_one_core_has_no_parallel_duplicates():
     # On one core processes' defaults are one worker and no driver share: nothing to vary.
     assert [c.name for c in tune_grid(16, 1)] == [
@@ -246,9 +251,7 @@ def test_threads_are_pruned_when_far_behind(monkeypatch):
     assert by[SERIAL].steps_per_s < 0.25 * by[processes].steps_per_s
     assert by[threads].skipped.startswith("pruned: serial")
     assert report.winner.candidate == processes
-    assert report.code.splitlines()[1] == "# env: your env factory (a zero-argument callable)" or (
-        "tests.integration.test_tune.SlowInTheMainThread" in report.call
-    )
+    assert "tests.integration.test_tune.SlowInTheMainThread, 2" in report.call
 
 
 def test_policy_callable_and_module_factory_env():
@@ -266,6 +269,15 @@ def test_policy_callable_and_module_factory_env():
     namespace: dict[str, Any] = {"policy": ZerosPolicy()}
     exec(report.code, namespace)
     namespace.get("envs", namespace.get("sampler")).close()
+
+
+def test_env_callable_without_a_name_is_the_name_env():
+    report = tune(lambda: gymnasium.make("CartPole-v1"), 2, "mlp", candidates=[SERIAL], **QUICK)
+    assert report.call == 'envfleet.make(env, 2, backend="serial")'
+    assert "# env: your env factory (a zero-argument callable)" in report.code
+    namespace: dict[str, Any] = {"env": make_cartpole}
+    exec(report.code, namespace)
+    namespace["envs"].close()
 
 
 def test_unpicklable_policy_skips_worker_inference():
