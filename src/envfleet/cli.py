@@ -60,8 +60,7 @@ DEFAULT_NUM_ENVS = (4, 16)
 DEFAULT_SECONDS = 2.0
 #: envfleet tune's --num-envs when not given, by --policy ("cnn": an Atari workload's).
 DEFAULT_TUNE_NUM_ENVS = {"mlp": 16, "cnn": 8}
-#: envfleet tune's --seconds when not given: its default grid then takes well under a minute
-#: on two cores for CartPole-v1.
+#: envfleet tune's --seconds when not given (timed seconds per measurement).
 DEFAULT_TUNE_SECONDS = 1.0
 
 
@@ -558,7 +557,9 @@ def _error(message: str, status: int = 2, command: str = "bench") -> int:
 def _tune(args: argparse.Namespace) -> int:
     from envfleet.bench import TuneProgress, tune, tune_report_dict, tune_table
 
-    num_envs: int = args.num_envs or DEFAULT_TUNE_NUM_ENVS.get(args.policy, 16)
+    num_envs: int = args.num_envs or DEFAULT_TUNE_NUM_ENVS.get(
+        args.policy, DEFAULT_TUNE_NUM_ENVS["mlp"]
+    )
     show = args.json != "-" and sys.stderr.isatty()
 
     def on_progress(event: TuneProgress) -> None:

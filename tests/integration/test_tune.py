@@ -280,6 +280,16 @@ def test_env_callable_without_a_name_is_the_name_env():
     namespace["envs"].close()
 
 
+def test_a_refused_candidate_is_reported_and_the_others_go_on():
+    refused = TuneCandidate("make", "processes", num_workers=9)  # more workers than envs
+    report = tune("CartPole-v1", 2, "mlp", candidates=[refused, SERIAL], **QUICK)
+    by = {r.candidate: r for r in report.results}
+    assert by[refused].skipped.startswith("failed: num_workers must be")
+    assert report.winner.candidate == SERIAL
+    with pytest.raises(ConfigError, match="num_workers must be"):
+        tune("CartPole-v1", 2, "mlp", candidates=[refused], **QUICK)
+
+
 def test_unpicklable_policy_skips_worker_inference():
     report = tune(
         "CartPole-v1", 2, unpicklable_policy, candidates=[SERIAL, SAMPLER_WORKER], **QUICK

@@ -337,10 +337,11 @@ def tune(
     their rate is the median of their two runs. Pruning: ``threads`` is left out when the
     serial rate times its threads is under half the best rate so far; worker inference when
     the policy does not pickle (cloudpickle). A candidate that fails is reported with its
-    error and the others go on. Rates count transitions (env steps summed over the envs; an
-    autoreset step is not one), per second. Run time: about ``(1.3 + seconds)`` seconds per
-    measurement plus each candidate's start (worker processes), a minute for the default grid
-    on two cores with ``seconds=1``.
+    error (make() or the Sampler refusing it, or an error while it ran) and the others go on.
+    Rates count transitions (env steps summed over the envs; an autoreset step is not one),
+    per second. Run time: each measurement takes its warm-up and ``seconds``, plus the
+    candidate's start (worker processes) and close; one per candidate, and one more per
+    finalist.
 
     Args:
         env: a gymnasium id (``"CartPole-v1"``; gymnasium's ``"module:EnvId"``; an ``ALE/``
@@ -376,7 +377,8 @@ def tune(
             a batch of ``num_envs`` reset observations, or actions the env refuses; torch,
             ale-py or OpenCV missing where needed (the message says what to install); bad
             numbers.
-        BenchError: every candidate failed (the first one's error).
+        BenchError: every candidate failed while being built or run (the first one's
+            error); ConfigError when every one was refused by make() or the Sampler.
 
     Example::
 
@@ -401,19 +403,21 @@ def tune(
     grid = tuple(dict.fromkeys(grid))
     warmup_s = min(warmup_s, seconds / 2)
 
-    def report(c: TuneCandidate, rnd: int, phase: Any, rate: float = math.nan, why: str = ""):
+    def report(
+        c: TuneCandidate, rnd: int, phase: Any, rate: float = math.nan, why: str = ""
+    ) -> None:
         if progress is not None:
             progress(TuneProgress(c.name, rnd, phase, rate, why))
 
     runs: dict[TuneCandidate, list[float]] = {}
     skipped: dict[TuneCandidate, str] = {}
-    errors: list[BenchError] = []
+    errors: list[BenchError | ConfigError] = []
 
     def measure(c: TuneCandidate, rnd: int) -> None:
         report(c, rnd, "start")
         try:
             rate = _measure(c, target, num_envs, (agent, loop_policy), seconds, warmup_s, seed)
-        except BenchError as exc:
+        except (BenchError, ConfigError) as exc:
             errors.append(exc)
             skipped[c] = f"failed: {exc}"
             runs.pop(c, None)
