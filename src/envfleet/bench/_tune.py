@@ -377,8 +377,9 @@ def tune(
             a batch of ``num_envs`` reset observations, or actions the env refuses; torch,
             ale-py or OpenCV missing where needed (the message says what to install); bad
             numbers.
-        BenchError: every candidate failed while being built or run (the first one's
-            error); ConfigError when every one was refused by make() or the Sampler.
+        BenchError or ConfigError: no candidate could be measured: the first failure's
+            error (``BenchError``: it failed while being built or run; ``ConfigError``:
+            make() or the Sampler refused its arguments).
 
     Example::
 
