@@ -516,7 +516,8 @@ def tune_table(report: TuneReport) -> str:
         "steps/s: transitions per second, summed over the envs, with the policy choosing every "
         f"action. Loops: make: obs -> policy -> step, storing obs, actions, rewards and dones "
         f"in [T, N, ...] arrays (T = {ROLLOUT_STEPS}); pool: first-ready pool, recv -> policy "
-        "-> send, storing the same per batch; sampler: Sampler.sample(64 * N).",
+        f"-> send, storing the same per batch; sampler: Sampler.sample"
+        f"({_SAMPLE_STEPS_PER_ENV} * N).",
         "",
         "Use:",
         "",
