@@ -10,6 +10,10 @@ instead of the table) and ``--plot FILE.png`` draws them (matplotlib, the ``plot
 system's steps/s, its fraction of the overlap bound and its ratio to the faster gymnasium
 loop. This module is the only place where envfleet prints.
 
+``envfleet tune ENV`` measures which vector env or Sampler to use for an env and a policy on
+this machine (:func:`envfleet.bench.tune`): every candidate's steps/s with the policy in the
+loop, then the ``envfleet.make(...)`` or ``envfleet.Sampler(...)`` call to use.
+
 ``envfleet replay PATH`` reproduces a failure saved with ``err.replay.save(PATH)``
 (:mod:`envfleet._core.replay`): exit status 0 when it happened again, 1 when not, 2 for a file
 that is not a replay.
@@ -54,6 +58,10 @@ DEFAULT_NUM_ENVS = (4, 16)
 #: --seconds when not given: the plain bench's default run (CartPole-v1 and ALE/Pong-v5, every
 #: installed peer) then takes about two minutes on two cores.
 DEFAULT_SECONDS = 2.0
+#: envfleet tune's --num-envs when not given, by --policy ("cnn": an Atari workload's).
+DEFAULT_TUNE_NUM_ENVS = {"mlp": 16, "cnn": 8}
+#: envfleet tune's --seconds when not given (timed seconds per measurement).
+DEFAULT_TUNE_SECONDS = 1.0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -68,6 +76,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _bench(args)
     if args.command == "replay":
         return _replay(args)
+    if args.command == "tune":
+        return _tune(args)
     parser.error(f"unknown command {args.command!r}")  # unreachable: argparse checks choices
     return 2
 
@@ -228,7 +238,99 @@ def _parser() -> argparse.ArgumentParser:
             "stopped just before the call that crashes or hangs"
         ),
     )
+    _tune_parser(commands)
     return parser
+
+
+def _tune_parser(commands: Any) -> None:
+    tune = commands.add_parser(
+        "tune",
+        help="measure which envfleet.make()/Sampler call runs your env and policy fastest here",
+        description=(
+            "Measure, on this machine, each candidate way to run NUM_ENVS copies of ENV with "
+            "a policy choosing every action: backends serial, threads and processes, worker "
+            "counts up to the usable cores, driver_envs 0 and its default, a first-ready pool "
+            "(batch_size NUM_ENVS/2: recv -> policy -> send), and the Sampler's driver and "
+            "worker inference. make() candidates run the loop a learner writes (storing "
+            "observations, actions, rewards and dones into preallocated arrays), Sampler "
+            "candidates Sampler.sample. Each is timed for --seconds, the fastest three again; "
+            "threads is skipped when even perfect scaling of serial could not come within "
+            "half the best. Prints a table (candidate, steps/s, ratio to the best) and the "
+            "call to use. Exit status: 0; 1 when every candidate failed; 2 for bad arguments "
+            "(an unknown env id, a policy spec that does not import or fails on the env's "
+            "observations)."
+        ),
+        epilog=(
+            "--policy module:fn: fn(observation_space, action_space), given one env's "
+            "spaces, returns the policy: a callable on a batch of observations ([n, "
+            "*obs_shape], numpy) returning n actions ([n, *act_shape], numpy or CPU torch), "
+            "or (actions, infos) as envfleet.Sampler takes it. It must pickle (cloudpickle) "
+            "for worker inference, else those candidates are skipped. Example: envfleet tune "
+            "CartPole-v1 --policy mypolicies:make_policy (mypolicies.py in the current "
+            "directory or on PYTHONPATH)."
+        ),
+    )
+    tune.add_argument(
+        "env",
+        metavar="ENV",
+        help=(
+            "a gymnasium id (CartPole-v1; gymnasium's module:EnvId; ALE/ ids are "
+            "Atari-preprocessed to uint8[4, 84, 84] as envfleet bench --policy does) or "
+            "module:factory, a zero-argument function returning a gymnasium.Env"
+        ),
+    )
+    tune.add_argument(
+        "--num-envs",
+        type=_positive_int,
+        default=None,
+        metavar="N",
+        help=(
+            "sub-environments (default: "
+            + ", ".join(f"{n} with --policy {p}" for p, n in DEFAULT_TUNE_NUM_ENVS.items())
+            + f", else {DEFAULT_TUNE_NUM_ENVS['mlp']})"
+        ),
+    )
+    tune.add_argument(
+        "--policy",
+        type=_policy_spec,
+        default="mlp",
+        metavar="mlp|cnn|module:fn",
+        help=(
+            "the policy in the loop: mlp (CleanRL's PPO actor, 64-64 tanh), cnn (the Nature "
+            "CNN, for Atari frames), both on the CPU with torch, or module:fn (see below) "
+            "(default: mlp)"
+        ),
+    )
+    tune.add_argument(
+        "--seconds",
+        type=_positive_float,
+        default=DEFAULT_TUNE_SECONDS,
+        metavar="S",
+        help=f"timed seconds per measurement (default: {DEFAULT_TUNE_SECONDS:g})",
+    )
+    tune.add_argument(
+        "--json",
+        nargs="?",
+        const="-",
+        default=None,
+        type=_json_file,
+        metavar="FILE",
+        help=(
+            "write the report (every candidate, the winner, its call) as JSON to FILE (a "
+            ".json name), or, without FILE, print it instead of the table"
+        ),
+    )
+
+
+def _policy_spec(text: str) -> str:
+    if text in ("mlp", "cnn"):
+        return text
+    module, _, name = text.partition(":")
+    if not module or not name:
+        raise argparse.ArgumentTypeError(
+            f"expected mlp, cnn or module:fn, got {text!r} (module:fn returns your policy)"
+        )
+    return text
 
 
 def _positive_int(text: str) -> int:
@@ -381,14 +483,14 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def _write_json(doc: Any, target: str) -> None:
+def _write_json(doc: Any, target: str, command: str = "bench") -> None:
     text = json.dumps(doc, indent=2) + "\n"
     if target == "-":
         sys.stdout.write(text)
         return
     with open(target, "w", encoding="utf-8") as f:
         f.write(text)
-    print(f"envfleet bench: raw figures written to {target}", file=sys.stderr)
+    print(f"envfleet {command}: raw figures written to {target}", file=sys.stderr)
 
 
 def _bench_policy(args: argparse.Namespace) -> int:
@@ -444,9 +546,48 @@ def _bench_policy(args: argparse.Namespace) -> int:
     return 0
 
 
-def _error(message: str, status: int = 2) -> int:
-    print(f"envfleet bench: error: {message}", file=sys.stderr)
+def _error(message: str, status: int = 2, command: str = "bench") -> int:
+    print(f"envfleet {command}: error: {message}", file=sys.stderr)
     return status
+
+
+# -- tune ----------------------------------------------------------------------------------
+
+
+def _tune(args: argparse.Namespace) -> int:
+    from envfleet.bench import TuneProgress, tune, tune_report_dict, tune_table
+
+    num_envs: int = args.num_envs or DEFAULT_TUNE_NUM_ENVS.get(
+        args.policy, DEFAULT_TUNE_NUM_ENVS["mlp"]
+    )
+    show = args.json != "-" and sys.stderr.isatty()
+
+    def on_progress(event: TuneProgress) -> None:
+        if not show or event.phase == "start":
+            return
+        again = " (again)" if event.round > 1 else ""
+        if event.phase == "done":
+            print(f"  {event.candidate}{again}: {event.steps_per_s:,.0f} steps/s", file=sys.stderr)
+        else:
+            print(f"  {event.candidate}: {event.detail}", file=sys.stderr)
+
+    try:
+        report = tune(args.env, num_envs, args.policy, seconds=args.seconds, progress=on_progress)
+    except ConfigError as exc:
+        return _error(str(exc), command="tune")
+    except BenchError as exc:
+        return _error(str(exc), status=1, command="tune")
+    except KeyboardInterrupt:
+        print("envfleet tune: interrupted", file=sys.stderr)
+        return 130
+    if args.json is not None:
+        try:
+            _write_json(tune_report_dict(report), args.json, command="tune")
+        except OSError as exc:
+            return _error(f"cannot write {args.json}: {exc}", status=1, command="tune")
+    if args.json != "-":
+        print(tune_table(report), end="")
+    return 0
 
 
 class _ProgressDisplay:

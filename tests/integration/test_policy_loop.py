@@ -391,7 +391,7 @@ class _ThreeStepEnv(gymnasium.Env):
 
 
 def test_loops_count_transitions_not_the_steps_that_only_reset():
-    from envfleet.bench._policy_loop import _plain_loop, _Resets
+    from envfleet.bench._policy_loop import Resets, _plain_loop
 
     closers: list = []
     envs = gymnasium.vector.SyncVectorEnv([_ThreeStepEnv] * 2)  # NEXT_STEP autoreset
@@ -400,14 +400,14 @@ def test_loops_count_transitions_not_the_steps_that_only_reset():
     assert [plain() for _ in range(8)] == [2, 2, 2, 0, 2, 2, 2, 0]
     for close in closers:
         close()
-    resets = _Resets(4)
+    resets = Resets(4)
     assert resets.taken([0, 1], [True, False], [False, False]) == 2
     assert resets.taken([2, 0], [False, False], [False, True]) == 1  # env 0's was a reset
     assert resets.taken([0, 1], [False, False], [False, False]) == 1  # and again: truncated
 
 
 def test_storing_loop_writes_the_rollout_and_counts_transitions():
-    from envfleet.bench._policy_loop import _StoringLoop
+    from envfleet.bench._policy_loop import StoringLoop
 
     assert STORE_SYSTEMS == (
         "gym-sync-store",
@@ -424,7 +424,7 @@ def test_storing_loop_writes_the_rollout_and_counts_transitions():
         calls.append(obs.copy())
         return np.full(len(obs), len(calls) % 2, np.int64)
 
-    store = _StoringLoop(envs, 2, policy, 0, closers, steps=3)
+    store = StoringLoop(envs, 2, policy, 0, closers, steps=3)
     assert store.obs.shape == (3, 2, 1) and store.obs.dtype == np.float32
     assert store.actions.shape == (3, 2) and store.actions.dtype == np.int64
     assert store.rewards.shape == (3, 2) and store.rewards.dtype == np.float32
@@ -448,11 +448,11 @@ def test_storing_loop_writes_the_rollout_and_counts_transitions():
 def test_storing_loop_over_envfleet_copies_each_step():
     """envfleet's observations are views of its shared block; the rollout keeps copies."""
     import envfleet
-    from envfleet.bench._policy_loop import _StoringLoop
+    from envfleet.bench._policy_loop import StoringLoop
 
     closers: list = []
     envs = envfleet.make(_ThreeStepEnv, 2)
-    store = _StoringLoop(envs, 2, lambda obs: np.zeros(len(obs), np.int64), 0, closers, steps=4)
+    store = StoringLoop(envs, 2, lambda obs: np.zeros(len(obs), np.int64), 0, closers, steps=4)
     try:
         assert [store() for _ in range(4)] == [2, 2, 2, 0]
         np.testing.assert_array_equal(store.obs[:, :, 0], [[0, 0], [1, 1], [2, 2], [3, 3]])

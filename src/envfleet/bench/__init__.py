@@ -31,6 +31,11 @@ Systems:
 - ``"puffer-mp"``: PufferLib's ``Multiprocessing`` vector env stepping every env at once, on
   as many workers as divide ``num_envs`` while leaving one usable core to its driver.
 
+Tuning (``envfleet tune``): :func:`tune` measures the candidates of :func:`tune_grid`
+(backends, worker counts, ``driver_envs``, a first-ready pool, the Sampler's inference) with
+a policy in the learner's loop and says which ``envfleet.make``/``envfleet.Sampler`` call to
+use (:func:`tune_table` renders its :class:`TuneReport`).
+
 A peer whose library is missing is left out with :data:`PEER_INSTALL`'s command
 (:func:`unavailable`). The limit (:func:`measure_limit`): one env stepped in a plain Python
 loop, its rate times the usable cores.
@@ -113,6 +118,17 @@ from envfleet.bench._sweep import (
     run_bench,
     unavailable,
 )
+from envfleet.bench._tune import (
+    TuneCandidate,
+    TuneProgress,
+    TuneReport,
+    TuneResult,
+    tune,
+    tune_grid,
+    tune_report_dict,
+    tune_table,
+    tune_workers,
+)
 
 __all__ = [
     "ACTION_BANK",
@@ -143,6 +159,10 @@ __all__ = [
     "ProgressCallback",
     "Skipped",
     "TorchPolicy",
+    "TuneCandidate",
+    "TuneProgress",
+    "TuneReport",
+    "TuneResult",
     "Workload",
     "baseline_ratios",
     "bench_rows",
@@ -172,6 +192,11 @@ __all__ = [
     "schedule_splits",
     "schedule_structures",
     "timed_loop",
+    "tune",
+    "tune_grid",
+    "tune_report_dict",
+    "tune_table",
+    "tune_workers",
     "unavailable",
     "usable_cores",
     "workers_bound",

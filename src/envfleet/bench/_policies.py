@@ -226,9 +226,13 @@ class TorchPolicy:
         self.actor.to(self.device)
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
 
-    def seed(self, seed: int) -> None:
-        """Reseed the sampling generator (the Sampler calls it per worker)."""
-        self.generator.manual_seed(int(seed))
+    def seed(self, seed: int | None) -> None:
+        """Reseed the sampling generator (the Sampler calls it per worker); ``None`` (a
+        Sampler without a seed): from a fresh random seed."""
+        if seed is None:
+            self.generator.seed()
+        else:
+            self.generator.manual_seed(int(seed))
 
     def __call__(self, obs: Any) -> np.ndarray:
         import torch

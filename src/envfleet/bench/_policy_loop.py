@@ -717,7 +717,7 @@ def _measure_loop(
         except Exception as exc:
             raise bench_error(exc, "building", system, workload.env_id) from exc
         try:
-            steps, elapsed = _time_advance(advance, seconds, warmup_s)
+            steps, elapsed = time_advance(advance, seconds, warmup_s)
         except Exception as exc:
             raise bench_error(exc, "running", system, workload.env_id) from exc
         finished = True
@@ -731,7 +731,7 @@ def _measure_loop(
     return steps / elapsed, "; ".join(notes)
 
 
-def _time_advance(advance: Callable[[], int], seconds: float, warmup_s: float) -> tuple[int, float]:
+def time_advance(advance: Callable[[], int], seconds: float, warmup_s: float) -> tuple[int, float]:
     """Call ``advance`` (which returns env steps taken) through a warm-up (at least one call),
     then for ``seconds``; returns (env steps in the timed window, its length in seconds)."""
     t0 = time.perf_counter()
@@ -772,14 +772,14 @@ def _loop(
         else:
             envs = gymnasium.vector.AsyncVectorEnv([factory] * n)
         if system in STORE_SYSTEMS:
-            return _StoringLoop(envs, n, policy, seed, closers)
+            return StoringLoop(envs, n, policy, seed, closers)
         return _plain_loop(envs, n, policy, seed, closers)
     if system == "envfleet-pool":
         batch = max(1, n // 2)
         pool = envfleet.make(factory, n, batch_size=batch)
         closers.append(pool.close)
         pool.async_reset(seed=seed)
-        resets = _Resets(n)
+        resets = Resets(n)
 
         def pool_step() -> int:
             obs, _, terminated, truncated, info = pool.recv()
@@ -836,7 +836,7 @@ def _plain_loop(
     one (gymnasium's ``NEXT_STEP`` autoreset, PufferLib's), its action ignored."""
     closers.append(envs.close)
     obs = envs.reset(seed=seed)[0]
-    every, resets = np.arange(n), _Resets(n)
+    every, resets = np.arange(n), Resets(n)
 
     def plain() -> int:
         nonlocal obs
@@ -846,7 +846,7 @@ def _plain_loop(
     return plain
 
 
-class _StoringLoop:
+class StoringLoop:
     """The storing plain loop's iteration (the loop a learner writes, CleanRL's rollout) over a
     vector env ``envs`` of ``n`` envs (reset with ``seed`` here; its ``close`` goes into
     ``closers``): each step writes the observations the policy saw, its actions, the rewards
@@ -876,12 +876,12 @@ class _StoringLoop:
         self.next_obs = envs.reset(seed=seed)[0]
         first = np.asarray(self.next_obs)
         actions = np.asarray(policy(first))  # its shape and dtype, before any timed step
-        self.obs = _zeros((steps, *first.shape), first.dtype)
-        self.actions = _zeros((steps, *actions.shape), actions.dtype)
-        self.rewards = _zeros((steps, n), np.float32)
-        self.dones = _zeros((steps, n), np.bool_)
+        self.obs = prefaulted_zeros((steps, *first.shape), first.dtype)
+        self.actions = prefaulted_zeros((steps, *actions.shape), actions.dtype)
+        self.rewards = prefaulted_zeros((steps, n), np.float32)
+        self.dones = prefaulted_zeros((steps, n), np.bool_)
         self.t = 0
-        self.every, self.resets = np.arange(n), _Resets(n)
+        self.every, self.resets = np.arange(n), Resets(n)
 
     def __call__(self) -> int:
         t = self.t
@@ -895,7 +895,7 @@ class _StoringLoop:
         return self.resets.taken(self.every, terminated, truncated)
 
 
-def _zeros(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+def prefaulted_zeros(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
     """A zeroed array whose pages are written now (as ``torch.zeros`` writes them), so that no
     step of a timed window is the first to touch one."""
     out = np.empty(shape, dtype)
@@ -903,7 +903,7 @@ def _zeros(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
     return out
 
 
-class _Resets:
+class Resets:
     """The envs of a loop whose episode ended when they were last received: their next result
     is a reset's (``NEXT_STEP`` autoreset), not a transition."""
 
@@ -927,7 +927,7 @@ def _puffer_loop(
     closers: list[Callable[[], None]],
 ) -> Callable[[], int]:
     """PufferLib 3's ``Multiprocessing`` vector env: ``puffer-sync``, one worker stepped in a
-    plain loop (``puffer-sync-store``: the storing one, :class:`_StoringLoop`);
+    plain loop (``puffer-sync-store``: the storing one, :class:`StoringLoop`);
     ``puffer-async``, two workers (when ``n`` is even), ``recv``/``send`` of half the envs."""
     import functools
 
@@ -941,7 +941,7 @@ def _puffer_loop(
             backend=pufferlib.vector.Multiprocessing,
         )  # fmt: skip
         if system == "puffer-sync-store":
-            return _StoringLoop(venv, n, policy, seed, closers)
+            return StoringLoop(venv, n, policy, seed, closers)
         return _plain_loop(venv, n, policy, seed, closers)
     workers = 2 if n % 2 == 0 else 1
     batch = n // workers
@@ -951,7 +951,7 @@ def _puffer_loop(
     )  # fmt: skip
     closers.append(venv.close)
     venv.async_reset(seed)
-    resets = _Resets(n)
+    resets = Resets(n)
 
     def recv_send() -> int:
         obs, _, terminated, truncated, _, _, env_ids, _ = venv.recv()
