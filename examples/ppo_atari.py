@@ -146,11 +146,13 @@ class TorchPolicy:
 
     @torch.no_grad()
     def __call__(self, obs: np.ndarray) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-        logits, value = self.model(torch.as_tensor(obs))
-        log_probs = torch.log_softmax(logits, dim=-1)
+        device = next(self.model.parameters()).device
+        logits, value = self.model(torch.as_tensor(obs, device=device))
+        # Drawn on the CPU with the policy's generator, wherever the model runs.
+        log_probs = torch.log_softmax(logits, dim=-1).cpu()
         actions = torch.multinomial(log_probs.exp(), 1, generator=self.generator).squeeze(-1)
         logp = log_probs.gather(-1, actions.unsqueeze(-1)).squeeze(-1)
-        return actions.numpy(), {"logp": logp.numpy(), "value": value.numpy()}
+        return actions.numpy(), {"logp": logp.numpy(), "value": value.cpu().numpy()}
 
 
 # -- advantages and the update ---------------------------------------------------------------
@@ -209,21 +211,23 @@ def ppo_update(
         the last minibatch's ``loss``, ``policy_loss``, ``value_loss``, ``entropy`` and
         ``approx_kl`` (floats).
     """
+    device = next(model.parameters()).device
     with torch.no_grad():
-        last_values = model.value(torch.as_tensor(batch.last_observations)).numpy()
+        last_obs = torch.as_tensor(batch.last_observations, device=device)
+        last_values = model.value(last_obs).cpu().numpy()
     rewards = np.sign(batch.rewards) if args.clip_rewards else batch.rewards
     advantages, targets = segment_gae(batch, rewards, last_values, args.gamma, args.lam)
-    obs = torch.as_tensor(batch.observations)
-    actions = torch.as_tensor(batch.actions, dtype=torch.int64)
-    old_logp = torch.as_tensor(batch.agent_infos["logp"], dtype=torch.float32)
-    old_values = torch.as_tensor(batch.agent_infos["value"], dtype=torch.float32)
-    adv_all = torch.as_tensor(advantages)
-    targets_all = torch.as_tensor(targets)
+    obs = torch.as_tensor(batch.observations, device=device)
+    actions = torch.as_tensor(batch.actions, dtype=torch.int64, device=device)
+    old_logp = torch.as_tensor(batch.agent_infos["logp"], dtype=torch.float32, device=device)
+    old_values = torch.as_tensor(batch.agent_infos["value"], dtype=torch.float32, device=device)
+    adv_all = torch.as_tensor(advantages, device=device)
+    targets_all = torch.as_tensor(targets, device=device)
     n = batch.num_steps
     size = max(1, n // args.minibatches)
     stats: dict[str, float] = {}
     for _ in range(args.epochs):
-        order = torch.randperm(n, generator=generator)
+        order = torch.randperm(n, generator=generator).to(device)
         for first in range(0, n - size + 1, size):
             idx = order[first : first + size]
             logits, values = model(obs[idx])
@@ -430,6 +434,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--backend", default=None, help="envfleet backend (default: make's)")
     parser.add_argument(
+        "--device", default="cpu", help="torch device of the model and the update (cpu, cuda)"
+    )
+    parser.add_argument(
         "--prefetch",
         action="store_true",
         help="envfleet: collect the next batch during the update (Sampler(prefetch=True))",
@@ -468,7 +475,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     probe = make_env(args.env_id)
     num_actions = int(probe.action_space.n)  # type: ignore[attr-defined]
     probe.close()
-    model = build_model(num_actions, args.seed)
+    model = build_model(num_actions, args.seed).to(args.device)
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr, eps=1e-5)
     policy = TorchPolicy(model, seed=args.seed)
     shuffle = torch.Generator().manual_seed(args.seed + 1)
