@@ -71,6 +71,7 @@ PUBLIC_MODULES = {
     "envfleet.adapters.sb3": ["stable_baselines3", "torch"],
     "envfleet.adapters.torchrl": ["torchrl", "tensordict", "torch"],
     "envfleet.bench": [],
+    "envfleet.bounds": [],
     "envfleet.cli": [],
     "envfleet.torch": ["torch", "tensordict"],
 }

@@ -240,3 +240,55 @@ def test_the_calibration_alternates_the_modes_it_times() -> None:
         "driver",
         "worker",
     }
+
+
+class _ProportionalPolicy:
+    """A CartPole policy whose time grows with its batch (0.2 ms a row) and whose actions
+    are drawn from its own generator."""
+
+    def __init__(self) -> None:
+        self.rng = np.random.default_rng(3)
+
+    def seed(self, seed: int) -> None:
+        self.rng = np.random.default_rng(seed)
+
+    def __call__(self, obs: np.ndarray) -> np.ndarray:
+        time.sleep(2e-4 * len(obs))
+        return self.rng.integers(0, 2, len(obs))
+
+
+@pytest.mark.parametrize("inference", ["driver", "worker"])
+def test_report_schedule_times_a_copy_and_leaves_the_run_untouched(inference: str) -> None:
+    """``report(schedule=True)``: ``T_p(n)`` at the schedule's sizes, from a copy of the
+    policy, and the schedule bound from them; the sampler's next batches are those of a
+    sampler whose report was never asked for (the policy's and the global generators
+    untouched)."""
+    from envfleet.bounds import schedule_bound, schedule_sizes
+
+    batches = []
+    reports = []
+    for ask in (False, True):
+        with Sampler(
+            "CartPole-v1", _ProportionalPolicy(), 8, inference=inference, seed=2,
+            backend="processes", num_workers=2, segment_length=8,
+        ) as sampler:  # fmt: skip
+            first = sampler.sample(64)
+            np.random.seed(5)
+            if ask:
+                reports.append(sampler.report(schedule=True))
+            after = np.random.random()  # the global generator goes on where it was
+            batches.append((first, sampler.sample(64), after))
+    (a1, a2, a_after), (b1, b2, b_after) = batches
+    assert a_after == b_after
+    for x, y in ((a1, b1), (a2, b2)):
+        assert np.array_equal(x.actions, y.actions) and np.array_equal(
+            x.observations, y.observations
+        )
+    report = reports[0]
+    assert report.t_policy_by_n is not None
+    assert list(report.t_policy_by_n) == list(schedule_sizes(8, report.cores))
+    assert report.t_policy_by_n[8] > report.t_policy_by_n[min(report.t_policy_by_n)]
+    best, structure = schedule_bound(8, report.t_policy_by_n, report.t_env_s, report.cores)
+    assert (report.schedule_bound_steps_per_s, report.schedule_structure) == (best, structure)
+    assert report.of_schedule_bound == pytest.approx(report.steps_per_s / best)
+    assert "schedule bound" in str(report)

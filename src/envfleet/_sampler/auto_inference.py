@@ -233,22 +233,20 @@ class SamplerReport:
             call on the smaller batches it ran on (which makes the bound an upper estimate).
         t_env_s: seconds one env takes for one step, in the workers (``t_env``).
         bound_steps_per_s: the overlap bound ``N / max(T_p, (T_p + N t_env) / cores)``
-            (:func:`envfleet.bench.overlap_bound`): policy and envs perfectly overlapped.
+            (:func:`envfleet.bounds.overlap_bound`): policy and envs perfectly overlapped.
         of_bound: ``steps_per_s / bound_steps_per_s``.
         verdict: ``"policy-bound"`` when ``T_p >= (T_p + N t_env) / cores`` (the policy's
             time alone is the limit), else ``"env-bound"``.
         phases: mean seconds per call of each timed phase: ``driver/<name>`` and
             ``worker/<name>`` (``policy``, ``env_step``, ``waiting``).
         t_policy_by_n: the policy's seconds on a batch of ``n`` observations at ``n = N``,
-            ``N // 2``, ``N // 4`` (``T_p(n)``), the figures the schedule bound needs; ``None``
-            where no one measured them: the Sampler runs the policy at one or two batch sizes
-            only, so :meth:`envfleet.Sampler.report` leaves it ``None``.
-            ``envfleet bench --policy`` (:func:`envfleet.bench.measure_policy_loop`) fills it,
-            with the schedule bound, in the note of its ``sampler`` row, from its own
-            measurement of ``T_p(n)`` (:func:`envfleet.bench.measure_bound`), through
-            :meth:`with_schedule_bound`.
+            ``N // 2``, ``N // 4``... (``T_p(n)``, :func:`envfleet.bounds.schedule_sizes`),
+            the figures the schedule bound needs; ``None`` unless asked for:
+            :meth:`envfleet.Sampler.report` with ``schedule=True`` times a copy of the policy,
+            and ``envfleet bench --policy`` gives its own measurement
+            (:func:`envfleet.bench.measure_bound`) through :meth:`with_schedule_bound`.
         schedule_bound_steps_per_s: the schedule bound
-            (:func:`envfleet.bench.schedule_bound` of ``t_policy_by_n``, ``t_env_s`` and
+            (:func:`envfleet.bounds.schedule_bound` of ``t_policy_by_n``, ``t_env_s`` and
             ``cores``): the best steps/s of the structures a loop can take (one policy call,
             groups alternating, the policy in each worker); ``nan`` without
             ``t_policy_by_n``.
@@ -278,7 +276,7 @@ class SamplerReport:
     ) -> SamplerReport:
         """This report with the schedule bound: ``t_policy_by_n`` (seconds by batch size),
         the bound ``steps_per_s`` computed from it with this report's ``t_env_s`` and ``cores``
-        (:func:`envfleet.bench.schedule_bound`), the ``structure`` that attains it, and
+        (:func:`envfleet.bounds.schedule_bound`), the ``structure`` that attains it, and
         ``of_schedule_bound``."""
         from dataclasses import replace
 
@@ -330,14 +328,19 @@ def sampler_report(
     num_envs: int,
     t_policy_full: float,
     calibration: dict[str, float],
+    t_env_steps: float = math.nan,
 ) -> SamplerReport:
-    """A :class:`SamplerReport` from a Sampler's measurements (see its attributes)."""
+    """A :class:`SamplerReport` from a Sampler's measurements (see its attributes);
+    ``t_env_steps``: an env's step time from the vector env's own step times, for when no
+    worker timed its env steps (driver inference)."""
     cores = _cores.usable_cores()
     t_policy = t_policy_full
     if math.isnan(t_policy):
         stat = timers.driver.get("policy") or timers.merged.get("policy")
         t_policy = stat.mean_s if stat is not None else math.nan
     t_env = _env_step_time(timers.workers, ranges)
+    if math.isnan(t_env):
+        t_env = t_env_steps
     steps_per_s = steps / seconds if seconds > 0 else math.nan
     bound = math.nan
     verdict = "unknown"

@@ -29,6 +29,7 @@ import contextlib
 import copy
 import dataclasses
 import logging
+import math
 import numbers
 import os
 import random
@@ -41,6 +42,7 @@ import cloudpickle
 import gymnasium
 import numpy as np
 from gymnasium.vector import AutoresetMode
+from gymnasium.vector.utils import batch_space
 
 from envfleet._core.buffers import side_leaves
 from envfleet._core.errors import (
@@ -50,7 +52,7 @@ from envfleet._core.errors import (
     UnsupportedError,
 )
 from envfleet._core.replay import Snapshot
-from envfleet._core.trees import tree_copy
+from envfleet._core.trees import tree_copy, tree_slice
 from envfleet._front.make import make
 from envfleet._front.multi_agent_vector_env import MultiAgentVectorEnv
 from envfleet._front.vector_env import FleetVectorEnv
@@ -77,6 +79,7 @@ from envfleet._sampler.worker_inference import (
     WorkerInference,
     WorkerInferenceState,
 )
+from envfleet.bounds import schedule_bound, schedule_sizes, time_policy
 
 __all__ = ["Sampler"]
 
@@ -583,7 +586,7 @@ class Sampler:
         self.stats.steps_returned += batch.num_steps
         return batch
 
-    def report(self) -> SamplerReport:
+    def report(self, *, schedule: bool = False) -> SamplerReport:
         """How fast :meth:`sample` ran, against the overlap bound, and which inference ran
         and why (see :class:`SamplerReport`).
 
@@ -591,10 +594,20 @@ class Sampler:
         time on all ``num_envs`` observations where the driver ran it (driver inference, or
         the calibration of ``"auto"``), ``t_env`` the workers' env step time per env.
 
+        Args:
+            schedule: also give the schedule bound (:func:`envfleet.bounds.schedule_bound`):
+                a copy of the policy (``copy.deepcopy``, its generators its own) is timed
+                here on ``N``, ``N/2``, ``N/4``... rows (down to a worker per core) of
+                observations drawn from the observation space, about 0.1 s per size, with
+                the global generators of ``random``, ``numpy`` and torch's CPU put back
+                after, so the run's random streams are untouched. Needs an env step time
+                (``t_env``: the workers' timers, or the vector env's step times); without it
+                the schedule fields stay empty.
+
         Example::
 
             sampler.sample(10_000)
-            print(sampler.report())  # inference: worker (calibrated ...), steps/s ...
+            print(sampler.report(schedule=True))  # inference: worker (...), schedule bound ...
         """
         inference = self._inference
         if isinstance(inference, AutoInference):
@@ -609,10 +622,42 @@ class Sampler:
         policy = timers.driver.get("policy")
         full = policy is not None and policy.count and not self._venv.is_pool
         t_policy = policy.mean_s if full and policy is not None else float("nan")
-        return sampler_report(
+        # Each env's step time from the vector env's own step times (driver inference).
+        seconds = rows = 0.0
+        for stat, (start, stop) in zip(self._venv.stats.workers, self.worker_ranges, strict=False):
+            if stat.count:
+                seconds += stat.mean_s * stat.count
+                rows += stat.count * (stop - start)
+        report = sampler_report(
             mode, choice, self._sampled, self._sample_s, timers, self.worker_ranges,
-            self.num_envs, t_policy, calibration,
+            self.num_envs, t_policy, calibration, seconds / rows if rows else math.nan,
         )  # fmt: skip
+        if schedule and math.isfinite(report.t_env_s):
+            curve = self._policy_curve(report.cores)
+            best, structure = schedule_bound(self.num_envs, curve, report.t_env_s, report.cores)
+            report = report.with_schedule_bound(curve, best, structure)
+        return report
+
+    def _policy_curve(self, cores: int) -> dict[int, float]:
+        """``T_p(n)`` at :func:`envfleet.bounds.schedule_sizes`, timed on a copy of the policy
+        (see :meth:`report`)."""
+        space = batch_space(self._venv.single_observation_space, self.num_envs)
+        space.seed(0)
+        observations = space.sample()
+        policy = copy.deepcopy(self._runnable())
+        states = random.getstate(), np.random.get_state()
+        torch = sys.modules.get("torch")
+        torch_state = torch.get_rng_state() if torch is not None else None
+        try:
+            return {
+                n: time_policy(policy, tree_slice(observations, 0, n), 0.1)
+                for n in schedule_sizes(self.num_envs, cores)
+            }
+        finally:
+            random.setstate(states[0])
+            np.random.set_state(states[1])
+            if torch is not None:
+                torch.set_rng_state(torch_state)
 
     def sample_episodes(self, n_per_worker: int) -> EpisodeBatch:
         """Exactly ``n_per_worker`` whole episodes from each worker, in worker order (garage's
