@@ -24,6 +24,7 @@ from envfleet.bench._peers import (
 )
 
 __all__ = [
+    "json_ready",
     "ACTION_BANK",
     "BASELINES",
     "LIMIT",
@@ -362,3 +363,15 @@ def bench_error(exc: Exception, doing: str, system: str, env_id: str) -> BenchEr
     return BenchError(
         f"{system} failed while {doing} {env_id!r}: {type(exc).__name__}: {exc}", system, env_id
     )
+
+
+def json_ready(value: Any) -> Any:
+    """``value`` with every ``nan`` float as ``None`` (JSON has no nan), through dicts,
+    lists and tuples (tuples become lists)."""
+    if isinstance(value, float) and value != value:
+        return None
+    if isinstance(value, dict):
+        return {k: json_ready(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_ready(v) for v in value]
+    return value

@@ -19,7 +19,7 @@ import numpy as np
 
 import envfleet
 from envfleet import ConfigError, check_env_id, usable_cores
-from envfleet.bench._core import ACTION_BANK, bench_error, check_args
+from envfleet.bench._core import ACTION_BANK, bench_error, check_args, json_ready
 from envfleet.bench._peers import PUFFER_INSTALL
 from envfleet.bench._policies import (
     TorchPolicy,
@@ -328,16 +328,7 @@ def policy_report_dict(report: PolicyLoopReport) -> dict[str, Any]:
     """A learner's-loop report as a JSON-ready dict (``nan`` becomes ``None``): the fields of
     :class:`PolicyLoopReport`, ``bound`` and ``results`` nested as dicts."""
 
-    def clean(value: Any) -> Any:
-        if isinstance(value, float) and value != value:
-            return None
-        if isinstance(value, dict):
-            return {k: clean(v) for k, v in value.items()}
-        if isinstance(value, (list, tuple)):
-            return [clean(v) for v in value]
-        return value
-
-    return dict(clean(asdict(report)))
+    return dict(json_ready(asdict(report)))
 
 
 def policy_table(report: PolicyLoopReport) -> str:

@@ -27,7 +27,7 @@ from gymnasium.vector.utils import concatenate, create_empty_array
 
 import envfleet
 from envfleet import ConfigError, check_env_id, usable_cores
-from envfleet.bench._core import BenchError, bench_error, check_args
+from envfleet.bench._core import BenchError, bench_error, check_args, json_ready
 from envfleet.bench._policies import POLICY_KINDS, TorchPolicy, Workload, check_workload, make_env
 from envfleet.bench._policy_loop import (
     ROLLOUT_STEPS,
@@ -530,21 +530,12 @@ def tune_report_dict(report: TuneReport) -> dict[str, Any]:
     """A :class:`TuneReport` as a JSON-ready dict (``nan`` becomes ``None``): its fields,
     each candidate with its ``name`` and ``kwargs`` added."""
 
-    def clean(value: Any) -> Any:
-        if isinstance(value, float) and value != value:
-            return None
-        if isinstance(value, dict):
-            return {k: clean(v) for k, v in value.items()}
-        if isinstance(value, (list, tuple)):
-            return [clean(v) for v in value]
-        return value
-
     def result(r: TuneResult) -> dict[str, Any]:
         out = asdict(r)
         out["candidate"].update(name=r.candidate.name, kwargs=r.candidate.kwargs)
-        return dict(clean(out))
+        return dict(json_ready(out))
 
-    out = dict(clean(asdict(report)))
+    out = dict(json_ready(asdict(report)))
     out["results"] = [result(r) for r in report.results]
     out["winner"] = result(report.winner)
     return out
