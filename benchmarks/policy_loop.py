@@ -6,7 +6,9 @@ sampling; see ``envfleet.bench.TorchPolicy``):
 - ``cartpole``: ``CartPole-v1`` x16, MLP 64-64 tanh;
 - ``lunarlander``: ``LunarLander-v3`` x16, the same MLP;
 - ``pong``: ``ALE/Pong-v5`` x8, Nature CNN, ``frameskip=1`` + ``AtariPreprocessing(frame_skip=4,
-  screen_size=84, grayscale_obs=True)`` + ``FrameStackObservation(4)``, observations / 255.
+  screen_size=84, grayscale_obs=True)`` + ``FrameStackObservation(4)``, observations / 255;
+- ``halfcheetah``: ``HalfCheetah-v5`` x8 (MuJoCo: ``pip install 'envfleet[mujoco]'``), the MLP
+  with a Gaussian head (CleanRL's continuous-action PPO actor).
 
 Systems (``envfleet.bench.POLICY_SYSTEMS``): gymnasium's SyncVectorEnv and AsyncVectorEnv in a
 plain loop (obs -> policy -> step); PufferLib 3's ``Multiprocessing`` vector env, one worker in
@@ -62,6 +64,7 @@ WORKLOADS = {
     "cartpole": Workload("CartPole-v1", 16, "mlp"),
     "lunarlander": Workload("LunarLander-v3", 16, "mlp"),
     "pong": Workload("ALE/Pong-v5", 8, "cnn", atari=True),
+    "halfcheetah": Workload("HalfCheetah-v5", 8, "mlp"),
 }
 
 

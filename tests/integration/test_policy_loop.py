@@ -280,9 +280,30 @@ def test_policy_on_a_device_returns_numpy_actions_on_the_cpu(device):
 def test_policy_refuses_spaces_it_cannot_drive():
     box = gymnasium.spaces.Box(-1.0, 1.0, (2,), np.float32)
     with pytest.raises(ConfigError, match="Discrete"):
-        TorchPolicy("mlp", CARTPOLE_OBS, box)
+        TorchPolicy("cnn", PONG_OBS, box)
+    with pytest.raises(ConfigError, match="Discrete action space or a Box"):
+        TorchPolicy("mlp", CARTPOLE_OBS, gymnasium.spaces.MultiBinary(3))
     with pytest.raises(ConfigError, match="unknown policy"):
         TorchPolicy("rnn", CARTPOLE_OBS, gymnasium.spaces.Discrete(2))
+
+
+def test_the_mlp_on_a_box_is_a_gaussian_within_the_bounds():
+    """CleanRL's continuous-action actor: float32 actions of the Box's shape, drawn around
+    the actor's means (log std 0), clipped to the bounds, reproducible from the seed."""
+    box = gymnasium.spaces.Box(-0.5, 0.5, (2, 3), np.float32)
+    policy = TorchPolicy("mlp", CARTPOLE_OBS, box, seed=1)
+    obs = np.zeros((64, 4), np.float32)
+    actions = policy(obs)
+    assert actions.shape == (64, 2, 3) and actions.dtype == np.float32
+    assert actions.min() >= -0.5 and actions.max() <= 0.5
+    assert len(np.unique(actions)) > 10  # drawn, not the means
+    assert np.array_equal(TorchPolicy("mlp", CARTPOLE_OBS, box, seed=1)(obs), actions)
+
+
+def test_a_mujoco_workload_without_mujoco_says_how_to_install_it(monkeypatch):
+    monkeypatch.setitem(sys.modules, "mujoco", None)  # find_spec("mujoco") answers None
+    with pytest.raises(ConfigError, match=r"envfleet\[mujoco\]"):
+        check_workload(Workload("HalfCheetah-v5", 8, "mlp"))
 
 
 # -- the measurement -------------------------------------------------------------------------

@@ -7,6 +7,7 @@ sampling, as a callable that :func:`envfleet.bench.measure_policy_loop`,
 ``benchmarks/policy_loop.py`` and :class:`envfleet.Sampler` all use:
 
 - ``"mlp"``: two hidden layers of 64 with tanh (CleanRL's ``ppo.py``), on flat observations;
+  with a ``Box`` action space a Gaussian head (CleanRL's ``ppo_continuous_action.py``);
 - ``"cnn"``: the Nature CNN (CleanRL's ``ppo_atari.py``) on ``uint8[4, 84, 84]`` frame
   stacks, observations divided by 255.
 
@@ -19,7 +20,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import gymnasium
 import numpy as np
@@ -114,12 +115,14 @@ def check_workload(workload: Workload) -> None:
     """Check that a workload's env can be built here, without building it.
 
     Raises:
-        ConfigError: an ``ALE/`` id without ale-py, or Atari preprocessing without OpenCV
-            (gymnasium's ``AtariPreprocessing`` resizes with it); the message says what to
-            install.
+        ConfigError: a MuJoCo id without mujoco, an ``ALE/`` id without ale-py, or Atari
+            preprocessing without OpenCV (gymnasium's ``AtariPreprocessing`` resizes with it);
+            the message says what to install.
     """
     import importlib.util
 
+    if workload.env_id.startswith(_MUJOCO) and importlib.util.find_spec("mujoco") is None:
+        raise ConfigError(f"{workload.env_id} needs MuJoCo: pip install 'envfleet[mujoco]'")
     if workload.env_id.startswith("ALE/") and importlib.util.find_spec("ale_py") is None:
         raise ConfigError(f"{workload.env_id} needs ale-py: pip install 'envfleet[atari]'")
     if workload.atari and importlib.util.find_spec("cv2") is None:
@@ -127,6 +130,10 @@ def check_workload(workload: Workload) -> None:
             f"the Atari preprocessing of {workload.env_id} needs OpenCV: "
             "pip install 'envfleet[atari]' (or: pip install opencv-python-headless)"
         )
+
+
+# The MuJoCo envs of gymnasium whose ids a workload may name.
+_MUJOCO = ("HalfCheetah", "Hopper", "Walker2d", "Ant", "Humanoid", "Swimmer", "Reacher")
 
 
 def make_env(env_id: str, atari: bool = False) -> gymnasium.Env[Any, Any]:
@@ -154,14 +161,18 @@ class TorchPolicy:
     Args:
         kind: ``"mlp"`` (64-64 tanh) or ``"cnn"`` (Nature CNN; inputs divided by 255).
         observation_space: one env's observation space (a ``Box``).
-        action_space: one env's action space (``Discrete``).
+        action_space: one env's action space: ``Discrete`` (Categorical sampling), or for
+            ``"mlp"`` a ``Box`` (a Gaussian: the actor's means, a state-independent log
+            standard deviation of 0, samples clipped to the bounds, as CleanRL's
+            ``ppo_continuous_action.py`` with its ``ClipAction``).
         seed: seeds the weights (``torch.manual_seed``) and the sampling generator.
         device: the torch device of the weights and the computation (``"cpu"``, or
             ``"cuda"`` where a GPU is: observations are copied to it and the actions back).
 
     Calling it with ``obs`` (``[n, *obs_shape]``, any numeric dtype) returns
     ``int64[n]`` actions (a numpy array on the CPU) drawn from
-    ``Categorical(logits=actor(obs))``, computed in ``torch.no_grad()`` with
+    ``Categorical(logits=actor(obs))`` (a Box: ``float32[n, *act_shape]`` from the
+    Gaussian), computed in ``torch.no_grad()`` with
     ``torch.set_num_threads(1)``. It pickles (a worker gets its own copy); :meth:`seed`
     reseeds the sampling.
 
@@ -185,16 +196,31 @@ class TorchPolicy:
         torch = require_torch()
         if kind not in POLICY_KINDS:
             raise ConfigError(f"unknown policy {kind!r}; choose from {', '.join(POLICY_KINDS)}")
-        if not isinstance(action_space, gymnasium.spaces.Discrete):
+        gaussian = kind == "mlp" and isinstance(action_space, gymnasium.spaces.Box)
+        if not (isinstance(action_space, gymnasium.spaces.Discrete) or gaussian):
             raise ConfigError(
-                f"the {kind} policy needs a Discrete action space, got {action_space}"
+                f"the {kind} policy needs a Discrete action space"
+                f"{' or a Box' if kind == 'mlp' else ''}, got {action_space}"
             )
         if not isinstance(observation_space, gymnasium.spaces.Box):
             raise ConfigError(f"the {kind} policy needs a Box observation space")
         nn = torch.nn
         torch.set_num_threads(1)
         torch.manual_seed(seed)
-        n_actions = int(action_space.n)
+        # Categorical logits, or a Gaussian's means (CleanRL's ppo_continuous_action.py: a
+        # state-independent log standard deviation, 0 at the start).
+        self.gaussian = gaussian
+        # A Box's bounds (flat) and shape, and the Gaussian's log standard deviation.
+        self.low = self.high = np.zeros(0, np.float32)
+        self.action_shape: tuple[int, ...] = ()
+        if isinstance(action_space, gymnasium.spaces.Box):
+            self.low = np.asarray(action_space.low, np.float32).reshape(-1)
+            self.high = np.asarray(action_space.high, np.float32).reshape(-1)
+            self.action_shape = tuple(int(d) for d in action_space.shape)
+            n_actions = len(self.low)
+            self.log_std = torch.zeros(n_actions)
+        else:
+            n_actions = int(cast(gymnasium.spaces.Discrete, action_space).n)
         if kind == "mlp":
             size = int(np.prod(observation_space.shape))
             self.actor = nn.Sequential(
@@ -224,6 +250,8 @@ class TorchPolicy:
         self.kind = kind
         self.device = torch.device(device)
         self.actor.to(self.device)
+        if gaussian:
+            self.log_std = self.log_std.to(self.device)
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
 
     def seed(self, seed: int | None) -> None:
@@ -243,7 +271,12 @@ class TorchPolicy:
             x = torch.as_tensor(np.asarray(obs)).to(self.device, torch.float32)
             if self.scale != 1.0:
                 x = x * self.scale
-            logits = self.actor(x)
-            probs = torch.softmax(logits, dim=-1)
+            out = self.actor(x)
+            if self.gaussian:
+                noise = torch.randn(out.shape, generator=self.generator, device=self.device)
+                drawn = (out + noise * self.log_std.exp()).cpu().numpy()
+                flat = np.clip(drawn, self.low, self.high)
+                return flat.reshape(len(flat), *self.action_shape).astype(np.float32)
+            probs = torch.softmax(out, dim=-1)
             actions = torch.multinomial(probs, 1, generator=self.generator).squeeze(-1)
         return actions.cpu().numpy()
