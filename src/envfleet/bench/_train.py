@@ -73,6 +73,7 @@ __all__ = [
     "segment_gae",
     "plot_train",
     "train_report_dict",
+    "train_report_from_dict",
     "train_run",
     "train_table",
     "train_unavailable",
@@ -971,6 +972,8 @@ class TrainResult:
             ``seconds``: below 1, faster than every peer (``nan`` without a peer that reached).
         vs_best_peer_steps: the same of ``steps``.
         skipped: why it did not run (how to install it), else ``None``.
+        steps_per_s: median over the runs of their env steps per wall-clock second, learning
+            included (end to end; it leaves out how many steps a seed needed).
     """
 
     system: str
@@ -981,6 +984,7 @@ class TrainResult:
     vs_best_peer_seconds: float = math.nan
     vs_best_peer_steps: float = math.nan
     skipped: str | None = None
+    steps_per_s: float = math.nan
 
 
 @dataclass(frozen=True)
@@ -1077,8 +1081,31 @@ def measure_train(
         longest = max(longest, time.perf_counter() - t0)
         done.append(seed)
 
-    medians = {s: (_median_to_score(runs[s], "seconds"), _median_to_score(runs[s], "steps"))
-               for s in active}  # fmt: skip
+    machine = describe_machine([s for s in active if s in ("sb3-subproc", "puffer-mp")])
+    machine.versions["torch"] = require_torch().__version__
+    return _summary(
+        workload, names, runs, skipped, tuple(done), len(seeds), machine,
+        time.perf_counter() - start,
+    )  # fmt: skip
+
+
+def _summary(
+    workload: TrainWorkload,
+    names: Sequence[str],
+    runs: dict[str, list[TrainRun]],
+    skipped: dict[str, str],
+    seeds: tuple[int, ...],
+    seeds_asked: int,
+    machine: Machine,
+    wall_s: float,
+) -> TrainReport:
+    """The report of ``runs`` (system -> its runs; ``skipped``: system -> why it did not
+    run): medians, the best peers, the ratios and the bit-identical systems."""
+    medians = {
+        s: (_median_to_score(runs[s], "seconds"), _median_to_score(runs[s], "steps"))
+        for s in names
+        if s not in skipped
+    }
     peers = [s for s in TRAIN_PEERS if s in medians]
     best_s = min(peers, key=lambda s: medians[s][0], default="")
     best_n = min(peers, key=lambda s: medians[s][1], default="")
@@ -1091,6 +1118,7 @@ def measure_train(
             continue
         seconds, steps = medians[system]
         mine = sorted(runs[system], key=lambda r: r.seed)
+        rates = [r.steps / r.seconds for r in mine if r.seconds > 0]
         results.append(
             TrainResult(
                 system,
@@ -1100,21 +1128,63 @@ def measure_train(
                 steps,
                 seconds / medians[best_s][0] if best_s else math.nan,
                 steps / medians[best_n][1] if best_n else math.nan,
+                steps_per_s=float(statistics.median(rates)) if rates else math.nan,
             )
         )
-    machine = describe_machine([s for s in active if s in ("sb3-subproc", "puffer-mp")])
-    machine.versions["torch"] = require_torch().__version__
     return TrainReport(
         workload,
-        tuple(done),
-        len(seeds),
+        seeds,
+        seeds_asked,
         tuple(results),
-        _identical(runs),
+        _identical({s: runs[s] for s in names if s not in skipped}),
         best_s,
         best_n,
         machine,
-        time.perf_counter() - start,
+        wall_s,
     )
+
+
+def train_report_from_dict(doc: dict[str, Any]) -> TrainReport:
+    """The :class:`TrainReport` of a dict from :func:`train_report_dict` (a JSON file read
+    back): the runs as they were, the medians, ratios and notes computed again from them.
+
+    Raises:
+        ConfigError: a dict that is not such a report (a field missing or of another kind).
+    """
+
+    def number(value: Any) -> float:
+        return math.nan if value is None else float(value)
+
+    try:
+        w = doc["workload"]
+        workload = TrainWorkload(**{**w, "ppo": PPOConfig(**w["ppo"])})
+        names, runs, skipped = [], {}, {}
+        for r in doc["results"]:
+            names.append(r["system"])
+            if r.get("skipped") is not None:
+                skipped[r["system"]] = r["skipped"]
+                continue
+            runs[r["system"]] = [
+                TrainRun(
+                    **{
+                        **run,
+                        "score": number(run["score"]),
+                        "startup_s": number(run["startup_s"]),
+                        "trace": tuple(
+                            TrainPoint(p["seconds"], p["steps"], number(p["mean_return"]))
+                            for p in run["trace"]
+                        ),
+                    }
+                )
+                for run in r["runs"]
+            ]
+        machine = Machine(**doc["machine"])
+        return _summary(
+            workload, names, runs, skipped, tuple(doc["seeds"]), int(doc["seeds_asked"]),
+            machine, float(doc["wall_s"]),
+        )  # fmt: skip
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ConfigError(f"not a time-to-score report: {type(exc).__name__}: {exc}") from exc
 
 
 def _median_to_score(runs: Sequence[TrainRun], what: str) -> float:
@@ -1179,7 +1249,8 @@ def _fmt_ratio(value: float) -> str:
 
 def train_table(report: TrainReport) -> str:
     """A report as Markdown: a line on what ran, then ``system | reached | seconds to score |
-    vs best peer | env steps to score | vs best peer | learning share | seconds per seed``
+    vs best peer | env steps to score | vs best peer | steps/s end to end | learning share |
+    seconds per seed``
     (a system left out says why: how to install it), then notes: the best peers, which
     systems learned bit-identically, what each Sampler chose."""
     w, c = report.workload, report.workload.ppo
@@ -1202,12 +1273,12 @@ def train_table(report: TrainReport) -> str:
         machine_line(report.machine, 200),
         "",
         "| system | reached | seconds to score | vs best peer | env steps to score "
-        "| vs best peer | learning share | seconds per seed |",
-        "|---|---:|---:|---:|---:|---:|---:|---|",
+        "| vs best peer | steps/s end to end | learning share | seconds per seed |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in report.results:
         if r.skipped is not None:
-            lines.append(f"| {r.system} | {r.skipped} | - | - | - | - | - | - |")
+            lines.append(f"| {r.system} | {r.skipped} | - | - | - | - | - | - | - |")
             continue
         share = sum(run.learn_s for run in r.runs) / max(1e-9, sum(run.seconds for run in r.runs))
         per_seed = ", ".join(
@@ -1218,7 +1289,8 @@ def train_table(report: TrainReport) -> str:
         lines.append(
             f"| {r.system} | {r.reached}/{len(r.runs)} | {seconds} "
             f"| {_fmt_ratio(r.vs_best_peer_seconds)} | {_fmt_steps(r.steps)} "
-            f"| {_fmt_ratio(r.vs_best_peer_steps)} | {share:.2f} | {per_seed} |"
+            f"| {_fmt_ratio(r.vs_best_peer_steps)} | {r.steps_per_s:,.0f} | {share:.2f} "
+            f"| {per_seed} |"
         )
     peers = ", ".join(TRAIN_PEERS)
     lines += [
@@ -1228,8 +1300,9 @@ def train_table(report: TrainReport) -> str:
         f"{report.best_peer_steps or 'none reached'}); below 1 is faster, or fewer steps",
         "seconds: wall-clock from the first reset (or sample) to the end of the update that "
         "reached the target, start-up excluded; a run that did not reach it counts as "
-        "infinite in the median. learning share: the part of those seconds spent on GAE and "
-        "the PPO update, the rest is stepping the envs and the policy's inference",
+        "infinite in the median. steps/s end to end: env steps over those seconds (median of "
+        "the seeds), learning included. learning share: the part of those seconds spent on GAE "
+        "and the PPO update, the rest is stepping the envs and the policy's inference",
     ]
     if len(report.identical) > 1:
         lines.append(
@@ -1263,8 +1336,10 @@ _TRAIN_STYLES: dict[str, dict[str, Any]] = {
 def plot_train(report: TrainReport, path: str) -> tuple[int, int]:
     """Draw a report into an image file (PNG, or any format matplotlib knows from the
     extension): mean return of the last :data:`SCORE_EPISODES` episodes against wall-clock
-    seconds (left) and against env steps (right), one line per system: its median seed bold,
-    its other seeds faint; the target as a dotted line.
+    seconds (left) and against env steps (right), one line per system: its median seed bold
+    (the median of seconds on the left, of steps on the right), its other seeds faint (the
+    lines of systems that learn bit-identically coincide on the right); the target as a dotted
+    line.
 
     Returns:
         The image's size in pixels, ``(width, height)``.
@@ -1276,6 +1351,7 @@ def plot_train(report: TrainReport, path: str) -> tuple[int, int]:
     """
     require_matplotlib()
     from matplotlib.figure import Figure
+    from matplotlib.ticker import EngFormatter
 
     ran = [r for r in report.results if r.runs]
     if not ran:
@@ -1285,37 +1361,49 @@ def plot_train(report: TrainReport, path: str) -> tuple[int, int]:
     by_time, by_steps = fig.subplots(1, 2)
     for r in ran:
         style = {"linewidth": 1.2, **_TRAIN_STYLES.get(r.system, {})}
-        middle = _median_run(r.runs)
-        for run in r.runs:
-            xs = [p.seconds for p in run.trace]
-            ns = [p.steps for p in run.trace]
-            ys = [p.mean_return for p in run.trace]
-            bold = run is middle
-            extra = {"alpha": 1.0 if bold else 0.25, "linewidth": 2.0 if bold else 0.8}
-            label = r.system if bold else None
-            (line,) = by_time.plot(xs, ys, label=label, **{**style, **extra})
-            style.setdefault("color", line.get_color())
-            by_steps.plot(ns, ys, **{**style, **extra})
+        # Each panel's bold run is the median of what it shows: seconds left, steps right.
+        for ax, x, what in ((by_time, "seconds", "seconds"), (by_steps, "steps", "steps")):
+            middle = _median_run(r.runs, what)
+            for run in r.runs:
+                bold = run is middle
+                (line,) = ax.plot(
+                    [getattr(p, x) for p in run.trace],
+                    [p.mean_return for p in run.trace],
+                    label=r.system if bold and ax is by_time else None,
+                    **{
+                        **style,
+                        "alpha": 1.0 if bold else 0.25,
+                        "linewidth": 2.0 if bold else 0.8,
+                    },
+                )
+                style.setdefault("color", line.get_color())
+    by_steps.xaxis.set_major_formatter(EngFormatter(sep=""))
     w = report.workload
     for ax in (by_time, by_steps):
-        ax.axhline(w.target, color="black", linestyle=":", linewidth=1.2)
+        ax.axhline(w.target, color="black", linestyle=":", linewidth=1.2, label="target")
         ax.grid(True, alpha=0.3)
         ax.set_ylabel(f"mean return, last {SCORE_EPISODES} episodes")
     by_time.set_xlabel("wall-clock seconds")
     by_steps.set_xlabel("env steps")
     by_time.legend(fontsize=8, loc="lower right")
     seeds = len(report.seeds)
+    same = (
+        f"; right: {', '.join(report.identical)} learn bit-identically, their lines coincide"
+        if len(report.identical) > 1
+        else ""
+    )
     fig.suptitle(
         f"{w.env_id} x{w.num_envs}, PPO to {w.target:g}: median seed bold, "
-        f"{'the other seeds faint' if seeds > 1 else 'one seed'}\n"
-        + machine_line(report.machine, 140),
+        f"{'the other seeds faint' if seeds > 1 else 'one seed'}{same}\n"
+        + machine_line(report.machine, 160),
         fontsize=9,
     )
     fig.savefig(path, dpi=PLOT_DPI)
     return round(width_in * PLOT_DPI), round(height_in * PLOT_DPI)
 
 
-def _median_run(runs: Sequence[TrainRun]) -> TrainRun:
-    """The run with the (lower) median seconds to the target (unreached runs last)."""
-    ordered = sorted(runs, key=lambda r: (not r.reached, r.seconds))
+def _median_run(runs: Sequence[TrainRun], what: str) -> TrainRun:
+    """The run with the (lower) median ``what`` (``"seconds"`` or ``"steps"``) to the target,
+    the runs that did not reach it last; ties go to the lower seed."""
+    ordered = sorted(runs, key=lambda r: (not r.reached, getattr(r, what), r.seed))
     return ordered[(len(ordered) - 1) // 2]
