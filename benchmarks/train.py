@@ -25,7 +25,9 @@ limit.
 Run: ``python benchmarks/train.py --workload cartpole [--seeds 3] [--systems LIST]
 [--budget STEPS] [--max-minutes M] [--json FILE] [--plot FILE.png] [--md FILE]``. Needs torch
 (and stable-baselines3 for its row; matplotlib for ``--plot``). The Markdown table goes to
-stdout and to ``--md`` (default ``benchmarks/results/train-<workload>.md``).
+stdout and to ``--md`` (default ``benchmarks/results/train-<workload>.md``). ``--render
+FILE.json [--plot FILE.png] [--json FILE]`` trains nothing: it writes the table, the plot and
+the JSON of a JSON file written before, as the current code writes them.
 """
 
 from __future__ import annotations
@@ -41,12 +43,14 @@ from pathlib import Path
 from envfleet.bench import (
     TRAIN_SYSTEMS,
     TRAIN_WORKLOADS,
+    TrainReport,
     TrainRun,
     measure_train,
     plot_train,
     require_matplotlib,
     require_torch,
     train_report_dict,
+    train_report_from_dict,
     train_table,
 )
 
@@ -78,7 +82,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--md", type=Path, default=None, metavar="FILE", help="default results/train-<workload>.md"
     )
+    parser.add_argument(
+        "--render",
+        type=Path,
+        default=None,
+        metavar="FILE.json",
+        help=(
+            "train nothing: write the table (--md), the plot (--plot) and the JSON (--json, in "
+            "the current layout) of a --json file written before"
+        ),
+    )
     args = parser.parse_args(argv)
+    if args.render is not None:
+        if args.plot is not None:
+            require_matplotlib()
+        return _render(args.render, args.md, args.plot, args.json)
     if args.seeds < 1:
         raise SystemExit("--seeds must be >= 1")
     systems = _systems(args.systems)
@@ -112,12 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     took = time.perf_counter() - started
     date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    text = f"`{command}` ({date}, {took / 60:.1f} min)\n\n{train_table(report)}"
-    print(text, flush=True)
-    md = args.md or RESULTS / f"train-{args.workload}.md"
-    md.parent.mkdir(parents=True, exist_ok=True)
-    md.write_text(text)
-    print(f"table written to {md}", file=sys.stderr)
+    _write(report, command, date, took, args.md or RESULTS / f"train-{args.workload}.md")
     if args.json is not None:
         doc = {"date": date, "argv": argv if argv is not None else sys.argv[1:]}
         doc.update(train_report_dict(report))
@@ -125,6 +138,33 @@ def main(argv: list[str] | None = None) -> int:
     if args.plot is not None:
         plot_train(report, str(args.plot))
         print(f"plot written to {args.plot}", file=sys.stderr)
+    return 0
+
+
+def _write(report: TrainReport, command: str, date: str, took: float, md: Path) -> None:
+    """Print the table, headed by the command that measured it, and write it to ``md``."""
+    text = f"`{command}` ({date}, {took / 60:.1f} min)\n\n{train_table(report)}"
+    print(text, flush=True)
+    md.parent.mkdir(parents=True, exist_ok=True)
+    md.write_text(text)
+    print(f"table written to {md}", file=sys.stderr)
+
+
+def _render(path: Path, md: Path | None, plot: Path | None, out: Path | None) -> int:
+    """The table (and plot, and JSON ``out`` in the current layout) of a JSON file this script
+    wrote, without training again."""
+    doc = json.loads(path.read_text())
+    report = train_report_from_dict(doc)
+    command = " ".join(["python", "benchmarks/train.py", *doc.get("argv", [])])
+    md = md or RESULTS / f"train-{report.workload.name}.md"
+    _write(report, command, str(doc.get("date", "")), report.wall_s, md)
+    if out is not None:
+        again = {"date": doc.get("date", ""), "argv": doc.get("argv", [])}
+        again.update(train_report_dict(report))
+        out.write_text(json.dumps(again, indent=2) + "\n")
+    if plot is not None:
+        plot_train(report, str(plot))
+        print(f"plot written to {plot}", file=sys.stderr)
     return 0
 
 

@@ -27,6 +27,7 @@ from envfleet.bench import (  # noqa: E402
     plot_train,
     segment_gae,
     train_report_dict,
+    train_report_from_dict,
     train_table,
 )
 from envfleet.cli import main as cli_main  # noqa: E402
@@ -95,7 +96,7 @@ def test_the_table_has_a_row_per_system_and_the_notes(report):
     table = train_table(report)
     assert (
         "| system | reached | seconds to score | vs best peer | env steps to score "
-        "| vs best peer | learning share | seconds per seed |" in table
+        "| vs best peer | steps/s end to end | learning share | seconds per seed |" in table
     )
     for system in [*SYNC, "sampler"]:
         assert f"| {system} | 0/1 | not reached | - | not reached | - |" in table
@@ -121,6 +122,15 @@ def test_the_json_has_every_field(report):
     assert set(run) >= {"seed", "reached", "seconds", "steps", "learn_s", "digest", "trace"}
     assert [p["steps"] for p in run["trace"]] == [1024, 2048, 3072]
     assert all(p["seconds"] > 0 and p["mean_return"] > 0 for p in run["trace"])
+
+
+def test_the_report_comes_back_from_its_json(report):
+    doc = json.loads(json.dumps(train_report_dict(report)))
+    again = train_report_from_dict(doc)
+    assert train_table(again) == train_table(report)
+    assert again.identical == report.identical and again.results[0].runs == report.results[0].runs
+    for r in again.results:
+        assert r.skipped is not None or r.steps_per_s > 0
 
 
 def test_the_plot_is_written(report, tmp_path):
@@ -232,3 +242,7 @@ def test_the_script_writes_its_table_json_and_plot(tmp_path, capsys):
     assert "| gym-sync | 0/1 |" in text and text in capsys.readouterr().out
     assert json.loads(js.read_text())["workload"]["name"] == "cartpole"
     assert png.stat().st_size > 0
+    md2, png2 = tmp_path / "again.md", tmp_path / "again.png"
+    assert script.main(["--render", str(js), "--md", str(md2), "--plot", str(png2)]) == 0
+    assert md2.read_text().split("\n")[1:] == text.split("\n")[1:]  # the same table
+    assert png2.stat().st_size > 0
