@@ -10,7 +10,8 @@ instead of the table) and ``--plot FILE.png`` draws them (matplotlib, the ``plot
 system's steps/s, its fraction of the overlap bound and its ratio to the faster gymnasium
 loop. ``envfleet bench --train {cartpole,lunarlander}`` measures the time to score: one PPO
 trained over every system until the mean return of the last 20 episodes reaches the target
-(:func:`envfleet.bench.measure_train`), medians over ``--seeds`` against the best peer. This
+(:func:`envfleet.bench.measure_train`), medians over ``--seeds`` against the best peer;
+``--train pong`` the steps/s end to end of PPO on Atari. This
 module is the only place where envfleet prints.
 
 ``envfleet replay PATH`` reproduces a failure saved with ``err.replay.save(PATH)``
@@ -205,8 +206,9 @@ def _parser() -> argparse.ArgumentParser:
             "measure the time to score instead: one PPO (torch) trained over every system "
             "until the mean return of the last 20 episodes reaches the target (cartpole: "
             "CartPole-v1 x8 to 475; lunarlander: LunarLander-v3 x16 to 200), medians over "
-            "--seeds; ENV_IDs, --num-envs, --backends, --peers, --seconds and --repeats do "
-            "not apply"
+            "--seeds; pong: ALE/Pong-v5 x8 with a CNN, steps/s end to end over the first "
+            "50,000 steps (needs ale-py and OpenCV); ENV_IDs, --num-envs, --backends, --peers, "
+            "--seconds and --repeats do not apply"
         ),
     )
     bench.add_argument(
@@ -223,7 +225,8 @@ def _parser() -> argparse.ArgumentParser:
         metavar="STEPS",
         help=(
             "with --train: env steps after which a run that has not reached the target stops "
-            "(default: the workload's, 500,000 for cartpole and 1,500,000 for lunarlander)"
+            "(default: the workload's, 500,000 for cartpole, 1,500,000 for lunarlander, "
+            "50,000 for pong)"
         ),
     )
     bench.add_argument(

@@ -50,8 +50,11 @@ from envfleet import ConfigError, check_env_id
 from envfleet.bench._core import bench_error
 from envfleet.bench._peers import PEER_INSTALL, PUFFER_INSTALL, make_gym_env, puffer_workers
 from envfleet.bench._plot import PLOT_DPI, machine_line, require_matplotlib
-from envfleet.bench._policies import require_torch
+from envfleet.bench._policies import Workload, check_workload, make_env, require_torch
 from envfleet.bench._sweep import Machine, describe_machine
+
+#: A picklable zero-argument factory of one env.
+EnvFactory = Callable[[], Any]
 
 __all__ = [
     "SCORE_EPISODES",
@@ -133,6 +136,13 @@ class TrainWorkload:
         budget: env steps after which a run stops when it has not reached the target.
         ppo: the hyperparameters (:class:`PPOConfig`).
         source: where the hyperparameters come from.
+        policy: ``"mlp"`` or ``"cnn"`` (:class:`PPOPolicy`).
+        atari: build each env as ``envfleet.bench.make_env(env_id, atari=True)`` does
+            (``frameskip=1``, ``AtariPreprocessing(frame_skip=4, screen_size=84,
+            grayscale_obs=True)``, ``FrameStackObservation(4)``).
+
+    A workload whose ``target`` is ``inf`` measures steps/s end to end over its budget only
+    (``pong``): no run reaches it.
     """
 
     name: str
@@ -142,14 +152,39 @@ class TrainWorkload:
     budget: int
     ppo: PPOConfig
     source: str = ""
+    policy: str = "mlp"
+    atari: bool = False
 
     @property
     def batch_steps(self) -> int:
         """Transitions per update: ``steps_per_update * num_envs``."""
         return self.ppo.steps_per_update * self.num_envs
 
+    @property
+    def scored(self) -> bool:
+        """Whether runs stop at a score (``target`` finite), or only at the budget."""
+        return math.isfinite(self.target)
 
-#: The workloads of ``envfleet bench --train``.
+    def factory(self) -> EnvFactory:
+        """A picklable zero-argument factory of one env of this workload."""
+        if self.atari:
+            return functools.partial(make_env, self.env_id, True)
+        return functools.partial(make_gym_env, self.env_id)
+
+    def check(self) -> None:
+        """Check, without building anything, that its env can be built here.
+
+        Raises:
+            ConfigError: an unknown id, or ale-py or OpenCV missing for an Atari env (the
+                message says what to install).
+        """
+        check_env_id(self.env_id)
+        check_workload(Workload(self.env_id, self.num_envs, self.policy, self.atari))
+
+
+#: The workloads of ``envfleet bench --train``: ``cartpole`` (``CartPole-v1`` x8 to 475),
+#: ``lunarlander`` (``LunarLander-v3`` x16 to 200) and ``pong`` (``ALE/Pong-v5`` x8, steps/s
+#: end to end over the first 50,000 env steps, 200,000 frames at frameskip 4; no score).
 TRAIN_WORKLOADS: dict[str, TrainWorkload] = {
     "cartpole": TrainWorkload(
         "cartpole",
@@ -186,6 +221,27 @@ TRAIN_WORKLOADS: dict[str, TrainWorkload] = {
         ),
         source="rl-baselines3-zoo's tuned PPO for LunarLander (SB3's defaults elsewhere)",
     ),
+    "pong": TrainWorkload(
+        "pong",
+        "ALE/Pong-v5",
+        8,
+        target=math.inf,
+        budget=50_000,
+        ppo=PPOConfig(
+            steps_per_update=128,
+            minibatch_size=256,
+            epochs=4,
+            learning_rate=2.5e-4,
+            anneal_lr=True,
+            gamma=0.99,
+            gae_lambda=0.95,
+            clip=0.1,
+            ent_coef=0.01,
+        ),
+        source="CleanRL's ppo_atari.py",
+        policy="cnn",
+        atari=True,
+    ),
 }
 
 
@@ -195,60 +251,108 @@ TRAIN_WORKLOADS: dict[str, TrainWorkload] = {
 class PPOPolicy:
     """CleanRL's PPO agent as a batched policy (the Sampler's kind of policy).
 
-    Calling it with observations ``[n, obs_dim]`` (numpy, any numeric dtype) returns
-    ``(actions, {"logp": ..., "value": ...})``: ``int64[n]`` actions drawn from the actor's
+    ``"mlp"`` (CleanRL's ``ppo.py``): separate 64-64 tanh MLPs for the logits and the value.
+    ``"cnn"`` (CleanRL's ``ppo_atari.py``): the Nature CNN on frame stacks (divided by 255),
+    shared by a linear policy head and a linear value head. Orthogonal initialisation
+    (gain sqrt(2), 0.01 for the logits, 1 for the value), biases 0.
+
+    Calling it with observations ``[n, *obs_shape]`` (numpy, any numeric dtype) returns
+    ``(actions, {"logp": ..., "value": ...})``: ``int64[n]`` actions drawn from the logits'
     Categorical with the policy's own seeded ``torch.Generator``, their ``float32[n]``
-    log-probabilities and the critic's ``float32[n]`` values, computed under
-    ``torch.no_grad()`` with one torch thread. It pickles (a Sampler's worker gets its own
-    copy, which :meth:`seed` reseeds).
+    log-probabilities and the ``float32[n]`` values, computed under ``torch.no_grad()`` with
+    one torch thread. It pickles (a Sampler's worker gets its own copy, which :meth:`seed`
+    reseeds).
 
     Args:
-        obs_dim: size of a flat observation.
+        obs_shape: one observation's shape (``(obs_dim,)`` for ``"mlp"``, ``(4, 84, 84)`` for
+            ``"cnn"``).
         num_actions: actions of the ``Discrete`` action space.
-        hidden: width of the hidden layers.
+        kind: ``"mlp"`` or ``"cnn"``.
+        hidden: width of the MLPs' hidden layers.
         seed: ``torch.manual_seed(seed)`` before the layers are built (the same weights
             everywhere), and the seed of the sampling generator.
 
     Raises:
-        ConfigError: torch is missing (the message says how to install it).
+        ConfigError: torch is missing (the message says how to install it), or an unknown
+            ``kind``.
     """
 
-    def __init__(self, obs_dim: int, num_actions: int, hidden: int = 64, seed: int = 0):
+    def __init__(
+        self,
+        obs_shape: Sequence[int],
+        num_actions: int,
+        kind: str = "mlp",
+        hidden: int = 64,
+        seed: int = 0,
+    ):
         torch = require_torch()
         nn = torch.nn
         torch.set_num_threads(1)
         torch.manual_seed(seed)
 
-        def layer(inputs: int, outputs: int, std: float) -> Any:
-            linear = nn.Linear(inputs, outputs)
-            nn.init.orthogonal_(linear.weight, std)
-            nn.init.zeros_(linear.bias)
-            return linear
+        def layer(module: Any, std: float) -> Any:
+            nn.init.orthogonal_(module.weight, std)
+            nn.init.zeros_(module.bias)
+            return module
 
         root2 = math.sqrt(2.0)
-        self.actor = nn.Sequential(
-            layer(obs_dim, hidden, root2),
-            nn.Tanh(),
-            layer(hidden, hidden, root2),
-            nn.Tanh(),
-            layer(hidden, num_actions, 0.01),
-        )
-        self.critic = nn.Sequential(
-            layer(obs_dim, hidden, root2),
-            nn.Tanh(),
-            layer(hidden, hidden, root2),
-            nn.Tanh(),
-            layer(hidden, 1, 1.0),
-        )
+        if kind == "mlp":
+            size = int(np.prod(obs_shape))
+            self.features: Any = nn.Flatten()
+            self.actor = nn.Sequential(
+                layer(nn.Linear(size, hidden), root2),
+                nn.Tanh(),
+                layer(nn.Linear(hidden, hidden), root2),
+                nn.Tanh(),
+                layer(nn.Linear(hidden, num_actions), 0.01),
+            )
+            self.critic = nn.Sequential(
+                layer(nn.Linear(size, hidden), root2),
+                nn.Tanh(),
+                layer(nn.Linear(hidden, hidden), root2),
+                nn.Tanh(),
+                layer(nn.Linear(hidden, 1), 1.0),
+            )
+            self.scale = 1.0
+        elif kind == "cnn":
+            self.features = nn.Sequential(
+                layer(nn.Conv2d(obs_shape[0], 32, 8, stride=4), root2),
+                nn.ReLU(),
+                layer(nn.Conv2d(32, 64, 4, stride=2), root2),
+                nn.ReLU(),
+                layer(nn.Conv2d(64, 64, 3, stride=1), root2),
+                nn.ReLU(),
+                nn.Flatten(),
+                layer(nn.Linear(64 * 7 * 7, 512), root2),
+                nn.ReLU(),
+            )
+            self.actor = layer(nn.Linear(512, num_actions), 0.01)
+            self.critic = layer(nn.Linear(512, 1), 1.0)
+            self.scale = 1.0 / 255.0
+        else:
+            raise ConfigError(f"unknown policy kind {kind!r}; choose from mlp, cnn")
+        self.kind = kind
         self.generator = torch.Generator().manual_seed(seed)
 
     def parameters(self) -> list[Any]:
-        """The actor's parameters, then the critic's."""
-        return [*self.actor.parameters(), *self.critic.parameters()]
+        """The parameters: the shared features' (``"cnn"``), the logits', the value's."""
+        return [*self.features.parameters(), *self.actor.parameters(), *self.critic.parameters()]
 
     def seed(self, seed: int) -> None:
         """Reseed the sampling generator (the Sampler calls it in each worker)."""
         self.generator.manual_seed(int(seed))
+
+    def prepare(self, obs: Any) -> Any:
+        """Observations as the float32 tensor the layers take (divided by 255 for ``cnn``)."""
+        import torch
+
+        x = torch.as_tensor(np.asarray(obs), dtype=torch.float32)
+        return x * self.scale if self.scale != 1.0 else x
+
+    def forward(self, x: Any) -> tuple[Any, Any]:
+        """``(logits [n, num_actions], values [n])`` of a prepared batch (with gradients)."""
+        features = self.features(x)
+        return self.actor(features), self.critic(features).squeeze(-1)
 
     def __call__(self, obs: Any) -> tuple[np.ndarray, dict[str, np.ndarray]]:
         import torch
@@ -256,20 +360,19 @@ class PPOPolicy:
         if torch.get_num_threads() != 1:  # a fresh worker process
             torch.set_num_threads(1)
         with torch.no_grad():
-            x = torch.as_tensor(np.asarray(obs), dtype=torch.float32)
-            log_probs = torch.log_softmax(self.actor(x), dim=-1)
+            logits, value = self.forward(self.prepare(obs))
+            log_probs = torch.log_softmax(logits, dim=-1)
             actions = torch.multinomial(log_probs.exp(), 1, generator=self.generator)
             logp = log_probs.gather(-1, actions).squeeze(-1)
-            value = self.critic(x).squeeze(-1)
         return actions.squeeze(-1).numpy(), {"logp": logp.numpy(), "value": value.numpy()}
 
     def values(self, obs: Any) -> np.ndarray:
-        """The critic's ``float32[n]`` values of observations ``[n, obs_dim]``."""
+        """The ``float32[n]`` values of observations ``[n, *obs_shape]``."""
         import torch
 
         with torch.no_grad():
-            x = torch.as_tensor(np.asarray(obs), dtype=torch.float32)
-            return np.asarray(self.critic(x).squeeze(-1).numpy())
+            features = self.features(self.prepare(obs))
+            return np.asarray(self.critic(features).squeeze(-1).numpy())
 
 
 class _Learner:
@@ -278,7 +381,7 @@ class _Learner:
 
     def __init__(self, workload: TrainWorkload, seed: int):
         torch = require_torch()
-        probe = make_gym_env(workload.env_id)
+        probe = workload.factory()()
         try:
             obs_space, act_space = probe.observation_space, probe.action_space
         finally:
@@ -290,8 +393,9 @@ class _Learner:
                 f"{workload.env_id}: this PPO needs Box observations and Discrete actions"
             )
         self.config = workload.ppo
-        obs_dim = int(np.prod(obs_space.shape))
-        self.policy = PPOPolicy(obs_dim, int(act_space.n), workload.ppo.hidden, seed)
+        self.policy = PPOPolicy(
+            obs_space.shape, int(act_space.n), workload.policy, workload.ppo.hidden, seed
+        )
         self.optimizer = torch.optim.Adam(
             self.policy.parameters(), lr=workload.ppo.learning_rate, eps=1e-5
         )
@@ -311,7 +415,7 @@ class _Learner:
         transition is skipped, its advantage cannot be normalised).
 
         Args:
-            obs: ``[B, obs_dim]``; actions: ``int64[B]``; logp: ``float32[B]``, the
+            obs: ``[B, *obs_shape]``; actions: ``int64[B]``; logp: ``float32[B]``, the
                 log-probabilities when sampled; advantages, returns: ``float32[B]``.
             lr: Adam's step size for this update.
         """
@@ -321,7 +425,7 @@ class _Learner:
         c = self.config
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        x = torch.as_tensor(obs, dtype=torch.float32)
+        x = self.policy.prepare(obs)
         act = torch.as_tensor(actions, dtype=torch.int64)
         old = torch.as_tensor(logp, dtype=torch.float32)
         adv = torch.as_tensor(advantages, dtype=torch.float32)
@@ -334,13 +438,13 @@ class _Learner:
                 idx = order[first : first + c.minibatch_size]
                 if len(idx) < 2:
                     continue
-                dist = Categorical(logits=self.policy.actor(x[idx]), validate_args=False)
+                logits, value = self.policy.forward(x[idx])
+                dist = Categorical(logits=logits, validate_args=False)
                 ratio = torch.exp(dist.log_prob(act[idx]) - old[idx])
                 a = adv[idx]
                 a = (a - a.mean()) / (a.std() + 1e-8)
                 clipped = torch.clamp(ratio, 1 - c.clip, 1 + c.clip)
                 policy_loss = torch.max(-a * ratio, -a * clipped).mean()
-                value = self.policy.critic(x[idx]).squeeze(-1)
                 value_loss = 0.5 * (value - ret[idx]).pow(2).mean()
                 loss = policy_loss - c.ent_coef * dist.entropy().mean() + c.vf_coef * value_loss
                 self.optimizer.zero_grad()
@@ -586,35 +690,31 @@ class _PufferEnvs(TrainEnvs):
         self.venv.close()
 
 
-def _gym_sync(env_id: str, num_envs: int, seed: int) -> TrainEnvs:
-    factory = functools.partial(make_gym_env, env_id)
+def _gym_sync(factory: EnvFactory, num_envs: int, seed: int) -> TrainEnvs:
     envs = gymnasium.vector.SyncVectorEnv(
         [factory] * num_envs, autoreset_mode=AutoresetMode.SAME_STEP
     )
     return _GymEnvs(envs, seed)
 
 
-def _gym_async(env_id: str, num_envs: int, seed: int) -> TrainEnvs:
-    factory = functools.partial(make_gym_env, env_id)
+def _gym_async(factory: EnvFactory, num_envs: int, seed: int) -> TrainEnvs:
     envs = gymnasium.vector.AsyncVectorEnv(
         [factory] * num_envs, autoreset_mode=AutoresetMode.SAME_STEP
     )
     return _GymEnvs(envs, seed)
 
 
-def _sb3_subproc(env_id: str, num_envs: int, seed: int) -> TrainEnvs:
+def _sb3_subproc(factory: EnvFactory, num_envs: int, seed: int) -> TrainEnvs:
     from stable_baselines3.common.vec_env import SubprocVecEnv
 
-    factory = functools.partial(make_gym_env, env_id)
     method = multiprocessing.get_context().get_start_method()
     return _SB3Envs(SubprocVecEnv([factory] * num_envs, start_method=method), seed)
 
 
-def _puffer_mp(env_id: str, num_envs: int, seed: int) -> TrainEnvs:
+def _puffer_mp(factory: EnvFactory, num_envs: int, seed: int) -> TrainEnvs:
     import pufferlib.emulation
     import pufferlib.vector
 
-    factory = functools.partial(make_gym_env, env_id)
     creator = functools.partial(pufferlib.emulation.GymnasiumPufferEnv, env_creator=factory)
     venv = pufferlib.vector.make(
         creator,
@@ -627,12 +727,13 @@ def _puffer_mp(env_id: str, num_envs: int, seed: int) -> TrainEnvs:
     return _PufferEnvs(venv, seed)
 
 
-def _envfleet_make(env_id: str, num_envs: int, seed: int) -> TrainEnvs:
-    return _GymEnvs(envfleet.make(env_id, num_envs, autoreset_mode=AutoresetMode.SAME_STEP), seed)
+def _envfleet_make(factory: EnvFactory, num_envs: int, seed: int) -> TrainEnvs:
+    envs = envfleet.make(factory, num_envs, autoreset_mode=AutoresetMode.SAME_STEP)
+    return _GymEnvs(envs, seed)
 
 
-def _sampler(env_id: str, num_envs: int, policy: PPOPolicy, seed: int) -> envfleet.Sampler:
-    return envfleet.Sampler(env_id, policy, num_envs, seed=seed, progress=False)
+def _sampler(factory: EnvFactory, num_envs: int, policy: PPOPolicy, seed: int) -> envfleet.Sampler:
+    return envfleet.Sampler(factory, policy, num_envs, seed=seed, progress=False)
 
 
 @dataclass(frozen=True)
@@ -640,9 +741,11 @@ class TrainSystem:
     """How one system of the benchmark is built.
 
     Attributes:
-        kind: ``"vector"``: ``build(env_id, num_envs, seed)`` returns a :class:`TrainEnvs`
-            that the PPO loop steps; ``"sampler"``: ``build(env_id, num_envs, policy, seed)``
-            returns an :class:`envfleet.Sampler` of that policy, sampled per update.
+        kind: ``"vector"``: ``build(factory, num_envs, seed)`` returns a :class:`TrainEnvs`
+            that the PPO loop steps (``factory``: the workload's picklable zero-argument env
+            factory, :meth:`TrainWorkload.factory`); ``"sampler"``: ``build(factory,
+            num_envs, policy, seed)`` returns an :class:`envfleet.Sampler` of that policy,
+            sampled per update.
         build: the builder.
         what: what it is, for the table's notes.
         package: the module it imports ("" when always there); without it the system is left
@@ -779,9 +882,9 @@ def train_run(workload: TrainWorkload, system: str, seed: int) -> TrainRun:
     t0 = time.perf_counter()
     try:
         if spec.kind == "sampler":
-            built = spec.build(workload.env_id, workload.num_envs, learner.policy, seed)
+            built = spec.build(workload.factory(), workload.num_envs, learner.policy, seed)
         else:
-            built = spec.build(workload.env_id, workload.num_envs, seed)
+            built = spec.build(workload.factory(), workload.num_envs, seed)
     except ConfigError:
         raise
     except Exception as exc:
@@ -861,7 +964,7 @@ def _train_vector(
     pending = np.zeros(n, dtype=np.bool_)  # next_step_reset: the next step only resets
     while True:
         lr = progress.lr()
-        obs_buf = np.empty((t_steps, *obs.shape), dtype=np.float32)
+        obs_buf = np.empty((t_steps, *obs.shape), dtype=obs.dtype)
         actions = np.empty((t_steps, n), dtype=np.int64)
         logp = np.empty((t_steps, n), dtype=np.float32)
         values = np.empty((t_steps, n), dtype=np.float32)
@@ -896,7 +999,7 @@ def _train_vector(
         keep = valid.reshape(-1)
         progress.steps += int(keep.sum())
         learner.learn(
-            obs_buf.reshape(t_steps * n, -1)[keep],
+            obs_buf.reshape(t_steps * n, *obs.shape[1:])[keep],
             actions.reshape(-1)[keep],
             logp.reshape(-1)[keep],
             advantages.reshape(-1)[keep].astype(np.float32),
@@ -938,7 +1041,7 @@ def _train_sampler(
             progress.returns.add(env, total_reward, done)
         progress.steps += total
         learner.learn(
-            np.asarray(batch.observations, dtype=np.float32).reshape(total, -1),
+            batch.observations,
             batch.actions,
             batch.agent_infos["logp"],
             advantages.astype(np.float32),
@@ -974,6 +1077,8 @@ class TrainResult:
         skipped: why it did not run (how to install it), else ``None``.
         steps_per_s: median over the runs of their env steps per wall-clock second, learning
             included (end to end; it leaves out how many steps a seed needed).
+        vs_best_peer_rate: ``steps_per_s`` over the largest of the peers': above 1, faster
+            than every peer.
     """
 
     system: str
@@ -985,6 +1090,7 @@ class TrainResult:
     vs_best_peer_steps: float = math.nan
     skipped: str | None = None
     steps_per_s: float = math.nan
+    vs_best_peer_rate: float = math.nan
 
 
 @dataclass(frozen=True)
@@ -1005,6 +1111,8 @@ class TrainReport:
             steps ("" when no peer reached).
         machine: what it ran on.
         wall_s: seconds the whole measurement took.
+        best_peer_rate: the peer with the largest median steps/s end to end ("" without a
+            peer).
     """
 
     workload: TrainWorkload
@@ -1016,6 +1124,7 @@ class TrainReport:
     best_peer_steps: str
     machine: Machine
     wall_s: float
+    best_peer_rate: str = ""
 
 
 def measure_train(
@@ -1051,7 +1160,7 @@ def measure_train(
         BenchError: a system failed.
     """
     require_torch()
-    check_env_id(workload.env_id)
+    workload.check()
     names = list(dict.fromkeys(systems if systems is not None else TRAIN_SYSTEMS))
     if not names:
         raise ConfigError("no system to train")
@@ -1111,6 +1220,8 @@ def _summary(
     best_n = min(peers, key=lambda s: medians[s][1], default="")
     best_s = best_s if best_s and math.isfinite(medians[best_s][0]) else ""
     best_n = best_n if best_n and math.isfinite(medians[best_n][1]) else ""
+    rates = {s: float(statistics.median([r.steps / r.seconds for r in runs[s]])) for s in medians}
+    best_r = max((s for s in peers if math.isfinite(rates[s])), key=rates.__getitem__, default="")
     results = []
     for system in names:
         if system in skipped:
@@ -1118,7 +1229,6 @@ def _summary(
             continue
         seconds, steps = medians[system]
         mine = sorted(runs[system], key=lambda r: r.seed)
-        rates = [r.steps / r.seconds for r in mine if r.seconds > 0]
         results.append(
             TrainResult(
                 system,
@@ -1128,7 +1238,8 @@ def _summary(
                 steps,
                 seconds / medians[best_s][0] if best_s else math.nan,
                 steps / medians[best_n][1] if best_n else math.nan,
-                steps_per_s=float(statistics.median(rates)) if rates else math.nan,
+                steps_per_s=rates[system],
+                vs_best_peer_rate=rates[system] / rates[best_r] if best_r else math.nan,
             )
         )
     return TrainReport(
@@ -1141,6 +1252,7 @@ def _summary(
         best_n,
         machine,
         wall_s,
+        best_r,
     )
 
 
@@ -1250,60 +1362,100 @@ def _fmt_ratio(value: float) -> str:
 def train_table(report: TrainReport) -> str:
     """A report as Markdown: a line on what ran, then ``system | reached | seconds to score |
     vs best peer | env steps to score | vs best peer | steps/s end to end | learning share |
-    seconds per seed``
-    (a system left out says why: how to install it), then notes: the best peers, which
-    systems learned bit-identically, what each Sampler chose."""
+    seconds per seed`` (a workload without a score, ``pong``: ``system | steps/s end to end |
+    vs best peer | seconds | learning share | seconds per seed``; a system left out says
+    why: how to install it), then notes: the best peers, which systems learned
+    bit-identically, what each Sampler chose."""
     w, c = report.workload, report.workload.ppo
     seeds = ", ".join(map(str, report.seeds))
     ran = len(report.seeds)
     seed_note = f"seed {seeds}" if ran == 1 else f"seeds {seeds}"
     if ran < report.seeds_asked:
         seed_note += f" ({ran} of the {report.seeds_asked} asked: no time left for more)"
+    if w.scored:
+        what = (
+            f"time to a mean return of {w.target:g} over the last {SCORE_EPISODES} finished "
+            f"episodes (budget {w.budget:,} env steps)"
+        )
+        header = (
+            "| system | reached | seconds to score | vs best peer | env steps to score "
+            "| vs best peer | steps/s end to end | learning share | seconds per seed |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---|",
+        )
+    else:
+        what = f"env steps/s end to end, PPO learning included, over the first {w.budget:,} steps"
+        header = (
+            "| system | steps/s end to end | vs best peer | seconds | learning share "
+            "| seconds per seed |",
+            "|---|---:|---:|---:|---:|---|",
+        )
+    model = (
+        f"{c.hidden}-{c.hidden} tanh actor and critic"
+        if w.policy == "mlp"
+        else "Nature CNN shared by the policy and value heads"
+    )
     lines = [
-        f"{w.env_id} x{w.num_envs}: time to a mean return of {w.target:g} over the last "
-        f"{SCORE_EPISODES} finished episodes (budget {w.budget:,} env steps); {seed_note}, "
-        f"medians; {report.wall_s / 60:.1f} min in all",
+        f"{w.env_id} x{w.num_envs}: {what}; {seed_note}, medians; "
+        f"{report.wall_s / 60:.1f} min in all",
         "",
         f"PPO ({w.source}): {c.steps_per_update} steps x {w.num_envs} envs per update, "
         f"minibatches of {c.minibatch_size}, {c.epochs} epochs, lr {c.learning_rate:g}"
         f"{' annealed' if c.anneal_lr else ''}, gamma {c.gamma:g}, lambda {c.gae_lambda:g}, "
         f"clip {c.clip:g}, ent {c.ent_coef:g}, vf {c.vf_coef:g}, max grad norm "
-        f"{c.max_grad_norm:g}; 64-64 tanh actor and critic, torch on the CPU, 1 thread",
+        f"{c.max_grad_norm:g}; {model}, torch on the CPU, 1 thread",
         "",
         machine_line(report.machine, 200),
         "",
-        "| system | reached | seconds to score | vs best peer | env steps to score "
-        "| vs best peer | steps/s end to end | learning share | seconds per seed |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---|",
+        *header,
     ]
     for r in report.results:
         if r.skipped is not None:
-            lines.append(f"| {r.system} | {r.skipped} | - | - | - | - | - | - | - |")
+            dashes = " - |" * (header[1].count("|") - 3)
+            lines.append(f"| {r.system} | {r.skipped} |{dashes}")
             continue
         share = sum(run.learn_s for run in r.runs) / max(1e-9, sum(run.seconds for run in r.runs))
+        if not w.scored:
+            seconds = statistics.median(run.seconds for run in r.runs)
+            per_seed = ", ".join(f"{run.seconds:.1f}" for run in r.runs)
+            lines.append(
+                f"| {r.system} | {r.steps_per_s:,.0f} | {_fmt_ratio(r.vs_best_peer_rate)} "
+                f"| {seconds:.1f} | {share:.2f} | {per_seed} |"
+            )
+            continue
         per_seed = ", ".join(
             f"{run.seconds:.1f}" if run.reached else f">{run.seconds:.1f} (not reached)"
             for run in r.runs
         )
-        seconds = f"{r.seconds:.1f}" if math.isfinite(r.seconds) else "not reached"
+        seconds_text = f"{r.seconds:.1f}" if math.isfinite(r.seconds) else "not reached"
         lines.append(
-            f"| {r.system} | {r.reached}/{len(r.runs)} | {seconds} "
+            f"| {r.system} | {r.reached}/{len(r.runs)} | {seconds_text} "
             f"| {_fmt_ratio(r.vs_best_peer_seconds)} | {_fmt_steps(r.steps)} "
             f"| {_fmt_ratio(r.vs_best_peer_steps)} | {r.steps_per_s:,.0f} | {share:.2f} "
             f"| {per_seed} |"
         )
     peers = ", ".join(TRAIN_PEERS)
-    lines += [
-        "",
-        f"vs best peer: the system's median over the best peer's (peers: {peers}; best by "
-        f"seconds: {report.best_peer_seconds or 'none reached'}, by steps: "
-        f"{report.best_peer_steps or 'none reached'}); below 1 is faster, or fewer steps",
-        "seconds: wall-clock from the first reset (or sample) to the end of the update that "
-        "reached the target, start-up excluded; a run that did not reach it counts as "
-        "infinite in the median. steps/s end to end: env steps over those seconds (median of "
-        "the seeds), learning included. learning share: the part of those seconds spent on GAE "
-        "and the PPO update, the rest is stepping the envs and the policy's inference",
-    ]
+    if w.scored:
+        lines += [
+            "",
+            f"vs best peer: the system's median over the best peer's (peers: {peers}; best by "
+            f"seconds: {report.best_peer_seconds or 'none reached'}, by steps: "
+            f"{report.best_peer_steps or 'none reached'}); below 1 is faster, or fewer steps",
+            "seconds: wall-clock from the first reset (or sample) to the end of the update that "
+            "reached the target, start-up excluded; a run that did not reach it counts as "
+            "infinite in the median. steps/s end to end: env steps over those seconds (median "
+            "of the seeds), learning included. learning share: the part of those seconds spent "
+            "on GAE and the PPO update, the rest is stepping the envs and the policy's inference",
+        ]
+    else:
+        lines += [
+            "",
+            f"vs best peer: the system's steps/s over the best peer's (peers: {peers}; best: "
+            f"{report.best_peer_rate or 'none ran'}); above 1 is faster",
+            "steps/s end to end: env steps over the wall-clock seconds from the first reset (or "
+            "sample) to the end of the last update, start-up excluded (median of the seeds). "
+            "learning share: the part of those seconds spent on GAE and the PPO update, the "
+            "rest is stepping the envs and the policy's inference",
+        ]
     if len(report.identical) > 1:
         lines.append(
             f"bit-identical learning (every seed: the same steps, returns and final "
@@ -1380,7 +1532,8 @@ def plot_train(report: TrainReport, path: str) -> tuple[int, int]:
     by_steps.xaxis.set_major_formatter(EngFormatter(sep=""))
     w = report.workload
     for ax in (by_time, by_steps):
-        ax.axhline(w.target, color="black", linestyle=":", linewidth=1.2, label="target")
+        if w.scored:
+            ax.axhline(w.target, color="black", linestyle=":", linewidth=1.2, label="target")
         ax.grid(True, alpha=0.3)
         ax.set_ylabel(f"mean return, last {SCORE_EPISODES} episodes")
     by_time.set_xlabel("wall-clock seconds")
@@ -1392,8 +1545,9 @@ def plot_train(report: TrainReport, path: str) -> tuple[int, int]:
         if len(report.identical) > 1
         else ""
     )
+    goal = f"to {w.target:g}" if w.scored else f"over the first {w.budget:,} steps"
     fig.suptitle(
-        f"{w.env_id} x{w.num_envs}, PPO to {w.target:g}: median seed bold, "
+        f"{w.env_id} x{w.num_envs}, PPO {goal}: median seed bold, "
         f"{'the other seeds faint' if seeds > 1 else 'one seed'}{same}\n"
         + machine_line(report.machine, 160),
         fontsize=9,
