@@ -8,7 +8,11 @@ finished training episodes:
   500,000 env steps);
 - ``lunarlander``: ``LunarLander-v3`` x16 to 200, rl-baselines3-zoo's tuned PPO (1024 steps per
   env per update, minibatches of 64, 4 epochs, gamma 0.999, lambda 0.98, ent 0.01, lr 3e-4;
-  budget 1,500,000 env steps, half again the zoo's 1,000,000, for the slower seeds).
+  budget 1,500,000 env steps, half again the zoo's 1,000,000, for the slower seeds);
+- ``pong``: ``ALE/Pong-v5`` x8 (Atari-preprocessed: 84x84 grayscale, frameskip 4, 4 frames
+  stacked), CleanRL's ppo_atari.py (Nature CNN, 128 steps per env per update, minibatches of
+  256, 4 epochs, lr 2.5e-4 annealed, clip 0.1, ent 0.01): no score, the steps/s end to end
+  over the first 50,000 env steps (200,000 frames). Needs ale-py and OpenCV.
 
 Systems (``envfleet.bench.TRAIN_SYSTEMS``): gymnasium's ``SyncVectorEnv`` and ``AsyncVectorEnv``
 (``AutoresetMode.SAME_STEP``), SB3's ``SubprocVecEnv``, PufferLib's ``Multiprocessing`` (a row
@@ -83,6 +87,9 @@ def main(argv: list[str] | None = None) -> int:
         "--md", type=Path, default=None, metavar="FILE", help="default results/train-<workload>.md"
     )
     parser.add_argument(
+        "--note", default="", help="a line for the Markdown file, under the command"
+    )
+    parser.add_argument(
         "--render",
         type=Path,
         default=None,
@@ -96,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.render is not None:
         if args.plot is not None:
             require_matplotlib()
-        return _render(args.render, args.md, args.plot, args.json)
+        return _render(args.render, args.md, args.plot, args.json, args.note)
     if args.seeds < 1:
         raise SystemExit("--seeds must be >= 1")
     systems = _systems(args.systems)
@@ -106,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     require_torch()
     if args.plot is not None:
         require_matplotlib()
-    command = " ".join(["python", "benchmarks/train.py", *(argv or sys.argv[1:])])
+    command = _command(argv if argv is not None else sys.argv[1:])
 
     def progress(system: str, seed: int, run: TrainRun | None) -> None:
         if run is None:
@@ -130,7 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     took = time.perf_counter() - started
     date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    _write(report, command, date, took, args.md or RESULTS / f"train-{args.workload}.md")
+    md = args.md or RESULTS / f"train-{args.workload}.md"
+    _write(report, command, date, took, md, args.note)
     if args.json is not None:
         doc = {"date": date, "argv": argv if argv is not None else sys.argv[1:]}
         doc.update(train_report_dict(report))
@@ -141,23 +149,44 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _write(report: TrainReport, command: str, date: str, took: float, md: Path) -> None:
-    """Print the table, headed by the command that measured it, and write it to ``md``."""
-    text = f"`{command}` ({date}, {took / 60:.1f} min)\n\n{train_table(report)}"
+def _command(argv: list[str]) -> str:
+    """The command line that ran, less ``--note``'s text (the table shows it apart)."""
+    shown, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--note":
+            skip = True
+        elif not arg.startswith("--note="):
+            shown.append(arg)
+    return " ".join(["python", "benchmarks/train.py", *shown])
+
+
+def _write(
+    report: TrainReport, command: str, date: str, took: float, md: Path, note: str = ""
+) -> None:
+    """Print the table, headed by the command that measured it (and ``note``), and write it
+    to ``md``."""
+    text = f"`{command}` ({date}, {took / 60:.1f} min)\n\n"
+    if note:
+        text += f"{note}\n\n"
+    text += train_table(report)
     print(text, flush=True)
     md.parent.mkdir(parents=True, exist_ok=True)
     md.write_text(text)
     print(f"table written to {md}", file=sys.stderr)
 
 
-def _render(path: Path, md: Path | None, plot: Path | None, out: Path | None) -> int:
+def _render(
+    path: Path, md: Path | None, plot: Path | None, out: Path | None, note: str = ""
+) -> int:
     """The table (and plot, and JSON ``out`` in the current layout) of a JSON file this script
     wrote, without training again."""
     doc = json.loads(path.read_text())
     report = train_report_from_dict(doc)
-    command = " ".join(["python", "benchmarks/train.py", *doc.get("argv", [])])
+    command = _command(doc.get("argv", []))
     md = md or RESULTS / f"train-{report.workload.name}.md"
-    _write(report, command, str(doc.get("date", "")), report.wall_s, md)
+    _write(report, command, str(doc.get("date", "")), report.wall_s, md, note)
     if out is not None:
         again = {"date": doc.get("date", ""), "argv": doc.get("argv", [])}
         again.update(train_report_dict(report))

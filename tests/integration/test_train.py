@@ -148,6 +148,25 @@ def test_no_further_seed_past_max_seconds():
     assert "seed 1 (1 of the 2 asked: no time left for more)" in train_table(report)
 
 
+def test_pong_measures_steps_per_second_with_the_cnn():
+    """The workload without a score: one update of the Nature CNN (one epoch, to be quick)
+    over gymnasium and envfleet, bit-identical, and its table of steps/s."""
+    pytest.importorskip("ale_py")
+    pytest.importorskip("cv2")
+    pong = TRAIN_WORKLOADS["pong"]
+    assert pong.policy == "cnn" and pong.atari and not pong.scored
+    tiny = dataclasses.replace(pong, budget=1024, ppo=dataclasses.replace(pong.ppo, epochs=1))
+    report = measure_train(tiny, ["gym-sync", "envfleet"], seeds=(1,))
+    runs = [r.runs[0] for r in report.results]
+    assert [run.steps for run in runs] == [1024, 1024] and not any(run.reached for run in runs)
+    assert runs[0].digest == runs[1].digest and report.identical == ("gym-sync", "envfleet")
+    assert report.best_peer_rate == "gym-sync" and report.results[0].vs_best_peer_rate == 1.0
+    table = train_table(report)
+    assert "ALE/Pong-v5 x8: env steps/s end to end, PPO learning included" in table
+    assert "| system | steps/s end to end | vs best peer | seconds | learning share |" in table
+    assert "Nature CNN" in table
+
+
 # -- advantages ------------------------------------------------------------------------------
 
 
@@ -206,7 +225,7 @@ def test_cli_train_json(capsys):
 @pytest.mark.parametrize(
     "argv",
     [
-        ["bench", "--train", "pong"],
+        ["bench", "--train", "atlantis"],
         ["bench", "--train", "cartpole", "--systems", "gym-sync-store"],
         ["bench", "--train", "cartpole", "--seeds", "0"],
         ["bench", "--policy", "mlp", "--systems", "sb3-subproc"],
