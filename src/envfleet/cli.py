@@ -8,7 +8,11 @@ instead of the table) and ``--plot FILE.png`` draws them (matplotlib, the ``plot
 ``envfleet bench --policy {mlp,cnn}`` measures the learner's loop instead
 (observations -> a torch policy -> step; :func:`envfleet.bench.measure_policy_loop`): every
 system's steps/s, its fraction of the overlap bound and its ratio to the faster gymnasium
-loop. This module is the only place where envfleet prints.
+loop. ``envfleet bench --train {cartpole,lunarlander}`` measures the time to score: one PPO
+trained over every system until the mean return of the last 20 episodes reaches the target
+(:func:`envfleet.bench.measure_train`), medians over ``--seeds`` against the best peer;
+``--train pong`` the steps/s end to end of PPO on Atari. This
+module is the only place where envfleet prints.
 
 ``envfleet tune ENV`` measures which vector env or Sampler to use for an env and a policy on
 this machine (:func:`envfleet.bench.tune`): every candidate's steps/s with the policy in the
@@ -39,6 +43,8 @@ from envfleet.bench import (
     LIMIT,
     PEERS,
     POLICY_SYSTEMS,
+    TRAIN_SYSTEMS,
+    TRAIN_WORKLOADS,
     BenchError,
     BenchProgress,
     BenchReport,
@@ -194,10 +200,44 @@ def _parser() -> argparse.ArgumentParser:
     )
     bench.add_argument(
         "--systems",
-        type=_names(POLICY_SYSTEMS, "system"),
-        default=list(POLICY_SYSTEMS),
+        type=_names(list(dict.fromkeys([*POLICY_SYSTEMS, *TRAIN_SYSTEMS])), "system"),
+        default=None,
         metavar="LIST",
-        help=f"with --policy: comma-separated systems (default: {','.join(POLICY_SYSTEMS)})",
+        help=(
+            f"with --policy: comma-separated systems (default: {','.join(POLICY_SYSTEMS)}); "
+            f"with --train: {','.join(TRAIN_SYSTEMS)} (default: all)"
+        ),
+    )
+    bench.add_argument(
+        "--train",
+        choices=tuple(TRAIN_WORKLOADS),
+        default=None,
+        help=(
+            "measure the time to score instead: one PPO (torch) trained over every system "
+            "until the mean return of the last 20 episodes reaches the target (cartpole: "
+            "CartPole-v1 x8 to 475; lunarlander: LunarLander-v3 x16 to 200), medians over "
+            "--seeds; pong: ALE/Pong-v5 x8 with a CNN, steps/s end to end over the first "
+            "50,000 steps (needs ale-py and OpenCV); ENV_IDs, --num-envs, --backends, --peers, "
+            "--seconds and --repeats do not apply"
+        ),
+    )
+    bench.add_argument(
+        "--seeds",
+        type=_positive_int,
+        default=3,
+        metavar="K",
+        help="with --train: seeds 1..K, each run on every system (default: 3)",
+    )
+    bench.add_argument(
+        "--budget",
+        type=_positive_int,
+        default=None,
+        metavar="STEPS",
+        help=(
+            "with --train: env steps after which a run that has not reached the target stops "
+            "(default: the workload's, 500,000 for cartpole, 1,500,000 for lunarlander, "
+            "50,000 for pong)"
+        ),
     )
     bench.add_argument(
         "--repeats",
@@ -429,6 +469,8 @@ def _replay_under_pdb(path: str, outcome: ReplayOutcome) -> None:
 
 
 def _bench(args: argparse.Namespace) -> int:
+    if args.train is not None:
+        return _bench_train(args)
     if args.policy is not None:
         return _bench_policy(args)
     sizes: list[int] = args.num_envs or list(DEFAULT_NUM_ENVS)
@@ -503,8 +545,12 @@ def _bench_policy(args: argparse.Namespace) -> int:
         workloads,
     )
 
-    if not args.systems:
+    systems = list(POLICY_SYSTEMS) if args.systems is None else args.systems
+    if not systems:
         return _error("nothing to measure: --systems is 'none'")
+    wrong = [s for s in systems if s not in POLICY_SYSTEMS]
+    if wrong:
+        return _error(f"not a system of --policy: {', '.join(wrong)}")
     if args.plot is not None:
         return _error("--plot draws the env-stepping bench; it does not apply with --policy")
     seconds: float = args.seconds or DEFAULT_SECONDS
@@ -527,9 +573,7 @@ def _bench_policy(args: argparse.Namespace) -> int:
     try:
         for w in chosen:
             reports.append(
-                measure_policy_loop(
-                    w, args.systems, seconds, repeats=args.repeats, progress=on_progress
-                )
+                measure_policy_loop(w, systems, seconds, repeats=args.repeats, progress=on_progress)
             )
     except ConfigError as exc:
         return _error(str(exc))
@@ -543,6 +587,70 @@ def _bench_policy(args: argparse.Namespace) -> int:
     if args.json != "-":
         for r in reports:
             print(policy_table(r))
+    return 0
+
+
+def _bench_train(args: argparse.Namespace) -> int:
+    """``envfleet bench --train NAME``: time to score (:func:`envfleet.bench.measure_train`),
+    its Markdown table on stdout, ``--json`` and ``--plot`` as the other benches."""
+    import dataclasses
+
+    from envfleet.bench import (
+        measure_train,
+        plot_train,
+        require_matplotlib,
+        require_torch,
+        train_report_dict,
+        train_table,
+    )
+
+    systems = list(TRAIN_SYSTEMS) if args.systems is None else args.systems
+    wrong = [s for s in systems if s not in TRAIN_SYSTEMS]
+    if wrong:
+        return _error(f"not a system of --train: {', '.join(wrong)}")
+    if not systems:
+        return _error("nothing to measure: --systems is 'none'")
+    workload = TRAIN_WORKLOADS[args.train]
+    if args.budget is not None:
+        workload = dataclasses.replace(workload, budget=args.budget)
+    try:
+        require_torch()
+        if args.plot is not None:
+            require_matplotlib()
+    except ConfigError as exc:
+        return _error(str(exc))
+    show = args.json != "-" and sys.stderr.isatty()
+
+    def on_progress(system: str, seed: int, run: Any) -> None:
+        if show and run is not None:
+            outcome = "reached" if run.reached else "did not reach"
+            print(
+                f"  {workload.env_id} seed {seed}, {system}: {outcome} {workload.target:g} "
+                f"after {run.steps:,} steps, {run.seconds:.1f} s",
+                file=sys.stderr,
+            )
+
+    try:
+        report = measure_train(
+            workload, systems, tuple(range(1, args.seeds + 1)), progress=on_progress
+        )
+    except ConfigError as exc:
+        return _error(str(exc))
+    except BenchError as exc:
+        return _error(str(exc), status=1)
+    except KeyboardInterrupt:
+        print("envfleet bench: interrupted", file=sys.stderr)
+        return 130
+    if args.json is not None:
+        _write_json(train_report_dict(report), args.json)
+    if args.json != "-":
+        print(train_table(report))
+    if args.plot is not None:
+        try:
+            plot_train(report, args.plot)
+        except OSError as exc:
+            return _error(f"cannot write the plot {args.plot}: {exc}", status=1)
+        print(f"envfleet bench: plot written to {args.plot}", file=sys.stderr)
     return 0
 
 

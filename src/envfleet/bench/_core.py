@@ -366,9 +366,9 @@ def bench_error(exc: Exception, doing: str, system: str, env_id: str) -> BenchEr
 
 
 def json_ready(value: Any) -> Any:
-    """``value`` with every ``nan`` float as ``None`` (JSON has no nan), through dicts,
-    lists and tuples (tuples become lists)."""
-    if isinstance(value, float) and value != value:
+    """``value`` with every float that is not finite (``nan``, ``inf``) as ``None`` (JSON
+    has neither), through dicts, lists and tuples (tuples become lists)."""
+    if isinstance(value, float) and not math.isfinite(value):
         return None
     if isinstance(value, dict):
         return {k: json_ready(v) for k, v in value.items()}
