@@ -41,7 +41,7 @@ HAS_PUFFER = importlib.util.find_spec("pufferlib") is not None
 @pytest.fixture(scope="module")
 def report() -> TrainReport:
     pytest.importorskip("stable_baselines3")
-    return measure_train(TINY, [*SYNC, "puffer-mp", "sampler"], seeds=(1,))
+    return measure_train(TINY, [*SYNC, "puffer-mp", "sampler", "sampler-prefetch"], seeds=(1,))
 
 
 def _trace(report: TrainReport, system: str) -> list[tuple[int, float]]:
@@ -73,6 +73,15 @@ def test_the_sampler_trains_and_says_which_inference_ran(report):
     assert steps[0] >= 1024 and steps == sorted(steps) and steps[-1] >= TINY.budget
     assert "inference" in run.note
     assert "sampler" not in report.identical  # its batches are laid out in segments
+
+
+def test_the_prefetching_sampler_learns_from_batches_collected_during_updates(report):
+    """``sampler-prefetch``: every batch after the first was collected during the update
+    before it; the run still spends its budget, update after update."""
+    (run,) = next(r for r in report.results if r.system == "sampler-prefetch").runs
+    steps = [p.steps for p in run.trace]
+    assert steps == sorted(steps) and steps[-1] >= TINY.budget and run.updates >= 3
+    assert "sampler-prefetch" not in report.identical
 
 
 def test_pufferlib_runs_or_says_how_to_install_it(report):
@@ -115,7 +124,7 @@ def test_the_json_has_every_field(report):
     assert doc["peers"] == ["gym-sync", "gym-async", "sb3-subproc", "puffer-mp"]
     assert doc["machine"]["cores"] >= 1 and "torch" in doc["machine"]["versions"]
     by_system = {r["system"]: r for r in doc["results"]}
-    assert list(by_system) == [*SYNC, "puffer-mp", "sampler"]
+    assert list(by_system) == [*SYNC, "puffer-mp", "sampler", "sampler-prefetch"]
     gym = by_system["gym-sync"]
     assert gym["reached"] == 0 and gym["seconds"] is None and gym["steps"] is None
     (run,) = gym["runs"]

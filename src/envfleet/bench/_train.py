@@ -736,6 +736,12 @@ def _sampler(factory: EnvFactory, num_envs: int, policy: PPOPolicy, seed: int) -
     return envfleet.Sampler(factory, policy, num_envs, seed=seed, progress=False)
 
 
+def _sampler_prefetch(
+    factory: EnvFactory, num_envs: int, policy: PPOPolicy, seed: int
+) -> envfleet.Sampler:
+    return envfleet.Sampler(factory, policy, num_envs, seed=seed, progress=False, prefetch=True)
+
+
 @dataclass(frozen=True)
 class TrainSystem:
     """How one system of the benchmark is built.
@@ -782,8 +788,12 @@ TRAIN_SYSTEMS: dict[str, TrainSystem] = {
         "vector", _envfleet_make, "envfleet.make (processes backend, SAME_STEP)"
     ),
     "sampler": TrainSystem("sampler", _sampler, "envfleet.Sampler, its default inference (auto)"),
-    # Room for "sampler-prefetch": Sampler(..., prefetch=True), sampled the same way; its
-    # entry is a builder like _sampler that passes prefetch=True.
+    "sampler-prefetch": TrainSystem(
+        "sampler",
+        _sampler_prefetch,
+        "envfleet.Sampler(prefetch=True): each batch after the first collected during the "
+        "update before, one policy version behind (PPO's ratio to its recorded log-probs)",
+    ),
 }
 #: The peers, to whose best median each system is compared.
 TRAIN_PEERS: tuple[str, ...] = ("gym-sync", "gym-async", "sb3-subproc", "puffer-mp")
@@ -1473,6 +1483,7 @@ _TRAIN_STYLES: dict[str, dict[str, Any]] = {
     "puffer-mp": {"color": "tab:gray", "linestyle": "--"},
     "envfleet": {"color": "tab:red", "linestyle": "-"},
     "sampler": {"color": "tab:orange", "linestyle": "-"},
+    "sampler-prefetch": {"color": "tab:purple", "linestyle": "-"},
 }
 
 
