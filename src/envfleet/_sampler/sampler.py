@@ -244,8 +244,8 @@ class Sampler:
             method is seeded per worker (from ``seed``) so that their randomness differs.
         num_envs: number of sub-environments.
         inference: ``"auto"`` (default): driver or worker inference, whichever is faster on
-            this machine, measured: the first ``4 * num_envs * segment_length`` steps sampled
-            are a warm-up and a timed round of each (all of them returned as usual), then the
+            this machine, measured: the first ``6 * num_envs * segment_length`` steps sampled
+            are a warm-up and two timed rounds of each (all of them returned as usual), then the
             faster one runs (:meth:`report` gives the figures). Worker inference is a
             candidate only for a policy that pickles and has no parameters on a GPU, and not
             with a first-ready pool (``batch_size``); otherwise ``"auto"`` is ``"driver"``.
@@ -496,8 +496,7 @@ class Sampler:
 
         Raises:
             UnsupportedError: before the first ``sample``; while ``inference="auto"``
-                calibrates (its first
-                ``4 * num_envs * segment_length`` steps); and as
+                calibrates (its first ``6 * num_envs * segment_length`` steps); and as
                 :meth:`envfleet.FleetVectorEnv.snapshot`.
         """
         self._check_open()
@@ -508,7 +507,7 @@ class Sampler:
             if inference.chosen is None:
                 raise UnsupportedError(
                     "Sampler.snapshot() while inference='auto' calibrates (its first "
-                    "4 * num_envs * segment_length steps): sample on, then take it"
+                    "6 * num_envs * segment_length steps): sample on, then take it"
                 )
             reason = inference.reason
             inference = inference.active
