@@ -165,6 +165,9 @@ def test_pong_measures_steps_per_second_with_the_cnn():
     assert "ALE/Pong-v5 x8: env steps/s end to end, PPO learning included" in table
     assert "| system | steps/s end to end | vs best peer | seconds | learning share |" in table
     assert "Nature CNN" in table
+    doc = json.loads(json.dumps(train_report_dict(report), allow_nan=False))
+    assert doc["workload"]["target"] is None  # inf: no score
+    assert train_table(train_report_from_dict(doc)) == table
 
 
 # -- advantages ------------------------------------------------------------------------------
