@@ -119,9 +119,13 @@ def main(argv: list[str] | None = None) -> int:
         if run is None:
             print(f"  seed {seed}: {system} ...", file=sys.stderr, flush=True)
             return
-        outcome = "reached" if run.reached else "did not reach"
+        if workload.scored:
+            reached = "reached" if run.reached else "did not reach"
+            outcome = f"{reached} {workload.target:g} after"
+        else:
+            outcome = "ran"
         print(
-            f"  seed {seed}: {system} {outcome} {workload.target:g} after {run.steps:,} steps, "
+            f"  seed {seed}: {system} {outcome} {run.steps:,} steps, "
             f"{run.seconds:.1f} s ({run.learn_s:.1f} s learning)",
             file=sys.stderr,
             flush=True,
