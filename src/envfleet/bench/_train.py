@@ -20,6 +20,10 @@ stepped differs:
 - ``envfleet.Sampler`` (its default, ``inference="auto"``): ``sampler.sample(steps_per_update
   * num_envs)``, advantages per segment, the same update, then ``sampler.update_policy()``.
 
+Workloads (:data:`TRAIN_WORKLOADS`): ``cartpole`` and ``lunarlander`` to a score; ``pong``
+(CleanRL's Atari PPO, the Nature CNN) has none and measures the steps/s end to end, learning
+included, over its first 200k frames.
+
 Advantages: GAE(lambda) (:func:`gae`); an episode cut by its time limit (``truncated``) is
 bootstrapped from the value of its final observation, as SB3 does; one that ``terminated`` is
 not. The score (:attr:`TrainWorkload.target`) is the mean undiscounted return of the last
