@@ -119,9 +119,13 @@ def main(argv: list[str] | None = None) -> int:
         if run is None:
             print(f"  seed {seed}: {system} ...", file=sys.stderr, flush=True)
             return
-        outcome = "reached" if run.reached else "did not reach"
+        if workload.scored:
+            reached = "reached" if run.reached else "did not reach"
+            outcome = f"{reached} {workload.target:g} after"
+        else:
+            outcome = "ran"
         print(
-            f"  seed {seed}: {system} {outcome} {workload.target:g} after {run.steps:,} steps, "
+            f"  seed {seed}: {system} {outcome} {run.steps:,} steps, "
             f"{run.seconds:.1f} s ({run.learn_s:.1f} s learning)",
             file=sys.stderr,
             flush=True,
@@ -141,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     _write(report, command, date, took, md, args.note)
     if args.json is not None:
         doc = {"date": date, "argv": argv if argv is not None else sys.argv[1:]}
-        doc.update(train_report_dict(report))
+        doc.update(train_report_dict(report), note=args.note)
         args.json.write_text(json.dumps(doc, indent=2) + "\n")
     if args.plot is not None:
         plot_train(report, str(args.plot))
@@ -181,15 +185,16 @@ def _render(
     path: Path, md: Path | None, plot: Path | None, out: Path | None, note: str = ""
 ) -> int:
     """The table (and plot, and JSON ``out`` in the current layout) of a JSON file this script
-    wrote, without training again."""
+    wrote, without training again; ``note`` replaces the file's own note when given."""
     doc = json.loads(path.read_text())
     report = train_report_from_dict(doc)
     command = _command(doc.get("argv", []))
     md = md or RESULTS / f"train-{report.workload.name}.md"
+    note = note or str(doc.get("note", ""))
     _write(report, command, str(doc.get("date", "")), report.wall_s, md, note)
     if out is not None:
         again = {"date": doc.get("date", ""), "argv": doc.get("argv", [])}
-        again.update(train_report_dict(report))
+        again.update(train_report_dict(report), note=note)
         out.write_text(json.dumps(again, indent=2) + "\n")
     if plot is not None:
         plot_train(report, str(plot))

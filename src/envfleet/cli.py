@@ -624,9 +624,10 @@ def _bench_train(args: argparse.Namespace) -> int:
     def on_progress(system: str, seed: int, run: Any) -> None:
         if show and run is not None:
             outcome = "reached" if run.reached else "did not reach"
+            goal = f"{outcome} {workload.target:g} after" if workload.scored else "ran"
             print(
-                f"  {workload.env_id} seed {seed}, {system}: {outcome} {workload.target:g} "
-                f"after {run.steps:,} steps, {run.seconds:.1f} s",
+                f"  {workload.env_id} seed {seed}, {system}: {goal} {run.steps:,} steps, "
+                f"{run.seconds:.1f} s",
                 file=sys.stderr,
             )
 

@@ -174,6 +174,9 @@ def test_pong_measures_steps_per_second_with_the_cnn():
     assert "ALE/Pong-v5 x8: env steps/s end to end, PPO learning included" in table
     assert "| system | steps/s end to end | vs best peer | seconds | learning share |" in table
     assert "Nature CNN" in table
+    doc = json.loads(json.dumps(train_report_dict(report), allow_nan=False))
+    assert doc["workload"]["target"] is None  # inf: no score
+    assert train_table(train_report_from_dict(doc)) == table
 
 
 # -- advantages ------------------------------------------------------------------------------
@@ -264,9 +267,11 @@ def test_the_script_writes_its_table_json_and_plot(tmp_path, capsys):
     script = _load_script()
     md, js, png = tmp_path / "t.md", tmp_path / "t.json", tmp_path / "t.png"
     argv = ["--workload", "cartpole", "--seeds", "1", "--systems", "gym-sync", "--budget", "1024"]
-    assert script.main([*argv, "--md", str(md), "--json", str(js), "--plot", str(png)]) == 0
+    files = ["--md", str(md), "--json", str(js), "--plot", str(png)]
+    assert script.main([*argv, *files, "--note", "A note."]) == 0
     text = md.read_text()
     assert text.startswith("`python benchmarks/train.py --workload cartpole")
+    assert "\n\nA note.\n\n" in text and "--note" not in text
     assert "| gym-sync | 0/1 |" in text and text in capsys.readouterr().out
     assert json.loads(js.read_text())["workload"]["name"] == "cartpole"
     assert png.stat().st_size > 0

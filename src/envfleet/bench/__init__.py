@@ -11,7 +11,7 @@ trained over every system of :data:`TRAIN_SYSTEMS` (gymnasium's vector envs, SB3
 ``SubprocVecEnv``, PufferLib, ``envfleet.make`` and ``envfleet.Sampler``) with the same model,
 hyperparameters and seeds until a score is reached (:data:`TRAIN_WORKLOADS`): seconds and env
 steps to it, medians over seeds, against the best peer (:func:`train_table`,
-:func:`plot_train`).
+:func:`plot_train`); ``pong`` measures the steps/s end to end of PPO on Atari instead.
 
 The learner's loop (``envfleet bench --policy``): :func:`measure_policy_loop` steps every
 system of :data:`POLICY_SYSTEMS` with a torch policy choosing the actions (CleanRL's PPO actor,

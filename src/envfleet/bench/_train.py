@@ -20,6 +20,10 @@ stepped differs:
 - ``envfleet.Sampler`` (its default, ``inference="auto"``): ``sampler.sample(steps_per_update
   * num_envs)``, advantages per segment, the same update, then ``sampler.update_policy()``.
 
+Workloads (:data:`TRAIN_WORKLOADS`): ``cartpole`` and ``lunarlander`` to a score; ``pong``
+(CleanRL's Atari PPO, the Nature CNN) has none and measures the steps/s end to end, learning
+included, over its first 200k frames.
+
 Advantages: GAE(lambda) (:func:`gae`); an episode cut by its time limit (``truncated``) is
 bootstrapped from the value of its final observation, as SB3 does; one that ``terminated`` is
 not. The score (:attr:`TrainWorkload.target`) is the mean undiscounted return of the last
@@ -1279,7 +1283,8 @@ def train_report_from_dict(doc: dict[str, Any]) -> TrainReport:
 
     try:
         w = doc["workload"]
-        workload = TrainWorkload(**{**w, "ppo": PPOConfig(**w["ppo"])})
+        target = math.inf if w["target"] is None else w["target"]  # JSON has no inf
+        workload = TrainWorkload(**{**w, "target": target, "ppo": PPOConfig(**w["ppo"])})
         names, runs, skipped = [], {}, {}
         for r in doc["results"]:
             names.append(r["system"])
@@ -1490,10 +1495,11 @@ _TRAIN_STYLES: dict[str, dict[str, Any]] = {
 def plot_train(report: TrainReport, path: str) -> tuple[int, int]:
     """Draw a report into an image file (PNG, or any format matplotlib knows from the
     extension): mean return of the last :data:`SCORE_EPISODES` episodes against wall-clock
-    seconds (left) and against env steps (right), one line per system: its median seed bold
-    (the median of seconds on the left, of steps on the right), its other seeds faint (the
-    lines of systems that learn bit-identically coincide on the right); the target as a dotted
-    line.
+    seconds (left; env steps instead for a workload without a score, whose slope is the
+    steps/s end to end) and against env steps (right), one line per system: its median seed
+    bold (the median of seconds on the left, of steps on the right), its other seeds faint
+    (the lines of systems that learn bit-identically coincide on the right); the target as a
+    dotted line.
 
     Returns:
         The image's size in pixels, ``(width, height)``.
@@ -1513,16 +1519,21 @@ def plot_train(report: TrainReport, path: str) -> tuple[int, int]:
     width_in, height_in = 12.0, 4.8
     fig = Figure(figsize=(width_in, height_in), dpi=PLOT_DPI, layout="constrained")
     by_time, by_steps = fig.subplots(1, 2)
+    w = report.workload
+    # Left: the return against seconds, or, without a score, the steps against seconds (the
+    # slope is the steps/s end to end). Right: the return against steps.
+    left_y = "mean_return" if w.scored else "steps"
     for r in ran:
         style = {"linewidth": 1.2, **_TRAIN_STYLES.get(r.system, {})}
-        # Each panel's bold run is the median of what it shows: seconds left, steps right.
-        for ax, x, what in ((by_time, "seconds", "seconds"), (by_steps, "steps", "steps")):
-            middle = _median_run(r.runs, what)
+        # Each panel's bold run is the median of its x axis: seconds left, steps right.
+        panels = ((by_time, "seconds", left_y), (by_steps, "steps", "mean_return"))
+        for ax, x, y in panels:
+            middle = _median_run(r.runs, x)
             for run in r.runs:
                 bold = run is middle
                 (line,) = ax.plot(
                     [getattr(p, x) for p in run.trace],
-                    [p.mean_return for p in run.trace],
+                    [getattr(p, y) for p in run.trace],
                     label=r.system if bold and ax is by_time else None,
                     **{
                         **style,
@@ -1532,12 +1543,14 @@ def plot_train(report: TrainReport, path: str) -> tuple[int, int]:
                 )
                 style.setdefault("color", line.get_color())
     by_steps.xaxis.set_major_formatter(EngFormatter(sep=""))
-    w = report.workload
     for ax in (by_time, by_steps):
         if w.scored:
             ax.axhline(w.target, color="black", linestyle=":", linewidth=1.2, label="target")
         ax.grid(True, alpha=0.3)
         ax.set_ylabel(f"mean return, last {SCORE_EPISODES} episodes")
+    if not w.scored:
+        by_time.set_ylabel("env steps")
+        by_time.yaxis.set_major_formatter(EngFormatter(sep=""))
     by_time.set_xlabel("wall-clock seconds")
     by_steps.set_xlabel("env steps")
     by_time.legend(fontsize=8, loc="lower right")
