@@ -18,7 +18,10 @@ stepped differs:
   after its episode ended (its action ignored): that step is no transition, and is left out of
   the update and of the step count.
 - ``envfleet.Sampler`` (its default, ``inference="auto"``): ``sampler.sample(steps_per_update
-  * num_envs)``, advantages per segment, the same update, then ``sampler.update_policy()``.
+  * num_envs)``, advantages per segment, the same update, then ``sampler.update_policy()``;
+  and ``sampler-prefetch``, the same with ``prefetch=True``: each batch after the first was
+  collected during the update before it, one policy version behind (PPO's ratio to the
+  log-probabilities recorded with it).
 
 Workloads (:data:`TRAIN_WORKLOADS`): ``cartpole`` and ``lunarlander`` to a score; ``pong``
 (CleanRL's Atari PPO, the Nature CNN) has none and measures the steps/s end to end, learning
