@@ -359,6 +359,15 @@ def read_log(data: bytes, action_space: gymnasium.Space[Any], size: int) -> Acti
     return ActionLog(action_space, size, capacity, memory)
 
 
+def log_recordings(
+    data: bytes, action_space: gymnasium.Space[Any], start: int, stop: int
+) -> list[EnvRecording]:
+    """Each env's episode so far (envs ``start`` to ``stop - 1``) from the bytes of the
+    action log a worker wrote to its file (:func:`read_log`); none when it wrote none."""
+    log = read_log(data, action_space, stop - start)
+    return [] if log is None else log.recordings(start)
+
+
 def read_head(data: bytes, size: int) -> tuple[int, int, np.ndarray] | None:
     """From the first :meth:`ActionLog.head_nbytes` bytes of a worker's log: its group steps,
     the episodes its envs began and each env's episode start (the index of its first

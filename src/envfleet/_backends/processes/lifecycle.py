@@ -69,7 +69,7 @@ from envfleet._core.errors import (
 )
 from envfleet._core.failures import CLOSED
 from envfleet._core.protocol import Command
-from envfleet._core.replay import ActionLog, EnvRecording, read_head, read_log
+from envfleet._core.replay import ActionLog, EnvRecording, log_recordings, read_head
 from envfleet._core.stacks import at
 from envfleet._core.stats import STATS_WORDS, WorkerMemory
 
@@ -281,8 +281,7 @@ class WorkerProcesses:
         if layout is None:
             return []
         start, stop = self.ranges[g]
-        log = read_log(self._log_files.read(g), layout.single_action_space, stop - start)
-        return [] if log is None else log.recordings(start)
+        return log_recordings(self._log_files.read(g), layout.single_action_space, start, stop)
 
     def stacks(self, workers: list[int], wait_s: float = STACKS_WAIT_S) -> dict[int, str]:
         """Each live worker of ``workers``'s stacks, asked for now

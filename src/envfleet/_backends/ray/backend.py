@@ -53,7 +53,7 @@ from envfleet._core.errors import (
 )
 from envfleet._core.failures import CLOSED, remote_env_error
 from envfleet._core.protocol import Command, Failure, RemoteError, Status
-from envfleet._core.replay import ActionLog, EnvRecording, read_head, read_log
+from envfleet._core.replay import ActionLog, EnvRecording, log_recordings, read_head
 from envfleet._core.stacks import at
 from envfleet._core.stats import STATS_WORDS, StepTimer, StepTimeStats, step_time_table
 from envfleet._core.trees import tree_slice, tree_write
@@ -247,8 +247,7 @@ class RayTransport:
         if fd is None or layout is None:
             return []
         start, stop = self.ranges[w]
-        log = read_log(read_bytes(fd), layout.single_action_space, stop - start)
-        return [] if log is None else log.recordings(start)
+        return log_recordings(read_bytes(fd), layout.single_action_space, start, stop)
 
     def stacks(self, workers: list[int]) -> dict[int, str]:
         """Each of ``workers``' actors' stacks, asked for by a signal, where the actor runs
