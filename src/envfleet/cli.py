@@ -32,8 +32,8 @@ import argparse
 import json
 import pickle
 import sys
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import envfleet
 from envfleet import ConfigError, ReplayFileError
@@ -48,13 +48,14 @@ from envfleet.bench import (
     BenchError,
     BenchProgress,
     BenchReport,
-    PolicyLoopReport,
     baseline_ratios,
     bench_rows,
     check_env_id,
     run_bench,
     unavailable,
 )
+
+_R = TypeVar("_R")  # a measurement's report
 
 __all__ = ["main"]
 
@@ -497,18 +498,16 @@ def _bench(args: argparse.Namespace) -> int:
     if not any(active.values()):
         return _error("nothing to measure: every system asked for is left out (see above)")
     total = sum(args.repeats * (1 + len(sizes) * len(active[e])) for e in env_ids)
-    try:
+
+    def measure() -> Any:
         with _ProgressDisplay(total, seconds, enabled=args.json != "-") as on_progress:
-            report = run_bench(
+            return run_bench(
                 env_ids, sizes, systems, seconds, repeats=args.repeats, progress=on_progress
             )
-    except ConfigError as exc:
-        return _error(str(exc))
-    except BenchError as exc:
-        return _error(str(exc), status=1)
-    except KeyboardInterrupt:
-        print("envfleet bench: interrupted", file=sys.stderr)
-        return 130
+
+    report = _measured(measure)
+    if isinstance(report, int):
+        return report
 
     if args.json is not None:
         _write_json(bench_rows(report), args.json)
@@ -563,25 +562,20 @@ def _bench_policy(args: argparse.Namespace) -> int:
             check_workload(w)
     except ConfigError as exc:
         return _error(str(exc))
-    reports: list[PolicyLoopReport] = []
     show = args.json != "-" and sys.stderr.isatty()
 
     def on_progress(name: str, system: str, rep: int) -> None:
         if show:
             print(f"  {name}: {system} (repetition {rep + 1})", file=sys.stderr)
 
-    try:
-        for w in chosen:
-            reports.append(
-                measure_policy_loop(w, systems, seconds, repeats=args.repeats, progress=on_progress)
-            )
-    except ConfigError as exc:
-        return _error(str(exc))
-    except BenchError as exc:
-        return _error(str(exc), status=1)
-    except KeyboardInterrupt:
-        print("envfleet bench: interrupted", file=sys.stderr)
-        return 130
+    reports = _measured(
+        lambda: [
+            measure_policy_loop(w, systems, seconds, repeats=args.repeats, progress=on_progress)
+            for w in chosen
+        ]
+    )
+    if isinstance(reports, int):
+        return reports
     if args.json is not None:
         _write_json([policy_report_dict(r) for r in reports], args.json)
     if args.json != "-":
@@ -631,17 +625,13 @@ def _bench_train(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
 
-    try:
-        report = measure_train(
+    report = _measured(
+        lambda: measure_train(
             workload, systems, tuple(range(1, args.seeds + 1)), progress=on_progress
         )
-    except ConfigError as exc:
-        return _error(str(exc))
-    except BenchError as exc:
-        return _error(str(exc), status=1)
-    except KeyboardInterrupt:
-        print("envfleet bench: interrupted", file=sys.stderr)
-        return 130
+    )
+    if isinstance(report, int):
+        return report
     if args.json is not None:
         _write_json(train_report_dict(report), args.json)
     if args.json != "-":
@@ -653,6 +643,21 @@ def _bench_train(args: argparse.Namespace) -> int:
             return _error(f"cannot write the plot {args.plot}: {exc}", status=1)
         print(f"envfleet bench: plot written to {args.plot}", file=sys.stderr)
     return 0
+
+
+def _measured(measure: Callable[[], _R], command: str = "bench") -> _R | int:
+    """``measure()``'s report, or the exit status its failure gives, said on stderr: 2 for a
+    ``ConfigError`` (bad arguments), 1 for a ``BenchError`` (a system failed), 130 for
+    Ctrl-C."""
+    try:
+        return measure()
+    except ConfigError as exc:
+        return _error(str(exc), command=command)
+    except BenchError as exc:
+        return _error(str(exc), status=1, command=command)
+    except KeyboardInterrupt:
+        print(f"envfleet {command}: interrupted", file=sys.stderr)
+        return 130
 
 
 def _error(message: str, status: int = 2, command: str = "bench") -> int:
@@ -680,15 +685,12 @@ def _tune(args: argparse.Namespace) -> int:
         else:
             print(f"  {event.candidate}: {event.detail}", file=sys.stderr)
 
-    try:
-        report = tune(args.env, num_envs, args.policy, seconds=args.seconds, progress=on_progress)
-    except ConfigError as exc:
-        return _error(str(exc), command="tune")
-    except BenchError as exc:
-        return _error(str(exc), status=1, command="tune")
-    except KeyboardInterrupt:
-        print("envfleet tune: interrupted", file=sys.stderr)
-        return 130
+    report = _measured(
+        lambda: tune(args.env, num_envs, args.policy, seconds=args.seconds, progress=on_progress),
+        command="tune",
+    )
+    if isinstance(report, int):
+        return report
     if args.json is not None:
         try:
             _write_json(tune_report_dict(report), args.json, command="tune")
