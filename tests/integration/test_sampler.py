@@ -224,6 +224,83 @@ def test_segments_cut_at_episode_ends_and_sample_ends() -> None:
     assert env0.env_infos[2] == {"t": 3}  # the step's own info at an episode end
 
 
+class InfoEnv(gym.Env):
+    """Infos of every kind gymnasium batches differently: ints, floats, bools, numpy scalars,
+    arrays, nested dicts, objects, a key of its own named ``env_id``, steps without an info,
+    and at an episode's end a step info unlike the reset's that follows it. Episodes of env
+    ``i`` last ``3 + i`` steps. The observation is ``[t, env_index]`` in a Dict space."""
+
+    def __init__(self, env_index: int = 0):
+        self.env_index = env_index
+        self.observation_space = spaces.Dict(
+            {"t": spaces.Box(0, 100, (1,), np.float32), "i": spaces.Discrete(8)}
+        )
+        self.action_space = spaces.Discrete(2)
+        self._t = 0
+
+    def _obs(self) -> dict[str, Any]:
+        return {"t": np.array([self._t], np.float32), "i": self.env_index}
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
+        super().reset(seed=seed)
+        self._t = 0
+        return self._obs(), {"reset": True, "n": np.int32(self.env_index)}
+
+    def step(self, action: Any):
+        self._t += 1
+        truncated = self._t >= 3 + self.env_index
+        info: dict[str, Any] = {}
+        if self._t % 2 or truncated:  # every other step has no info
+            info = {
+                "t": self._t,
+                "x": self._t / 4,
+                "odd": bool(self._t % 2),
+                "f32": np.float32(action),
+                "vec": np.full(2, self._t, np.int16),
+                "nested": {"a": self._t, "b": {"c": 0.5}},
+                "name": f"e{self.env_index}",
+                "env_id": 99,
+            }
+        return self._obs(), 1.0, False, truncated, info
+
+
+@pytest.mark.parametrize("backend", ["serial", "processes"])
+def test_worker_inference_records_infos_as_driver_inference_does(backend: str) -> None:
+    """Worker inference records each step's info from the envs' own dicts (``as_batched``),
+    driver inference from the vector env's batched info: the same values, types and dtypes,
+    and the same final observations."""
+    policy = lambda obs: (obs["t"][:, 0] % 2).astype(np.int64)  # noqa: E731
+    runs = {}
+    for inference in ("driver", "worker"):
+        with Sampler(
+            InfoEnv, policy, 4, seed=SEED, backend=backend, inference=inference,
+            segment_length=10, **({"num_workers": 2} if backend == "processes" else {}),
+        ) as sampler:  # fmt: skip
+            runs[inference] = EpisodeBatch.concatenate(*(sampler.sample(40) for _ in range(2)))
+    driver, worker = runs["driver"], runs["worker"]
+    assert driver.num_steps == worker.num_steps and worker.num_steps >= 80
+    assert np.array_equal(driver.env_index, worker.env_index)
+    assert np.array_equal(driver.lengths, worker.lengths)
+    for key in ("t", "i"):
+        assert np.array_equal(driver.last_observations[key], worker.last_observations[key])
+        assert np.array_equal(driver.observations[key], worker.observations[key])
+    assert any(worker.env_infos) and not all(worker.env_infos)
+
+    def described(value: Any) -> Any:  # a value with its type (and dtype), all the way down
+        if isinstance(value, dict):
+            return {key: described(v) for key, v in value.items()}
+        if isinstance(value, np.ndarray):
+            return ("array", value.dtype.str, value.tolist())
+        return (type(value).__name__, value)
+
+    done = worker.terminated | worker.truncated
+    for want, got, end in zip(driver.env_infos, worker.env_infos, done, strict=True):
+        assert described(got) == described(want)
+        assert "reset" not in got  # an ended episode's step info, not its reset's
+        # A vector info's env_id is the pool's: left out of a step's info, not of a final one.
+        assert ("env_id" in got) == bool(end)
+
+
 # -- policy versions -------------------------------------------------------------------------
 
 

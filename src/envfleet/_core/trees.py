@@ -114,8 +114,9 @@ def tree_take(tree: Any, ids: np.ndarray) -> Any:
     return None if tree is None else np.take(tree, ids, axis=0)
 
 
-def tree_scatter(tree: Any, ids: np.ndarray, values: Any) -> None:
-    """Write the rows of ``values`` (a tree shaped like ``tree``) into rows ``ids`` of ``tree``."""
+def tree_scatter(tree: Any, ids: np.ndarray | int, values: Any) -> None:
+    """Write the rows of ``values`` (a tree shaped like ``tree``) into rows ``ids`` of ``tree``
+    (one row, ``values`` one row's tree, where ``ids`` is an int)."""
     if isinstance(tree, dict):
         for key, value in tree.items():
             tree_scatter(value, ids, values[key])

@@ -9,6 +9,7 @@ the policy version changes, or where a sample stops. The layout follows garage's
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -17,7 +18,14 @@ import numpy as np
 from envfleet._core.infos import split_infos
 from envfleet._core.trees import tree_concat, tree_map, tree_rows, tree_scatter
 
-__all__ = ["EpisodeBatch", "Recorder", "StepLog", "final_observations", "step_infos"]
+__all__ = [
+    "EpisodeBatch",
+    "Recorder",
+    "StepLog",
+    "as_batched",
+    "final_observations",
+    "step_infos",
+]
 
 
 # -- infos -----------------------------------------------------------------------------------
@@ -44,6 +52,39 @@ def step_infos(info: dict[str, Any], rows: np.ndarray, done: np.ndarray) -> list
         finals = split_infos(final, n)
         for k in np.flatnonzero(done).tolist():
             out[k] = finals[k]
+    return out
+
+
+# gymnasium's VectorEnv._add_info batches a Python int, float or bool into an array of that
+# type: split back into rows, each is the numpy scalar of that array.
+_BATCHED_SCALARS: dict[type, Callable[[Any], Any]] = {
+    int: np.dtype(int).type,
+    float: np.float64,
+    bool: np.bool_,
+}
+
+
+def as_batched(info: dict[str, Any], skip: tuple[str, ...] = ()) -> dict[str, Any]:
+    """One env's ``info`` as :func:`step_infos` hands it back after gymnasium batched it into
+    a vector info (``VectorEnv._add_info``) with the infos of the other envs of the step: a
+    Python ``int``, ``float`` or ``bool`` becomes the numpy scalar of the array it went into,
+    an array a copy, a dict the same recursively; other values (numpy scalars, objects) are
+    kept. Keys in ``skip`` are left out. Where the envs of a step return values of different
+    types under one key, gymnasium casts them all to the first env's type; this keeps each
+    env's own."""
+    out: dict[str, Any] = {}
+    for key, value in info.items():
+        if key in skip:
+            continue
+        convert = _BATCHED_SCALARS.get(type(value))
+        if convert is not None:
+            out[key] = convert(value)
+        elif isinstance(value, dict):
+            out[key] = as_batched(value)
+        elif isinstance(value, np.ndarray):
+            out[key] = value.copy()
+        else:
+            out[key] = value
     return out
 
 
@@ -396,6 +437,73 @@ class StepLog:
         both the caller's and never written to again; ``info`` the step's vector info
         (gymnasium's convention, ``final_obs``/``final_info`` where ``done``). The actions,
         agent infos, rewards and flags are copied."""
+        t = self._append(observations, actions, rewards, terminated, truncated, after, version)
+        self._agent_infos.append({key: np.array(value) for key, value in agent_infos.items()})
+        if info:  # empty on most steps: no episode ended and the envs returned no info
+            if "final_obs" in info:
+                self._finals[t] = final_observations(after, info, done)
+            infos = step_infos(info, self.env_ids, done)
+            if any(infos):
+                self._infos[t] = infos
+
+    def add_events(
+        self,
+        observations: Any,
+        actions: Any,
+        rewards: np.ndarray,
+        terminated: np.ndarray,
+        truncated: np.ndarray,
+        after: Any,
+        version: int,
+        agent_infos: dict[str, np.ndarray],
+        events: list[tuple[int, dict[str, Any]]],
+        done: np.ndarray,
+    ) -> None:
+        """:meth:`add` for a step whose infos come as the envs returned them, not batched:
+        ``events``, ``(row, info)`` in row order, as an ``EnvGroup`` step with
+        ``AutoresetMode.SAME_STEP`` returns them (rows counted from 0), where a row whose
+        episode ended has first ``{"final_obs", "final_info"}`` and then its reset's info.
+        The record is the one :meth:`add` makes of the same step's vector info (each info
+        :func:`as_batched`), without building that info and splitting it again."""
+        t = self._append(observations, actions, rewards, terminated, truncated, after, version)
+        self._agent_infos.append({key: np.array(value) for key, value in agent_infos.items()})
+        if not events:
+            return
+        finals: Any = None
+        infos: list[dict[str, Any]] | None = None
+        last = -1  # the row of the event before: a row's later events are its reset's infos
+        for row, info in events:
+            if row == last:
+                continue
+            last = row
+            if done[row]:  # its first event: the episode's end
+                if finals is None:
+                    finals = tree_map(np.array, after)
+                tree_scatter(finals, row, info["final_obs"])
+                own = as_batched(info["final_info"])
+            else:
+                own = as_batched(info, _SKIP_INFO)
+            if own:
+                if infos is None:
+                    infos = [{} for _ in range(len(self.env_ids))]
+                infos[row] = own
+        if finals is not None:
+            self._finals[t] = finals
+        if infos is not None:
+            self._infos[t] = infos
+
+    def _append(
+        self,
+        observations: Any,
+        actions: Any,
+        rewards: np.ndarray,
+        terminated: np.ndarray,
+        truncated: np.ndarray,
+        after: Any,
+        version: int,
+    ) -> int:
+        """Keep a step's observations (as they are), actions, rewards and flags (copied) and
+        version; returns its index."""
         t = len(self._rewards)
         self._obs.append(observations)
         self._actions.append(
@@ -405,14 +513,8 @@ class StepLog:
         self._terminated.append(np.array(terminated, dtype=np.bool_))
         self._truncated.append(np.array(truncated, dtype=np.bool_))
         self._versions.append(version)
-        self._agent_infos.append({key: np.array(value) for key, value in agent_infos.items()})
         self._after = after
-        if info:  # empty on most steps: no episode ended and the envs returned no info
-            if "final_obs" in info:
-                self._finals[t] = final_observations(after, info, done)
-            infos = step_infos(info, self.env_ids, done)
-            if any(infos):
-                self._infos[t] = infos
+        return t
 
     def build(self) -> EpisodeBatch | None:
         """The recorded steps as an :class:`EpisodeBatch` (``None`` if there are none); the

@@ -25,7 +25,6 @@ import numpy as np
 from envfleet._core.buffers import caller_leaves
 from envfleet._core.envgroup import EnvGroup, PartialFailure
 from envfleet._core.errors import ConfigError, UnsupportedError
-from envfleet._core.infos import batch_infos
 from envfleet._core.trees import tree_copy, tree_row, tree_write
 from envfleet._front.vector_env import FleetVectorEnv
 from envfleet._sampler.inference import (
@@ -34,11 +33,11 @@ from envfleet._sampler.inference import (
     SamplerStats,
     Timers,
     TimerStat,
+    act,
     load_params,
     pick_episodes,
     policy_seed,
     seed_policy,
-    step_and_record,
 )
 from envfleet._sampler.rollout import EpisodeBatch, StepLog
 
@@ -132,8 +131,9 @@ RESTARTED = {RESTARTED_KEY: True}
 
 class GroupEnvs:
     """A worker's envs (its EnvGroup, ``AutoresetMode.SAME_STEP``) as a vector env of their
-    own: what :func:`step_and_record` steps, with SyncVectorEnv's results over those envs.
-    Each step runs the group's own step loop (the one a vector env step runs)."""
+    own: SyncVectorEnv's results over those envs, but for the infos, which stay the envs' own
+    (``StepLog.add_events`` records them as the vector info would give them). Each step runs
+    the group's own step loop (the one a vector env step runs)."""
 
     def __init__(self, group: EnvGroup):
         self.group = group
@@ -145,7 +145,12 @@ class GroupEnvs:
         """A copy of the envs' current observations (the buffers' rows)."""
         return tree_copy(self.group.buffers.observations)
 
-    def step(self, actions: Any) -> tuple[Any, np.ndarray, np.ndarray, np.ndarray, dict[str, Any]]:
+    def step(
+        self, actions: Any
+    ) -> tuple[Any, np.ndarray, np.ndarray, np.ndarray, list[tuple[int, dict[str, Any]]]]:
+        """Step every env with ``actions``: (observations, a copy; rewards, terminations,
+        truncations, the buffers' own; the step's info events ``(row, info)``, rows counted
+        from 0, as :meth:`EnvGroup.step` returns them)."""
         group, buffers = self.group, self.group.buffers
         tree_write(buffers.actions, actions)
         # Each env gets the policy's dtype, as a vector env's step hands the caller's.
@@ -166,9 +171,10 @@ class GroupEnvs:
                 final = tree_row(self.obs, j)
                 events.append((f.env_index, {"final_obs": final, "final_info": RESTARTED}))
             events.sort(key=lambda event: event[0])
-        infos = batch_infos([(i - start, info) for i, info in events], self.num_envs)
+        if start:
+            events = [(i - start, info) for i, info in events]
         obs = tree_copy(buffers.observations)
-        return obs, buffers.rewards, buffers.terminations, buffers.truncations, infos
+        return obs, buffers.rewards, buffers.terminations, buffers.truncations, events
 
 
 class WorkerState:
@@ -213,11 +219,18 @@ class WorkerState:
         Raises:
             PartialFailure: envs raised; the step is recorded (those envs truncated).
         """
-        envs = self.envs
-        envs.obs = self.obs
-        self.obs, done = step_and_record(
-            envs, self.policy, self.obs, self.version, log, self.timers, _as_it_is
-        )
+        envs, obs, timers = self.envs, self.obs, self.timers
+        envs.obs = obs
+        with timers.time("policy"):
+            actions, agent_infos = act(self.policy, obs)
+        with timers.time("env_step"):
+            after, rewards, terminated, truncated, events = envs.step(actions)
+        done = terminated | truncated
+        log.add_events(
+            obs, actions, rewards, terminated, truncated, after, self.version, agent_infos,
+            events, done,
+        )  # fmt: skip
+        self.obs = after
         if envs.failure is not None:
             raise envs.failure
         return done
@@ -236,10 +249,6 @@ class WorkerState:
         batch = log.build()
         assert batch is not None
         return pick_episodes(batch, ended[:n], int(self.ids[0]))
-
-
-def _as_it_is(obs: Any) -> Any:
-    return obs  # GroupEnvs.step returns its own copy of the buffers' rows
 
 
 class _OneTorchThread:
