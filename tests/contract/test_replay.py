@@ -236,3 +236,40 @@ def test_the_cli_reproduces_refuses_and_says_when_it_did_not(
     newer.write_bytes(MAGIC + (99).to_bytes(2, "little") + b"...")
     with pytest.raises(envfleet.ReplayFileError, match="format version 99"):
         load_replay(str(newer))
+
+
+def test_each_envs_generators_are_looked_for_along_its_wrappers_once(monkeypatch: Any) -> None:
+    """An autoreset's start is the env's generator states (``reset_start``); the objects
+    that may hold them are found once per env (``generator_holders``) and kept, and the
+    states are still those of the generators the env has at each reset: after a seeded reset
+    (a new generator object in each env) and autoresets, a snapshot resumes exactly."""
+    from envfleet._core import envgroup, replay
+
+    calls: list[Any] = []
+    real = replay.generator_holders
+
+    def counted(env: Any) -> Any:
+        calls.append(env)
+        return real(env)
+
+    monkeypatch.setattr(envgroup, "generator_holders", counted)
+    zeros = np.zeros(2, dtype=np.int64)
+    envs = envfleet.make("CartPole-v1", 2, backend="serial")
+    resumed = None
+    try:
+        envs.reset(seed=SEED)
+        for _ in range(100):  # several autoresets per env
+            envs.step(zeros)
+        assert len(calls) == 2 and calls[0] is not calls[1]
+        envs.reset(seed=SEED + 1)
+        for _ in range(100):
+            envs.step(zeros)
+        assert len(calls) == 2
+        resumed = envfleet.make("CartPole-v1", 2, backend="serial", resume=envs.snapshot())
+        for _ in range(100):
+            want, got = envs.step(zeros)[0], resumed.step(zeros)[0]
+            assert np.array_equal(want, got)
+    finally:
+        envs.close()
+        if resumed is not None:
+            resumed.close()

@@ -31,7 +31,7 @@ from envfleet._core.protocol import (
     SetAttrRequest,
     SideValues,
 )
-from envfleet._core.replay import ActionLog, reset_start
+from envfleet._core.replay import ActionLog, generator_holders, reset_start
 
 __all__ = ["JOIN_MAX_BYTES", "EnvFailure", "EnvGroup", "PartialFailure", "spaces_mismatch"]
 
@@ -168,6 +168,9 @@ class EnvGroup:
         self.action_log = action_log
         if action_log is not None:
             action_log.open()
+        # Per env: the env, and where its generators may live (replay.generator_holders),
+        # found at its first episode start and kept while it is the same env object.
+        self._holders: dict[int, tuple[Any, list[tuple[Any, str]]]] = {}
         self.same_observation_space = same_observation_space
         self.size = len(env_fns)
         self.stop = start + self.size
@@ -343,7 +346,7 @@ class EnvGroup:
             try:
                 if resets and autoreset[j]:
                     if log is not None:
-                        log.began(j, reset_start(env))
+                        log.began(j, self._reset_start(j, env))
                     env_obs[j], env_info = env.reset()
                     rewards[j], terms[j], truncs[j] = 0.0, False, False
                 else:
@@ -355,7 +358,7 @@ class EnvGroup:
                         final = {"final_obs": env_obs[j], "final_info": info_as_now(env_info)}
                         events.append((self.start + j, final))
                         if log is not None:
-                            log.began(j, reset_start(env))
+                            log.began(j, self._reset_start(j, env))
                         env_obs[j], env_info = env.reset()
             except Exception as exc:
                 # The other envs still step: their data must not depend on this one's fault.
@@ -374,6 +377,14 @@ class EnvGroup:
         self._write_results()
         self._write_observations("step", events)
         return events
+
+    def _reset_start(self, j: int, env: Any, options: Any = None) -> tuple[Any, ...]:
+        """:func:`envfleet._core.replay.reset_start` of env ``j`` (local), with its generator
+        holders found once per env object."""
+        known = self._holders.get(j)
+        if known is None or known[0] is not env:
+            known = self._holders[j] = (env, generator_holders(env))
+        return reset_start(env, options, known[1])
 
     def _recorded(self, failure: EnvFailure) -> EnvFailure:
         """``failure`` with its env's episode so far (``failure.recording``), if recorded."""
@@ -494,7 +505,7 @@ class EnvGroup:
                     j,
                     ("seed", seed, request.options)
                     if seed is not None
-                    else reset_start(env, request.options),
+                    else self._reset_start(j, env, request.options),
                 )
             try:
                 self._env_obs[j], env_info = env.reset(
@@ -552,7 +563,9 @@ class EnvGroup:
                 if problem is not None:
                     raise EnvFailure(index, "restart (spaces)") from ValueError(problem)
             if self.action_log is not None:
-                start = ("seed", seed, None) if seed is not None else reset_start(self.envs[j])
+                start = (
+                    ("seed", seed, None) if seed is not None else self._reset_start(j, self.envs[j])
+                )
                 self.action_log.began(j, start)
             try:
                 self._env_obs[j], env_info = self.envs[j].reset(seed=seed)

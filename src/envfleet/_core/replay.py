@@ -60,6 +60,7 @@ __all__ = [
     "Snapshot",
     "load_replay",
     "file_log",
+    "generator_holders",
     "new_log",
     "read_head",
     "read_log",
@@ -93,25 +94,19 @@ _LINKS = ("unwrapped", "env", "par_env", "aec_env")
 _GENERATORS = ("_np_random", "np_random")  # as instance attributes, never a property's
 
 
-def _generators(env: Any) -> dict[str, np.random.Generator]:
-    """Every ``numpy`` generator an env keeps in an ``np_random`` (or ``_np_random``)
-    attribute of itself or of what it wraps (:data:`_LINKS`), by its path from the env
-    (``"unwrapped._np_random"``; a PettingZoo env's ``"unwrapped.par_env.aec_env.unwrapped
-    .np_random"``); each generator once, at the first path found."""
-    found: dict[str, np.random.Generator] = {}
-    seen_objects: set[int] = set()
-    seen_generators: set[int] = set()
+def generator_holders(env: Any) -> list[tuple[Any, str]]:
+    """The objects that may hold an env's generators, each once, in the order
+    :func:`_generators` looks at them (depth first along :data:`_LINKS`, from the env, no
+    deeper than 8 links), with the path prefix of their attributes (``""``, ``"unwrapped."``,
+    ``"env.env."``...)."""
+    found: list[tuple[Any, str]] = []
+    seen: set[int] = set()
 
     def walk(obj: Any, path: tuple[str, ...]) -> None:
-        if id(obj) in seen_objects or len(path) > 8:
+        if id(obj) in seen or len(path) > 8:
             return
-        seen_objects.add(id(obj))
-        attributes = getattr(obj, "__dict__", {})
-        for name in _GENERATORS:
-            generator = attributes.get(name)
-            if isinstance(generator, np.random.Generator) and id(generator) not in seen_generators:
-                seen_generators.add(id(generator))
-                found[".".join((*path, name))] = generator
+        seen.add(id(obj))
+        found.append((obj, "".join(f"{link}." for link in path)))
         for link in _LINKS:
             try:
                 nxt = getattr(obj, link, None)
@@ -121,6 +116,31 @@ def _generators(env: Any) -> dict[str, np.random.Generator]:
                 walk(nxt, (*path, link))
 
     walk(env, ())
+    return found
+
+
+def _generators(
+    env: Any, holders: list[tuple[Any, str]] | None = None
+) -> dict[str, np.random.Generator]:
+    """Every ``numpy`` generator an env keeps in an ``np_random`` (or ``_np_random``)
+    attribute of itself or of what it wraps (:data:`_LINKS`), by its path from the env
+    (``"unwrapped._np_random"``; a PettingZoo env's ``"unwrapped.par_env.aec_env.unwrapped
+    .np_random"``); each generator once, at the first path found. ``holders``: the env's
+    :func:`generator_holders`, found before (an env's wrappers stay the same objects for its life,
+    while its generators are replaced: a seeded reset makes a new one), else found now."""
+    if holders is None:
+        holders = generator_holders(env)
+    found: dict[str, np.random.Generator] = {}
+    seen: set[int] = set()
+    for obj, prefix in holders:
+        attributes = getattr(obj, "__dict__", None)
+        if not attributes:
+            continue
+        for name in _GENERATORS:
+            generator = attributes.get(name)
+            if isinstance(generator, np.random.Generator) and id(generator) not in seen:
+                seen.add(id(generator))
+                found[prefix + name] = generator
     return found
 
 
@@ -135,15 +155,19 @@ def _set_generator(env: Any, path: str, state: dict[str, Any]) -> None:
     setattr(obj, name, np.random.Generator(bit_generator))
 
 
-def reset_start(env: gymnasium.Env[Any, Any], options: Any = None) -> tuple[Any, ...]:
+def reset_start(
+    env: gymnasium.Env[Any, Any], options: Any = None, holders: list[tuple[Any, str]] | None = None
+) -> tuple[Any, ...]:
     """How a ``reset`` without a seed (an autoreset's, or one given ``seed=None``) begins:
     ``("rng", states, native, options)``: the state of every ``numpy`` generator the env
     keeps, by path (its ``np_random``; a PettingZoo env's own, under envfleet's adapter:
     :func:`_generators`), the random state the env keeps elsewhere where the field has an
     API for it (an Atari env's ALE state with its generator,
-    ``ale.cloneState(include_rng=True)``, pickled; else ``None``), and the reset's options."""
+    ``ale.cloneState(include_rng=True)``, pickled; else ``None``), and the reset's options.
+    ``holders``: the env's :func:`generator_holders`, kept by the caller from an earlier call (else
+    found now: most of this function's cost)."""
     unwrapped = env.unwrapped
-    state = {path: g.bit_generator.state for path, g in _generators(env).items()}
+    state = {path: g.bit_generator.state for path, g in _generators(env, holders).items()}
     native = None
     ale = getattr(unwrapped, "ale", None)
     if ale is not None and hasattr(ale, "cloneState"):
