@@ -46,7 +46,8 @@ __all__ = ["AutoInference", "SamplerReport", "policy_on_gpu", "sampler_report"]
 # (one round of worker inference); the untimed pieces take the start-up costs (the policy's
 # first calls, the workers' policy copies) out of the timed ones. The timed pieces alternate,
 # two of each mode, so that a stretch of load from outside (a noisy machine) weighs on both
-# modes rather than on the one it happened to hit.
+# modes rather than on the one it happened to hit; each mode is judged by its faster piece,
+# since load from outside only ever slows a piece down.
 _CALIBRATION = (
     ("driver", False),
     ("worker", False),
@@ -104,7 +105,8 @@ class AutoInference(Inference):
         piece = venv.num_envs * segment_length  # steps: one round of worker inference
         # The calibration still to run: (mode, timed, steps left), in order.
         self.pieces = [(m, t, piece) for m, t in _CALIBRATION] if worker is not None else []
-        self.timed: dict[str, tuple[int, float]] = {}  # mode -> (steps, seconds) timed
+        self.timed: dict[str, list[float]] = {}  # mode -> steps/s of each timed piece
+        self.piece = (0, 0.0)  # the running piece's steps and seconds so far
         self.chosen: str | None = None if worker is not None else "driver"
         self.reason = reason
 
@@ -160,11 +162,14 @@ class AutoInference(Inference):
             n = int(batch.lengths[kept].sum())
             out.append(batch)
             current += n
-            if timed:
-                steps, seconds = self.timed.get(mode, (0, 0.0))
-                self.timed[mode] = (steps + n, seconds + elapsed)
+            steps, seconds = self.piece[0] + n, self.piece[1] + elapsed
+            self.piece = (steps, seconds)
             if n >= left:
                 self.pieces.pop(0)
+                self.piece = (0, 0.0)
+                if timed:
+                    rate = steps / seconds if seconds > 0 else math.inf
+                    self.timed.setdefault(mode, []).append(rate)
             else:
                 self.pieces[0] = (mode, timed, left - n)
             if not self.pieces:
@@ -175,8 +180,8 @@ class AutoInference(Inference):
 
     @property
     def measured(self) -> dict[str, float]:
-        """Each calibrated mode's steps/s over its timed pieces."""
-        return {mode: n / s if s > 0 else math.inf for mode, (n, s) in self.timed.items()}
+        """Each calibrated mode's steps/s in its faster timed piece."""
+        return {mode: max(rates) for mode, rates in self.timed.items()}
 
     def choose(self) -> None:
         """Keep the faster of the calibrated modes (driver on a tie)."""
@@ -224,8 +229,8 @@ class SamplerReport:
         inference: the inference running: ``"driver"`` or ``"worker"``.
         choice: why (``inference="auto"``: the calibration's figures; else "as asked").
         steps_per_s: env steps returned per second of :meth:`Sampler.sample` calls.
-        calibration: ``inference="auto"``: each mode's steps/s in its timed calibration
-            round (empty otherwise).
+        calibration: ``inference="auto"``: each mode's steps/s in its faster timed
+            calibration piece (empty otherwise).
         num_envs: ``N``.
         cores: the cores this process may use (CPU affinity and cgroup quota).
         t_policy_s: the policy's seconds on one batch of ``N`` observations (``T_p``),
