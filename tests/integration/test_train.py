@@ -84,6 +84,44 @@ def test_the_prefetching_sampler_learns_from_batches_collected_during_updates(re
     assert "sampler-prefetch" not in report.identical
 
 
+def test_stale_steps_take_decoupled_ppo_and_current_ones_plain_ppo():
+    """A prefetched batch's steps were chosen by the policy before the last update: they take
+    decoupled PPO's objective (clipped around the policy before this update, weighted by its
+    ratio to the one that chose them, truncated at 1). With no stale step, or stale steps whose
+    weights are 1, it is plain PPO, bit for bit; weights below 1 change the update."""
+    from torch.distributions import Categorical
+
+    from envfleet.bench._train import _Learner
+
+    workload = TRAIN_WORKLOADS["cartpole"]
+    rng = np.random.default_rng(0)
+    n = 256
+    obs = rng.normal(size=(n, 4)).astype(np.float32)
+    actions = rng.integers(0, 2, n)
+    advantages = rng.normal(size=n).astype(np.float32)
+    returns = rng.normal(size=n).astype(np.float32)
+
+    def update(stale: np.ndarray | None, behaviour_shift: float = 0.0) -> str:
+        learner = _Learner(workload, 3)
+        with torch.no_grad():
+            logits, _ = learner.policy.forward(learner.policy.prepare(obs))
+            logp = Categorical(logits=logits, validate_args=False).log_prob(
+                torch.as_tensor(actions)
+            )
+        behaviour = logp.numpy() - behaviour_shift
+        learner.learn(obs, actions, behaviour, advantages, returns, 3e-4, stale)
+        return learner.digest()
+
+    plain = update(None)
+    assert update(np.zeros(n, dtype=np.bool_)) == plain
+    assert update(np.ones(n, dtype=np.bool_)) == plain
+    stale = np.ones(n, dtype=np.bool_)
+    # A behaviour policy likelier than the proximal one: weights below 1, another update.
+    assert update(stale, -0.3) not in (plain, update(None, -0.3))
+    # One less likely: weights above 1, truncated to 1 (V-trace's rho), as if current.
+    assert update(stale, 0.3) == plain
+
+
 def test_pufferlib_runs_or_says_how_to_install_it(report):
     result = next(r for r in report.results if r.system == "puffer-mp")
     if HAS_PUFFER:

@@ -460,12 +460,13 @@ class WorkerInference(Inference):
         requests = {}
         for w, had in enumerate(self.version_of):
             sent: PolicyUpdate | None = None
-            seed = policy_seed(self.seed, w)
+            seed = None  # only a new policy object is seeded (WorkerState.install)
             if had != version:
                 if update is not None and update.version == version and had == version - 1:
                     sent = update  # the update itself: parameters, or a new policy object
                 else:  # a worker without the policy (the first round): a whole copy
                     sent = PolicyUpdate(version, cloudpickle.dumps(policy), False)
+                seed = policy_seed(self.seed, w)
                 if version and not sent.params:
                     seed = policy_seed(seed, version)
             resume = None if self.resume_of is None else self.resume_of[w]

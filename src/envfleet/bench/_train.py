@@ -53,7 +53,7 @@ import numpy as np
 from gymnasium.vector import AutoresetMode
 
 import envfleet
-from envfleet import ConfigError, check_env_id
+from envfleet import ConfigError, check_env_id, usable_cores
 from envfleet.bench._core import bench_error, json_ready
 from envfleet.bench._peers import PEER_INSTALL, PUFFER_INSTALL, make_gym_env, puffer_workers
 from envfleet.bench._plot import PLOT_DPI, machine_line, require_matplotlib
@@ -416,15 +416,28 @@ class _Learner:
         advantages: np.ndarray,
         returns: np.ndarray,
         lr: float,
+        stale: np.ndarray | None = None,
     ) -> None:
         """``epochs`` passes of clipped PPO over ``B`` transitions in shuffled minibatches
         (the last one smaller when ``minibatch_size`` does not divide ``B``; one of a single
         transition is skipped, its advantage cannot be normalised).
 
+        Steps chosen by an older policy than the one about to be updated (``stale``, from a
+        Sampler's ``prefetch``) take decoupled PPO's objective (Hilton et al. 2021, "Batch
+        size-invariance for policy optimization", arXiv:2110.00641): the ratio is clipped
+        around the policy as it is before this update (the *proximal* policy, whose
+        log-probabilities are computed once here), and each step's term is weighted by
+        ``min(1, pi_prox / pi_behaviour)``, the importance weight of the policy that chose it,
+        truncated as IMPALA's V-trace truncates it (unclipped, LunarLander-v3 plateaued near
+        a return of 100 in 1.5 M steps here; truncated, it reached 200). On
+        steps of the current policy that is plain PPO, which this runs unchanged (bit for
+        bit) when no step is stale.
+
         Args:
             obs: ``[B, *obs_shape]``; actions: ``int64[B]``; logp: ``float32[B]``, the
                 log-probabilities when sampled; advantages, returns: ``float32[B]``.
             lr: Adam's step size for this update.
+            stale: ``bool[B]``, the steps of an older policy (``None``: none).
         """
         import torch
         from torch.distributions import Categorical
@@ -438,6 +451,15 @@ class _Learner:
         adv = torch.as_tensor(advantages, dtype=torch.float32)
         ret = torch.as_tensor(returns, dtype=torch.float32)
         n = len(act)
+        weight = None
+        if stale is not None and stale.any():
+            with torch.no_grad():
+                logits, _ = self.policy.forward(x)
+                prox = Categorical(logits=logits, validate_args=False).log_prob(act)
+            # pi_prox / pi_behaviour, truncated at 1 as V-trace's rho (IMPALA): a policy one
+            # update behind may be far from the proximal one, and the weight's variance with it
+            weight = torch.exp(prox - old).clamp(max=1.0)
+            old = prox
         params = self.policy.parameters()
         for _ in range(c.epochs):
             order = torch.randperm(n, generator=self.shuffle)
@@ -451,7 +473,11 @@ class _Learner:
                 a = adv[idx]
                 a = (a - a.mean()) / (a.std() + 1e-8)
                 clipped = torch.clamp(ratio, 1 - c.clip, 1 + c.clip)
-                policy_loss = torch.max(-a * ratio, -a * clipped).mean()
+                if weight is None:
+                    policy_loss = torch.max(-a * ratio, -a * clipped).mean()
+                else:
+                    w = weight[idx]
+                    policy_loss = (w * torch.max(-a * ratio, -a * clipped)).mean()
                 value_loss = 0.5 * (value - ret[idx]).pow(2).mean()
                 loss = policy_loss - c.ent_coef * dist.entropy().mean() + c.vf_coef * value_loss
                 self.optimizer.zero_grad()
@@ -746,7 +772,15 @@ def _sampler(factory: EnvFactory, num_envs: int, policy: PPOPolicy, seed: int) -
 def _sampler_prefetch(
     factory: EnvFactory, num_envs: int, policy: PPOPolicy, seed: int
 ) -> envfleet.Sampler:
-    return envfleet.Sampler(factory, policy, num_envs, seed=seed, progress=False, prefetch=True)
+    """The Sampler collecting during the update, leaving the learner a core: every env and
+    the policy copies in the other cores' workers (worker inference, no envs in the
+    learner's process), so the update's one torch thread and the collection run side by
+    side."""
+    workers = max(1, usable_cores() - 1)
+    return envfleet.Sampler(
+        factory, policy, num_envs, seed=seed, progress=False, prefetch=True,
+        inference="worker", num_workers=workers, driver_envs=0,
+    )  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -798,8 +832,9 @@ TRAIN_SYSTEMS: dict[str, TrainSystem] = {
     "sampler-prefetch": TrainSystem(
         "sampler",
         _sampler_prefetch,
-        "envfleet.Sampler(prefetch=True): each batch after the first collected during the "
-        "update before, one policy version behind (PPO's ratio to its recorded log-probs)",
+        "envfleet.Sampler(prefetch=True, inference='worker', num_workers=cores - 1, "
+        "driver_envs=0): each batch after the first collected during the update before, one "
+        "policy version behind (decoupled PPO on those steps), the learner keeping a core",
     ),
 }
 #: The peers, to whose best median each system is compared.
@@ -1057,6 +1092,7 @@ def _train_sampler(
         ):
             progress.returns.add(env, total_reward, done)
         progress.steps += total
+        stale = np.repeat(batch.policy_version < sampler.policy_version, lengths)
         learner.learn(
             batch.observations,
             batch.actions,
@@ -1064,6 +1100,7 @@ def _train_sampler(
             advantages.astype(np.float32),
             (advantages + values).astype(np.float32),
             lr,
+            stale,
         )
         progress.learn_s += time.perf_counter() - t0
         sampler.update_policy(None)
