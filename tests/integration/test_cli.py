@@ -319,6 +319,11 @@ def check_policy_report(report: dict, env_id: str, num_envs: int, policy: str) -
     assert structures["one call"] > 0
     assert bound["schedule_structure"] in structures
     assert bound["schedule_steps_per_s"] == max(structures.values())
+    # The loop bound: the same structures with the costs measured in a loop, at each size.
+    assert list(bound["t_policy_loop_by_n"]) == list(bound["t_policy_by_n"])
+    assert all(t > 0 for t in bound["t_policy_loop_by_n"].values())
+    assert bound["t_env_loop_s"] > 0 and bound["loop_steps_per_s"] > 0
+    assert bound["loop_structure"] in structures
     assert [r["system"] for r in report["results"]] == POLICY_SYSTEMS
     for r in report["results"]:
         if r["skipped"] is not None:  # PufferLib not installed
@@ -331,6 +336,9 @@ def check_policy_report(report: dict, env_id: str, num_envs: int, policy: str) -
         assert math.isclose(
             r["of_schedule_bound"], r["steps_per_s"] / bound["schedule_steps_per_s"], rel_tol=1e-9
         )
+        assert math.isclose(
+            r["of_loop_bound"], r["steps_per_s"] / bound["loop_steps_per_s"], rel_tol=1e-9
+        )
         assert r["vs_best_gym"] > 0 and r["vs_best_peer"] > 0 and r["vs_envfleet_loop"] > 0
         assert r["vs_envfleet_store"] > 0
 
@@ -342,7 +350,9 @@ def test_bench_policy_mlp_prints_every_system():
     out = proc.stdout
     assert "CartPole-v1 x2, mlp policy: overlap bound" in out
     assert "schedule bound" in out and "T_p(2) = " in out and "T_p(1) = " in out
-    columns = ("steps/s", "of overlap bound", "of schedule bound", "vs best gym", "vs best peer")
+    columns = ("steps/s", "of overlap bound", "of schedule bound", "of loop bound", "vs best gym")
+    assert "loop bound" in out and "in a loop T_p = " in out
+    columns = (*columns, "vs best peer")
     for column in (*columns, "vs envfleet loop", "vs envfleet store"):
         assert column in out
     rows = [line for line in out.splitlines() if line.startswith("| ") and "---" not in line]

@@ -10,6 +10,8 @@ import math
 import os
 import subprocess
 import sys
+import time
+from types import SimpleNamespace
 
 import cloudpickle
 import gymnasium
@@ -37,6 +39,7 @@ from envfleet.bench import (
     schedule_sizes,
     schedule_splits,
     schedule_structures,
+    time_in_loop,
     usable_cores,
     workers_bound,
     workloads,
@@ -191,6 +194,40 @@ def test_schedule_bound_small_batches_and_bad_numbers():
 
 
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no CPU affinity here")
+class _SleepyEnv(gymnasium.Env):
+    """Each step sleeps ``1 ms``; episodes of 5 steps."""
+
+    observation_space = CARTPOLE_OBS
+    action_space = gymnasium.spaces.Discrete(2)
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.t = 0
+        return np.zeros(4, np.float32), {}
+
+    def step(self, action):
+        time.sleep(0.001)
+        self.t += 1
+        return np.full(4, self.t, np.float32), 1.0, self.t >= 5, False, {}
+
+
+def test_time_in_loop_splits_the_policys_time_from_the_envs():
+    """The loop bound's costs: the policy's seconds per call and one env's per step, each
+    with the other's time left out (lower bounds only: the sleeps; no timed upper bound
+    beyond telling the two apart)."""
+    calls: list[int] = []
+
+    def policy(obs):
+        calls.append(len(obs))
+        time.sleep(0.02)
+        return np.zeros(len(obs), np.int64)
+
+    workload = SimpleNamespace(env_id="sleepy", factory=lambda: _SleepyEnv)
+    t_policy, t_env, steps = time_in_loop(workload, 3, policy, 0, 0.2)
+    assert set(calls) == {3} and steps == 3 * (len(calls) - 3)  # 3 untimed calls first
+    assert t_policy >= 0.02 and 0.001 <= t_env < 0.01
+
+
 def test_usable_cores_follows_the_affinity_mask():
     code = (
         "import os; os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})\n"

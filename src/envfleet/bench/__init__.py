@@ -112,6 +112,7 @@ from envfleet.bench._policy_loop import (
     schedule_sizes,
     schedule_splits,
     schedule_structures,
+    time_in_loop,
     workers_bound,
 )
 from envfleet.bench._sweep import (
@@ -241,6 +242,7 @@ __all__ = [
     "schedule_splits",
     "schedule_structures",
     "segment_gae",
+    "time_in_loop",
     "timed_loop",
     "tune",
     "tune_grid",

@@ -57,6 +57,7 @@ __all__ = [
     "schedule_sizes",
     "schedule_splits",
     "schedule_structures",
+    "time_in_loop",
     "workers_bound",
 ]
 
@@ -106,6 +107,14 @@ class PolicyBound:
         schedule_structure: the structure that attains it (a key of ``structures``).
         structures: each structure's bound, env steps per second
             (:func:`schedule_structures`).
+        t_policy_loop_by_n: the policy's mean seconds per call on ``n`` observations *in a
+            loop*: ``n`` envs of the workload stepped in this process, each call followed by
+            their ``n`` steps (:func:`time_in_loop`), for each ``n`` of ``t_policy_by_n``.
+        t_env_loop_s: one env's mean seconds per step in those loops.
+        loop_steps_per_s: the schedule bound of those times (:func:`schedule_bound`): what
+            the structures can do with the policy and the envs as they cost when they take
+            turns on a core (each evicts the other's caches), not each alone.
+        loop_structure: the structure that attains it.
     """
 
     t_policy_s: float
@@ -116,6 +125,10 @@ class PolicyBound:
     schedule_steps_per_s: float = math.nan
     schedule_structure: str = ""
     structures: dict[str, float] = field(default_factory=dict)
+    t_policy_loop_by_n: dict[int, float] = field(default_factory=dict)
+    t_env_loop_s: float = math.nan
+    loop_steps_per_s: float = math.nan
+    loop_structure: str = ""
 
 
 @dataclass(frozen=True)
@@ -136,6 +149,8 @@ class PolicyLoopResult:
         vs_envfleet_store: the same as ``vs_best_gym`` over envfleet's storing plain loop
             (``envfleet-store``, the loop a learner writes) of the repetition (``nan``
             without it).
+        of_loop_bound: ``steps_per_s`` over the workload's loop bound
+            (:attr:`PolicyBound.loop_steps_per_s`).
         runs: steps/s of each repetition.
         skipped: why the system was not measured (e.g. how to install it), else ``None``.
         notes: per repetition, what the system said of itself (``sampler``: the inference
@@ -153,6 +168,7 @@ class PolicyLoopResult:
     vs_envfleet_loop: float = math.nan
     of_schedule_bound: float = math.nan
     vs_envfleet_store: float = math.nan
+    of_loop_bound: float = math.nan
 
 
 @dataclass(frozen=True)
@@ -310,6 +326,7 @@ def measure_policy_loop(
                 vs_envfleet_loop=_median(loop_ratios[system]),
                 of_schedule_bound=rate / bound.schedule_steps_per_s,
                 vs_envfleet_store=_median(store_ratios[system]),
+                of_loop_bound=rate / bound.loop_steps_per_s,
             )
         )
     return PolicyLoopReport(
@@ -340,26 +357,29 @@ def policy_table(report: PolicyLoopReport) -> str:
     ``(the loop a learner writes)``."""
     b = report.bound
     t_policy = ", ".join(f"T_p({n}) = {t * 1e6:,.0f} us" for n, t in b.t_policy_by_n.items())
+    in_loop = ", ".join(f"{t * 1e6:,.0f} us" for t in b.t_policy_loop_by_n.values())
     lines = [
         f"{report.env_id} x{report.num_envs}, {report.policy} policy: overlap bound "
         f"{b.steps_per_s:,.0f} steps/s, schedule bound {b.schedule_steps_per_s:,.0f} steps/s "
         f"({b.schedule_structure}); {t_policy}, t_env = {b.t_env_s * 1e6:,.1f} us, "
-        f"{b.cores} cores; {report.seconds:g} s per system, {report.repeats} repetition(s), "
-        "medians",
+        f"{b.cores} cores; loop bound {b.loop_steps_per_s:,.0f} steps/s ({b.loop_structure}; "
+        f"in a loop T_p = {in_loop}, t_env = {b.t_env_loop_s * 1e6:,.1f} us); "
+        f"{report.seconds:g} s per system, {report.repeats} repetition(s), medians",
         "",
-        "| system | steps/s | of overlap bound | of schedule bound | vs best gym | vs best peer "
-        "| vs envfleet loop | vs envfleet store |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| system | steps/s | of overlap bound | of schedule bound | of loop bound | vs best gym "
+        "| vs best peer | vs envfleet loop | vs envfleet store |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in report.results:
         name = r.system + (f" {_LEARNER_MARK}" if r.system in STORE_SYSTEMS else "")
         if r.skipped is not None:
-            lines.append(f"| {name} | not installed: {r.skipped} | - | - | - | - | - | - |")
+            lines.append(f"| {name} | not installed: {r.skipped} | - | - | - | - | - | - | - |")
         else:
             lines.append(
                 f"| {name} | {r.steps_per_s:,.0f} | {r.of_bound:.2f} "
-                f"| {r.of_schedule_bound:.2f} | {r.vs_best_gym:.2f} | {r.vs_best_peer:.2f} "
-                f"| {r.vs_envfleet_loop:.2f} | {r.vs_envfleet_store:.2f} |"
+                f"| {r.of_schedule_bound:.2f} | {r.of_loop_bound:.2f} | {r.vs_best_gym:.2f} "
+                f"| {r.vs_best_peer:.2f} | {r.vs_envfleet_loop:.2f} "
+                f"| {r.vs_envfleet_store:.2f} |"
             )
     if any(r.system in STORE_SYSTEMS for r in report.results):
         lines += [
@@ -396,7 +416,8 @@ def measure_bound(
     median time of the policy on a batch of ``n`` observations (one env's reset observation
     repeated), over about ``seconds`` each, after a few untimed calls. ``t_env``: one env
     stepped in a plain loop with random actions drawn in advance (reset at each episode's end)
-    for about ``seconds``, its seconds per step.
+    for about ``seconds``, its seconds per step. The loop bound: the same structures with the
+    costs of :func:`time_in_loop` at each ``n``.
 
     Raises:
         ConfigError: torch missing. BenchError: the env failed.
@@ -436,6 +457,11 @@ def measure_bound(
     t_policy = t_policy_by_n[n]
     structures = schedule_structures(n, t_policy_by_n, t_env, cores)
     best, structure = schedule_bound(n, t_policy_by_n, t_env, cores)
+    in_loop = {k: time_in_loop(workload, k, policy, seed, seconds) for k in sizes}
+    t_policy_loop = {k: t_p for k, (t_p, _, _) in in_loop.items()}
+    env_steps = sum(steps for _, _, steps in in_loop.values())
+    t_env_loop = sum(t_e * steps for _, t_e, steps in in_loop.values()) / env_steps
+    loop_best, loop_structure = schedule_bound(n, t_policy_loop, t_env_loop, cores)
     return PolicyBound(
         t_policy,
         t_env,
@@ -445,7 +471,53 @@ def measure_bound(
         best,
         structure,
         structures,
+        t_policy_loop,
+        t_env_loop,
+        loop_best,
+        loop_structure,
     )
+
+
+def time_in_loop(
+    workload: Any, n: int, policy: Callable[[Any], Any], seed: int, seconds: float
+) -> tuple[float, float, int]:
+    """The policy and ``n`` envs of ``workload`` taking turns in this process for about
+    ``seconds``: the policy on the ``n`` observations, then each env's step with its action
+    (reset at its episode's end), the least any loop that runs the policy on ``n`` rows and
+    steps those envs on one core does. Returns (the policy's mean seconds per call, one env's
+    mean seconds per step, env steps taken).
+
+    Raises:
+        BenchError: an env failed.
+    """
+    envs: list[Any] = []
+    try:
+        for _ in range(n):
+            envs.append(workload.factory()())
+        obs = np.stack([np.asarray(env.reset(seed=seed + j)[0]) for j, env in enumerate(envs)])
+        for _ in range(3):  # the policy's first calls, untimed
+            policy(obs)
+        t_policy = t_env = 0.0
+        calls = 0
+        start = time.perf_counter()
+        while time.perf_counter() - start < seconds:
+            t0 = time.perf_counter()
+            actions = policy(obs)
+            t1 = time.perf_counter()
+            for j, env in enumerate(envs):
+                o, _, terminated, truncated, _ = env.step(actions[j])
+                if terminated or truncated:
+                    o, _ = env.reset()
+                obs[j] = o
+            t_env += time.perf_counter() - t1
+            t_policy += t1 - t0
+            calls += 1
+    except Exception as exc:
+        raise bench_error(exc, "measuring the loop bound of", "bound", workload.env_id) from exc
+    finally:
+        for env in envs:
+            env.close()
+    return t_policy / calls, t_env / (calls * n), calls * n
 
 
 def _median(values: Sequence[float]) -> float:
