@@ -736,8 +736,9 @@ def test_worker_inference_honours_the_start_timeout(snapshot: Any) -> None:
 
 class OnceFaultEnv(gym.Env):
     """Random 2-d observations (seeded), episodes of ``length`` steps. Env ``fault_index``
-    does ``how`` (``"raise"`` or ``"sigkill"`` of its process) in its ``at_step``-th step,
-    once per ``marker`` file: a rebuilt env does not fault again."""
+    does ``how`` (``"raise"`` or ``"sigkill"`` of its process) in its ``at_step``-th step, or
+    (``"raise-reset"``) raises in the first autoreset after it, once per ``marker`` file: a
+    rebuilt env does not fault again."""
 
     def __init__(self, env_index: int, marker: str, how: str, fault_index: int, at_step: int):
         self.observation_space = spaces.Box(-1.0, 1.0, (2,), np.float32)
@@ -749,13 +750,26 @@ class OnceFaultEnv(gym.Env):
 
     def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> Any:
         super().reset(seed=seed)
+        if (
+            self.faulty
+            and self.how == "raise-reset"
+            and self._steps >= self.at_step
+            and not os.path.exists(self.marker)
+        ):
+            open(self.marker, "w").close()
+            raise ValueError(f"boom in the reset after step {self._steps}")
         self._t = 0
         return self.np_random.uniform(-1.0, 1.0, 2).astype(np.float32), {"t": 0}
 
     def step(self, action: Any) -> Any:
         self._steps += 1
         self._t += 1
-        if self.faulty and self._steps == self.at_step and not os.path.exists(self.marker):
+        if (
+            self.faulty
+            and self.how != "raise-reset"
+            and self._steps == self.at_step
+            and not os.path.exists(self.marker)
+        ):
             open(self.marker, "w").close()
             if self.how == "sigkill":
                 os.kill(os.getpid(), signal.SIGKILL)
@@ -806,6 +820,30 @@ def run_with_fault(marker: str, how: str, fault_index: int, **kwargs: Any) -> tu
     ) as sampler:
         batches = [sampler.sample(64) for _ in range(6)]
         return batches, sampler.stats
+
+
+def test_worker_inference_an_autoreset_that_raises_after_an_episode_end(tmp_path: Any) -> None:
+    """Env 1's episode ends at its 16th step and the autoreset after it raises: that step is
+    recorded as the vector env batches it (its end, then its restart): truncated, reward 0,
+    its own info with the restart flag, on the observation it acted on; the other envs are
+    untouched and env 1 goes on from its restart."""
+    clean, _ = run_with_fault(str(tmp_path / "none"), "none", 1, backend="processes")
+    faulty, stats = run_with_fault(str(tmp_path / "fault"), "raise-reset", 1, backend="processes")
+    assert stats.env_restarts == 1
+    for e in (0, 2, 3):
+        got, want = env_stream(faulty, e), env_stream(clean, e)
+        n = min(len(got["rew"]), len(want["rew"]))
+        for key in got:
+            assert np.array_equal(got[key][:n], want[key][:n]), f"env {e} {key}"
+    joined = EpisodeBatch.concatenate(*faulty)
+    flagged = [k for k, info in enumerate(joined.env_infos) if info.get("env_restarted")]
+    assert len(flagged) == 1
+    k = flagged[0]
+    assert joined.env_infos[k] == {"t": 8, "env_restarted": True}
+    assert joined.truncated[k] and joined.rewards[k] == 0.0
+    stream = env_stream(faulty, 1)
+    assert np.array_equal(stream["next"][15], stream["obs"][15])  # its 16th step
+    assert len(stream["rew"]) >= 20  # it goes on after its restart
 
 
 @pytest.mark.parametrize(

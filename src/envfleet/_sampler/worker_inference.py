@@ -25,6 +25,7 @@ import numpy as np
 from envfleet._core.buffers import caller_leaves
 from envfleet._core.envgroup import EnvGroup, PartialFailure
 from envfleet._core.errors import ConfigError, UnsupportedError
+from envfleet._core.infos import batch_infos
 from envfleet._core.trees import tree_copy, tree_row, tree_write
 from envfleet._front.vector_env import FleetVectorEnv
 from envfleet._sampler.inference import (
@@ -226,10 +227,19 @@ class WorkerState:
         with timers.time("env_step"):
             after, rewards, terminated, truncated, events = envs.step(actions)
         done = terminated | truncated
-        log.add_events(
-            obs, actions, rewards, terminated, truncated, after, self.version, agent_infos,
-            events, done,
-        )  # fmt: skip
+        if envs.failure is None:
+            log.add_events(
+                obs, actions, rewards, terminated, truncated, after, self.version, agent_infos,
+                events, done,
+            )  # fmt: skip
+        else:
+            # Envs raised: an env may then have two ends in one step (its episode's, and its
+            # failed autoreset's restart), which the vector info merges as it always has.
+            info = batch_infos(events, envs.num_envs)
+            log.add(
+                obs, actions, rewards, terminated, truncated, after, self.version, agent_infos,
+                info, done,
+            )  # fmt: skip
         self.obs = after
         if envs.failure is not None:
             raise envs.failure
