@@ -428,10 +428,9 @@ class _Learner:
         around the policy as it is before this update (the *proximal* policy, whose
         log-probabilities are computed once here), and each step's term is weighted by
         ``min(1, pi_prox / pi_behaviour)``, the importance weight of the policy that chose it,
-        truncated as IMPALA's V-trace truncates it (unclipped, LunarLander-v3 plateaued near
-        a return of 100 in 1.5 M steps here; truncated, it reached 200). On
-        steps of the current policy that is plain PPO, which this runs unchanged (bit for
-        bit) when no step is stale.
+        truncated as IMPALA's V-trace truncates it (``benchmarks/README.md`` has what the
+        truncation changed). On steps of the current policy that is plain PPO, which this
+        runs unchanged (bit for bit) when no step is stale.
 
         Args:
             obs: ``[B, *obs_shape]``; actions: ``int64[B]``; logp: ``float32[B]``, the
