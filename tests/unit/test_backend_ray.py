@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -453,8 +454,19 @@ def test_custom_resource_places_actors_on_its_node(ray_cluster, cluster):
         envfleet.make(NodeEnv, 3, backend="ray", num_workers=3, ray_options=options)
 
 
+def _wait_for_free_cpus(timeout: float = GONE) -> None:
+    """Wait until every CPU of the cluster is free again: Ray releases a killed actor's
+    resources after ``close()`` returns, and ``SPREAD`` places actors where CPUs are free."""
+    deadline = time.monotonic() + timeout
+    total = ray.cluster_resources().get("CPU", 0.0)
+    while ray.available_resources().get("CPU", 0.0) < total:
+        assert time.monotonic() < deadline, "the cluster's CPUs were not released"
+        time.sleep(0.05)
+
+
 def test_joins_a_running_cluster_by_address(cluster):
     if ray.is_initialized():
+        _wait_for_free_cpus()  # the tests before closed their actors; Ray frees them after
         ray.shutdown()  # this process leaves the cluster, which keeps running
     envs = envfleet.make(NodeEnv, 4, backend="ray", ray_address=cluster[0].address)
     assert ray.is_initialized()
