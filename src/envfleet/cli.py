@@ -516,11 +516,18 @@ def _bench(args: argparse.Namespace) -> int:
     if args.plot is not None:
         from envfleet.bench import plot_report
 
-        try:
-            plot_report(report, args.plot)
-        except OSError as exc:
-            return _error(f"cannot write the plot {args.plot}: {exc}", status=1)
-        print(f"envfleet bench: plot written to {args.plot}", file=sys.stderr)
+        return _write_plot(plot_report, report, args.plot)
+    return 0
+
+
+def _write_plot(plot: Callable[[Any, str], Any], report: Any, path: str) -> int:
+    """Draw ``report`` with ``plot`` into ``path``: exit status 0, or 1 with the reason on
+    stderr when the file cannot be written."""
+    try:
+        plot(report, path)
+    except OSError as exc:
+        return _error(f"cannot write the plot {path}: {exc}", status=1)
+    print(f"envfleet bench: plot written to {path}", file=sys.stderr)
     return 0
 
 
@@ -637,11 +644,7 @@ def _bench_train(args: argparse.Namespace) -> int:
     if args.json != "-":
         print(train_table(report))
     if args.plot is not None:
-        try:
-            plot_train(report, args.plot)
-        except OSError as exc:
-            return _error(f"cannot write the plot {args.plot}: {exc}", status=1)
-        print(f"envfleet bench: plot written to {args.plot}", file=sys.stderr)
+        return _write_plot(plot_train, report, args.plot)
     return 0
 
 
