@@ -437,8 +437,9 @@ class StepLog:
         both the caller's and never written to again; ``info`` the step's vector info
         (gymnasium's convention, ``final_obs``/``final_info`` where ``done``). The actions,
         agent infos, rewards and flags are copied."""
-        t = self._append(observations, actions, rewards, terminated, truncated, after, version)
-        self._agent_infos.append({key: np.array(value) for key, value in agent_infos.items()})
+        t = self._append(
+            observations, actions, rewards, terminated, truncated, after, version, agent_infos
+        )
         if info:  # empty on most steps: no episode ended and the envs returned no info
             if "final_obs" in info:
                 self._finals[t] = final_observations(after, info, done)
@@ -465,8 +466,9 @@ class StepLog:
         episode ended has first ``{"final_obs", "final_info"}`` and then its reset's info.
         The record is the one :meth:`add` makes of the same step's vector info (each info
         :func:`as_batched`), without building that info and splitting it again."""
-        t = self._append(observations, actions, rewards, terminated, truncated, after, version)
-        self._agent_infos.append({key: np.array(value) for key, value in agent_infos.items()})
+        t = self._append(
+            observations, actions, rewards, terminated, truncated, after, version, agent_infos
+        )
         if not events:
             return
         finals: Any = None
@@ -501,9 +503,10 @@ class StepLog:
         truncated: np.ndarray,
         after: Any,
         version: int,
+        agent_infos: dict[str, np.ndarray],
     ) -> int:
-        """Keep a step's observations (as they are), actions, rewards and flags (copied) and
-        version; returns its index."""
+        """Keep a step's observations (as they are), actions, rewards, flags and agent infos
+        (copied) and version; returns its index."""
         t = len(self._rewards)
         self._obs.append(observations)
         self._actions.append(
@@ -513,6 +516,7 @@ class StepLog:
         self._terminated.append(np.array(terminated, dtype=np.bool_))
         self._truncated.append(np.array(truncated, dtype=np.bool_))
         self._versions.append(version)
+        self._agent_infos.append({key: np.array(value) for key, value in agent_infos.items()})
         self._after = after
         return t
 
