@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,7 +40,13 @@ from envfleet._sampler.inference import (
 from envfleet._sampler.rollout import EpisodeBatch
 from envfleet._sampler.worker_inference import WorkerInference
 
-__all__ = ["AutoInference", "SamplerReport", "policy_on_gpu", "sampler_report"]
+__all__ = [
+    "AutoInference",
+    "SamplerReport",
+    "per_env_step_time",
+    "policy_on_gpu",
+    "sampler_report",
+]
 
 # The calibration, in order: (mode, timed). Each piece is ``num_envs * segment_length`` steps
 # (one round of worker inference); the untimed pieces take the start-up costs (the policy's
@@ -312,15 +318,21 @@ class SamplerReport:
         return "\n".join(lines)
 
 
+def per_env_step_time(totals: Iterable[tuple[float, int]], ranges: Any) -> float:
+    """Seconds one env takes for one step: per worker, ``(seconds, steps)`` of stepping all
+    its envs (``ranges[w]``), summed over the workers; ``nan`` before any step."""
+    seconds, steps = 0.0, 0
+    for (total, count), (start, stop) in zip(totals, ranges, strict=False):
+        if count:
+            seconds += total
+            steps += count * (stop - start)
+    return seconds / steps if steps else math.nan
+
+
 def _env_step_time(workers: list[dict[str, TimerStat]], ranges: Any) -> float:
     """Seconds per env step in the workers: each worker's ``env_step`` time over its steps."""
-    total, steps = 0.0, 0
-    for timers, (start, stop) in zip(workers, ranges, strict=False):
-        stat = timers.get("env_step")
-        if stat is not None and stat.count:
-            total += stat.total_s
-            steps += stat.count * (stop - start)
-    return total / steps if steps else math.nan
+    stats = (timers.get("env_step", TimerStat()) for timers in workers)
+    return per_env_step_time(((stat.total_s, stat.count) for stat in stats), ranges)
 
 
 def sampler_report(

@@ -59,6 +59,7 @@ from envfleet._front.vector_env import FleetVectorEnv
 from envfleet._sampler.auto_inference import (
     AutoInference,
     SamplerReport,
+    per_env_step_time,
     policy_on_gpu,
     sampler_report,
 )
@@ -622,14 +623,11 @@ class Sampler:
         full = policy is not None and policy.count and not self._venv.is_pool
         t_policy = policy.mean_s if full and policy is not None else float("nan")
         # Each env's step time from the vector env's own step times (driver inference).
-        seconds = rows = 0.0
-        for stat, (start, stop) in zip(self._venv.stats.workers, self.worker_ranges, strict=False):
-            if stat.count:
-                seconds += stat.mean_s * stat.count
-                rows += stat.count * (stop - start)
+        steps = ((s.mean_s * s.count, s.count) for s in self._venv.stats.workers)
         report = sampler_report(
             mode, choice, self._sampled, self._sample_s, timers, self.worker_ranges,
-            self.num_envs, t_policy, calibration, seconds / rows if rows else math.nan,
+            self.num_envs, t_policy, calibration,
+            per_env_step_time(steps, self.worker_ranges),
         )  # fmt: skip
         if schedule and math.isfinite(report.t_env_s):
             curve = self._policy_curve(report.cores)
