@@ -193,7 +193,6 @@ def test_schedule_bound_small_batches_and_bad_numbers():
         schedule_bound(4, {4: 1e-3, 2: 1e-3, 1: 1e-3}, 1e-3, 0)
 
 
-@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no CPU affinity here")
 class _SleepyEnv(gymnasium.Env):
     """Each step sleeps ``1 ms``; episodes of 5 steps."""
 
@@ -229,6 +228,7 @@ def test_time_in_loop_splits_the_policys_time_from_the_envs():
     assert t_policy >= 0.05 and 0.001 <= t_env < 0.01
 
 
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no CPU affinity here")
 def test_usable_cores_follows_the_affinity_mask():
     code = (
         "import os; os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})\n"
