@@ -2,7 +2,10 @@
 
 Every worker process envfleet starts goes through these few functions:
 
-- :func:`spawn` starts a daemonic process with a chosen ``multiprocessing`` start method;
+- :func:`spawn` starts a daemonic process with a chosen ``multiprocessing`` start method; a
+  process that cannot start because the main module it imports starts workers on import
+  (multiprocessing's "bootstrapping phase" error under ``spawn`` and ``forkserver``) says so
+  in the driver's file for it, which :func:`bootstrap_report` reads;
 - :func:`die_with_parent`, called first thing in the worker, makes it exit when the driver
   dies, also when the driver is SIGKILLed (Linux's ``PR_SET_PDEATHSIG``);
 - :func:`remote_error` turns an exception raised in a worker into a picklable
@@ -59,7 +62,10 @@ __all__ = [
     "join_all",
     "remote_error",
     "spawn",
+    "BOOTSTRAP_FIX",
+    "BootstrapReport",
     "ask_stacks",
+    "bootstrap_report",
     "read_bytes",
     "read_text",
     "steady_growth",
@@ -75,6 +81,7 @@ def spawn(
     target: Callable[..., Any],
     args: tuple[Any, ...],
     name: str,
+    report_path: str | None = None,
 ) -> Any:
     """Start ``target(*args)`` in a new daemonic process and return it (started).
 
@@ -84,18 +91,117 @@ def spawn(
         target, args: what the process runs; ``args`` must pickle under ``spawn`` and
             ``forkserver``.
         name: the process name (``ps`` and logs show it).
+        report_path: a file the driver made and reads after the process died (its stack
+            file): under ``spawn`` and ``forkserver``, a process that cannot start because
+            the main module it imports starts worker processes on import writes its
+            :class:`BootstrapReport` there (:func:`bootstrap_report` reads it). Until the
+            process runs ``target``, its name carries this path: the name is all that
+            ``multiprocessing`` hands a child before the child imports the main module.
 
     Raises:
         ValueError: ``start_method`` is not a start method of this platform.
+        RuntimeError: called while this process is itself a ``spawn`` or ``forkserver``
+            child importing its parent's main module (multiprocessing's "bootstrapping
+            phase" error), with a note naming the fix.
+        SystemExit: the same, in an envfleet worker that was given a ``report_path``: it has
+            told its driver, and exits with code 1 as the error would have, quietly.
     """
     ctx: Any = (
         multiprocessing.get_context(start_method)
         if start_method is None or isinstance(start_method, str)
         else start_method
     )
-    proc = ctx.Process(target=target, args=args, name=name, daemon=True)
-    proc.start()
+    if report_path is not None and ctx.get_start_method() != "fork":
+        proc = ctx.Process(
+            target=_run_named,
+            args=(name, target, args),
+            name=f"{name}{_REPORT_TAG}{report_path}",
+            daemon=True,
+        )
+    else:
+        proc = ctx.Process(target=target, args=args, name=name, daemon=True)
+    try:
+        proc.start()
+    except RuntimeError as exc:
+        if getattr(multiprocessing.current_process(), "_inheriting", False) and (
+            _report_bootstrap(exc)
+        ):
+            # An envfleet worker that could not start: the driver says why, with this stack;
+            # exit as multiprocessing would (code 1), without a traceback per worker.
+            raise SystemExit(1) from exc
+        raise
+    proc.name = name  # the child got the long name already
     return proc
+
+
+# Until it runs its target, a worker's process name is its name, this tag and the path of
+# the file where it reports a bootstrapping failure (spawn's report_path).
+_REPORT_TAG = " reports-to "
+_BOOTSTRAP_MARK = "envfleet: the main module started worker processes on import\n"
+BOOTSTRAP_FIX = (
+    'put the code that makes and uses the vector env under `if __name__ == "__main__":`, '
+    'or pass context="fork" (Linux only)'
+)
+
+
+def _run_named(name: str, target: Callable[..., Any], args: tuple[Any, ...]) -> Any:
+    """A worker's entry under ``spawn``/``forkserver`` with a report path: take back its
+    plain name (the long one carried the path through the bootstrap), then run ``target``."""
+    multiprocessing.current_process().name = name
+    return target(*args)
+
+
+@dataclass(frozen=True)
+class BootstrapReport:
+    """What a worker that could not start wrote to its report file when the main module it
+    imported (``spawn`` and ``forkserver`` children import it first) started worker
+    processes on import: where in the main module (``"FILE, line N"``, ``""`` unknown)
+    and its stack with multiprocessing's error (``traceback``)."""
+
+    where: str
+    traceback: str
+
+
+def bootstrap_report(text: str) -> BootstrapReport | None:
+    """The :class:`BootstrapReport` in ``text`` (what a worker wrote to its report file, see
+    :func:`spawn`), ``None`` when it holds none (the worker started, or died for another
+    reason)."""
+    if not text.startswith(_BOOTSTRAP_MARK):
+        return None
+    where, _, trace = text[len(_BOOTSTRAP_MARK) :].partition("\n")
+    return BootstrapReport(where, trace)
+
+
+def _report_bootstrap(exc: RuntimeError) -> bool:
+    """In a ``spawn``/``forkserver`` child importing its parent's main module, which starts
+    worker processes on import (multiprocessing refused with ``exc``): name the fix in
+    ``exc``'s notes, and tell the driver in the file its name carries (an envfleet worker's;
+    another process's child has none). Returns whether the driver was told."""
+    # The stack from the outermost frame to multiprocessing's raise (exc's traceback starts
+    # at spawn(), which caught it).
+    tb = exc.__traceback__
+    outer = traceback.extract_stack(tb.tb_frame.f_back) if tb is not None else []
+    stack = traceback.StackSummary.from_list([*outer, *traceback.extract_tb(tb)])
+    trace = "".join(
+        ["Traceback (most recent call last):\n", *stack.format()]
+        + traceback.format_exception_only(type(exc), exc)
+    )
+    add_note = getattr(exc, "add_note", None)  # Python 3.11+
+    if add_note is not None:
+        add_note(f"envfleet: the main module starts worker processes on import; {BOOTSTRAP_FIX}")
+    _, tag, path = multiprocessing.current_process().name.partition(_REPORT_TAG)
+    if not tag:
+        return False
+    main = sys.modules.get("__mp_main__") or sys.modules.get("__main__")
+    main_file = getattr(main, "__file__", None)
+    calls = [f for f in outer if main_file is not None and f.filename == main_file]
+    where = f"{calls[-1].filename}, line {calls[-1].lineno}" if calls else ""
+    try:  # not created when missing: the driver is gone, or gave this worker up
+        with open(os.open(path, os.O_WRONLY | os.O_APPEND), "a", encoding="utf-8") as out:
+            out.write(f"{_BOOTSTRAP_MARK}{where}\n{trace}")
+    except OSError:
+        return False
+    return True
 
 
 def die_with_parent(parent_pid: int, start_method: str) -> None:

@@ -251,6 +251,13 @@ def describe_exitcode(exitcode: int | None) -> str:
 class EnvCrashedError(EnvfleetError):
     """A worker process died (segfault, ``os._exit``, SIGKILL, out-of-memory kill, ...).
 
+    Under the ``spawn`` and ``forkserver`` start methods, a worker that could not start
+    because the main module, which it imports first, starts worker processes when imported
+    (the script lacks ``if __name__ == "__main__":``; multiprocessing's "bootstrapping phase"
+    error) is reported with this error too: its message says so and names the fix (that
+    guard, or ``context="fork"`` on Linux), and the worker's stack is chained as
+    ``__cause__`` (a :class:`RemoteTraceback`).
+
     Attributes:
         env_index: the first sub-environment the dead worker held.
         env_indices: every sub-environment the dead worker held.

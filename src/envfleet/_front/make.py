@@ -255,7 +255,10 @@ def make(  # type: ignore[misc]  # the overloads stand for its keyword arguments
         SpaceMismatchError: the sub-environments' spaces differ (see ``observation_mode``;
             also a ``RuntimeError``, as gymnasium raises).
         EnvError: a factory raised (``method == "make"``).
-        EnvCrashedError: a worker died while building its envs.
+        EnvCrashedError: a worker died while building its envs; under ``context="spawn"``
+            or ``"forkserver"``, also one that could not start because the main module starts
+            workers when imported (no ``if __name__ == "__main__":`` guard), which its message
+            says, naming the fix.
     """
     if output != "numpy" or device is not None or pin_memory:
         arguments = dict(locals())  # make()'s arguments, every one

@@ -104,7 +104,9 @@ class ProcessEnv:
         """Start the worker process and build the env in it (once).
 
         Raises:
-            EnvError: the factory raised. EnvCrashedError: the process died while starting.
+            EnvError: the factory raised. EnvCrashedError: the process died while starting
+                (also because the main module starts processes when imported, under
+                ``spawn``/``forkserver``: its message says so, as :func:`envfleet.make`'s).
         """
         if self._venv is not None:
             return

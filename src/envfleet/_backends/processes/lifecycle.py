@@ -54,10 +54,13 @@ from envfleet._backends.processes.worker import (
 )
 from envfleet._backends.registry import BuildRequest
 from envfleet._backends.workers import (
+    BOOTSTRAP_FIX,
     STACKS_WAIT_S,
+    BootstrapReport,
     DriverFiles,
     MemoryWatch,
     ask_stacks,
+    bootstrap_report,
     join_all,
     read_text,
     spawn,
@@ -65,6 +68,7 @@ from envfleet._backends.workers import (
 from envfleet._core.buffers import Batch, Block, allocate_batch
 from envfleet._core.errors import (
     EnvCrashedError,
+    RemoteTraceback,
     describe_exitcode,
 )
 from envfleet._core.failures import CLOSED
@@ -199,7 +203,11 @@ class WorkerProcesses:
         )
         parent_conn, child_conn = self._ctx.Pipe(duplex=True)
         proc = spawn(
-            self._ctx, worker_main, (spec, child_conn, parent_conn), f"envfleet-worker-{g}"
+            self._ctx,
+            worker_main,
+            (spec, child_conn, parent_conn),
+            f"envfleet-worker-{g}",
+            report_path=spec.stacks_path,  # where it says it could not start (bootstrapping)
         )
         child_conn.close()
         self.procs[g], self.conns[g], self.doorbells[g] = proc, parent_conn, doorbell
@@ -332,7 +340,11 @@ class WorkerProcesses:
         proc.join(_KILL_GRACE)
         exitcode = proc.exitcode
         start, stop = self.ranges[w]
-        stacks = self.crash_stacks(w)
+        written = self._read_stacks(w)
+        boot = bootstrap_report(written)
+        if boot is not None:
+            return self._bootstrap_error(w, exitcode, step, note, fate, boot)
+        stacks = written
         where = at(stacks)
         seen = self.memory.last(w)
         rss = seen[0] if seen is not None else None
@@ -354,11 +366,39 @@ class WorkerProcesses:
             rss_bytes=rss,
         )
 
+    def _bootstrap_error(
+        self, w: int, exitcode: int | None, step: int, note: str, fate: str, boot: BootstrapReport
+    ) -> EnvCrashedError:
+        """Worker ``w`` could not start: the main module, which every ``spawn`` and
+        ``forkserver`` worker imports first, starts worker processes on import (no
+        ``if __name__ == "__main__":`` guard), which multiprocessing refuses in a process still
+        starting. Its stack there is chained as ``__cause__``."""
+        start, stop = self.ranges[w]
+        where = f" ({boot.where})" if boot.where else ""
+        error = EnvCrashedError(
+            f"worker {w} (sub-environments {start}..{stop - 1}) died with "
+            f"{describe_exitcode(exitcode)} while starting, because the main module starts "
+            f"worker processes when it is imported{where}: under the "
+            f"{self._ctx.get_start_method()!r} start method each worker imports the main "
+            "module first, and multiprocessing refuses to start a process from one still "
+            "starting (its 'bootstrapping phase' error). To fix it, "
+            f"{BOOTSTRAP_FIX}; {note + '; ' if note else ''}{fate}",
+            env_indices=range(start, stop),
+            worker_index=w,
+            exitcode=exitcode,
+            step=step,
+        )
+        if boot.traceback:
+            error.__cause__ = RemoteTraceback(boot.traceback)
+        return error
+
     def crash_stacks(self, g: int) -> str:
         """What worker ``g``'s faulthandler wrote when it died of a fatal signal (SIGSEGV,
         SIGBUS, SIGFPE, SIGILL, SIGABRT): every thread's stack, innermost first; ``""`` for a
-        death that leaves none (SIGKILL, ``os._exit``)."""
-        return self._read_stacks(g)
+        death that leaves none (SIGKILL, ``os._exit``) and for a worker that could not start
+        because the main module starts workers on import (its report is in the same file)."""
+        text = self._read_stacks(g)
+        return "" if bootstrap_report(text) is not None else text
 
     def disown(self) -> None:
         # multiprocessing's exit handler terminates the daemonic processes it counts as this
