@@ -6,6 +6,7 @@ fast anything happens.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
 import glob
@@ -438,14 +439,26 @@ def test_close_after_env_error_and_garbage_collection(snapshot):
 
 
 DRIVER = """
-import sys, time
+import faulthandler, signal, sys, time
+# Every thread's stack on SIGUSR1 (asked for before a driver that hangs is killed). Ctrl-C
+# raises KeyboardInterrupt as in a terminal, also where the tests run with SIGINT ignored (a
+# background job of a non-interactive shell): Python leaves an inherited SIG_IGN as it is.
+faulthandler.register(signal.SIGUSR1, all_threads=True)
+signal.signal(signal.SIGINT, signal.default_int_handler)
+signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT])
 import numpy as np
 import envfleet
 from tests.envs import IndexedEnv
-envs = envfleet.make(IndexedEnv, 2, backend="processes", num_workers=2, context=sys.argv[1])
+
+def ignoring_sigterm(env_index=0):
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # as SDL's envs take SIGTERM
+    return IndexedEnv(env_index)
+
+factory = ignoring_sigterm if sys.argv[2].endswith("sigterm-ignored") else IndexedEnv
+envs = envfleet.make(factory, 2, backend="processes", num_workers=2, context=sys.argv[1])
 envs.reset(seed=0)
 print(" ".join(str(pid) for pid in envs.get_attr("pid")), flush=True)
-if sys.argv[2] == "idle":
+if sys.argv[2].startswith("idle"):
     time.sleep(3600)
 actions = np.zeros(2, dtype=np.int64)
 while True:
@@ -480,10 +493,38 @@ def test_workers_exit_when_driver_is_killed(context, activity):
         driver.stdout.close()
 
 
-@pytest.mark.timeout(90)
-@pytest.mark.parametrize("activity", ["idle", "stepping"])
+def _hung_driver(driver: subprocess.Popen) -> str:
+    """What a driver that did not exit in time was doing: whether it still ran, its state and
+    signal masks (/proc), and its stderr, which ends with every thread's stack (its
+    faulthandler answers SIGUSR1) when it still ran. It is killed then."""
+    returncode = driver.poll()  # None: it runs; else a process it started holds its pipes
+    try:
+        with open(f"/proc/{driver.pid}/status", encoding="ascii") as status_file:
+            keys = ("State:", "SigPnd:", "ShdPnd:", "SigBlk:", "SigIgn:", "SigCgt:")
+            status = ", ".join(
+                " ".join(line.split()) for line in status_file if line.startswith(keys)
+            )
+    except OSError:
+        status = "gone"
+    driver.send_signal(signal.SIGUSR1)  # no-op once it exited
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        driver.communicate(timeout=5)  # its stacks (all of its stderr if it exits meanwhile)
+    driver.kill()
+    try:
+        _, stderr = driver.communicate(timeout=30)
+    except subprocess.TimeoutExpired as exc:  # a process it started still holds its stderr
+        partial = exc.stderr or b""
+        stderr = partial.decode(errors="replace") if isinstance(partial, bytes) else partial
+    return f"exit code then: {returncode}; {status}; its stderr:\n{stderr}"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("activity", ["idle", "stepping", "idle-sigterm-ignored"])
 def test_ctrl_c_in_driver_is_quiet_and_leaves_nothing(activity):
-    """Ctrl-C: one KeyboardInterrupt traceback (the driver's), none per worker, no worker left."""
+    """Ctrl-C: one KeyboardInterrupt traceback (the driver's), none per worker, no worker left;
+    also when the workers' envs ignore SIGTERM (at interpreter exit envfleet closes what is
+    still open before multiprocessing's exit handler, which would SIGTERM each worker and wait
+    for it without a timeout)."""
     driver = subprocess.Popen(
         [sys.executable, "-c", DRIVER, "fork", activity],
         cwd=ROOT,
@@ -496,7 +537,10 @@ def test_ctrl_c_in_driver_is_quiet_and_leaves_nothing(activity):
         assert len(pids) == 2 and driver.pid not in pids
         time.sleep(0.3)  # let it step for a while
         driver.send_signal(signal.SIGINT)
-        _, stderr = driver.communicate(timeout=30)
+        try:
+            _, stderr = driver.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the driver did not exit within 30 s of SIGINT; {_hung_driver(driver)}")
         assert driver.returncode != 0
         assert stderr.count("Traceback") == 1, stderr
         assert stderr.count("KeyboardInterrupt") == 1, stderr

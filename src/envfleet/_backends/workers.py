@@ -563,6 +563,11 @@ class MemoryWatch:
 
     def stop(self) -> None:
         """End the sampling thread (bounded: it wakes within one period)."""
+        if sys.is_finalizing():
+            # A close from a __del__ at interpreter finalization: the daemon thread is frozen
+            # for good, maybe holding the Event's lock, which set() would wait for forever.
+            self._thread = None
+            return
         self._stopped.set()
         thread, self._thread = self._thread, None
         if thread is not None and thread is not threading.current_thread():

@@ -30,11 +30,15 @@ worker process and the shared-memory layout both sides read are
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
 import logging
+import multiprocessing.util  # noqa: F401  (its exit handler, registered first: _close_at_exit)
+import os
 import pickle
 import sys
+import weakref
 from collections.abc import Sequence
 from multiprocessing.connection import Connection
 from typing import Any, cast
@@ -124,6 +128,8 @@ class ProcessesTransport:
         assert self.ledger.policy is None or not driver_group, "restarts need every env in a worker"
         assert not (request.pool and driver_group), "a first-ready pool has every env in a worker"
         self.workers = workers = WorkerProcesses(request, plan.worker_spin_s)
+        self._owner_pid = os.getpid()
+        _OPEN.add(self)  # closed at interpreter exit, if still open (_close_at_exit)
         self._local_timer = StepTimer(workers.stats[0])
         self._local: EnvGroup | None = None
         self._local_reply: tuple[Any, EnvFailure | None] | None = None  # until read
@@ -360,6 +366,33 @@ class ProcessesTransport:
             exc.__cause__ = failure.__cause__
             return exc
         return remote_env_error(cast(Failure, failure).errors[0], w, note)
+
+
+# -- interpreter exit -----------------------------------------------------------------------
+
+# Every transport of this process, until collected (a closed one stays, and is skipped).
+_OPEN: weakref.WeakSet[ProcessesTransport] = weakref.WeakSet()
+
+
+def _close_at_exit() -> None:
+    """At interpreter exit (after an uncaught KeyboardInterrupt too), close every transport of
+    this process still open, as a vector env dropped without ``close()`` is: its workers
+    terminated (SIGTERM, then SIGKILL a second later), its shared memory and files released.
+
+    It runs before multiprocessing's own exit handler (registered first, so run last), which
+    would SIGTERM every daemonic worker and then join each without a timeout: forever for a
+    worker whose env ignores or catches SIGTERM (SDL's do), so that a Ctrl-C never ended the
+    driver. The vector env's ``__del__`` would close it only after that, at finalization."""
+    for transport in list(_OPEN):
+        if transport._owner_pid != os.getpid() or transport.closed:
+            continue  # a forked child's copy (disowned), or closed already
+        with contextlib.suppress(Exception):  # exiting: nothing left to report it to
+            transport.close(0, True, ())
+
+
+# multiprocessing.util registers its exit handler when first imported (imported above); atexit
+# runs handlers last registered first, so this one runs before it.
+atexit.register(_close_at_exit)
 
 
 # -- registration (envfleet._backends.registry) ---------------------------------------------
