@@ -1,7 +1,7 @@
 """Only the optional C extension; everything else is in pyproject.toml.
 
 ``optional=True``: where it cannot be compiled (no C compiler), the install goes on without it
-and envfleet runs its Python step path (see src/envfleet/_native.py).
+and envfleet runs its Python step path (see src/envfleet/_core/native.py).
 """
 
 from setuptools import Extension, setup

@@ -2,7 +2,7 @@
 
 ``envfleet.make(env, num_envs, backend=...)`` returns a ``gymnasium.vector.VectorEnv`` whose
 results are bit-identical to ``gymnasium.vector.SyncVectorEnv`` for the same seeds and actions.
-See DESIGN.md §5 for the public contract.
+docs/architecture.md states the goals and the public contract, and describes the code as built.
 """
 
 from envfleet._backends.recycle import Recycle

@@ -4,7 +4,7 @@
 install time) or ``ENVFLEET_NO_SPEEDUPS=1`` is set in the environment. Every C function has a
 Python twin next to its caller that is the reference: the C code only removes interpreter
 overhead around the env calls of the step path, it never changes what an env sees or what the
-caller gets (``tests/test_speedups_properties.py`` compares the two on random inputs).
+caller gets (``tests/unit/test_speedups_properties.py`` compares the two on random inputs).
 
 It holds what measurably pays end to end (``benchmarks/speedups.py``): ``write_results`` and
 ``write_rows`` (an EnvGroup's result and observation writes), ``serve_steps`` (a processes
