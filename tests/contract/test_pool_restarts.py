@@ -137,7 +137,8 @@ CRASHES = ["sigkill", "exit", "ctypes-segfault"]
 def test_processes_pool_rebuilds_a_dead_worker(
     how: str, make_env: Any, snapshot: Any, tmp_path: Any
 ) -> None:
-    kwargs = {"backend": "processes", "restart_policy": POLICY}
+    # One env per worker: only the env of the dead worker is rebuilt.
+    kwargs = {"backend": "processes", "restart_policy": POLICY, "num_workers": NUM_ENVS}
     envs, got = run(make_env, {3: (how, 5)}, tmp_path, **kwargs)
     _, clean = run(make_env, {}, **kwargs)
     assert_rebuilt(got, clean, {3}, at_step=5)
@@ -172,7 +173,12 @@ def test_pool_rebuilds_an_env_that_raised(
 
 
 def test_processes_pool_replaces_a_hung_worker(make_env: Any, snapshot: Any, tmp_path: Any) -> None:
-    kwargs = {"backend": "processes", "restart_policy": POLICY, "step_timeout": 2.0}
+    kwargs = {
+        "backend": "processes",
+        "restart_policy": POLICY,
+        "step_timeout": 2.0,
+        "num_workers": NUM_ENVS,
+    }
     envs, got = run(make_env, {2: ("sleep:60", 5)}, tmp_path, **kwargs)
     _, clean = run(make_env, {}, **kwargs)
     assert_rebuilt(got, clean, {2}, at_step=5)

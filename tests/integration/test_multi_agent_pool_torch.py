@@ -62,7 +62,14 @@ def test_pool_rows_equal_the_reference(name: str, mode: AutoresetMode) -> None:
     """recv -> actions -> send on processes with one env per worker: every env handed back
     has the observation, per-agent rewards and flags and agent mask the reference gives it."""
     fn = ENVS[name]
-    envs = envfleet.make(fn, NUM_ENVS, backend="processes", batch_size=BATCH, autoreset_mode=mode)
+    envs = envfleet.make(
+        fn,
+        NUM_ENVS,
+        backend="processes",
+        batch_size=BATCH,
+        num_workers=NUM_ENVS,
+        autoreset_mode=mode,
+    )
     ref = Reference(fn, NUM_ENVS, mode)
     want: dict[int, tuple[Any, ...]] = {}
     for i in range(NUM_ENVS):

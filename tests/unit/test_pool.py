@@ -30,7 +30,9 @@ from envfleet import (
     InvalidArgumentError,
     PoolStateError,
     StepTimeoutError,
+    usable_cores,
 )
+from envfleet._core.cores import pool_workers
 
 BACKENDS = ["serial", "threads", "processes"]
 GUARD = 30.0  # seconds: a hang guard for every recv, never a speed bound
@@ -237,7 +239,8 @@ def test_routing_every_row_action_and_step_goes_to_its_env(
 ):
     envs = pool(make_env, backend, num_envs, batch_size, num_workers=num_workers)
     assert envs.is_pool and envs.batch_size == batch_size
-    assert envs.num_workers == (num_envs if num_workers is None else num_workers)
+    default = pool_workers(num_envs, batch_size, usable_cores())
+    assert envs.num_workers == (default if num_workers is None else num_workers)
     rng = np.random.default_rng(num_envs * 10 + batch_size)
     model = Model(num_envs)
     envs.async_reset(seed=0)
@@ -457,7 +460,37 @@ def test_pool_config_accepted(make_env):
     assert make_env(RouteEnv, 4, backend="serial", batch_size=1).is_pool
     assert not make_env(RouteEnv, 4, backend="serial", batch_size=4).is_pool
     envs = make_env(RouteEnv, 4, backend="processes", batch_size=2, driver_envs=0)
-    assert envs.is_pool and envs.num_workers == 4
+    assert envs.is_pool and envs.num_workers == pool_workers(4, 2, usable_cores())
+
+
+@pytest.mark.parametrize("backend", ["processes", "threads"])
+def test_the_default_workers_follow_the_cores_not_the_envs(make_env, backend):
+    """Issue 42: a pool's default is a worker per usable core (EnvPool's thread per core), not
+    one per env, which costs a process wake-up on each side of every env step."""
+    cores = usable_cores()
+    envs = make_env(RouteEnv, 4 * cores, backend=backend, batch_size=2 * cores)
+    assert envs.is_pool and envs.num_workers == cores < envs.num_envs
+    envs.async_reset(seed=0)
+    _, _, _, _, info = envs.recv()
+    assert len(info["env_id"]) == 2 * cores
+
+
+@pytest.mark.parametrize(
+    ("num_envs", "batch_size", "cores", "workers"),
+    [
+        (64, 32, 16, 16),  # blocks of 4, 8 a batch
+        (64, 16, 16, 16),
+        (16, 8, 2, 2),  # blocks of 8: one a batch
+        (16, 8, 16, 16),  # one env per worker when the cores allow it
+        (12, 4, 8, 6),  # 8 and 7 workers cannot split 12 envs evenly; 6 (blocks of 2) can
+        (8, 3, 4, 8),  # no block fills a batch of 3 exactly: one env per worker
+        (7, 6, 2, 7),
+        (6, 2, 1, 6),
+        (3, 1, 8, 3),
+    ],
+)
+def test_pool_workers(num_envs, batch_size, cores, workers):
+    assert pool_workers(num_envs, batch_size, cores) == workers
 
 
 BAD_IDS = [
@@ -689,7 +722,8 @@ def test_two_envs_raising_together_are_both_reported(make_env, backend, tmp_path
     await actions again (the second failure must not be dropped, its env left 'running')."""
     num_envs, batch_size = 4, 2
     knobs = {"fail_at": 1, "failing": (1, 3), "marker_dir": str(tmp_path)}
-    envs = pool(make_env, backend, num_envs, batch_size, knobs=knobs)
+    # One env per worker: the two failing envs' blocks come back on their own.
+    envs = pool(make_env, backend, num_envs, batch_size, knobs=knobs, num_workers=num_envs)
     model = Model(num_envs)
     recv_all_resets(envs, model)
     envs.send(model.actions_for(range(num_envs)))
@@ -776,7 +810,8 @@ def _shared_obs(envs) -> np.ndarray:
 @pytest.mark.parametrize("copy", [False, True])
 def test_copy_false_gives_views_of_ascending_runs(make_env, backend, copy):
     num_envs, batch_size = 6, 3
-    envs = pool(make_env, backend, num_envs, batch_size, copy=copy)
+    # One env per worker, so that any three envs sent run, whichever worker holds them.
+    envs = pool(make_env, backend, num_envs, batch_size, copy=copy, num_workers=num_envs)
     batch = envs._backend.batch  # the backend's batched buffers
     model = Model(num_envs)
     recv_all_resets(envs, model)

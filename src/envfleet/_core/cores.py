@@ -25,6 +25,7 @@ __all__ = [
     "PROC_CGROUP",
     "affinity_cores",
     "cpu_max_cores",
+    "pool_workers",
     "quota_cores",
     "usable_cores",
 ]
@@ -138,3 +139,25 @@ def usable_cores(root: str = CGROUP_ROOT, proc_cgroup: str = PROC_CGROUP) -> int
     cores = affinity_cores()
     quota = quota_cores(root, proc_cgroup)
     return cores if quota is None else max(1, min(cores, quota))
+
+
+def pool_workers(num_envs: int, batch_size: int, cores: int) -> int:
+    """The default worker count of a first-ready pool of ``num_envs`` envs answering
+    ``batch_size`` at a time on ``cores`` usable cores: the most workers, up to the cores, whose
+    equal blocks fill a batch exactly; else one env per worker (``num_envs``).
+
+    A worker steps its block once every env of it has its action and hands the block back
+    whole, so a batch must be whole blocks: an env of a block left over after a ``recv`` would
+    keep the rest of its block waiting for an action the caller sends only after a later
+    ``recv``. EnvPool runs one thread per core whatever the number of envs; one process per
+    env costs a process wake-up on each side of every env step, and more processes than
+    cores take turns.
+
+    Example:
+        >>> pool_workers(64, 32, 16), pool_workers(16, 8, 2), pool_workers(8, 3, 4)
+        (16, 2, 8)
+    """
+    for w in range(max(1, min(num_envs, cores)), 0, -1):
+        if num_envs % w == 0 and batch_size % (num_envs // w) == 0:
+            return w
+    return num_envs

@@ -36,6 +36,7 @@ from envfleet._backends.registry import (
 from envfleet._backends.rounds import RoundDriver
 from envfleet._backends.supervisor import Ledger, RestartPolicy
 from envfleet._core.buffers import batch_nbytes
+from envfleet._core.cores import pool_workers, usable_cores
 from envfleet._core.errors import ConfigError, EnvError, SpaceMismatchError
 from envfleet._core.replay import REPLAY_STEPS, Snapshot
 from envfleet._front.factories import (
@@ -142,12 +143,13 @@ def make(  # type: ignore[misc]  # the overloads stand for its keyword arguments
             first-ready pool, EnvPool's asynchronous interface: :meth:`~FleetVectorEnv.
             async_reset`, :meth:`~FleetVectorEnv.send` and :meth:`~FleetVectorEnv.recv`, which
             returns the first ``batch_size`` envs to finish, with ``info["env_id"]``. A worker
-            hands its envs back together, so by default a pool puts one env in each worker
-            (``processes``) or thread (``threads``): a slow env then holds up no other.
-            Fewer workers (``num_workers``) cost fewer processes, but each env waits for the
-            others of its block. With one env per process every env step also costs a
-            worker wake-up on each side: for envs whose step takes microseconds (CartPole)
-            on few cores, ``num_workers`` equal to the usable cores is much faster.
+            hands its envs back together, so by default a pool has the most workers
+            (``processes``) or threads (``threads``), up to the usable cores, whose equal
+            blocks of envs fill a batch exactly, as EnvPool runs a thread per core (one env
+            per worker where no such count exists). ``num_workers=num_envs`` puts one env in
+            each worker, so that a slow env holds up no other, at the cost of a worker
+            wake-up on each side of every env step and more processes than cores taking
+            turns.
         autoreset_mode: a ``gymnasium.vector.AutoresetMode`` (or its string value).
         env_kwargs: keyword arguments for ``gymnasium.make``; only with a gymnasium id.
         step_timeout: seconds any step, reset or call may take before the workers still busy
@@ -284,8 +286,8 @@ def make(  # type: ignore[misc]  # the overloads stand for its keyword arguments
         return _native_vector_env(spec, native, copy)
     env_fns, num_envs = _env_list(env, env_kwargs, num_envs)
     pool = _check_batching(num_envs, num_workers, batch_size)
-    if pool and num_workers is None:
-        num_workers = num_envs  # one env per worker: each env is handed back when it finishes
+    if pool and num_workers is None and batch_size is not None:
+        num_workers = pool_workers(num_envs, batch_size, usable_cores())
     mode = _check_mode(autoreset_mode, pool)
     if resume is not None:  # before any worker starts
         Snapshot.check(resume, num_envs, mode.value, pool)

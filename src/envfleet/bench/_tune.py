@@ -240,7 +240,8 @@ def tune_workers(num_envs: int, cores: int) -> tuple[int, ...]:
 def _pool_workers(num_envs: int, cores: int) -> tuple[int, ...]:
     """Worker counts of the first-ready pool (``batch_size = num_envs // 2``): the largest
     count up to the cores whose blocks fill a batch exactly (a worker hands its envs back
-    together), and one env per worker (the pool's default) when ``num_envs <= 2 * cores``."""
+    together; the pool's default, when it is at least 2), and one env per worker when
+    ``num_envs <= 2 * cores``."""
     half = num_envs // 2
     fits = [w for w in range(2, num_envs + 1) if num_envs % w == 0 and half % (num_envs // w) == 0]
     out = [w for w in fits if w <= cores][-1:]
