@@ -11,9 +11,11 @@ values, never speed bounds.
 from __future__ import annotations
 
 import functools
+import pickle
 import signal
 from typing import Any
 
+import gymnasium as gym
 import numpy as np
 import pytest
 from gymnasium.vector import AutoresetMode
@@ -240,10 +242,11 @@ def test_the_cli_reproduces_refuses_and_says_when_it_did_not(
 
 def test_each_envs_generators_are_looked_for_along_its_wrappers_once(monkeypatch: Any) -> None:
     """An autoreset's start is the env's generator states (``reset_start``); the objects
-    that may hold them are found once per env (``generator_holders``) and kept, and the
+    that may hold them are found once per env (``generator_holders``, by its
+    ``StartReader``) and kept, and the
     states are still those of the generators the env has at each reset: after a seeded reset
     (a new generator object in each env) and autoresets, a snapshot resumes exactly."""
-    from envfleet._core import envgroup, replay
+    from envfleet._core import replay
 
     calls: list[Any] = []
     real = replay.generator_holders
@@ -252,7 +255,7 @@ def test_each_envs_generators_are_looked_for_along_its_wrappers_once(monkeypatch
         calls.append(env)
         return real(env)
 
-    monkeypatch.setattr(envgroup, "generator_holders", counted)
+    monkeypatch.setattr(replay, "generator_holders", counted)  # StartReader's look-up
     zeros = np.zeros(2, dtype=np.int64)
     envs = envfleet.make("CartPole-v1", 2, backend="serial")
     resumed = None
@@ -273,3 +276,57 @@ def test_each_envs_generators_are_looked_for_along_its_wrappers_once(monkeypatch
         envs.close()
         if resumed is not None:
             resumed.close()
+
+
+def make_atari(env_id: str) -> Any:
+    ale_py = pytest.importorskip("ale_py")
+    gym.register_envs(ale_py)
+    return gym.make(env_id)
+
+
+class _OuterEnvWithItsOwnGenerator(gym.Env):  # type: ignore[type-arg]
+    """An env that steps an inner env (``self.env``) and draws from its own generator too,
+    seeded at its first reset: two generators, at ``""`` and ``"env."`` paths."""
+
+    def __init__(self) -> None:
+        self.env = gym.make("CartPole-v1")
+        self.observation_space, self.action_space = (
+            self.env.observation_space,
+            self.env.action_space,
+        )
+
+    def reset(self, *, seed: Any = None, options: Any = None) -> Any:
+        super().reset(seed=seed)
+        self.np_random.random()
+        return self.env.reset(seed=seed, options=options)
+
+    def step(self, action: Any) -> Any:
+        return self.env.step(action)
+
+
+@pytest.mark.parametrize(
+    "make_env",
+    [
+        pytest.param(lambda: gym.make("CartPole-v1"), id="CartPole"),
+        pytest.param(_OuterEnvWithItsOwnGenerator, id="two-generators"),
+        pytest.param(lambda: make_atari("ALE/Pong-v5"), id="Pong", marks=pytest.mark.atari),
+    ],
+)
+def test_a_start_reader_reads_what_reset_start_reads(make_env: Any) -> None:
+    """StartReader, kept per env on the step path, reads the same start as reset_start at
+    every episode start: before the first seeded reset, after it (a new generator), after a
+    wrapper made one of its own, and with an ALE state."""
+    from envfleet._core.replay import StartReader, reset_start
+
+    env = make_env()
+    read = StartReader(env)
+    try:
+        assert pickle.dumps(read()) == pickle.dumps(reset_start(env))
+        for seed in (SEED, None, None, SEED + 1, None):
+            env.reset(seed=seed)
+            env.step(env.action_space.sample())
+            start, want = read({"k": 1}), reset_start(env, {"k": 1})
+            assert pickle.dumps(start) == pickle.dumps(want)
+            assert start[1]  # the states of the generators it has now
+    finally:
+        env.close()

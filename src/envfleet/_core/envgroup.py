@@ -31,7 +31,7 @@ from envfleet._core.protocol import (
     SetAttrRequest,
     SideValues,
 )
-from envfleet._core.replay import ActionLog, generator_holders, reset_start
+from envfleet._core.replay import ActionLog, StartReader
 
 __all__ = ["JOIN_MAX_BYTES", "EnvFailure", "EnvGroup", "PartialFailure", "spaces_mismatch"]
 
@@ -168,9 +168,9 @@ class EnvGroup:
         self.action_log = action_log
         if action_log is not None:
             action_log.open()
-        # Per env: the env, and where its generators may live (replay.generator_holders),
-        # found at its first episode start and kept while it is the same env object.
-        self._holders: dict[int, tuple[Any, list[tuple[Any, str]]]] = {}
+        # Per env: how its episode starts are read (replay.StartReader), made at its first
+        # episode start and kept while it is the same env object.
+        self._start_readers: dict[int, StartReader] = {}
         self.same_observation_space = same_observation_space
         self.size = len(env_fns)
         self.stop = start + self.size
@@ -379,12 +379,12 @@ class EnvGroup:
         return events
 
     def _reset_start(self, j: int, env: Any, options: Any = None) -> tuple[Any, ...]:
-        """:func:`envfleet._core.replay.reset_start` of env ``j`` (local), with its generator
-        holders found once per env object."""
-        known = self._holders.get(j)
-        if known is None or known[0] is not env:
-            known = self._holders[j] = (env, generator_holders(env))
-        return reset_start(env, options, known[1])
+        """:func:`envfleet._core.replay.reset_start` of env ``j`` (local), through its
+        :class:`~envfleet._core.replay.StartReader`, made once per env object."""
+        read = self._start_readers.get(j)
+        if read is None or read.env is not env:
+            read = self._start_readers[j] = StartReader(env)
+        return read(options)
 
     def _recorded(self, failure: EnvFailure) -> EnvFailure:
         """``failure`` with its env's episode so far (``failure.recording``), if recorded."""
