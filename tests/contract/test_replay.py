@@ -330,3 +330,27 @@ def test_a_start_reader_reads_what_reset_start_reads(make_env: Any) -> None:
             assert start[1]  # the states of the generators it has now
     finally:
         env.close()
+
+
+def test_the_action_log_copies_a_groups_action_rows_as_bytes() -> None:
+    """A group hands its log the same action buffer every step: after the first step the log
+    copies its bytes (and keeps exactly what numpy's assignment would); another array, or
+    one of another dtype, goes through numpy."""
+    from envfleet._core.replay import ActionLog
+
+    log = ActionLog(gym.spaces.Box(-1.0, 1.0, (3,), np.float32), 4, 5)
+    log.open()
+    rows = np.zeros((4, 3), np.float32)
+    rng = np.random.default_rng(0)
+    written = []
+    for _ in range(12):  # past the ring's capacity: it wraps
+        rows[:] = rng.uniform(-1, 1, (4, 3))
+        log.record(rows)
+        written.append(rows.copy())
+    assert log._source is rows  # the byte copy ran
+    for t in range(7, 12):
+        assert np.array_equal(log.ring[t % 5], written[t])
+    other = rng.uniform(-1, 1, (4, 3))  # float64: numpy converts, as before
+    log.record(other)
+    assert np.array_equal(log.ring[12 % 5], other.astype(np.float32))
+    assert log._source is rows

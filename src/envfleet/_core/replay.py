@@ -120,38 +120,83 @@ def generator_holders(env: Any) -> list[tuple[Any, str]]:
     return found
 
 
+def _static_attribute(cls: type, name: str) -> tuple[bool, Any]:
+    """Whether ``cls`` (its MRO) defines ``name``, and what, read from the classes' own
+    dicts: nothing runs."""
+    for klass in cls.__mro__:
+        if name in vars(klass):
+            return True, vars(klass)[name]
+    return False, None
+
+
+def _generator_slots(holders: list[tuple[Any, str]]) -> list[tuple[Any, str, str, bool]]:
+    """Where :func:`_generators` looks, per holder and name in :data:`_GENERATORS`:
+    ``(holder, path, name, by_dict)``, skipping the names a holder's class makes a data
+    descriptor (a property: gymnasium's ``np_random``, a wrapper's ``_np_random``), which no
+    instance attribute can stand behind.
+
+    An instance attribute is read with ``getattr`` (it comes before the class's plain
+    attribute or method of that name, which is not a generator), never through the instance's
+    ``__dict__``: on CPython 3.11 reading ``obj.__dict__`` turns the object's inline attribute
+    values into a dict for good, and every attribute load in its methods (an env's
+    ``self.state``, a wrapper's ``self.env``) then takes the slow, unspecialized path: 7% of a
+    CartPole step. Only a class that computes attributes (``__getattr__`` or its own
+    ``__getattribute__``: PettingZoo's wrappers) is read through ``__dict__``
+    (``by_dict``), so that nothing of it runs."""
+    slots = []
+    for obj, prefix in holders:
+        cls = type(obj)
+        computes = (
+            _static_attribute(cls, "__getattr__")[0]
+            or _static_attribute(cls, "__getattribute__")[1] is not object.__getattribute__
+        )
+        if computes and getattr(obj, "__dict__", None) is None:
+            continue
+        for name in _GENERATORS:
+            defined, attribute = _static_attribute(cls, name)
+            descriptor = type(attribute)
+            if defined and (hasattr(descriptor, "__set__") or hasattr(descriptor, "__delete__")):
+                continue
+            # A generator kept on the class is not the instance's: read the instance's dict.
+            by_dict = computes or isinstance(attribute, np.random.Generator)
+            slots.append((obj, prefix + name, name, by_dict))
+    return slots
+
+
+def _read_generators(slots: list[tuple[Any, str, str, bool]]) -> dict[str, np.random.Generator]:
+    """The generators at ``slots`` (:func:`_generator_slots`) now, each once, by path."""
+    found: dict[str, np.random.Generator] = {}
+    seen: list[np.random.Generator] = []
+    for obj, path, name, by_dict in slots:
+        generator = obj.__dict__.get(name) if by_dict else getattr(obj, name, None)
+        if isinstance(generator, np.random.Generator) and not any(generator is g for g in seen):
+            seen.append(generator)
+            found[path] = generator
+    return found
+
+
 def _generators(
     env: Any, holders: list[tuple[Any, str]] | None = None
 ) -> dict[str, np.random.Generator]:
     """Every ``numpy`` generator an env keeps in an ``np_random`` (or ``_np_random``)
     attribute of itself or of what it wraps (:data:`_LINKS`), by its path from the env
     (``"unwrapped._np_random"``; a PettingZoo env's ``"unwrapped.par_env.aec_env.unwrapped
-    .np_random"``); each generator once, at the first path found. ``holders``: the env's
-    :func:`generator_holders`, found before (an env's wrappers stay the same objects for its life,
-    while its generators are replaced: a seeded reset makes a new one), else found now."""
+    .np_random"``); each generator once, at the first path found; an instance attribute,
+    never a property's value (:func:`_generator_slots`). ``holders``: the env's
+    :func:`generator_holders`, found before (an env's wrappers stay the same objects for its
+    life, while its generators are replaced: a seeded reset makes a new one), else found
+    now."""
     if holders is None:
         holders = generator_holders(env)
-    found: dict[str, np.random.Generator] = {}
-    seen: set[int] = set()
-    for obj, prefix in holders:
-        attributes = getattr(obj, "__dict__", None)
-        if not attributes:
-            continue
-        for name in _GENERATORS:
-            generator = attributes.get(name)
-            if isinstance(generator, np.random.Generator) and id(generator) not in seen:
-                seen.add(id(generator))
-                found[prefix + name] = generator
-    return found
+    return _read_generators(_generator_slots(holders))
 
 
 class StartReader:
     """:func:`reset_start` of one env, what stays the same over the env's life found once:
-    the objects that may hold its generators (:func:`generator_holders`, each with its
-    ``__dict__`` looked up at every call, since a seeded reset replaces the generator), its
-    ``unwrapped`` env and how that env's ``ale`` is looked up. An EnvGroup keeps one per env
-    and calls it at every episode start, so it is on the step path (an episode of CartPole
-    is about 20 steps): the same start as :func:`reset_start`'s, with less work.
+    where its generators may be (:func:`_generator_slots`, read again at every call, since a
+    seeded reset replaces the generator) and its ``unwrapped`` env. An EnvGroup keeps one per
+    env and calls it at every episode start, so it is on the step path (an episode of
+    CartPole is about 20 steps): the same start as :func:`reset_start`'s, with less work.
 
     Example::
 
@@ -160,45 +205,27 @@ class StartReader:
         env.reset()
     """
 
-    __slots__ = ("_ale_in_dict", "_slots", "_unwrapped", "env")
+    __slots__ = ("_slots", "_unwrapped", "env")
 
     def __init__(self, env: gymnasium.Env[Any, Any]):
         self.env = env
-        self._slots = [
-            (obj, prefix + name, name)
-            for obj, prefix in generator_holders(env)
-            if getattr(obj, "__dict__", None) is not None
-            for name in _GENERATORS
-        ]
+        self._slots = _generator_slots(generator_holders(env))
         self._unwrapped: Any = env.unwrapped
-        cls = type(self._unwrapped)
-        # An instance attribute unless the class has one or computes attributes: then getattr.
-        self._ale_in_dict = (
-            hasattr(self._unwrapped, "__dict__")
-            and not hasattr(cls, "ale")
-            and not hasattr(cls, "__getattr__")
-        )
 
     def __call__(self, options: Any = None) -> tuple[Any, ...]:
-        state: dict[str, Any] = {}
-        found: list[Any] = []
-        generator = np.random.Generator
-        for obj, path, name in self._slots:
-            g = obj.__dict__.get(name)
-            if isinstance(g, generator) and not any(g is f for f in found):
-                found.append(g)
-                state[path] = g.bit_generator.state
-        unwrapped = self._unwrapped
-        ale = (
-            unwrapped.__dict__.get("ale")
-            if self._ale_in_dict
-            else getattr(unwrapped, "ale", None)
-        )
-        native = None
-        if ale is not None and hasattr(ale, "cloneState"):
-            with contextlib.suppress(Exception):
-                native = ("ale", pickle.dumps(ale.cloneState(include_rng=True)))
-        return ("rng", state, native, options)
+        return _start(self._unwrapped, _read_generators(self._slots), options)
+
+
+def _start(
+    unwrapped: Any, generators: dict[str, np.random.Generator], options: Any
+) -> tuple[Any, ...]:
+    state = {path: g.bit_generator.state for path, g in generators.items()}
+    native = None
+    ale = getattr(unwrapped, "ale", None)
+    if ale is not None and hasattr(ale, "cloneState"):
+        with contextlib.suppress(Exception):
+            native = ("ale", pickle.dumps(ale.cloneState(include_rng=True)))
+    return ("rng", state, native, options)
 
 
 def _set_generator(env: Any, path: str, state: dict[str, Any]) -> None:
@@ -223,14 +250,7 @@ def reset_start(
     ``ale.cloneState(include_rng=True)``, pickled; else ``None``), and the reset's options.
     ``holders``: the env's :func:`generator_holders`, kept by the caller from an earlier call (else
     found now: most of this function's cost)."""
-    unwrapped = env.unwrapped
-    state = {path: g.bit_generator.state for path, g in _generators(env, holders).items()}
-    native = None
-    ale = getattr(unwrapped, "ale", None)
-    if ale is not None and hasattr(ale, "cloneState"):
-        with contextlib.suppress(Exception):
-            native = ("ale", pickle.dumps(ale.cloneState(include_rng=True)))
-    return ("rng", state, native, options)
+    return _start(env.unwrapped, _generators(env, holders), options)
 
 
 def _begin(env: gymnasium.Env[Any, Any], start: tuple[Any, ...]) -> Any:
@@ -274,10 +294,16 @@ class ActionLog:
         self.header, self.starts, self.start_bytes, self.slots, self.ring = parts
         # The same words as memoryviews: a step's and an episode start's writes go through
         # these (an item write of a memoryview costs a fraction of a numpy one's).
-        self._header = memoryview(self.header)
-        self._starts = memoryview(self.starts)
-        self._start_bytes = memoryview(self.start_bytes)
-        self._slots = memoryview(self.slots).cast("B")
+        self._header = self.header.data
+        self._starts = self.starts.data
+        self._start_bytes = self.start_bytes.data
+        self._slots = self.slots.data.cast("B")
+        # record()'s byte copy: the array it was last given, when a row of the ring is the
+        # same bytes (dtype, shape, both contiguous), with their memoryviews.
+        self._source: Any = None
+        self._source_bytes: Any = None
+        self._ring_bytes: Any = None
+        self._row_bytes = 0
         self.n = int(self.header[_N])
 
     @staticmethod
@@ -333,8 +359,21 @@ class ActionLog:
             self._list[n % self.capacity] = copy.deepcopy(
                 list(iterate(self._batched_space, actions))
             )
+        elif actions is self._source:
+            # The same buffer as the last step's (a group's action rows): a byte copy.
+            at = (n % self.capacity) * self._row_bytes
+            self._ring_bytes[at : at + self._row_bytes] = self._source_bytes
         elif isinstance(actions, np.ndarray):
             self.ring[n % self.capacity] = actions
+            ring = self.ring
+            if (
+                actions.dtype == ring.dtype
+                and actions.shape == ring.shape[1:]
+                and actions.flags.c_contiguous
+                and ring.flags.c_contiguous
+            ):
+                self._source, self._source_bytes = actions, actions.data.cast("B")
+                self._ring_bytes, self._row_bytes = ring.data.cast("B"), actions.nbytes
         else:
             _write_row(self.ring, n % self.capacity, actions)
         self.n = n + 1
