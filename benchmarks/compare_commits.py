@@ -16,7 +16,8 @@ tree's ``src/`` (the C extension is built in place in a temporary worktree of th
 Only the public API is used, so any two commits compare. The table gives, per workload, the
 median of each tree and the median of the per-repetition ratios (after / before).
 
-Run: ``python benchmarks/compare_commits.py --base 7037ca4 [--head HEAD] [--repeats 5]``.
+Run: ``python benchmarks/compare_commits.py [--base REV] [--head HEAD] [--repeats 9]``; the base
+defaults to :data:`REFERENCE`, the pinned reference of the step path.
 """
 
 from __future__ import annotations
@@ -37,6 +38,9 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKLOADS = ("cartpole16", "pong8", "noop-processes", "noop-serial", "pool", "sampler-worker")
+# The pinned reference of the step path (issue 42): a change to it is compared with this commit,
+# --repeats 9 at least, and the table goes into its commit message.
+REFERENCE = "50f379e"
 
 
 # -- the child: one measurement with whichever envfleet PYTHONPATH gives ----------------------
@@ -188,7 +192,12 @@ def run_child(src: Path, workload: str, seconds: float) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--base", default="7037ca4", help="the commit before the change")
+    p.add_argument(
+        "--base",
+        default=REFERENCE,
+        help=f"the commit to compare with (default {REFERENCE}, the pinned reference of the "
+        "step path)",
+    )
     p.add_argument("--head", default=None, help="the tree after it (default: this checkout)")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--seconds", type=float, default=2.0)
