@@ -41,24 +41,11 @@ from typing import Any
 import gymnasium
 import numpy as np
 import psutil
+from compare_commits import NoopEnv  # the same no-op env (benchmarks/ is this script's path)
 
 import envfleet
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-class NoopEnv(gymnasium.Env):  # type: ignore[type-arg]
-    """Does nothing: a round's cost is the vector env's own."""
-
-    observation_space = gymnasium.spaces.Box(0, 1, (1,), np.float32)
-    action_space = gymnasium.spaces.Discrete(2)
-
-    def reset(self, *, seed: Any = None, options: Any = None) -> Any:
-        super().reset(seed=seed)
-        return np.zeros(1, np.float32), {}
-
-    def step(self, action: Any) -> Any:
-        return np.zeros(1, np.float32), 0.0, False, False, {}
 
 
 def factory(env: str) -> Any:
