@@ -17,10 +17,12 @@ CUDA) and ``ray-cluster`` (a cluster started with ``ray start``; skipped when no
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import re
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -74,6 +76,7 @@ def _ray_cluster_running() -> bool:
     return done.returncode == 0
 
 
+@functools.cache
 def skip_reason(block: Block) -> str | None:
     for need in block.needs:
         if need == "gpu":
@@ -92,19 +95,26 @@ def skip_reason(block: Block) -> str | None:
     return None
 
 
-def run_block(block: Block, start_method: str, tmp_path: Path) -> None:
+def run_script(block: Block, start_method: str, tmp_path: Path) -> subprocess.CompletedProcess:
     script = tmp_path / "block.py"
     script.write_text(block.code)
-    done = subprocess.run(
+    return subprocess.run(
         [sys.executable, "-c", RUNNER, start_method, str(script)],
         cwd=tmp_path,
         capture_output=True,
         text=True,
         timeout=300,
     )
+
+
+def check(block: Block, start_method: str, done: subprocess.CompletedProcess) -> None:
     assert done.returncode == 0, (
         f"{block.name} failed under {start_method}:\n{block.code}\n{done.stderr[-4000:]}"
     )
+
+
+def run_block(block: Block, start_method: str, tmp_path: Path) -> None:
+    check(block, start_method, run_script(block, start_method, tmp_path))
 
 
 ALL = blocks()
@@ -136,12 +146,30 @@ def test_the_readme_usage_block_runs_under(start_method, tmp_path):
 OTHERS = [b for b in ALL if b is not README_USAGE]  # that one runs under each start method
 
 
+@pytest.fixture(scope="module")
+def spawn_runs(tmp_path_factory):
+    """Every block but the README's usage block, run under spawn two at a time (most of a
+    block's time is interpreters starting and importing, not the two cores): the first test
+    that asks starts them all, each test waits for its own."""
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        runs = {
+            block.name: pool.submit(
+                run_script, block, "spawn", tmp_path_factory.mktemp("block", numbered=True)
+            )
+            for block in OTHERS
+            if skip_reason(block) is None
+        }
+        yield runs
+        for run in runs.values():
+            run.cancel()
+
+
 @pytest.mark.parametrize("block", OTHERS, ids=[b.name for b in OTHERS])
-def test_block_runs_under_spawn(block, tmp_path):
+def test_block_runs_under_spawn(block, spawn_runs):
     reason = skip_reason(block)
     if reason is not None:
         pytest.skip(reason)
-    run_block(block, "spawn", tmp_path)
+    check(block, "spawn", spawn_runs[block.name].result(timeout=600))
 
 
 def test_an_unguarded_block_fails_under_spawn(tmp_path):
