@@ -27,9 +27,9 @@ machine and the commit. Nothing here is asserted: a smoke test runs it briefly.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
-import platform
 import resource
 import statistics
 import subprocess
@@ -44,6 +44,7 @@ import psutil
 from compare_commits import NoopEnv  # the same no-op env (benchmarks/ is this script's path)
 
 import envfleet
+from envfleet.bench import describe_machine
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -134,16 +135,13 @@ def fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
 
 
 def machine() -> dict[str, Any]:
+    """envfleet.bench's description of this machine (CPU model, usable cores, versions), with
+    the commit measured and the date."""
     commit = subprocess.run(
         ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
     ).stdout.strip()
-    return {
-        "cpu": platform.processor() or platform.machine(),
-        "usable_cores": envfleet.usable_cores(),
-        "python": platform.python_version(),
-        "commit": commit,
-        "date": time.strftime("%Y-%m-%d"),
-    }
+    described = dataclasses.asdict(describe_machine())
+    return {**described, "commit": commit, "date": time.strftime("%Y-%m-%d")}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -38,7 +38,7 @@ def test_a_short_run_reports_each_worker_count(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr[-2000:]
     assert "driver CPU per round ~" in done.stdout
     doc = json.loads(out_file.read_text())
-    assert doc["machine"]["usable_cores"] >= 1 and doc["machine"]["commit"]
+    assert doc["machine"]["cores"] >= 1 and doc["machine"]["cpu_model"] and doc["machine"]["commit"]
     assert [r["workers"] for r in doc["rows"]] == [1, 2]
     for row in doc["rows"]:
         for key in (
