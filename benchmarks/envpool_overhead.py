@@ -19,10 +19,10 @@ Run: ``python benchmarks/envpool_overhead.py``; results go to
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
-import os
-import platform
 import statistics
+import subprocess
 import sys
 import time
 import warnings
@@ -36,6 +36,23 @@ import envfleet
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SYSTEMS = ("raw", "envfleet", "envfleet-view")
+# Atari as CleanRL trains it on EnvPool (84x84 gray, 4 stacked frames: EnvPool's defaults)
+# with gymnasium's sticky actions.
+AS_TRAINED = "repeat_action_probability=0.25"
+
+
+def _options(text: str) -> dict[str, Any]:
+    """``KEY=VALUE,...`` as envpool.make options (values as Python literals where they parse)."""
+    import ast
+
+    options: dict[str, Any] = {}
+    for item in filter(None, text.split(",")):
+        key, value = item.split("=", 1)
+        try:
+            options[key] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            options[key] = value
+    return options
 
 
 def _loop(system: str, task: str, n: int, mode: str, kwargs: dict[str, Any]) -> Any:
@@ -99,8 +116,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--cases",
         nargs="+",
-        default=["CartPole-v1:16", "CartPole-v1:64", "Pong-v5:8"],
-        help="TASK:NUM_ENVS (EnvPool task ids)",
+        default=["CartPole-v1:64", f"Pong-v5:64:{AS_TRAINED}"],
+        help="TASK:NUM_ENVS[:KEY=VALUE,...] (EnvPool task ids and envpool.make options; "
+        f"Atari as trained: {AS_TRAINED})",
     )
     parser.add_argument("--modes", nargs="+", default=["sync", "pool"])
     parser.add_argument("--seconds", type=float, default=1.5)
@@ -113,12 +131,13 @@ def main(argv: list[str] | None = None) -> None:
     kwargs = {} if args.threads is None else {"num_threads": args.threads}
     rows = []
     for case in args.cases:
-        task, n = case.split(":")
+        task, n, *extra = case.split(":")
+        options = {**kwargs, **_options(extra[0] if extra else "")}
         for mode in args.modes:
             rates: dict[str, list[float]] = {s: [] for s in SYSTEMS}
             for rep in range(args.repeats):
                 for system in SYSTEMS:
-                    step, close = _loop(system, task, int(n), mode, kwargs)
+                    step, close = _loop(system, task, int(n), mode, options)
                     try:
                         rates[system].append(measure(step, args.seconds, args.warmup))
                     finally:
@@ -127,7 +146,11 @@ def main(argv: list[str] | None = None) -> None:
                         f"{task} n={n} {mode} {system} rep {rep}: {rates[system][-1]:,.0f} steps/s",
                         file=sys.stderr,
                     )
-            row: dict[str, Any] = {"task": task, "num_envs": int(n), "mode": mode}
+            row: dict[str, Any] = {
+                "task": task + (f" ({extra[0]})" if extra else ""),
+                "num_envs": int(n),
+                "mode": mode,
+            }
             for system in SYSTEMS:
                 row[system] = statistics.median(rates[system])
                 row[f"{system}_all"] = rates[system]
@@ -148,11 +171,20 @@ def main(argv: list[str] | None = None) -> None:
         )
     import envpool
 
+    from envfleet.bench import describe_machine
+
+    machine = describe_machine()
+    commit = subprocess.run(
+        ["git", "-C", str(RESULTS.parent), "rev-parse", "--short", "HEAD"],
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
     header = (
         f"# backend='envpool' against raw EnvPool\n\n"
-        f"envpool {envpool.__version__}, envfleet {envfleet.__version__}, "
-        f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores; "
-        f"median of {args.repeats} x {args.seconds} s; pool: batch_size = num_envs // 2; "
+        f"envpool {envpool.__version__}, envfleet {envfleet.__version__} at {commit}, "
+        f"{machine.cpu_model}, {machine.usable_cores} usable cores, "
+        f"{time.strftime('%Y-%m-%d')}; median of {args.repeats} x {args.seconds} s; "
+        "pool: batch_size = num_envs // 2; "
         f"ratio = envfleet / raw (median per repetition).\n\n"
         f"Command: `python benchmarks/envpool_overhead.py {' '.join(argv or sys.argv[1:])}`\n\n"
     )
@@ -161,7 +193,17 @@ def main(argv: list[str] | None = None) -> None:
     out = Path(args.out) if "/" in args.out else RESULTS / args.out
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".md").write_text(header + table)
-    out.with_suffix(".json").write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
+    out.with_suffix(".json").write_text(
+        json.dumps(
+            {
+                "args": vars(args),
+                "commit": commit,
+                "machine": dataclasses.asdict(machine),
+                "rows": rows,
+            },
+            indent=1,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -214,6 +214,21 @@ class Backend(abc.ABC):
     late_fate = "they were killed"  # what became of them
     # Per env index, its zero-argument factory (set by make()): what a replay rebuilds it from.
     factories: Sequence[Callable[[], gymnasium.Env[Any, Any]]] | None = None
+    # A backend whose native library steps the whole batch (envpool) and implements
+    # native_step / native_send / native_recv / settle: the front hands its arrays through.
+    native = False
+
+    def native_step(self, actions: Any, copy: bool) -> tuple[Any, Any, Any, Any, dict[str, Any]]:
+        """A synchronous step of every env in the native library (where ``native``)."""
+        raise NotImplementedError
+
+    def native_send(self, actions: Any, env_ids: Any) -> None:
+        """A first-ready pool's send in the native library (where ``native``)."""
+        raise NotImplementedError
+
+    def native_recv(self, copy: bool) -> tuple[Any, Any, Any, Any, dict[str, Any]]:
+        """A first-ready pool's recv in the native library (where ``native``)."""
+        raise NotImplementedError
 
     @property
     def num_workers(self) -> int:

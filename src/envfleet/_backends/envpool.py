@@ -36,6 +36,15 @@ How EnvPool's behaviour maps onto the contract (measured on envpool 1.2.5, see t
   ``terminated``, ``ram``; ...), minus its ``env_id``/``players`` bookkeeping, in gymnasium's
   vector convention (``info[key]`` with the ``info["_key"]`` mask), with the dtypes
   ``VectorEnv._add_info`` gives; ``recv()`` adds ``info["env_id"]``.
+- **The native path.** Where the task's layout allows it (one action array, one
+  observation array, one player per env: EnvPool's classic-control, Atari, MuJoCo... tasks),
+  ``step`` and the pool's ``send``/``recv`` call EnvPool's native ``_send``/``_recv``
+  directly (:class:`NativeLayout`), as its own Python ``step``/``send``/``recv`` do, minus
+  their per-call conversions, and hand EnvPool's arrays through: they are new arrays at each
+  ``recv`` (EnvPool's state buffers are not reused while an array holds them), so the caller
+  owns them with ``copy=True`` as with ``copy=False``. ``copy=True`` also keeps the
+  observations in envfleet's batch (a later partial reset returns every env's); ``copy=False``
+  writes them there only when a later call needs them (:meth:`EnvPoolBackend.settle`).
 - **Not available.** ``call``, ``get_attr``, ``set_attr`` (there are no Python env objects),
   reset ``options`` other than ``reset_mask``, a seeded partial reset, timeouts (EnvPool's
   ``recv`` cannot be bounded). ``render()`` works when ``env_kwargs["render_mode"]`` is
@@ -63,12 +72,12 @@ from envfleet._core.buffers import (
     check_fixed_size,
 )
 from envfleet._core.errors import ConfigError, InvalidArgumentError, UnsupportedError
-from envfleet._core.infos import InfoAdder, columns_infos, split_infos
+from envfleet._core.infos import InfoAdder, columns_infos, split_infos, vector_dtype
 from envfleet._core.protocol import Command, InfoEvent, ResetRequest
 from envfleet._core.stats import STATS_WORDS, StepTimer, StepTimeStats, step_time_table
-from envfleet._core.trees import tree_map, tree_row, tree_scatter, tree_take
+from envfleet._core.trees import tree_map, tree_row, tree_scatter, tree_take, tree_write
 
-__all__ = ["EnvPoolBackend", "open_envpool"]
+__all__ = ["EnvPoolBackend", "NativeLayout", "open_envpool"]
 
 # envpool.make arguments that envfleet sets itself.
 _RESERVED_KWARGS = {
@@ -79,6 +88,73 @@ _RESERVED_KWARGS = {
 }
 # EnvPool's own bookkeeping in its infos, not env data.
 _SKIP_INFO = ("env_id", "players")
+
+
+class NativeLayout:
+    """Where EnvPool's native ``_send``/``_recv`` lists hold what envfleet needs, for a task
+    whose layout allows the native path (:meth:`of`); ``None`` from :meth:`of` otherwise.
+
+    EnvPool's Python ``send`` builds ``[env_id, players.env_id, action]`` (its
+    ``_action_keys``; one player per env: ``players.env_id == env_id``) and its ``recv``
+    unflattens ``_recv()``'s list by ``_state_keys`` (``obs``, ``reward``, ``done``,
+    ``trunc``, ``elapsed_step``, ``info:<key>``...) into gymnasium's ``(obs, reward,
+    terminated = done & ~trunc, truncated, info)``, ``info`` holding the ``info:`` keys in
+    sorted order, then ``elapsed_step`` (EnvPool 1.2.5's ``EnvPoolMixin.send``/``recv`` and
+    its gymnasium ``_to``).
+
+    Attributes:
+        action_dtype: the dtype EnvPool's action array takes (``int32`` for Discrete).
+        obs, reward, done, trunc, env_id: indexes into ``_recv()``'s list.
+        infos: ``(key, index)`` per info key envfleet returns, in EnvPool's order.
+    """
+
+    def __init__(self, pool: Any):
+        state = list(pool._state_keys)
+        index = {key: k for k, key in enumerate(state)}
+        self.action_dtype = np.dtype(pool._spec._action_spec[-1][0])
+        self.obs = index["obs"]
+        self.reward = index["reward"]
+        self.done = index["done"]
+        self.trunc = index["trunc"]
+        self.env_id = index["info:env_id"]
+        own = sorted(
+            key[len("info:") :]
+            for key in state
+            if key.startswith("info:")
+            and key[len("info:") :] not in _SKIP_INFO
+            and not key.startswith("info:players.")
+        )
+        self.infos = [(key, index[f"info:{key}"]) for key in own]
+        self.infos.append(("elapsed_step", index["elapsed_step"]))
+        # Per info key: does its column pass as EnvPool returns it (gymnasium's
+        # VectorEnv._add_info keeps a numeric dtype; columns_infos decides the others).
+        self.passes: dict[str, bool] = {}
+
+    @classmethod
+    def of(cls, pool: Any, observation_space: Any, action_space: Any) -> NativeLayout | None:
+        """The layout of ``pool``'s task, or ``None`` where the native path does not apply
+        (Dict spaces, several players per env, keys other than EnvPool 1.2.5's)."""
+        try:
+            actions = list(pool._action_keys)
+            state = list(pool._state_keys)
+            players = int(pool.config.get("max_num_players", 1))
+        except AttributeError:  # another EnvPool than the one this was written against
+            return None
+        if actions[:2] != ["env_id", "players.env_id"] or len(actions) != 3 or players != 1:
+            return None
+        if isinstance(observation_space, gymnasium.spaces.Dict) or isinstance(
+            action_space, gymnasium.spaces.Dict
+        ):
+            return None
+        needed = {"obs", "reward", "done", "trunc", "elapsed_step", "info:env_id"}
+        nested = [
+            key
+            for key in state
+            if key.startswith("info:") and "." in key and not key.startswith("info:players.")
+        ]
+        if not needed <= set(state) or nested:
+            return None
+        return cls(pool)
 
 
 def _import_envpool() -> Any:
@@ -242,6 +318,14 @@ class EnvPoolBackend(Backend):
         self._pending_ids = self._all_ids
         self._t0 = 0.0
         self._dummy_action: Any = None
+        # The native path (module docstring): EnvPool's own layout, or None.
+        layout = NativeLayout.of(native, obs, act)
+        self.native = layout is not None and autoreset_mode is AutoresetMode.NEXT_STEP
+        self._layout: Any = layout
+        self._all_ids_bytes = self._all_ids.tobytes()
+        self._stale: Any = None  # copy=False: the observations the batch has not got yet
+        self._masks: dict[int, np.ndarray] = {}  # read-only all-True info masks, per rows
+        self.native_calls = 0  # native_step/_send/_recv calls (the tests' witness)
 
     # -- the native pool -------------------------------------------------------------------
 
@@ -310,6 +394,7 @@ class EnvPoolBackend(Backend):
             InvalidArgumentError: reset options, or seeds EnvPool cannot honour (see
                 :meth:`_reseed`). Nothing is sent on any error.
         """
+        self.settle()  # a partial reset must find every other env's latest observation
         if command is Command.STEP:
             if self.is_pool:
                 ids = np.fromiter(payloads, dtype=np.int32, count=len(payloads))
@@ -383,6 +468,7 @@ class EnvPoolBackend(Backend):
         synchronous mode ``{0: events}`` for every env). ``timeout`` is ignored, as in
         :meth:`collect`."""
         self._command = None
+        self.settle()
         obs, reward, terminated, truncated, info = self._pool.recv()
         ids = info["env_id"]
         self._write(ids, obs, reward, terminated, truncated)
@@ -410,6 +496,104 @@ class EnvPoolBackend(Backend):
         if self._pool is not None:
             self._pool.close()
             self._pool = None
+
+    # -- the native path (NativeLayout) ----------------------------------------------------
+
+    def native_step(
+        self, actions: np.ndarray, copy: bool
+    ) -> tuple[Any, np.ndarray, np.ndarray, np.ndarray, dict[str, Any]]:
+        """A synchronous step of every env by EnvPool's native calls (``native`` is True).
+
+        Args:
+            actions: ``[num_envs, *shape]`` of the action space's dtype (the front checked
+                them; EnvPool takes them converted to its own dtype, as its ``send`` does).
+            copy: the front's ``copy``: True keeps the observations in the batch now, False
+                only once another call needs them (:meth:`settle`).
+
+        Returns:
+            As :meth:`envfleet.FleetVectorEnv.step`: EnvPool's arrays (rewards as float64,
+            ``terminated = done & ~trunc``), infos in gymnasium's vector convention.
+        """
+        self.native_calls += 1
+        self._fresh = False
+        layout, pool, ids = self._layout, self._pool, self._all_ids
+        t0 = time.perf_counter()
+        pool._send([ids, ids, actions.astype(layout.action_dtype)])
+        state = pool._recv()
+        self._timer.record(time.perf_counter() - t0)
+        if state[layout.env_id].tobytes() != self._all_ids_bytes:  # rows in env order
+            order = np.argsort(state[layout.env_id], kind="stable")
+            state = [np.asarray(value)[order] for value in state]
+        obs = state[layout.obs]
+        truncated = state[layout.trunc]
+        terminated = state[layout.done] & ~truncated
+        infos = self._native_infos(state, self.num_envs, copy)
+        if copy:
+            tree_write(self.batch.observations, obs)
+        else:
+            self._stale = obs
+        return obs, state[layout.reward].astype(np.float64), terminated, truncated, infos
+
+    def native_send(self, actions: np.ndarray, env_ids: np.ndarray) -> None:
+        """A first-ready pool's ``send`` by EnvPool's native call: ``actions``
+        (``[len(env_ids), *shape]``, the action space's dtype) to distinct ``env_ids``
+        (``int32``), each awaiting an action (the front checked them)."""
+        self.native_calls += 1
+        self._fresh = False
+        self._pool._send([env_ids, env_ids, actions.astype(self._layout.action_dtype)])
+
+    def native_recv(
+        self, copy: bool
+    ) -> tuple[Any, np.ndarray, np.ndarray, np.ndarray, dict[str, Any]]:
+        """A first-ready pool's ``recv`` by EnvPool's native call: the ``batch_size`` envs
+        EnvPool returns, as :meth:`envfleet.FleetVectorEnv.recv` (``info["env_id"]`` names
+        them; a reset's result reads reward 0, not terminated or truncated)."""
+        self.native_calls += 1
+        layout = self._layout
+        state = self._pool._recv()
+        ids = state[layout.env_id]
+        reward = state[layout.reward].astype(np.float64)
+        truncated = state[layout.trunc]
+        terminated = state[layout.done] & ~truncated
+        if self._resetting.any():
+            resetting = self._resetting[ids]
+            if resetting.any():
+                reward[resetting] = 0.0
+                terminated[resetting] = False
+                truncated = np.where(resetting, False, truncated)
+                self._resetting[ids[resetting]] = False
+        infos = self._native_infos(state, len(ids), copy)
+        infos["env_id"] = ids
+        return state[layout.obs], reward, terminated, truncated, infos
+
+    def settle(self) -> None:
+        """Write into the batch the observations a ``copy=False`` native step handed out
+        without keeping (any call that reads or partly writes the batch comes here first)."""
+        stale, self._stale = self._stale, None
+        if stale is not None:
+            tree_write(self.batch.observations, stale)
+
+    def _native_infos(self, state: list[Any], n: int, copy: bool) -> dict[str, Any]:
+        """The infos of ``n`` rows of ``_recv()``'s ``state`` in gymnasium's vector
+        convention, as :func:`columns_infos` builds them (EnvPool's columns pass as they are
+        where their dtype does; the masks are all True)."""
+        layout = self._layout
+        out: dict[str, Any] = {}
+        for key, k in layout.infos:
+            value = state[k]
+            passes = layout.passes.get(key)
+            if passes is None:
+                passes = layout.passes[key] = vector_dtype(value) == value.dtype
+            if not passes:
+                out.update(columns_infos({key: value}, np.arange(n), n, True))
+                continue
+            mask = self._masks.get(n)
+            if mask is None:
+                mask = self._masks[n] = np.ones(n, dtype=np.bool_)
+                mask.flags.writeable = False
+            out[key] = value
+            out[f"_{key}"] = mask.copy() if copy else mask
+        return out
 
     # -- helpers ---------------------------------------------------------------------------
 

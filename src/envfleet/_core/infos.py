@@ -25,6 +25,7 @@ __all__ = [
     "flat_infos",
     "one_env_info",
     "split_infos",
+    "vector_dtype",
     "vector_infos",
 ]
 
@@ -131,7 +132,7 @@ def one_env_info(results: dict[int, Any]) -> dict[str, Any]:
     return next((dict(info) for events in results.values() for _, info in events or ()), {})
 
 
-def _vector_dtype(array: np.ndarray) -> Any:
+def vector_dtype(array: np.ndarray) -> Any:
     """The dtype ``VectorEnv._add_info`` gives a key whose per-env values are rows of
     ``array``: the array's for ndarray rows and numpy numbers, ``object`` otherwise (e.g.
     ``np.bool_`` scalars)."""
@@ -160,7 +161,7 @@ def columns_infos(
             out[key] = columns_infos(value, ids, num_envs, in_order, skip)
         else:
             array = np.asarray(value)
-            dtype = _vector_dtype(array)
+            dtype = vector_dtype(array)
             if in_order and dtype == array.dtype:
                 out[key] = array.copy()
             else:

@@ -31,7 +31,7 @@ from envfleet._core.trees import tree_scatter, tree_slice, tree_take
 from envfleet._front.checks import check_actions, check_env_ids, seeds_per_env
 from envfleet._front.results import ResultBuffers
 
-__all__ = ["IDLE", "READY", "RUNNING", "FirstReadyPool", "PoolState"]
+__all__ = ["IDLE", "READY", "RUNNING", "FirstReadyPool", "NativePool", "PoolState"]
 
 IDLE, RUNNING, READY = 0, 1, 2  # an env's state in the pool
 
@@ -397,3 +397,113 @@ class FirstReadyPool:
                 terminate = True
         self.env_state[:] = IDLE
         return terminate
+
+
+class NativePool(FirstReadyPool):
+    """The first-ready pool of a backend whose native library runs it (``backend.native``:
+    EnvPool's asynchronous mode): :meth:`send` and :meth:`recv` check what
+    :class:`FirstReadyPool`'s do, then call the library at once. Every env is its own
+    "worker" there and the library's ``recv`` returns exactly ``batch_size`` envs, so no env
+    waits in a ready queue: an env is idle (awaiting an action) or running.
+    """
+
+    def __init__(
+        self,
+        backend: Backend,
+        outputs: ResultBuffers,
+        single_action_space: gymnasium.Space[Any],
+        batch_size: int | None,
+        copy: bool,
+    ):
+        super().__init__(backend, outputs, single_action_space, batch_size, copy)
+        self._running = 0  # envs sent an action (or reset) and not received
+        actions = backend.batch.actions
+        self._fast_actions = self._action_leaf and not self._side_actions
+        self._action_row, self._action_dtype = actions.shape[1:], actions.dtype
+
+    def async_reset(
+        self, seed: int | Sequence[int | None] | None, env_ids: Any, submit: Submit
+    ) -> None:
+        """See :meth:`envfleet.FleetVectorEnv.async_reset`."""
+        super().async_reset(seed, env_ids, submit)
+        self._running = int(np.count_nonzero(self.env_state == RUNNING))
+
+    def send(self, actions: Any, env_ids: Any, submit: Submit) -> None:
+        """See :meth:`envfleet.FleetVectorEnv.send`; the checks and errors are
+        :meth:`FirstReadyPool.send`'s (it raises them, nothing sent), the send the library's."""
+        if not self.started:
+            raise PoolStateError("call async_reset() before send()")
+        n = self.num_envs
+        state = self.env_state
+        if (
+            type(env_ids) is np.ndarray
+            and env_ids.dtype == np.int32
+            and env_ids.ndim == 1
+            and env_ids.size > 0
+            and int(env_ids.view(np.uint32).max()) < n  # a negative id reads as a huge one
+            and not state[env_ids].any()
+        ):
+            ids = env_ids
+        else:
+            ids = check_env_ids(env_ids, n).astype(np.int32)
+            if state[ids].any():
+                super().send(actions, ids, submit)  # raises its PoolStateError
+                raise AssertionError("unreachable: an env not awaiting an action was sent")
+        count = len(ids)
+        state[ids] = RUNNING
+        if self._running + count != np.count_nonzero(state):  # a repeated env id
+            state[ids] = IDLE
+            check_env_ids(ids, n)  # raises its InvalidArgumentError
+            raise AssertionError("unreachable: repeated env ids passed check_env_ids")
+        if not (
+            self._fast_actions
+            and type(actions) is np.ndarray
+            and actions.dtype == self._action_dtype
+            and actions.shape[1:] == self._action_row
+            and actions.shape[0] == count
+        ):
+            try:
+                actions = self._staged(actions, count)
+            except BaseException:
+                state[ids] = IDLE
+                raise
+        self._running += count
+        self.backend.native_send(actions, ids)
+
+    def _staged(self, actions: Any, count: int) -> Any:
+        """``actions`` for ``count`` envs checked and converted to the space's dtype.
+
+        Raises:
+            InvalidActionError: as :meth:`FirstReadyPool.send`."""
+        staged = create_empty_array(fixed_part(self.single_action_space), count)
+        leaves: list[tuple[np.ndarray | None, Any]] = []
+        check_actions(self.single_action_space, staged, actions, "actions", leaves, count)
+        for target, value in leaves:
+            if target is not None:
+                target[...] = value
+        return staged
+
+    def recv(
+        self, timeout: float | None, steps: int
+    ) -> tuple[Any, np.ndarray, np.ndarray, np.ndarray, dict[str, Any]]:
+        """See :meth:`envfleet.FleetVectorEnv.recv` (EnvPool's ``recv`` cannot be bounded:
+        ``timeout`` is not used)."""
+        if not self.started:
+            raise PoolStateError("call async_reset() before recv()")
+        need = self.batch_size
+        if self._running < need:
+            raise PoolStateError(
+                f"recv() returns {need} envs but only {self._running} are running or ready; "
+                "send() actions to more envs first"
+            )
+        results = self.backend.native_recv(self.copy)
+        self.env_state[results[4]["env_id"]] = IDLE
+        self._running -= need
+        return results
+
+    def take(self, timeout: float | None, steps: int) -> PoolState:
+        """Refused: the native library's envs cannot be recorded (no snapshot)."""
+        raise UnsupportedError(
+            "snapshot() is not available on backend='envpool': EnvPool's envs are native, "
+            "with no Python env objects to record"
+        )

@@ -44,7 +44,7 @@ from envfleet._core.protocol import CallRequest, Command, ResetRequest, SetAttrR
 from envfleet._core.replay import EnvRecording, Snapshot, group_recordings, restore_envs
 from envfleet._core.stats import FleetStats
 from envfleet._front.checks import check_actions, check_name, check_reset_mask, seeds_per_env
-from envfleet._front.pool import FirstReadyPool
+from envfleet._front.pool import FirstReadyPool, NativePool
 from envfleet._front.results import ResultBuffers
 
 __all__ = ["FleetVectorEnv"]
@@ -131,7 +131,8 @@ class FleetVectorEnv(VectorEnv[Any, Any, np.ndarray]):
             backend.batch, single_observation_space, slabs=copy and not is_pool
         )
         # The first-ready pool's env states and calls (async_reset, send, recv).
-        self._pool = FirstReadyPool(backend, self._outputs, single_action_space, batch_size, copy)
+        pool_type = NativePool if backend.native and is_pool else FirstReadyPool
+        self._pool = pool_type(backend, self._outputs, single_action_space, batch_size, copy)
         self.batch_size = self._pool.batch_size
         self.is_pool = self._pool.is_pool
         # Action leaves without a fixed size, and leaves of another dtype than the space's:
@@ -139,6 +140,15 @@ class FleetVectorEnv(VectorEnv[Any, Any, np.ndarray]):
         # leaf_actions); the step's payloads, or every group's None.
         self._side_actions = bool(side_leaves(single_action_space))
         self._step_payloads: dict[int, Any] = self._every_group
+        # The native path (backend.native, EnvPool): a step whose actions need no check
+        # beyond their shape and dtype hands the native library's arrays through.
+        self._native_step = (
+            backend.native_step
+            if backend.native and not is_pool and autoreset_mode is AutoresetMode.NEXT_STEP
+            else None
+        )
+        self._action_shape = backend.batch.actions.shape if self._action_leaf else None
+        self._action_dtype = backend.batch.actions.dtype if self._action_leaf else None
 
     # -- reset -----------------------------------------------------------------------------
 
@@ -230,6 +240,18 @@ class FleetVectorEnv(VectorEnv[Any, Any, np.ndarray]):
             ResetNeededError: ``AutoresetMode.DISABLED`` and some env needs a reset first.
             EnvError, EnvCrashedError, StepTimeoutError: see :meth:`step_wait`.
         """
+        native = self._native_step
+        if (
+            native is not None
+            and type(actions) is np.ndarray
+            and actions.dtype == self._action_dtype
+            and actions.shape == self._action_shape
+            and self._state is _NO_CALL
+            and not self.closed
+            and not self._pool.started
+        ):
+            self._steps += 1
+            return native(actions, self.copy)
         # step_async then step_wait, with the submit and the wait in one backend call.
         self._prepare_step(actions, "step_async")
         try:
