@@ -182,7 +182,7 @@ def main(argv: list[str] | None = None) -> None:
     header = (
         f"# backend='envpool' against raw EnvPool\n\n"
         f"envpool {envpool.__version__}, envfleet {envfleet.__version__} at {commit}, "
-        f"{machine.cpu_model}, {machine.usable_cores} usable cores, "
+        f"{machine.cpu_model}, {machine.cores} usable cores, "
         f"{time.strftime('%Y-%m-%d')}; median of {args.repeats} x {args.seconds} s; "
         "pool: batch_size = num_envs // 2; "
         f"ratio = envfleet / raw (median per repetition).\n\n"

@@ -555,7 +555,7 @@ class EnvPoolBackend(Backend):
         reward = state[layout.reward].astype(np.float64)
         truncated = state[layout.trunc]
         terminated = state[layout.done] & ~truncated
-        if self._resetting.any():
+        if np.logical_or.reduce(self._resetting):  # (a C call, where .any() is Python)
             resetting = self._resetting[ids]
             if resetting.any():
                 reward[resetting] = 0.0

@@ -440,8 +440,9 @@ class NativePool(FirstReadyPool):
             and env_ids.dtype == np.int32
             and env_ids.ndim == 1
             and env_ids.size > 0
-            and int(env_ids.view(np.uint32).max()) < n  # a negative id reads as a huge one
-            and not state[env_ids].any()
+            # (ufunc reductions: C calls, where ndarray.max/.any go through Python)
+            and int(np.maximum.reduce(env_ids.view(np.uint32))) < n  # negative ids read huge
+            and not np.logical_or.reduce(state[env_ids])
         ):
             ids = env_ids
         else:
@@ -451,7 +452,8 @@ class NativePool(FirstReadyPool):
                 raise AssertionError("unreachable: an env not awaiting an action was sent")
         count = len(ids)
         state[ids] = RUNNING
-        if self._running + count != np.count_nonzero(state):  # a repeated env id
+        # Envs are idle (0) or running (1) here: the sum counts the running ones.
+        if self._running + count != np.add.reduce(state, dtype=np.int64):  # a repeated id
             state[ids] = IDLE
             check_env_ids(ids, n)  # raises its InvalidArgumentError
             raise AssertionError("unreachable: repeated env ids passed check_env_ids")

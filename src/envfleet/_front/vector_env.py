@@ -395,7 +395,8 @@ class FleetVectorEnv(VectorEnv[Any, Any, np.ndarray]):
             PoolStateError: an env not awaiting an action, no :meth:`async_reset` yet, or a
                 synchronous call pending. Nothing is sent when anything is wrong.
         """
-        self._assert_pool_idle("send")
+        if self.closed or self._state is not _NO_CALL:
+            self._assert_pool_idle("send")
         self._pool.send(actions, env_ids, self._submit)
 
     def recv(
@@ -428,7 +429,8 @@ class FleetVectorEnv(VectorEnv[Any, Any, np.ndarray]):
             EnvCrashedError, StepTimeoutError: a worker died, or nothing finished in time;
                 the vector env is closed.
         """
-        self._assert_pool_idle("recv")
+        if self.closed or self._state is not _NO_CALL:
+            self._assert_pool_idle("recv")
         try:
             results = self._pool.recv(
                 self.step_timeout if timeout is None else timeout, self._steps
