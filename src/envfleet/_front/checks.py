@@ -92,12 +92,13 @@ def check_env_ids(env_ids: Any, num_envs: int) -> np.ndarray:
     ids = np.asarray(env_ids)
     if ids.ndim == 0:
         ids = ids.reshape(1)
-    if ids.ndim != 1 or not (ids.size == 0 or np.issubdtype(ids.dtype, np.integer)):
+    # dtype.kind "iu": np.issubdtype(dtype, np.integer), without its Python calls
+    if ids.ndim != 1 or not (ids.size == 0 or ids.dtype.kind in "iu"):
         raise InvalidArgumentError(f"env_ids must be a 1-D sequence of integers, got {env_ids!r}")
     if ids.size == 0:
         raise InvalidArgumentError("env_ids is empty")
-    unknown = ids[(ids < 0) | (ids >= num_envs)]
-    if unknown.size:
+    if np.minimum.reduce(ids) < 0 or np.maximum.reduce(ids) >= num_envs:
+        unknown = ids[(ids < 0) | (ids >= num_envs)]
         raise InvalidArgumentError(
             f"unknown env ids {unknown.tolist()}: env ids are 0..{num_envs - 1}"
         )

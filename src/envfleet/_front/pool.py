@@ -240,16 +240,22 @@ class FirstReadyPool:
         if not self.started:
             raise PoolStateError("call async_reset() before recv()")
         need = self.batch_size
-        in_flight = len(self._ready) + int(np.count_nonzero(self.env_state == RUNNING))
-        if in_flight < need:
-            raise PoolStateError(
-                f"recv() returns {need} envs but only {in_flight} are running or ready; "
-                "send() actions to more envs first"
-            )
-        while len(self._ready) < need:
-            self._collect(timeout, steps)
-        popleft = self._ready.popleft
-        ids_list = [popleft() for _ in range(need)]
+        ready = self._ready
+        if len(ready) < need:
+            in_flight = len(ready) + int(np.count_nonzero(self.env_state == RUNNING))
+            if in_flight < need:
+                raise PoolStateError(
+                    f"recv() returns {need} envs but only {in_flight} are running or ready; "
+                    "send() actions to more envs first"
+                )
+            while len(ready) < need:
+                self._collect(timeout, steps)
+        if len(ready) == need:  # the common case: take the whole queue at once
+            ids_list = list(ready)
+            ready.clear()
+        else:
+            popleft = ready.popleft
+            ids_list = [popleft() for _ in range(need)]
         ids = np.array(ids_list, dtype=np.int32)
         self.env_state[ids] = IDLE
         batch = self.backend.batch
