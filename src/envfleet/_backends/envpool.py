@@ -526,7 +526,7 @@ class EnvPoolBackend(Backend):
             state = [np.asarray(value)[order] for value in state]
         obs = state[layout.obs]
         truncated = state[layout.trunc]
-        terminated = state[layout.done] & ~truncated
+        terminated = np.greater(state[layout.done], truncated)  # done & ~trunc
         infos = self._native_infos(state, self.num_envs, copy)
         if copy:
             tree_write(self.batch.observations, obs)
@@ -554,8 +554,8 @@ class EnvPoolBackend(Backend):
         ids = state[layout.env_id]
         reward = state[layout.reward].astype(np.float64)
         truncated = state[layout.trunc]
-        terminated = state[layout.done] & ~truncated
-        if np.logical_or.reduce(self._resetting):  # (a C call, where .any() is Python)
+        terminated = np.greater(state[layout.done], truncated)  # done & ~trunc
+        if np.count_nonzero(self._resetting):  # (a fraction of .any()'s cost)
             resetting = self._resetting[ids]
             if resetting.any():
                 reward[resetting] = 0.0

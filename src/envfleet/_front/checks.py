@@ -97,7 +97,9 @@ def check_env_ids(env_ids: Any, num_envs: int) -> np.ndarray:
         raise InvalidArgumentError(f"env_ids must be a 1-D sequence of integers, got {env_ids!r}")
     if ids.size == 0:
         raise InvalidArgumentError("env_ids is empty")
-    if np.minimum.reduce(ids) < 0 or np.maximum.reduce(ids) >= num_envs:
+    # A negative id read as unsigned is huge: one comparison bounds both ends.
+    unsigned = ids.view(f"u{ids.itemsize}") if ids.dtype.kind == "i" else ids
+    if np.count_nonzero(unsigned >= num_envs):
         unknown = ids[(ids < 0) | (ids >= num_envs)]
         raise InvalidArgumentError(
             f"unknown env ids {unknown.tolist()}: env ids are 0..{num_envs - 1}"
