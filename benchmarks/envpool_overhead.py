@@ -11,6 +11,9 @@ Systems: ``raw`` (EnvPool), ``envfleet`` (``copy=True``, the default) and ``envf
 (``copy=False``). Each is measured ``--repeats`` times for ``--seconds`` after a warm-up,
 systems interleaved; the table gives median env steps per second and the median ratio to raw
 within each repetition. EnvPool's threads: ``--threads`` (default: EnvPool's own default).
+A second table gives the front's own cost, which a busy machine barely moves: µs of Python
+per call with EnvPool's native ``_send``/``_recv`` stubbed out (:func:`front_cost_us`; raw
+EnvPool's figure is its own Python wrappers).
 
 Run: ``python benchmarks/envpool_overhead.py``; results go to
 ``benchmarks/results/envpool.{md,json}``.
@@ -56,7 +59,7 @@ def _options(text: str) -> dict[str, Any]:
 
 
 def _loop(system: str, task: str, n: int, mode: str, kwargs: dict[str, Any]) -> Any:
-    """(step function returning the env steps it did, close function)."""
+    """(step function returning the env steps it did, the env)."""
     import envpool
 
     batch = n if mode == "sync" else n // 2
@@ -96,7 +99,36 @@ def _loop(system: str, task: str, n: int, mode: str, kwargs: dict[str, Any]) -> 
             env.send(actions[k % 64, :batch], info["env_id"])
             return batch
 
-    return step, env.close
+    return step, env
+
+
+def front_cost_us(
+    system: str, task: str, n: int, mode: str, kwargs: dict[str, Any], calls: int, repeats: int
+) -> float:
+    """µs of Python per ``step`` (sync) or ``recv`` + ``send`` pair (pool) with EnvPool's
+    native ``_send``/``_recv`` replaced by stubs (``_send`` does nothing, ``_recv`` hands back
+    copies of one real batch): what the front around EnvPool costs, raw EnvPool's own Python
+    wrappers included, which a busy machine barely moves (the best of ``repeats``)."""
+    step, env = _loop(system, task, n, mode, kwargs)
+    native = env if system == "raw" else env._backend._pool
+    if mode == "sync":
+        ids = np.arange(n, dtype=np.int32)
+        native._send([ids, ids, np.zeros(n, dtype=native._spec._action_spec[-1][0])])
+    state = native._recv()
+    cls = type(native)
+    cls._send = lambda self, values: None
+    cls._recv = lambda self: [value.copy() for value in state]
+    try:
+        best = float("inf")
+        for _ in range(repeats):
+            start = time.perf_counter()
+            for _ in range(calls):
+                step()
+            best = min(best, (time.perf_counter() - start) / calls * 1e6)
+    finally:
+        del cls._send, cls._recv  # EnvPool's own methods again
+        env.close()
+    return best
 
 
 def measure(step: Callable[[], int], seconds: float, warmup: float) -> float:
@@ -125,6 +157,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warmup", type=float, default=0.3)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument(
+        "--front-calls", type=int, default=3000, help="calls per timing of the front's cost"
+    )
     parser.add_argument("--out", default="envpool")
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore")
@@ -137,11 +172,11 @@ def main(argv: list[str] | None = None) -> None:
             rates: dict[str, list[float]] = {s: [] for s in SYSTEMS}
             for rep in range(args.repeats):
                 for system in SYSTEMS:
-                    step, close = _loop(system, task, int(n), mode, options)
+                    step, env = _loop(system, task, int(n), mode, options)
                     try:
                         rates[system].append(measure(step, args.seconds, args.warmup))
                     finally:
-                        close()
+                        env.close()
                     print(
                         f"{task} n={n} {mode} {system} rep {rep}: {rates[system][-1]:,.0f} steps/s",
                         file=sys.stderr,
@@ -151,6 +186,10 @@ def main(argv: list[str] | None = None) -> None:
                 "num_envs": int(n),
                 "mode": mode,
             }
+            for system in SYSTEMS:
+                row[f"{system}_front_us"] = front_cost_us(
+                    system, task, int(n), mode, options, args.front_calls, 5
+                )
             for system in SYSTEMS:
                 row[system] = statistics.median(rates[system])
                 row[f"{system}_all"] = rates[system]
@@ -168,6 +207,23 @@ def main(argv: list[str] | None = None) -> None:
             f"| {r['task']} | {r['num_envs']} | {r['mode']} | {r['raw']:,.0f} | "
             f"{r['envfleet']:,.0f} ({r['envfleet_ratio']:.2f}) | "
             f"{r['envfleet-view']:,.0f} ({r['envfleet-view_ratio']:.2f}) |"
+        )
+    lines += [
+        "",
+        "The front's own cost: µs of Python per step (sync) or recv + send pair (pool) with "
+        "EnvPool's native `_send`/`_recv` stubbed out (raw: EnvPool's own Python wrappers; "
+        f"best of 5 x {args.front_calls} calls).",
+        "",
+        "| task | num_envs | mode | raw EnvPool µs | envfleet µs (ratio) | "
+        "envfleet copy=False µs (ratio) |",
+        "|---|---:|---|---:|---:|---:|",
+    ]
+    for r in rows:
+        raw_us = r["raw_front_us"]
+        lines.append(
+            f"| {r['task']} | {r['num_envs']} | {r['mode']} | {raw_us:.1f} | "
+            f"{r['envfleet_front_us']:.1f} ({r['envfleet_front_us'] / raw_us:.2f}) | "
+            f"{r['envfleet-view_front_us']:.1f} ({r['envfleet-view_front_us'] / raw_us:.2f}) |"
         )
     import envpool
 

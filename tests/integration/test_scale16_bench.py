@@ -47,7 +47,8 @@ def test_envpool_overhead_short_run(tmp_path: Path) -> None:
     out = tmp_path / "envpool"
     done = run(
         "envpool_overhead.py", "--cases", "CartPole-v1:4:max_episode_steps=50",
-        "--seconds", "0.2", "--warmup", "0.05", "--repeats", "1", "--out", str(out),
+        "--seconds", "0.2", "--warmup", "0.05", "--repeats", "1", "--front-calls", "50",
+        "--out", str(out),
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     doc = json.loads(out.with_suffix(".json").read_text())
@@ -56,6 +57,8 @@ def test_envpool_overhead_short_run(tmp_path: Path) -> None:
     for row in doc["rows"]:
         assert row["task"] == "CartPole-v1 (max_episode_steps=50)"
         assert row["raw"] > 0 and row["envfleet"] > 0 and row["envfleet-view"] > 0
+        assert row["raw_front_us"] > 0 and row["envfleet_front_us"] > 0
+    assert "stubbed out" in out.with_suffix(".md").read_text()
 
 
 def test_scale16_script_names_what_exists() -> None:
