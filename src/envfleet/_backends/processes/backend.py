@@ -39,7 +39,7 @@ import os
 import pickle
 import sys
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
 from typing import Any, cast
 
@@ -47,16 +47,18 @@ from envfleet._backends.base import run_command
 from envfleet._backends.processes.doorbell import (
     TIGHT_SPIN_S,
     Doorbell,
+    RoundBell,
     SharedSem,
     SpinBudget,
 )
 from envfleet._backends.processes.lifecycle import DEFAULT_CLOSE_TIMEOUT, WorkerProcesses
 from envfleet._backends.processes.plan import DEFAULT_SPIN_S, ProcessesPlan, plan_processes
 from envfleet._backends.processes.worker import (
-    CMD,
-    CMD_PAYLOAD,
+    ACK,
+    GATHER,
     REPLY_BYTES,
     REPLY_PAYLOAD,
+    REQ,
     STATUS,
     native_layout,
 )
@@ -136,6 +138,7 @@ class ProcessesTransport:
         groups = len(self.ranges)
         self._budgets = [SpinBudget(plan.driver_spin_s) for _ in range(groups)]
         self._any_budget = SpinBudget(plan.driver_spin_s)
+        self._round_budget = SpinBudget(plan.driver_spin_s)  # a full round's, on the bell
         self.remote = list(range(1 if driver_group else 0, groups))
         self._here = frozenset((0,)) if driver_group else frozenset()
         self.step_all: StepAll | None = None
@@ -213,10 +216,7 @@ class ProcessesTransport:
             except EnvFailure as failure:
                 self._local_reply = (None, failure)
             return True
-        words = self.workers.words[g]
-        words[CMD] = int(command)
-        words[CMD_PAYLOAD] = payload is not None
-        cast(Doorbell, self.workers.doorbells[g]).request.release()
+        self.workers.request(g, command, payload is not None)
         if payload is not None:
             try:
                 cast(Connection, self.workers.conns[g]).send_bytes(
@@ -246,6 +246,9 @@ class ProcessesTransport:
             unread = [h for h in workers if h not in ready]
             dead = {unread[e.index]: "" for e in watch([procs[h] for h in unread]).dead}
             return Seen(ready, dead)
+        words = self.workers.words
+        if self.workers.bell is not None and words[g][GATHER]:
+            return self._gather_wait(workers, deadline, alive)
         spun_s, self.spun_s = self.spun_s, None
         if Doorbell.wait(
             cast(Doorbell, doorbells[g]).done, self._budgets[g], deadline, alive, spun_s
@@ -258,6 +261,22 @@ class ProcessesTransport:
                 ready.append(h)  # it replied, then exited
             else:
                 dead[h] = ""
+        return Seen(ready, dead) if ready or dead else NOTHING
+
+    def _gather_wait(
+        self, workers: list[int], deadline: float | None, alive: Callable[[], bool]
+    ) -> Seen:
+        """Wait for a full round's workers (their commands were rung on the round bell,
+        GATHER): until every one arrived (the bell's count at 0, or each one's ACK caught up
+        with its REQ), one died, or the deadline; report the ones that replied by then."""
+        words, procs = self.workers.words, self.workers.procs
+        gate = _Gathered(cast(RoundBell, self.workers.bell), [words[h] for h in workers])
+        spun_s, self.spun_s = self.spun_s, None
+        if Doorbell.wait(gate, self._round_budget, deadline, alive, spun_s):
+            return Seen(list(workers))
+        ready = [h for h in workers if words[h][REQ] == words[h][ACK]]
+        unread = [h for h in workers if h not in ready]
+        dead = {unread[e.index]: "" for e in watch([procs[h] for h in unread]).dead}
         return Seen(ready, dead) if ready or dead else NOTHING
 
     def read(self, g: int, done: Round) -> None:
@@ -306,6 +325,7 @@ class ProcessesTransport:
         local = None
         if self._local is not None:
             local = functools.partial(self._local_timer.call, self._local.step)
+        bell = self.workers.bell
         return functools.partial(
             step_round,
             tuple(cast(Doorbell, d).request.address for d in doorbells),
@@ -317,6 +337,8 @@ class ProcessesTransport:
             TIGHT_SPIN_S,
             int(Command.STEP),
             int(Status.OK),
+            None if bell is None else bell.address,
+            self._round_budget,
         )
 
     def step_times(self) -> tuple[StepTimeStats, ...]:
@@ -366,6 +388,29 @@ class ProcessesTransport:
             exc.__cause__ = failure.__cause__
             return exc
         return remote_env_error(cast(Failure, failure).errors[0], w, note)
+
+
+class _Gathered:
+    """A full round's arrivals as the "semaphore" Doorbell.wait takes: ``acquire(False)``
+    polls (no system call), ``acquire(True, timeout)`` sleeps on the round bell."""
+
+    __slots__ = ("bell", "words")
+
+    def __init__(self, bell: RoundBell, words: list[memoryview]):
+        self.bell, self.words = bell, words
+
+    def _all_acked(self) -> bool:
+        return all(w[REQ] == w[ACK] for w in self.words)
+
+    def acquire(self, block: bool = True, timeout: float | None = None) -> bool:
+        bell = self.bell
+        if bell.gathered() or self._all_acked():
+            return True
+        if not block:
+            return False
+        # A worker that died never arrives: the count stays above 0, and the caller checks
+        # who is alive between slices; the survivors' ACKs tell who replied.
+        return bell.gather_sleep(cast(float, timeout)) or self._all_acked()
 
 
 # -- interpreter exit -----------------------------------------------------------------------
