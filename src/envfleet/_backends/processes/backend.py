@@ -50,11 +50,14 @@ from envfleet._backends.processes.doorbell import (
     RoundBell,
     SharedSem,
     SpinBudget,
+    spin,
 )
 from envfleet._backends.processes.lifecycle import DEFAULT_CLOSE_TIMEOUT, WorkerProcesses
 from envfleet._backends.processes.plan import DEFAULT_SPIN_S, ProcessesPlan, plan_processes
 from envfleet._backends.processes.worker import (
     ACK,
+    CMD,
+    CMD_PAYLOAD,
     GATHER,
     REPLY_BYTES,
     REPLY_PAYLOAD,
@@ -312,6 +315,20 @@ class ProcessesTransport:
         reply it left: :attr:`spun_s`)."""
         step_round = _speedups.function("step_round")
         doorbells = [self.workers.doorbells[g] for g in self.remote]
+        bell = self.workers.bell
+        if step_round is None and bell is not None:
+            # The Python twin of the C round on the bell (no reference to self: a cycle
+            # would keep the shared memory past close until the garbage collector runs).
+            local = None
+            if self._local is not None:
+                local = functools.partial(self._local_timer.call, self._local.step)
+            return functools.partial(
+                _py_step_round,
+                bell,
+                [self.workers.words[g] for g in self.remote],
+                local,
+                self._round_budget,
+            )
         if (
             step_round is None
             or self.workers.any_done is not None
@@ -325,7 +342,6 @@ class ProcessesTransport:
         local = None
         if self._local is not None:
             local = functools.partial(self._local_timer.call, self._local.step)
-        bell = self.workers.bell
         return functools.partial(
             step_round,
             tuple(cast(Doorbell, d).request.address for d in doorbells),
@@ -388,6 +404,45 @@ class ProcessesTransport:
             exc.__cause__ = failure.__cause__
             return exc
         return remote_env_error(cast(Failure, failure).errors[0], w, note)
+
+
+_OK = int(Status.OK)
+
+
+def _py_step_round(
+    bell: RoundBell,
+    words: list[memoryview],
+    local: Callable[[], Any] | None,
+    budget: SpinBudget,
+    ring: bool,
+) -> tuple[Any, Any, int, list[int], float | None]:
+    """The Python twin of ``_speedups.step_round`` given the round bell (its full round): every
+    worker's command words and REQ, one ring, the driver's own block, a spin within
+    ``budget`` on the arrivals; all taken, or none (the caller's wait blocks on the bell).
+    Without ``ring`` (step_async rang each worker on its own) it only steps the driver's
+    block, and leaves every reply to the waits (``spun_s`` None: they spin first)."""
+    if ring:
+        bell.expect(len(words))  # before any REQ moves: a worker arrives once it sees its REQ
+        step = int(_STEP)
+        for w in words:
+            w[CMD] = step
+            w[CMD_PAYLOAD] = 0
+            w[GATHER] = 1
+            w[REQ] += 1
+        bell.ring()
+    result = failure = None
+    if local is not None:
+        try:
+            result = local()
+        except EnvFailure as exc:
+            failure = exc
+    if not ring:
+        return result, failure, 0, [], None
+    if not spin(bell.gathered, budget):
+        return result, failure, 0, [], budget.budget_s
+    budget.caught()
+    unread = [i for i, w in enumerate(words) if w[STATUS] != _OK or w[REPLY_PAYLOAD]]
+    return result, failure, len(words), unread, 0.0
 
 
 class _Gathered:

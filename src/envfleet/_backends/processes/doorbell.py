@@ -36,7 +36,9 @@ __all__ = [
     "RoundBell",
     "SharedSem",
     "SpinBudget",
+    "round_bell_available",
     "shared_semaphore",
+    "spin",
 ]
 
 BLOCK_SLICE_S = 0.02  # seconds a blocked waiter sleeps before checking liveness again
@@ -399,6 +401,27 @@ class RoundBell:
         if words[_REMAINING // 4] == 0 and words[_DWAIT // 4]:
             words[_DWAIT // 4] = 0
             self._futex(_DWAIT, _FUTEX_WAKE, 1)
+
+
+def spin(poll: Callable[[], bool], budget: SpinBudget) -> bool:
+    """Poll for at most ``budget.budget_s`` seconds (back to back for :data:`TIGHT_SPIN_S`,
+    then yielding the core), as :meth:`Doorbell.wait` spins: whether ``poll()`` came true."""
+    if poll():
+        return True
+    clock = time.perf_counter
+    start = now = clock()
+    spin_until = start + budget.budget_s
+    tight_until = min(spin_until, start + TIGHT_SPIN_S)
+    while now < tight_until:
+        if poll():
+            return True
+        now = clock()
+    while now < spin_until:
+        _yield()
+        if poll():
+            return True
+        now = clock()
+    return False
 
 
 def cast_int(value: int | None) -> int:
