@@ -374,6 +374,7 @@ def test_the_c_module_holds_what_pays():
         # The processes round bell's (Linux futexes): a full round's one ring and one sleep.
         "bell_ring",
         "bell_sleep",
+        "bell_arrive",
         "gather_sleep",
     }
     assert set(c_counters()) >= SYSCALL_COUNTERS

@@ -63,6 +63,7 @@ enum {
     F_WRITE_ROWS,
     F_BELL_RING,
     F_BELL_SLEEP,
+    F_BELL_ARRIVE,
     F_GATHER_SLEEP,
     S_FUTEX_WAKE, /* not functions: the futex system calls this process's C code issued */
     S_FUTEX_WAIT,
@@ -70,7 +71,8 @@ enum {
 };
 static const char *const function_names[F_COUNT] = {
     "serve_steps", "step_round", "timed_call", "write_results", "write_rows",
-    "bell_ring",   "bell_sleep", "gather_sleep", "futex_wake",   "futex_wait",
+    "bell_ring",   "bell_sleep", "bell_arrive",  "gather_sleep", "futex_wake",
+    "futex_wait",
 };
 static unsigned long long calls[F_COUNT];
 
@@ -258,6 +260,17 @@ bell_pending(volatile int64_t *control)
            __atomic_load_n((int64_t *)&control[w_ack], __ATOMIC_ACQUIRE);
 }
 
+/* A full round's arrival: the last one wakes the driver if it sleeps. */
+static void
+gather_arrive(bell_t *bell)
+{
+    /* The driver sleeps on dwait (1 while it sleeps), which only the last arrival changes:
+     * no wake-up for the others' arrivals. */
+    if (__atomic_sub_fetch(&bell->remaining, 1, __ATOMIC_SEQ_CST) == 0 &&
+        __atomic_exchange_n(&bell->dwait, 0, __ATOMIC_SEQ_CST) != 0)
+        futex_wake_n(&bell->dwait, 1);
+}
+
 /* A worker's reply is written: its ACK, then, for a full round's command, its arrival on
  * ``remaining`` (the last one wakes the driver if it sleeps); else its done semaphore. */
 static void
@@ -267,11 +280,7 @@ bell_arrive(bell_t *bell, volatile int64_t *control, sem_t *done, sem_t *any_don
     int gather = control[w_gather] != 0;
     __atomic_store_n((int64_t *)&control[w_ack], req, __ATOMIC_RELEASE);
     if (gather) {
-        /* The driver sleeps on dwait (1 while it sleeps), which only the last arrival
-         * changes: no wake-up for the others' arrivals. */
-        if (__atomic_sub_fetch(&bell->remaining, 1, __ATOMIC_SEQ_CST) == 0 &&
-            __atomic_exchange_n(&bell->dwait, 0, __ATOMIC_SEQ_CST) != 0)
-            futex_wake_n(&bell->dwait, 1);
+        gather_arrive(bell);
         return;
     }
     sem_post(done);
@@ -288,6 +297,19 @@ sp_bell_ring(PyObject *self, PyObject *arg)
         return NULL;
     calls[F_BELL_RING]++;
     bell_ring((bell_t *)b);
+    Py_RETURN_NONE;
+}
+
+/* bell_arrive(bell): a worker's arrival on a full round, its reply and ACK written
+ * (RoundBell.arrive). */
+static PyObject *
+sp_bell_arrive(PyObject *self, PyObject *arg)
+{
+    void *b;
+    if (!as_address(arg, &b))
+        return NULL;
+    calls[F_BELL_ARRIVE]++;
+    gather_arrive((bell_t *)b);
     Py_RETURN_NONE;
 }
 
@@ -1014,6 +1036,7 @@ static PyMethodDef methods[] = {
     {"step_round", sp_step_round, METH_VARARGS, "The processes transport's step round (step_all)."},
     {"timed_call", sp_timed_call, METH_VARARGS, "StepTimer.call."},
     {"bell_ring", sp_bell_ring, METH_O, "bell_ring(bell): RoundBell.ring."},
+    {"bell_arrive", sp_bell_arrive, METH_O, "bell_arrive(bell): RoundBell.arrive."},
     {"bell_sleep", sp_bell_sleep, METH_VARARGS,
      "bell_sleep(bell, control, timeout_s) -> bool: RoundBell.sleep."},
     {"gather_sleep", sp_gather_sleep, METH_VARARGS,

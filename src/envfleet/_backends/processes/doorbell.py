@@ -291,7 +291,8 @@ class RoundBell:
     worker's done semaphore, as before. A worker that dies never arrives: the driver, asleep
     in slices, sees it dead between two.
 
-    The C step path (``_speedups``: ``bell_ring``, ``bell_sleep``, ``gather_sleep``, and
+    The C step path (``_speedups``: ``bell_ring``, ``bell_sleep``, ``bell_arrive``,
+    ``gather_sleep``, and
     ``serve_steps`` / ``step_round`` given the bell) uses atomic instructions; this Python
     twin does its read-modify-writes with ``FUTEX_WAKE_OP`` (one system call, atomic in the
     kernel), so that either side may run either.
@@ -395,7 +396,12 @@ class RoundBell:
 
     def arrive(self) -> None:
         """A worker's arrival on a full round (after its ``ACK``): the last wakes the driver
-        (here, each that reads the count 0 after its own: one more wake-up is harmless)."""
+        (the Python twin: each that reads the count 0 after its own; one more wake-up is
+        harmless)."""
+        native = self._native
+        if native is not None:
+            native.bell_arrive(self.address)
+            return
         self._add(_REMAINING, -1)
         words = self._words
         if words[_REMAINING // 4] == 0 and words[_DWAIT // 4]:
@@ -429,11 +435,14 @@ def cast_int(value: int | None) -> int:
     return value
 
 
+_BELL_FUNCTIONS = frozenset({"bell_ring", "bell_sleep", "bell_arrive", "gather_sleep"})
+
+
 def _native_bell() -> Any:
     """The C module when its round-bell functions run here (else ``None``: the Python twin)."""
     from envfleet._core import native
 
     module = native.speedups
-    if module is None or native.disabled & {"bell_ring", "bell_sleep", "gather_sleep"}:
+    if module is None or native.disabled & _BELL_FUNCTIONS:
         return None
     return module

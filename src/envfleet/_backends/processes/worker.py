@@ -338,6 +338,7 @@ class _Worker:
         self.watch_ppid = spec.start_method != "forkserver"
         self.region = ReplyRegion()
         self.bell = spec.bell
+        self.address = control_words(spec.control)[self.g].ctypes.data  # of self.control
         if self.bell is not None:
             native_layout()  # the bell's C functions read REQ and ACK
 
@@ -349,19 +350,18 @@ class _Worker:
     def acquire(self, block: bool = True, timeout: float | None = None) -> bool:
         """With a round bell, the request "semaphore" Doorbell.wait takes: poll, or sleep on
         the bell for at most ``timeout`` seconds (rings for other workers are slept through)."""
-        if self.due():
+        control = self.control
+        if control[REQ] != control[ACK]:
             return True
         if not block:
             return False
-        bell, control = cast(RoundBell, self.bell), self.control
-        address = control_words(self.spec.control)[self.g].ctypes.data
-        end = time.monotonic() + cast(float, timeout)
-        while True:
+        bell, address, left = cast(RoundBell, self.bell), self.address, cast(float, timeout)
+        end = time.monotonic() + left
+        while not bell.sleep(control, address, REQ, ACK, left):
             left = end - time.monotonic()
             if left <= 0:
-                return self.due()
-            if bell.sleep(control, address, REQ, ACK, left):
-                return True
+                return bool(control[REQ] != control[ACK])
+        return True
 
     def driver_alive(self) -> bool:
         if self.watch_ppid and os.getppid() != self.spec.parent_pid:
