@@ -13,6 +13,10 @@
  *                   (_backends/processes/backend.py)
  *   timed_call      StepTimer.call: a group's step timed into its stats row, where a backend
  *                   steps the group itself (serial, threads, Ray actors, the driver's block)
+ *   bell_ring, bell_sleep, bell_arrive, gather_sleep
+ *                   the processes backend's round bell on Linux futexes (RoundBell,
+ *                   _backends/processes/doorbell.py): one ring and one count of arrivals per
+ *                   full step round, whatever the worker count
  *
  * The protocol is defined in Python only: the control words' indexes come from set_layout
  * (_backends/processes/worker.py's native_layout), the command and status codes with each
