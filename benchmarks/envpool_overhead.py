@@ -22,10 +22,7 @@ Run: ``python benchmarks/envpool_overhead.py``; results go to
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import json
 import statistics
-import subprocess
 import sys
 import time
 import warnings
@@ -34,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from pool_vs_sync import measured_on, save  # benchmarks/ is this script's path
 
 import envfleet
 
@@ -227,39 +225,16 @@ def main(argv: list[str] | None = None) -> None:
         )
     import envpool
 
-    from envfleet.bench import describe_machine
-
-    machine = describe_machine()
-    commit = subprocess.run(
-        ["git", "-C", str(RESULTS.parent), "rev-parse", "--short", "HEAD"],
-        capture_output=True,
-        text=True,
-    ).stdout.strip()
+    where = measured_on()
     header = (
         f"# backend='envpool' against raw EnvPool\n\n"
-        f"envpool {envpool.__version__}, envfleet {envfleet.__version__} at {commit}, "
-        f"{machine.cpu_model}, {machine.cores} usable cores, "
-        f"{time.strftime('%Y-%m-%d')}; median of {args.repeats} x {args.seconds} s; "
+        f"envpool {envpool.__version__}, envfleet {envfleet.__version__} at {where['commit']}, "
+        f"{where['line']}; median of {args.repeats} x {args.seconds} s; "
         "pool: batch_size = num_envs // 2; "
         f"ratio = envfleet / raw (median per repetition).\n\n"
         f"Command: `python benchmarks/envpool_overhead.py {' '.join(argv or sys.argv[1:])}`\n\n"
     )
-    table = "\n".join(lines) + "\n"
-    print(table)
-    out = Path(args.out) if "/" in args.out else RESULTS / args.out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".md").write_text(header + table)
-    out.with_suffix(".json").write_text(
-        json.dumps(
-            {
-                "args": vars(args),
-                "commit": commit,
-                "machine": dataclasses.asdict(machine),
-                "rows": rows,
-            },
-            indent=1,
-        )
-    )
+    save(args.out, header, lines, {"args": vars(args), **where["doc"], "rows": rows})
 
 
 if __name__ == "__main__":

@@ -35,6 +35,34 @@ from envfleet.bench import describe_machine
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
+def measured_on() -> dict[str, Any]:
+    """The commit measured and the machine (envfleet.bench's description): ``commit``,
+    ``line`` (CPU model, usable cores, date, for a table's header) and ``doc`` (for JSON)."""
+    machine = describe_machine()
+    commit = subprocess.run(
+        ["git", "-C", str(RESULTS.parent), "rev-parse", "--short", "HEAD"],
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
+    line = f"{machine.cpu_model}, {machine.cores} usable cores, {time.strftime('%Y-%m-%d')}"
+    return {
+        "commit": commit,
+        "line": line,
+        "doc": {"commit": commit, "machine": dataclasses.asdict(machine)},
+    }
+
+
+def save(out: str, header: str, lines: list[str], doc: dict[str, Any]) -> None:
+    """Print the table and write ``<out>.md`` (header and table) and ``<out>.json`` (``doc``);
+    ``out`` is a name under benchmarks/results or a path prefix."""
+    table = "\n".join(lines) + "\n"
+    print(table)
+    path = Path(out) if "/" in out else RESULTS / out
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.with_suffix(".md").write_text(header + table)
+    path.with_suffix(".json").write_text(json.dumps(doc, indent=1))
+
+
 def _loop(env: str, n: int, batch: int | None) -> tuple[Callable[[], int], Any]:
     """(one call: the env steps it did, the vector env)."""
     envs = envfleet.make(env, n, batch_size=batch)
@@ -114,12 +142,7 @@ def main(argv: list[str] | None = None) -> None:
                 "pool_workers": workers["pool"],
             }
         )
-    machine = describe_machine()
-    commit = subprocess.run(
-        ["git", "-C", str(RESULTS.parent), "rev-parse", "--short", "HEAD"],
-        capture_output=True,
-        text=True,
-    ).stdout.strip()
+    where = measured_on()
     lines = [
         "| env | num_envs | sync steps/s (workers) | pool steps/s (workers, batch) | pool / sync |",
         "|---|---:|---:|---:|---:|",
@@ -131,27 +154,11 @@ def main(argv: list[str] | None = None) -> None:
         )
     header = (
         "# The first-ready pool against the synchronous loop\n\n"
-        f"envfleet {envfleet.__version__} at {commit}, {machine.cpu_model}, "
-        f"{machine.cores} usable cores, {time.strftime('%Y-%m-%d')}; median of "
+        f"envfleet {envfleet.__version__} at {where['commit']}, {where['line']}; median of "
         f"{args.repeats} x {args.seconds} s, interleaved; random actions, make() defaults.\n\n"
         f"Command: `python benchmarks/pool_vs_sync.py {' '.join(argv or sys.argv[1:])}`\n\n"
     )
-    table = "\n".join(lines) + "\n"
-    print(table)
-    out = Path(args.out) if "/" in args.out else RESULTS / args.out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".md").write_text(header + table)
-    out.with_suffix(".json").write_text(
-        json.dumps(
-            {
-                "args": vars(args),
-                "commit": commit,
-                "machine": dataclasses.asdict(machine),
-                "rows": rows,
-            },
-            indent=1,
-        )
-    )
+    save(args.out, header, lines, {"args": vars(args), **where["doc"], "rows": rows})
 
 
 if __name__ == "__main__":
