@@ -8,6 +8,7 @@ No mocks of EnvPool; no timed assertions.
 
 from __future__ import annotations
 
+import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -252,3 +253,57 @@ def test_native_pool_bad_input_sends_nothing() -> None:
         assert n >= 3 and seen[0][e][:n] == seen[1][e][:n]
     pool.close()
     ref.close()
+
+
+# A driver that makes an envpool vector env, forks a child that calls it, then goes on; it
+# prints the child's exit code (0: WrongProcessError) and its own results after the fork.
+FORK_DRIVER = """
+import os, sys, warnings
+import numpy as np
+warnings.filterwarnings("ignore")
+import envfleet
+
+mode = sys.argv[1]
+if mode == "sync":
+    envs = envfleet.make("CartPole-v1", 4, backend="envpool")
+    envs.reset(seed=0)
+    envs.step(np.zeros(4, dtype=np.int64))
+else:
+    envs = envfleet.make("CartPole-v1", 4, backend="envpool", batch_size=2)
+    envs.async_reset(seed=0)
+    ids = envs.recv()[4]["env_id"]
+pid = os.fork()
+if pid == 0:
+    try:
+        if mode == "sync":
+            envs.step(np.zeros(4, dtype=np.int64))
+        else:
+            envs.send(np.zeros(2, dtype=np.int64), ids)
+        os._exit(3)  # it stepped the maker's EnvPool
+    except envfleet.WrongProcessError:
+        os._exit(0)
+    except BaseException:
+        os._exit(4)
+_, status = os.waitpid(pid, 0)
+code = os.waitstatus_to_exitcode(status)
+if mode == "sync":
+    after = envs.step(np.ones(4, dtype=np.int64))[1].tolist()
+else:
+    envs.send(np.zeros(2, dtype=np.int64), ids)
+    after = envs.recv()[1].tolist()
+envs.close()
+print(code, len(after))
+"""
+
+
+@pytest.mark.parametrize("mode", ["sync", "pool"])
+def test_a_forked_child_cannot_call_the_native_path(mode: str) -> None:
+    """A child forked after make() gets WrongProcessError from the native step and the native
+    pool's send (the bound native step and the pool's backend are the maker's: calling EnvPool
+    there would run on threads the fork did not copy), and the parent goes on."""
+    done = subprocess.run(
+        [sys.executable, "-c", FORK_DRIVER, mode], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    code, rows = done.stdout.split()
+    assert (code, rows) == ("0", "4" if mode == "sync" else "2")

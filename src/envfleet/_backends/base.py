@@ -215,7 +215,7 @@ class Backend(abc.ABC):
     # Per env index, its zero-argument factory (set by make()): what a replay rebuilds it from.
     factories: Sequence[Callable[[], gymnasium.Env[Any, Any]]] | None = None
     # A backend whose native library steps the whole batch (envpool) and implements
-    # native_step / native_send / native_recv / settle: the front hands its arrays through.
+    # native_step / native_send / native_recv: the front hands its arrays through.
     native = False
 
     def native_step(self, actions: Any, copy: bool) -> tuple[Any, Any, Any, Any, dict[str, Any]]:

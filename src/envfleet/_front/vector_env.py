@@ -741,6 +741,9 @@ class FleetVectorEnv(VectorEnv[Any, Any, np.ndarray]):
         with contextlib.suppress(Exception):
             backend.disown()
         self._backend = cast(Backend, DisownedBackend(self._owner_pid))
+        # What held the maker's backend: the pool, and the native step bound to it.
+        self._pool.backend = self._backend
+        self._native_step = None
 
     def __enter__(self) -> FleetVectorEnv:
         return self
