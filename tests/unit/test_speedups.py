@@ -233,6 +233,8 @@ def test_without_speedups_in_spawned_workers():
 # -- the C path runs: its counters advance ---------------------------------------------------
 
 COUNTED_STEPS = 20
+# counters() also counts the futex system calls the C code issued (not functions).
+SYSCALL_COUNTERS = {"futex_wake", "futex_wait"}
 
 
 def c_counters() -> dict[str, int]:
@@ -362,14 +364,21 @@ def test_the_c_module_holds_what_pays():
     one back is a measured decision (with its property test and its counter test)."""
     if envfleet._core.native.speedups is None:
         pytest.skip("envfleet._core._speedups is not built here")
-    assert set(c_counters()) == {
+    functions = set(c_counters()) - SYSCALL_COUNTERS
+    assert functions == {
         "serve_steps",
         "step_round",
         "timed_call",
         "write_results",
         "write_rows",
+        # The processes round bell's (Linux futexes): a full round's one ring and one sleep.
+        "bell_ring",
+        "bell_sleep",
+        "bell_arrive",
+        "gather_sleep",
     }
-    for name in c_counters():
+    assert set(c_counters()) >= SYSCALL_COUNTERS
+    for name in functions:
         assert envfleet._core.native.function(name) is getattr(envfleet._core.native.speedups, name)
 
 
@@ -388,7 +397,10 @@ def test_disabled_functions_run_their_python_twin(make_env, monkeypatch):
 
 # -- the protocol has one definition, in Python ----------------------------------------------
 
-LAYOUT_LINE = "CMD, CMD_PAYLOAD, STATUS, REPLY_PAYLOAD, REPLY_BYTES = 0, 1, 2, 3, 4"
+LAYOUT_LINE = (
+    "CMD, CMD_PAYLOAD, STATUS, REPLY_PAYLOAD, REPLY_BYTES, REQ, GATHER, ACK"
+    " = 0, 1, 2, 3, 4, 5, 6, 7"
+)
 
 
 def test_the_c_path_reads_the_control_words_layout_from_python(tmp_path):
@@ -402,7 +414,7 @@ def test_the_c_path_reads_the_control_words_layout_from_python(tmp_path):
     source = (package / "_backends" / "processes" / "worker.py").read_text()
     assert source.count(LAYOUT_LINE) == 1, "the layout's one definition moved: update this test"
     shutil.copytree(package, tmp_path / "envfleet", ignore=shutil.ignore_patterns("__pycache__"))
-    moved = LAYOUT_LINE.replace("= 0, 1, 2, 3, 4", "= 6, 3, 0, 5, 1")
+    moved = LAYOUT_LINE.replace("= 0, 1, 2, 3, 4, 5, 6, 7", "= 6, 3, 0, 5, 1, 7, 2, 4")
     (tmp_path / "envfleet" / "_backends" / "processes" / "worker.py").write_text(
         source.replace(LAYOUT_LINE, moved)
     )

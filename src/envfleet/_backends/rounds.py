@@ -57,8 +57,9 @@ logger = logging.getLogger("envfleet")
 _STEP, _RESTART, _TASK = Command.STEP, Command.RESTART, Command.TASK
 
 # (result of the driver's own block, its failure, workers taken in order, positions of those
-# with a reply to read, seconds spun on the first one still running): Transport.step_all.
-StepAll = Callable[[bool], tuple[Any, Any, int, list[int], float]]
+# with a reply to read, seconds spun on the first one still running, None: none, the wait
+# spins first): Transport.step_all.
+StepAll = Callable[[bool], tuple[Any, Any, int, list[int], float | None]]
 
 
 class Seen:

@@ -13,6 +13,10 @@
  *                   (_backends/processes/backend.py)
  *   timed_call      StepTimer.call: a group's step timed into its stats row, where a backend
  *                   steps the group itself (serial, threads, Ray actors, the driver's block)
+ *   bell_ring, bell_sleep, bell_arrive, gather_sleep
+ *                   the processes backend's round bell on Linux futexes (RoundBell,
+ *                   _backends/processes/doorbell.py): one ring and one count of arrivals per
+ *                   full step round, whatever the worker count
  *
  * The protocol is defined in Python only: the control words' indexes come from set_layout
  * (_backends/processes/worker.py's native_layout), the command and status codes with each
@@ -34,6 +38,16 @@
 #include <string.h>
 #include <time.h>
 
+#include <limits.h>
+#ifdef __linux__
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#define HAVE_FUTEX 1
+#else
+#define HAVE_FUTEX 0
+#endif
+
 #if defined(__x86_64__) || defined(__i386__)
 #define CPU_RELAX() __builtin_ia32_pause()
 #elif defined(__aarch64__)
@@ -45,27 +59,44 @@
 /* Calls of each function in this process, for the tests that notice a fast path that stopped
  * running: counters() -> {name: calls}, reset_counters(). write_results and write_rows count
  * only the calls where they wrote (not those handed back to numpy). Updated with the GIL held. */
-enum { F_SERVE_STEPS, F_STEP_ROUND, F_TIMED_CALL, F_WRITE_RESULTS, F_WRITE_ROWS, F_COUNT };
+enum {
+    F_SERVE_STEPS,
+    F_STEP_ROUND,
+    F_TIMED_CALL,
+    F_WRITE_RESULTS,
+    F_WRITE_ROWS,
+    F_BELL_RING,
+    F_BELL_SLEEP,
+    F_BELL_ARRIVE,
+    F_GATHER_SLEEP,
+    S_FUTEX_WAKE, /* not functions: the futex system calls this process's C code issued */
+    S_FUTEX_WAIT,
+    F_COUNT
+};
 static const char *const function_names[F_COUNT] = {
     "serve_steps", "step_round", "timed_call", "write_results", "write_rows",
+    "bell_ring",   "bell_sleep", "bell_arrive",  "gather_sleep", "futex_wake",
+    "futex_wait",
 };
 static unsigned long long calls[F_COUNT];
 
 /* The control words' layout, given by Python (set_layout, from _backends/processes/worker.py:
- * CMD, CMD_PAYLOAD, STATUS, REPLY_PAYLOAD), the one place it is defined. -1: not given yet, and
- * serve_steps / step_round refuse to run. */
+ * CMD, CMD_PAYLOAD, STATUS, REPLY_PAYLOAD, REQ, GATHER, ACK), the one place it is defined. -1:
+ * not given yet, and serve_steps / step_round / bell_sleep refuse to run. */
 static Py_ssize_t w_cmd = -1, w_cmd_payload = -1, w_status = -1, w_reply_payload = -1;
+static Py_ssize_t w_req = -1, w_gather = -1, w_ack = -1;
 
-/* set_layout(cmd, cmd_payload, status, reply_payload, words): the indexes of the control
- * words in a worker's int64[words] row. */
+/* set_layout(cmd, cmd_payload, status, reply_payload, req, gather, ack, words): the indexes of
+ * the control words in a worker's int64[words] row. */
 static PyObject *
 sp_set_layout(PyObject *self, PyObject *args)
 {
-    Py_ssize_t cmd, cmd_payload, status, reply_payload, words;
-    if (!PyArg_ParseTuple(args, "nnnnn", &cmd, &cmd_payload, &status, &reply_payload, &words))
+    Py_ssize_t cmd, cmd_payload, status, reply_payload, req, gather, ack, words;
+    if (!PyArg_ParseTuple(args, "nnnnnnnn", &cmd, &cmd_payload, &status, &reply_payload, &req,
+                          &gather, &ack, &words))
         return NULL;
-    Py_ssize_t all[4] = {cmd, cmd_payload, status, reply_payload};
-    for (int i = 0; i < 4; i++) {
+    Py_ssize_t all[7] = {cmd, cmd_payload, status, reply_payload, req, gather, ack};
+    for (int i = 0; i < 7; i++) {
         for (int j = 0; j < i; j++) {
             if (all[i] == all[j]) {
                 PyErr_SetString(PyExc_ValueError, "set_layout: two words at one index");
@@ -82,6 +113,9 @@ sp_set_layout(PyObject *self, PyObject *args)
     w_cmd_payload = cmd_payload;
     w_status = status;
     w_reply_payload = reply_payload;
+    w_req = req;
+    w_gather = gather;
+    w_ack = ack;
     Py_RETURN_NONE;
 }
 
@@ -172,6 +206,237 @@ spin_take(sem_t *sem, double tight_s, double spin_s)
     }
 }
 
+/* -- the round bell (Linux: _backends/processes/doorbell.py's RoundBell) -------------------- */
+
+/* One per vector env, in shared memory: the driver bumps ``gen`` once to wake every worker
+ * (one FUTEX_WAKE, and only when ``sleepers`` says one may sleep); a worker has a command when
+ * its REQ word differs from its ACK word. A full step round's workers (GATHER word 1) each
+ * decrement ``remaining`` after replying instead of posting their done semaphore; the one that
+ * brings it to 0 clears ``dwait`` and wakes the driver asleep on it, if it said it sleeps
+ * (``dwait`` 1). Non-private futex operations: the words are shared between processes. */
+typedef struct {
+    uint32_t gen;
+    int32_t sleepers;
+    int32_t remaining;
+    int32_t dwait;
+} bell_t;
+
+static void
+futex_wake_n(void *addr, int n)
+{
+#if HAVE_FUTEX
+    calls[S_FUTEX_WAKE]++;
+    syscall(SYS_futex, addr, FUTEX_WAKE, n, NULL, NULL, 0);
+#endif
+}
+
+/* FUTEX_WAIT on ``addr`` while it holds ``expected``, at most timeout_s seconds. Counted by the
+ * caller (with the GIL held); called without it. */
+static void
+futex_wait_s(void *addr, uint32_t expected, double timeout_s)
+{
+#if HAVE_FUTEX
+    if (timeout_s < 0)
+        timeout_s = 0;
+    struct timespec ts;
+    ts.tv_sec = (time_t)timeout_s;
+    ts.tv_nsec = (long)((timeout_s - (double)ts.tv_sec) * 1e9);
+    syscall(SYS_futex, addr, FUTEX_WAIT, expected, &ts, NULL, 0);
+#endif
+}
+
+/* The driver's ring: every command word written before it is seen by a worker that sees the
+ * new generation; a sleeping worker is woken (one system call, whatever the worker count). */
+static void
+bell_ring(bell_t *bell)
+{
+    __atomic_fetch_add(&bell->gen, 1, __ATOMIC_SEQ_CST);
+    if (__atomic_load_n(&bell->sleepers, __ATOMIC_SEQ_CST) > 0)
+        futex_wake_n(&bell->gen, INT_MAX);
+}
+
+/* A worker's command is due: REQ (the driver's count of commands sent) differs from ACK (its
+ * own count of replies). */
+static int
+bell_pending(volatile int64_t *control)
+{
+    return __atomic_load_n((int64_t *)&control[w_req], __ATOMIC_ACQUIRE) !=
+           __atomic_load_n((int64_t *)&control[w_ack], __ATOMIC_ACQUIRE);
+}
+
+/* A full round's arrival: the last one wakes the driver if it sleeps. */
+static void
+gather_arrive(bell_t *bell)
+{
+    /* The driver sleeps on dwait (1 while it sleeps), which only the last arrival changes:
+     * no wake-up for the others' arrivals. */
+    if (__atomic_sub_fetch(&bell->remaining, 1, __ATOMIC_SEQ_CST) == 0 &&
+        __atomic_exchange_n(&bell->dwait, 0, __ATOMIC_SEQ_CST) != 0)
+        futex_wake_n(&bell->dwait, 1);
+}
+
+/* A worker's reply is written: for a full round's command, its arrival on ``remaining`` (the
+ * last one wakes the driver if it sleeps), then its ACK; else its ACK, then its done semaphore.
+ *
+ * REQ and GATHER are read first: once the arrival lands the driver may write the next command.
+ * The ACK comes after the arrival, so a driver that finds every ACK caught up with its REQ (as
+ * it does when a worker died and ``remaining`` will never reach 0) knows every arrival has
+ * landed: an arrival still on its way would land after the driver set ``remaining`` for the
+ * next round and end that round one worker early, its rows unread. The ACK written is the REQ
+ * read before the arrival, so a command the driver sent since stays due. */
+static void
+bell_arrive(bell_t *bell, volatile int64_t *control, sem_t *done, sem_t *any_done)
+{
+    int64_t req = control[w_req];
+    int gather = control[w_gather] != 0;
+    if (gather) {
+        gather_arrive(bell);
+        __atomic_store_n((int64_t *)&control[w_ack], req, __ATOMIC_RELEASE);
+        return;
+    }
+    __atomic_store_n((int64_t *)&control[w_ack], req, __ATOMIC_RELEASE);
+    sem_post(done);
+    if (any_done != NULL)
+        sem_post(any_done);
+}
+
+/* bell_ring(bell): the driver's ring (RoundBell.ring). */
+static PyObject *
+sp_bell_ring(PyObject *self, PyObject *arg)
+{
+    void *b;
+    if (!as_address(arg, &b))
+        return NULL;
+    calls[F_BELL_RING]++;
+    bell_ring((bell_t *)b);
+    Py_RETURN_NONE;
+}
+
+/* bell_arrive(bell): a worker's arrival on a full round, its reply and ACK written
+ * (RoundBell.arrive). */
+static PyObject *
+sp_bell_arrive(PyObject *self, PyObject *arg)
+{
+    void *b;
+    if (!as_address(arg, &b))
+        return NULL;
+    calls[F_BELL_ARRIVE]++;
+    gather_arrive((bell_t *)b);
+    Py_RETURN_NONE;
+}
+
+/* bell_sleep(bell, control, timeout_s) -> bool: a worker's blocking wait for a command (no
+ * spinning: the caller spun): True when one is due, False when the wait ended without one
+ * (a ring for another worker, the timeout). */
+static PyObject *
+sp_bell_sleep(PyObject *self, PyObject *args)
+{
+    PyObject *ba, *ca;
+    double timeout_s;
+    void *b, *c;
+    if (!PyArg_ParseTuple(args, "OOd", &ba, &ca, &timeout_s))
+        return NULL;
+    if (!as_address(ba, &b) || !as_address(ca, &c) || !layout_set())
+        return NULL;
+    calls[F_BELL_SLEEP]++;
+    bell_t *bell = (bell_t *)b;
+    volatile int64_t *control = (volatile int64_t *)c;
+    if (bell_pending(control))
+        Py_RETURN_TRUE;
+    __atomic_fetch_add(&bell->sleepers, 1, __ATOMIC_SEQ_CST);
+    uint32_t gen = __atomic_load_n(&bell->gen, __ATOMIC_SEQ_CST);
+    if (!bell_pending(control)) {
+        calls[S_FUTEX_WAIT]++;
+        Py_BEGIN_ALLOW_THREADS
+        futex_wait_s(&bell->gen, gen, timeout_s);
+        Py_END_ALLOW_THREADS
+    }
+    __atomic_fetch_sub(&bell->sleepers, 1, __ATOMIC_SEQ_CST);
+    return PyBool_FromLong(bell_pending(control));
+}
+
+/* gather_sleep(bell, timeout_s) -> bool: the driver's blocking wait for a full round's last
+ * arrival (no spinning: the caller spun): True when ``remaining`` is 0. */
+static PyObject *
+sp_gather_sleep(PyObject *self, PyObject *args)
+{
+    PyObject *ba;
+    double timeout_s;
+    void *b;
+    if (!PyArg_ParseTuple(args, "Od", &ba, &timeout_s))
+        return NULL;
+    if (!as_address(ba, &b))
+        return NULL;
+    calls[F_GATHER_SLEEP]++;
+    bell_t *bell = (bell_t *)b;
+    __atomic_store_n(&bell->dwait, 1, __ATOMIC_SEQ_CST);
+    if (__atomic_load_n(&bell->remaining, __ATOMIC_SEQ_CST) != 0) {
+        calls[S_FUTEX_WAIT]++;
+        Py_BEGIN_ALLOW_THREADS
+        futex_wait_s(&bell->dwait, 1, timeout_s);
+        Py_END_ALLOW_THREADS
+    }
+    __atomic_store_n(&bell->dwait, 0, __ATOMIC_SEQ_CST);
+    return PyBool_FromLong(__atomic_load_n(&bell->remaining, __ATOMIC_SEQ_CST) == 0);
+}
+
+/* bell_pending, polled as spin_take polls a semaphore: 1 when a command is due, 0 when the
+ * budget ran out. Called without the GIL. */
+static int
+spin_pending(volatile int64_t *control, double tight_s, double spin_s)
+{
+    if (bell_pending(control))
+        return 1;
+    if (spin_s <= 0)
+        return 0;
+    double start = monotonic_s();
+    double tight_until = start + (tight_s < spin_s ? tight_s : spin_s);
+    double spin_until = start + spin_s;
+    int yielding = 0;
+    for (;;) {
+        for (int k = 0; k < 16; k++) {
+            if (bell_pending(control))
+                return 1;
+            if (yielding)
+                sched_yield();
+            else
+                CPU_RELAX();
+        }
+        double now = monotonic_s();
+        if (now >= spin_until)
+            return 0;
+        yielding = now >= tight_until;
+    }
+}
+
+/* remaining == 0, polled the same way (the driver's spin on a full round's arrivals). */
+static int
+spin_gathered(bell_t *bell, double tight_s, double spin_s)
+{
+    if (__atomic_load_n(&bell->remaining, __ATOMIC_ACQUIRE) == 0)
+        return 1;
+    if (spin_s <= 0)
+        return 0;
+    double start = monotonic_s();
+    double tight_until = start + (tight_s < spin_s ? tight_s : spin_s);
+    double spin_until = start + spin_s;
+    int yielding = 0;
+    for (;;) {
+        for (int k = 0; k < 16; k++) {
+            if (__atomic_load_n(&bell->remaining, __ATOMIC_ACQUIRE) == 0)
+                return 1;
+            if (yielding)
+                sched_yield();
+            else
+                CPU_RELAX();
+        }
+        double now = monotonic_s();
+        if (now >= spin_until)
+            return 0;
+        yielding = now >= tight_until;
+    }
+}
+
 /* -- step times (StepTimer.record, _backends/supervisor.py) ----------------------------------------- */
 
 /* StepTimer.record: count, total seconds, and the quarter-octave histogram bucket (bucket 0
@@ -229,7 +494,12 @@ get_double(PyObject *obj, const char *name, int *ok)
 }
 
 /* serve_steps(request, done, any_done, control, step, timer_words, budget, tight_s,
- *             step_code, ok_code, buckets_per_octave, num_buckets) -> (reason, spun_s, result)
+ *             step_code, ok_code, buckets_per_octave, num_buckets[, bell])
+ *     -> (reason, spun_s, result)
+ *
+ * With ``bell`` (the address of the vector env's round bell, Linux), a request is due when
+ * the REQ word differs from the ACK word rather than when the request semaphore is posted, and
+ * a reply ends with bell_arrive (ACK, then ``remaining`` or the done semaphore).
  *
  * _Worker.serve's loop for plain steps. Repeatedly: take the request semaphore (spinning, as
  * Doorbell.wait does, within the SpinBudget ``budget``, whose budget_s it adapts as
@@ -247,19 +517,22 @@ static PyObject *
 sp_serve_steps(PyObject *self, PyObject *args)
 {
     calls[F_SERVE_STEPS]++;
-    PyObject *ra, *da, *aa, *ca, *step, *ta, *budget;
+    PyObject *ra, *da, *aa, *ca, *step, *ta, *budget, *ba = Py_None;
     double tight_s;
     long long step_code, ok_code;
     int per_octave, num_buckets;
-    void *rp, *dp, *cp, *tp, *ap = NULL;
-    if (!PyArg_ParseTuple(args, "OOOOOOOdLLii", &ra, &da, &aa, &ca, &step, &ta, &budget,
-                          &tight_s, &step_code, &ok_code, &per_octave, &num_buckets))
+    void *rp, *dp, *cp, *tp, *ap = NULL, *bp = NULL;
+    if (!PyArg_ParseTuple(args, "OOOOOOOdLLii|O", &ra, &da, &aa, &ca, &step, &ta, &budget,
+                          &tight_s, &step_code, &ok_code, &per_octave, &num_buckets, &ba))
         return NULL;
     if (!as_address(ra, &rp) || !as_address(da, &dp) || !as_address(ca, &cp) ||
         !as_address(ta, &tp))
         return NULL;
     if (aa != Py_None && !as_address(aa, &ap))
         return NULL;
+    if (ba != Py_None && !as_address(ba, &bp))
+        return NULL;
+    bell_t *bell = (bell_t *)bp;
     if (!layout_set())
         return NULL;
     int ok = 1;
@@ -275,12 +548,15 @@ sp_serve_steps(PyObject *self, PyObject *args)
     for (;;) {
         int taken;
         double t_wait = 0.0;
-        if (sem_trywait(request) == 0) {
+        if (bell != NULL ? bell_pending(control) : sem_trywait(request) == 0) {
             taken = 1;
         } else {
             Py_BEGIN_ALLOW_THREADS
             t_wait = monotonic_s();
-            taken = spin_take(request, tight_s, budget_s);
+            if (bell != NULL)
+                taken = spin_pending(control, tight_s, budget_s);
+            else
+                taken = spin_take(request, tight_s, budget_s);
             t_wait = monotonic_s() - t_wait;
             Py_END_ALLOW_THREADS
         }
@@ -310,9 +586,13 @@ sp_serve_steps(PyObject *self, PyObject *args)
         Py_DECREF(result);
         control[w_status] = ok_code;
         control[w_reply_payload] = 0;
-        sem_post(done);
-        if (any_done != NULL)
-            sem_post(any_done);
+        if (bell != NULL) {
+            bell_arrive(bell, control, done, any_done);
+        } else {
+            sem_post(done);
+            if (any_done != NULL)
+                sem_post(any_done);
+        }
     }
     /* The adapted budget goes back to the SpinBudget, also when step() raised. */
     PyObject *type, *value, *tb;
@@ -371,8 +651,111 @@ budget_caught(PyObject *budget, double budget_s)
     return rc;
 }
 
+/* The unread list of a full round: the indexes of the workers whose reply is not "OK, no
+ * payload". */
+static PyObject *
+unread_replies(PyObject *controls, long long ok_code)
+{
+    PyObject *unread = PyList_New(0);
+    if (unread == NULL)
+        return NULL;
+    for (Py_ssize_t w = 0; w < PyTuple_GET_SIZE(controls); w++) {
+        void *control;
+        if (!as_address(PyTuple_GET_ITEM(controls, w), &control))
+            goto fail;
+        volatile int64_t *words = (volatile int64_t *)control;
+        if (words[w_status] != ok_code || words[w_reply_payload] != 0) {
+            PyObject *index = PyLong_FromSsize_t(w);
+            if (index == NULL || PyList_Append(unread, index) < 0) {
+                Py_XDECREF(index);
+                goto fail;
+            }
+            Py_DECREF(index);
+        }
+    }
+    return unread;
+fail:
+    Py_DECREF(unread);
+    return NULL;
+}
+
+/* step_round's full round on the round bell (Linux): every worker's command words, then its
+ * REQ, ``remaining`` = the worker count, one ring (at most one FUTEX_WAKE); the driver's own
+ * block; then a spin within ``round_budget`` until ``remaining`` is 0. Taken: all the workers,
+ * or none (the caller blocks on the bell, RoundBell.gather_sleep, for all of them). */
+static PyObject *
+gather_round(PyObject *controls, PyObject *local, PyObject *env_failure, double tight_s,
+             long long step_code, long long ok_code, PyObject *bell_address,
+             PyObject *round_budget)
+{
+    void *b;
+    if (!as_address(bell_address, &b))
+        return NULL;
+    bell_t *bell = (bell_t *)b;
+    Py_ssize_t n = PyTuple_GET_SIZE(controls);
+    /* Before any REQ: a worker arrives once it sees its REQ. */
+    __atomic_store_n(&bell->remaining, (int32_t)n, __ATOMIC_SEQ_CST);
+    for (Py_ssize_t w = 0; w < n; w++) {
+        void *control;
+        if (!as_address(PyTuple_GET_ITEM(controls, w), &control))
+            return NULL;
+        volatile int64_t *words = (volatile int64_t *)control;
+        words[w_cmd] = step_code;
+        words[w_cmd_payload] = 0;
+        words[w_gather] = 1;
+        __atomic_store_n((int64_t *)&words[w_req], words[w_req] + 1, __ATOMIC_RELEASE);
+    }
+    bell_ring(bell);
+    PyObject *local_result = Py_None, *local_failure = Py_None;
+    Py_INCREF(local_result);
+    Py_INCREF(local_failure);
+    if (local != Py_None) {
+        PyObject *result = PyObject_CallNoArgs(local);
+        if (result == NULL) {
+            PyObject *failure = catch_exception(env_failure);
+            if (failure == NULL)
+                goto fail;
+            Py_SETREF(local_failure, failure);
+        } else {
+            Py_SETREF(local_result, result);
+        }
+    }
+    int ok = 1;
+    double budget_s = get_double(round_budget, "budget_s", &ok);
+    if (!ok)
+        goto fail;
+    int got = __atomic_load_n(&bell->remaining, __ATOMIC_ACQUIRE) == 0;
+    if (!got) {
+        Py_BEGIN_ALLOW_THREADS
+        got = spin_gathered(bell, tight_s, budget_s);
+        Py_END_ALLOW_THREADS
+    }
+    if (!got) {
+        PyObject *unread = PyList_New(0);
+        if (unread == NULL)
+            goto fail;
+        return Py_BuildValue("(NNnNd)", local_result, local_failure, (Py_ssize_t)0, unread,
+                             budget_s);
+    }
+    if (budget_caught(round_budget, budget_s) < 0)
+        goto fail;
+    PyObject *unread = unread_replies(controls, ok_code);
+    if (unread == NULL)
+        goto fail;
+    return Py_BuildValue("(NNnNd)", local_result, local_failure, n, unread, 0.0);
+fail:
+    Py_DECREF(local_result);
+    Py_DECREF(local_failure);
+    return NULL;
+}
+
 /* step_round(requests, dones, controls, budgets, local, env_failure, tight_s, step_code,
- *            ok_code[, ring]) -> (local_result, local_failure, taken, unread, spun_s)
+ *            ok_code, bell, round_budget[, ring])
+ *     -> (local_result, local_failure, taken, unread, spun_s)
+ *
+ * With ``bell`` (the round bell's address, Linux; else None) and ``ring``, the round is
+ * gather_round's: one ring and one count of arrivals for all the workers (spinning within the
+ * SpinBudget ``round_budget``) instead of one semaphore each; ``taken`` is then all or none.
  *
  * The processes transport's step_all: the round driver's send and gather of a plain step, up
  * to reading the replies. For each worker w (the tuples hold the addresses of its request and done semaphores and of its int64
@@ -390,12 +773,14 @@ sp_step_round(PyObject *self, PyObject *args)
 {
     calls[F_STEP_ROUND]++;
     PyObject *requests, *dones, *controls, *budgets, *local, *env_failure;
+    PyObject *bell_address = Py_None, *round_budget = Py_None;
     double tight_s;
     long long step_code, ok_code;
     int ring = 1;
-    if (!PyArg_ParseTuple(args, "O!O!O!O!OOdLL|p", &PyTuple_Type, &requests, &PyTuple_Type,
+    if (!PyArg_ParseTuple(args, "O!O!O!O!OOdLLOO|p", &PyTuple_Type, &requests, &PyTuple_Type,
                           &dones, &PyTuple_Type, &controls, &PyList_Type, &budgets, &local,
-                          &env_failure, &tight_s, &step_code, &ok_code, &ring))
+                          &env_failure, &tight_s, &step_code, &ok_code, &bell_address,
+                          &round_budget, &ring))
         return NULL;
     if (!layout_set())
         return NULL;
@@ -405,6 +790,9 @@ sp_step_round(PyObject *self, PyObject *args)
         PyErr_SetString(PyExc_ValueError, "step_round: one entry per worker in each");
         return NULL;
     }
+    if (ring && bell_address != Py_None)
+        return gather_round(controls, local, env_failure, tight_s, step_code, ok_code,
+                            bell_address, round_budget);
     for (Py_ssize_t w = 0; ring && w < n; w++) {
         void *request, *control;
         if (!as_address(PyTuple_GET_ITEM(requests, w), &request) ||
@@ -659,8 +1047,15 @@ static PyMethodDef methods[] = {
     {"serve_steps", sp_serve_steps, METH_VARARGS, "_Worker.serve's loop for plain steps."},
     {"step_round", sp_step_round, METH_VARARGS, "The processes transport's step round (step_all)."},
     {"timed_call", sp_timed_call, METH_VARARGS, "StepTimer.call."},
+    {"bell_ring", sp_bell_ring, METH_O, "bell_ring(bell): RoundBell.ring."},
+    {"bell_arrive", sp_bell_arrive, METH_O, "bell_arrive(bell): RoundBell.arrive."},
+    {"bell_sleep", sp_bell_sleep, METH_VARARGS,
+     "bell_sleep(bell, control, timeout_s) -> bool: RoundBell.sleep."},
+    {"gather_sleep", sp_gather_sleep, METH_VARARGS,
+     "gather_sleep(bell, timeout_s) -> bool: RoundBell.gather_sleep."},
     {"set_layout", sp_set_layout, METH_VARARGS,
-     "set_layout(cmd, cmd_payload, status, reply_payload, words): the control words."},
+     "set_layout(cmd, cmd_payload, status, reply_payload, req, gather, ack, words): the "
+     "control words."},
     {"counters", sp_counters, METH_NOARGS, "counters() -> {name: calls in this process}."},
     {"reset_counters", sp_reset_counters, METH_NOARGS, "reset_counters(): zero them."},
     {"register_types", sp_register_types, METH_VARARGS,

@@ -14,10 +14,15 @@ processes backend (driver or worker) is built, so setting ``envfleet._core.nativ
 (or naming functions in :data:`disabled`) before ``envfleet.make`` turns them off for that
 vector env (and, under ``fork``, for its workers).
 
+The processes backend's round bell (Linux futexes, ``_backends/processes/doorbell.py``) has
+its C side here too: ``bell_ring``, ``bell_sleep``, ``bell_arrive`` and ``gather_sleep``, and
+``step_round`` / ``serve_steps`` given the bell's address.
+
 The module counts the calls of each of its functions (``speedups.counters()``, a dict of
 name to calls in this process; ``speedups.reset_counters()``; the two writes count only the
-calls where they wrote rather than handing back to numpy): the tests use it to notice a fast
-path that silently stopped running.
+calls where they wrote rather than handing back to numpy), and the futex system calls its
+code issued (``futex_wake``, ``futex_wait``): the tests use them to notice a fast path that
+silently stopped running, and a full round whose system calls grow with the workers again.
 """
 
 from __future__ import annotations

@@ -39,7 +39,7 @@ import os
 import pickle
 import sys
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
 from typing import Any, cast
 
@@ -47,16 +47,21 @@ from envfleet._backends.base import run_command
 from envfleet._backends.processes.doorbell import (
     TIGHT_SPIN_S,
     Doorbell,
+    RoundBell,
     SharedSem,
     SpinBudget,
+    spin,
 )
 from envfleet._backends.processes.lifecycle import DEFAULT_CLOSE_TIMEOUT, WorkerProcesses
 from envfleet._backends.processes.plan import DEFAULT_SPIN_S, ProcessesPlan, plan_processes
 from envfleet._backends.processes.worker import (
+    ACK,
     CMD,
     CMD_PAYLOAD,
+    GATHER,
     REPLY_BYTES,
     REPLY_PAYLOAD,
+    REQ,
     STATUS,
     native_layout,
 )
@@ -136,6 +141,7 @@ class ProcessesTransport:
         groups = len(self.ranges)
         self._budgets = [SpinBudget(plan.driver_spin_s) for _ in range(groups)]
         self._any_budget = SpinBudget(plan.driver_spin_s)
+        self._round_budget = SpinBudget(plan.driver_spin_s)  # a full round's, on the bell
         self.remote = list(range(1 if driver_group else 0, groups))
         self._here = frozenset((0,)) if driver_group else frozenset()
         self.step_all: StepAll | None = None
@@ -213,10 +219,7 @@ class ProcessesTransport:
             except EnvFailure as failure:
                 self._local_reply = (None, failure)
             return True
-        words = self.workers.words[g]
-        words[CMD] = int(command)
-        words[CMD_PAYLOAD] = payload is not None
-        cast(Doorbell, self.workers.doorbells[g]).request.release()
+        self.workers.request(g, command, payload is not None)
         if payload is not None:
             try:
                 cast(Connection, self.workers.conns[g]).send_bytes(
@@ -246,6 +249,9 @@ class ProcessesTransport:
             unread = [h for h in workers if h not in ready]
             dead = {unread[e.index]: "" for e in watch([procs[h] for h in unread]).dead}
             return Seen(ready, dead)
+        words = self.workers.words
+        if self.workers.bell is not None and words[g][GATHER]:
+            return self._gather_wait(workers, deadline, alive)
         spun_s, self.spun_s = self.spun_s, None
         if Doorbell.wait(
             cast(Doorbell, doorbells[g]).done, self._budgets[g], deadline, alive, spun_s
@@ -258,6 +264,22 @@ class ProcessesTransport:
                 ready.append(h)  # it replied, then exited
             else:
                 dead[h] = ""
+        return Seen(ready, dead) if ready or dead else NOTHING
+
+    def _gather_wait(
+        self, workers: list[int], deadline: float | None, alive: Callable[[], bool]
+    ) -> Seen:
+        """Wait for a full round's workers (their commands were rung on the round bell,
+        GATHER): until every one arrived (the bell's count at 0, or each one's ACK caught up
+        with its REQ), one died, or the deadline; report the ones that replied by then."""
+        words, procs = self.workers.words, self.workers.procs
+        gate = _Gathered(cast(RoundBell, self.workers.bell), [words[h] for h in workers])
+        spun_s, self.spun_s = self.spun_s, None
+        if Doorbell.wait(gate, self._round_budget, deadline, alive, spun_s):
+            return Seen(list(workers))
+        ready = [h for h in workers if words[h][REQ] == words[h][ACK]]
+        unread = [h for h in workers if h not in ready]
+        dead = {unread[e.index]: "" for e in watch([procs[h] for h in unread]).dead}
         return Seen(ready, dead) if ready or dead else NOTHING
 
     def read(self, g: int, done: Round) -> None:
@@ -293,6 +315,20 @@ class ProcessesTransport:
         reply it left: :attr:`spun_s`)."""
         step_round = _speedups.function("step_round")
         doorbells = [self.workers.doorbells[g] for g in self.remote]
+        bell = self.workers.bell
+        if step_round is None and bell is not None:
+            # The Python twin of the C round on the bell (no reference to self: a cycle
+            # would keep the shared memory past close until the garbage collector runs).
+            local = None
+            if self._local is not None:
+                local = functools.partial(self._local_timer.call, self._local.step)
+            return functools.partial(
+                _py_step_round,
+                bell,
+                [self.workers.words[g] for g in self.remote],
+                local,
+                self._round_budget,
+            )
         if (
             step_round is None
             or self.workers.any_done is not None
@@ -317,6 +353,8 @@ class ProcessesTransport:
             TIGHT_SPIN_S,
             int(Command.STEP),
             int(Status.OK),
+            None if bell is None else bell.address,
+            self._round_budget,
         )
 
     def step_times(self) -> tuple[StepTimeStats, ...]:
@@ -366,6 +404,68 @@ class ProcessesTransport:
             exc.__cause__ = failure.__cause__
             return exc
         return remote_env_error(cast(Failure, failure).errors[0], w, note)
+
+
+_OK = int(Status.OK)
+
+
+def _py_step_round(
+    bell: RoundBell,
+    words: list[memoryview],
+    local: Callable[[], Any] | None,
+    budget: SpinBudget,
+    ring: bool,
+) -> tuple[Any, Any, int, list[int], float | None]:
+    """The Python twin of ``_speedups.step_round`` given the round bell (its full round): every
+    worker's command words and REQ, one ring, the driver's own block, a spin within
+    ``budget`` on the arrivals; all taken, or none (the caller's wait blocks on the bell).
+    Without ``ring`` (step_async rang each worker on its own) it only steps the driver's
+    block, and leaves every reply to the waits (``spun_s`` None: they spin first)."""
+    if ring:
+        bell.expect(len(words))  # before any REQ moves: a worker arrives once it sees its REQ
+        step = int(_STEP)
+        for w in words:
+            w[CMD] = step
+            w[CMD_PAYLOAD] = 0
+            w[GATHER] = 1
+            w[REQ] += 1
+        bell.ring()
+    result = failure = None
+    if local is not None:
+        try:
+            result = local()
+        except EnvFailure as exc:
+            failure = exc
+    if not ring:
+        return result, failure, 0, [], None
+    if not spin(bell.gathered, budget):
+        return result, failure, 0, [], budget.budget_s
+    budget.caught()
+    unread = [i for i, w in enumerate(words) if w[STATUS] != _OK or w[REPLY_PAYLOAD]]
+    return result, failure, len(words), unread, 0.0
+
+
+class _Gathered:
+    """A full round's arrivals as the "semaphore" Doorbell.wait takes: ``acquire(False)``
+    polls (no system call), ``acquire(True, timeout)`` sleeps on the round bell."""
+
+    __slots__ = ("bell", "words")
+
+    def __init__(self, bell: RoundBell, words: list[memoryview]):
+        self.bell, self.words = bell, words
+
+    def _all_acked(self) -> bool:
+        return all(w[REQ] == w[ACK] for w in self.words)
+
+    def acquire(self, block: bool = True, timeout: float | None = None) -> bool:
+        bell = self.bell
+        if bell.gathered() or self._all_acked():
+            return True
+        if not block:
+            return False
+        # A worker that died never arrives: the count stays above 0, and the caller checks
+        # who is alive between slices; the survivors' ACKs tell who replied.
+        return bell.gather_sleep(cast(float, timeout)) or self._all_acked()
 
 
 # -- interpreter exit -----------------------------------------------------------------------

@@ -27,14 +27,18 @@ from collections.abc import Callable
 from typing import Any
 
 __all__ = [
+    "BELL_BYTES",
     "BLOCK_SLICE_S",
     "IDLE_SLICE_MAX_S",
     "SEM_SLOT",
     "TIGHT_SPIN_S",
     "Doorbell",
+    "RoundBell",
     "SharedSem",
     "SpinBudget",
+    "round_bell_available",
     "shared_semaphore",
+    "spin",
 ]
 
 BLOCK_SLICE_S = 0.02  # seconds a blocked waiter sleeps before checking liveness again
@@ -94,6 +98,7 @@ def _load_libc() -> Any:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
         for name in ("sem_init", "sem_post", "sem_trywait", "sem_timedwait"):
             getattr(libc, name).restype = ctypes.c_int
+        libc.syscall.restype = ctypes.c_long
         return libc
     except (OSError, AttributeError):
         return None
@@ -236,3 +241,211 @@ class Doorbell:
             if not alive():
                 return bool(acquire(False))
             block_s = min(max_slice_s, block_s * 2)
+
+
+# -- the round bell (Linux) ------------------------------------------------------------------
+
+BELL_BYTES = 64  # the round bell's words, on a cache line of their own
+# The round bell's 32-bit words (byte offsets): generation, workers asleep on it, a full
+# round's arrivals still due, the driver asleep on those.
+_GEN, _SLEEPERS, _REMAINING, _DWAIT = 0, 4, 8, 12
+# futex(2)'s system call number and operations (the non-private ones: the words are shared).
+_SYS_FUTEX = {"x86_64": 202, "aarch64": 98, "riscv64": 98, "ppc64le": 221, "s390x": 238}.get(
+    os.uname().machine if hasattr(os, "uname") else ""
+)
+_FUTEX_WAIT, _FUTEX_WAKE, _FUTEX_WAKE_OP = 0, 1, 5
+_FUTEX_OP_SET, _FUTEX_OP_ADD, _FUTEX_OP_CMP_EQ = 0, 1, 0
+_INT_MAX = 2**31 - 1
+
+USE_ROUND_BELL = True
+"""Whether a new processes backend rings its workers with a :class:`RoundBell` where it can
+(Linux); the tests turn it off to run the per-worker semaphores there too."""
+
+syscalls = {"futex_wake": 0, "futex_wait": 0}
+"""The futex system calls this process's Python twin of the round bell issued (the C ones
+count theirs in ``_speedups.counters()``): the tests check that a full round costs the driver
+a constant number whatever the worker count."""
+
+
+def _futex_op(op: int, oparg: int, cmp: int, cmparg: int) -> int:
+    return ((op & 0xF) << 28) | ((cmp & 0xF) << 24) | ((oparg & 0xFFF) << 12) | (cmparg & 0xFFF)
+
+
+def round_bell_available() -> bool:
+    """A :class:`RoundBell` works here: Linux, futex(2) reachable through libc's ``syscall``."""
+    return USE_ROUND_BELL and _libc is not None and _SYS_FUTEX is not None
+
+
+class RoundBell:
+    """One vector env's wake-up word and arrival count (Linux futexes), shared by the driver
+    and every worker: the driver rings every worker it wrote a command to with one
+    generation bump and at most one ``FUTEX_WAKE``, whatever their number.
+
+    A worker's command is due when its ``REQ`` control word (the driver's count of the
+    commands sent to it) differs from its ``ACK`` word (its count of replies). Waiting, a
+    worker spins on those words, then sleeps on the generation word (counted in
+    ``sleepers``, so that the driver issues a wake only when someone may sleep). A command
+    of a full step round (``GATHER`` word 1) ends with the worker's arrival on ``remaining``
+    (set to the worker count by the driver before the ring): the last to arrive wakes the
+    driver, which then reads every worker's status word; any other command ends with the
+    worker's done semaphore, as before. A worker that dies never arrives: the driver, asleep
+    in slices, sees it dead between two, and takes the survivors' replies by their ``ACK``.
+    So a worker writes its ``ACK`` after its arrival, never before: every ``ACK`` caught up
+    means every arrival landed, and none can land after the driver set ``remaining`` for the
+    next round (it would end that round one worker early, its rows unread).
+
+    The C step path (``_speedups``: ``bell_ring``, ``bell_sleep``, ``bell_arrive``,
+    ``gather_sleep``, and
+    ``serve_steps`` / ``step_round`` given the bell) uses atomic instructions; this Python
+    twin does its read-modify-writes with ``FUTEX_WAKE_OP`` (one system call, atomic in the
+    kernel), so that either side may run either.
+    """
+
+    def __init__(self, region: Any):
+        self.region = region
+        self._bind()
+
+    def _bind(self) -> None:
+        self.address = address = ctypes.addressof(self.region)
+        self._words = (ctypes.c_int32 * 4).from_address(address)
+        self._native = _native_bell()
+
+    def __getstate__(self) -> Any:
+        return self.region
+
+    def __setstate__(self, state: Any) -> None:
+        self.region = state
+        self._bind()
+
+    # -- system calls (the Python twin) --
+
+    def _futex(
+        self, offset: int, op: int, val: int, arg: int = 0, offset2: int = 0, val3: int = 0
+    ) -> None:
+        syscalls["futex_wait" if op == _FUTEX_WAIT else "futex_wake"] += 1
+        _libc.syscall(
+            ctypes.c_long(cast_int(_SYS_FUTEX)),
+            ctypes.c_void_p(self.address + offset),
+            ctypes.c_int(op),
+            ctypes.c_int(val),
+            ctypes.c_void_p(arg),
+            ctypes.c_void_p(self.address + offset2),
+            ctypes.c_int(val3),
+        )
+
+    def _add(self, offset: int, delta: int) -> None:
+        """Atomically add ``delta`` to a word (FUTEX_WAKE_OP on the word itself, waking none:
+        one system call, a full barrier)."""
+        op = _futex_op(_FUTEX_OP_ADD, delta, _FUTEX_OP_CMP_EQ, 0x7FF)
+        self._futex(offset, _FUTEX_WAKE_OP, 0, 0, offset, op)
+
+    def _wait(self, offset: int, expected: int, timeout_s: float) -> None:
+        timeout_s = max(0.0, timeout_s)
+        ts = _Timespec(int(timeout_s), int((timeout_s % 1.0) * 1e9))
+        self._futex(offset, _FUTEX_WAIT, expected, ctypes.addressof(ts))
+
+    # -- the driver's side --
+
+    def ring(self) -> None:
+        """Wake every worker whose ``REQ`` was bumped before (one system call at most)."""
+        native = self._native
+        if native is not None:
+            native.bell_ring(self.address)
+            return
+        # Bump and wake in one call: atomic with respect to a waiter's check in the kernel.
+        bump = _futex_op(_FUTEX_OP_ADD, 1, _FUTEX_OP_CMP_EQ, 0x7FF)
+        self._futex(_GEN, _FUTEX_WAKE_OP, _INT_MAX, 0, _GEN, bump)
+
+    def expect(self, workers: int) -> None:
+        """A full round of ``workers`` arrivals starts (before any of their ``REQ`` moves)."""
+        self._words[_REMAINING // 4] = workers
+
+    def gathered(self) -> bool:
+        return bool(self._words[_REMAINING // 4] == 0)
+
+    def gather_sleep(self, timeout_s: float) -> bool:
+        """The driver's blocking wait for the last arrival (at most ``timeout_s``)."""
+        native = self._native
+        if native is not None:
+            return bool(native.gather_sleep(self.address, timeout_s))
+        words = self._words
+        # dwait = 1 as a system call (FUTEX_WAKE_OP's SET, waking none): a full barrier, so
+        # the last arrival either sees it and wakes us, or we see its count of 0.
+        self._futex(_DWAIT, _FUTEX_WAKE_OP, 0, 0, _DWAIT, _futex_op(_FUTEX_OP_SET, 1, 0, 0x7FF))
+        if words[_REMAINING // 4] != 0:
+            self._wait(_DWAIT, 1, timeout_s)  # until the last arrival clears it
+        words[_DWAIT // 4] = 0
+        return bool(words[_REMAINING // 4] == 0)
+
+    # -- a worker's side --
+
+    def sleep(self, words: Any, address: int, req: int, ack: int, timeout_s: float) -> bool:
+        """A worker's blocking wait (no spin) until its command is due (``words[req] !=
+        words[ack]``: its control words, at ``address``), a ring for another worker, or
+        ``timeout_s``: whether one is due."""
+        native = self._native
+        if native is not None:
+            return bool(native.bell_sleep(self.address, address, timeout_s))
+        if words[req] != words[ack]:
+            return True
+        self._add(_SLEEPERS, 1)
+        try:
+            gen = self._words[_GEN // 4]
+            if words[req] == words[ack]:
+                self._wait(_GEN, gen, timeout_s)
+        finally:
+            self._add(_SLEEPERS, -1)
+        return bool(words[req] != words[ack])
+
+    def arrive(self) -> None:
+        """A worker's arrival on a full round (before its ``ACK``): the last wakes the driver
+        (the Python twin: each that reads the count 0 after its own; one more wake-up is
+        harmless)."""
+        native = self._native
+        if native is not None:
+            native.bell_arrive(self.address)
+            return
+        self._add(_REMAINING, -1)
+        words = self._words
+        if words[_REMAINING // 4] == 0 and words[_DWAIT // 4]:
+            words[_DWAIT // 4] = 0
+            self._futex(_DWAIT, _FUTEX_WAKE, 1)
+
+
+def spin(poll: Callable[[], bool], budget: SpinBudget) -> bool:
+    """Poll for at most ``budget.budget_s`` seconds (back to back for :data:`TIGHT_SPIN_S`,
+    then yielding the core), as :meth:`Doorbell.wait` spins: whether ``poll()`` came true."""
+    if poll():
+        return True
+    clock = time.perf_counter
+    start = now = clock()
+    spin_until = start + budget.budget_s
+    tight_until = min(spin_until, start + TIGHT_SPIN_S)
+    while now < tight_until:
+        if poll():
+            return True
+        now = clock()
+    while now < spin_until:
+        _yield()
+        if poll():
+            return True
+        now = clock()
+    return False
+
+
+def cast_int(value: int | None) -> int:
+    assert value is not None
+    return value
+
+
+_BELL_FUNCTIONS = frozenset({"bell_ring", "bell_sleep", "bell_arrive", "gather_sleep"})
+
+
+def _native_bell() -> Any:
+    """The C module when its round-bell functions run here (else ``None``: the Python twin)."""
+    from envfleet._core import native
+
+    module = native.speedups
+    if module is None or native.disabled & _BELL_FUNCTIONS:
+        return None
+    return module

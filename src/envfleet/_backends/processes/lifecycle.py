@@ -31,15 +31,25 @@ from envfleet._backends.base import (
     EnvProbe,
     WorkerLayout,
 )
-from envfleet._backends.processes.doorbell import SEM_SLOT, Doorbell, shared_semaphore
+from envfleet._backends.processes.doorbell import (
+    BELL_BYTES,
+    SEM_SLOT,
+    Doorbell,
+    RoundBell,
+    round_bell_available,
+    shared_semaphore,
+)
 from envfleet._backends.processes.worker import (
+    ACK,
     CMD,
     CMD_PAYLOAD,
+    GATHER,
     GROUP_BYTES,
     IN_MAILBOX,
     IN_REGION,
     MAILBOX_BYTES,
     NEW_REGION,
+    REQ,
     WORDS,
     GroupLayout,
     WorkerSpec,
@@ -141,6 +151,13 @@ class WorkerProcesses:
         if request.pool:
             self._any_raw = multiprocessing.sharedctypes.RawArray(ctypes.c_uint8, SEM_SLOT)
             self.any_done = shared_semaphore(self._ctx, self._any_raw, 0)
+        # Linux, not a pool: every command is rung on the one round bell (a full step round
+        # wakes every worker with one system call at most); else on each worker's doorbell.
+        self._bell_raw: Any = None
+        self.bell: RoundBell | None = None
+        if round_bell_available() and not request.pool:
+            self._bell_raw = multiprocessing.sharedctypes.RawArray(ctypes.c_uint8, BELL_BYTES)
+            self.bell = RoundBell(self._bell_raw)
         self.procs: list[Any] = [None] * groups
         self.conns: list[Connection | None] = [None] * groups
         self.regions: list[mmap.mmap | None] = [None] * groups
@@ -183,6 +200,11 @@ class WorkerProcesses:
         """Spawn the worker process of group ``g`` (its envs, doorbell and pipe)."""
         start, stop = self.ranges[g]
         doorbell = Doorbell(self._ctx, self._control_raw, g * GROUP_BYTES + 8 * WORDS)
+        # A new worker (a restarted one too) has no command due: the commands sent to the
+        # one before it are answered or lost with it.
+        words = self.words[g]
+        words[GATHER] = 0
+        words[ACK] = words[REQ]
         spec = WorkerSpec(
             group_index=g,
             start=start,
@@ -200,6 +222,7 @@ class WorkerProcesses:
             start_method=self._ctx.get_start_method(),
             stacks_path=self._stack_files.new(g),
             replay_path=self._log_files.new(g),
+            bell=self.bell,
         )
         parent_conn, child_conn = self._ctx.Pipe(duplex=True)
         proc = spawn(
@@ -212,6 +235,20 @@ class WorkerProcesses:
         child_conn.close()
         self.procs[g], self.conns[g], self.doorbells[g] = proc, parent_conn, doorbell
         self.memory.watch(g, proc.pid)
+
+    def request(self, g: int, command: Command, has_payload: bool) -> None:
+        """Write ``command`` into worker ``g``'s control words and ring it: on the round bell
+        (its ``REQ`` count, then a ring), else on its doorbell."""
+        words = self.words[g]
+        words[CMD] = int(command)
+        words[CMD_PAYLOAD] = has_payload
+        bell = self.bell
+        if bell is None:
+            cast(Doorbell, self.doorbells[g]).request.release()
+            return
+        words[GATHER] = 0
+        words[REQ] += 1
+        bell.ring()
 
     def lay_out(self, workers: list[int], probe: Any) -> bool:
         """After the ``READY`` replies of ``workers``, just spawned: a worker spawned without
@@ -429,9 +466,7 @@ class WorkerProcesses:
         if graceful:
             for g, proc in enumerate(self.procs):
                 if proc is not None and proc.is_alive():
-                    self.control[g, CMD] = Command.CLOSE
-                    self.control[g, CMD_PAYLOAD] = 0
-                    cast(Doorbell, self.doorbells[g]).ring_request()
+                    self.request(g, Command.CLOSE, False)
         if graceful:
             limit = DEFAULT_CLOSE_TIMEOUT if timeout is None else timeout
             join_all(procs, limit)

@@ -19,6 +19,7 @@ import os
 import pickle
 import signal
 import tempfile
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing import reduction
@@ -43,6 +44,7 @@ from envfleet._backends.processes.doorbell import (
     SEM_SLOT,
     TIGHT_SPIN_S,
     Doorbell,
+    RoundBell,
     SharedSem,
     SpinBudget,
 )
@@ -60,8 +62,10 @@ from envfleet._core.replay import file_log
 from envfleet._core.stats import BUCKETS_PER_OCTAVE, NUM_BUCKETS, STATS_WORDS, StepTimer
 
 __all__ = [
+    "ACK",
     "CMD",
     "CMD_PAYLOAD",
+    "GATHER",
     "GROUP_BYTES",
     "GroupLayout",
     "IN_MAILBOX",
@@ -72,6 +76,7 @@ __all__ = [
     "REGION_MIN_BYTES",
     "REPLY_BYTES",
     "REPLY_PAYLOAD",
+    "REQ",
     "STATUS",
     "WORDS",
     "WorkerSpec",
@@ -94,10 +99,13 @@ MAILBOX_BYTES = 64 << 10  # per worker: a pickled reply up to this size skips th
 REGION_MIN_BYTES = 256 << 10
 
 # Per group in the control region: 8 int64 control words (one cache line, so workers never
-# share a line), then the doorbell's two semaphores.
+# share a line), then the doorbell's two semaphores. With a round bell (doorbell.RoundBell,
+# Linux): REQ counts the commands the driver sent, ACK the replies the worker sent (a command
+# is due while they differ), GATHER says the command is a full round's (the reply arrives on
+# the bell's count rather than on the done semaphore).
 WORDS = 8
 GROUP_BYTES = 8 * WORDS + 2 * SEM_SLOT
-CMD, CMD_PAYLOAD, STATUS, REPLY_PAYLOAD, REPLY_BYTES = 0, 1, 2, 3, 4
+CMD, CMD_PAYLOAD, STATUS, REPLY_PAYLOAD, REPLY_BYTES, REQ, GATHER, ACK = 0, 1, 2, 3, 4, 5, 6, 7
 ON_PIPE, IN_MAILBOX = 1, 2  # where a reply's payload is (REPLY_PAYLOAD; 0: none)
 # Added to REPLY_PAYLOAD: the payload is ``(pickle, buffer sizes)`` whose out-of-band buffers
 # lie one after the other in the worker's reply region (IN_REGION), a new one whose file
@@ -111,11 +119,12 @@ _SPUN_OUT, _TAKEN, _STEPPED = 0, 1, 2  # why _speedups.serve_steps returned
 
 def native_layout() -> None:
     """Hand the C step path (``_speedups.serve_steps`` and ``step_round``) the control words'
-    layout: its one definition is ``CMD``, ``CMD_PAYLOAD``, ``STATUS``, ``REPLY_PAYLOAD`` and
-    ``WORDS`` above, read when a worker or a driver binds a C function."""
+    layout: its one definition is ``CMD``, ``CMD_PAYLOAD``, ``STATUS``, ``REPLY_PAYLOAD``,
+    ``REQ``, ``GATHER``, ``ACK`` and ``WORDS`` above, read when a worker or a driver binds a C
+    function (or a round bell binds to the C module)."""
     set_layout = _speedups.function("set_layout")
     if set_layout is not None:
-        set_layout(CMD, CMD_PAYLOAD, STATUS, REPLY_PAYLOAD, WORDS)
+        set_layout(CMD, CMD_PAYLOAD, STATUS, REPLY_PAYLOAD, REQ, GATHER, ACK, WORDS)
 
 
 def control_words(region: Any) -> np.ndarray:
@@ -182,6 +191,7 @@ class WorkerSpec:
     start_method: str
     stacks_path: str | None = None  # where faulthandler writes this worker's stacks
     replay_path: str | None = None  # the file of its action log (envfleet._core.replay)
+    bell: RoundBell | None = None  # the vector env's round bell (Linux; not in a pool)
 
 
 def _anonymous_file(name: str, nbytes: int) -> int:
@@ -327,6 +337,31 @@ class _Worker:
         self.budget = SpinBudget(spec.spin_s)
         self.watch_ppid = spec.start_method != "forkserver"
         self.region = ReplyRegion()
+        self.bell = spec.bell
+        self.address = control_words(spec.control)[self.g].ctypes.data  # of self.control
+        if self.bell is not None:
+            native_layout()  # the bell's C functions read REQ and ACK
+
+    def due(self) -> bool:
+        """A command is due (round bell: the driver's REQ count ran ahead of our ACK)."""
+        control = self.control
+        return bool(control[REQ] != control[ACK])
+
+    def acquire(self, block: bool = True, timeout: float | None = None) -> bool:
+        """With a round bell, the request "semaphore" Doorbell.wait takes: poll, or sleep on
+        the bell for at most ``timeout`` seconds (rings for other workers are slept through)."""
+        control = self.control
+        if control[REQ] != control[ACK]:
+            return True
+        if not block:
+            return False
+        bell, address, left = cast(RoundBell, self.bell), self.address, cast(float, timeout)
+        end = time.monotonic() + left
+        while not bell.sleep(control, address, REQ, ACK, left):
+            left = end - time.monotonic()
+            if left <= 0:
+                return bool(control[REQ] != control[ACK])
+        return True
 
     def driver_alive(self) -> bool:
         if self.watch_ppid and os.getppid() != self.spec.parent_pid:
@@ -335,6 +370,17 @@ class _Worker:
         return not self.conn.poll()
 
     def ring_done(self) -> None:
+        bell = self.bell
+        if bell is not None:
+            # The arrival before the ACK, the REQ read before both: see the C twin,
+            # _speedups.c's bell_arrive.
+            control = self.control
+            req = control[REQ]
+            if control[GATHER]:
+                bell.arrive()
+                control[ACK] = req
+                return
+            control[ACK] = req
         self.done.release()
         if self.any_done is not None:
             self.any_done.release()
@@ -373,7 +419,8 @@ class _Worker:
         self.conn.send_bytes(blob)
 
     def serve(self, group: EnvGroup) -> None:
-        control, request = self.control, self.doorbell.request
+        control = self.control
+        request: Any = self if self.bell is not None else self.doorbell.request
         timer = StepTimer(stats_rows(self.spec.stats)[self.g])
         serve_steps = self._serve_steps(group, timer)
         while True:
@@ -429,6 +476,7 @@ class _Worker:
             return None
         native_layout()
         any_done = None if self.any_done is None else self.any_done.address
+        bell = None if self.bell is None else self.bell.address
         return functools.partial(
             serve_steps,
             self.doorbell.request.address,
@@ -443,6 +491,7 @@ class _Worker:
             int(Status.OK),
             BUCKETS_PER_OCTAVE,
             NUM_BUCKETS,
+            bell,
         )
 
 

@@ -1,0 +1,256 @@
+"""The processes backend's round bell (Linux futexes, ``doorbell.RoundBell``): a full step
+round costs the driver a constant number of wake and wait system calls, whatever the worker
+count, on the C step path and on its Python twin; and the bell really runs (a fast path that
+silently stopped running would pass every other test).
+
+Nothing here is timed: the counts are of system calls, with spinning turned off
+(``spin_s=0``) so that every worker sleeps between rounds and every ring needs a wake-up.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import multiprocessing
+import multiprocessing.sharedctypes
+import os
+import sys
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+from gymnasium.vector import SyncVectorEnv
+
+import envfleet
+import envfleet._core.native
+from envfleet._backends.processes import doorbell
+from envfleet._backends.processes.doorbell import BELL_BYTES, RoundBell, round_bell_available
+from tests.envs import CrashEnv, IndexedEnv, sync_factories
+from tests.helpers import assert_same
+
+pytestmark = pytest.mark.skipif(
+    not sys.platform.startswith("linux") or not round_bell_available(),
+    reason="the round bell is Linux's (futexes)",
+)
+
+ROUNDS = 40
+WORKER_COUNTS = (1, 2, 4)
+
+
+def _transport(fleet: Any) -> Any:
+    return fleet._backend.transport
+
+
+def _driver_syscalls(step_path: str) -> dict[str, int]:
+    """The futex system calls this process (the driver) issued so far, on ``step_path``."""
+    if step_path == "c":
+        calls = envfleet._core.native.speedups.counters()  # type: ignore[union-attr]
+        return {"futex_wake": calls["futex_wake"], "futex_wait": calls["futex_wait"]}
+    return dict(doorbell.syscalls)
+
+
+def _worker_calls(env: Any) -> tuple[int, dict[str, int]]:
+    speedups = envfleet._core.native.speedups
+    return os.getpid(), ({} if speedups is None else speedups.counters())
+
+
+@pytest.mark.timeout(120)
+def test_a_full_round_costs_the_driver_constant_system_calls(make_env, step_path):
+    """W = 1, 2, 4 workers, every one asleep when its round is rung: per round the driver
+    issues at most one wake (C; the Python twin: the ring, and the flag it sleeps under) and
+    at most one blocking wait (plus a slice's end now and then on a loaded machine), the
+    same for every W. The semaphores' round issued one post per sleeping worker and up to
+    one wait per worker."""
+    wakes_per_round = 1 if step_path == "c" else 2
+    seen = {}
+    for workers in WORKER_COUNTS:
+        fleet = make_env(IndexedEnv, 4, backend="processes", num_workers=workers, spin_s=0.0)
+        transport = _transport(fleet)
+        assert transport.workers.bell is not None, "the round bell is not in use"
+        assert transport.step_all is not None, "no full round: each worker is rung alone"
+        fleet.reset(seed=0)
+        actions = np.zeros(4, dtype=np.int64)
+        fleet.step(actions)
+        before = _driver_syscalls(step_path)
+        started = time.monotonic()
+        for _ in range(ROUNDS):
+            fleet.step(actions)
+        elapsed = time.monotonic() - started
+        after = _driver_syscalls(step_path)
+        wakes = after["futex_wake"] - before["futex_wake"]
+        waits = after["futex_wait"] - before["futex_wait"]
+        # A blocked wait ends at the last arrival or at a slice's end (BLOCK_SLICE_S): no more
+        # than one slice end per slice of the run's time, however many workers.
+        slices = int(elapsed / doorbell.BLOCK_SLICE_S) + 1
+        assert wakes <= wakes_per_round * ROUNDS, (workers, wakes)
+        assert waits <= ROUNDS + slices, (workers, waits)
+        seen[workers] = (wakes, waits)
+        fleet.close()
+    # The bell really ran: asleep workers needed waking, an asleep driver its wake-up. (Summed
+    # over the worker counts: a worker still on its way to sleep when its round is rung needs
+    # no wake, which can happen to every round of one run.)
+    assert sum(w for w, _ in seen.values()) > 0 and sum(w for _, w in seen.values()) > 0, seen
+
+
+@pytest.mark.timeout(120)
+def test_workers_sleep_on_the_bell_and_step_in_the_c_loop(make_env):
+    """With the C step path, each worker waits for its commands on the bell (bell_sleep)
+    and steps in its C loop (serve_steps), and the driver's C round runs once a step."""
+    speedups = envfleet._core.native.speedups
+    if speedups is None:
+        pytest.skip("envfleet._core._speedups is not built here")
+    fleet = make_env(IndexedEnv, 4, backend="processes", num_workers=2, spin_s=0.0)
+    fleet.reset(seed=0)
+    before_workers = dict(fleet.apply(_worker_calls))
+    before = speedups.counters()["step_round"]
+    actions = np.zeros(4, dtype=np.int64)
+    for _ in range(ROUNDS):
+        fleet.step(actions)
+    assert speedups.counters()["step_round"] - before == ROUNDS
+    after_workers = dict(fleet.apply(_worker_calls))
+    assert len(after_workers) == 2
+    for pid, calls in after_workers.items():
+        assert calls["bell_sleep"] > before_workers[pid]["bell_sleep"], pid
+        assert calls["serve_steps"] > before_workers[pid]["serve_steps"], pid
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("bell", [True, False], ids=["bell", "semaphores"])
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_results_match_sync_with_and_without_the_bell(
+    make_env, monkeypatch, step_path, bell, context
+):
+    """Steps, resets with a mask, calls and step_async/step_wait give SyncVectorEnv's
+    results with the bell and with the per-worker semaphores it replaces (the platforms
+    without futexes), on both step paths."""
+    monkeypatch.setattr(doorbell, "USE_ROUND_BELL", bell)
+    n = 5
+    fleet = make_env(IndexedEnv, n, backend="processes", num_workers=3, context=context)
+    assert (_transport(fleet).workers.bell is not None) == bell
+    sync = SyncVectorEnv(sync_factories(IndexedEnv, n))
+    try:
+        assert_same(fleet.reset(seed=3), sync.reset(seed=3), "reset")
+        for t in range(12):
+            actions = np.array([(t + i) % 2 for i in range(n)])
+            if t % 3 == 2:
+                fleet.step_async(actions)
+                got = fleet.step_wait()
+            else:
+                got = fleet.step(actions)
+            assert_same(got, sync.step(actions), f"step {t}")
+        mask = np.array([True, False, True, False, False])
+        assert_same(
+            fleet.reset(seed=7, options={"reset_mask": mask}),
+            sync.reset(seed=7, options={"reset_mask": mask}),
+            "masked reset",
+        )
+        assert list(fleet.get_attr("env_index")) == list(sync.get_attr("env_index"))
+        for t in range(4):
+            actions = np.ones(n, dtype=np.int64)
+            assert_same(fleet.step(actions), sync.step(actions), f"after reset {t}")
+    finally:
+        sync.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_worker_dying_mid_round_is_restarted_and_the_bell_goes_on(make_env, step_path):
+    """A worker that segfaults inside a full round never arrives: the driver, asleep on the
+    bell, finds it dead between two slices; the restart policy replaces it alone, and the
+    new worker answers the bell's next rounds (REQ/ACK consistent, the count reset each
+    round)."""
+    n = 4
+    factory = functools.partial(CrashEnv, crash_index=3, crash_after=5, how="segfault")
+    fleet = make_env(
+        factory,
+        n,
+        backend="processes",
+        num_workers=2,
+        spin_s=0.0,
+        restart_policy=envfleet.RestartPolicy(max_restarts=5),
+    )
+    transport = _transport(fleet)
+    assert transport.workers.bell is not None
+    fleet.reset(seed=0)
+    pids = [p.pid for p in transport.workers.procs]
+    actions = np.zeros(n, dtype=np.int64)
+    truncated_at = []
+    for t in range(10):
+        _, _, _, truncated, _ = fleet.step(actions)
+        if truncated.any():
+            truncated_at.append((t, truncated.tolist()))
+    assert truncated_at == [(5, [False, False, True, True])]  # the dead worker's envs
+    after = [p.pid for p in transport.workers.procs]
+    assert after[0] == pids[0], "the worker that lived was restarted too"
+    assert after[1] != pids[1], "the dead worker was not replaced"
+    assert fleet.stats.crashes == 1
+
+
+def test_the_bell_wakes_a_sleeping_process_and_gathers_its_arrival():
+    """The bell's primitives across two processes (fork), on the Python twin: a worker asleep
+    on the bell sees its REQ move, replies (ACK, arrival); the driver, asleep on the
+    count, wakes at the last arrival."""
+    region = multiprocessing.sharedctypes.RawArray(ctypes.c_uint8, BELL_BYTES)
+    control = multiprocessing.sharedctypes.RawArray(ctypes.c_int64, 8)
+    bell = RoundBell(region)
+    bell._native = None  # the Python twin on both sides (the child inherits it)
+    req, ack, rounds = 5, 7, 50
+    words = memoryview(control).cast("B").cast("q")
+    address = ctypes.addressof(control)
+
+    def worker() -> None:
+        for _ in range(rounds):
+            while not bell.sleep(words, address, req, ack, 1.0):
+                pass
+            due = words[req]
+            bell.arrive()
+            words[ack] = due  # after the arrival, as _Worker.ring_done
+        os._exit(0)
+
+    proc = multiprocessing.get_context("fork").Process(target=worker)
+    proc.start()
+    try:
+        for _ in range(rounds):
+            bell.expect(1)
+            words[req] += 1
+            bell.ring()
+            deadline = time.monotonic() + 10
+            while not bell.gather_sleep(0.02):
+                assert time.monotonic() < deadline and proc.is_alive()
+    finally:
+        proc.join(10)
+        if proc.is_alive():
+            proc.kill()
+    assert proc.exitcode == 0
+
+
+@pytest.mark.timeout(120)
+def test_an_arrival_late_after_its_ack_never_ends_the_next_round_early(make_env, monkeypatch):
+    """The driver takes a round's survivors by their ACKs when a worker died; so a worker's ACK
+    must follow its arrival. Were it the other way round, a driver that found every ACK caught
+    up could set ``remaining`` for the next round before the last arrival landed, and that
+    arrival would end the next round one worker early, its rows unread (a stale result).
+
+    Every arrival is made slow here (1 ms before the count moves, on the Python twin, which
+    the forked workers inherit), and the driver never spins, so each round is taken while the
+    slow arrivals are on their way: the results still match SyncVectorEnv's."""
+    monkeypatch.setattr(envfleet._core.native, "speedups", None)
+    monkeypatch.setenv("ENVFLEET_NO_SPEEDUPS", "1")
+    arrive = RoundBell.arrive
+
+    def slow_arrive(self: RoundBell) -> None:
+        time.sleep(0.001)
+        arrive(self)
+
+    monkeypatch.setattr(RoundBell, "arrive", slow_arrive)
+    n = 8
+    fleet = make_env(IndexedEnv, n, backend="processes", num_workers=4, spin_s=0.0, context="fork")
+    assert _transport(fleet).workers.bell is not None
+    sync = SyncVectorEnv(sync_factories(IndexedEnv, n))
+    try:
+        assert_same(fleet.reset(seed=5), sync.reset(seed=5), "reset")
+        for t in range(100):
+            actions = np.array([(t * 7 + i) % 2 for i in range(n)])
+            assert_same(fleet.step(actions), sync.step(actions), f"step {t}")
+    finally:
+        sync.close()
