@@ -14,7 +14,13 @@ tree's ``src/`` (the C extension is built in place in a temporary worktree of th
   a loop, transitions/s.
 
 Only the public API is used, so any two commits compare. The table gives, per workload, the
-median of each tree and the median of the per-repetition ratios (after / before).
+median of each tree and the median of the per-repetition ratios (after / before), over the
+whole timed run and over its quiet part: each run is timed in slices of 16 steps, and the
+quiet figure is the rate of its fastest tenth of slices (:data:`QUIET`). On a shared machine
+whose neighbours load it in bursts, a run's overall rate swings by ±10 % between repetitions
+of one commit; its fastest slices are the ones no neighbour slowed, and their ratio is the one
+that can show a few per cent (the pool and the sampler, whose slices are not alike, report
+their overall rate twice).
 
 Run: ``python benchmarks/compare_commits.py [--base REV] [--head HEAD] [--repeats 9]``; the base
 defaults to :data:`REFERENCE`, the pinned reference of the step path.
@@ -41,6 +47,8 @@ WORKLOADS = ("cartpole16", "pong8", "noop-processes", "noop-serial", "pool", "sa
 # The pinned reference of the step path (issue 42): a change to it is compared with this commit,
 # --repeats 9 at least, and the table goes into its commit message.
 REFERENCE = "50f379e"
+# The quantile of a run's 16-step slice times whose rate is its quiet figure.
+QUIET = 0.1
 
 
 # -- the child: one measurement with whichever envfleet PYTHONPATH gives ----------------------
@@ -75,19 +83,26 @@ class StragglerEnv(gymnasium.Env):  # type: ignore[type-arg]
         return np.zeros(4, np.float32), 1.0, False, False, {}
 
 
-def _timed(step: Any, seconds: float, warmup: float) -> tuple[int, float]:
+def _timed(step: Any, seconds: float, warmup: float) -> tuple[int, float, float]:
+    """``step`` for ``seconds`` after ``warmup``: (calls, seconds, seconds a call took in the
+    run's quiet slices: the :data:`QUIET` quantile of its 16-call slices)."""
     end = time.perf_counter() + warmup
     while time.perf_counter() < end:
         step()
     n, t0 = 0, time.perf_counter()
     end = t0 + seconds
+    slices = []
+    last = t0
     while True:
         for _ in range(16):
             step()
         n += 16
         now = time.perf_counter()
+        slices.append(now - last)
+        last = now
         if now >= end:
-            return n, now - t0
+            quiet = float(np.quantile(slices, QUIET)) / 16
+            return n, now - t0, quiet
 
 
 def lean_policy(obs: Any) -> Any:
@@ -95,7 +110,9 @@ def lean_policy(obs: Any) -> Any:
     return (np.asarray(obs)[:, 2] > 0).astype(np.int64)
 
 
-def measure(workload: str, seconds: float) -> float:
+def measure(workload: str, seconds: float) -> tuple[float, float]:
+    """One run of ``workload``: (its figure over the whole run, the same over its quiet
+    slices; the pool's and the sampler's: their overall figure twice)."""
     import envfleet
 
     if workload == "sampler-worker":
@@ -107,7 +124,8 @@ def measure(workload: str, seconds: float) -> float:
             steps, t0 = 0, time.perf_counter()
             while time.perf_counter() - t0 < seconds:
                 steps += sampler.sample(1024).num_steps
-            return steps / (time.perf_counter() - t0)
+            rate = steps / (time.perf_counter() - t0)
+            return rate, rate
         finally:
             sampler.close()
     if workload == "pool":
@@ -120,8 +138,8 @@ def measure(workload: str, seconds: float) -> float:
                 *_, info = envs.recv()
                 envs.send(actions, info["env_id"])
 
-            n, t = _timed(pool_step, seconds, 0.3)
-            return 8 * n / t
+            n, t, _ = _timed(pool_step, seconds, 0.3)
+            return 8 * n / t, 8 * n / t
         finally:
             envs.close(terminate=True)
     if workload.startswith("noop"):
@@ -142,8 +160,10 @@ def measure(workload: str, seconds: float) -> float:
             envs.step(bank[k[0] & 63])
             k[0] += 1
 
-        n, t = _timed(step, seconds, 0.5)
-        return scale * t / n if scale else envs.num_envs * n / t
+        n, t, quiet = _timed(step, seconds, 0.5)
+        if scale:
+            return scale * t / n, scale * quiet
+        return envs.num_envs * n / t, envs.num_envs / quiet
     finally:
         envs.close()
 
@@ -167,7 +187,7 @@ def prepare_base(base: str, where: Path) -> Path:
     return where / "src"
 
 
-def run_child(src: Path, workload: str, seconds: float) -> float:
+def run_child(src: Path, workload: str, seconds: float) -> tuple[float, float]:
     env = dict(os.environ, PYTHONPATH=str(src))
     out = subprocess.run(
         [
@@ -187,7 +207,8 @@ def run_child(src: Path, workload: str, seconds: float) -> float:
     )
     if out.returncode:
         raise RuntimeError(f"{workload} on {src}: {out.stderr[-2000:]}")
-    return float(json.loads(out.stdout.strip().splitlines()[-1])["value"])
+    figures = json.loads(out.stdout.strip().splitlines()[-1])
+    return float(figures["value"]), float(figures["quiet"])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -210,7 +231,8 @@ def main(argv: list[str] | None = None) -> int:
 
         if args.src and not envfleet.__file__.startswith(args.src):
             raise SystemExit(f"envfleet came from {envfleet.__file__}, not {args.src}")
-        print(json.dumps({"value": measure(args.child, args.seconds)}))
+        value, quiet = measure(args.child, args.seconds)
+        print(json.dumps({"value": value, "quiet": quiet}))
         return 0
     workloads = args.workloads.split(",")
     with tempfile.TemporaryDirectory() as tmp:
@@ -219,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
             trees["after"] = prepare_base(args.head, Path(tmp) / "head")
         else:
             trees["after"] = ROOT / "src"
-        values: dict[str, dict[str, list[float]]] = {
+        values: dict[str, dict[str, list[tuple[float, float]]]] = {
             w: {"before": [], "after": []} for w in workloads
         }
         try:
@@ -243,16 +265,23 @@ def main(argv: list[str] | None = None) -> int:
                     ],
                     capture_output=True,
                 )
-    print(f"| workload (base {args.base}) | before | after | after / before (median of ratios) |")
-    print("|---|---:|---:|---:|")
+    print(
+        f"| workload (base {args.base}) | before | after | after / before (median of ratios) "
+        "| quiet slices: before | after | after / before |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|")
     for w in workloads:
-        b, a = values[w]["before"], values[w]["after"]
-        ratios = [y / x for x, y in zip(b, a, strict=True)]
         unit = " µs/step" if w.startswith("noop") else " steps/s"
-        print(
-            f"| {w} | {statistics.median(b):,.1f}{unit} | {statistics.median(a):,.1f}{unit} "
-            f"| {statistics.median(ratios):.3f} |"
-        )
+        cells = []
+        for k in (0, 1):
+            b = [v[k] for v in values[w]["before"]]
+            a = [v[k] for v in values[w]["after"]]
+            ratios = [y / x for x, y in zip(b, a, strict=True)]
+            cells.append(
+                f"{statistics.median(b):,.1f}{unit} | {statistics.median(a):,.1f}{unit} "
+                f"| {statistics.median(ratios):.3f}"
+            )
+        print(f"| {w} | {cells[0]} | {cells[1]} |")
     return 0
 
 
