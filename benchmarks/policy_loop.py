@@ -8,7 +8,10 @@ sampling; see ``envfleet.bench.TorchPolicy``):
 - ``pong``: ``ALE/Pong-v5`` x8, Nature CNN, ``frameskip=1`` + ``AtariPreprocessing(frame_skip=4,
   screen_size=84, grayscale_obs=True)`` + ``FrameStackObservation(4)``, observations / 255;
 - ``halfcheetah``: ``HalfCheetah-v5`` x8 (MuJoCo: ``pip install 'envfleet[mujoco]'``), the MLP
-  with a Gaussian head (CleanRL's continuous-action PPO actor).
+  with a Gaussian head (CleanRL's continuous-action PPO actor);
+- ``cartpole64`` and ``atari32``: the learner's loops of a 16-core machine (issue 42, item 5):
+  ``CartPole-v1`` x64 with the MLP, and ``pong``'s Atari as trained (sticky actions 0.25,
+  ALE v5's default) x32 with the CNN; not in the default set, which a 2-core machine runs.
 
 Systems (``envfleet.bench.POLICY_SYSTEMS``): gymnasium's SyncVectorEnv and AsyncVectorEnv in a
 plain loop (obs -> policy -> step); PufferLib 3's ``Multiprocessing`` vector env, one worker in
@@ -65,7 +68,10 @@ WORKLOADS = {
     "lunarlander": Workload("LunarLander-v3", 16, "mlp"),
     "pong": Workload("ALE/Pong-v5", 8, "cnn", atari=True),
     "halfcheetah": Workload("HalfCheetah-v5", 8, "mlp"),
+    "cartpole64": Workload("CartPole-v1", 64, "mlp"),
+    "atari32": Workload("ALE/Pong-v5", 32, "cnn", atari=True),
 }
+DEFAULT_WORKLOADS = ("cartpole", "lunarlander", "pong", "halfcheetah")
 
 
 def _names(text: str, available: list[str], kind: str) -> list[str]:
@@ -78,7 +84,7 @@ def _names(text: str, available: list[str], kind: str) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
-    parser.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated")
+    parser.add_argument("--workloads", default=",".join(DEFAULT_WORKLOADS), help="comma-separated")
     parser.add_argument("--systems", default=",".join(POLICY_SYSTEMS), help="comma-separated")
     parser.add_argument("--seconds", type=float, default=2.0, help="timed seconds per system")
     parser.add_argument("--repeats", type=int, default=3, help="repetitions, interleaved")
