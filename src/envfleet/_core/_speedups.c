@@ -174,15 +174,15 @@ monotonic_s(void)
     return (double)t.tv_sec + (double)t.tv_nsec * 1e-9;
 }
 
-/* -- spinning on a semaphore --------------------------------------------------------------- */
+/* -- spinning (on a semaphore, a worker's control words, a round's arrivals) --------------- */
 
-/* Take the semaphore, polling for at most spin_s seconds: back to back for the first tight_s,
- * then yielding the core between polls. 1 when taken, 0 when the budget ran out. Called
- * without the GIL. */
+/* Poll ``poll(arg)`` until it returns nonzero, for at most spin_s seconds: back to back for the
+ * first tight_s, then yielding the core between polls. 1 when it came true, 0 when the budget
+ * ran out. Called without the GIL. */
 static int
-spin_take(sem_t *sem, double tight_s, double spin_s)
+spin_poll(int (*poll)(void *), void *arg, double tight_s, double spin_s)
 {
-    if (sem_trywait(sem) == 0)
+    if (poll(arg))
         return 1;
     if (spin_s <= 0)
         return 0;
@@ -192,7 +192,7 @@ spin_take(sem_t *sem, double tight_s, double spin_s)
     int yielding = 0;
     for (;;) {
         for (int k = 0; k < 16; k++) {
-            if (sem_trywait(sem) == 0)
+            if (poll(arg))
                 return 1;
             if (yielding)
                 sched_yield();
@@ -204,6 +204,19 @@ spin_take(sem_t *sem, double tight_s, double spin_s)
             return 0;
         yielding = now >= tight_until;
     }
+}
+
+static int
+poll_sem(void *sem)
+{
+    return sem_trywait((sem_t *)sem) == 0;
+}
+
+/* Take the semaphore, polling as spin_poll does. */
+static int
+spin_take(sem_t *sem, double tight_s, double spin_s)
+{
+    return spin_poll(poll_sem, sem, tight_s, spin_s);
 }
 
 /* -- the round bell (Linux: _backends/processes/doorbell.py's RoundBell) -------------------- */
@@ -312,8 +325,8 @@ sp_bell_ring(PyObject *self, PyObject *arg)
     Py_RETURN_NONE;
 }
 
-/* bell_arrive(bell): a worker's arrival on a full round, its reply and ACK written
- * (RoundBell.arrive). */
+/* bell_arrive(bell): a worker's arrival on a full round, its reply written (its ACK comes
+ * after: RoundBell.arrive, _Worker.ring_done). */
 static PyObject *
 sp_bell_arrive(PyObject *self, PyObject *arg)
 {
@@ -380,61 +393,31 @@ sp_gather_sleep(PyObject *self, PyObject *args)
     return PyBool_FromLong(__atomic_load_n(&bell->remaining, __ATOMIC_SEQ_CST) == 0);
 }
 
+static int
+poll_pending(void *control)
+{
+    return bell_pending((volatile int64_t *)control);
+}
+
 /* bell_pending, polled as spin_take polls a semaphore: 1 when a command is due, 0 when the
  * budget ran out. Called without the GIL. */
 static int
 spin_pending(volatile int64_t *control, double tight_s, double spin_s)
 {
-    if (bell_pending(control))
-        return 1;
-    if (spin_s <= 0)
-        return 0;
-    double start = monotonic_s();
-    double tight_until = start + (tight_s < spin_s ? tight_s : spin_s);
-    double spin_until = start + spin_s;
-    int yielding = 0;
-    for (;;) {
-        for (int k = 0; k < 16; k++) {
-            if (bell_pending(control))
-                return 1;
-            if (yielding)
-                sched_yield();
-            else
-                CPU_RELAX();
-        }
-        double now = monotonic_s();
-        if (now >= spin_until)
-            return 0;
-        yielding = now >= tight_until;
-    }
+    return spin_poll(poll_pending, (void *)control, tight_s, spin_s);
+}
+
+static int
+poll_gathered(void *bell)
+{
+    return __atomic_load_n(&((bell_t *)bell)->remaining, __ATOMIC_ACQUIRE) == 0;
 }
 
 /* remaining == 0, polled the same way (the driver's spin on a full round's arrivals). */
 static int
 spin_gathered(bell_t *bell, double tight_s, double spin_s)
 {
-    if (__atomic_load_n(&bell->remaining, __ATOMIC_ACQUIRE) == 0)
-        return 1;
-    if (spin_s <= 0)
-        return 0;
-    double start = monotonic_s();
-    double tight_until = start + (tight_s < spin_s ? tight_s : spin_s);
-    double spin_until = start + spin_s;
-    int yielding = 0;
-    for (;;) {
-        for (int k = 0; k < 16; k++) {
-            if (__atomic_load_n(&bell->remaining, __ATOMIC_ACQUIRE) == 0)
-                return 1;
-            if (yielding)
-                sched_yield();
-            else
-                CPU_RELAX();
-        }
-        double now = monotonic_s();
-        if (now >= spin_until)
-            return 0;
-        yielding = now >= tight_until;
-    }
+    return spin_poll(poll_gathered, bell, tight_s, spin_s);
 }
 
 /* -- step times (StepTimer.record, _backends/supervisor.py) ----------------------------------------- */
