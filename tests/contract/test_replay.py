@@ -332,6 +332,64 @@ def test_a_start_reader_reads_what_reset_start_reads(make_env: Any) -> None:
         env.close()
 
 
+class _Mt19937Env(gym.Env):  # type: ignore[type-arg]
+    """CartPole's spaces, its generator an MT19937 one (not gymnasium's PCG64)."""
+
+    observation_space = gym.spaces.Box(-1.0, 1.0, (4,), np.float32)
+    action_space = gym.spaces.Discrete(2)
+
+    def reset(self, *, seed: Any = None, options: Any = None) -> Any:
+        if seed is not None or not hasattr(self, "_np_random") or self._np_random is None:
+            self._np_random = np.random.Generator(np.random.MT19937(seed))
+        return self._np_random.random(4).astype(np.float32), {}
+
+    def step(self, action: Any) -> Any:
+        return self._np_random.random(4).astype(np.float32), 0.0, False, False, {}
+
+
+@pytest.mark.parametrize(
+    "make_env",
+    [
+        pytest.param(lambda: gym.make("CartPole-v1"), id="CartPole"),
+        pytest.param(_OuterEnvWithItsOwnGenerator, id="two-generators"),
+        pytest.param(_Mt19937Env, id="MT19937"),
+        pytest.param(lambda: make_atari("ALE/Pong-v5"), id="Pong", marks=pytest.mark.atari),
+    ],
+)
+def test_a_packed_start_reads_back_as_reset_start(make_env: Any) -> None:
+    """What the record keeps of an episode start (StartReader.packed: each PCG64 generator's
+    40 bytes where every generator is one, the env keeps no ALE state and there are no
+    options; else the pickled start) reads back (unpack_start) as reset_start's start, with
+    a draw's buffered half (has_uint32) too; the packed form is taken where it applies."""
+    from envfleet._core.replay import StartReader, reset_start, unpack_start
+
+    env = make_env()
+    read = StartReader(env)
+    plain = type(env.unwrapped).__name__ != "AtariEnv" and not isinstance(
+        env.unwrapped, _Mt19937Env
+    )
+    try:
+        for seed in (SEED, None, SEED + 1, None):
+            env.reset(seed=seed)
+            env.step(env.action_space.sample())
+            for generator in replay_generators(env):
+                generator.integers(0, 2**32, dtype=np.uint32)  # half a draw buffered
+            blob = read.packed()
+            assert blob.startswith(b"\xffPCG") == plain
+            np.testing.assert_equal(unpack_start(blob), reset_start(env))
+            with_options = read.packed({"k": 1})
+            assert not with_options.startswith(b"\xffPCG")
+            np.testing.assert_equal(unpack_start(with_options), reset_start(env, {"k": 1}))
+    finally:
+        env.close()
+
+
+def replay_generators(env: Any) -> list[np.random.Generator]:
+    from envfleet._core.replay import _generators
+
+    return list(_generators(env).values())
+
+
 def test_the_action_log_copies_a_groups_action_rows_as_bytes() -> None:
     """A group hands its log the same action buffer every step: after the first step the log
     copies its bytes (and keeps exactly what numpy's assignment would); another array, or

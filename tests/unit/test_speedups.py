@@ -376,6 +376,9 @@ def test_the_c_module_holds_what_pays():
         "bell_sleep",
         "bell_arrive",
         "gather_sleep",
+        # The replay record's episode start at each autoreset: a PCG64 state as bytes (half
+        # of the record's cost on CartPole, benchmarks/README.md).
+        "pcg64_raw",
     }
     assert set(c_counters()) >= SYSCALL_COUNTERS
     for name in functions:
@@ -447,3 +450,35 @@ def test_the_c_path_reads_the_control_words_layout_from_python(tmp_path):
     )
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
     assert " passed" in out.stdout and " failed" not in out.stdout
+
+
+def test_pcg64_raw_is_pcg64_bytes_and_runs_at_autoresets():
+    """_speedups.pcg64_raw (the C copy of a PCG64 state) gives replay.pcg64_bytes's 40 bytes
+    for generators in many states, a buffered half draw among them; and an EnvGroup's record
+    reads every autoreset's start with it (the counter of the fast path)."""
+    from envfleet._core.replay import pcg64_bytes
+
+    speedups = envfleet._core.native.speedups
+    if speedups is None:
+        pytest.skip("envfleet._core._speedups is not built here")
+    rng = np.random.default_rng(0)
+    for seed in rng.integers(0, 2**63, size=50):
+        generator = np.random.default_rng(int(seed))
+        generator.random(int(seed % 7))
+        if seed % 2:
+            generator.integers(0, 2**32, dtype=np.uint32)
+        bit_generator = generator.bit_generator
+        raw = speedups.pcg64_raw(bit_generator.ctypes.state_address)
+        assert raw == pcg64_bytes(bit_generator)
+    envs = envfleet.make("CartPole-v1", 2, backend="serial")
+    try:
+        envs.reset(seed=0)
+        before = speedups.counters()["pcg64_raw"]
+        ended = 0
+        for _ in range(200):
+            _, _, terminated, truncated, _ = envs.step(np.zeros(2, dtype=np.int64))
+            ended += int(np.count_nonzero(terminated | truncated))
+        assert ended > 2
+        assert speedups.counters()["pcg64_raw"] - before >= ended - 2  # one per autoreset
+    finally:
+        envs.close()

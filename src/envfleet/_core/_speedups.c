@@ -13,6 +13,8 @@
  *                   (_backends/processes/backend.py)
  *   timed_call      StepTimer.call: a group's step timed into its stats row, where a backend
  *                   steps the group itself (serial, threads, Ray actors, the driver's block)
+ *   pcg64_raw       replay.pcg64_bytes: a PCG64 generator's state as bytes, for the replay
+ *                   record's episode start at every autoreset (_core/replay.py)
  *   bell_ring, bell_sleep, bell_arrive, gather_sleep
  *                   the processes backend's round bell on Linux futexes (RoundBell,
  *                   _backends/processes/doorbell.py): one ring and one count of arrivals per
@@ -69,14 +71,15 @@ enum {
     F_BELL_SLEEP,
     F_BELL_ARRIVE,
     F_GATHER_SLEEP,
+    F_PCG64_RAW,
     S_FUTEX_WAKE, /* not functions: the futex system calls this process's C code issued */
     S_FUTEX_WAIT,
     F_COUNT
 };
 static const char *const function_names[F_COUNT] = {
     "serve_steps", "step_round", "timed_call", "write_results", "write_rows",
-    "bell_ring",   "bell_sleep", "bell_arrive",  "gather_sleep", "futex_wake",
-    "futex_wait",
+    "bell_ring",   "bell_sleep", "bell_arrive",  "gather_sleep", "pcg64_raw",
+    "futex_wake",  "futex_wait",
 };
 static unsigned long long calls[F_COUNT];
 
@@ -1024,6 +1027,36 @@ sp_register_types(PyObject *self, PyObject *args)
     Py_RETURN_NONE;
 }
 
+/* -- the replay record's episode start (replay.StartReader.packed) ------------------------ */
+
+/* numpy's pcg64_state (numpy/random/src/pcg64/pcg64.h), what a PCG64 bit generator's
+ * ``ctypes.state_address`` points at: its 32-byte pcg64_random_t (the 128-bit state, then the
+ * increment), and the buffered 32-bit half of a draw. Not a public layout: replay.py checks
+ * this copy against bit_generator.state once per process, and uses its Python twin if they
+ * differ. */
+typedef struct {
+    const void *pcg_state;
+    int has_uint32;
+    uint32_t uinteger;
+} pcg64_state_view;
+
+/* pcg64_raw(state_address) -> bytes: the 40 bytes of replay.pcg64_bytes (state, increment,
+ * has_uint32, uinteger, as they lie in memory), read without building the state dict. */
+static PyObject *
+sp_pcg64_raw(PyObject *self, PyObject *arg)
+{
+    void *a;
+    if (!as_address(arg, &a))
+        return NULL;
+    calls[F_PCG64_RAW]++;
+    const pcg64_state_view *view = (const pcg64_state_view *)a;
+    char raw[40];
+    memcpy(raw, view->pcg_state, 32);
+    memcpy(raw + 32, &view->has_uint32, 4);
+    memcpy(raw + 36, &view->uinteger, 4);
+    return PyBytes_FromStringAndSize(raw, 40);
+}
+
 static PyMethodDef methods[] = {
     {"write_results", sp_write_results, METH_VARARGS, "EnvGroup._write_results."},
     {"write_rows", sp_write_rows, METH_VARARGS, "EnvGroup's observation rows, memcpy'd."},
@@ -1031,6 +1064,8 @@ static PyMethodDef methods[] = {
     {"step_round", sp_step_round, METH_VARARGS, "The processes transport's step round (step_all)."},
     {"timed_call", sp_timed_call, METH_VARARGS, "StepTimer.call."},
     {"bell_ring", sp_bell_ring, METH_O, "bell_ring(bell): RoundBell.ring."},
+    {"pcg64_raw", sp_pcg64_raw, METH_O,
+     "pcg64_raw(state_address) -> bytes: replay.pcg64_bytes of a PCG64 bit generator."},
     {"bell_arrive", sp_bell_arrive, METH_O, "bell_arrive(bell): RoundBell.arrive."},
     {"bell_sleep", sp_bell_sleep, METH_VARARGS,
      "bell_sleep(bell, control, timeout_s) -> bool: RoundBell.sleep."},

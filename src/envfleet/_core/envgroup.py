@@ -378,13 +378,14 @@ class EnvGroup:
         self._write_observations("step", events)
         return events
 
-    def _reset_start(self, j: int, env: Any, options: Any = None) -> tuple[Any, ...]:
-        """:func:`envfleet._core.replay.reset_start` of env ``j`` (local), through its
-        :class:`~envfleet._core.replay.StartReader`, made once per env object."""
+    def _reset_start(self, j: int, env: Any, options: Any = None) -> bytes:
+        """:func:`envfleet._core.replay.reset_start` of env ``j`` (local) as the record keeps
+        it, through its :class:`~envfleet._core.replay.StartReader` (``packed``), made once
+        per env object."""
         read = self._start_readers.get(j)
         if read is None or read.env is not env:
             read = self._start_readers[j] = StartReader(env)
-        return read(options)
+        return read.packed(options)
 
     def _recorded(self, failure: EnvFailure) -> EnvFailure:
         """``failure`` with its env's episode so far (``failure.recording``), if recorded."""

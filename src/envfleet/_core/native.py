@@ -14,6 +14,9 @@ processes backend (driver or worker) is built, so setting ``envfleet._core.nativ
 (or naming functions in :data:`disabled`) before ``envfleet.make`` turns them off for that
 vector env (and, under ``fork``, for its workers).
 
+``pcg64_raw`` copies a PCG64 generator's state for the replay record's episode start at
+each autoreset (``_core/replay.py``: ``StartReader.packed``; its twin ``pcg64_bytes``).
+
 The processes backend's round bell (Linux futexes, ``_backends/processes/doorbell.py``) has
 its C side here too: ``bell_ring``, ``bell_sleep``, ``bell_arrive`` and ``gather_sleep``, and
 ``step_round`` / ``serve_steps`` given the bell's address.

@@ -30,6 +30,7 @@ import os
 import pickle
 import select
 import signal
+import struct
 import subprocess
 import sys
 import time
@@ -43,6 +44,7 @@ import gymnasium
 import numpy as np
 from gymnasium.vector.utils import batch_space, concatenate, create_empty_array, iterate
 
+from envfleet._core import native as _native
 from envfleet._core.buffers import Carver, side_leaves
 from envfleet._core.errors import ConfigError, EnvfleetError, describe_exitcode
 from envfleet._core.trees import tree_row
@@ -66,8 +68,10 @@ __all__ = [
     "read_log",
     "recording_of",
     "replays_of",
+    "pcg64_bytes",
     "reset_start",
     "StartReader",
+    "unpack_start",
     "restore_envs",
     "group_recordings",
     "run_replay",
@@ -191,29 +195,144 @@ def _generators(
     return _read_generators(_generator_slots(holders))
 
 
+# A packed episode start (StartReader.packed) begins with these bytes; a pickle (protocol 2 and
+# later) begins with 0x80. Then the pickled tuple of the generators' paths, its length first
+# (uint32), then each generator's pcg64_bytes in that order.
+_PACKED = b"\xffPCG"
+_PCG64_BYTES = 40
+
+
+def pcg64_bytes(bit_generator: np.random.PCG64) -> bytes:
+    """A PCG64 bit generator's state as 40 bytes: its 128-bit state and increment
+    (little-endian), ``has_uint32`` (int32) and ``uinteger`` (uint32): the Python twin of
+    ``_speedups.pcg64_raw``, which copies them from the generator's memory. The inverse of
+    :func:`_pcg64_state`.
+
+    Example::
+
+        raw = pcg64_bytes(np.random.default_rng(0).bit_generator)  # len(raw) == 40
+    """
+    state = bit_generator.state
+    return (
+        state["state"]["state"].to_bytes(16, "little")
+        + state["state"]["inc"].to_bytes(16, "little")
+        + struct.pack("<iI", state["has_uint32"], state["uinteger"])
+    )
+
+
+def _pcg64_state(raw: bytes) -> dict[str, Any]:
+    """The ``bit_generator.state`` dict of :func:`pcg64_bytes`'s 40 bytes."""
+    has_uint32, uinteger = struct.unpack_from("<iI", raw, 32)
+    return {
+        "bit_generator": "PCG64",
+        "state": {
+            "state": int.from_bytes(raw[:16], "little"),
+            "inc": int.from_bytes(raw[16:32], "little"),
+        },
+        "has_uint32": has_uint32,
+        "uinteger": uinteger,
+    }
+
+
+_pcg64_c_agrees: bool | None = None  # the C copy gave the twin's bytes (None: not checked yet)
+
+
+def _pcg64_read() -> Callable[[np.random.PCG64], bytes]:
+    """:func:`pcg64_bytes`, from the C copy (``_speedups.pcg64_raw``) where it runs here and
+    gives the twin's bytes (checked once per process, on a generator with half a 64-bit draw
+    buffered), else the twin. Looked up when a :class:`StartReader` is made."""
+    global _pcg64_c_agrees
+    raw = _native.function("pcg64_raw")
+    if raw is None:
+        return pcg64_bytes
+
+    def c_read(bit_generator: np.random.PCG64) -> bytes:
+        return cast(bytes, raw(bit_generator.ctypes.state_address))
+
+    if _pcg64_c_agrees is None:
+        probe = np.random.PCG64(12345)
+        np.random.Generator(probe).integers(0, 2**32, dtype=np.uint32)  # has_uint32 = 1
+        _pcg64_c_agrees = c_read(probe) == pcg64_bytes(probe)
+    return c_read if _pcg64_c_agrees else pcg64_bytes
+
+
+def unpack_start(blob: bytes) -> tuple[Any, ...]:
+    """An episode start as :class:`ActionLog` keeps it (a pickle, or
+    :meth:`StartReader.packed`'s form) as :func:`reset_start` gives it.
+
+    Raises:
+        pickle.UnpicklingError, struct.error: ``blob`` is neither.
+    """
+    if not blob.startswith(_PACKED):
+        return cast(tuple[Any, ...], pickle.loads(blob))
+    at = len(_PACKED)
+    (size,) = struct.unpack_from("<I", blob, at)
+    at += 4
+    paths = pickle.loads(blob[at : at + size])
+    at += size
+    states = {}
+    for path in paths:
+        states[path] = _pcg64_state(blob[at : at + _PCG64_BYTES])
+        at += _PCG64_BYTES
+    return ("rng", states, None, None)
+
+
 class StartReader:
     """:func:`reset_start` of one env, what stays the same over the env's life found once:
     where its generators may be (:func:`_generator_slots`, read again at every call, since a
     seeded reset replaces the generator) and its ``unwrapped`` env. An EnvGroup keeps one per
-    env and calls it at every episode start, so it is on the step path (an episode of
-    CartPole is about 20 steps): the same start as :func:`reset_start`'s, with less work.
+    env and calls :meth:`packed` at every episode start, so it is on the step path (an
+    episode of CartPole is about 20 steps): the same start as :func:`reset_start`'s, with
+    less work.
 
     Example::
 
         read = StartReader(env)
         start = read()            # == reset_start(env)
+        blob = read.packed()      # unpack_start(blob) == start
         env.reset()
     """
 
-    __slots__ = ("_slots", "_unwrapped", "env")
+    __slots__ = ("_paths", "_prefix", "_read", "_slots", "_unwrapped", "env")
 
     def __init__(self, env: gymnasium.Env[Any, Any]):
         self.env = env
         self._slots = _generator_slots(generator_holders(env))
         self._unwrapped: Any = env.unwrapped
+        self._paths: tuple[str, ...] | None = None
+        self._prefix = b""
+        self._read = _pcg64_read()
 
     def __call__(self, options: Any = None) -> tuple[Any, ...]:
         return _start(self._unwrapped, _read_generators(self._slots), options)
+
+    def packed(self, options: Any = None) -> bytes:
+        """The start as :class:`ActionLog` keeps it (:func:`unpack_start` reads it back).
+
+        Where every generator is a PCG64 (gymnasium's), the env keeps no ALE state and there
+        are no options (an autoreset's start), it is each generator's :func:`pcg64_bytes`
+        behind the paths' pickle, made once (the C copy reads a state without building
+        ``bit_generator.state``'s dict; ``benchmarks/README.md`` has its cost). Else the
+        pickled start.
+        """
+        generators = _read_generators(self._slots)
+        if options is None and getattr(self._unwrapped, "ale", None) is None:
+            read = self._read
+            raws = []
+            for generator in generators.values():
+                bit_generator = generator.bit_generator
+                if type(bit_generator) is not np.random.PCG64:
+                    break
+                raws.append(read(bit_generator))
+            else:
+                paths = tuple(generators)
+                if paths != self._paths:
+                    names = pickle.dumps(paths, pickle.HIGHEST_PROTOCOL)
+                    self._paths = paths
+                    self._prefix = _PACKED + struct.pack("<I", len(names)) + names
+                return self._prefix + b"".join(raws)
+        start = _start(self._unwrapped, generators, options)
+        return pickle.dumps(start, pickle.HIGHEST_PROTOCOL)
 
 
 def _start(
@@ -379,12 +498,16 @@ class ActionLog:
         self.n = n + 1
         self._header[_N] = n + 1
 
-    def began(self, j: int, start: tuple[Any, ...]) -> None:
-        """Env ``j`` (local) begins an episode at the next action, as ``start`` says."""
-        try:
-            blob = pickle.dumps(start, pickle.HIGHEST_PROTOCOL)
-        except Exception:
-            blob = b""
+    def began(self, j: int, start: tuple[Any, ...] | bytes) -> None:
+        """Env ``j`` (local) begins an episode at the next action, as ``start`` says (or as
+        its bytes, :meth:`StartReader.packed`, say)."""
+        if type(start) is bytes:
+            blob = start
+        else:
+            try:
+                blob = pickle.dumps(start, pickle.HIGHEST_PROTOCOL)
+            except Exception:
+                blob = b""
         self._header[_EPISODES] += 1
         self._starts[j] = self.n
         size = len(blob)
@@ -407,7 +530,7 @@ class ActionLog:
                 else f"its episode is longer than replay_steps={self.capacity}"
             )
             return EnvRecording(env_index, None, [], complete=False, why=why, steps=max(count, 0))
-        start = pickle.loads(self.slots[j, :length].tobytes())
+        start = unpack_start(self.slots[j, :length].tobytes())
         actions = [self._row(t % self.capacity, j) for t in range(first, n)]
         return EnvRecording(env_index, start, actions, complete=True, why="", steps=count)
 
