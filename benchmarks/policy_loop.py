@@ -16,15 +16,19 @@ sampling; see ``envfleet.bench.TorchPolicy``):
 Systems (``envfleet.bench.POLICY_SYSTEMS``): gymnasium's SyncVectorEnv and AsyncVectorEnv in a
 plain loop (obs -> policy -> step); PufferLib 3's ``Multiprocessing`` vector env, one worker in
 a plain loop and two workers with recv/send (a row with the install command when pufferlib is
-missing); envfleet's ``make()`` in a plain loop; envfleet's first-ready pool
+missing); EnvPool's own gymnasium API on the task doing the workload's work (its native
+task; an Atari workload's frames as its wrappers make them, ``envfleet.bench._policy_loop
+.envpool_workload_task``) in a plain loop and in the storing one (CleanRL's
+``ppo_atari_envpool.py`` rollout; skipped where EnvPool is missing or has no such task);
+envfleet's ``make()`` in a plain loop; envfleet's first-ready pool
 (``batch_size = N/2``: recv -> policy -> send); ``envfleet.Sampler`` with driver and with worker
 inference (``sample(64 N)`` in a loop). The loop a learner writes, ``gym-sync-store``,
-``gym-async-store``, ``puffer-sync-store`` and ``envfleet-store``: the plain loop of the same
-system that also writes each step's observations, actions, rewards and dones (terminated |
-truncated) into preallocated ``[T, N, ...]`` numpy arrays (T = 128, wrapping around), as
-CleanRL's PPO rollout does. Every system counts transitions: a step that only resets an env
-whose episode ended in the step before (gymnasium's ``NEXT_STEP`` autoreset, PufferLib's; the
-action is ignored) is not one.
+``gym-async-store``, ``puffer-sync-store``, ``envpool-store`` and ``envfleet-store``: the
+plain loop of the same system that also writes each step's observations, actions, rewards and
+dones (terminated | truncated) into preallocated ``[T, N, ...]`` numpy arrays (T = 128,
+wrapping around), as CleanRL's PPO rollout does. Every system counts transitions: a step
+that only resets an env whose episode ended in the step before (gymnasium's ``NEXT_STEP``
+autoreset, PufferLib's, EnvPool's; the action is ignored) is not one.
 
 The bounds, from ``T_p(n)`` the policy's time on a batch of n (measured at n = N, N/2, N/4),
 ``t_env`` one env's step time in a plain loop (measured) and ``cores`` those this process may

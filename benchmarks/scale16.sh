@@ -13,8 +13,7 @@
 #   item 3  backend="envpool" against EnvPool itself, sync and pool
 #   item 4  the first-ready pool against the synchronous loop, make() defaults
 #   item 5  the learner's loop with the policy on CUDA (CartPole x64 MLP, Atari as trained x32
-#           CNN: policy_loop.py's cartpole64 and atari32; EnvPool's own storing loop is not
-#           among its systems yet)
+#           CNN: policy_loop.py's cartpole64 and atari32, beside EnvPool's own storing loop)
 #   item 7  the 2-core proxy: the driver's CPU and system calls per round against W (no-op)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -50,7 +49,7 @@ step 70 pool "$py" benchmarks/pool_vs_sync.py --repeats 1 --seconds 2 \
     --cases CartPole-v1:64 ALE/Pong-v5:64 --out "$out/scale16-pool"
 if "$py" -c "import torch, sys; sys.exit(not torch.cuda.is_available())" 2>/dev/null; then
     step 80 policy "$py" benchmarks/policy_loop.py --device cuda --repeats 1 --seconds 2 \
-        --workloads cartpole64,atari32 --systems envfleet-store,sampler,sampler-driver \
+        --workloads cartpole64,atari32 --systems envpool-store,envfleet-store,sampler,sampler-driver \
         --json "$out/scale16-policy-cuda.json"
 else
     echo "== policy: skipped (no CUDA device)"

@@ -368,10 +368,14 @@ def test_measure_policy_loop_every_system_tiny_budget():
     )
     assert [r.system for r in report.results] == list(POLICY_SYSTEMS)
     has_puffer = importlib.util.find_spec("pufferlib") is not None
+    has_envpool = importlib.util.find_spec("envpool") is not None
     for r in report.results:
         if r.system.startswith("puffer") and not has_puffer:
             assert r.skipped == PUFFER_INSTALL and r.runs == ()
             assert math.isnan(r.steps_per_s)
+            continue
+        if r.system.startswith("envpool") and not has_envpool:
+            assert r.skipped is not None and "pip install" in r.skipped and r.runs == ()
             continue
         assert r.skipped is None
         assert len(r.runs) == 2 and all(rate > 0 for rate in r.runs)
@@ -472,6 +476,7 @@ def test_storing_loop_writes_the_rollout_and_counts_transitions():
         "gym-sync-store",
         "gym-async-store",
         "puffer-sync-store",
+        "envpool-store",
         "envfleet-store",
     )
     assert all(s.removesuffix("-store") in POLICY_SYSTEMS for s in STORE_SYSTEMS)
@@ -516,6 +521,45 @@ def test_storing_loop_over_envfleet_copies_each_step():
         assert [store() for _ in range(4)] == [2, 2, 2, 0]
         np.testing.assert_array_equal(store.obs[:, :, 0], [[0, 0], [1, 1], [2, 2], [3, 3]])
         np.testing.assert_array_equal(store.dones[:, 0], [False, False, True, False])
+    finally:
+        for close in closers:
+            close()
+
+
+def test_envpool_systems_do_the_workloads_work():
+    """The ``envpool`` systems run EnvPool's own task doing a workload's work: an Atari
+    workload's frames as its gymnasium wrappers make them (the same observation space), and
+    the storing loop over EnvPool writes its rollout and counts transitions as over
+    gymnasium's vector envs (an env's reset step after its end is not one)."""
+    pytest.importorskip("envpool")
+    from envfleet.bench._policy_loop import EnvPoolVector, StoringLoop, envpool_workload_task
+
+    atari = Workload("ALE/Pong-v5", 2, "cnn", atari=True)
+    if importlib.util.find_spec("ale_py") is not None:
+        task = envpool_workload_task(atari)
+        assert task is not None
+        name, kwargs = task
+        assert name == "Pong-v5" and kwargs["repeat_action_probability"] == 0.25
+        pool = EnvPoolVector(task, 2, 0)
+        env = atari.factory()()
+        try:
+            obs = pool.reset(seed=0)[0]
+            assert obs.shape == (2, *env.observation_space.shape)
+            assert obs.dtype == env.observation_space.dtype
+        finally:
+            pool.close()
+            env.close()
+    assert envpool_workload_task(Workload("Taxi-v4", 2, "mlp")) is None  # not an EnvPool task
+    task = envpool_workload_task(Workload("CartPole-v1", 4, "mlp"))
+    assert task == ("CartPole-v1", {})
+    closers: list = []
+    pool = EnvPoolVector(task, 4, 0)
+    loop = StoringLoop(pool, 4, lambda obs: np.zeros(len(obs), dtype=np.int64), 0, closers, 8)
+    try:
+        taken = [loop() for _ in range(40)]  # always left: every episode ends within 40 steps
+        assert loop.t == 40 % 8 and loop.dones.any()
+        assert sum(taken) < 160  # the reset steps after the episodes' ends are not counted
+        assert np.array_equal(loop.actions, np.zeros((8, 4), dtype=np.int64))
     finally:
         for close in closers:
             close()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -20,7 +21,7 @@ import numpy as np
 import envfleet
 from envfleet import ConfigError, check_env_id, usable_cores
 from envfleet.bench._core import ACTION_BANK, bench_error, check_args, json_ready
-from envfleet.bench._peers import PUFFER_INSTALL
+from envfleet.bench._peers import PEER_INSTALL, PUFFER_INSTALL, envpool_task
 from envfleet.bench._policies import (
     TorchPolicy,
     check_workload,
@@ -72,6 +73,8 @@ POLICY_SYSTEMS: tuple[str, ...] = (
     "puffer-sync",
     "puffer-sync-store",
     "puffer-async",
+    "envpool",
+    "envpool-store",
     "envfleet",
     "envfleet-store",
     "envfleet-pool",
@@ -87,7 +90,17 @@ STORE_SYSTEMS: tuple[str, ...] = tuple(s for s in POLICY_SYSTEMS if s.endswith("
 #: ``T``, the steps a storing loop's arrays hold before it wraps around (CleanRL's PPO default).
 ROLLOUT_STEPS = 128
 _GYM_LOOPS = ("gym-sync", "gym-async")
-_PEER_LOOPS = (*_GYM_LOOPS, "puffer-sync", "puffer-async")
+_PEER_LOOPS = (*_GYM_LOOPS, "puffer-sync", "puffer-async", "envpool")
+# An Atari workload's frames as EnvPool makes them (its defaults: 4 frames skipped and
+# max-pooled, no fire reset, no life loss as an end, no reward clipping), as the workload's
+# gymnasium wrappers make them: 84x84 gray, 4 stacked, at most 30 no-ops at a reset.
+_ENVPOOL_AS_TRAINED = {
+    "img_height": 84,
+    "img_width": 84,
+    "gray_scale": True,
+    "stack_num": 4,
+    "noop_max": 30,
+}
 
 
 @dataclass(frozen=True)
@@ -213,9 +226,12 @@ def measure_policy_loop(
     the systems run one after the other, and each repetition starts one system later (so no
     system always follows the same one). The bounds are measured first (:func:`measure_bound`).
     A PufferLib system is skipped, with :data:`PUFFER_INSTALL` as its reason, when pufferlib is
-    missing.
+    missing; an EnvPool system (``envpool``, ``envpool-store``: EnvPool's own gymnasium API,
+    :class:`EnvPoolVector`, in the plain and the storing loop, CleanRL's
+    ``ppo_atari_envpool.py`` rollout) when EnvPool is missing or has no task for the workload
+    (:func:`envpool_workload_task`).
 
-    Loops: ``gym-*``, ``puffer-sync``, ``envfleet``: ``actions = policy(obs)``,
+    Loops: ``gym-*``, ``puffer-sync``, ``envpool``, ``envfleet``: ``actions = policy(obs)``,
     ``obs = envs.step(actions)[0]``; their ``*-store`` twins (:data:`STORE_SYSTEMS`, the loop
     a learner writes) also write ``obs``, ``actions``, the rewards and the dones into
     ``[T, N, ...]`` arrays (``T =`` :data:`ROLLOUT_STEPS`); ``envfleet-pool``
@@ -264,6 +280,9 @@ def measure_policy_loop(
         raise ConfigError("no system to measure")
     bound = measure_bound(workload, seed=seed, device=device)
     skipped = {s: PUFFER_INSTALL for s in systems if s.startswith("puffer") and not _has_puffer()}
+    if envpool_workload_task(workload) is None:
+        why = _envpool_missing(workload)
+        skipped.update({s: why for s in systems if s.startswith("envpool")})
     active = [s for s in systems if s not in skipped]
     runs: dict[str, list[float]] = {s: [] for s in active}
     notes: dict[str, list[str]] = {s: [] for s in active}
@@ -526,6 +545,59 @@ def _median(values: Sequence[float]) -> float:
     return float(statistics.median(values)) if values else math.nan
 
 
+def envpool_workload_task(workload: Any) -> tuple[str, dict[str, Any]] | None:
+    """EnvPool's task doing ``workload``'s work, for the ``envpool`` systems: its native task
+    (:func:`envfleet.bench.envpool_task`), an Atari workload's frames as its wrappers make
+    them (84x84 gray, 4 stacked, at most 30 no-ops; sticky actions 0.25 as ALE v5's); or
+    ``None`` where EnvPool is missing or has no such task."""
+    task = envpool_task(workload.env_id)
+    if task is None:
+        return None
+    name, kwargs = task
+    if workload.atari:
+        kwargs.update(_ENVPOOL_AS_TRAINED)
+    return name, kwargs
+
+
+def _envpool_missing(workload: Any) -> str:
+    import importlib.util
+
+    if importlib.util.find_spec("envpool") is None:
+        return f"EnvPool is not installed: {PEER_INSTALL['envpool-native']}"
+    return f"EnvPool has no task for {workload.env_id}"
+
+
+class EnvPoolVector:
+    """EnvPool's own gymnasium API (``envpool.make_gymnasium``, ``num_threads`` capped at the
+    usable cores, seeded at ``make``) as the loops call a vector env: ``reset(seed=...)``
+    (the seed was EnvPool's at ``make``), ``step``, ``close``. EnvPool autoresets an env in
+    the step after its episode ended, as gymnasium's ``NEXT_STEP``.
+
+    Args:
+        task: ``(task id, envpool.make options)`` (:func:`envpool_workload_task`).
+        num_envs: envs in the pool.
+        seed: EnvPool's seed.
+    """
+
+    def __init__(self, task: tuple[str, dict[str, Any]], num_envs: int, seed: int):
+        import envpool
+
+        name, kwargs = task
+        threads = min(num_envs, usable_cores())
+        with warnings.catch_warnings():  # gymnasium on EnvPool's float64 Box bounds
+            warnings.simplefilter("ignore", UserWarning)
+            self.pool = envpool.make_gymnasium(
+                name, num_envs=num_envs, num_threads=threads, seed=seed, **kwargs
+            )
+        self.step = self.pool.step
+        self.close = self.pool.close
+
+    def reset(self, seed: int | None = None) -> Any:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            return self.pool.reset()
+
+
 def _has_puffer() -> bool:
     import importlib.util
 
@@ -557,7 +629,17 @@ def _measure_loop(
     finished = False
     try:
         try:
-            advance = _loop(system, factory, n, policy, seed, closers, notes, t_policy_by_n)
+            if system.startswith("envpool"):
+                task = envpool_workload_task(workload)
+                if task is None:
+                    raise ConfigError(_envpool_missing(workload))
+                envs = EnvPoolVector(task, n, seed)
+                if system == "envpool-store":
+                    advance: Callable[[], int] = StoringLoop(envs, n, policy, seed, closers)
+                else:
+                    advance = _plain_loop(envs, n, policy, seed, closers)
+            else:
+                advance = _loop(system, factory, n, policy, seed, closers, notes, t_policy_by_n)
         except ConfigError:
             raise
         except Exception as exc:
