@@ -15,6 +15,11 @@ Two ways to collect the same rollouts (same model, same update, same seeds):
 - ``--vector gym-async``: ``gymnasium.vector.AsyncVectorEnv`` stepped in CleanRL's plain loop
   (policy, then ``step``, ``num_steps`` times), its rollout turned into the same
   :class:`envfleet.EpisodeBatch`, so the update code is literally the same.
+- ``--vector envpool``: EnvPool's own Atari (``envpool.make_gymnasium``, CleanRL's
+  ``ppo_atari_envpool.py`` way) with the same preprocessing done in C++ (84x84 gray, 4 stacked,
+  at most 30 no-ops, sticky actions 0.25 as ALE v5's), in the same plain loop. Its envs are
+  not gymnasium's, so it learns alike but not bit for bit; EnvPool resets an env in the step
+  after its episode ended (the action ignored), and that step is left out of the rollout.
 
 Both use same-step autoreset: an episode's final observation is kept, and GAE bootstraps per
 segment (from ``V(final observation)`` when an episode is truncated or a segment is cut by the
@@ -24,6 +29,7 @@ Run it::
 
     python examples/ppo_atari.py --total-steps 200000                    # the Sampler
     python examples/ppo_atari.py --total-steps 200000 --vector gym-async  # the plain loop
+    python examples/ppo_atari.py --total-steps 200000 --vector envpool    # EnvPool's Atari
 
 Each update prints the env steps so far, steps/s (overall, and of the sampling phase alone),
 and the mean return of the last 20 finished episodes; the end, the total wall time and steps/s.
@@ -46,7 +52,7 @@ from torch import nn
 
 import envfleet
 
-VECTORS = ("envfleet", "gym-async")
+VECTORS = ("envfleet", "gym-async", "envpool")
 
 
 # -- the envs --------------------------------------------------------------------------------
@@ -340,11 +346,79 @@ class GymAsyncRollouts:
         self.envs.close()
 
 
+class EnvPoolRollouts:
+    """Rollouts from EnvPool's own Atari in CleanRL's plain loop (``ppo_atari_envpool.py``'s
+    way), returned as an :class:`envfleet.EpisodeBatch`. EnvPool resets an env in the step
+    after its episode ended, ignoring that step's action: that step is not a transition and
+    is left out; the episode's final observation is the one its last step returned."""
+
+    def __init__(self, args: argparse.Namespace, policy: TorchPolicy):
+        import envpool
+
+        self.policy = policy
+        self.num_envs = args.num_envs
+        self.envs = envpool.make_gymnasium(
+            args.env_id.removeprefix("ALE/"),
+            num_envs=args.num_envs,
+            seed=args.seed,
+            img_height=84,
+            img_width=84,
+            gray_scale=True,
+            stack_num=4,
+            frame_skip=4,
+            noop_max=30,
+            use_fire_reset=False,
+            episodic_life=False,
+            reward_clip=False,
+            repeat_action_probability=0.25,
+        )
+        self.obs, _ = self.envs.reset()
+        self.resetting = np.zeros(args.num_envs, dtype=bool)  # its last step ended an episode
+
+    def sample(self, num_steps: int) -> envfleet.EpisodeBatch:
+        n = self.num_envs
+        steps = -(-num_steps // n)
+        obs = np.empty((steps, *self.obs.shape), dtype=self.obs.dtype)
+        actions = np.empty((steps, n), dtype=np.int64)
+        rewards = np.empty((steps, n))
+        terminated = np.empty((steps, n), dtype=bool)
+        truncated = np.empty((steps, n), dtype=bool)
+        logp = np.empty((steps, n), dtype=np.float32)
+        value = np.empty((steps, n), dtype=np.float32)
+        valid = np.empty((steps, n), dtype=bool)
+        final_obs: dict[tuple[int, int], np.ndarray] = {}
+        for t in range(steps):
+            obs[t] = self.obs
+            valid[t] = ~self.resetting
+            actions[t], infos = self.policy(self.obs)
+            logp[t], value[t] = infos["logp"], infos["value"]
+            self.obs, rewards[t], terminated[t], truncated[t], _ = self.envs.step(actions[t])
+            self.resetting = (terminated[t] | truncated[t]) & valid[t]
+            for env in np.flatnonzero(self.resetting).tolist():
+                final_obs[t, env] = self.obs[env].copy()
+        columns = {
+            "actions": actions,
+            "rewards": rewards,
+            "terminated": terminated & valid,
+            "truncated": truncated & valid,
+            "logp": logp,
+            "value": value,
+        }
+        return plain_rollout_batch(obs, columns, final_obs, self.obs, valid)
+
+    def policy_changed(self) -> None:
+        pass  # the policy runs here, on the model itself
+
+    def close(self) -> None:
+        self.envs.close()
+
+
 def plain_rollout_batch(
     obs: np.ndarray,
     columns: dict[str, np.ndarray],
     final_obs: dict[tuple[int, int], np.ndarray],
     next_obs: np.ndarray,
+    valid: np.ndarray | None = None,
 ) -> envfleet.EpisodeBatch:
     """A plain loop's ``[steps, n]`` rollout as an :class:`envfleet.EpisodeBatch`.
 
@@ -358,6 +432,8 @@ def plain_rollout_batch(
         final_obs: ``{(t, env): observation}``, the final observation of the episode that
             env ``env`` ended at step ``t`` (same-step autoreset).
         next_obs: ``[n, *obs_shape]``, the observation after the last step.
+        valid: ``[steps, n]`` bool, the steps that are transitions (``None``: all): the
+            others (EnvPool's reset steps) are left out.
     """
     steps, n = columns["rewards"].shape
     done = columns["terminated"] | columns["truncated"]
@@ -365,10 +441,14 @@ def plain_rollout_batch(
     for env in range(n):
         start = 0
         for end in [*(np.flatnonzero(done[:, env]) + 1).tolist(), steps]:
-            if end == start:
-                continue  # the rollout ended with this env's episode
-            rows.append(np.arange(start, end) * n + env)  # rows of the [steps * n] arrays
-            lengths.append(end - start)
+            kept = np.arange(start, end)
+            if valid is not None:
+                kept = kept[valid[start:end, env]]
+            if kept.size == 0:
+                start = end
+                continue  # the rollout ended with this env's episode (or its reset step)
+            rows.append(kept * n + env)  # rows of the [steps * n] arrays
+            lengths.append(int(kept.size))
             env_index.append(env)
             last_obs.append(final_obs.get((end - 1, env), next_obs[env]))
             start = end
@@ -484,9 +564,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     returns = EpisodeReturns(args.num_envs)
     losses: list[float] = []
 
-    rollouts: SamplerRollouts | GymAsyncRollouts
+    rollouts: SamplerRollouts | GymAsyncRollouts | EnvPoolRollouts
     if args.vector == "envfleet":
         rollouts = SamplerRollouts(args, policy)
+    elif args.vector == "envpool":
+        rollouts = EnvPoolRollouts(args, policy)
     else:
         rollouts = GymAsyncRollouts(args, policy)
     steps, sample_seconds, update = 0, 0.0, 0

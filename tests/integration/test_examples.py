@@ -186,6 +186,36 @@ def test_plain_rollout_batch_cuts_segments_where_episodes_end(ppo_atari):
     assert batch.last_observations[:, 0].tolist() == [201, 204, 211]
 
 
+@pytest.mark.atari
+def test_plain_rollout_batch_leaves_envpools_reset_steps_out(ppo_atari):
+    """EnvPool's rollout: env 0 terminates at step 1, step 2 is its reset (not a transition,
+    left out), and a new episode runs from step 3 to the end; env 1 runs on. The segments
+    hold the transitions only, the first episode's final observation is its last step's."""
+    steps, n = 5, 2
+    obs = np.arange(steps * n, dtype=np.uint8).reshape(steps, n, 1)
+    terminated = np.zeros((steps, n), dtype=bool)
+    terminated[1, 0] = True
+    valid = np.ones((steps, n), dtype=bool)
+    valid[2, 0] = False
+    zeros = np.zeros((steps, n), dtype=np.float32)
+    columns = {
+        "actions": np.arange(steps * n).reshape(steps, n),
+        "rewards": np.arange(steps * n, dtype=np.float64).reshape(steps, n),
+        "terminated": terminated,
+        "truncated": np.zeros((steps, n), dtype=bool),
+        "logp": zeros,
+        "value": zeros,
+    }
+    final = {(1, 0): np.array([201], np.uint8)}
+    next_obs = np.array([[210], [211]], np.uint8)
+    batch = ppo_atari.plain_rollout_batch(obs, columns, final, next_obs, valid)
+    assert batch.lengths.tolist() == [2, 2, 5]
+    assert batch.env_index.tolist() == [0, 0, 1]
+    assert batch.observations[:, 0].tolist() == [0, 2, 6, 8, 1, 3, 5, 7, 9]  # not row 4
+    assert batch.last_observations[:, 0].tolist() == [201, 210, 211]
+    assert np.flatnonzero(batch.terminated).tolist() == [1]
+
+
 ATARI_SMOKE = [
     *("--num-envs", "2", "--num-steps", "16", "--total-steps", "64"),
     *("--seed", "5", "--log-every", "0"),
@@ -201,11 +231,13 @@ def test_ppo_atari_prefetch_smoke(ppo_atari):
 
 
 @pytest.mark.atari
-@pytest.mark.parametrize("vector", ["envfleet", "gym-async"])
+@pytest.mark.parametrize("vector", ["envfleet", "gym-async", "envpool"])
 def test_ppo_atari_smoke(ppo_atari, vector):
     """Pong, 2 envs x 16 steps per update, 2 updates, on either vector env (the Sampler with
-    its default inference mode): the steps asked for are sampled, every loss is finite, and
-    the update changed the model. A few seconds."""
+    its default inference mode; EnvPool's own Atari): the steps asked for are sampled, every
+    loss is finite, and the update changed the model. A few seconds."""
+    if vector == "envpool":
+        pytest.importorskip("envpool")
     result = ppo_atari.main([*ATARI_SMOKE, "--vector", vector])
     assert result["vector"] == vector
     assert result["steps"] == 64

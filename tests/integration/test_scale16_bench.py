@@ -65,8 +65,8 @@ def test_scale16_script_names_what_exists() -> None:
     script = BENCH / "scale16.sh"
     assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
     text = script.read_text().replace("\\\n", " ")
-    calls = re.findall(r'"\$py" (benchmarks/\w+\.py)([^\n]*)', text)
-    assert len(calls) >= 5
+    calls = re.findall(r'"\$py" ((?:benchmarks|examples)/\w+\.py)([^\n]*)', text)
+    assert len(calls) >= 9
     for path, args in calls:
         assert (ROOT / path).is_file(), path
         helped = subprocess.run(
