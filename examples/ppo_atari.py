@@ -299,6 +299,22 @@ class SamplerRollouts:
         self.sampler.close()
 
 
+def rollout_arrays(steps: int, obs: np.ndarray) -> tuple[np.ndarray, ...]:
+    """A plain loop's empty ``[steps, n]`` rollout for observations like ``obs`` (``[n,
+    *obs_shape]``): observations, actions (int64), rewards (float64), terminated, truncated
+    (bool), log-probabilities and values (float32)."""
+    n = len(obs)
+    return (
+        np.empty((steps, *obs.shape), dtype=obs.dtype),
+        np.empty((steps, n), dtype=np.int64),
+        np.empty((steps, n)),
+        np.empty((steps, n), dtype=bool),
+        np.empty((steps, n), dtype=bool),
+        np.empty((steps, n), dtype=np.float32),
+        np.empty((steps, n), dtype=np.float32),
+    )
+
+
 class GymAsyncRollouts:
     """Rollouts from ``gymnasium.vector.AsyncVectorEnv`` in CleanRL's plain loop, returned
     as an :class:`envfleet.EpisodeBatch` (per env, segments split where episodes end)."""
@@ -312,15 +328,8 @@ class GymAsyncRollouts:
         self.obs, _ = self.envs.reset(seed=args.seed)  # env i: seed + i, as the Sampler
 
     def sample(self, num_steps: int) -> envfleet.EpisodeBatch:
-        n = self.num_envs
-        steps = -(-num_steps // n)
-        obs = np.empty((steps, *self.obs.shape), dtype=self.obs.dtype)
-        actions = np.empty((steps, n), dtype=np.int64)
-        rewards = np.empty((steps, n))
-        terminated = np.empty((steps, n), dtype=bool)
-        truncated = np.empty((steps, n), dtype=bool)
-        logp = np.empty((steps, n), dtype=np.float32)
-        value = np.empty((steps, n), dtype=np.float32)
+        steps = -(-num_steps // self.num_envs)
+        obs, actions, rewards, terminated, truncated, logp, value = rollout_arrays(steps, self.obs)
         final_obs: dict[tuple[int, int], np.ndarray] = {}
         for t in range(steps):
             obs[t] = self.obs
@@ -376,16 +385,9 @@ class EnvPoolRollouts:
         self.resetting = np.zeros(args.num_envs, dtype=bool)  # its last step ended an episode
 
     def sample(self, num_steps: int) -> envfleet.EpisodeBatch:
-        n = self.num_envs
-        steps = -(-num_steps // n)
-        obs = np.empty((steps, *self.obs.shape), dtype=self.obs.dtype)
-        actions = np.empty((steps, n), dtype=np.int64)
-        rewards = np.empty((steps, n))
-        terminated = np.empty((steps, n), dtype=bool)
-        truncated = np.empty((steps, n), dtype=bool)
-        logp = np.empty((steps, n), dtype=np.float32)
-        value = np.empty((steps, n), dtype=np.float32)
-        valid = np.empty((steps, n), dtype=bool)
+        steps = -(-num_steps // self.num_envs)
+        obs, actions, rewards, terminated, truncated, logp, value = rollout_arrays(steps, self.obs)
+        valid = np.empty((steps, self.num_envs), dtype=bool)
         final_obs: dict[tuple[int, int], np.ndarray] = {}
         for t in range(steps):
             obs[t] = self.obs
