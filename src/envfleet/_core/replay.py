@@ -235,6 +235,7 @@ def _pcg64_state(raw: bytes) -> dict[str, Any]:
 
 
 _pcg64_c_agrees: bool | None = None  # the C copy gave the twin's bytes (None: not checked yet)
+_NUMPY_PCG64_LAYOUT = np.lib.NumpyVersion(np.__version__) < "3.0.0"
 
 
 def _pcg64_read() -> Callable[[np.random.PCG64], bytes]:
@@ -243,7 +244,10 @@ def _pcg64_read() -> Callable[[np.random.PCG64], bytes]:
     buffered), else the twin. Looked up when a :class:`StartReader` is made."""
     global _pcg64_c_agrees
     raw = _native.function("pcg64_raw")
-    if raw is None:
+    # The C copy follows numpy's pcg64_state as numpy 1.17 to 2.x lay it out: a numpy of
+    # another major version could lay it out otherwise (even the check could then read a
+    # wild pointer), so it gets the twin.
+    if raw is None or not _NUMPY_PCG64_LAYOUT:
         return pcg64_bytes
 
     def c_read(bit_generator: np.random.PCG64) -> bytes:
