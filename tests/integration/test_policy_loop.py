@@ -532,7 +532,8 @@ def test_envpool_systems_do_the_workloads_work():
     the storing loop over EnvPool writes its rollout and counts transitions as over
     gymnasium's vector envs (an env's reset step after its end is not one)."""
     pytest.importorskip("envpool")
-    from envfleet.bench._policy_loop import EnvPoolVector, StoringLoop, envpool_workload_task
+    from envfleet.bench._peers import EnvPoolVector
+    from envfleet.bench._policy_loop import StoringLoop, envpool_workload_task
 
     atari = Workload("ALE/Pong-v5", 2, "cnn", atari=True)
     if importlib.util.find_spec("ale_py") is not None:

@@ -22,6 +22,7 @@ from gymnasium.vector.utils import batch_space
 from envfleet import check_env_id, usable_cores
 
 __all__ = [
+    "EnvPoolVector",
     "PEERS",
     "PEER_INSTALL",
     "PEER_PACKAGES",
@@ -153,6 +154,44 @@ def envpool_task(env_id: str) -> tuple[str, dict[str, Any]] | None:
     return (env_id, {}) if env_id in tasks else None
 
 
+class EnvPoolVector:
+    """EnvPool's own gymnasium API (``envpool.make_gymnasium``, ``num_threads`` capped at the
+    usable cores, seeded at ``make``) as a loop calls a vector env: ``reset(seed=...)`` (the
+    seed was EnvPool's at ``make``), ``step``, ``close``; gymnasium's warnings about EnvPool's
+    float64 Box bounds (its spaces are built lazily) silenced. EnvPool autoresets an env in
+    the step after its episode ended, as gymnasium's ``NEXT_STEP``.
+
+    Args:
+        task: ``(task id, envpool.make options)``, e.g. :func:`envpool_task`'s.
+        num_envs: envs in the pool.
+        seed: EnvPool's seed.
+
+    Example::
+
+        pool = EnvPoolVector(("CartPole-v1", {}), 4, seed=0)
+        obs, info = pool.reset()  # obs: float32[4, 4]
+    """
+
+    def __init__(self, task: tuple[str, dict[str, Any]], num_envs: int, seed: int):
+        import envpool
+
+        name, kwargs = task
+        threads = min(num_envs, usable_cores())
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            self.pool = envpool.make_gymnasium(
+                name, num_envs=num_envs, num_threads=threads, seed=seed, **kwargs
+            )
+            self.single_action_space = self.pool.action_space  # one env's
+        self.step = self.pool.step
+        self.close = self.pool.close
+
+    def reset(self, seed: int | None = None) -> Any:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            return self.pool.reset()
+
+
 def peer_unavailable(system: str, env_id: str) -> str | None:
     """Why ``system`` cannot be measured on ``env_id`` here, or ``None`` when it can.
 
@@ -210,30 +249,15 @@ def build_peer(system: str, env_id: str, num_envs: int, seed: int) -> Stepper:
 
         return Stepper(venv.action_space, venv.step, reset_sb3, lambda terminate: venv.close())
     if system == "envpool-native":
-        import envpool
-
         task = envpool_task(env_id)
         if task is None:
             raise ValueError(f"{env_id} is not one of EnvPool's native tasks")
-        name, kwargs = task
-        threads = min(num_envs, usable_cores())
-
-        def quiet(call: Callable[[], Any]) -> Any:
-            # gymnasium warns about EnvPool's float64 Box bounds (its spaces are built lazily).
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", UserWarning)
-                return call()
-
-        pool: Any = quiet(
-            lambda: envpool.make_gymnasium(
-                name, num_envs=num_envs, num_threads=threads, seed=seed, **kwargs
-            )
-        )
-        space = pool.action_space  # EnvPool's action_space is one env's
+        pool = EnvPoolVector(task, num_envs, seed)
+        space = pool.single_action_space
         return Stepper(
             space,
             pool.step,
-            lambda: quiet(pool.reset),
+            pool.reset,
             lambda terminate: pool.close(),
             action_dtype=space.dtype,
         )

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 import time
-import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -21,7 +20,7 @@ import numpy as np
 import envfleet
 from envfleet import ConfigError, check_env_id, usable_cores
 from envfleet.bench._core import ACTION_BANK, bench_error, check_args, json_ready
-from envfleet.bench._peers import PEER_INSTALL, PUFFER_INSTALL, envpool_task
+from envfleet.bench._peers import PEER_INSTALL, PUFFER_INSTALL, EnvPoolVector, envpool_task
 from envfleet.bench._policies import (
     TorchPolicy,
     check_workload,
@@ -565,37 +564,6 @@ def _envpool_missing(workload: Any) -> str:
     if importlib.util.find_spec("envpool") is None:
         return f"EnvPool is not installed: {PEER_INSTALL['envpool-native']}"
     return f"EnvPool has no task for {workload.env_id}"
-
-
-class EnvPoolVector:
-    """EnvPool's own gymnasium API (``envpool.make_gymnasium``, ``num_threads`` capped at the
-    usable cores, seeded at ``make``) as the loops call a vector env: ``reset(seed=...)``
-    (the seed was EnvPool's at ``make``), ``step``, ``close``. EnvPool autoresets an env in
-    the step after its episode ended, as gymnasium's ``NEXT_STEP``.
-
-    Args:
-        task: ``(task id, envpool.make options)`` (:func:`envpool_workload_task`).
-        num_envs: envs in the pool.
-        seed: EnvPool's seed.
-    """
-
-    def __init__(self, task: tuple[str, dict[str, Any]], num_envs: int, seed: int):
-        import envpool
-
-        name, kwargs = task
-        threads = min(num_envs, usable_cores())
-        with warnings.catch_warnings():  # gymnasium on EnvPool's float64 Box bounds
-            warnings.simplefilter("ignore", UserWarning)
-            self.pool = envpool.make_gymnasium(
-                name, num_envs=num_envs, num_threads=threads, seed=seed, **kwargs
-            )
-        self.step = self.pool.step
-        self.close = self.pool.close
-
-    def reset(self, seed: int | None = None) -> Any:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)
-            return self.pool.reset()
 
 
 def _has_puffer() -> bool:
