@@ -464,10 +464,14 @@ sp_timed_call(PyObject *self, PyObject *args)
 
 /* -- the processes worker's loop ----------------------------------------------------------- */
 
+/* A SpinBudget's attribute names, interned once (PyInit__speedups): the driver reads them
+ * every round, and a lookup by C string would build a str each time. */
+static PyObject *s_budget_s, *s_max_s, *s_step_s;
+
 static double
-get_double(PyObject *obj, const char *name, int *ok)
+get_double(PyObject *obj, PyObject *name, int *ok)
 {
-    PyObject *v = PyObject_GetAttrString(obj, name);
+    PyObject *v = PyObject_GetAttr(obj, name);
     if (v == NULL) {
         *ok = 0;
         return 0;
@@ -522,9 +526,9 @@ sp_serve_steps(PyObject *self, PyObject *args)
     if (!layout_set())
         return NULL;
     int ok = 1;
-    double budget_s = get_double(budget, "budget_s", &ok);
-    double max_s = get_double(budget, "max_s", &ok);
-    double step_s = get_double(budget, "step_s", &ok); /* SpinBudget's additive step */
+    double budget_s = get_double(budget, s_budget_s, &ok);
+    double max_s = get_double(budget, s_max_s, &ok);
+    double step_s = get_double(budget, s_step_s, &ok); /* SpinBudget's additive step */
     if (!ok)
         return NULL;
     sem_t *request = (sem_t *)rp, *done = (sem_t *)dp, *any_done = (sem_t *)ap;
@@ -584,7 +588,7 @@ sp_serve_steps(PyObject *self, PyObject *args)
     PyObject *type, *value, *tb;
     PyErr_Fetch(&type, &value, &tb);
     PyObject *b = PyFloat_FromDouble(budget_s);
-    int set = b != NULL && PyObject_SetAttrString(budget, "budget_s", b) == 0;
+    int set = b != NULL && PyObject_SetAttr(budget, s_budget_s, b) == 0;
     Py_XDECREF(b);
     if (!set) {
         Py_XDECREF(type);
@@ -622,8 +626,8 @@ static int
 budget_caught(PyObject *budget, double budget_s)
 {
     int ok = 1;
-    double max_s = get_double(budget, "max_s", &ok);
-    double step_s = get_double(budget, "step_s", &ok);
+    double max_s = get_double(budget, s_max_s, &ok);
+    double step_s = get_double(budget, s_step_s, &ok);
     if (!ok)
         return -1;
     if (budget_s >= max_s)
@@ -632,7 +636,7 @@ budget_caught(PyObject *budget, double budget_s)
     PyObject *b = PyFloat_FromDouble(budget_s);
     if (b == NULL)
         return -1;
-    int rc = PyObject_SetAttrString(budget, "budget_s", b);
+    int rc = PyObject_SetAttr(budget, s_budget_s, b);
     Py_DECREF(b);
     return rc;
 }
@@ -707,7 +711,7 @@ gather_round(PyObject *controls, PyObject *local, PyObject *env_failure, double 
         }
     }
     int ok = 1;
-    double budget_s = get_double(round_budget, "budget_s", &ok);
+    double budget_s = get_double(round_budget, s_budget_s, &ok);
     if (!ok)
         goto fail;
     int got = __atomic_load_n(&bell->remaining, __ATOMIC_ACQUIRE) == 0;
@@ -815,7 +819,7 @@ sp_step_round(PyObject *self, PyObject *args)
             goto fail_unread;
         PyObject *budget = PyList_GET_ITEM(budgets, taken);
         int ok = 1;
-        double budget_s = get_double(budget, "budget_s", &ok);
+        double budget_s = get_double(budget, s_budget_s, &ok);
         if (!ok)
             goto fail_unread;
         int got = sem_trywait((sem_t *)done) == 0;
@@ -1088,5 +1092,10 @@ static struct PyModuleDef module = {
 PyMODINIT_FUNC
 PyInit__speedups(void)
 {
+    s_budget_s = PyUnicode_InternFromString("budget_s");
+    s_max_s = PyUnicode_InternFromString("max_s");
+    s_step_s = PyUnicode_InternFromString("step_s");
+    if (s_budget_s == NULL || s_max_s == NULL || s_step_s == NULL)
+        return NULL;
     return PyModule_Create(&module);
 }

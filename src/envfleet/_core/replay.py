@@ -170,11 +170,13 @@ def _generator_slots(holders: list[tuple[Any, str]]) -> list[tuple[Any, str, str
 def _read_generators(slots: list[tuple[Any, str, str, bool]]) -> dict[str, np.random.Generator]:
     """The generators at ``slots`` (:func:`_generator_slots`) now, each once, by path."""
     found: dict[str, np.random.Generator] = {}
-    seen: list[np.random.Generator] = []
     for obj, path, name, by_dict in slots:
         generator = obj.__dict__.get(name) if by_dict else getattr(obj, name, None)
-        if isinstance(generator, np.random.Generator) and not any(generator is g for g in seen):
-            seen.append(generator)
+        if isinstance(generator, np.random.Generator):
+            # Asked only from the second generator on: most envs keep one (an autoreset's
+            # start reads them, on the step path).
+            if found and any(generator is g for g in found.values()):
+                continue
             found[path] = generator
     return found
 
@@ -238,26 +240,24 @@ _pcg64_c_agrees: bool | None = None  # the C copy gave the twin's bytes (None: n
 _NUMPY_PCG64_LAYOUT = np.lib.NumpyVersion(np.__version__) < "3.0.0"
 
 
-def _pcg64_read() -> Callable[[np.random.PCG64], bytes]:
-    """:func:`pcg64_bytes`, from the C copy (``_speedups.pcg64_raw``) where it runs here and
-    gives the twin's bytes (checked once per process, on a generator with half a 64-bit draw
-    buffered), else the twin. Looked up when a :class:`StartReader` is made."""
+def _pcg64_read() -> tuple[Callable[[Any], bytes], bool]:
+    """How to read :func:`pcg64_bytes`: ``(read, by_address)``: the C copy
+    (``_speedups.pcg64_raw``, given the bit generator's ``ctypes.state_address``) where it runs
+    here and gives the twin's bytes (checked once per process, on a generator with half a
+    64-bit draw buffered), else the twin (given the bit generator). Looked up when a
+    :class:`StartReader` is made."""
     global _pcg64_c_agrees
     raw = _native.function("pcg64_raw")
     # The C copy follows numpy's pcg64_state as numpy 1.17 to 2.x lay it out: a numpy of
     # another major version could lay it out otherwise (even the check could then read a
     # wild pointer), so it gets the twin.
     if raw is None or not _NUMPY_PCG64_LAYOUT:
-        return pcg64_bytes
-
-    def c_read(bit_generator: np.random.PCG64) -> bytes:
-        return cast(bytes, raw(bit_generator.ctypes.state_address))
-
+        return pcg64_bytes, False
     if _pcg64_c_agrees is None:
         probe = np.random.PCG64(12345)
         np.random.Generator(probe).integers(0, 2**32, dtype=np.uint32)  # has_uint32 = 1
-        _pcg64_c_agrees = c_read(probe) == pcg64_bytes(probe)
-    return c_read if _pcg64_c_agrees else pcg64_bytes
+        _pcg64_c_agrees = raw(probe.ctypes.state_address) == pcg64_bytes(probe)
+    return (raw, True) if _pcg64_c_agrees else (pcg64_bytes, False)
 
 
 def unpack_start(blob: bytes) -> tuple[Any, ...]:
@@ -297,15 +297,18 @@ class StartReader:
         env.reset()
     """
 
-    __slots__ = ("_paths", "_prefix", "_read", "_slots", "_unwrapped", "env")
+    __slots__ = ("_by_address", "_key", "_plan", "_read", "_slots", "_unwrapped", "env")
 
     def __init__(self, env: gymnasium.Env[Any, Any]):
         self.env = env
         self._slots = _generator_slots(generator_holders(env))
         self._unwrapped: Any = env.unwrapped
-        self._paths: tuple[str, ...] | None = None
-        self._prefix = b""
-        self._read = _pcg64_read()
+        self._read, self._by_address = _pcg64_read()
+        # packed()'s plan for the generators it last found (their paths and objects: a
+        # seeded reset replaces them, an autoreset does not): the paths' prefix and what
+        # _read is given per generator, or None where one is not a PCG64.
+        self._key: dict[str, np.random.Generator] | None = None
+        self._plan: tuple[bytes, list[Any]] | None = None
 
     def __call__(self, options: Any = None) -> tuple[Any, ...]:
         return _start(self._unwrapped, _read_generators(self._slots), options)
@@ -315,28 +318,38 @@ class StartReader:
 
         Where every generator is a PCG64 (gymnasium's), the env keeps no ALE state and there
         are no options (an autoreset's start), it is each generator's :func:`pcg64_bytes`
-        behind the paths' pickle, made once (the C copy reads a state without building
-        ``bit_generator.state``'s dict; ``benchmarks/README.md`` has its cost). Else the
-        pickled start.
+        behind the paths' pickle, both planned once per set of generators (the C copy reads
+        a state without building ``bit_generator.state``'s dict; ``benchmarks/README.md``
+        has its cost). Else the pickled start.
         """
         generators = _read_generators(self._slots)
         if options is None and getattr(self._unwrapped, "ale", None) is None:
-            read = self._read
-            raws = []
-            for generator in generators.values():
-                bit_generator = generator.bit_generator
-                if type(bit_generator) is not np.random.PCG64:
-                    break
-                raws.append(read(bit_generator))
-            else:
-                paths = tuple(generators)
-                if paths != self._paths:
-                    names = pickle.dumps(paths, pickle.HIGHEST_PROTOCOL)
-                    self._paths = paths
-                    self._prefix = _PACKED + struct.pack("<I", len(names)) + names
-                return self._prefix + b"".join(raws)
+            # The same paths and the same objects (a generator compares by identity).
+            if generators != self._key:
+                self._key, self._plan = generators, self._planned(generators)
+            if self._plan is not None:
+                prefix, sources = self._plan
+                if len(sources) == 1:
+                    return prefix + self._read(sources[0])
+                return prefix + b"".join(map(self._read, sources))
         start = _start(self._unwrapped, generators, options)
         return pickle.dumps(start, pickle.HIGHEST_PROTOCOL)
+
+    def _planned(
+        self, generators: dict[str, np.random.Generator]
+    ) -> tuple[bytes, list[Any]] | None:
+        """:meth:`packed`'s plan for ``generators``: the packed form's prefix (the paths'
+        pickle) and each generator's source for ``_read``, or None where one is not a PCG64."""
+        sources = []
+        for generator in generators.values():
+            bit_generator = generator.bit_generator
+            if type(bit_generator) is not np.random.PCG64:
+                return None
+            sources.append(
+                bit_generator.ctypes.state_address if self._by_address else bit_generator
+            )
+        names = pickle.dumps(tuple(generators), pickle.HIGHEST_PROTOCOL)
+        return _PACKED + struct.pack("<I", len(names)) + names, sources
 
 
 def _start(
