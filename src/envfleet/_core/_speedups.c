@@ -177,6 +177,59 @@ monotonic_s(void)
     return (double)t.tv_sec + (double)t.tv_nsec * 1e-9;
 }
 
+/* -- the arguments of the functions called every step -------------------------------------- */
+
+/* step_round, timed_call, write_results and write_rows take METH_FASTCALL arguments, checked
+ * here as PyArg_ParseTuple would (the same TypeError): parsing its format string cost each call
+ * more instructions than a write_rows' own work. */
+static int
+arg_count(const char *fname, Py_ssize_t nargs, Py_ssize_t least, Py_ssize_t most)
+{
+    if (nargs >= least && nargs <= most)
+        return 1;
+    PyErr_Format(PyExc_TypeError, "%s() takes %zd to %zd arguments (%zd given)", fname, least,
+                 most, nargs);
+    return 0;
+}
+
+static int
+arg_of_type(const char *fname, PyObject *const *args, Py_ssize_t i, PyTypeObject *type)
+{
+    if (PyObject_TypeCheck(args[i], type))
+        return 1;
+    PyErr_Format(PyExc_TypeError, "%s() argument %zd must be %s, not %.50s", fname, i + 1,
+                 type->tp_name, Py_TYPE(args[i])->tp_name);
+    return 0;
+}
+
+static int
+arg_double(PyObject *arg, double *out)
+{
+    *out = PyFloat_AsDouble(arg);
+    return !(*out == -1.0 && PyErr_Occurred());
+}
+
+static int
+arg_long_long(PyObject *arg, long long *out)
+{
+    *out = PyLong_AsLongLong(arg);
+    return !(*out == -1 && PyErr_Occurred());
+}
+
+static int
+arg_int(PyObject *arg, int *out)
+{
+    long v = PyLong_AsLong(arg);
+    if (v == -1 && PyErr_Occurred())
+        return 0;
+    if (v < INT_MIN || v > INT_MAX) {
+        PyErr_SetString(PyExc_OverflowError, "signed integer is out of the range of a C int");
+        return 0;
+    }
+    *out = (int)v;
+    return 1;
+}
+
 /* -- spinning (on a semaphore, a worker's control words, a round's arrivals) --------------- */
 
 /* Poll ``poll(arg)`` until it returns nonzero, for at most spin_s seconds: back to back for the
@@ -445,15 +498,14 @@ record_time(double *words, double seconds, int per_octave, int num_buckets)
  * groups stepped by run_command (serial, threads, Ray actors, the processes driver's block);
  * the time of a call that returns is recorded in the stats row at address ``words``. */
 static PyObject *
-sp_timed_call(PyObject *self, PyObject *args)
+sp_timed_call(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    PyObject *wa, *fn;
     int per_octave, num_buckets;
     void *words;
-    if (!PyArg_ParseTuple(args, "OiiO", &wa, &per_octave, &num_buckets, &fn))
+    if (!arg_count("timed_call", nargs, 4, 4) || !arg_int(args[1], &per_octave) ||
+        !arg_int(args[2], &num_buckets) || !as_address(args[0], &words))
         return NULL;
-    if (!as_address(wa, &words))
-        return NULL;
+    PyObject *fn = args[3];
     calls[F_TIMED_CALL]++;
     double t0 = monotonic_s();
     PyObject *result = PyObject_CallNoArgs(fn);
@@ -759,19 +811,24 @@ fail:
  * runs out the round stops there: the caller waits for workers ``taken`` on, blocking at once
  * for the first (it already spun ``spun_s`` seconds). */
 static PyObject *
-sp_step_round(PyObject *self, PyObject *args)
+sp_step_round(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     calls[F_STEP_ROUND]++;
-    PyObject *requests, *dones, *controls, *budgets, *local, *env_failure;
-    PyObject *bell_address = Py_None, *round_budget = Py_None;
     double tight_s;
     long long step_code, ok_code;
     int ring = 1;
-    if (!PyArg_ParseTuple(args, "O!O!O!O!OOdLLOO|p", &PyTuple_Type, &requests, &PyTuple_Type,
-                          &dones, &PyTuple_Type, &controls, &PyList_Type, &budgets, &local,
-                          &env_failure, &tight_s, &step_code, &ok_code, &bell_address,
-                          &round_budget, &ring))
+    const char *fname = "step_round";
+    if (!arg_count(fname, nargs, 11, 12) || !arg_of_type(fname, args, 0, &PyTuple_Type) ||
+        !arg_of_type(fname, args, 1, &PyTuple_Type) ||
+        !arg_of_type(fname, args, 2, &PyTuple_Type) || !arg_of_type(fname, args, 3, &PyList_Type) ||
+        !arg_double(args[6], &tight_s) || !arg_long_long(args[7], &step_code) ||
+        !arg_long_long(args[8], &ok_code))
         return NULL;
+    if (nargs == 12 && (ring = PyObject_IsTrue(args[11])) < 0)
+        return NULL;
+    PyObject *requests = args[0], *dones = args[1], *controls = args[2], *budgets = args[3];
+    PyObject *local = args[4], *env_failure = args[5], *bell_address = args[9];
+    PyObject *round_budget = args[10];
     if (!layout_set())
         return NULL;
     Py_ssize_t n = PyTuple_GET_SIZE(requests);
@@ -920,15 +977,17 @@ flag_value(PyObject *f, char *out)
  * value is of a type numpy's conversion is not mirrored for here: the caller then writes them
  * all with numpy. */
 static PyObject *
-sp_write_results(PyObject *self, PyObject *args)
+sp_write_results(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    PyObject *rewards, *terms, *truncs, *ra, *ta, *ua, *autoreset;
     void *rp, *tp, *up;
-    if (!PyArg_ParseTuple(args, "O!O!O!OOOO!", &PyList_Type, &rewards, &PyList_Type, &terms,
-                          &PyList_Type, &truncs, &ra, &ta, &ua, &PyList_Type, &autoreset))
+    const char *fname = "write_results";
+    if (!arg_count(fname, nargs, 7, 7) || !arg_of_type(fname, args, 0, &PyList_Type) ||
+        !arg_of_type(fname, args, 1, &PyList_Type) || !arg_of_type(fname, args, 2, &PyList_Type) ||
+        !arg_of_type(fname, args, 6, &PyList_Type))
         return NULL;
-    if (!as_address(ra, &rp) || !as_address(ta, &tp) || !as_address(ua, &up))
+    if (!as_address(args[3], &rp) || !as_address(args[4], &tp) || !as_address(args[5], &up))
         return NULL;
+    PyObject *rewards = args[0], *terms = args[1], *truncs = args[2], *autoreset = args[6];
     Py_ssize_t n = PyList_GET_SIZE(rewards);
     if (PyList_GET_SIZE(terms) != n || PyList_GET_SIZE(truncs) != n ||
         PyList_GET_SIZE(autoreset) != n) {
@@ -979,16 +1038,17 @@ typedef struct {
  * exactly numpy's, which copies same-typed elements byte for byte. False, with nothing
  * written, when some observation is not like that; the caller then writes them with numpy. */
 static PyObject *
-sp_write_rows(PyObject *self, PyObject *args)
+sp_write_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    PyObject *env_obs, *ndarray, *dtype, *shape, *address;
-    Py_ssize_t row_bytes;
     void *dest;
-    if (!PyArg_ParseTuple(args, "O!O!OO!On", &PyList_Type, &env_obs, &PyType_Type, &ndarray,
-                          &dtype, &PyTuple_Type, &shape, &address, &row_bytes))
+    const char *fname = "write_rows";
+    if (!arg_count(fname, nargs, 6, 6) || !arg_of_type(fname, args, 0, &PyList_Type) ||
+        !arg_of_type(fname, args, 1, &PyType_Type) || !arg_of_type(fname, args, 3, &PyTuple_Type))
         return NULL;
-    if (!as_address(address, &dest))
+    Py_ssize_t row_bytes = PyLong_AsSsize_t(args[5]);
+    if ((row_bytes == -1 && PyErr_Occurred()) || !as_address(args[4], &dest))
         return NULL;
+    PyObject *env_obs = args[0], *ndarray = args[1], *dtype = args[2], *shape = args[3];
     Py_ssize_t n = PyList_GET_SIZE(env_obs), ndim = PyTuple_GET_SIZE(shape);
     Py_ssize_t dims[32];
     if (ndim > 32)
@@ -1062,11 +1122,11 @@ sp_pcg64_raw(PyObject *self, PyObject *arg)
 }
 
 static PyMethodDef methods[] = {
-    {"write_results", sp_write_results, METH_VARARGS, "EnvGroup._write_results."},
-    {"write_rows", sp_write_rows, METH_VARARGS, "EnvGroup's observation rows, memcpy'd."},
+    {"write_results", (PyCFunction)(void (*)(void))sp_write_results, METH_FASTCALL, "EnvGroup._write_results."},
+    {"write_rows", (PyCFunction)(void (*)(void))sp_write_rows, METH_FASTCALL, "EnvGroup's observation rows, memcpy'd."},
     {"serve_steps", sp_serve_steps, METH_VARARGS, "_Worker.serve's loop for plain steps."},
-    {"step_round", sp_step_round, METH_VARARGS, "The processes transport's step round (step_all)."},
-    {"timed_call", sp_timed_call, METH_VARARGS, "StepTimer.call."},
+    {"step_round", (PyCFunction)(void (*)(void))sp_step_round, METH_FASTCALL, "The processes transport's step round (step_all)."},
+    {"timed_call", (PyCFunction)(void (*)(void))sp_timed_call, METH_FASTCALL, "StepTimer.call."},
     {"bell_ring", sp_bell_ring, METH_O, "bell_ring(bell): RoundBell.ring."},
     {"pcg64_raw", sp_pcg64_raw, METH_O,
      "pcg64_raw(state_address) -> bytes: replay.pcg64_bytes of a PCG64 bit generator."},
