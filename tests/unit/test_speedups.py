@@ -379,6 +379,8 @@ def test_the_c_module_holds_what_pays():
         # The replay record's episode start at each autoreset: a PCG64 state as bytes (half
         # of the record's cost on CartPole, benchmarks/README.md).
         "pcg64_raw",
+        # The replay record's copy of each step's action rows.
+        "log_row",
     }
     assert set(c_counters()) >= SYSCALL_COUNTERS
     for name in functions:
@@ -483,5 +485,46 @@ def test_pcg64_raw_is_pcg64_bytes_and_runs_at_autoresets():
             ended += int(np.count_nonzero(terminated | truncated))
         assert ended > 2
         assert speedups.counters()["pcg64_raw"] - before >= ended - 2  # one per autoreset
+    finally:
+        envs.close()
+
+
+def test_log_row_records_as_its_twin_and_runs_every_step():
+    """ActionLog.recorder's C copy (_speedups.log_row) leaves the ring, the step count, the
+    episode starts and the recordings exactly as ActionLog.record (its twin) does, past a
+    wrap of the ring; and an EnvGroup's record runs it once per step (its counter)."""
+    from envfleet._core.replay import ActionLog
+
+    speedups = envfleet._core.native.speedups
+    if speedups is None:
+        pytest.skip("envfleet._core._speedups is not built here")
+    space = gym.spaces.Box(-1.0, 1.0, (3,), np.float32)
+    c_log, twin = ActionLog(space, 4, 5), ActionLog(space, 4, 5)
+    c_log.open()
+    twin.open()
+    rows = np.zeros((4, 3), np.float32)
+    c_record = c_log.recorder(rows)
+    assert isinstance(c_record, functools.partial) and c_record.func is speedups.log_row
+    rng = np.random.default_rng(0)
+    for t in range(12):  # past the ring's capacity: it wraps
+        rows[...] = rng.uniform(-1.0, 1.0, rows.shape)
+        if t % 3 == 0:
+            for log in (c_log, twin):
+                log.began(t % 4, ("seed", t, None))
+        c_record()
+        twin.record(rows)
+        assert c_log.ring.tobytes() == twin.ring.tobytes()
+        np.testing.assert_array_equal(c_log.header, twin.header)
+        np.testing.assert_array_equal(c_log.starts, twin.starts)
+    for c_recording, twin_recording in zip(c_log.recordings(0), twin.recordings(0), strict=True):
+        np.testing.assert_array_equal(c_recording.actions, twin_recording.actions)
+    assert any(r.complete and len(r.actions) for r in c_log.recordings(0))
+    envs = envfleet.make("CartPole-v1", 2, backend="serial")
+    try:
+        envs.reset(seed=0)
+        before = speedups.counters()["log_row"]
+        for _ in range(50):
+            envs.step(np.zeros(2, dtype=np.int64))
+        assert speedups.counters()["log_row"] - before == 50
     finally:
         envs.close()

@@ -15,6 +15,8 @@
  *                   steps the group itself (serial, threads, Ray actors, the driver's block)
  *   pcg64_raw       replay.pcg64_bytes: a PCG64 generator's state as bytes, for the replay
  *                   record's episode start at every autoreset (_core/replay.py)
+ *   log_row         ActionLog.record of a group's action rows: the replay record's copy at
+ *                   every step (same)
  *   bell_ring, bell_sleep, bell_arrive, gather_sleep
  *                   the processes backend's round bell on Linux futexes (RoundBell,
  *                   _backends/processes/doorbell.py): one ring and one count of arrivals per
@@ -72,6 +74,7 @@ enum {
     F_BELL_ARRIVE,
     F_GATHER_SLEEP,
     F_PCG64_RAW,
+    F_LOG_ROW,
     S_FUTEX_WAKE, /* not functions: the futex system calls this process's C code issued */
     S_FUTEX_WAIT,
     F_COUNT
@@ -79,7 +82,7 @@ enum {
 static const char *const function_names[F_COUNT] = {
     "serve_steps", "step_round", "timed_call", "write_results", "write_rows",
     "bell_ring",   "bell_sleep", "bell_arrive",  "gather_sleep", "pcg64_raw",
-    "futex_wake",  "futex_wait",
+    "log_row",     "futex_wake", "futex_wait",
 };
 static unsigned long long calls[F_COUNT];
 
@@ -1121,6 +1124,33 @@ sp_pcg64_raw(PyObject *self, PyObject *arg)
     return PyBytes_FromStringAndSize(raw, 40);
 }
 
+/* log_row(header, ring, source, row_bytes, capacity): ActionLog.record (replay.py) of a group's
+ * action rows: the row_bytes at ``source`` copied to row header[0] % capacity of the ring at
+ * ``ring``, then header[0] (the rows written so far, an int64) counted up. */
+static PyObject *
+sp_log_row(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    void *header, *ring, *source;
+    if (!arg_count("log_row", nargs, 5, 5) || !as_address(args[0], &header) ||
+        !as_address(args[1], &ring) || !as_address(args[2], &source))
+        return NULL;
+    Py_ssize_t row_bytes = PyLong_AsSsize_t(args[3]);
+    if (row_bytes == -1 && PyErr_Occurred())
+        return NULL;
+    Py_ssize_t capacity = PyLong_AsSsize_t(args[4]);
+    if (capacity == -1 && PyErr_Occurred())
+        return NULL;
+    if (capacity <= 0 || row_bytes < 0) {
+        PyErr_SetString(PyExc_ValueError, "log_row: capacity must be > 0, row_bytes >= 0");
+        return NULL;
+    }
+    int64_t *n = (int64_t *)header;
+    memcpy((char *)ring + (*n % capacity) * row_bytes, source, (size_t)row_bytes);
+    *n += 1;
+    calls[F_LOG_ROW]++;
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"write_results", (PyCFunction)(void (*)(void))sp_write_results, METH_FASTCALL, "EnvGroup._write_results."},
     {"write_rows", (PyCFunction)(void (*)(void))sp_write_rows, METH_FASTCALL, "EnvGroup's observation rows, memcpy'd."},
@@ -1130,6 +1160,8 @@ static PyMethodDef methods[] = {
     {"bell_ring", sp_bell_ring, METH_O, "bell_ring(bell): RoundBell.ring."},
     {"pcg64_raw", sp_pcg64_raw, METH_O,
      "pcg64_raw(state_address) -> bytes: replay.pcg64_bytes of a PCG64 bit generator."},
+    {"log_row", (PyCFunction)(void (*)(void))sp_log_row, METH_FASTCALL,
+     "log_row(header, ring, source, row_bytes, capacity): ActionLog.record's row copy."},
     {"bell_arrive", sp_bell_arrive, METH_O, "bell_arrive(bell): RoundBell.arrive."},
     {"bell_sleep", sp_bell_sleep, METH_VARARGS,
      "bell_sleep(bell, control, timeout_s) -> bool: RoundBell.sleep."},

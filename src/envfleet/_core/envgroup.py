@@ -8,6 +8,7 @@ give bit-identical observations, rewards, terminations, truncations and infos.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -182,6 +183,10 @@ class EnvGroup:
         self.single_action_space = single_action_space
         self._action_space = batch_space(single_action_space, self.size)
         self.buffers = batch.slice(self.start - batch_offset, self.stop - batch_offset)
+        # The record of each step's action rows (ActionLog.recorder: in C where it applies).
+        self._record_actions: Callable[[], Any] | None = (
+            None if action_log is None else action_log.recorder(self.buffers.actions)
+        )
         self._env_fns = list(env_fns)
         # What tasks (Command.TASK) keep here between commands, by their own keys; gone when
         # the group is rebuilt (a restarted worker).
@@ -262,12 +267,39 @@ class EnvGroup:
             and tuple(a.dtype for a in results) == dtypes
         ):
             self._result_addresses = tuple(a.ctypes.data for a in results)  # type: ignore[assignment]
+        # The C writes of a step bound once to the group's lists and rows, called with no
+        # Python frame around them (the lists are only ever changed in place): the results',
+        # and the observations' per slab (None where they do not apply).
+        self._c_results: Callable[[], bool] | None = None
+        if self._c_write_results is not None and self._result_addresses is not None:
+            self._c_results = functools.partial(
+                self._c_write_results,
+                self._rewards,
+                self._terminations,
+                self._truncations,
+                *self._result_addresses,
+                self._autoreset,
+            )
+        self._c_rows: list[Callable[[], bool] | None] = [
+            functools.partial(
+                self._c_write_rows,
+                self._env_obs,
+                np.ndarray,
+                self._obs_dtype,
+                self._obs_shape,
+                address,
+                self._obs_row_bytes,
+            )
+            if rows is not None and address and self._c_write_rows is not None and not self._side
+            else None
+            for _, rows, _, address in self._obs_slabs
+        ]
 
     def resume_autoreset(self, done: Sequence[bool]) -> None:
         """Set each env's autoreset flag (``done``: its last step ended its episode): a group
         that takes over envs mid-run (a recycled worker's, a resumed vector env's) resets on
         its next step those whose episode just ended, as the old group would have."""
-        self._autoreset = [bool(d) for d in done]
+        self._autoreset[:] = [bool(d) for d in done]
 
     def check_spaces(self) -> tuple[int, str] | None:
         """(env_index, description) of the first env whose spaces differ, or ``None``."""
@@ -326,8 +358,9 @@ class EnvGroup:
                 log.record(batched)
             actions = iter(batched) if self._action_leaf else iterate(self._action_space, batched)
         else:
-            if log is not None:
-                log.record(buf.actions)  # before any env runs: a hang's action is kept
+            record = self._record_actions
+            if record is not None:
+                record()  # before any env runs: a hang's action is kept
             if self._action_leaf:
                 actions = iter(buf.actions)
             else:
@@ -374,8 +407,12 @@ class EnvGroup:
             for f, flag in zip(failures, keep, strict=True):
                 self._autoreset[f.env_index - self.start] = flag  # its state is unknown
             raise PartialFailure(failures, events)
-        self._write_results()
-        self._write_observations("step", events)
+        write = self._c_results
+        if write is None or not write():
+            self._write_results()
+        write = self._c_rows[0 if self._slab is None else self._slab.item(0)]
+        if write is None or not write():
+            self._write_observations("step", events)
         return events
 
     def _reset_start(self, j: int, env: Any, options: Any = None) -> bytes:
@@ -395,14 +432,8 @@ class EnvGroup:
         return failure
 
     def _write_results(self) -> None:
-        write_results, addresses = self._c_write_results, self._result_addresses
-        if (
-            write_results is not None
-            and addresses is not None
-            and write_results(
-                self._rewards, self._terminations, self._truncations, *addresses, self._autoreset
-            )
-        ):
+        write = self._c_results
+        if write is not None and write():
             return  # plain floats and bools, written in C as numpy writes them
         buf = self.buffers
         try:
@@ -419,7 +450,7 @@ class EnvGroup:
                 except Exception as exc:
                     raise self._recorded(EnvFailure(self.start + j, "step (result)")) from exc
             raise
-        self._autoreset = np.logical_or(buf.terminations, buf.truncations).tolist()
+        self._autoreset[:] = np.logical_or(buf.terminations, buf.truncations).tolist()
 
     def _write_observations(self, method: str, events: list[InfoEvent]) -> None:
         """Write every env's latest observation into the group's rows; with leaves without a
@@ -454,19 +485,8 @@ class EnvGroup:
     def _write_observation_rows(self) -> None:
         out, rows, raw, address = self._obs_slabs[0 if self._slab is None else self._slab.item(0)]
         if rows is not None:
-            write_rows = self._c_write_rows
-            if (
-                address
-                and write_rows is not None
-                and write_rows(
-                    self._env_obs,
-                    np.ndarray,
-                    self._obs_dtype,
-                    self._obs_shape,
-                    address,
-                    self._obs_row_bytes,
-                )
-            ):
+            write = self._c_rows[0 if self._slab is None else self._slab.item(0)]
+            if write is not None and write():
                 return  # the joined write below, in C
             shape, dtype, ndarray = self._obs_shape, self._obs_dtype, np.ndarray
             same_dtype = raw is not None
@@ -492,7 +512,7 @@ class EnvGroup:
     def reset(self, request: ResetRequest) -> list[InfoEvent]:
         """Reset the envs (all, or those in ``request.mask``) with their seeds and options."""
         mask = request.mask
-        self._autoreset = [
+        self._autoreset[:] = [
             False if mask is None or mask[j] else a for j, a in enumerate(self._autoreset)
         ]
         events: list[InfoEvent] = []
