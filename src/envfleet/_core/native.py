@@ -15,7 +15,9 @@ processes backend (driver or worker) is built, so setting ``envfleet._core.nativ
 vector env (and, under ``fork``, for its workers).
 
 ``pcg64_raw`` copies a PCG64 generator's state for the replay record's episode start at
-each autoreset (``_core/replay.py``: ``StartReader.packed``; its twin ``pcg64_bytes``).
+each autoreset (``_core/replay.py``: ``StartReader.packed``; its twin ``pcg64_bytes``), and
+``log_row`` each step's action rows into the record's ring (``ActionLog.recorder``; its twin
+``ActionLog.record``).
 
 The processes backend's round bell (Linux futexes, ``_backends/processes/doorbell.py``) has
 its C side here too: ``bell_ring``, ``bell_sleep``, ``bell_arrive`` and ``gather_sleep``, and
