@@ -40,6 +40,8 @@ def test_a_short_run_reports_each_worker_count(tmp_path: Path) -> None:
     doc = json.loads(out_file.read_text())
     assert doc["machine"]["cores"] >= 1 and doc["machine"]["cpu_model"] and doc["machine"]["commit"]
     assert [r["workers"] for r in doc["rows"]] == [1, 2]
+    for name in ("driver_cpu_fit_us", "driver_user_fit_us"):
+        assert all(math.isfinite(doc[name][k]) for k in ("a", "b_per_worker")), doc[name]
     for row in doc["rows"]:
         for key in (
             "steps_per_s",
