@@ -150,9 +150,10 @@ class InProcessTransport:
         driver's round when every group runs here): the results and the failures."""
         results: dict[int, Any] = {}
         failures: dict[int, EnvFailure] = {}
+        groups, timers = self.groups, self._timers
         for w, payload in payloads.items():
-            try:
-                results[w] = self.run_group(w, command, payload)
+            try:  # run_group's call, without its frame (every serial step comes here)
+                results[w] = run_command(groups[w], command, payload, timers[w])
             except EnvFailure as failure:
                 failures[w] = failure
         return results, failures

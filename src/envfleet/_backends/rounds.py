@@ -254,7 +254,15 @@ class RoundDriver(Backend):
     def round(
         self, command: Command, payloads: Mapping[int, Any], timeout: float | None, step: int
     ) -> dict[int, Any]:
-        results = self._any_round(command, payloads, timeout, step)
+        if (
+            command is _STEP
+            and self._step_all is not None
+            and not self._pending
+            and len(payloads) == self._num_workers
+        ):
+            results = self.supervisor.guarded(self._fast_round, timeout, step, True)
+        else:
+            results = self._any_round(command, payloads, timeout, step)
         if command is _STEP and self._recycler is not None:
             self._recycle_due(timeout, step)
         return results
@@ -262,21 +270,23 @@ class RoundDriver(Backend):
     def _any_round(
         self, command: Command, payloads: Mapping[int, Any], timeout: float | None, step: int
     ) -> dict[int, Any]:
-        if not self._pending and len(payloads) == self._num_workers:
-            if command is _STEP and self._step_all is not None:
-                return self.supervisor.guarded(self._fast_round, timeout, step, True)
-            if command in self._inline_every:
-                # Every group runs here as it is sent its command, to the end: each reply is
-                # there to read at once (gather's wait would report each one ready), and
-                # nothing is left in flight to guard.
-                self._command = command
-                run_here = self._run_here or self._send_and_read
-                results, failures = run_here(command, payloads)
-                if failures:
-                    done = Round()
-                    done.results, done.failures = results, failures
-                    return self.supervisor.settle(done, timeout, step, command)
-                return results
+        """:meth:`round` but for the synchronous step round through :attr:`_step_all`."""
+        if (
+            not self._pending
+            and len(payloads) == self._num_workers
+            and command in self._inline_every
+        ):
+            # Every group runs here as it is sent its command, to the end: each reply is
+            # there to read at once (gather's wait would report each one ready), and
+            # nothing is left in flight to guard.
+            self._command = command
+            run_here = self._run_here or self._send_and_read
+            results, failures = run_here(command, payloads)
+            if failures:
+                done = Round()
+                done.results, done.failures = results, failures
+                return self.supervisor.settle(done, timeout, step, command)
+            return results
         return self.supervisor.guarded(self._round, command, payloads, timeout, step)
 
     def finish(
@@ -382,7 +392,7 @@ class RoundDriver(Backend):
         driver's own block)."""
         remote = self._remote
         self._command = _STEP
-        started = time.monotonic()
+        started = 0.0 if ring else time.monotonic()  # step_wait's timeout counts from here
         local_result, local_failure, taken, unread, spun_s = self._step_all(ring)  # type: ignore[misc]
         if taken == len(remote) and not unread and local_failure is None:
             results: dict[int, Any] = dict.fromkeys(remote)  # every reply OK, nothing to read

@@ -145,7 +145,7 @@ class ResultBuffers:
         else:
             k = slabs.pick()
             tree_write(slabs.slabs[k], slabs.slabs[latest])
-        cast(np.ndarray, self.batch.slab)[0] = k
+        self.batch.slab[0] = k  # type: ignore[index]  # a slab word wherever slabs are
         self.next = k
 
     def drop_slabs(self) -> None:

@@ -314,7 +314,7 @@ class FleetVectorEnv(VectorEnv[Any, Any, np.ndarray]):
                     for w, (start, stop) in enumerate(self._backend.ranges)
                 }
         if self._outputs.slabs is not None:
-            self._outputs.pick_slab(every_env=True, copy=self.copy)
+            self._outputs.pick_slab(True, self.copy)
 
     def step_wait(
         self, timeout: float | None = None
@@ -340,19 +340,22 @@ class FleetVectorEnv(VectorEnv[Any, Any, np.ndarray]):
     ) -> tuple[Any, np.ndarray, np.ndarray, np.ndarray, dict[str, Any]]:
         """A finished step's results, as step_wait returns them."""
         self._steps += 1
-        infos = self._infos(results)
+        outputs = self._outputs
+        if outputs.side_spaces or self.unbatched_infos or any(results.values()):
+            infos = self._infos(results)
+        else:
+            infos = {}  # no env had an info (the common case): vector_infos's answer
         batch = self._backend.batch
         if self.autoreset_mode is _DISABLED:
             np.logical_or(batch.terminations, batch.truncations, out=self._needs_reset)
         if self.copy:
             return (
-                self._outputs.observations(True),
+                outputs.observations(True),
                 batch.rewards.copy(),
                 batch.terminations.copy(),
                 batch.truncations.copy(),
                 infos,
             )
-        outputs = self._outputs
         obs = outputs.observations(False) if outputs.side_spaces else batch.observations
         return obs, batch.rewards, batch.terminations, batch.truncations, infos
 
