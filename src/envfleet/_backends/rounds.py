@@ -270,7 +270,8 @@ class RoundDriver(Backend):
     def _any_round(
         self, command: Command, payloads: Mapping[int, Any], timeout: float | None, step: int
     ) -> dict[int, Any]:
-        """:meth:`round` but for the synchronous step round through :attr:`_step_all`."""
+        """Every round :meth:`round` does not take through :attr:`_step_all` itself: groups
+        run here to the end, or the commands sent and their replies gathered, guarded."""
         if (
             not self._pending
             and len(payloads) == self._num_workers
