@@ -1145,6 +1145,10 @@ sp_log_row(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     int64_t *n = (int64_t *)header;
+    if (*n < 0) {
+        PyErr_SetString(PyExc_ValueError, "log_row: the log's step count is negative");
+        return NULL;
+    }
     memcpy((char *)ring + (*n % capacity) * row_bytes, source, (size_t)row_bytes);
     *n += 1;
     calls[F_LOG_ROW]++;
