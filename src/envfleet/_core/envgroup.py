@@ -401,18 +401,17 @@ class EnvGroup:
                 continue
             if env_info:
                 events.append((self.start + j, env_info))
-        if failures is not None:
-            keep = [autoreset[f.env_index - self.start] for f in failures]
+        keep = [autoreset[f.env_index - self.start] for f in failures] if failures else []
+        write = self._c_results
+        if write is None or not write():  # else plain floats and bools, written in C
             self._write_results()
+        if failures is not None:
             for f, flag in zip(failures, keep, strict=True):
                 self._autoreset[f.env_index - self.start] = flag  # its state is unknown
             raise PartialFailure(failures, events)
-        write = self._c_results
-        if write is None or not write():
-            self._write_results()
         write = self._c_rows[0 if self._slab is None else self._slab.item(0)]
         if write is None or not write():
-            self._write_observations("step", events)
+            self._write_observations("step", events, c_tried=True)
         return events
 
     def _reset_start(self, j: int, env: Any, options: Any = None) -> bytes:
@@ -432,9 +431,8 @@ class EnvGroup:
         return failure
 
     def _write_results(self) -> None:
-        write = self._c_results
-        if write is not None and write():
-            return  # plain floats and bools, written in C as numpy writes them
+        """The step's results written by numpy, where the C write (``_c_results``) does not
+        apply or declined them (values it does not convert as numpy does)."""
         buf = self.buffers
         try:
             buf.rewards[:] = self._rewards
@@ -452,10 +450,14 @@ class EnvGroup:
             raise
         self._autoreset[:] = np.logical_or(buf.terminations, buf.truncations).tolist()
 
-    def _write_observations(self, method: str, events: list[InfoEvent]) -> None:
+    def _write_observations(
+        self, method: str, events: list[InfoEvent], c_tried: bool = False
+    ) -> None:
         """Write every env's latest observation into the group's rows; with leaves without a
         fixed size, append each env's values there to ``events`` (as
-        :class:`~envfleet._core.protocol.SideValues` events).
+        :class:`~envfleet._core.protocol.SideValues` events). ``c_tried``: the step's C write of
+        the rows (``_c_rows``) was just tried and declined them (or does not apply): numpy
+        writes them.
 
         Raises:
             EnvFailure: an observation does not fit the observation space's buffer (wrong
@@ -463,7 +465,7 @@ class EnvGroup:
                 SyncVectorEnv's ``concatenate`` refuses it; names the first such env.
         """
         try:
-            self._write_observation_rows()
+            self._write_observation_rows(c_tried)
         except Exception as exc:
             space = self.single_observation_space
             probe: Any = create_empty_array(space, 1)
@@ -482,10 +484,11 @@ class EnvGroup:
                 side_values(space, obs, values)
                 events.append((self.start + j, SideValues(values=values)))
 
-    def _write_observation_rows(self) -> None:
-        out, rows, raw, address = self._obs_slabs[0 if self._slab is None else self._slab.item(0)]
+    def _write_observation_rows(self, c_tried: bool) -> None:
+        k = 0 if self._slab is None else self._slab.item(0)
+        out, rows, raw, _ = self._obs_slabs[k]
         if rows is not None:
-            write = self._c_rows[0 if self._slab is None else self._slab.item(0)]
+            write = None if c_tried else self._c_rows[k]
             if write is not None and write():
                 return  # the joined write below, in C
             shape, dtype, ndarray = self._obs_shape, self._obs_dtype, np.ndarray

@@ -359,8 +359,6 @@ class StartReader:
                 )
             if self._plan is not None:
                 prefix, sources = self._plan
-                if len(sources) == 1:
-                    return prefix + self._read(sources[0])
                 return prefix + b"".join(map(self._read, sources))
         start = _start(self._unwrapped, generators, options)
         return pickle.dumps(start, pickle.HIGHEST_PROTOCOL)
