@@ -558,6 +558,48 @@ def test_async_matches_sync_calls(make_env, backend):
     sync.close()
 
 
+@pytest.mark.parametrize("num_workers", [1, 2])
+def test_a_plain_step_takes_the_backends_step_round(make_env, monkeypatch, step_path, num_workers):
+    """processes: a step whose actions are of the space's own shape and dtype goes from
+    step() straight to the backend's step_round (the C round, or its Python twin), never
+    through the general round(); a round that step_round answers with None (every group
+    stepped, no env had an info) skips _step_outputs too. The results stay SyncVectorEnv's,
+    episode ends and autoresets included."""
+    envs = make_env("CartPole-v1", 3, backend="processes", num_workers=num_workers)
+    sync = SyncVectorEnv([cartpole] * 3)
+    assert_same(envs.reset(seed=4), sync.reset(seed=4), "reset")
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the general round ran")
+
+    answers, outputs = [], []
+    step_round, step_outputs = envs._step_round, envs._step_outputs
+
+    def recorded_round(*args):
+        answers.append(step_round(*args))
+        return answers[-1]
+
+    def recorded_outputs(results):
+        outputs.append(results)
+        return step_outputs(results)
+
+    monkeypatch.setattr(envs._backend, "round", refuse)
+    monkeypatch.setattr(envs, "_step_round", recorded_round)
+    monkeypatch.setattr(envs, "_step_outputs", recorded_outputs)
+    rng = np.random.default_rng(0)
+    ended = 0
+    for t in range(60):
+        actions = rng.integers(0, 2, 3)
+        result = envs.step(actions)
+        ended += int(result[2].sum())
+        assert_same(result, sync.step(actions), f"step {t}")
+    assert ended > 0
+    assert len(answers) == 60
+    # A worker that spun out is waited for the general way, and its results read.
+    assert outputs == [a for a in answers if a is not None]
+    sync.close()
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_everything_after_close(backend, snapshot):
     envs = envfleet.make("CartPole-v1", 2, backend=backend)

@@ -306,6 +306,19 @@ class Backend(abc.ABC):
         self.submit(command, payloads, step)
         return self.collect(timeout, step)
 
+    # A backend whose :meth:`step_round` is shorter than :meth:`round` (processes, on the C
+    # step path): the front's plain step calls it.
+    quick_steps = False
+
+    def step_round(self, timeout: float | None, step: int) -> dict[int, Any] | None:
+        """A synchronous step of every group, its actions in ``batch.actions``: what
+        ``round(STEP, every group's None, timeout, step)`` does, except that ``None`` may
+        stand for results that carry nothing (every group stepped, no env had an info).
+
+        Raises: as :meth:`round`.
+        """
+        return self.round(Command.STEP, dict.fromkeys(range(len(self.ranges))), timeout, step)
+
     def collect_ready(self, timeout: float | None, step: int) -> dict[int, Any]:
         """First-ready pool: wait until at least one submitted worker is done and return the
         results of every worker done by then. Workers may be submitted to while others run.

@@ -147,6 +147,22 @@ class FleetVectorEnv(VectorEnv[Any, Any, np.ndarray]):
             if backend.native and not is_pool and autoreset_mode is AutoresetMode.NEXT_STEP
             else None
         )
+        # The plain step's shorter path (step()), where the backend has one: actions of the
+        # buffer's own shape and dtype need no check, and no env is left waiting for a reset.
+        self._step_round = (
+            backend.step_round
+            if backend.quick_steps
+            and self._action_leaf
+            and not is_pool
+            and autoreset_mode is not AutoresetMode.DISABLED
+            else None
+        )
+        # Its results are the batch's arrays copied: one observation leaf, no slabs.
+        self._plain_outputs = (
+            is_leaf(single_observation_space)
+            and self._outputs.slabs is None
+            and not self._outputs.side_spaces
+        )
         self._action_shape = backend.batch.actions.shape if self._action_leaf else None
         self._action_dtype = backend.batch.actions.dtype if self._action_leaf else None
 
@@ -240,18 +256,46 @@ class FleetVectorEnv(VectorEnv[Any, Any, np.ndarray]):
             ResetNeededError: ``AutoresetMode.DISABLED`` and some env needs a reset first.
             EnvError, EnvCrashedError, StepTimeoutError: see :meth:`step_wait`.
         """
-        native = self._native_step
         if (
-            native is not None
-            and type(actions) is np.ndarray
+            type(actions) is np.ndarray
             and actions.dtype == self._action_dtype
             and actions.shape == self._action_shape
             and self._state is _NO_CALL
             and not self.closed
             and not self._pool.started
         ):
-            self._steps += 1
-            return native(actions, self.copy)
+            native = self._native_step
+            if native is not None:
+                self._steps += 1
+                return native(actions, self.copy)
+            step_round = self._step_round
+            if step_round is not None:
+                # The plain step (actions of the buffer's own shape and dtype, nothing else
+                # to check) in as few frames as it takes: _prepare_step's common case, the
+                # backend's step round, _step_outputs' common case.
+                backend = self._backend
+                batch = backend.batch
+                batch.actions[...] = actions
+                outputs = self._outputs
+                if outputs.slabs is not None:
+                    outputs.pick_slab(True, self.copy)
+                try:
+                    results = step_round(self.step_timeout, self._steps)
+                except BaseException:
+                    self.closed = backend.closed
+                    raise
+                if results is None:
+                    if self._plain_outputs and self.copy and not self.unbatched_infos:
+                        self._steps += 1
+                        return (
+                            batch.observations.copy(),
+                            batch.rewards.copy(),
+                            batch.terminations.copy(),
+                            batch.truncations.copy(),
+                            {},
+                        )
+                    results = {}
+                return self._step_outputs(results)
         # step_async then step_wait, with the submit and the wait in one backend call.
         self._prepare_step(actions, "step_async")
         try:
@@ -744,9 +788,9 @@ class FleetVectorEnv(VectorEnv[Any, Any, np.ndarray]):
         with contextlib.suppress(Exception):
             backend.disown()
         self._backend = cast(Backend, DisownedBackend(self._owner_pid))
-        # What held the maker's backend: the pool, and the native step bound to it.
+        # What held the maker's backend: the pool, and the step paths bound to it.
         self._pool.backend = self._backend
-        self._native_step = None
+        self._native_step = self._step_round = None
 
     def __enter__(self) -> FleetVectorEnv:
         return self
