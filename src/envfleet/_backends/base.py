@@ -306,8 +306,8 @@ class Backend(abc.ABC):
         self.submit(command, payloads, step)
         return self.collect(timeout, step)
 
-    # A backend whose :meth:`step_round` is shorter than :meth:`round` (processes, on the C
-    # step path): the front's plain step calls it.
+    # A backend whose :meth:`step_round` the front's plain step calls, skipping its own
+    # general paths around round() (every RoundDriver; not EnvPool's, which has its own).
     quick_steps = False
 
     def step_round(self, timeout: float | None, step: int) -> dict[int, Any] | None:

@@ -210,7 +210,6 @@ class RoundDriver(Backend):
         self._num_remote = len(self._remote)
         self._num_workers = len(self.ranges)
         self._every_group: dict[int, Any] = dict.fromkeys(range(self._num_workers))
-        self.quick_steps = self._step_all is not None
         self._recycler: Recycler | None = None
         # The commands every group runs here when sent them (not in a pool: a pool's sends
         # and reads are apart).
@@ -270,13 +269,17 @@ class RoundDriver(Backend):
             self._recycle_due(timeout, step)
         return results
 
+    quick_steps = True
+
     def step_round(self, timeout: float | None, step: int) -> dict[int, Any] | None:
         """The plain synchronous step (``round(STEP, every group's None, ...)``) in as few
-        frames as the C round allows: ``None`` when every group stepped and no env had an
-        info, else the round's results (finished the guarded way)."""
+        frames as the transport allows (the C round's :attr:`Transport.step_all` where it
+        has one): ``None`` when every group stepped and no env had an info, else the
+        round's results (finished the guarded way)."""
         step_all = self._step_all
         if step_all is None or self._pending or self._recycler is not None:
-            return self.round(_STEP, self._every_group, timeout, step)
+            results = self.round(_STEP, self._every_group, timeout, step)
+            return results if any(results.values()) else None
         self._command = _STEP
         try:
             outcome = step_all(True)
