@@ -450,13 +450,15 @@ class RoundDriver(Backend):
             done.failures[0] = local_failure
         elif local_result is not None:
             done.results[0] = local_result
-        fail_fast = not self.ledger.restarts_on(_STEP)
         for i in range(taken):
             if i in unread:
                 transport.read(remote[i], done)
             else:
                 done.results[remote[i]] = None
-        self._check_crashed(done, step, fail_fast)
+        if taken == len(remote) and not done.failed:
+            self._pending = []
+            return done.results  # replies with infos, all read: nothing to wait for or settle
+        self._check_crashed(done, step, not self.ledger.restarts_on(_STEP))
         self._pending = remote[taken:]
         if self._pending:
             transport.spun_s = spun_s  # the next wait, on the first of them, counts it
