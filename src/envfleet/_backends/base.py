@@ -306,14 +306,11 @@ class Backend(abc.ABC):
         self.submit(command, payloads, step)
         return self.collect(timeout, step)
 
-    # A backend whose :meth:`step_round` the front's plain step calls, skipping its own
-    # general paths around round() (every RoundDriver; not EnvPool's, which has its own).
-    quick_steps = False
-
     def step_round(self, timeout: float | None, step: int) -> dict[int, Any] | None:
-        """A synchronous step of every group, its actions in ``batch.actions``: what
-        ``round(STEP, every group's None, timeout, step)`` does, except that ``None`` may
-        stand for results that carry nothing (every group stepped, no env had an info).
+        """A synchronous step of every group, its actions in ``batch.actions`` (the front's
+        plain step): what ``round(STEP, every group's None, timeout, step)`` does, except that
+        ``None`` may stand for results that carry nothing (every group stepped, no env had an
+        info). A backend may override it with a shorter path (the round driver does).
 
         Raises: as :meth:`round`.
         """

@@ -269,8 +269,6 @@ class RoundDriver(Backend):
             self._recycle_due(timeout, step)
         return results
 
-    quick_steps = True
-
     def step_round(self, timeout: float | None, step: int) -> dict[int, Any] | None:
         """The plain synchronous step (``round(STEP, every group's None, ...)``) in as few
         frames as the transport allows (the C round's :attr:`Transport.step_all` where it
@@ -439,11 +437,6 @@ class RoundDriver(Backend):
         where step_async rang)."""
         remote = self._remote
         local_result, local_failure, taken, unread, spun_s = outcome
-        if taken == len(remote) and not unread and local_failure is None:
-            results: dict[int, Any] = dict.fromkeys(remote)  # every reply OK, nothing to read
-            if local_result is not None:
-                results[0] = local_result
-            return results
         transport = self.transport
         done = Round()
         if local_failure is not None:
@@ -457,7 +450,7 @@ class RoundDriver(Backend):
                 done.results[remote[i]] = None
         if taken == len(remote) and not done.failed:
             self._pending = []
-            return done.results  # replies with infos, all read: nothing to wait for or settle
+            return done.results  # every reply read: nothing to wait for or settle
         self._check_crashed(done, step, not self.ledger.restarts_on(_STEP))
         self._pending = remote[taken:]
         if self._pending:

@@ -147,14 +147,11 @@ class FleetVectorEnv(VectorEnv[Any, Any, np.ndarray]):
             if backend.native and not is_pool and autoreset_mode is AutoresetMode.NEXT_STEP
             else None
         )
-        # The plain step's shorter path (step()), where the backend has one: actions of the
-        # buffer's own shape and dtype need no check, and no env is left waiting for a reset.
+        # The plain step's shorter path (step()): actions of the buffer's own shape and dtype
+        # need no check, and no env is left waiting for a reset.
         self._step_round = (
             backend.step_round
-            if backend.quick_steps
-            and self._action_leaf
-            and not is_pool
-            and autoreset_mode is not AutoresetMode.DISABLED
+            if self._action_leaf and not is_pool and autoreset_mode is not AutoresetMode.DISABLED
             else None
         )
         # Its results are the batch's arrays copied: one observation leaf, no slabs.
