@@ -21,6 +21,10 @@
  *                   the processes backend's round bell on Linux futexes (RoundBell,
  *                   _backends/processes/doorbell.py): one ring and one count of arrivals per
  *                   full step round, whatever the worker count
+ *   crash_note      the learner's note of the sub-environment it steps itself (processes'
+ *                   driver_envs), and a fatal-signal handler that writes it to stderr before
+ *                   chaining to faulthandler's (_core/crash_note.py): not a step-path
+ *                   function, so not counted
  *
  * The protocol is defined in Python only: the control words' indexes come from set_layout
  * (_backends/processes/worker.py's native_layout), the command and status codes with each
@@ -36,8 +40,10 @@
 
 #include <errno.h>
 #include <math.h>
+#include <pthread.h>
 #include <sched.h>
 #include <semaphore.h>
+#include <signal.h>
 #include <stdint.h>
 #include <string.h>
 #include <time.h>
@@ -46,11 +52,11 @@
 #ifdef __linux__
 #include <linux/futex.h>
 #include <sys/syscall.h>
-#include <unistd.h>
 #define HAVE_FUTEX 1
 #else
 #define HAVE_FUTEX 0
 #endif
+#include <unistd.h>
 
 #if defined(__x86_64__) || defined(__i386__)
 #define CPU_RELAX() __builtin_ia32_pause()
@@ -285,7 +291,15 @@ spin_take(sem_t *sem, double tight_s, double spin_s)
  * its REQ word differs from its ACK word. A full step round's workers (GATHER word 1) each
  * decrement ``remaining`` after replying instead of posting their done semaphore; the one that
  * brings it to 0 clears ``dwait`` and wakes the driver asleep on it, if it said it sleeps
- * (``dwait`` 1). Non-private futex operations: the words are shared between processes. */
+ * (``dwait`` 1). Non-private futex operations: the words are shared between processes.
+ *
+ * Memory order: every control word that publishes data to the other side is stored with
+ * release semantics (or a sequentially consistent read-modify-write) after that data, and
+ * loaded with acquire semantics before it is read: REQ after CMD, CMD_PAYLOAD and GATHER; a
+ * worker's arrival on ``remaining`` and its ACK after its STATUS and reply rows; ``gen``,
+ * ``sleepers`` and ``dwait``. So this side is correct on any CPU (on x86-64 an acquire load
+ * and a release store are plain moves). The Python twins write with plain stores: the bell
+ * runs only where those are ordered (doorbell.py's ROUND_BELL_MACHINES, x86-64). */
 typedef struct {
     uint32_t gen;
     int32_t sleepers;
@@ -359,8 +373,8 @@ gather_arrive(bell_t *bell)
 static void
 bell_arrive(bell_t *bell, volatile int64_t *control, sem_t *done, sem_t *any_done)
 {
-    int64_t req = control[w_req];
-    int gather = control[w_gather] != 0;
+    int64_t req = __atomic_load_n((int64_t *)&control[w_req], __ATOMIC_ACQUIRE);
+    int gather = __atomic_load_n((int64_t *)&control[w_gather], __ATOMIC_RELAXED) != 0;
     if (gather) {
         gather_arrive(bell);
         __atomic_store_n((int64_t *)&control[w_ack], req, __ATOMIC_RELEASE);
@@ -748,7 +762,8 @@ gather_round(PyObject *controls, PyObject *local, PyObject *env_failure, double 
         words[w_cmd] = step_code;
         words[w_cmd_payload] = 0;
         words[w_gather] = 1;
-        __atomic_store_n((int64_t *)&words[w_req], words[w_req] + 1, __ATOMIC_RELEASE);
+        int64_t req = __atomic_load_n((int64_t *)&words[w_req], __ATOMIC_RELAXED);
+        __atomic_store_n((int64_t *)&words[w_req], req + 1, __ATOMIC_RELEASE);
     }
     bell_ring(bell);
     PyObject *local_result = Py_None, *local_failure = Py_None;
@@ -1155,6 +1170,136 @@ sp_log_row(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     Py_RETURN_NONE;
 }
 
+/* -- the learner's crash note (processes' driver_envs: _core/crash_note.py) ---------------- */
+
+/* What the learner's process is stepping: (driver_envs << 32) + the global index of the env,
+ * written by EnvGroup.step / reset before each env of the driver's own block and -1 after (a
+ * plain int64 store from Python, through a memoryview of this word); -1 otherwise. Read only
+ * by fatal_handler. A forked child starts at -1 (fatal_forget, pthread_atfork). */
+static volatile int64_t crash_note = -1;
+
+static const int fatal_signals[] = {SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGABRT};
+static const char *const fatal_names[] = {"SIGSEGV", "SIGBUS", "SIGFPE", "SIGILL", "SIGABRT"};
+#define FATAL_COUNT ((int)(sizeof fatal_signals / sizeof fatal_signals[0]))
+/* The handler each signal had before ours (faulthandler's, when it is enabled): chained to. */
+static struct sigaction fatal_previous[FATAL_COUNT];
+static int atfork_registered = 0;
+
+static void
+fatal_forget(void)
+{
+    crash_note = -1;
+}
+
+/* Append the decimal digits of v (>= 0) at p; returns the end. Async-signal-safe. */
+static char *
+put_decimal(char *p, int64_t v)
+{
+    char digits[24];
+    int n = 0;
+    do {
+        digits[n++] = (char)('0' + v % 10);
+        v /= 10;
+    } while (v > 0 && n < 24);
+    while (n > 0)
+        *p++ = digits[--n];
+    return p;
+}
+
+static char *
+put_text(char *p, const char *text)
+{
+    while (*text)
+        *p++ = *text++;
+    return p;
+}
+
+/* The fatal-signal handler: one line to stderr naming the env the learner's process was
+ * stepping (when it was stepping one), then the previous handler, as faulthandler chains:
+ * that one is restored first, then called (with this signal's siginfo), or, the default
+ * action, raised again (SA_NODEFER: delivered at once, the process dies of the signal).
+ * Only async-signal-safe calls: write(2), sigaction(2), raise(3). */
+static void
+fatal_handler(int sig, siginfo_t *info, void *context)
+{
+    int saved_errno = errno;
+    int k = 0;
+    while (k < FATAL_COUNT && fatal_signals[k] != sig)
+        k++;
+    int64_t note = crash_note;
+    if (note >= 0 && k < FATAL_COUNT) {
+        char line[200];
+        char *p = line;
+        p = put_text(p, "envfleet: fatal signal ");
+        p = put_text(p, fatal_names[k]);
+        p = put_text(p, " while the learner's process was stepping sub-environment ");
+        p = put_decimal(p, note & 0xFFFFFFFF);
+        p = put_text(p, " (driver_envs=");
+        p = put_decimal(p, note >> 32);
+        p = put_text(p, ")\n");
+        const char *q = line;
+        size_t left = (size_t)(p - line);
+        while (left > 0) {
+            ssize_t n = write(STDERR_FILENO, q, left);
+            if (n < 0 && errno == EINTR)
+                continue;
+            if (n <= 0)
+                break;
+            q += n;
+            left -= (size_t)n;
+        }
+    }
+    if (k == FATAL_COUNT) { /* not one of ours: cannot happen */
+        signal(sig, SIG_DFL);
+        raise(sig);
+        return;
+    }
+    struct sigaction previous = fatal_previous[k];
+    sigaction(sig, &previous, NULL);
+    errno = saved_errno;
+    if (previous.sa_handler == SIG_DFL || previous.sa_handler == SIG_IGN) {
+        raise(sig); /* the default action; ignored, a fault recurs on return and kills */
+        return;
+    }
+    if (previous.sa_flags & SA_SIGINFO)
+        previous.sa_sigaction(sig, info, context);
+    else
+        previous.sa_handler(sig);
+}
+
+/* crash_note() -> int: install fatal_handler for SIGSEGV, SIGBUS, SIGFPE, SIGILL and SIGABRT
+ * over the handlers there now (kept, and chained to: install faulthandler's first), unless it
+ * is installed already; return the address of the int64 crash note. */
+static PyObject *
+sp_crash_note(PyObject *self, PyObject *unused)
+{
+    if (!atfork_registered) {
+        if (pthread_atfork(NULL, NULL, fatal_forget) != 0) {
+            PyErr_SetString(PyExc_OSError, "crash_note: pthread_atfork failed");
+            return NULL;
+        }
+        atfork_registered = 1;
+    }
+    for (int k = 0; k < FATAL_COUNT; k++) {
+        struct sigaction current;
+        if (sigaction(fatal_signals[k], NULL, &current) != 0)
+            return PyErr_SetFromErrno(PyExc_OSError);
+        if ((current.sa_flags & SA_SIGINFO) && current.sa_sigaction == fatal_handler)
+            continue; /* ours already (another vector env installed it) */
+        fatal_previous[k] = current;
+        struct sigaction action;
+        memset(&action, 0, sizeof action);
+        action.sa_sigaction = fatal_handler;
+        sigemptyset(&action.sa_mask);
+        /* faulthandler's flags: on its alternate stack (a stack overflow), and the signal
+         * not blocked while handled, so that raising it again from here takes effect. */
+        action.sa_flags = SA_SIGINFO | SA_NODEFER | SA_ONSTACK;
+        if (sigaction(fatal_signals[k], &action, NULL) != 0)
+            return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    return PyLong_FromVoidPtr((void *)&crash_note);
+}
+
 static PyMethodDef methods[] = {
     {"write_results", (PyCFunction)(void (*)(void))sp_write_results, METH_FASTCALL, "EnvGroup._write_results."},
     {"write_rows", (PyCFunction)(void (*)(void))sp_write_rows, METH_FASTCALL, "EnvGroup's observation rows, memcpy'd."},
@@ -1174,6 +1319,8 @@ static PyMethodDef methods[] = {
     {"set_layout", sp_set_layout, METH_VARARGS,
      "set_layout(cmd, cmd_payload, status, reply_payload, req, gather, ack, words): the "
      "control words."},
+    {"crash_note", sp_crash_note, METH_NOARGS,
+     "crash_note() -> address: the learner's crash note, its fatal-signal handler installed."},
     {"counters", sp_counters, METH_NOARGS, "counters() -> {name: calls in this process}."},
     {"reset_counters", sp_reset_counters, METH_NOARGS, "reset_counters(): zero them."},
     {"register_types", sp_register_types, METH_VARARGS,

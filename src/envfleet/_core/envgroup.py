@@ -22,6 +22,7 @@ from gymnasium.vector.utils import batch_space, concatenate, create_empty_array,
 
 from envfleet._core import native as _speedups
 from envfleet._core.buffers import Batch, fill_side, is_leaf, side_leaves, side_values
+from envfleet._core.crash_note import NOTE_CLEAR
 from envfleet._core.errors import ConfigError
 from envfleet._core.protocol import (
     CallRequest,
@@ -188,6 +189,10 @@ class EnvGroup:
             None if action_log is None else action_log.recorder(self.buffers.actions)
         )
         self._env_fns = list(env_fns)
+        # The learner's crash note (crash_note.py; note_crashes): None but in the block the
+        # processes driver steps itself.
+        self._crash_note: memoryview | None = None
+        self._crash_base = 0
         # What tasks (Command.TASK) keep here between commands, by their own keys; gone when
         # the group is rebuilt (a restarted worker).
         self.task_state: dict[str, Any] = {}
@@ -302,6 +307,13 @@ class EnvGroup:
         its next step those whose episode just ended, as the old group would have."""
         self._autoreset[:] = [bool(d) for d in done]
 
+    def note_crashes(self, note: memoryview | None, base: int) -> None:
+        """Write ``base + j`` into ``note[0]`` before stepping or resetting env ``j``, and
+        :data:`~envfleet._core.crash_note.NOTE_CLEAR` once done (one store per env step):
+        the learner's own block (processes' ``driver_envs``), whose fatal signal then names
+        its env on stderr (:func:`envfleet._core.crash_note.driver_crash_note`)."""
+        self._crash_note, self._crash_base = note, base
+
     def check_spaces(self) -> tuple[int, str] | None:
         """(env_index, description) of the first env whose spaces differ, or ``None``."""
         for j, env in enumerate(self.envs):
@@ -375,8 +387,11 @@ class EnvGroup:
         same_step = self._same_step
         events: list[InfoEvent] = []
         failures: list[EnvFailure] | None = None
+        note, base = self._crash_note, self._crash_base
         for j, action in enumerate(actions):
             env = envs[j]
+            if note is not None:  # the learner's own block: its crash note names this env
+                note[0] = base + j
             try:
                 if resets and autoreset[j]:
                     if log is not None:
@@ -400,8 +415,14 @@ class EnvGroup:
                 failures.append(self._recorded(_failure(self.start + j, "step", exc)))
                 rewards[j], terms[j], truncs[j] = 0.0, False, False
                 continue
+            except BaseException:  # KeyboardInterrupt, SystemExit: no env is stepped now
+                if note is not None:
+                    note[0] = NOTE_CLEAR
+                raise
             if env_info:
                 events.append((self.start + j, env_info))
+        if note is not None:
+            note[0] = NOTE_CLEAR
         keep = [autoreset[f.env_index - self.start] for f in failures] if failures else []
         write = self._c_results
         if write is None or not write():  # else plain floats and bools, written in C
@@ -521,6 +542,7 @@ class EnvGroup:
         ]
         events: list[InfoEvent] = []
         failures: list[EnvFailure] = []
+        note = self._crash_note
         for j, env in enumerate(self.envs):
             if mask is not None and not mask[j]:
                 continue
@@ -532,6 +554,8 @@ class EnvGroup:
                     if seed is not None
                     else self._reset_start(j, env, request.options),
                 )
+            if note is not None:  # the learner's own block: its crash note names this env
+                note[0] = self._crash_base + j
             try:
                 self._env_obs[j], env_info = env.reset(
                     seed=request.seeds[j], options=request.options
@@ -539,8 +563,14 @@ class EnvGroup:
             except Exception as exc:
                 failures.append(self._recorded(_failure(self.start + j, "reset", exc)))
                 continue
+            except BaseException:
+                if note is not None:
+                    note[0] = NOTE_CLEAR
+                raise
             if env_info:
                 events.append((self.start + j, env_info))
+        if note is not None:
+            note[0] = NOTE_CLEAR
         if failures:
             raise PartialFailure(failures, events)
         self._write_observations("reset", events)

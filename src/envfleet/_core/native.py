@@ -23,6 +23,9 @@ The processes backend's round bell (Linux futexes, ``_backends/processes/doorbel
 its C side here too: ``bell_ring``, ``bell_sleep``, ``bell_arrive`` and ``gather_sleep``, and
 ``step_round`` / ``serve_steps`` given the bell's address.
 
+``crash_note`` is no step-path function: it installs the fatal-signal handler that names the
+env the processes driver was stepping itself when its process died (``_core/crash_note.py``).
+
 The module counts the calls of each of its functions (``speedups.counters()``, a dict of
 name to calls in this process; ``speedups.reset_counters()``; the two writes count only the
 calls where they wrote rather than handing back to numpy), and the futex system calls its

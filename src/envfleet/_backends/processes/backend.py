@@ -13,7 +13,8 @@ call.
 Optionally the driver steps the first block of envs itself while the workers step theirs
 (``driver_envs``), so that on a machine with few cores no core idles while the driver waits.
 Those envs then live in the driver process: their Python exceptions are reported as usual, but
-a native crash in them takes the driver down with it.
+a native crash in them takes the driver down with it, after writing to stderr the env's index
+and its faulting Python frame (:mod:`envfleet._core.crash_note`).
 
 Every wait also watches the workers: a worker that dies (segfault, ``os._exit``, SIGKILL)
 raises :class:`envfleet.EnvCrashedError` within one blocking slice instead of hanging. Workers
@@ -78,6 +79,7 @@ from envfleet._backends.workers import watch
 from envfleet._core import native as _speedups
 from envfleet._core.buffers import Batch
 from envfleet._core.cores import usable_cores
+from envfleet._core.crash_note import driver_crash_note, note_base
 from envfleet._core.envgroup import EnvFailure, EnvGroup
 from envfleet._core.errors import ConfigError, EnvCrashedError, EnvError
 from envfleet._core.failures import CLOSED, failure_error, mismatch_error, remote_env_error
@@ -176,6 +178,10 @@ class ProcessesTransport:
                 mismatch = self._local.check_spaces()
                 if mismatch is not None:
                     raise mismatch_error(mismatch)
+                # A fatal signal in one of these envs kills the learner: it names the env first.
+                self._local.note_crashes(
+                    driver_crash_note(), note_base(plan.driver_envs, self.ranges[0][0])
+                )
             if first_env is not None:
                 first_env.close()
                 first_env = None

@@ -30,12 +30,14 @@ __all__ = [
     "BELL_BYTES",
     "BLOCK_SLICE_S",
     "IDLE_SLICE_MAX_S",
+    "ROUND_BELL_MACHINES",
     "SEM_SLOT",
     "TIGHT_SPIN_S",
     "Doorbell",
     "RoundBell",
     "SharedSem",
     "SpinBudget",
+    "machine",
     "round_bell_available",
     "shared_semaphore",
     "spin",
@@ -243,23 +245,47 @@ class Doorbell:
             block_s = min(max_slice_s, block_s * 2)
 
 
-# -- the round bell (Linux) ------------------------------------------------------------------
+# -- the round bell (Linux, x86-64) ----------------------------------------------------------
 
 BELL_BYTES = 64  # the round bell's words, on a cache line of their own
 # The round bell's 32-bit words (byte offsets): generation, workers asleep on it, a full
 # round's arrivals still due, the driver asleep on those.
 _GEN, _SLEEPERS, _REMAINING, _DWAIT = 0, 4, 8, 12
-# futex(2)'s system call number and operations (the non-private ones: the words are shared).
-_SYS_FUTEX = {"x86_64": 202, "aarch64": 98, "riscv64": 98, "ppc64le": 221, "s390x": 238}.get(
-    os.uname().machine if hasattr(os, "uname") else ""
-)
+
+
+def machine() -> str:
+    """This machine's CPU architecture as the kernel names it (``os.uname().machine``:
+    ``x86_64``, ``aarch64``...; ``""`` where there is no ``uname``). A function, read by
+    :func:`round_bell_available` each time, so that a test can report another CPU."""
+    return os.uname().machine if hasattr(os, "uname") else ""
+
+
+ROUND_BELL_MACHINES = frozenset({"x86_64"})
+"""The CPUs on which the round bell runs; everywhere else :func:`round_bell_available` is
+False and every command is rung on the worker's POSIX semaphores (full barriers).
+
+The Python side of the round protocol publishes with plain stores: the driver writes a
+command's words (``CMD``, ``CMD_PAYLOAD``, ``GATHER``) and then its ``REQ`` count
+(``WorkerProcesses.request``, ``_py_step_round``), a worker its ``STATUS`` and reply words
+and then its ``ACK`` (``_Worker.ring_done``), each side reading the other's with plain loads.
+That is correct only where the CPU keeps stores in order and loads in order, as x86-64's
+total store order does. On a weakly ordered CPU (aarch64, ppc64le, riscv64) a spinning
+worker could see the new ``REQ`` before the new command and run the previous one. The C
+side (``_speedups.c``) stores those words with release and loads them with acquire
+semantics and would be correct anywhere; the Python twins would not, so the bell stays
+on x86-64 (tests/unit/test_round_protocol_structure.py keeps those plain stores inside
+the few functions that are allowed to make them)."""
+
+# futex(2)'s system call number (where the round bell runs) and operations (the non-private
+# ones: the words are shared).
+_SYS_FUTEX = {"x86_64": 202}.get(machine())
 _FUTEX_WAIT, _FUTEX_WAKE, _FUTEX_WAKE_OP = 0, 1, 5
 _FUTEX_OP_SET, _FUTEX_OP_ADD, _FUTEX_OP_CMP_EQ = 0, 1, 0
 _INT_MAX = 2**31 - 1
 
 USE_ROUND_BELL = True
 """Whether a new processes backend rings its workers with a :class:`RoundBell` where it can
-(Linux); the tests turn it off to run the per-worker semaphores there too."""
+(Linux on x86-64); the tests turn it off to run the per-worker semaphores there too."""
 
 syscalls = {"futex_wake": 0, "futex_wait": 0}
 """The futex system calls this process's Python twin of the round bell issued (the C ones
@@ -272,8 +298,14 @@ def _futex_op(op: int, oparg: int, cmp: int, cmparg: int) -> int:
 
 
 def round_bell_available() -> bool:
-    """A :class:`RoundBell` works here: Linux, futex(2) reachable through libc's ``syscall``."""
-    return USE_ROUND_BELL and _libc is not None and _SYS_FUTEX is not None
+    """A :class:`RoundBell` works here: Linux, futex(2) reachable through libc's ``syscall``,
+    on a CPU of :data:`ROUND_BELL_MACHINES` (x86-64)."""
+    return (
+        USE_ROUND_BELL
+        and _libc is not None
+        and _SYS_FUTEX is not None
+        and machine() in ROUND_BELL_MACHINES
+    )
 
 
 class RoundBell:
@@ -296,9 +328,11 @@ class RoundBell:
 
     The C step path (``_speedups``: ``bell_ring``, ``bell_sleep``, ``bell_arrive``,
     ``gather_sleep``, and
-    ``serve_steps`` / ``step_round`` given the bell) uses atomic instructions; this Python
-    twin does its read-modify-writes with ``FUTEX_WAKE_OP`` (one system call, atomic in the
-    kernel), so that either side may run either.
+    ``serve_steps`` / ``step_round`` given the bell) uses atomic instructions (release
+    stores and acquire loads of every word that publishes data); this Python twin does its
+    read-modify-writes with ``FUTEX_WAKE_OP`` (one system call, atomic in the kernel), so
+    that either side may run either, and its other stores are plain: hence the bell runs
+    only on :data:`ROUND_BELL_MACHINES`.
     """
 
     def __init__(self, region: Any):
