@@ -1,5 +1,6 @@
-"""The examples: ``examples/ppo_cartpole.py`` (PPO with the Sampler, driver inference) and
-``examples/ppo_atari.py`` (PPO on Atari, over the Sampler or gymnasium's AsyncVectorEnv)."""
+"""The examples: ``examples/ppo_cartpole.py`` (PPO with the Sampler, driver inference),
+``examples/ppo_atari.py`` (PPO on Atari, over the Sampler or gymnasium's AsyncVectorEnv) and
+``examples/gpu_policy.py`` (a torch policy on CUDA when there is a GPU, else on the CPU)."""
 
 from __future__ import annotations
 
@@ -265,3 +266,16 @@ def test_ppo_atari_same_ppo_on_both_vector_envs(ppo_atari):
     weights = dict(plain["model"].named_parameters())
     for name, value in fleet["model"].named_parameters():
         assert torch.equal(value, weights[name]), name
+
+
+def test_gpu_policy_runs_on_the_cpu_and_picks_cuda_when_there_is_one():
+    """The quickstart's GPU example runs where there is no GPU (CPU here), on the default
+    processes backend, and counts the episodes that its vector RecordEpisodeStatistics saw;
+    ``"auto"`` picks CUDA exactly when torch sees a GPU."""
+    example = _load("gpu_policy.py")
+    expected = "cuda" if torch.cuda.is_available() else "cpu"
+    assert example.pick_device("auto").type == expected
+    result = example.run("CartPole-v1", num_envs=4, steps=200, device="cpu", num_workers=2)
+    assert result["device"] == "cpu"
+    assert result["steps_per_s"] > 0
+    assert result["episodes"] > 0 and result["mean_return"] > 0

@@ -1,0 +1,193 @@
+"""Every measured figure quoted in the prose of docs/ links to the row of docs/benchmarks.md
+that measured it, and that row has the same number.
+
+docs/benchmarks.md is the one source of the project's measured figures: each section gives the
+command, the machine, the date and the commit of its table. Another page that mentions such a
+figure either describes it without a number and links the section, or quotes the number inside
+the text of a link to that section whose title names the row it is read from (here from a page
+at the top of docs/; from docs/concepts/ the target starts with ``../``)::
+
+    the default Sampler ran [0.93x the loop](benchmarks.md#the-learners-loop "Sampler (default")
+
+This test reads every page of docs/ (docs/benchmarks.md excepted: it is the source), finds the
+figures in its prose and fails when one
+
+- is not inside the text of a Markdown link to docs/benchmarks.md with an anchor that names one
+  of its sections: the reader cannot check it, and whoever measures again cannot find the
+  pages that quote it;
+- has a link without a title: a section's table holds dozens of numbers, so the number alone
+  would match by chance (``0.97`` is in the learner's-loop table, though not in the default
+  Sampler's row);
+- or names a number that no row of the linked section both contains and matches the title
+  (a row: a table row, or a paragraph of the section's prose; compared without Markdown's
+  ``*`` and backticks, case-insensitively; ``0.93`` for ``0.93x``, ``87%`` as written).
+
+A figure, in a page's prose (fenced code, Markdown tables and HTML comments are left out: a
+page's own table is its own measurement, with its own command beside it), is
+
+- a ratio: a decimal followed by ``x`` or ``×`` (``0.97x``, ``1.65 ×``). Integers next to ``×``
+  are sizes, not ratios (``Pong ×8``, ``84×84``), and are not read;
+- a fraction of the limit: every decimal or percentage in a sentence that speaks of "the
+  limit" or of "what the cores can do".
+
+This reads figures by their form, not by a marker a writer must remember: a figure pasted
+without its link is caught as well as a stale one. What it cannot see is a figure written
+otherwise (in words, or as steps/s); those are left to review.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+DOCS = Path(__file__).resolve().parents[1] / "docs"
+SOURCE = "benchmarks.md"
+
+RATIO = re.compile(r"(?<![\w.])(\d+\.\d+)\s?[x×](?![\w])")
+DECIMAL_OR_PERCENT = re.compile(r"(?<![\w.])(\d+\.\d+|\d+(?:\.\d+)?%)(?![\w])")
+LIMIT_WORDS = re.compile(r"\bthe limit\b|\bwhat the cores can do\b", re.I)
+LINK = re.compile(r'(?<!!)\[((?:[^\[\]]|\[[^\]]*\])*)\]\(([^)\s]+)(?:\s+"([^"]*)")?\)')
+SENTENCE_END = re.compile(r"(?<=[.;!?])\s+(?=[A-Z(`*\[])")
+HEADING = re.compile(r"^(#{1,6})\s+(.*)$")
+
+
+def slugs(heading: str) -> set[str]:
+    """The anchors GitHub and the site's table of contents give a heading (as test_links)."""
+    text = re.sub(r"[`*_]|\[([^\]]*)\]\([^)]*\)", r"\1", heading).strip().lower()
+    github = re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
+    mkdocs = re.sub(r"[-\s]+", "-", re.sub(r"[^\w\s-]", "", text)).strip("-")
+    return {github, mkdocs}
+
+
+def plain(text: str) -> str:
+    return re.sub(r"[`*]", "", text).lower()
+
+
+def sections(source: Path) -> dict[str, list[str]]:
+    """Each heading's anchors mapped to its section's rows (table rows and prose paragraphs),
+    down to the next heading of the same or a higher level."""
+    lines = source.read_text().splitlines()
+    headings = []
+    in_code = False
+    for i, line in enumerate(lines):
+        if line.startswith("```"):
+            in_code = not in_code
+        elif not in_code and (m := HEADING.match(line)):
+            headings.append((i, len(m.group(1)), m.group(2)))
+    found: dict[str, list[str]] = {}
+    for k, (start, level, title) in enumerate(headings):
+        end = next((i for i, lv, _ in headings[k + 1 :] if lv <= level), len(lines))
+        body = lines[start + 1 : end]
+        rows = [line for line in body if line.strip().startswith("|")]
+        rows += paragraphs("\n".join(body))
+        for slug in slugs(title):
+            found[slug] = rows
+    return found
+
+
+def paragraphs(text: str) -> list[str]:
+    """The prose of ``text``, one paragraph a string: no fenced code, tables, HTML comments or
+    headings."""
+    text = re.sub(r"<!--.*?-->", "", text, flags=re.S)
+    kept: list[str] = []
+    current: list[str] = []
+    in_code = False
+    for line in text.splitlines():
+        stripped = line.strip()
+        if stripped.startswith("```"):
+            in_code = not in_code
+            stripped = ""
+        if in_code or stripped.startswith("|") or stripped.startswith("#"):
+            stripped = ""
+        if stripped:
+            current.append(stripped)
+        elif current:
+            kept.append(" ".join(current))
+            current = []
+    if current:
+        kept.append(" ".join(current))
+    return kept
+
+
+def figures_in(paragraph: str) -> list[tuple[int, str]]:
+    """(offset, number) of each figure of one paragraph."""
+    found = {m.start(1): m.group(1) for m in RATIO.finditer(paragraph)}
+    offset = 0
+    for sentence in SENTENCE_END.split(paragraph):
+        start = paragraph.index(sentence, offset)
+        offset = start + len(sentence)
+        if LIMIT_WORDS.search(sentence):
+            for m in DECIMAL_OR_PERCENT.finditer(sentence):
+                found.setdefault(start + m.start(1), m.group(1))
+    return sorted(found.items())
+
+
+def number_in(number: str, text: str) -> bool:
+    return re.search(rf"(?<![\w.]){re.escape(number)}(?![\d])", text) is not None
+
+
+def problems(docs: Path = DOCS) -> list[str]:
+    """What is wrong with the figures quoted in docs/, one line each; empty when nothing is."""
+    source = docs / SOURCE
+    known = sections(source)
+    found = []
+    for page in sorted(docs.rglob("*.md")):
+        if page == source:
+            continue
+        name = str(page.relative_to(docs))
+        for paragraph in paragraphs(page.read_text()):
+            links = [m for m in LINK.finditer(paragraph)]
+            for offset, number in figures_in(paragraph):
+                if any(m.end(1) <= offset < m.end() for m in links):
+                    continue  # in a link's target or title: the row it names, not a quote
+                where = f"{name}: {number!r} in {paragraph[max(0, offset - 60) : offset + 40]!r}"
+                link = next((m for m in links if m.start(1) <= offset < m.end(1)), None)
+                path, _, anchor = (link.group(2) if link else "").partition("#")
+                if link is None or (page.parent / path).resolve() != source.resolve():
+                    found.append(f"{where}: not in the text of a link to docs/{SOURCE}")
+                elif anchor not in known:
+                    found.append(f"{where}: the link names no section of docs/{SOURCE}")
+                elif not link.group(3):
+                    found.append(f'{where}: the link has no "title" naming the row it quotes')
+                elif not any(
+                    plain(link.group(3)) in plain(row) and number_in(number, row)
+                    for row in known[anchor]
+                ):
+                    found.append(
+                        f"{where}: no row of docs/{SOURCE}#{anchor} has {link.group(3)!r} "
+                        f"and {number}"
+                    )
+    return found
+
+
+def test_figures_in_the_docs_link_to_their_row_of_benchmarks_md():
+    assert problems() == []
+
+
+def test_a_figure_that_disagrees_with_its_row_or_has_no_link_is_caught(tmp_path):
+    (tmp_path / SOURCE).write_text(
+        "# Benchmarks\n\n## The learner's loop\n\n| system | CartPole |\n|---|---:|\n"
+        "| **envfleet `Sampler` (default)** | 1,000 (0.93) |\n"
+        "| envfleet `Sampler(inference=driver)` | 900 (0.97) |\n\n"
+        "The Sampler ran 1.17x on Pong.\n"
+    )
+    page = tmp_path / "concepts" / "page.md"
+    page.parent.mkdir()
+    up = "../"  # the page is in a folder of docs/
+    row = '"Sampler (default"'
+    page.write_text(
+        f"Right: [0.93x the loop]({up}benchmarks.md#the-learners-loop {row}), and\n"
+        f'[1.17x on Pong]({up}benchmarks.md#the-learners-loop "1.17x on Pong").\n\n'
+        "Sizes are not figures: Pong ×8, 84×84.\n\n"
+        "```python\nx = 0.5  # 2.0x in code is not prose\n```\n\n"
+        f"Wrong row: [0.97x the loop]({up}benchmarks.md#the-learners-loop {row}).\n\n"
+        "Unlinked: it runs at 0.89 of the limit.\n\n"
+        f"No section: [1.17x]({up}benchmarks.md#nowhere {row}).\n\n"
+        f"No title: [0.93x]({up}benchmarks.md#the-learners-loop).\n"
+    )
+    found = problems(tmp_path)
+    assert len(found) == 4, found
+    assert "'0.97'" in found[0] and "has 'Sampler (default' and 0.97" in found[0]
+    assert "'0.89'" in found[1] and "not in the text of a link" in found[1]
+    assert "names no section" in found[2]
+    assert 'no "title"' in found[3]
