@@ -31,6 +31,7 @@ ALL = [
     "EpisodeBatch",
     "FleetStats",
     "FleetVectorEnv",
+    "HangWarning",
     "InvalidActionError",
     "InvalidArgumentError",
     "MultiAgentVectorEnv",

@@ -114,9 +114,10 @@ def run_lockstep(fleet, sync, *, steps: int, seed: int, mid_episode_resets=None)
 
 
 # Every case in every mode with several worker counts on the backends whose workers start
-# fast, and the processes backend also with its defaults (the driver steps a share of the
-# envs) and an explicit share. The others (spawned interpreters, Ray actors: each worker a new
-# process, slow to start on the 2-core machine) run a representative subset, LIGHT_CASES.
+# fast, and the processes backend also with its defaults (a worker per core, no env in the
+# driver) and the opt-in share (the driver steps the first envs). The others (spawned
+# interpreters, Ray actors: each worker a new process, slow to start on the 2-core machine)
+# run a representative subset, LIGHT_CASES.
 def worker_layouts(backend) -> list[dict[str, Any]]:
     extra = [{}, {"num_workers": 2, "driver_envs": 2}] if backend.id == "processes" else []
     return [{"num_workers": w} for w in WORKERS] + extra
@@ -172,11 +173,16 @@ def test_matches_sync_vector_env(make_env, case, backend, layout, mode):
 
 
 # Without the C step path (envfleet._core.native): every case and mode on the serial backend and
-# on the processes backend's default layout (the driver steps a share), through the Python
-# twins of the C functions. The tests above run with it, where it is built.
+# on the processes backend's default layout (a worker per core), through the Python twins of
+# the C functions, and the opt-in share (the driver steps two envs) in NEXT_STEP mode. The
+# tests above run with it, where it is built.
 def python_path_cases(backend) -> list[tuple[str, AutoresetMode, dict[str, Any]]]:
     layout = {"num_workers": 2} if backend.id == "serial" else {}
-    return [(c, m, layout) for c in ENV_CASES for m in MODES]
+    cases = [(c, m, layout) for c in ENV_CASES for m in MODES]
+    if backend.id == "processes":
+        share = {"num_workers": 1, "driver_envs": 2}
+        cases += [(c, AutoresetMode.NEXT_STEP, share) for c in ENV_CASES]
+    return cases
 
 
 @pytest.mark.backends("serial", "processes")

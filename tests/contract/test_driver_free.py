@@ -89,22 +89,25 @@ def test_no_env_is_built_in_the_driver(backend: Any, make_env: Any, snapshot: An
 
 @pytest.mark.backends("serial", "threads", "processes")
 def test_a_plan_with_envs_in_the_driver_fails_at_once(backend: Any, make_env: Any) -> None:
-    """The default processes plan steps a share in the driver (serial and threads every
+    """The processes plan's opt-in share steps envs in the driver (serial and threads every
     env): the refusing factory is called there, and make() raises its error, no hang."""
+    share = {"driver_envs": 1, "num_workers": 1} if backend.name == "processes" else {}
     with pytest.raises(envfleet.EnvError) as info:
-        make_env(RefuseDriver(os.getpid()), NUM_ENVS, **backend.options)
+        make_env(RefuseDriver(os.getpid()), NUM_ENVS, **backend.options, **share)
     assert info.value.env_index == 0 and info.value.method == "make"
     assert isinstance(info.value.__cause__, DriverBuildError)
     assert "must not be built in the driver's process" in str(info.value)
 
 
 @pytest.mark.backends("processes")
-@pytest.mark.parametrize("knobs", [{"batch_size": 2}, {"step_timeout": 30.0}])
-def test_pool_and_timeout_layouts_build_no_env_in_the_driver(
+@pytest.mark.parametrize(
+    "knobs", [{}, {"batch_size": 2}, {"step_timeout": 30.0}], ids=["defaults", "pool", "timeout"]
+)
+def test_default_pool_and_timeout_layouts_build_no_env_in_the_driver(
     backend: Any, knobs: dict[str, Any], make_env: Any
 ) -> None:
-    """A first-ready pool and a step timeout put every env in a worker (driver_envs=0 by
-    default): no env in the driver either."""
+    """make()'s defaults, a first-ready pool and a step timeout put every env in a worker
+    (driver_envs=0): no env is built in the driver either."""
     fleet = make_env(RefuseDriver(os.getpid()), NUM_ENVS, **backend.options, **knobs)
     if "batch_size" in knobs:
         fleet.async_reset(seed=1)

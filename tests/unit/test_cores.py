@@ -167,7 +167,7 @@ def _plan_in_subprocess(code: str) -> dict[str, int]:
 
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs sched_setaffinity")
 def test_a_real_one_core_affinity_mask_gives_one_core_plans() -> None:
-    """On this machine (two or more usable cores) the default plan has the driver step a share
+    """On this machine (two or more usable cores) the default plan has a worker per core
     and the threads backend two threads; pinned to one core, one worker steps every env and
     one thread."""
     if envfleet.usable_cores() < 2:
@@ -183,14 +183,17 @@ def test_a_real_one_core_affinity_mask_gives_one_core_plans() -> None:
 
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs sched_setaffinity")
 def test_the_machine_plan_differs_from_the_one_core_plan() -> None:
-    """The same script unpinned: the driver steps a share, threads are one per core, so the
-    one-core test above sees the mask and not a plan that never changes."""
+    """The same script unpinned: a worker per core (and no env in the driver, as pinned),
+    threads one per core, so the one-core test above sees the mask and not a plan that never
+    changes."""
     cores = envfleet.usable_cores()
     if cores < 2:
         pytest.skip("needs two usable cores")
     got = _plan_in_subprocess(ONE_CORE.replace("os.sched_setaffinity(", "(lambda *a: None)("))
     assert got["usable"] == cores
-    assert got["driver_envs"] == 4 // (min(3, cores - 1) + 1)
+    assert got["driver_envs"] == 0
+    assert got["processes_workers"] == min(4, cores)
+    assert got["worker_pids"] == min(4, cores)
     assert got["threads_workers"] == min(4, cores)
 
 

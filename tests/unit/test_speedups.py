@@ -278,15 +278,17 @@ def test_processes_runs_the_c_round_and_worker_loop(make_env):
             assert calls[name] - workers[pid][name] >= COUNTED_STEPS, f"worker {pid}: {name}"
 
 
-def test_step_wait_finishes_the_step_in_the_c_round(make_env):
-    """step_async rings the workers; step_wait runs the driver's own block and spins on the
-    replies in the C step round (without ringing again), as step() does: its counter
-    advances once a step, and the results are step()'s."""
+@pytest.mark.parametrize(
+    "layout", [{}, {"driver_envs": 8, "num_workers": 1}], ids=["defaults", "driver-share"]
+)
+def test_step_wait_finishes_the_step_in_the_c_round(make_env, layout):
+    """step_async rings the workers; step_wait (runs the driver's own block, where it has
+    one, and) spins on the replies in the C step round (without ringing again), as step()
+    does: its counter advances once a step, and the results are step()'s."""
     if envfleet._core.native.speedups is None:
         pytest.skip("envfleet._core._speedups is not built here")
-    fleet = make_env("CartPole-v1", 16, backend="processes")
-    ref = make_env("CartPole-v1", 16, backend="processes")
-    assert len(fleet.worker_ranges) > 1  # the driver steps a block: step_wait runs it
+    fleet = make_env("CartPole-v1", 16, backend="processes", **layout)
+    ref = make_env("CartPole-v1", 16, backend="processes", **layout)
     fleet.reset(seed=0)
     ref.reset(seed=0)
     before = c_counters()["step_round"]

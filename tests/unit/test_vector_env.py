@@ -258,17 +258,19 @@ def test_defaults(make_env):
     assert envs.metadata["autoreset_mode"] is AutoresetMode.NEXT_STEP
 
 
-def test_default_layout_uses_every_core(make_env):
-    """Default: cores - 1 workers and the driver steps an equal share (DESIGN §3)."""
-    cores = len(psutil.Process().cpu_affinity())
+def test_default_layout_isolates_every_env_in_a_worker_per_core(make_env):
+    """Default: one worker per usable core and no env in the learner's process, as every
+    peer's process mode; driver_envs=k is the opt-in share."""
+    cores = envfleet.usable_cores()
     envs = make_env(IndexedEnv, 4)
-    workers = max(1, min(3, cores - 1))
-    driver_envs = 4 // (workers + 1) if cores > 1 else 0
-    assert envs.num_workers == workers
+    assert envs.num_workers == min(4, cores)
     pids = envs.get_attr("pid")
-    assert pids[:driver_envs] == (os.getpid(),) * driver_envs
-    assert os.getpid() not in pids[driver_envs:]
-    assert len(set(pids[driver_envs:])) == workers
+    assert os.getpid() not in pids
+    assert len(set(pids)) == min(4, cores)
+    if cores > 1:
+        shared = make_env(IndexedEnv, 4, driver_envs=2)
+        assert shared.num_workers == min(2, cores - 1)
+        assert shared.get_attr("pid")[:2] == (os.getpid(),) * 2
     assert make_env("CartPole-v1", 4, backend="serial").num_workers == 1
 
 
@@ -289,7 +291,9 @@ def test_driver_envs_zero_isolates_every_env(make_env):
     [
         (16, None, None, 2, [(0, 8), (8, 16)]),
         (16, None, None, 4, [(0, 4), (4, 8), (8, 12), (12, 16)]),
-        (5, None, None, 2, [(0, 2), (2, 5)]),
+        (16, None, 4, 4, [(0, 4), (4, 8), (8, 12), (12, 16)]),
+        (5, None, None, 2, [(0, 3), (3, 5)]),
+        (5, None, 2, 2, [(0, 2), (2, 5)]),
         (1, None, None, 2, [(0, 1)]),
         (16, None, None, 1, [(0, 16)]),
         (16, None, 0, 2, [(0, 8), (8, 16)]),

@@ -23,11 +23,18 @@ A transport may lend one leaf accelerator, :attr:`Transport.step_all`: the synch
 round where every worker is pending, in C (``processes``: ``_speedups.step_round``); what it
 leaves (a reply to read, a worker still running, a failure) goes through the same Python
 round.
+
+No wait is silent (:meth:`RoundDriver.report_hangs`): a Python wait is capped at the next
+hang report's time, and past it warns :class:`envfleet.HangWarning` with the stacks of the
+workers still to reply, then waits on; the groups run in the calling thread mark an
+:class:`~envfleet._core.hangs.InlineRun` that a reporter thread watches. A
+``KeyboardInterrupt`` in a wait carries a note naming the busy envs and their stacks.
 """
 
 from __future__ import annotations
 
 import logging
+import sys
 import time
 import weakref
 from collections.abc import Callable, Mapping, Sequence
@@ -45,6 +52,19 @@ from envfleet._core.errors import (
     StepTimeoutError,
 )
 from envfleet._core.failures import CLOSED, mismatch_error, start_error
+from envfleet._core.hangs import (
+    DEFAULT_HANG_REPORT_DELAY,
+    InlineRun,
+    add_note,
+    busy_blocks,
+    describe_inline,
+    env_in_frames,
+    hang_message,
+    runs_envs_here,
+    traceback_frames,
+    warn_hang,
+    watch_inline,
+)
 from envfleet._core.protocol import Command, TaskRequest
 from envfleet._core.replay import EnvRecording, recording_of, replays_of, restore_envs
 from envfleet._core.stacks import at, first_at
@@ -216,6 +236,12 @@ class RoundDriver(Backend):
         self._inline_every = frozenset(
             c for c in Command if not self._pool and len(transport.inline(c)) == len(self.ranges)
         )
+        # Hang reports (report_hangs): the delay of the Python waits' reports, and the mark
+        # of the runs of envs in the calling thread (the reporter thread watches it).
+        self._hang_delay: float | None = None
+        self._busy = InlineRun(self, self.ranges, DEFAULT_HANG_REPORT_DELAY)
+        # The C step round steps the driver's own block (processes, driver_envs > 0).
+        self._local_busy = self._busy if self._num_remote < self._num_workers else None
         if start:
             try:
                 self._start(start, start_timeout, 0, at_start=True)
@@ -231,6 +257,18 @@ class RoundDriver(Backend):
     @property
     def closed(self) -> bool:
         return self.transport.closed
+
+    def report_hangs(self, delay: float | None) -> None:
+        """Warn :class:`envfleet.HangWarning` when a call waits on busy envs past ``delay``
+        seconds, then after twice that, four times, ... (``None``: never). The Python waits
+        report the workers still to reply; the envs this transport runs in the calling
+        thread are watched by the reporter thread (:func:`envfleet._core.hangs.watch_inline`).
+        """
+        self._hang_delay = delay
+        if delay is not None:
+            self._busy.delay = delay
+            if any(self.transport.inline(c) for c in Command):
+                watch_inline(self._busy)
 
     def __getattr__(self, name: str) -> Any:
         # What a transport offers beyond the primitives (``placement`` of Ray's actors).
@@ -248,7 +286,12 @@ class RoundDriver(Backend):
 
     def collect(self, timeout: float | None, step: int) -> dict[int, Any]:
         stepped = self._command is _STEP
-        results = self.supervisor.guarded(self._collect, timeout, step)
+        if stepped and self._step_all is not None and self._pending == self._remote:
+            # step_wait of a step whose every group is a worker (step_async sent each its
+            # command): the C round gathers the replies, as finish() does with a driver block.
+            results = self.supervisor.guarded(self._fast_round, timeout, step, False)
+        else:
+            results = self.supervisor.guarded(self._collect, timeout, step)
         if stepped and self._recycler is not None:
             self._recycle_due(timeout, step)
         return results
@@ -269,6 +312,7 @@ class RoundDriver(Backend):
             self._recycle_due(timeout, step)
         return results
 
+    @runs_envs_here
     def step_round(self, timeout: float | None, step: int) -> dict[int, Any] | None:
         """The plain synchronous step (``round(STEP, every group's None, ...)``) in as few
         frames as the transport allows (the C round's :attr:`Transport.step_all` where it
@@ -279,13 +323,20 @@ class RoundDriver(Backend):
             results = self.round(_STEP, self._every_group, timeout, step)
             return results if any(results.values()) else None
         self._command = _STEP
+        busy = self._local_busy  # the driver's own block runs in this thread: its mark
+        if busy is not None:
+            busy.runs = (busy.runs + 1) & 255
         try:
             outcome = step_all(True)
         except EnvfleetError:
             raise
-        except BaseException:  # what supervisor.guarded does: nothing half-read is kept
+        except BaseException as exc:  # what supervisor.guarded does: nothing half-read is kept
+            self._interrupted(exc, self._remote)
             self.close(timeout=0, terminate=True)
             raise
+        finally:
+            if busy is not None:
+                busy.runs = (busy.runs + 1) & 255
         if (
             outcome[2] == self._num_remote
             and not outcome[3]
@@ -295,6 +346,7 @@ class RoundDriver(Backend):
             return None
         return self.supervisor.guarded(self._finish_fast_round, outcome, timeout, step, True, 0.0)
 
+    @runs_envs_here
     def _any_round(
         self, command: Command, payloads: Mapping[int, Any], timeout: float | None, step: int
     ) -> dict[int, Any]:
@@ -310,7 +362,15 @@ class RoundDriver(Backend):
             # nothing is left in flight to guard.
             self._command = command
             run_here = self._run_here or self._send_and_read
-            results, failures = run_here(command, payloads)
+            busy = self._busy  # the reporter thread watches this run (report_hangs)
+            busy.runs = (busy.runs + 1) & 255
+            try:
+                results, failures = run_here(command, payloads)
+            except KeyboardInterrupt as exc:
+                self._interrupted(exc, ())
+                raise
+            finally:
+                busy.runs = (busy.runs + 1) & 255
             if failures:
                 done = Round()
                 done.results, done.failures = results, failures
@@ -361,6 +421,7 @@ class RoundDriver(Backend):
 
     # -- the round ----------------------------------------------------------------------------
 
+    @runs_envs_here
     def _submit(self, command: Command, payloads: Mapping[int, Any], step: int) -> None:
         self._command = command
         transport = self.transport
@@ -383,9 +444,19 @@ class RoundDriver(Backend):
             ):
                 self._pending = []
                 self.supervisor.crashed(w, step)
-        for w in workers:  # the groups run here, while the others run theirs
-            if w in inline:
-                transport.send(w, command, payloads[w])
+        if not inline:
+            return
+        busy = self._busy  # the reporter thread watches this run (report_hangs)
+        busy.runs = (busy.runs + 1) & 255
+        try:
+            for w in workers:  # the groups run here, while the others run theirs
+                if w in inline:
+                    transport.send(w, command, payloads[w])
+        except KeyboardInterrupt as exc:
+            self._interrupted(exc, [w for w in workers if w not in inline])
+            raise
+        finally:
+            busy.runs = (busy.runs + 1) & 255
 
     def _round(
         self, command: Command, payloads: Mapping[int, Any], timeout: float | None, step: int
@@ -414,6 +485,7 @@ class RoundDriver(Backend):
         done = self.gather(pending, deadline, timeout, step, fail_fast, done)
         return self.supervisor.settle(done, timeout, step, self._command)
 
+    @runs_envs_here
     def _fast_round(self, timeout: float | None, step: int, ring: bool) -> dict[int, Any]:
         """The synchronous step round through the transport's :attr:`Transport.step_all`
         (``ring``: send every worker its command; false: step_async did), finished the
@@ -421,7 +493,17 @@ class RoundDriver(Backend):
         driver's own block)."""
         self._command = _STEP
         started = 0.0 if ring else time.monotonic()  # step_wait's timeout counts from here
-        outcome = self._step_all(ring)  # type: ignore[misc]
+        busy = self._local_busy  # the driver's own block runs in this thread: its mark
+        if busy is not None:
+            busy.runs = (busy.runs + 1) & 255
+        try:
+            outcome = self._step_all(ring)  # type: ignore[misc]
+        except KeyboardInterrupt as exc:
+            self._interrupted(exc, self._remote)
+            raise
+        finally:
+            if busy is not None:
+                busy.runs = (busy.runs + 1) & 255
         return self._finish_fast_round(outcome, timeout, step, ring, started)
 
     def _finish_fast_round(
@@ -455,7 +537,8 @@ class RoundDriver(Backend):
         self._pending = remote[taken:]
         if self._pending:
             transport.spun_s = spun_s  # the next wait, on the first of them, counts it
-        if timeout is not None and not ring:
+        if timeout is not None and not ring and self._num_remote < self._num_workers:
+            # step_wait: the driver's own block ran here within the timeout
             timeout = max(0.0, timeout - (time.monotonic() - started))
         return self._collect(timeout, step, done)
 
@@ -477,18 +560,36 @@ class RoundDriver(Backend):
         transport = self.transport
         done = Round() if done is None else done
         waiting = list(workers)
-        while waiting:
-            seen = transport.wait(waiting, deadline, False)
-            if not seen.ready and not seen.dead:  # the deadline passed
-                done.late.append(waiting.pop(0))
-                continue
-            for w in seen.ready:
-                waiting.remove(w)
-                transport.read(w, done)
-            for w, reason in seen.dead.items():
-                waiting.remove(w)
-                done.crashed[w] = reason
-            self._check_crashed(done, step, fail_fast, starting)
+        hang = self._hang_delay
+        started = report_at = gap = 0.0  # hang reports: the first wait's start, the next one
+        try:
+            while waiting:
+                limit, capped = deadline, False
+                if hang is not None:
+                    if not gap:  # the first wait: its one clock read
+                        gap, started = hang, time.monotonic()
+                        report_at = started + hang
+                    if deadline is None or report_at < deadline:
+                        limit, capped = report_at, True
+                seen = transport.wait(waiting, limit, False)
+                if not seen.ready and not seen.dead:
+                    if capped:  # the report time passed, not the deadline: report, wait on
+                        gap *= 2
+                        self._report_hang(waiting, report_at - started, gap, starting)
+                        report_at += gap
+                        continue
+                    done.late.append(waiting.pop(0))  # the deadline passed
+                    continue
+                for w in seen.ready:
+                    waiting.remove(w)
+                    transport.read(w, done)
+                for w, reason in seen.dead.items():
+                    waiting.remove(w)
+                    done.crashed[w] = reason
+                self._check_crashed(done, step, fail_fast, starting)
+        except KeyboardInterrupt as exc:
+            self._interrupted(exc, waiting, "start" if starting else None)
+            raise
         if done.late and (fail_fast or not transport.replaceable):
             self._pending = done.late  # still running: close() treats them as busy
             self.supervisor.timed_out(done.late, timeout)
@@ -512,29 +613,123 @@ class RoundDriver(Backend):
         # Without a restart policy a dead or late worker raises at once; with one, it is
         # noted in the round and the supervisor rebuilds it.
         fail_fast = self.ledger.policy is None
-        while True:
-            # Each pending worker has ``timeout`` seconds from its own send: the wait ends at
-            # the first of those deadlines, and a worker past its own is late whatever the
-            # others reply meanwhile.
-            deadline = supervisor.deadline(self._pending, timeout)
-            seen = transport.wait(self._pending, deadline, True)
-            done = Round()
-            for w, reason in seen.dead.items():
-                done.crashed[w] = reason
-            self._check_crashed(done, step, fail_fast)
-            if deadline is not None and time.monotonic() >= deadline:
-                waiting = [w for w in self._pending if w not in seen.ready and w not in seen.dead]
-                done.late = supervisor.late(waiting, timeout)
-                if done.late and (fail_fast or not transport.replaceable):
-                    supervisor.timed_out(done.late, timeout)
-            if not seen.ready and not done.failed:
-                continue  # a wake-up with nothing new
-            gone = {*seen.ready, *done.crashed, *done.late}
-            self._pending = [w for w in self._pending if w not in gone]
-            for w in seen.ready:
-                transport.read(w, done)
-            self._check_crashed(done, step, fail_fast)
-            return supervisor.ready(done, timeout, step)
+        hang = self._hang_delay
+        started = report_at = gap = 0.0  # hang reports: the first wait's start, the next one
+        try:
+            while True:
+                # Each pending worker has ``timeout`` seconds from its own send: the wait
+                # ends at the first of those deadlines, and a worker past its own is late
+                # whatever the others reply meanwhile.
+                deadline = supervisor.deadline(self._pending, timeout)
+                limit, capped = deadline, False
+                if hang is not None:
+                    if not gap:  # the first wait: its one clock read
+                        gap, started = hang, time.monotonic()
+                        report_at = started + hang
+                    if deadline is None or report_at < deadline:
+                        limit, capped = report_at, True
+                seen = transport.wait(self._pending, limit, True)
+                done = Round()
+                for w, reason in seen.dead.items():
+                    done.crashed[w] = reason
+                self._check_crashed(done, step, fail_fast)
+                if deadline is not None and time.monotonic() >= deadline:
+                    waiting = [
+                        w for w in self._pending if w not in seen.ready and w not in seen.dead
+                    ]
+                    done.late = supervisor.late(waiting, timeout)
+                    if done.late and (fail_fast or not transport.replaceable):
+                        supervisor.timed_out(done.late, timeout)
+                if not seen.ready and not done.failed:  # a wake-up with nothing new
+                    if capped and time.monotonic() >= report_at:
+                        gap *= 2
+                        self._report_hang(self._pending, report_at - started, gap, False)
+                        report_at += gap
+                    continue
+                gone = {*seen.ready, *done.crashed, *done.late}
+                self._pending = [w for w in self._pending if w not in gone]
+                for w in seen.ready:
+                    transport.read(w, done)
+                self._check_crashed(done, step, fail_fast)
+                return supervisor.ready(done, timeout, step)
+        except KeyboardInterrupt as exc:
+            self._interrupted(exc, self._pending)
+            raise
+
+    # -- hang reports and Ctrl-C ----------------------------------------------------------------
+
+    def _noun(self) -> str:
+        """How a report names one worker: ``"thread"`` (threads) or ``"worker"``."""
+        return "thread" if self.late_what == "threads" else "worker"
+
+    def _report_hang(
+        self, workers: list[int], waited_s: float, next_s: float, starting: bool
+    ) -> None:
+        """Warn :class:`envfleet.HangWarning` that ``workers`` have not replied for
+        ``waited_s`` seconds, with their stacks (none for workers still starting: a worker
+        asked for its stacks before it watches the signal would die of it)."""
+        stacks = {} if starting else self.stacks(list(workers))
+        missing = (
+            "stack not taken while its worker starts"
+            if starting
+            else "stack not available (not taken by this backend here: e.g. a Ray actor "
+            "on another node, or a worker that did not answer)"
+        )
+        what = "start" if starting else self._command.name.lower()
+        message = hang_message(
+            what, waited_s, next_s, self.ranges, workers, stacks, self._noun(), missing
+        )
+        warn_hang(message, sys._getframe(1))
+
+    def _still_busy(self, workers: Sequence[int]) -> list[int]:
+        """The workers of ``workers`` that have not replied (nor died): each asked with a
+        wait whose deadline has passed (what it finds is dropped: the vector env closes)."""
+        busy = []
+        for w in workers:
+            seen = self.transport.wait([w], 0.0, False)
+            if not seen.ready and not seen.dead:
+                busy.append(w)
+        return busy
+
+    def _interrupted(
+        self, exc: BaseException, workers: Sequence[int], what: str | None = None
+    ) -> None:
+        """Note on ``exc``, a ``KeyboardInterrupt`` (anything else is left as it is), where
+        it came: the env run in this thread whose frame its traceback holds, else the busy
+        ``workers`` with their stacks, taken now (before the vector env closes them). Once
+        per exception; never raises but a second interrupt."""
+        if not isinstance(exc, KeyboardInterrupt) or getattr(exc, "_envfleet_noted", False):
+            return
+        try:
+            exc._envfleet_noted = True  # type: ignore[attr-defined]
+            what = what or self._command.name.lower()
+            group, env_index = env_in_frames(traceback_frames(exc.__traceback__))
+            if group is not None:
+                tb = exc.__traceback__
+                while tb is not None and tb.tb_next is not None:
+                    tb = tb.tb_next
+                at = ""
+                if tb is not None:
+                    code = tb.tb_frame.f_code
+                    at = f" at {code.co_filename}:{tb.tb_lineno} in {code.co_name}"
+                where = describe_inline(self.ranges, group, env_index)
+                add_note(exc, f"envfleet: Ctrl-C interrupted {where}{at}, busy in {what}")
+                return
+            busy = self._still_busy(workers)
+            if not busy:
+                return
+            noun = self._noun()
+            stacks = self.stacks(busy) if what != "start" else {}
+            envs = [e for w in busy for e in range(*self.ranges[w])]
+            add_note(
+                exc,
+                f"envfleet: Ctrl-C interrupted the wait on {noun}s {busy} (sub-environments "
+                f"{envs}){first_at(stacks, busy, noun)}, busy in {what}; their "
+                "stacks, taken before the vector env closed:\n"
+                + busy_blocks(self.ranges, busy, stacks, noun),
+            )
+        except Exception:  # the note is a help: never mask the interrupt
+            logger.debug("could not note where the interrupt came", exc_info=True)
 
     # -- starting and replacing workers ---------------------------------------------------------
 

@@ -443,6 +443,22 @@ sp_bell_sleep(PyObject *self, PyObject *args)
 
 /* gather_sleep(bell, timeout_s) -> bool: the driver's blocking wait for a full round's last
  * arrival (no spinning: the caller spun): True when ``remaining`` is 0. */
+/* The driver's one blocking wait for a full round's last arrival (at most timeout_s; called
+ * with the GIL, which it releases while asleep): 1 when every worker arrived. */
+static int
+gather_block(bell_t *bell, double timeout_s)
+{
+    __atomic_store_n(&bell->dwait, 1, __ATOMIC_SEQ_CST);
+    if (__atomic_load_n(&bell->remaining, __ATOMIC_SEQ_CST) != 0) {
+        calls[S_FUTEX_WAIT]++;
+        Py_BEGIN_ALLOW_THREADS
+        futex_wait_s(&bell->dwait, 1, timeout_s);
+        Py_END_ALLOW_THREADS
+    }
+    __atomic_store_n(&bell->dwait, 0, __ATOMIC_SEQ_CST);
+    return __atomic_load_n(&bell->remaining, __ATOMIC_SEQ_CST) == 0;
+}
+
 static PyObject *
 sp_gather_sleep(PyObject *self, PyObject *args)
 {
@@ -454,16 +470,7 @@ sp_gather_sleep(PyObject *self, PyObject *args)
     if (!as_address(ba, &b))
         return NULL;
     calls[F_GATHER_SLEEP]++;
-    bell_t *bell = (bell_t *)b;
-    __atomic_store_n(&bell->dwait, 1, __ATOMIC_SEQ_CST);
-    if (__atomic_load_n(&bell->remaining, __ATOMIC_SEQ_CST) != 0) {
-        calls[S_FUTEX_WAIT]++;
-        Py_BEGIN_ALLOW_THREADS
-        futex_wait_s(&bell->dwait, 1, timeout_s);
-        Py_END_ALLOW_THREADS
-    }
-    __atomic_store_n(&bell->dwait, 0, __ATOMIC_SEQ_CST);
-    return PyBool_FromLong(__atomic_load_n(&bell->remaining, __ATOMIC_SEQ_CST) == 0);
+    return PyBool_FromLong(gather_block((bell_t *)b, timeout_s));
 }
 
 static int
@@ -710,6 +717,30 @@ budget_caught(PyObject *budget, double budget_s)
     return rc;
 }
 
+/* SpinBudget.blocked: a wait that spun out and blocked, wait_s seconds in all. */
+static int
+budget_blocked(PyObject *budget, double wait_s)
+{
+    int ok = 1;
+    double max_s = get_double(budget, s_max_s, &ok);
+    double step_s = get_double(budget, s_step_s, &ok);
+    double budget_s = get_double(budget, s_budget_s, &ok);
+    if (!ok)
+        return -1;
+    if (max_s <= 0)
+        return 0;
+    if (wait_s <= max_s / 2)
+        budget_s = budget_s + step_s < max_s ? budget_s + step_s : max_s;
+    else
+        budget_s /= 2;
+    PyObject *b = PyFloat_FromDouble(budget_s);
+    if (b == NULL)
+        return -1;
+    int rc = PyObject_SetAttr(budget, s_budget_s, b);
+    Py_DECREF(b);
+    return rc;
+}
+
 /* The unread list of a full round: the indexes of the workers whose reply is not "OK, no
  * payload". */
 static PyObject *
@@ -745,7 +776,7 @@ fail:
 static PyObject *
 gather_round(PyObject *controls, PyObject *local, PyObject *env_failure, double tight_s,
              long long step_code, long long ok_code, PyObject *bell_address,
-             PyObject *round_budget)
+             PyObject *round_budget, double sleep_s)
 {
     void *b;
     if (!as_address(bell_address, &b))
@@ -790,14 +821,24 @@ gather_round(PyObject *controls, PyObject *local, PyObject *env_failure, double 
         got = spin_gathered(bell, tight_s, budget_s);
         Py_END_ALLOW_THREADS
     }
+    double slept_s = -1.0;
+    if (!got && sleep_s > 0) {
+        /* One blocking slice here, as SpinBudget.blocked counts it: most rounds end within
+         * it, and the caller's wait (which watches for a dead worker between slices) takes
+         * the rest. */
+        double start = monotonic_s();
+        got = gather_block(bell, sleep_s);
+        slept_s = monotonic_s() - start;
+    }
     if (!got) {
         PyObject *unread = PyList_New(0);
         if (unread == NULL)
             goto fail;
         return Py_BuildValue("(NNnNd)", local_result, local_failure, (Py_ssize_t)0, unread,
-                             budget_s);
+                             budget_s + (slept_s > 0 ? slept_s : 0.0));
     }
-    if (budget_caught(round_budget, budget_s) < 0)
+    if ((slept_s < 0 ? budget_caught(round_budget, budget_s)
+                     : budget_blocked(round_budget, budget_s + slept_s)) < 0)
         goto fail;
     PyObject *unread = unread_replies(controls, ok_code);
     if (unread == NULL)
@@ -810,12 +851,14 @@ fail:
 }
 
 /* step_round(requests, dones, controls, budgets, local, env_failure, tight_s, step_code,
- *            ok_code, bell, round_budget[, ring])
+ *            ok_code, bell, round_budget, sleep_s[, ring])
  *     -> (local_result, local_failure, taken, unread, spun_s)
  *
- * With ``bell`` (the round bell's address, Linux; else None) and ``ring``, the round is
+ * With ``bell`` (the round bell's address, Linux x86-64; else None) and ``ring``, the round is
  * gather_round's: one ring and one count of arrivals for all the workers (spinning within the
- * SpinBudget ``round_budget``) instead of one semaphore each; ``taken`` is then all or none.
+ * SpinBudget ``round_budget``, then one blocking slice of at most ``sleep_s`` seconds, 0:
+ * none) instead of one semaphore each; ``taken`` is then all or none, and ``spun_s`` the
+ * seconds spun and slept.
  *
  * The processes transport's step_all: the round driver's send and gather of a plain step, up
  * to reading the replies. For each worker w (the tuples hold the addresses of its request and done semaphores and of its int64
@@ -836,13 +879,14 @@ sp_step_round(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     long long step_code, ok_code;
     int ring = 1;
     const char *fname = "step_round";
-    if (!arg_count(fname, nargs, 11, 12) || !arg_of_type(fname, args, 0, &PyTuple_Type) ||
+    double sleep_s;
+    if (!arg_count(fname, nargs, 12, 13) || !arg_of_type(fname, args, 0, &PyTuple_Type) ||
         !arg_of_type(fname, args, 1, &PyTuple_Type) ||
         !arg_of_type(fname, args, 2, &PyTuple_Type) || !arg_of_type(fname, args, 3, &PyList_Type) ||
         !arg_double(args[6], &tight_s) || !arg_long_long(args[7], &step_code) ||
-        !arg_long_long(args[8], &ok_code))
+        !arg_long_long(args[8], &ok_code) || !arg_double(args[11], &sleep_s))
         return NULL;
-    if (nargs == 12 && (ring = PyObject_IsTrue(args[11])) < 0)
+    if (nargs == 13 && (ring = PyObject_IsTrue(args[12])) < 0)
         return NULL;
     PyObject *requests = args[0], *dones = args[1], *controls = args[2], *budgets = args[3];
     PyObject *local = args[4], *env_failure = args[5], *bell_address = args[9];
@@ -857,7 +901,7 @@ sp_step_round(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     }
     if (ring && bell_address != Py_None)
         return gather_round(controls, local, env_failure, tight_s, step_code, ok_code,
-                            bell_address, round_budget);
+                            bell_address, round_budget, sleep_s);
     for (Py_ssize_t w = 0; ring && w < n; w++) {
         void *request, *control;
         if (!as_address(PyTuple_GET_ITEM(requests, w), &request) ||

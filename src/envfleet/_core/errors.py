@@ -22,6 +22,7 @@ __all__ = [
     "EnvCrashedError",
     "EnvError",
     "EnvfleetError",
+    "HangWarning",
     "InvalidActionError",
     "InvalidArgumentError",
     "NoAsyncCallError",
@@ -265,11 +266,13 @@ class EnvCrashedError(EnvfleetError):
         exitcode: the process exit code (negative: killed by signal ``-exitcode``).
         signal: the signal number that killed it, or ``None``.
         step: how many ``step`` calls the vector env had completed when the crash was seen.
-        stacks: for a worker process killed by a fatal signal (SIGSEGV, SIGBUS, SIGFPE,
-            SIGILL, SIGABRT), what its faulthandler wrote: every thread's stack at the fault,
-            innermost frame first (the message names the env's innermost frame); ``""`` for a
-            death that leaves none (SIGKILL, ``os._exit``) and for a Ray actor on another
-            node than the driver's.
+        stacks: a ``str`` (one worker died, so one text; not the ``dict`` of
+            :attr:`StepTimeoutError.stacks`): for a worker process killed by a fatal signal
+            (SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGABRT), what its faulthandler wrote: every
+            thread's stack at the fault, innermost frame first (the message names the env's
+            innermost frame); ``""`` for a death that leaves none (SIGKILL, ``os._exit``) and
+            for a Ray actor on another node than the driver's. Read it as text:
+            ``print(err.stacks or "no stack")``.
         rss_bytes: the worker process's resident memory when last seen (sampled about once
             a second), ``None`` where unknown; a SIGKILL's message gives it (the OOM killer
             kills so).
@@ -329,10 +332,14 @@ class StepTimeoutError(_TimedOut):
     Attributes:
         env_indices: the sub-environments whose workers had not answered.
         timeout: the timeout that expired, in seconds.
-        stacks: worker index -> the stacks of its threads, taken just before it was killed
+        stacks: a ``dict[int, str]`` (several workers can be late at once, so one text
+            each; not the ``str`` of :attr:`EnvCrashedError.stacks`): key, the index of a
+            late worker; value, the stacks of its threads taken just before it was killed
             (faulthandler's format, innermost frame first; the message names the env's
-            innermost frame). Empty where the backend cannot take them (``serial``; a Ray
-            actor on another node than the driver's).
+            innermost frame). A late worker whose stacks could not be taken has no key, and
+            the dict is ``{}`` where the backend cannot take them (``serial``; a Ray actor
+            on another node than the driver's). Read it per worker:
+            ``for worker, text in err.stacks.items(): print(worker, text)``.
         replay: the first hung worker's envs' episodes up to the hang (:class:`envfleet.Replay`;
             ``envfleet replay`` reports the step where it hangs again); ``None`` on Ray and
             with ``replay_steps=0``.
@@ -350,8 +357,8 @@ class StartTimeoutError(_TimedOut):
         env_indices: the sub-environments not built in time (with ``threads``, the one each
             late thread was building and those after it in its block).
         timeout: the ``start_timeout`` that expired, in seconds.
-        stacks: worker index -> the stacks of its threads when it was given up, as
-            :attr:`StepTimeoutError.stacks`.
+        stacks: a ``dict[int, str]``, as :attr:`StepTimeoutError.stacks`: worker index ->
+            the stacks of its threads when it was given up.
     """
 
 
@@ -408,4 +415,20 @@ class UnsupportedError(EnvfleetError, NotImplementedError):
     Raised by ``call``, ``get_attr``, ``set_attr`` and (without ``render_mode="rgb_array"``)
     ``render`` on ``backend="envpool"``, whose native envs have no Python objects. It also
     derives from ``NotImplementedError``.
+    """
+
+
+class HangWarning(UserWarning):
+    """A call has waited on busy sub-environments longer than ``hang_report_delay`` seconds.
+
+    Warned (:mod:`warnings`) while the call keeps waiting: first after the delay, then again
+    after twice the delay, four times, ... Its message names each busy env (its global
+    index), its worker, and the worker's stacks now (faulthandler's format, innermost frame
+    first, as :attr:`StepTimeoutError.stacks`), or says where they cannot be taken (a Ray
+    actor on another node). Nothing is killed: ``step_timeout`` does that.
+
+    Example::
+
+        warnings.simplefilter("ignore", envfleet.HangWarning)  # no report at all
+        envs = envfleet.make("CartPole-v1", 8, hang_report_delay=None)  # or none for this one
     """

@@ -1,4 +1,4 @@
-"""make(): the front's one way in (DESIGN §2, layer 1). It checks make()'s own arguments,
+"""make(): the front's one way in (the front's layer, ``docs/architecture.md``). It checks make()'s own arguments,
 looks the backend up in the registry (:mod:`envfleet._backends.registry`; it knows no backend
 by name), lets the backend check its options and plan its workers, learns the spaces from env
 0 (built here, or, when the plan puts every env in a worker, in the worker that holds it: no
@@ -38,6 +38,7 @@ from envfleet._backends.supervisor import Ledger, RestartPolicy
 from envfleet._core.buffers import batch_nbytes
 from envfleet._core.cores import pool_workers, usable_cores
 from envfleet._core.errors import ConfigError, EnvError, SpaceMismatchError
+from envfleet._core.hangs import DEFAULT_HANG_REPORT_DELAY, check_hang_report_delay
 from envfleet._core.replay import REPLAY_STEPS, Snapshot
 from envfleet._front.factories import (
     EnvFactory,
@@ -87,6 +88,7 @@ def make(  # type: ignore[misc]  # the overloads stand for its keyword arguments
     autoreset_mode: AutoresetMode | str = AutoresetMode.NEXT_STEP,
     env_kwargs: dict[str, Any] | None = None,
     step_timeout: float | None = None,
+    hang_report_delay: float | None = DEFAULT_HANG_REPORT_DELAY,
     start_timeout: float | None = DEFAULT_START_TIMEOUT,
     restart_policy: RestartPolicy | None = None,
     context: str | None = None,
@@ -118,21 +120,28 @@ def make(  # type: ignore[misc]  # the overloads stand for its keyword arguments
             that accepts a keyword ``env_index`` is called with the env's global index.
             A factory may return a ``pettingzoo.ParallelEnv`` instead: make() then returns an
             :class:`envfleet.MultiAgentVectorEnv` (agents batched with masks; see its layout),
-            synchronous (no ``batch_size``) and with ``output="numpy"``.
+            synchronous or a first-ready pool (``batch_size``); with ``output="torch"`` a
+            torch vector env over it, in the same layout (``infos["agent_mask"]`` stays
+            numpy). TorchRL's adapter refuses a multi-agent env.
         num_envs: number of sub-environments; default 1, or ``len(env)`` for a list.
-        backend: ``"serial"`` (in this process), ``"threads"`` (one thread per block of envs
-            in this process; for envs that release the GIL), ``"processes"`` (worker
-            processes over shared memory) or ``"ray"`` (Ray actors, on this machine or across
-            a Ray cluster's nodes; ``pip install 'envfleet[ray]'``).
+        backend: ``"processes"`` (the default: worker processes over shared memory, every
+            env isolated in a worker, none in this process), ``"ray"`` (Ray actors, on this
+            machine or across a Ray cluster's nodes; ``pip install 'envfleet[ray]'``),
+            ``"serial"`` (every env in this process, stepped in turn) or ``"threads"`` (one
+            thread per block of envs in this process; for envs that release the GIL).
+            ``serial`` and ``threads`` are in-process by definition: an env's segfault or
+            ``os._exit`` ends this process, and a hung env can be reported
+            (``hang_report_delay``) but not stopped.
             ``"envpool"``: ``env`` is an EnvPool task id (``"CartPole-v1"``, ``"Pong-v5"``;
             ``envpool.list_all_envs()``) run by EnvPool's native threads, ``env_kwargs`` go
             to ``envpool.make``; only ``num_envs``, ``batch_size``, ``autoreset_mode``,
-            ``env_kwargs`` and ``copy`` apply (see :mod:`envfleet._backends.envpool` for what
-            maps and what is refused; ``pip install 'envfleet[envpool]'``).
+            ``env_kwargs`` and ``copy`` apply (the EnvPool backend's page,
+            ``docs/backends/envpool.md``, says what maps and what is refused;
+            ``pip install 'envfleet[envpool]'``).
         num_workers: worker count, ``1 <= num_workers <= num_envs``; envs go to workers in
             contiguous blocks whose sizes differ by at most one. ``processes``: worker
-            processes, default usable cores - 1 with the driver stepping a share (see
-            ``driver_envs``); ``threads``: threads, default ``min(num_envs, usable
+            processes, default ``min(num_envs, usable cores)`` (usable cores - 1 with an
+            opt-in ``driver_envs`` share); ``threads``: threads, default ``min(num_envs, usable
             cores)``; ``serial``: blocks stepped in turn, default 1; ``ray``: actors,
             default ``min(num_envs, the Ray cluster's CPUs)`` (a local cluster envfleet
             starts has the usable cores). Usable cores: those this process may run on, the
@@ -154,8 +163,21 @@ def make(  # type: ignore[misc]  # the overloads stand for its keyword arguments
         env_kwargs: keyword arguments for ``gymnasium.make``; only with a gymnasium id.
         step_timeout: seconds any step, reset or call may take before the workers still busy
             are killed and :class:`envfleet.StepTimeoutError` is raised; ``None``: no bound.
-            With a timeout every env runs in a worker (``driver_envs=0``).
+            With a timeout every env must run in a worker (``driver_envs=0``).
             Building the envs at start is bounded by ``start_timeout`` instead.
+        hang_report_delay: seconds a step, reset, call (``get_attr``, ``set_attr``...),
+            ``recv`` or Sampler round may wait on busy envs before an
+            :class:`envfleet.HangWarning` names each busy env (its index), its worker and its
+            stacks; it warns again after twice the delay, four times, ... while the call
+            keeps waiting (default 60). Nothing is killed: ``step_timeout`` does that, and
+            the two are independent. Envs run in the calling thread (``serial``, the
+            ``processes`` driver's own block) are watched by one daemon thread of this
+            process. ``None``: no reports. To silence them everywhere::
+
+                warnings.simplefilter("ignore", envfleet.HangWarning)
+
+            A ``KeyboardInterrupt`` (Ctrl-C) while a call waits on envs carries a note
+            (``exc.__notes__``) naming the busy envs and their stacks, whatever this is.
         start_timeout: seconds the workers (processes, threads, Ray actors) may take to build
             their envs (default 60); past it the workers are killed (threads are left
             behind, as daemons) and :class:`envfleet.StartTimeoutError` names the envs not
@@ -167,34 +189,39 @@ def make(  # type: ignore[misc]  # the overloads stand for its keyword arguments
             :class:`envfleet.RestartPolicy`: rebuild envs that raise in step or reset, and
             workers that die or run past the timeout, within its budget; the rebuilt envs
             return ``truncated=True`` and ``info["env_restarted"]``. With ``processes``, every
-            env then runs in a worker (``driver_envs=0``).
+            env must then run in a worker (``driver_envs=0``).
         context: ``multiprocessing`` start method (``"fork"``, ``"spawn"``, ``"forkserver"``);
             default: the platform's.
         copy: ``True``: step/reset return observations, rewards and done flags that are the
             caller's, like gymnasium's copies; no later call changes them. With the
             ``serial``, ``threads`` and ``processes`` backends (outside a first-ready pool)
             the observations are not copied: the envs write each step's into a spare buffer
-            that no earlier result uses, and the arrays returned are built over it (see
-            :class:`envfleet._core.buffers.ObservationSlabs`). ``False``: views of the shared
+            that no earlier result uses, and the arrays returned are built over it (spare
+            copies of the observation buffer, reused in turn). ``False``: views of the shared
             buffers, valid until the next call.
         driver_envs: ``processes`` only: how many envs (the first block) the driver steps
-            itself while the workers step theirs. Default: an equal share when neither
-            ``num_workers``, ``step_timeout`` nor ``restart_policy`` is given (see
-            :func:`envfleet._backends.processes.plan.plan_processes`), else 0.
-            Those envs live in the driver process: their exceptions are reported as usual,
-            but a native crash in them (a segfault) takes the driver down, and no timeout can
-            stop them; set 0 to isolate every env in a worker.
+            itself while the workers step theirs. Default 0: every env in a worker. An
+            opt-in for envs of a few µs a step on few cores (CartPole), where it saves the
+            driver's idle wait on each round (``num_envs // usable cores`` is an equal share;
+            see ``docs/benchmarks.md`` for what it buys), and none for real envs (Atari). What
+            it trades: those envs live in the learner's process, so their exceptions are
+            reported as usual, but a native crash in them (a segfault) takes the learner down,
+            no ``step_timeout`` can stop them, and no restart policy or recycling can replace
+            them (both refuse a share). Such a fatal signal (SIGSEGV,
+            SIGBUS, SIGFPE, SIGILL, SIGABRT) first writes to stderr the env's index (with the
+            C extension built) and the faulting Python frame (:mod:`faulthandler`, enabled
+            unless you enabled it yourself, then chained to), and the process dies of it.
             Which envs are built in the driver's process: with every env in a worker
-            (``driver_envs=0``, which a first-ready pool, ``step_timeout`` and
-            ``restart_policy`` imply; ``ray`` always) none: the worker that holds env 0 sends
+            (``driver_envs=0``, the default; ``ray`` always) none: the worker that holds env 0 sends
             its spaces, ``metadata`` and ``render_mode``, so a simulator that cannot be built
             twice, or not in the learner's process, is built once, in its worker. Otherwise
             env 0 is built here first, as gymnasium's vector envs build it, to learn them
             (and kept as the driver's env 0 when the driver steps a share). ``serial`` and
             ``threads`` run every env in this process: out of scope. Example::
 
-                envs = envfleet.make(make_simulator, 8, num_workers=4)  # driver_envs=0
+                envs = envfleet.make(make_simulator, 8)  # no env built or stepped here
                 assert envs.single_observation_space  # from env 0, built in worker 0
+                tiny = envfleet.make("CartPole-v1", 16, driver_envs=8)  # opt-in share
         spin_s: ``processes`` only: the most seconds a wait polls before it blocks
             (default 0.002); the budget adapts to the waits seen, and is 0 wherever spinners
             would outnumber the cores.
@@ -269,6 +296,7 @@ def make(  # type: ignore[misc]  # the overloads stand for its keyword arguments
         return make_with_output(make, arguments)
     if not _is_int(replay_steps, 0, 2**31):
         raise ConfigError(f"replay_steps must be an integer >= 0, got {replay_steps!r}")
+    hang_report_delay = check_hang_report_delay(hang_report_delay)
     if recycle is not None:
         driver_envs = _check_recycle(
             recycle, backend, batch_size, num_envs, replay_steps, driver_envs
@@ -330,6 +358,9 @@ def make(  # type: ignore[misc]  # the overloads stand for its keyword arguments
     assert spec.build is not None  # every backend but a native one has a constructor
     built = spec.build(build)
     built.factories = [bind_env_index(fn, i, accepts[i]) for i, fn in enumerate(env_fns)]
+    report_hangs = getattr(built, "report_hangs", None)  # the round driver's
+    if report_hangs is not None:
+        report_hangs(hang_report_delay)
     if recycle is not None:
         cast(RoundDriver, built).recycle_with(recycle)
     probe = build.probe

@@ -234,7 +234,8 @@ class FirstReadyPool:
         self, timeout: float | None, steps: int
     ) -> tuple[Any, np.ndarray, np.ndarray, np.ndarray, dict[str, Any]]:
         """See :meth:`envfleet.FleetVectorEnv.recv`: the result of the vector env's ``steps``-th
-        step; ``timeout``: each env's bound (seconds).
+        step; ``timeout``: each env's bound (seconds), ``None`` for none. The front passes its
+        ``step_timeout`` here when ``recv`` is called with ``timeout=None``.
 
         Raises: as it, except that the vector env marks itself closed."""
         if not self.started:

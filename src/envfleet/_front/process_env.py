@@ -27,6 +27,7 @@ from envfleet._core.errors import (
     EnvfleetError,
     ResetNeededError,
 )
+from envfleet._core.hangs import DEFAULT_HANG_REPORT_DELAY, check_hang_report_delay
 from envfleet._front.make import make
 from envfleet._front.vector_env import FleetVectorEnv
 
@@ -40,6 +41,17 @@ EnvFactory = Callable[..., gymnasium.Env[Any, Any]]
 class ProcessEnv:
     """One sub-environment in a worker process, used like the env itself (ALF's
     ``ProcessEnvironment``).
+
+    It is not a ``gymnasium.Env``: it has the env's ``step``, ``reset``, spaces and attributes,
+    but it does not subclass ``gymnasium.Env``, so gymnasium's wrappers refuse it
+    (``gymnasium.wrappers.RecordEpisodeStatistics(penv)`` raises ``TypeError``). Wrap the env
+    inside the factory instead, where the wrapper runs in the env's process and its infos come
+    back with each step::
+
+        def make_env():
+            return gymnasium.wrappers.RecordEpisodeStatistics(gymnasium.make("CartPole-v1"))
+
+        penv = envfleet.ProcessEnv(make_env)  # info["episode"] at the end of each episode
 
     ``penv.step(action)`` and ``penv.reset(seed=...)`` work as the env's own methods; with
     ``blocking=False`` they return a :class:`concurrent.futures.Future` at once and the env
@@ -61,6 +73,12 @@ class ProcessEnv:
         env_kwargs: keyword arguments for ``gymnasium.make``, with an id.
         step_timeout: seconds a step, reset or call may take before the process is killed
             and :class:`envfleet.StepTimeoutError` is raised; ``None``: no bound.
+        hang_report_delay: seconds a step, reset or call may wait on the env before an
+            :class:`envfleet.HangWarning` names it, its worker and its stacks, then again
+            after twice that, four times, ... while the call keeps waiting (default 60;
+            ``None``: no reports). It kills nothing (``step_timeout`` does). With
+            ``blocking=False`` the warning comes from the future's thread. To silence
+            them: ``warnings.simplefilter("ignore", envfleet.HangWarning)``.
         restart_policy: an :class:`envfleet.RestartPolicy` to rebuild the env after a crash,
             as the processes backend does (the step then returns ``truncated=True`` and
             ``info["env_restarted"]``).
@@ -78,6 +96,7 @@ class ProcessEnv:
         *,
         env_kwargs: dict[str, Any] | None = None,
         step_timeout: float | None = None,
+        hang_report_delay: float | None = DEFAULT_HANG_REPORT_DELAY,
         restart_policy: Any = None,
         context: str | None = None,
         start: bool = True,
@@ -87,6 +106,7 @@ class ProcessEnv:
         self._make_args: dict[str, Any] = {
             "env_kwargs": env_kwargs,
             "step_timeout": step_timeout,
+            "hang_report_delay": check_hang_report_delay(hang_report_delay),
             "restart_policy": restart_policy,
             "context": context,
         }

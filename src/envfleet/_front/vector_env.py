@@ -453,9 +453,12 @@ class FleetVectorEnv(VectorEnv[Any, Any, np.ndarray]):
 
         Args:
             timeout: seconds each env may take from the :meth:`send` (or
-                :meth:`async_reset`) that started it (default ``step_timeout``; ``None``: no
-                bound). An env past it raises :class:`StepTimeoutError` even while others
-                keep finishing.
+                :meth:`async_reset`) that started it. ``None`` (the default) takes the vector
+                env's ``step_timeout`` (``make(step_timeout=...)``), so the wait is unbounded
+                only when ``step_timeout`` is ``None`` too (``make``'s default); with a
+                ``step_timeout`` set, ``recv`` has no unbounded form, and a longer wait passes
+                a larger number. An env past it raises :class:`StepTimeoutError` even while
+                others keep finishing.
 
         Returns:
             (observations ``[batch_size, *shape]``, rewards ``float64[batch_size]``,
@@ -649,11 +652,13 @@ class FleetVectorEnv(VectorEnv[Any, Any, np.ndarray]):
         """Start ``function(group, arguments[w])`` in each worker ``w`` named in ``arguments``,
         where its envs live; collect the results with :meth:`run_in_workers_wait`.
 
-        Advanced, envfleet-internal interface (the :class:`envfleet.Sampler`'s worker
-        inference is built on it): ``group`` is the worker's ``EnvGroup``, which owns the
-        envs ``worker_ranges[w]`` and their rows of the buffers and steps them with the same
-        loop as :meth:`step`. The worker is watched as in a step: a crash, a hang past the
-        timeout or an env's exception is reported with the usual typed errors.
+        Not part of envfleet's public API, though its name has no underscore: envfleet's own
+        code is its only user (the :class:`envfleet.Sampler`'s worker inference, snapshots),
+        the ``group`` it hands the function is a private class, and it may change without
+        notice; the API reference leaves it out. ``group`` is the worker's ``EnvGroup``,
+        which owns the envs ``worker_ranges[w]`` and their rows of the buffers and steps them
+        with the same loop as :meth:`step`. The worker is watched as in a step: a crash, a
+        hang past the timeout or an env's exception is reported with the usual typed errors.
 
         Args:
             function: a module-level function (pickled by reference for worker processes).
@@ -675,6 +680,7 @@ class FleetVectorEnv(VectorEnv[Any, Any, np.ndarray]):
 
     def run_in_workers_wait(self, timeout: float | None = None) -> dict[int, Any]:
         """Wait for :meth:`run_in_workers_async`: worker index -> what its function returned.
+        Not part of the public API, as :meth:`run_in_workers_async`.
 
         Raises:
             NoAsyncCallError: nothing was started. EnvError: an env (or the function) raised.

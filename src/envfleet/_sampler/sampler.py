@@ -51,6 +51,7 @@ from envfleet._core.errors import (
     InvalidArgumentError,
     UnsupportedError,
 )
+from envfleet._core.hangs import DEFAULT_HANG_REPORT_DELAY, check_hang_report_delay
 from envfleet._core.replay import Snapshot
 from envfleet._core.trees import tree_copy, tree_slice
 from envfleet._front.make import make
@@ -281,9 +282,24 @@ class Sampler:
         progress: a progress bar (rich) on :meth:`sample`: ``None``: when stderr is a
             terminal and ``num_steps >= 10_000``; ``True``/``False``: always/never.
         env_kwargs, context: as :func:`envfleet.make`.
-        timeout: seconds a round of worker inference, or a step of driver inference, may
-            take before :class:`envfleet.StepTimeoutError` (the vector env's
-            ``step_timeout``); ``None``: no bound.
+        timeout: seconds before :class:`envfleet.StepTimeoutError`, for the Sampler's own
+            unit of work: a step of driver inference (one ``step`` of every env), a round of
+            worker inference (``segment_length`` steps of a worker's envs with its policy
+            calls). It is passed to :func:`envfleet.make` as ``step_timeout`` unless
+            ``make_kwargs`` has a ``step_timeout`` of its own, so it also bounds every reset
+            and call of the vector env, and, as any ``step_timeout`` does, makes
+            ``driver_envs`` default to 0 (every env in a worker). The two apart: with
+            ``make_kwargs={"step_timeout": S}``, ``S`` bounds the vector env's steps, resets
+            and calls (driver inference) and ``timeout`` bounds worker-inference rounds; with
+            ``timeout=None`` and such an ``S``, a worker-inference round is bounded by ``S``
+            too, a whole round (not one step) in ``S`` seconds. ``None`` with no
+            ``step_timeout``: no bound.
+        hang_report_delay: seconds a step of driver inference or a round of worker
+            inference may wait on busy envs before an :class:`envfleet.HangWarning` names
+            each busy env, its worker and its stacks, then again after twice that, four
+            times, ... while it keeps waiting (default 60; ``None``: no reports; as
+            :func:`envfleet.make`'s). It kills nothing (``timeout`` does). To silence them:
+            ``warnings.simplefilter("ignore", envfleet.HangWarning)``.
         resume: a :meth:`snapshot` of a sampler of the same env, ``num_envs`` and policy:
             this one continues it exactly (no reset), with the inference the snapshot was
             taken with (``inference`` that one, or ``"auto"``, which then does not
@@ -327,6 +343,7 @@ class Sampler:
         env_kwargs: dict[str, Any] | None = None,
         context: str | None = None,
         timeout: float | None = None,
+        hang_report_delay: float | None = DEFAULT_HANG_REPORT_DELAY,
         resume: SamplerSnapshot | None = None,
         **make_kwargs: Any,
     ):
@@ -340,6 +357,7 @@ class Sampler:
             seed = _integer(seed, "seed", ConfigError, low=None)
         if timeout is not None and not (isinstance(timeout, numbers.Real) and timeout > 0):
             raise ConfigError(f"timeout must be None or seconds > 0, got {timeout!r}")
+        hang_report_delay = check_hang_report_delay(hang_report_delay)
         if "autoreset_mode" in make_kwargs:
             raise ConfigError("the Sampler sets autoreset_mode itself (SAME_STEP)")
         if resume is not None:
@@ -417,6 +435,7 @@ class Sampler:
             autoreset_mode=AutoresetMode.SAME_STEP,
             env_kwargs=env_kwargs,
             context=context,
+            hang_report_delay=hang_report_delay,
             **make_kwargs,
         )
         # A PettingZoo env: the Sampler steps the packed vector env under the multi-agent

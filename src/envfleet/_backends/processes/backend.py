@@ -39,6 +39,7 @@ import multiprocessing.util  # noqa: F401  (its exit handler, registered first: 
 import os
 import pickle
 import sys
+import time
 import weakref
 from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
@@ -46,6 +47,7 @@ from typing import Any, cast
 
 from envfleet._backends.base import run_command
 from envfleet._backends.processes.doorbell import (
+    BLOCK_SLICE_S,
     TIGHT_SPIN_S,
     Doorbell,
     RoundBell,
@@ -144,6 +146,10 @@ class ProcessesTransport:
         self._budgets = [SpinBudget(plan.driver_spin_s) for _ in range(groups)]
         self._any_budget = SpinBudget(plan.driver_spin_s)
         self._round_budget = SpinBudget(plan.driver_spin_s)  # a full round's, on the bell
+        # Then the C round's one blocking slice, within which most rounds end (the caller's
+        # wait takes the rest, watching for deaths and the deadline between its slices).
+        timeout = request.step_timeout
+        self._round_sleep_s = BLOCK_SLICE_S if timeout is None else min(BLOCK_SLICE_S, timeout)
         self.remote = list(range(1 if driver_group else 0, groups))
         self._here = frozenset((0,)) if driver_group else frozenset()
         self.step_all: StepAll | None = None
@@ -334,6 +340,7 @@ class ProcessesTransport:
                 [self.workers.words[g] for g in self.remote],
                 local,
                 self._round_budget,
+                self._round_sleep_s,
             )
         if (
             step_round is None
@@ -361,6 +368,7 @@ class ProcessesTransport:
             int(Status.OK),
             None if bell is None else bell.address,
             self._round_budget,
+            self._round_sleep_s,
         )
 
     def step_times(self) -> tuple[StepTimeStats, ...]:
@@ -420,11 +428,13 @@ def _py_step_round(
     words: list[memoryview],
     local: Callable[[], Any] | None,
     budget: SpinBudget,
+    sleep_s: float,
     ring: bool,
 ) -> tuple[Any, Any, int, list[int], float | None]:
     """The Python twin of ``_speedups.step_round`` given the round bell (its full round): every
     worker's command words and REQ, one ring, the driver's own block, a spin within
-    ``budget`` on the arrivals; all taken, or none (the caller's wait blocks on the bell).
+    ``budget`` on the arrivals, then one blocking slice of at most ``sleep_s`` seconds (0:
+    none); all taken, or none (the caller's wait blocks on the bell).
     Without ``ring`` (step_async rang each worker on its own) it only steps the driver's
     block, and leaves every reply to the waits (``spun_s`` None: they spin first)."""
     if ring:
@@ -444,9 +454,18 @@ def _py_step_round(
             failure = exc
     if not ring:
         return result, failure, 0, [], None
-    if not spin(bell.gathered, budget):
-        return result, failure, 0, [], budget.budget_s
-    budget.caught()
+    if spin(bell.gathered, budget):
+        budget.caught()
+    else:
+        spun_s = budget.budget_s
+        if sleep_s <= 0:
+            return result, failure, 0, [], spun_s
+        started = time.monotonic()
+        gathered = bell.gather_sleep(sleep_s)
+        spun_s += time.monotonic() - started
+        if not gathered:
+            return result, failure, 0, [], spun_s
+        budget.blocked(spun_s)
     unread = [i for i, w in enumerate(words) if w[STATUS] != _OK or w[REPLY_PAYLOAD]]
     return result, failure, len(words), unread, 0.0
 

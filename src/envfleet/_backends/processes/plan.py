@@ -1,5 +1,5 @@
 """How ``backend="processes"`` lays out its envs: worker count, the driver's share, spin
-budgets (:func:`plan_processes`, DESIGN §3)."""
+budgets (:func:`plan_processes`)."""
 
 from __future__ import annotations
 
@@ -43,13 +43,22 @@ def plan_processes(
 ) -> ProcessesPlan:
     """Choose worker count, the driver's share and spin budgets for the processes backend.
 
-    Defaults (DESIGN §3): with ``c`` usable cores (``cores``: the process's affinity and
-    cgroup quota, :func:`envfleet._core.cores.usable_cores`), ``c - 1`` workers (at least 1, at most
-    ``num_envs - 1``) and the driver steps an equal share of the envs itself, so that every
-    core steps envs and nobody idles on a round trip. Given ``num_workers`` alone, the driver
-    steps none. Waiters spin at most ``spin_s`` seconds (default :data:`DEFAULT_SPIN_S`) and
-    only while spinners do not outnumber the cores: the driver spins only if
-    ``num_workers + 1 <= cores``, the workers only if ``num_workers <= cores``.
+    Defaults: with ``c`` usable cores (``cores``: the process's affinity and cgroup quota,
+    :func:`envfleet._core.cores.usable_cores`), ``min(num_envs, c)`` workers and every env in
+    a worker (``driver_envs=0``), as every peer's process mode keeps its envs out of the
+    learner's process: a segfault, a hang or a leak in an env is then a worker's, which the
+    supervisor reports and can restart. ``driver_envs=k`` (opt-in) has the driver step the
+    first ``k`` envs itself while ``c - 1`` workers step the rest (given no ``num_workers``),
+    so that on few cores nobody idles on a round trip: a speed-up for envs of a few µs a
+    step, none for real ones, and those ``k`` envs can take the learner down with them.
+    Waiters spin at most ``spin_s`` seconds (default :data:`DEFAULT_SPIN_S`) and only while
+    spinners do not outnumber the cores: the driver spins only if ``num_workers + 1 <=
+    cores``, the workers only if ``num_workers <= cores``.
+
+    Example::
+
+        plan_processes(16, None, None, None, cores=2).ranges  # [(0, 8), (8, 16)]
+        plan_processes(16, None, 8, None, cores=2).ranges  # [(0, 8), (8, 16)]: 0..7 here
 
     Raises:
         ConfigError: ``driver_envs`` outside ``[0, num_envs - num_workers]`` (every worker
@@ -65,16 +74,10 @@ def plan_processes(
             f"to a worker; use backend='serial' to step every env in the driver), got "
             f"{driver_envs!r}"
         )
+    if driver_envs is None:
+        driver_envs = 0  # every env in a worker, unless the caller opts in to a share
     if num_workers is None:
-        if driver_envs is None:
-            num_workers = max(1, min(num_envs - 1, cores - 1))
-            driver_envs = num_envs // (num_workers + 1) if num_envs > 1 and cores > 1 else 0
-            if driver_envs == 0:
-                num_workers = max(1, min(num_envs, cores))
-        else:
-            num_workers = max(1, min(num_envs - driver_envs, cores - 1 if driver_envs else cores))
-    elif driver_envs is None:
-        driver_envs = 0
+        num_workers = max(1, min(num_envs - driver_envs, cores - 1 if driver_envs else cores))
     if num_workers > num_envs - driver_envs:
         raise ConfigError(
             f"{num_workers} workers cannot share the {num_envs - driver_envs} envs the driver "
