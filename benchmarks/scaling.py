@@ -8,8 +8,10 @@ One run measures, side by side, env steps per second (summed over all sub-enviro
 - ``gym-sync``, ``gym-async``: gymnasium's SyncVectorEnv / AsyncVectorEnv(shared_memory=True).
 - ``sb3-subproc``: stable-baselines3's SubprocVecEnv (start_method="fork").
 - ``envpool``: EnvPool's native C++ env (num_envs = batch_size = num_envs of the row).
-- ``envfleet-processes`` (defaults), ``envfleet-processes-isolated`` (driver_envs=0: every env
-  in a worker), ``envfleet-serial``.
+- ``envfleet-processes`` (defaults: every env in a worker, one worker per core),
+  ``envfleet-processes-isolated`` (driver_envs=0 said explicitly: the defaults' layout, kept
+  so that older results compare), ``envfleet-processes-share`` (the opt-in share:
+  ``driver_envs=num_envs // cores``, the driver stepping the first block), ``envfleet-serial``.
 
 gym-sync, gym-async, envfleet-processes and envfleet-serial are measured by
 ``envfleet.bench.measure_system`` (what ``envfleet bench`` runs); the others by
@@ -73,6 +75,7 @@ SYSTEMS: tuple[str, ...] = (
     "envpool",
     "envfleet-processes",
     "envfleet-processes-isolated",
+    "envfleet-processes-share",
     "envfleet-serial",
 )
 #: Systems that ``envfleet.bench.measure_system`` measures, and its name for each.
@@ -296,7 +299,7 @@ def _measure_vector(
         steps, elapsed = timed_loop(envs.step, bank, spec["seconds"], spec["warmup_s"])
         finished = True
     finally:
-        if system == "envfleet-processes-isolated":
+        if system in ("envfleet-processes-isolated", "envfleet-processes-share"):
             envs.close(terminate=not finished)
         else:
             envs.close()
@@ -339,6 +342,12 @@ def measure_one(spec: dict[str, Any]) -> dict[str, Any]:
 
             def build() -> Any:
                 return envfleet.make(gid, n, driver_envs=0)
+
+        elif system == "envfleet-processes-share":
+            share = n // usable_cores() if usable_cores() > 1 else 0
+
+            def build() -> Any:
+                return envfleet.make(gid, n, driver_envs=share)
 
         elif system == "sb3-subproc":
             from stable_baselines3.common.vec_env import SubprocVecEnv
@@ -711,6 +720,7 @@ def plot(
         "envpool": {"color": "tab:purple", "marker": "D"},
         "envfleet-processes": {"color": "tab:red", "marker": "^", "linewidth": 2.5},
         "envfleet-processes-isolated": {"color": "tab:orange", "marker": "v"},
+        "envfleet-processes-share": {"color": "tab:pink", "marker": "<"},
         "envfleet-serial": {"color": "tab:green", "marker": "^"},
     }
     for env in dict.fromkeys(r["env"] for r in rows):

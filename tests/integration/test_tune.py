@@ -124,22 +124,21 @@ def test_grid_on_two_cores():
     assert [c.name for c in tune_grid(16, 2)] == [
         "processes",
         "processes num_workers=1 driver_envs=0",
-        "processes num_workers=2 driver_envs=0",
+        "processes driver_envs=8",
         "serial",
         "threads",
         "pool processes num_workers=2 batch_size=8",
         "sampler driver processes",
         "sampler worker processes",
-        "sampler worker processes num_workers=2 driver_envs=0",
     ]
 
 
 def test_grid_grows_with_the_cores():
     names = [c.name for c in tune_grid(16, 16)]
     workers = [c.num_workers for c in tune_grid(16, 16) if c.loop == "make" and c.num_workers]
-    assert workers == [2, 4, 8, 16]
+    assert workers == [2, 4, 8]  # 16, one per core, is the defaults' "processes"
+    assert "processes driver_envs=1" in names  # the opt-in share
     assert "pool processes num_workers=16 batch_size=8" in names  # one env per worker
-    assert "sampler worker processes num_workers=16 driver_envs=0" in names
     assert "sampler worker processes num_workers=8 driver_envs=0" in names
     # Every candidate is distinct and within make()'s bounds.
     for cores in (1, 2, 3, 8, 64):

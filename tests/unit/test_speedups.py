@@ -278,15 +278,13 @@ def test_processes_runs_the_c_round_and_worker_loop(make_env):
             assert calls[name] - workers[pid][name] >= COUNTED_STEPS, f"worker {pid}: {name}"
 
 
-@pytest.mark.parametrize(
-    "layout", [{}, {"driver_envs": 8, "num_workers": 1}], ids=["defaults", "driver-share"]
-)
-def test_step_wait_finishes_the_step_in_the_c_round(make_env, layout):
-    """step_async rings the workers; step_wait (runs the driver's own block, where it has
-    one, and) spins on the replies in the C step round (without ringing again), as step()
-    does: its counter advances once a step, and the results are step()'s."""
+def test_step_wait_finishes_the_step_in_the_c_round(make_env):
+    """With the driver's share (driver_envs): step_async rings the workers; step_wait runs
+    the driver's own block and spins on the replies in the C step round (without ringing
+    again), as step() does: its counter advances once a step, and the results are step()'s."""
     if envfleet._core.native.speedups is None:
         pytest.skip("envfleet._core._speedups is not built here")
+    layout = {"driver_envs": 8, "num_workers": 1}
     fleet = make_env("CartPole-v1", 16, backend="processes", **layout)
     ref = make_env("CartPole-v1", 16, backend="processes", **layout)
     fleet.reset(seed=0)

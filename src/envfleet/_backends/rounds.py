@@ -286,12 +286,7 @@ class RoundDriver(Backend):
 
     def collect(self, timeout: float | None, step: int) -> dict[int, Any]:
         stepped = self._command is _STEP
-        if stepped and self._step_all is not None and self._pending == self._remote:
-            # step_wait of a step whose every group is a worker (step_async sent each its
-            # command): the C round gathers the replies, as finish() does with a driver block.
-            results = self.supervisor.guarded(self._fast_round, timeout, step, False)
-        else:
-            results = self.supervisor.guarded(self._collect, timeout, step)
+        results = self.supervisor.guarded(self._collect, timeout, step)
         if stepped and self._recycler is not None:
             self._recycle_due(timeout, step)
         return results
@@ -537,8 +532,7 @@ class RoundDriver(Backend):
         self._pending = remote[taken:]
         if self._pending:
             transport.spun_s = spun_s  # the next wait, on the first of them, counts it
-        if timeout is not None and not ring and self._num_remote < self._num_workers:
-            # step_wait: the driver's own block ran here within the timeout
+        if timeout is not None and not ring:
             timeout = max(0.0, timeout - (time.monotonic() - started))
         return self._collect(timeout, step, done)
 

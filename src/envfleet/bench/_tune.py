@@ -258,16 +258,17 @@ def tune_grid(
 
     With ``w`` in :func:`tune_workers` and ``m = min(cores, num_envs)``:
 
-    - ``processes`` at its defaults (``cores - 1`` workers, the driver stepping an equal
-      share: ``driver_envs`` its default), then ``num_workers=w, driver_envs=0`` for each
-      ``w`` (the one equal to the defaults left out: on one core, or one env);
+    - ``processes`` at its defaults (``m`` workers, every env in one), then
+      ``num_workers=w, driver_envs=0`` for each other ``w``, then on more than one core the
+      opt-in share ``driver_envs=num_envs // cores`` (the driver stepping the first block:
+      faster for tiny envs on few cores, but those envs live in the learner's process);
     - ``serial``; ``threads`` (its default, ``m`` threads) on more than one core;
     - on more than one core and at least two envs, the first-ready pool, ``processes`` with
       ``batch_size = num_envs // 2`` and the largest ``num_workers`` up to the cores whose
       blocks fill a batch exactly, and one env per worker when ``num_envs <= 2 * cores``;
     - the Sampler: ``inference="driver"`` at ``processes``' defaults; with
       ``worker_inference``, ``inference="worker"`` at those defaults and with
-      ``num_workers=k, driver_envs=0`` for ``k`` in ``m`` and ``m // 2`` (at least 2).
+      ``num_workers=m // 2, driver_envs=0`` (at least 2).
 
     Raises:
         ConfigError: ``num_envs`` or ``cores`` below 1.
@@ -275,22 +276,23 @@ def tune_grid(
     Example::
 
         [c.name for c in tune_grid(16, 2)]
-        # ['processes', 'processes num_workers=1 driver_envs=0',
-        #  'processes num_workers=2 driver_envs=0', 'serial', 'threads',
-        #  'pool processes num_workers=2 batch_size=8', 'sampler driver processes',
-        #  'sampler worker processes', 'sampler worker processes num_workers=2 driver_envs=0']
+        # ['processes', 'processes num_workers=1 driver_envs=0', 'processes driver_envs=8',
+        #  'serial', 'threads', 'pool processes num_workers=2 batch_size=8',
+        #  'sampler driver processes', 'sampler worker processes']
     """
     cores = usable_cores() if cores is None else cores
     workers = tune_workers(num_envs, cores)
     top = min(cores, num_envs)
-    # make()'s documented default: with more than one core and env, the driver steps a share.
-    shared = num_envs > 1 and cores > 1
+    # make()'s default: every env in a worker, ``top`` of them; the share is an opt-in.
+    share = num_envs // cores if cores > 1 else 0
     grid = [TuneCandidate("make", "processes")]
     grid += [
         TuneCandidate("make", "processes", num_workers=w, driver_envs=0)
         for w in workers
-        if shared or w != top
+        if w != top
     ]
+    if share >= 1 and num_envs - share >= 1:
+        grid.append(TuneCandidate("make", "processes", driver_envs=share))
     grid.append(TuneCandidate("make", "serial"))
     if cores > 1:
         grid.append(TuneCandidate("make", "threads"))
@@ -302,12 +304,8 @@ def tune_grid(
     grid.append(TuneCandidate("sampler", "processes", inference="driver"))
     if worker_inference:
         grid.append(TuneCandidate("sampler", "processes", inference="worker"))
-        if shared:
-            grid += [
-                TuneCandidate("sampler", "processes", k, 0, inference="worker")
-                for k in dict.fromkeys((top, top // 2))
-                if k >= 2
-            ]
+        if top // 2 >= 2:
+            grid.append(TuneCandidate("sampler", "processes", top // 2, 0, inference="worker"))
     return tuple(grid)
 
 
