@@ -1,4 +1,4 @@
-"""Layering of envfleet's modules (DESIGN §2), read from the sources with ``ast``: every module
+"""Layering of envfleet's modules, read from the sources with ``ast``: every module
 imports, no module imports another (directly or through others) that imports it back, and no
 module uses another module's underscore names."""
 

@@ -1,4 +1,4 @@
-"""The ``envfleet`` command line (DESIGN §2, layer 7), built on the public API only.
+"""The ``envfleet`` command line (layer 1 in docs/architecture.md), built on the public API only.
 
 ``envfleet bench [ENV_ID ...]`` measures env steps per second of envfleet's backends and of
 their peers (gymnasium's vector envs, SB3's SubprocVecEnv, EnvPool, PufferLib: every one

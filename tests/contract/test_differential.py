@@ -1,6 +1,6 @@
 """Differential tests: envfleet against gymnasium.vector.SyncVectorEnv, bit for bit.
 
-DESIGN §5: for every backend, the same seeds and actions give bit-identical observations,
+For every backend, the same seeds and actions give bit-identical observations,
 rewards, terminations, truncations and infos to SyncVectorEnv, in every autoreset mode,
 whatever num_workers is. ``backend`` is the contract's (tests/contract/conftest.py): each test
 runs on every entry of its BACKENDS unless it names the ones it is about.

@@ -1,4 +1,4 @@
-"""The backend contract's failure model (DESIGN §4), on every backend.
+"""The backend contract's failure model, on every backend.
 
 An env that raises in ``step`` or ``reset`` gives an ``EnvError`` naming it that is also of
 the env's own exception type; a worker that dies (exit, SIGKILL, segfault) gives an

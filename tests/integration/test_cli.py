@@ -1,6 +1,6 @@
 """The ``envfleet`` command line: real benchmark runs in a subprocess, no mocks.
 
-Only structure and consistency are checked, never speed (DESIGN §6: no timed assertions).
+Only structure and consistency are checked, never speed (no timed assertions).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """benchmarks/compare_commits.py: each workload's child measurement runs on this tree and gives
-a positive figure. Structure only, never speed (DESIGN §6: no timed assertions)."""
+a positive figure. Structure only, never speed (no timed assertions)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """benchmarks/multi_agent.py --quick: every system runs on both workloads and the table, the
-JSON and the counts agree. Structure only, never speed (DESIGN §6: no timed assertions)."""
+JSON and the counts agree. Structure only, never speed (no timed assertions)."""
 
 from __future__ import annotations
 

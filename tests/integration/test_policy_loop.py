@@ -1,6 +1,6 @@
 """The learner's-loop benchmark (``envfleet bench --policy``'s core in envfleet.bench).
 
-Structure, the bound's formula and the install messages only: no timed assertions (DESIGN §6).
+Structure, the bound's formula and the install messages only: no timed assertions.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Time to score (``envfleet bench --train``, ``benchmarks/train.py``): the systems' learning on
-a tiny budget, the advantages, the table, the JSON and the plot. No timed assertion (DESIGN §6):
+a tiny budget, the advantages, the table, the JSON and the plot. No timed assertion:
 a few updates on CartPole, about 10 s in all."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """``envfleet tune`` and :func:`envfleet.bench.tune`: the grid from the cores, a real (tiny)
 run whose recommended call builds what it names, the command line's table and errors, and
-user policies given as ``module:fn``. No timed assertions (DESIGN §6).
+user policies given as ``module:fn``. No timed assertions.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The processes backend's failure model (DESIGN §4): errors, crashes, hangs, clean shutdown.
+"""The processes backend's failure model: errors, crashes, hangs, clean shutdown.
 
 Every test here uses real worker processes. Timeouts are hang guards only: nothing asserts how
 fast anything happens.

@@ -1,7 +1,7 @@
 """What the in-process transports (``serial``, ``threads``) share: EnvGroups built in the
 driver, their step-time statistics, and the replies of the groups run here; the rounds are
 the round driver's (:class:`envfleet._backends.rounds.RoundDriver`), the decisions the
-supervisor's (DESIGN §4)."""
+supervisor's."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Workers recycled before they leak (DESIGN §4): :class:`Recycle`, the policy, and
+"""Workers recycled before they leak: :class:`Recycle`, the policy, and
 :class:`Recycler`, which the round driver asks after its step rounds.
 
 A worker past a limit (episodes its envs began, env steps, resident memory) is replaced once

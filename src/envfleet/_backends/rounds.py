@@ -1,4 +1,4 @@
-"""The round driver (DESIGN §2, §4): every round of every transport, written once.
+"""The round driver: every round of every transport, written once.
 
 A *transport* (``serial``, ``threads``, ``processes``, ``ray``) moves commands to its workers
 and replies back; it implements the few primitives of :class:`Transport` and holds no loop

@@ -1,4 +1,4 @@
-"""The supervisor (DESIGN §2, layer 5; §4): what happens when a worker or an env fails.
+"""The supervisor (layer 6 in docs/architecture.md): what happens when a worker or an env fails.
 
 One implementation for every transport (serial, threads, processes, ray) and mode (a
 synchronous round, a first-ready pool's): the round driver
@@ -65,7 +65,7 @@ __all__ = [
 
 @dataclass(frozen=True)
 class RestartPolicy:
-    """Rebuild failed sub-environments instead of failing fast (DESIGN §4).
+    """Rebuild failed sub-environments instead of failing fast.
 
     At most ``max_restarts`` restarts within any ``window_s`` seconds, for the whole vector
     env, as an Erlang/OTP supervisor's intensity and period: the failure that would exceed the
@@ -389,7 +389,7 @@ class Supervised(Protocol):
 
 
 class Supervisor:
-    """Every backend's decisions after a round with failures, in one place (DESIGN §4).
+    """Every backend's decisions after a round with failures, in one place.
 
     - **Deadlines** of a first-ready pool: when each worker was sent its command
       (:meth:`sent`), the first deadline to wait for (:meth:`deadline`), who is past it

@@ -1,4 +1,5 @@
-"""The worker-process toolkit (DESIGN §2, layer 3): spawn, die with the parent, report, watch.
+"""The worker-process toolkit (layer 6 in docs/architecture.md): spawn, die with the parent,
+report, watch.
 
 Every worker process envfleet starts goes through these few functions:
 

@@ -1,4 +1,4 @@
-/* envfleet._core._speedups: the few hot loops of the step path in C (DESIGN §3).
+/* envfleet._core._speedups: the few hot loops of the step path in C.
  *
  * Optional: envfleet runs the same logic in Python when this module is missing (it failed to
  * build, or ENVFLEET_NO_SPEEDUPS=1 is set). Every function here has a Python twin beside its

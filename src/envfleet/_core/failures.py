@@ -1,4 +1,4 @@
-"""The typed errors built from a failure (DESIGN §4): one place for what the front and every
+"""The typed errors built from a failure: one place for what the front and every
 transport raise when an env fails, so that two layers share them from below.
 
 - :func:`env_error`: the :class:`~envfleet.EnvError` of an env that raised (also of the env's

@@ -1,4 +1,4 @@
-"""Typed control messages between the front and the EnvGroups (DESIGN §1, §6).
+"""Typed control messages between the front and the EnvGroups.
 
 Control is tiny: a one-byte :class:`Command` and, off the hot path, a small pickled dataclass.
 Data never travels here; it lives in the shared :class:`envfleet._core.buffers.Batch`.

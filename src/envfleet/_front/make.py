@@ -1,8 +1,8 @@
-"""make(): the front's one way in (the front's layer, ``docs/architecture.md``). It checks make()'s own arguments,
-looks the backend up in the registry (:mod:`envfleet._backends.registry`; it knows no backend
-by name), lets the backend check its options and plan its workers, learns the spaces from env
-0 (built here, or, when the plan puts every env in a worker, in the worker that holds it: no
-env is built in this process then), and wraps the backend the registry built in a
+"""make(): the front's one way in (layer 5 in docs/architecture.md). It checks make()'s own
+arguments, looks the backend up in the registry (:mod:`envfleet._backends.registry`; it knows no
+backend by name), lets the backend check its options and plan its workers, learns the spaces from
+env 0 (built here, or, when the plan puts every env in a worker, in the worker that holds it: no env
+is built in this process then), and wraps the backend the registry built in a
 :class:`FleetVectorEnv`.
 """
 

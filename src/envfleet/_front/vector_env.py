@@ -1,4 +1,5 @@
-"""The synchronous vector env of the front (DESIGN §2, layer 1): :class:`FleetVectorEnv`.
+"""The synchronous vector env of the front (layer 5 in docs/architecture.md):
+:class:`FleetVectorEnv`.
 
 One vector env class for every backend; :func:`envfleet.make` builds it. It validates input
 before anything reaches a worker (:mod:`envfleet._front.checks`), owns the call state machine

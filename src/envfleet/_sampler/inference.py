@@ -1,5 +1,5 @@
-"""What both kinds of Sampler inference share (DESIGN §2, layer 6): timers and counters, the
-policy helpers, one recorded step, and the :class:`Inference` base that
+"""What both kinds of Sampler inference share (layer 4 in docs/architecture.md): timers and
+counters, the policy helpers, one recorded step, and the :class:`Inference` base that
 :mod:`envfleet._sampler.driver_inference` and :mod:`envfleet._sampler.worker_inference` implement.
 """
 

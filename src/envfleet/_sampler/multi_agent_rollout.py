@@ -1,5 +1,6 @@
 """Multi-agent rollouts for the Sampler: the policy sees agents as rows, and each agent's
-experience comes back as segments of its own, tagged with its index (DESIGN §2, layer 6).
+experience comes back as segments of its own, tagged with its index (layer 4 in
+docs/architecture.md).
 
 The Sampler steps a multi-agent vector env's packed vector env (``MultiAgentVectorEnv.
 vector_env``, whose observation per env is the adapter's Dict: ``observation [A, ...]``,

@@ -1,5 +1,5 @@
-"""Rollout data for the Sampler (DESIGN §2, layer 6): :class:`EpisodeBatch` and the recorder
-that cuts steps into segments.
+"""Rollout data for the Sampler (layer 4 in docs/architecture.md): :class:`EpisodeBatch` and the
+recorder that cuts steps into segments.
 
 A *segment* is a run of consecutive steps of one sub-environment, chosen by one policy
 version. It ends where its episode ends (``terminated`` or ``truncated`` at its last step), where

@@ -1,4 +1,4 @@
-"""Throughput measurement: the core of ``envfleet bench`` (DESIGN §2, layer 7).
+"""Throughput measurement: the core of ``envfleet bench`` (layer 2 in docs/architecture.md).
 
 Measures env steps per second of envfleet backends and of their peers (other libraries'
 vector envs) on the same environment, swept over ``num_envs``, beside the machine's limit, so

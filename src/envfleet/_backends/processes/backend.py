@@ -1,4 +1,4 @@
-"""``backend="processes"``: EnvGroups in worker processes, data in shared memory (DESIGN §1, §3).
+"""``backend="processes"``: EnvGroups in worker processes, data in shared memory.
 
 Each worker holds a contiguous block of envs. Observations, actions, rewards, terminations
 and truncations live in one shared :class:`envfleet._core.buffers.Block`; per worker, a few shared

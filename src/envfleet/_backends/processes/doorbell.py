@@ -1,4 +1,4 @@
-"""Spin-then-block signalling between the driver and one worker (DESIGN §3).
+"""Spin-then-block signalling between the driver and one worker.
 
 A :class:`Doorbell` is a pair of semaphores (``request``: driver to worker, ``done``: worker to
 driver). Ringing is one ``sem_post``, a user-space atomic when nobody sleeps on the semaphore.

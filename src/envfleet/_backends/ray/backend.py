@@ -1,4 +1,4 @@
-"""``backend="ray"``: EnvGroups in Ray actors, on one machine or across a cluster (DESIGN §2).
+"""``backend="ray"``: EnvGroups in Ray actors, on one machine or across a cluster.
 
 Each worker is a Ray actor holding a contiguous block of envs in an :class:`EnvGroup` over
 buffers of its own (the block's rows only: actors on other nodes share no memory with the
