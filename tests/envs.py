@@ -35,6 +35,7 @@ __all__ = [
     "SparseInfoEnv",
     "TextObsEnv",
     "ValuesEnv",
+    "WaitingEnv",
     "make_indexed",
     "make_indexed_kwonly",
     "sync_factories",
@@ -903,11 +904,17 @@ class FaultEnv(gym.Env):
     ``"sleep:S"`` to sleep S seconds, ``"spin:S"`` to loop in Python for S seconds,
     ``"null-write"`` to write at address 0 in C (a real SIGSEGV), or ``"raise"`` to raise
     ``ValueError`` once); every
-    other env behaves.
-    Episodes never end."""
+    other env behaves. Every step first sleeps ``wait_s`` seconds (an env that waits on a
+    simulator). Episodes never end."""
 
-    def __init__(self, env_index: int = 0, faults: dict[int, tuple[str, int]] | None = None):
+    def __init__(
+        self,
+        env_index: int = 0,
+        faults: dict[int, tuple[str, int]] | None = None,
+        wait_s: float = 0.0,
+    ):
         self.env_index = env_index
+        self.wait_s = wait_s
         self.fault = (faults or {}).get(env_index)
         self.observation_space = spaces.Box(-1.0, 1.0, (2,), np.float32)
         self.action_space = spaces.Discrete(2)
@@ -919,6 +926,8 @@ class FaultEnv(gym.Env):
 
     def step(self, action: Any):
         self._steps += 1
+        if self.wait_s:
+            time.sleep(self.wait_s)
         if self.fault is not None and self._steps == self.fault[1]:
             how = self.fault[0]
             if how.startswith("sleep:"):
@@ -940,9 +949,9 @@ class FaultEnv(gym.Env):
         return obs, 1.0, False, False, {}
 
 
-def fault_factory(faults: dict[int, tuple[str, int]]) -> Any:
+def fault_factory(faults: dict[int, tuple[str, int]], wait_s: float = 0.0) -> Any:
     def factory(env_index: int) -> FaultEnv:
-        return FaultEnv(env_index, faults)
+        return FaultEnv(env_index, faults, wait_s)
 
     return factory
 
@@ -1053,3 +1062,36 @@ class LeakyEnv(gym.Env):
             time.sleep(self.step_s)
         obs = self.np_random.random(2)
         return obs, float(obs[0]) + int(action), False, self.t >= self.episode_steps, {}
+
+
+class WaitingEnv(gym.Env):
+    """An env that waits, as one whose simulator runs elsewhere: every step sleeps ``wait_s``
+    seconds (using no CPU, the GIL released), then draws its observation, reward, episode end
+    and sparse infos (keys that differ between envs) from ``np_random``. Episodes end after a
+    length drawn at reset, terminated or truncated at random."""
+
+    def __init__(self, env_index: int = 0, wait_s: float = 0.001):
+        self.env_index = env_index
+        self.wait_s = wait_s
+        self.observation_space = spaces.Box(-1.0, 1.0, (3,), np.float32)
+        self.action_space = spaces.Discrete(3)
+        self._left = 0
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
+        super().reset(seed=seed)
+        self._left = int(self.np_random.integers(3, 12))
+        obs = self.np_random.uniform(-1.0, 1.0, 3).astype(np.float32)
+        return obs, ({"start": self.env_index} if self.env_index % 2 else {})
+
+    def step(self, action: Any):
+        time.sleep(self.wait_s)
+        self._left -= 1
+        obs = self.np_random.uniform(-1.0, 1.0, 3).astype(np.float32)
+        obs[0] = float(action) / 3
+        reward = float(self.np_random.normal())
+        ended = self._left <= 0
+        terminated = ended and bool(self.np_random.random() < 0.6)
+        info: dict[str, Any] = {}
+        if self.np_random.random() < 0.3:
+            info[f"env{self.env_index}"] = np.int64(self._left)
+        return obs, reward, terminated, ended and not terminated, info

@@ -23,7 +23,7 @@ from gymnasium.vector import AutoresetMode, SyncVectorEnv
 
 import envfleet
 from envfleet import EpisodeBatch, Sampler
-from tests.envs import RaisingEnv
+from tests.envs import RaisingEnv, WaitingEnv
 
 SEED = 7
 
@@ -927,3 +927,30 @@ def test_the_policys_dtype_reaches_the_env_as_in_sync_vector_env(inference, opti
         assert len(got) > 0, f"env {e} has no steps"
         assert got.dtype == np.float32
         np.testing.assert_array_equal(got, np.stack(want[e][: len(got)]), err_msg=f"env {e}")
+
+
+def _zeros(obs: np.ndarray) -> np.ndarray:
+    return np.zeros(len(obs), dtype=np.int64)
+
+
+@pytest.mark.parametrize(
+    ("env", "kind"), [("waiting", "wait"), ("CartPole-v1", "compute")], ids=["wait", "compute"]
+)
+def test_worker_inference_steps_waiting_envs_at_once_and_the_report_says_so(
+    env: str, kind: str
+) -> None:
+    """Issue 50: the workers' own step loop (worker inference) learns the kind of its envs as
+    a vector env's does: envs that sleep 1 ms a step are stepped all at once, CartPole's one
+    after another, and ``Sampler.report()`` says which it saw."""
+    factory = WaitingEnv if env == "waiting" else env
+    with Sampler(factory, _zeros, 4, inference="worker", num_workers=2, seed=SEED) as sampler:
+        for _ in range(4):
+            sampler.sample(256)
+        report = sampler.report()
+        workers = sampler.vector_env.stats.workers
+    assert report.env_kind == kind, workers
+    assert f"envs: {kind} (" in str(report)
+    if kind == "wait":
+        assert all(w.concurrent and w.concurrent_steps > 0 for w in workers), workers
+    else:
+        assert not any(w.concurrent_steps for w in workers), workers

@@ -229,8 +229,10 @@ def test_tune_cartpole_recommends_a_call_that_builds():
                 assert made.step(policy(obs))[0].shape == (4, 4)
         finally:
             made.close()
+    assert report.env_kind == "compute"  # the processes candidates' workers found so
     table = tune_table(report)
     assert "| candidate | loop | steps/s | × best | runs |" in table
+    assert "Env kind: compute (" in table
     assert f"{report.winner.candidate.name} (best)" in table
     assert report.call in table
     doc = json.loads(json.dumps(tune_report_dict(report)))
@@ -408,3 +410,15 @@ def test_cli_bad_arguments_exit_2(argv, capsys):
         main(argv)
     assert exc.value.code == 2
     assert "error" in capsys.readouterr().err
+
+
+def test_the_report_says_which_kind_of_env_the_workers_saw():
+    """Issue 50: envs that sleep 1 ms a step (tests.envs.WaitingEnv): the processes
+    candidate's workers found them waiting and the table says so; serial times nothing."""
+    processes = TuneCandidate("make", "processes", num_workers=1, driver_envs=0)
+    report = tune("tests.envs:WaitingEnv", 2, zeros_policy, candidates=[processes, SERIAL], **QUICK)
+    by = {r.candidate: r for r in report.results}
+    assert (by[processes].env_kind, by[SERIAL].env_kind) == ("wait", "unknown")
+    assert report.env_kind == "wait"
+    assert "Env kind: wait (" in tune_table(report)
+    assert tune_report_dict(report)["env_kind"] == "wait"

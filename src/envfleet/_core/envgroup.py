@@ -1,4 +1,5 @@
-"""EnvGroup: K sub-environments over their slice of the batch buffers (DESIGN §2, layer 2).
+"""EnvGroup: K sub-environments over their slice of the batch buffers (layer 7 in
+docs/architecture.md).
 
 This is the one step loop and the one autoreset implementation of envfleet. Every backend
 runs it: in-process for ``serial``, inside each worker for ``processes``. It mirrors
@@ -10,8 +11,8 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, cast
 
 import cloudpickle
 import gymnasium
@@ -34,11 +35,14 @@ from envfleet._core.protocol import (
     SideValues,
 )
 from envfleet._core.replay import ActionLog, StartReader
+from envfleet._core.stepping import AdaptiveStepping, stepping_mode
 
 __all__ = ["JOIN_MAX_BYTES", "EnvFailure", "EnvGroup", "PartialFailure", "spaces_mismatch"]
 
 # A group's observation rows up to this size are written as joined bytes (EnvGroup.__init__).
 JOIN_MAX_BYTES = 16 << 10
+# EnvGroup._quiet without an AdaptiveStepping: never asks it.
+_ALWAYS = 1 << 62
 
 logger = logging.getLogger("envfleet")
 
@@ -193,6 +197,12 @@ class EnvGroup:
         # processes driver steps itself.
         self._crash_note: memoryview | None = None
         self._crash_base = 0
+        # How a processes worker steps the envs, one after another or all at once
+        # (adapt_stepping); None: one after another, in the calling thread.
+        self._stepping: AdaptiveStepping | None = None
+        # Rounds step() runs one env after another without asking _stepping (every round
+        # without one).
+        self._quiet = _ALWAYS
         # What tasks (Command.TASK) keep here between commands, by their own keys; gone when
         # the group is rebuilt (a restarted worker).
         self.task_state: dict[str, Any] = {}
@@ -314,6 +324,31 @@ class EnvGroup:
         its env on stderr (:func:`envfleet._core.crash_note.driver_crash_note`)."""
         self._crash_note, self._crash_base = note, base
 
+    def adapt_stepping(self, words: np.ndarray | None = None, mode: str | None = None) -> None:
+        """Let the group choose, from its envs' own steps, between stepping them one after
+        another and all at once (envs that wait: a simulator, a server), as a processes
+        worker does (:class:`~envfleet._core.stepping.AdaptiveStepping`); ``words``: the
+        last :data:`~envfleet._core.stats.STEPPING_WORDS` float64 words of the worker's
+        step-time row, where it says what it found (``envs.stats.workers``); ``mode``:
+        ``"auto"``, ``"sequential"`` or ``"concurrent"``, default ``ENVFLEET_STEPPING`` from
+        the environment (``auto`` when unset). Not for a group with a crash note (the
+        learner's own block), whose envs must run in the learner's thread.
+
+        Raises:
+            ConfigError: ``mode`` (or ``ENVFLEET_STEPPING``) is none of the three.
+
+        Example::
+
+            group.adapt_stepping(stats_rows(spec.stats)[g][KIND:])  # a worker's row
+            group.step()  # one after another, or at once once its envs are seen to wait
+        """
+        if self._stepping is not None:
+            self._stepping.close()
+        self._stepping = AdaptiveStepping(
+            self.size, words, stepping_mode() if mode is None else mode
+        )
+        self._quiet = 0
+
     def check_spaces(self) -> tuple[int, str] | None:
         """(env_index, description) of the first env whose spaces differ, or ``None``."""
         for j, env in enumerate(self.envs):
@@ -378,17 +413,59 @@ class EnvGroup:
                 actions = iter(buf.actions)
             else:
                 actions = iter(iterate(self._action_space, buf.actions))
+        # Whether any env resets this step, asked once: most steps reset none.
+        resets = self._next_step and True in self._autoreset
+        events: list[InfoEvent] = []
+        quiet = self._quiet
+        if quiet:  # one env after another, untimed: every round but those a worker times
+            self._quiet = quiet - 1
+            failures = self._step_envs(enumerate(actions), resets, events, log)
+        else:  # a processes worker times this round, or steps its envs all at once
+            stepping = cast(AdaptiveStepping, self._stepping)
+            failures, self._quiet = stepping.step(self._step_envs, actions, resets, events, log)
+        autoreset = self._autoreset
+        keep = [autoreset[f.env_index - self.start] for f in failures] if failures else []
+        write = self._c_results
+        if write is None or not write():  # else plain floats and bools, written in C
+            self._write_results()
+        if failures is not None:
+            for f, flag in zip(failures, keep, strict=True):
+                self._autoreset[f.env_index - self.start] = flag  # its state is unknown
+            raise PartialFailure(failures, events)
+        write = self._c_rows[0 if self._slab is None else self._slab.item(0)]
+        if write is None or not write():
+            self._write_observations("step", events, c_tried=True)
+        return events
+
+    def _step_envs(
+        self,
+        pairs: Iterable[tuple[int, Any]],
+        resets: bool,
+        events: list[InfoEvent],
+        log: Any,
+    ) -> list[EnvFailure] | None:
+        """Step env ``j`` (local) with ``action`` for each ``(j, action)`` of ``pairs``, in
+        that order, autoresetting per mode: each env's results into its slots of the group's
+        lists, its infos appended to ``events``, its episode starts recorded in ``log`` (the
+        action log, or ``None``). The one body of an env's step: :meth:`step` runs it over
+        every env in turn, or (envs that wait, ``_core/stepping.py``) over one env per call,
+        several at once in a worker's threads.
+
+        Returns the failures of the envs that raised (each with its env's recording), in
+        order, or ``None``; their slots read reward 0, not terminated, not truncated.
+
+        Raises:
+            BaseException: what is not an ``Exception`` (``KeyboardInterrupt``,
+                ``SystemExit``) leaves at once: no env is stepped after it.
+        """
         # Per-env results gather in Python lists and reach the buffers in one assignment
         # each: numpy converts every element exactly as SyncVectorEnv's scalar writes do.
         rewards, terms, truncs = self._rewards, self._terminations, self._truncations
         env_obs, envs, autoreset = self._env_obs, self.envs, self._autoreset
-        # Whether any env resets this step, asked once: most steps reset none.
-        resets = self._next_step and True in autoreset
         same_step = self._same_step
-        events: list[InfoEvent] = []
         failures: list[EnvFailure] | None = None
         note, base = self._crash_note, self._crash_base
-        for j, action in enumerate(actions):
+        for j, action in pairs:
             env = envs[j]
             if note is not None:  # the learner's own block: its crash note names this env
                 note[0] = base + j
@@ -423,18 +500,7 @@ class EnvGroup:
                 events.append((self.start + j, env_info))
         if note is not None:
             note[0] = NOTE_CLEAR
-        keep = [autoreset[f.env_index - self.start] for f in failures] if failures else []
-        write = self._c_results
-        if write is None or not write():  # else plain floats and bools, written in C
-            self._write_results()
-        if failures is not None:
-            for f, flag in zip(failures, keep, strict=True):
-                self._autoreset[f.env_index - self.start] = flag  # its state is unknown
-            raise PartialFailure(failures, events)
-        write = self._c_rows[0 if self._slab is None else self._slab.item(0)]
-        if write is None or not write():
-            self._write_observations("step", events, c_tried=True)
-        return events
+        return failures
 
     def _reset_start(self, j: int, env: Any, options: Any = None) -> bytes:
         """:func:`envfleet._core.replay.reset_start` of env ``j`` (local) as the record keeps
@@ -676,6 +742,10 @@ class EnvGroup:
 
     def close(self) -> None:
         """Close every env; an env that raises while closing does not stop the others."""
+        if self._stepping is not None:
+            self._stepping.close()
+            self._stepping = None
+            self._quiet = _ALWAYS
         for env in self.envs:
             try:
                 env.close()

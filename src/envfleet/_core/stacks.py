@@ -1,4 +1,4 @@
-"""Stacks of a hung or crashed worker, as text (DESIGN §4: finding the cause).
+"""Stacks of a hung or crashed worker, as text: finding the cause.
 
 One format for every backend: :mod:`faulthandler`'s, every thread with its Python frames,
 innermost first::
@@ -37,12 +37,27 @@ def format_frames(frame: types.FrameType | None, ident: int, current: bool = Tru
     return "\n".join(lines) + "\n"
 
 
+# The frame of EnvGroup's per-env loop (envgroup.py's ``_step_envs``): a thread with one runs
+# an env. A worker that steps its envs all at once runs them in its crew's threads
+# (_core/stepping.py) while its main thread, the one a signal interrupts, waits for them.
+_ENV_LOOP = re.compile(r'^\s+File ".*envgroup\.py", line \d+ in _step_envs$', re.MULTILINE)
+
+
 def innermost(stacks: str) -> str | None:
-    """``file:line in function`` of the innermost frame of the thread that ran the env: the
-    ``Current thread`` block's first frame (the thread a signal interrupted: a worker's main
-    thread, which runs its envs), else the first frame of the text; ``None`` without one."""
+    """``file:line in function`` of the innermost frame of the thread that ran the env: of
+    the threads in EnvGroup's per-env loop (``_step_envs``), the ``Current thread`` (the
+    thread a signal interrupted, or that faulted) if it is one, else the first; without
+    one, the ``Current thread`` block's first frame, else the first frame of the text;
+    ``None`` without one.
+
+    Example::
+
+        innermost(err.stacks[1])  # '/path/to/env.py:42 in step'
+    """
     blocks = stacks.split("\n\n")
-    chosen = [b for b in blocks if b.lstrip().startswith("Current thread")] or blocks
+    current = [b for b in blocks if b.lstrip().startswith("Current thread")]
+    running = [b for b in blocks if _ENV_LOOP.search(b)]
+    chosen = [b for b in current if b in running] or running or current or blocks
     for block in chosen:
         for line in block.splitlines():
             match = _FRAME.match(line)

@@ -1,5 +1,5 @@
 """The Sampler's default, ``inference="auto"``: run the policy where it is fastest on this
-machine, measured, and say why (issue 19; DESIGN §2, layer 6).
+machine, measured, and say why (issue 19; layer 4 in docs/architecture.md).
 
 Both kinds of inference run over one vector env, so the Sampler can move between them at a
 ``sample`` boundary without losing a step: driver inference (the policy here on all
@@ -263,6 +263,11 @@ class SamplerReport:
             ``t_policy_by_n``.
         schedule_structure: the structure that attains it (``None`` without it).
         of_schedule_bound: ``steps_per_s / schedule_bound_steps_per_s`` (``nan`` without it).
+        env_kind: the kind of env the workers found (``envs.stats.env_kind``): ``"compute"``
+            (their steps keep the CPU busy: each worker steps its envs one after another),
+            ``"wait"`` (they mostly wait, on a simulator or a server: each worker steps its
+            envs all at once), ``"varied"`` (workers differ) or ``"unknown"`` (not timed:
+            a backend other than ``processes``, or too few steps yet).
     """
 
     inference: str
@@ -281,6 +286,7 @@ class SamplerReport:
     schedule_bound_steps_per_s: float = math.nan
     schedule_structure: str | None = None
     of_schedule_bound: float = math.nan
+    env_kind: str = "unknown"
 
     def with_schedule_bound(
         self, t_policy_by_n: dict[int, float], steps_per_s: float, structure: str
@@ -306,6 +312,8 @@ class SamplerReport:
             f"{self.bound_steps_per_s:,.0f} ({self.verdict}: T_p {self.t_policy_s * 1e6:,.0f} us "
             f"for {self.num_envs} envs, t_env {self.t_env_s * 1e6:,.1f} us, {self.cores} cores)",
         ]
+        if self.env_kind != "unknown":
+            lines.append(f"envs: {_KIND_TEXT.get(self.env_kind, self.env_kind)}")
         if self.t_policy_by_n is not None and self.schedule_structure is not None:
             sizes = ", ".join(f"T_p({n}) {t * 1e6:,.0f} us" for n, t in self.t_policy_by_n.items())
             lines.append(
@@ -316,6 +324,15 @@ class SamplerReport:
             f"  {name}: {seconds * 1e6:,.1f} us/call" for name, seconds in self.phases.items()
         ]
         return "\n".join(lines)
+
+
+_KIND_TEXT = {
+    "compute": "compute (their steps keep the CPU busy; each worker steps its envs one after "
+    "another)",
+    "wait": "wait (their steps mostly wait, on a simulator or a server; each worker steps its "
+    "envs all at once)",
+    "varied": "varied (some workers' envs compute, others' wait)",
+}
 
 
 def per_env_step_time(totals: Iterable[tuple[float, int]], ranges: Any) -> float:
@@ -346,10 +363,12 @@ def sampler_report(
     t_policy_full: float,
     calibration: dict[str, float],
     t_env_steps: float = math.nan,
+    env_kind: str = "unknown",
 ) -> SamplerReport:
     """A :class:`SamplerReport` from a Sampler's measurements (see its attributes);
     ``t_env_steps``: an env's step time from the vector env's own step times, for when no
-    worker timed its env steps (driver inference)."""
+    worker timed its env steps (driver inference); ``env_kind``: the workers' finding
+    (``envs.stats.env_kind``)."""
     cores = _cores.usable_cores()
     t_policy = t_policy_full
     if math.isnan(t_policy):
@@ -380,4 +399,5 @@ def sampler_report(
         of_bound=steps_per_s / bound if bound > 0 else math.nan,
         verdict=verdict,
         phases=phases,
+        env_kind=env_kind,
     )

@@ -1,4 +1,4 @@
-"""``envfleet.Sampler``: rollouts with policy versions (DESIGN §2, layer 6).
+"""``envfleet.Sampler``: rollouts with policy versions (layer 4 in docs/architecture.md).
 
 Three ways to run the policy:
 
@@ -642,11 +642,12 @@ class Sampler:
         full = policy is not None and policy.count and not self._venv.is_pool
         t_policy = policy.mean_s if full and policy is not None else float("nan")
         # Each env's step time from the vector env's own step times (driver inference).
-        steps = ((s.mean_s * s.count, s.count) for s in self._venv.stats.workers)
+        stats = self._venv.stats
+        steps = ((s.mean_s * s.count, s.count) for s in stats.workers)
         report = sampler_report(
             mode, choice, self._sampled, self._sample_s, timers, self.worker_ranges,
             self.num_envs, t_policy, calibration,
-            per_env_step_time(steps, self.worker_ranges),
+            per_env_step_time(steps, self.worker_ranges), stats.env_kind,
         )  # fmt: skip
         if schedule and math.isfinite(report.t_env_s):
             curve = self._policy_curve(report.cores)

@@ -155,6 +155,9 @@ class TuneResult:
         call: the candidate's call text (:meth:`TuneCandidate.call`).
         skipped: why it was not measured (pruned, a policy that does not pickle for worker
             inference, or ``"failed: ..."`` with the error), else ``None``.
+        env_kind: the kind of env its workers found (``envs.stats.env_kind``: ``"compute"``,
+            ``"wait"``, ``"varied"``, ``"unknown"``) at the end of its last measurement;
+            ``None`` when not measured.
     """
 
     candidate: TuneCandidate
@@ -163,6 +166,7 @@ class TuneResult:
     of_best: float
     call: str
     skipped: str | None = None
+    env_kind: str | None = None
 
 
 @dataclass(frozen=True)
@@ -184,6 +188,10 @@ class TuneReport:
         code: a runnable snippet: its imports, then ``envs = <call>`` (``sampler = <call>``
             for a Sampler, which needs the name ``policy`` bound to your policy; an env given
             as a callable that cannot be named by an import needs the name ``env``).
+        env_kind: the kind of env the ``processes`` candidates' workers found: ``"compute"``
+            (its steps keep the CPU busy: each worker steps its envs one after another),
+            ``"wait"`` (its steps mostly wait, on a simulator or a server: each worker steps
+            its envs all at once), ``"varied"`` or ``"unknown"`` (no such candidate measured).
     """
 
     env: str
@@ -196,6 +204,7 @@ class TuneReport:
     winner: TuneResult
     call: str
     code: str
+    env_kind: str = "unknown"
 
 
 @dataclass(frozen=True)
@@ -410,13 +419,16 @@ def tune(
             progress(TuneProgress(c.name, rnd, phase, rate, why))
 
     runs: dict[TuneCandidate, list[float]] = {}
+    kinds: dict[TuneCandidate, str] = {}  # what its workers found (envs.stats.env_kind)
     skipped: dict[TuneCandidate, str] = {}
     errors: list[BenchError | ConfigError] = []
 
     def measure(c: TuneCandidate, rnd: int) -> None:
         report(c, rnd, "start")
         try:
-            rate = _measure(c, target, num_envs, (agent, loop_policy), seconds, warmup_s, seed)
+            rate, kind = _measure(
+                c, target, num_envs, (agent, loop_policy), seconds, warmup_s, seed
+            )
         except (BenchError, ConfigError) as exc:
             errors.append(exc)
             skipped[c] = f"failed: {exc}"
@@ -424,6 +436,7 @@ def tune(
             report(c, rnd, "failed", why=str(exc))
             return
         runs.setdefault(c, []).append(rate)
+        kinds[c] = kind
         report(c, rnd, "done", rate)
 
     for c in grid:
@@ -452,6 +465,7 @@ def tune(
             rates.get(c, math.nan) / rates[top],
             c.call(env_text, num_envs),
             skipped.get(c),
+            kinds.get(c) if c in runs else None,
         )
         for c in grid
     )
@@ -481,13 +495,34 @@ def tune(
         winner=winner,
         call=winner.call,
         code="\n".join(lines) + "\n",
+        env_kind=_env_kind(kinds[c] for c in runs if c.backend == "processes"),
     )
+
+
+def _env_kind(kinds: Any) -> str:
+    """One kind for the kinds some candidates' workers found: the one they agree on,
+    ``"varied"`` when they differ, ``"unknown"`` when none knows."""
+    known = set(kinds) - {"unknown"}
+    if not known:
+        return "unknown"
+    return known.pop() if len(known) == 1 else "varied"
+
+
+_KIND_LINES = {
+    "compute": "compute (its steps keep the CPU busy; each processes worker steps its envs one "
+    "after another)",
+    "wait": "wait (its steps mostly wait, on a simulator, a server or a sleep; each processes "
+    "worker steps its envs all at once)",
+    "varied": "varied (some workers found envs that compute, others envs that wait)",
+    "unknown": "unknown (no processes candidate timed it)",
+}
 
 
 def tune_table(report: TuneReport) -> str:
     """A :class:`TuneReport` as Markdown: a line on the env, the policy and the machine, a
-    table of ``candidate | loop | steps/s | × best | runs`` from the fastest down (the
-    candidates not measured last, with why), the loops' legend, then the snippet to use."""
+    line on the kind of env the workers found (:attr:`TuneReport.env_kind`), a table of
+    ``candidate | loop | steps/s | × best | runs`` from the fastest down (the candidates not
+    measured last, with why), the loops' legend, then the snippet to use."""
     measured = sorted(
         (r for r in report.results if r.skipped is None),
         key=lambda r: r.steps_per_s,
@@ -497,6 +532,8 @@ def tune_table(report: TuneReport) -> str:
         f"{report.env} x{report.num_envs}, {report.policy} policy, {report.cores} cores "
         f"({report.machine.cpu_model}): {report.seconds:g} s per measurement, the "
         "fastest measured again (median of their runs)",
+        "",
+        f"Env kind: {_KIND_LINES.get(report.env_kind, report.env_kind)}",
         "",
         "| candidate | loop | steps/s | × best | runs |",
         "|---|---|---:|---:|---:|",
@@ -778,25 +815,29 @@ def _measure(
     seconds: float,
     warmup_s: float,
     seed: int,
-) -> float:
-    """Env steps per second of candidate ``c``'s loop; ``policies``: the policy as given
-    (the Sampler's) and as the plain loops call it.
+) -> tuple[float, str]:
+    """Env steps per second of candidate ``c``'s loop, and the kind of env its workers found
+    then (``envs.stats.env_kind``); ``policies``: the policy as given (the Sampler's) and as
+    the plain loops call it.
 
     Raises:
         ConfigError: ``c``'s arguments are refused by make() or the Sampler.
         BenchError: it failed while being built, run or closed.
     """
     closers: list[Callable[[], Any]] = []
+    stats: list[Callable[[], Any]] = []  # the vector env's stats, read after the run
     finished = False
+    kind = "unknown"
     try:
         try:
-            advance = _loop(c, target.value, num_envs, policies, seed, closers)
+            advance = _loop(c, target.value, num_envs, policies, seed, closers, stats)
         except ConfigError:
             raise
         except Exception as exc:
             raise bench_error(exc, "building", c.name, target.label) from exc
         try:
             steps, elapsed = time_advance(advance, seconds, warmup_s)
+            kind = stats[0]().env_kind if stats else "unknown"
         except Exception as exc:
             raise bench_error(exc, "running", c.name, target.label) from exc
         finished = True
@@ -807,7 +848,7 @@ def _measure(
             except Exception as exc:
                 if finished:
                     raise bench_error(exc, "closing", c.name, target.label) from exc
-    return steps / elapsed
+    return steps / elapsed, kind
 
 
 def _loop(
@@ -817,16 +858,22 @@ def _loop(
     policies: tuple[Callable[[Any], Any], Callable[[Any], Any]],
     seed: int,
     closers: list[Callable[[], Any]],
+    stats: list[Callable[[], Any]] | None = None,
 ) -> Callable[[], int]:
     """Build candidate ``c`` and return one iteration of its loop (returning the transitions
-    it took); what must be closed goes into ``closers``."""
+    it took); what must be closed goes into ``closers``, what reads its vector env's
+    ``stats`` into ``stats``."""
+    if stats is None:
+        stats = []
     given, policy = policies
     if c.loop == "sampler":
         sampler = envfleet.Sampler(env, given, num_envs, seed=seed, progress=False, **c.kwargs)
         closers.append(sampler.close)
+        stats.append(lambda: sampler.vector_env.stats)
         chunk = _SAMPLE_STEPS_PER_ENV * num_envs
         return lambda: int(sampler.sample(chunk).num_steps)
     envs = envfleet.make(env, num_envs, **c.kwargs)
+    stats.append(lambda: envs.stats)
     if c.loop == "pool":
         return _PoolStoringLoop(envs, num_envs, policy, seed, closers)
     return StoringLoop(envs, num_envs, policy, seed, closers)

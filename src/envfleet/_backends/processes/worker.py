@@ -59,7 +59,13 @@ from envfleet._core.buffers import Block, allocate_batch
 from envfleet._core.envgroup import EnvFailure, EnvGroup, PartialFailure
 from envfleet._core.protocol import Command, Failure, Status
 from envfleet._core.replay import file_log
-from envfleet._core.stats import BUCKETS_PER_OCTAVE, NUM_BUCKETS, STATS_WORDS, StepTimer
+from envfleet._core.stats import (
+    BUCKETS_PER_OCTAVE,
+    KIND,
+    NUM_BUCKETS,
+    STATS_WORDS,
+    StepTimer,
+)
 
 __all__ = [
     "ACK",
@@ -538,6 +544,9 @@ def worker_main(spec: WorkerSpec, conn: Connection, parent_conn: Connection) -> 
                 ),
             )
             built = []  # the group's now
+            # One after another, or all at once for envs that wait (_core/stepping.py); what
+            # it finds goes into the last words of the worker's step-time row.
+            group.adapt_stepping(stats_rows(spec.stats)[spec.group_index][KIND:])
             mismatch = group.check_spaces()
         except EnvFailure as failure:
             error = remote_error(failure, failure.env_index, failure.method)
