@@ -554,23 +554,14 @@ class RoundDriver(Backend):
         transport = self.transport
         done = Round() if done is None else done
         waiting = list(workers)
-        hang = self._hang_delay
-        started = report_at = gap = 0.0  # hang reports: the first wait's start, the next one
+        reports = _HangReports(self._hang_delay)
         try:
             while waiting:
-                limit, capped = deadline, False
-                if hang is not None:
-                    if not gap:  # the first wait: its one clock read
-                        gap, started = hang, time.monotonic()
-                        report_at = started + hang
-                    if deadline is None or report_at < deadline:
-                        limit, capped = report_at, True
+                limit, capped = reports.cap(deadline)
                 seen = transport.wait(waiting, limit, False)
                 if not seen.ready and not seen.dead:
                     if capped:  # the report time passed, not the deadline: report, wait on
-                        gap *= 2
-                        self._report_hang(waiting, report_at - started, gap, starting)
-                        report_at += gap
+                        self._report_hang(waiting, *reports.advance(), starting)
                         continue
                     done.late.append(waiting.pop(0))  # the deadline passed
                     continue
@@ -607,21 +598,14 @@ class RoundDriver(Backend):
         # Without a restart policy a dead or late worker raises at once; with one, it is
         # noted in the round and the supervisor rebuilds it.
         fail_fast = self.ledger.policy is None
-        hang = self._hang_delay
-        started = report_at = gap = 0.0  # hang reports: the first wait's start, the next one
+        reports = _HangReports(self._hang_delay)
         try:
             while True:
                 # Each pending worker has ``timeout`` seconds from its own send: the wait
                 # ends at the first of those deadlines, and a worker past its own is late
                 # whatever the others reply meanwhile.
                 deadline = supervisor.deadline(self._pending, timeout)
-                limit, capped = deadline, False
-                if hang is not None:
-                    if not gap:  # the first wait: its one clock read
-                        gap, started = hang, time.monotonic()
-                        report_at = started + hang
-                    if deadline is None or report_at < deadline:
-                        limit, capped = report_at, True
+                limit, capped = reports.cap(deadline)
                 seen = transport.wait(self._pending, limit, True)
                 done = Round()
                 for w, reason in seen.dead.items():
@@ -635,10 +619,8 @@ class RoundDriver(Backend):
                     if done.late and (fail_fast or not transport.replaceable):
                         supervisor.timed_out(done.late, timeout)
                 if not seen.ready and not done.failed:  # a wake-up with nothing new
-                    if capped and time.monotonic() >= report_at:
-                        gap *= 2
-                        self._report_hang(self._pending, report_at - started, gap, False)
-                        report_at += gap
+                    if capped and reports.due():
+                        self._report_hang(self._pending, *reports.advance(), False)
                     continue
                 gone = {*seen.ready, *done.crashed, *done.late}
                 self._pending = [w for w in self._pending if w not in gone]
@@ -879,6 +861,42 @@ class RoundDriver(Backend):
         pending, self._pending = self._pending, others
         deadline = None if timeout is None else time.monotonic() + timeout
         return self.gather(pending, deadline, timeout, step, fail_fast=True)
+
+
+class _HangReports:
+    """The hang reports' schedule over one call's waits (:meth:`RoundDriver.report_hangs`):
+    the first after ``delay`` seconds from the first wait, then after twice that, four
+    times, ...; ``delay`` ``None``: none. One clock read for the first wait, none after."""
+
+    __slots__ = ("at", "delay", "gap", "started")
+
+    def __init__(self, delay: float | None):
+        self.delay = delay
+        self.started = self.at = self.gap = 0.0
+
+    def cap(self, deadline: float | None) -> tuple[float | None, bool]:
+        """The end of the next wait: ``deadline``, or the next report's time where that
+        comes first (then ``True``)."""
+        if self.delay is None:
+            return deadline, False
+        if not self.gap:  # the first wait: its one clock read
+            self.gap, self.started = self.delay, time.monotonic()
+            self.at = self.started + self.delay
+        if deadline is None or self.at < deadline:
+            return self.at, True
+        return deadline, False
+
+    def due(self) -> bool:
+        """The next report's time has passed (a wait that may return early asks)."""
+        return time.monotonic() >= self.at
+
+    def advance(self) -> tuple[float, float]:
+        """The report due now: (seconds waited, seconds to the next one); the schedule
+        moves on to the next."""
+        self.gap *= 2
+        waited = self.at - self.started
+        self.at += self.gap
+        return waited, self.gap
 
 
 def _check_built(done: Round) -> None:

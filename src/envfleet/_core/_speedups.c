@@ -697,6 +697,18 @@ catch_exception(PyObject *kind)
 
 /* -- the processes driver's step round -------------------------------------------------------- */
 
+/* Set a SpinBudget's budget_s (seconds): 0, or -1 with an exception set. */
+static int
+budget_set(PyObject *budget, double budget_s)
+{
+    PyObject *b = PyFloat_FromDouble(budget_s);
+    if (b == NULL)
+        return -1;
+    int rc = PyObject_SetAttr(budget, s_budget_s, b);
+    Py_DECREF(b);
+    return rc;
+}
+
 /* A SpinBudget's ``caught``, given its budget_s: that grows by its step_s, up to max_s. */
 static int
 budget_caught(PyObject *budget, double budget_s)
@@ -708,13 +720,7 @@ budget_caught(PyObject *budget, double budget_s)
         return -1;
     if (budget_s >= max_s)
         return 0;
-    budget_s = budget_s + step_s < max_s ? budget_s + step_s : max_s;
-    PyObject *b = PyFloat_FromDouble(budget_s);
-    if (b == NULL)
-        return -1;
-    int rc = PyObject_SetAttr(budget, s_budget_s, b);
-    Py_DECREF(b);
-    return rc;
+    return budget_set(budget, budget_s + step_s < max_s ? budget_s + step_s : max_s);
 }
 
 /* SpinBudget.blocked: a wait that spun out and blocked, wait_s seconds in all. */
@@ -730,15 +736,8 @@ budget_blocked(PyObject *budget, double wait_s)
     if (max_s <= 0)
         return 0;
     if (wait_s <= max_s / 2)
-        budget_s = budget_s + step_s < max_s ? budget_s + step_s : max_s;
-    else
-        budget_s /= 2;
-    PyObject *b = PyFloat_FromDouble(budget_s);
-    if (b == NULL)
-        return -1;
-    int rc = PyObject_SetAttr(budget, s_budget_s, b);
-    Py_DECREF(b);
-    return rc;
+        return budget_set(budget, budget_s + step_s < max_s ? budget_s + step_s : max_s);
+    return budget_set(budget, budget_s / 2);
 }
 
 /* The unread list of a full round: the indexes of the workers whose reply is not "OK, no
