@@ -267,9 +267,9 @@ def make(  # type: ignore[misc]  # the overloads stand for its keyword arguments
         recycle: ``processes`` or ``ray`` (the actors on the driver's node), synchronous:
             an :class:`envfleet.Recycle` replaces each
             worker past its limits (episodes, steps, resident memory) between episodes, its
-            envs continuing exactly where they were; every env then runs in a worker
-            (``driver_envs=0``). Needs ``replay_steps > 0`` (the record the new worker's envs
-            are brought up to date from).
+            envs continuing exactly where they were; every env must run in a worker
+            (``driver_envs=0``, the default). Needs ``replay_steps > 0`` (the record the new
+            worker's envs are brought up to date from).
         resume: an :class:`envfleet.Snapshot` (``envs.snapshot()``, from any backend and
             worker count, of the same ``num_envs`` and ``autoreset_mode``): the new vector
             env's envs are brought to where the snapshot's were, and its next ``step``
@@ -304,9 +304,7 @@ def make(  # type: ignore[misc]  # the overloads stand for its keyword arguments
         raise ConfigError(f"replay_steps must be an integer >= 0, got {replay_steps!r}")
     hang_report_delay = check_hang_report_delay(hang_report_delay)
     if recycle is not None:
-        driver_envs = _check_recycle(
-            recycle, backend, batch_size, num_envs, replay_steps, driver_envs
-        )
+        _check_recycle(recycle, backend, batch_size, num_envs, replay_steps, driver_envs)
     spec = lookup(backend)
     options = spec.own_options(
         {"driver_envs": driver_envs, "spin_s": spin_s}
@@ -404,9 +402,9 @@ def _check_recycle(
     num_envs: Any,
     replay_steps: int,
     driver_envs: int | None,
-) -> int | None:
-    """Check ``recycle=`` against the other arguments; returns ``driver_envs`` (0 on
-    processes; Ray has none)."""
+) -> None:
+    """Check ``recycle=`` against the other arguments (on processes every env must be in a
+    worker: the default)."""
     if not isinstance(recycle, Recycle):
         raise ConfigError(f"recycle must be None or an envfleet.Recycle, got {recycle!r}")
     if backend not in ("processes", "ray"):
@@ -426,7 +424,6 @@ def _check_recycle(
             "recycle= replaces worker processes: the driver's own envs (driver_envs) could "
             "not be; leave driver_envs unset or 0"
         )
-    return 0 if backend == "processes" else driver_envs
 
 
 def _is_int(value: Any, low: int, high: int) -> bool:

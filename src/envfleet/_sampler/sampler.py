@@ -287,8 +287,8 @@ class Sampler:
             worker inference (``segment_length`` steps of a worker's envs with its policy
             calls). It is passed to :func:`envfleet.make` as ``step_timeout`` unless
             ``make_kwargs`` has a ``step_timeout`` of its own, so it also bounds every reset
-            and call of the vector env, and, as any ``step_timeout`` does, makes
-            ``driver_envs`` default to 0 (every env in a worker). The two apart: with
+            and call of the vector env, and, as any ``step_timeout`` does, refuses the
+            opt-in ``driver_envs`` share (every env in a worker). The two apart: with
             ``make_kwargs={"step_timeout": S}``, ``S`` bounds the vector env's steps, resets
             and calls (driver inference) and ``timeout`` bounds worker-inference rounds; with
             ``timeout=None`` and such an ``S``, a worker-inference round is bounded by ``S``

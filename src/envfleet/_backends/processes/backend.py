@@ -524,18 +524,16 @@ atexit.register(_close_at_exit)
 
 
 def _plan(request: PlanRequest) -> Plan:
-    """:func:`plan_processes` for make()'s arguments: a first-ready pool, a timeout or a
-    restart policy put every env in a worker (only a worker can be stopped or rebuilt)."""
+    """:func:`plan_processes` for make()'s arguments: a first-ready pool, a timeout and a
+    restart policy refuse the opt-in share (only a worker can be stopped or rebuilt)."""
     driver_envs = request.options["driver_envs"]
     if request.pool and driver_envs:
         raise ConfigError("a first-ready pool steps every env in a worker (driver_envs=0)")
-    if request.step_timeout is not None or request.restart_policy is not None:
-        if driver_envs:
-            raise ConfigError(
-                "step_timeout and restart_policy cannot cover envs the driver steps "
-                "itself; use driver_envs=0 (the default when either is set)"
-            )
-        driver_envs = 0
+    if driver_envs and (request.step_timeout is not None or request.restart_policy is not None):
+        raise ConfigError(
+            "step_timeout and restart_policy cannot cover envs the driver steps "
+            "itself; use driver_envs=0 (the default)"
+        )
     plan = plan_processes(
         request.num_envs,
         request.num_workers,
