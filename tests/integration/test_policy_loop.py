@@ -386,7 +386,9 @@ def test_measure_policy_loop_every_system_tiny_budget():
     # Each repetition's ratio is to the faster gymnasium loop of that repetition.
     gym = zip(by_system["gym-sync"].runs, by_system["gym-async"].runs, strict=True)
     best = [max(a, b) for a, b in gym]
-    peers = [by_system[p].runs for p in ("gym-sync", "gym-async", "puffer-sync", "puffer-async")]
+    # The peers: gymnasium's, PufferLib's and EnvPool's own loops (each where installed).
+    peer_loops = ("gym-sync", "gym-async", "puffer-sync", "puffer-async", "envpool")
+    peers = [by_system[p].runs for p in peer_loops]
     best_peer = [max(rates) for rates in zip(*(runs for runs in peers if runs), strict=True)]
     plain = by_system["envfleet"].runs
     store = by_system["envfleet-store"].runs
