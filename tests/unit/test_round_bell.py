@@ -58,11 +58,12 @@ def _worker_calls(env: Any) -> tuple[int, dict[str, int]]:
 @pytest.mark.timeout(120)
 def test_a_full_round_costs_the_driver_constant_system_calls(make_env, step_path):
     """W = 1, 2, 4 workers, every one asleep when its round is rung: per round the driver
-    issues at most one wake (C; the Python twin: the ring, and the flag it sleeps under) and
+    issues at most one wake (C; the Python twin: the ring's bump and wake-up, and the flag it
+    sleeps under, each a system call) and
     at most one blocking wait (plus a slice's end now and then on a loaded machine), the
     same for every W. The semaphores' round issued one post per sleeping worker and up to
     one wait per worker."""
-    wakes_per_round = 1 if step_path == "c" else 2
+    wakes_per_round = 1 if step_path == "c" else 3
     seen = {}
     for workers in WORKER_COUNTS:
         fleet = make_env(IndexedEnv, 4, backend="processes", num_workers=workers, spin_s=0.0)
@@ -191,16 +192,16 @@ def test_the_bell_wakes_a_sleeping_process_and_gathers_its_arrival():
     on the bell sees its REQ move, replies (ACK, arrival); the driver, asleep on the
     count, wakes at the last arrival."""
     region = multiprocessing.sharedctypes.RawArray(ctypes.c_uint8, BELL_BYTES)
-    control = multiprocessing.sharedctypes.RawArray(ctypes.c_int64, 8)
-    bell = RoundBell(region)
+    control = multiprocessing.sharedctypes.RawArray(ctypes.c_int64, 16)
+    req, ack, sleep, rounds = 5, 7, 8, 50
+    bell = RoundBell(region, (req, ack, sleep))
     bell._native = None  # the Python twin on both sides (the child inherits it)
-    req, ack, rounds = 5, 7, 50
     words = memoryview(control).cast("B").cast("q")
     address = ctypes.addressof(control)
 
     def worker() -> None:
         for _ in range(rounds):
-            while not bell.sleep(words, address, req, ack, 1.0):
+            while not bell.sleep(words, address, 1, 1.0):
                 pass
             due = words[req]
             bell.arrive()
@@ -213,7 +214,7 @@ def test_the_bell_wakes_a_sleeping_process_and_gathers_its_arrival():
         for _ in range(rounds):
             bell.expect(1)
             words[req] += 1
-            bell.ring()
+            bell.ring((address,))
             deadline = time.monotonic() + 10
             while not bell.gather_sleep(0.02):
                 assert time.monotonic() < deadline and proc.is_alive()

@@ -26,14 +26,14 @@ from tests.envs import IndexedEnv
 
 # The control words whose store publishes data to the other side: a worker's REQ / GATHER /
 # ACK words (_backends/processes/worker.py) and the round bell's words (doorbell.py).
-PUBLISHING_WORDS = frozenset({"REQ", "ACK", "GATHER", "_GEN", "_SLEEPERS", "_REMAINING", "_DWAIT"})
+PUBLISHING_WORDS = frozenset({"REQ", "ACK", "GATHER", "SLEEP", "_GEN", "_REMAINING", "_DWAIT"})
 
 # (module path under src/envfleet, qualified function name) -> the words it may write, and why.
 ALLOWED = {
     # The driver's command to one worker: its words, then REQ, then the ring.
     ("_backends/processes/lifecycle.py", "WorkerProcesses.request"): {"GATHER", "REQ"},
     # A new worker's words, before its process starts (nothing reads them yet).
-    ("_backends/processes/lifecycle.py", "WorkerProcesses.start"): {"GATHER", "ACK"},
+    ("_backends/processes/lifecycle.py", "WorkerProcesses.start"): {"GATHER", "ACK", "SLEEP"},
     # The Python twin of the C full round (_speedups.step_round's gather_round).
     ("_backends/processes/backend.py", "_py_step_round"): {"GATHER", "REQ"},
     # A worker's reply: its arrival, then its ACK (the C twin: bell_arrive).
@@ -42,6 +42,8 @@ ALLOWED = {
     ("_backends/processes/doorbell.py", "RoundBell.expect"): {"_REMAINING"},
     ("_backends/processes/doorbell.py", "RoundBell.gather_sleep"): {"_DWAIT"},
     ("_backends/processes/doorbell.py", "RoundBell.arrive"): {"_DWAIT"},
+    # A worker's SLEEP word cleared after its sleep (its setting is a FUTEX_WAKE_OP).
+    ("_backends/processes/doorbell.py", "RoundBell.sleep"): {"SLEEP"},
 }
 
 PACKAGE = Path(envfleet.__file__).resolve().parent

@@ -93,22 +93,22 @@ static const char *const function_names[F_COUNT] = {
 static unsigned long long calls[F_COUNT];
 
 /* The control words' layout, given by Python (set_layout, from _backends/processes/worker.py:
- * CMD, CMD_PAYLOAD, STATUS, REPLY_PAYLOAD, REQ, GATHER, ACK), the one place it is defined. -1:
+ * CMD, CMD_PAYLOAD, STATUS, REPLY_PAYLOAD, REQ, GATHER, ACK, SLEEP), the one place it is defined. -1:
  * not given yet, and serve_steps / step_round / bell_sleep refuse to run. */
 static Py_ssize_t w_cmd = -1, w_cmd_payload = -1, w_status = -1, w_reply_payload = -1;
-static Py_ssize_t w_req = -1, w_gather = -1, w_ack = -1;
+static Py_ssize_t w_req = -1, w_gather = -1, w_ack = -1, w_sleep = -1;
 
-/* set_layout(cmd, cmd_payload, status, reply_payload, req, gather, ack, words): the indexes of
- * the control words in a worker's int64[words] row. */
+/* set_layout(cmd, cmd_payload, status, reply_payload, req, gather, ack, sleep, words): the
+ * indexes of the control words in a worker's int64[words] row. */
 static PyObject *
 sp_set_layout(PyObject *self, PyObject *args)
 {
-    Py_ssize_t cmd, cmd_payload, status, reply_payload, req, gather, ack, words;
-    if (!PyArg_ParseTuple(args, "nnnnnnnn", &cmd, &cmd_payload, &status, &reply_payload, &req,
-                          &gather, &ack, &words))
+    Py_ssize_t cmd, cmd_payload, status, reply_payload, req, gather, ack, sleep, words;
+    if (!PyArg_ParseTuple(args, "nnnnnnnnn", &cmd, &cmd_payload, &status, &reply_payload, &req,
+                          &gather, &ack, &sleep, &words))
         return NULL;
-    Py_ssize_t all[7] = {cmd, cmd_payload, status, reply_payload, req, gather, ack};
-    for (int i = 0; i < 7; i++) {
+    Py_ssize_t all[8] = {cmd, cmd_payload, status, reply_payload, req, gather, ack, sleep};
+    for (int i = 0; i < 8; i++) {
         for (int j = 0; j < i; j++) {
             if (all[i] == all[j]) {
                 PyErr_SetString(PyExc_ValueError, "set_layout: two words at one index");
@@ -128,6 +128,7 @@ sp_set_layout(PyObject *self, PyObject *args)
     w_req = req;
     w_gather = gather;
     w_ack = ack;
+    w_sleep = sleep;
     Py_RETURN_NONE;
 }
 
@@ -286,9 +287,12 @@ spin_take(sem_t *sem, double tight_s, double spin_s)
 
 /* -- the round bell (Linux: _backends/processes/doorbell.py's RoundBell) -------------------- */
 
-/* One per vector env, in shared memory: the driver bumps ``gen`` once to wake every worker
- * (one FUTEX_WAKE, and only when ``sleepers`` says one may sleep); a worker has a command when
- * its REQ word differs from its ACK word. A full step round's workers (GATHER word 1) each
+/* One per vector env, in shared memory: the driver bumps ``gen`` once per ring and wakes, with
+ * one FUTEX_WAKE_BITSET, just the workers it rang that say they sleep (a worker asleep holds
+ * its bit, 1 << (group % 32), in its own SLEEP control word, and sleeps on ``gen`` with that
+ * bitset); a worker has a command when its REQ word differs from its ACK word. The SLEEP word
+ * is the worker's own row's: a worker killed asleep leaves no count behind on the bell, and
+ * its replacement starts with the word cleared. A full step round's workers (GATHER word 1) each
  * decrement ``remaining`` after replying instead of posting their done semaphore; the one that
  * brings it to 0 clears ``dwait`` and wakes the driver asleep on it, if it said it sleeps
  * (``dwait`` 1). Non-private futex operations: the words are shared between processes.
@@ -297,12 +301,11 @@ spin_take(sem_t *sem, double tight_s, double spin_s)
  * release semantics (or a sequentially consistent read-modify-write) after that data, and
  * loaded with acquire semantics before it is read: REQ after CMD, CMD_PAYLOAD and GATHER; a
  * worker's arrival on ``remaining`` and its ACK after its STATUS and reply rows; ``gen``,
- * ``sleepers`` and ``dwait``. So this side is correct on any CPU (on x86-64 an acquire load
+ * SLEEP and ``dwait``. So this side is correct on any CPU (on x86-64 an acquire load
  * and a release store are plain moves). The Python twins write with plain stores: the bell
  * runs only where those are ordered (doorbell.py's ROUND_BELL_MACHINES, x86-64). */
 typedef struct {
     uint32_t gen;
-    int32_t sleepers;
     int32_t remaining;
     int32_t dwait;
 } bell_t;
@@ -331,14 +334,33 @@ futex_wait_s(void *addr, uint32_t expected, double timeout_s)
 #endif
 }
 
-/* The driver's ring: every command word written before it is seen by a worker that sees the
- * new generation; a sleeping worker is woken (one system call, whatever the worker count). */
+/* The driver's ring, first half: every command word written before it is seen by a worker
+ * that sees the new generation. */
 static void
-bell_ring(bell_t *bell)
+bell_bump(bell_t *bell)
 {
     __atomic_fetch_add(&bell->gen, 1, __ATOMIC_SEQ_CST);
-    if (__atomic_load_n(&bell->sleepers, __ATOMIC_SEQ_CST) > 0)
-        futex_wake_n(&bell->gen, INT_MAX);
+}
+
+/* A worker's SLEEP word, read after the bump: its bit while it may sleep on ``gen``, else 0. */
+static uint32_t
+bell_sleeping(volatile int64_t *control)
+{
+    return (uint32_t)__atomic_load_n((int64_t *)&control[w_sleep], __ATOMIC_SEQ_CST);
+}
+
+/* The ring's second half: wake the sleepers among ``bits`` (one system call; none when no
+ * worker rung sleeps). Workers beyond 32 share bits: one may wake for another's command,
+ * find none due and sleep again. */
+static void
+bell_wake(bell_t *bell, uint32_t bits)
+{
+#if HAVE_FUTEX
+    if (bits == 0)
+        return;
+    calls[S_FUTEX_WAKE]++;
+    syscall(SYS_futex, &bell->gen, FUTEX_WAKE_BITSET, INT_MAX, NULL, NULL, bits);
+#endif
 }
 
 /* A worker's command is due: REQ (the driver's count of commands sent) differs from ACK (its
@@ -386,15 +408,28 @@ bell_arrive(bell_t *bell, volatile int64_t *control, sem_t *done, sem_t *any_don
         sem_post(any_done);
 }
 
-/* bell_ring(bell): the driver's ring (RoundBell.ring). */
+/* bell_ring(bell, controls): the driver's ring of the workers whose control rows' addresses
+ * are in the tuple ``controls`` (RoundBell.ring). */
 static PyObject *
-sp_bell_ring(PyObject *self, PyObject *arg)
+sp_bell_ring(PyObject *self, PyObject *args)
 {
+    PyObject *ba, *controls;
     void *b;
-    if (!as_address(arg, &b))
+    if (!PyArg_ParseTuple(args, "OO!", &ba, &PyTuple_Type, &controls))
+        return NULL;
+    if (!as_address(ba, &b) || !layout_set())
         return NULL;
     calls[F_BELL_RING]++;
-    bell_ring((bell_t *)b);
+    bell_t *bell = (bell_t *)b;
+    bell_bump(bell);
+    uint32_t bits = 0;
+    for (Py_ssize_t w = 0; w < PyTuple_GET_SIZE(controls); w++) {
+        void *control;
+        if (!as_address(PyTuple_GET_ITEM(controls, w), &control))
+            return NULL;
+        bits |= bell_sleeping((volatile int64_t *)control);
+    }
+    bell_wake(bell, bits);
     Py_RETURN_NONE;
 }
 
@@ -411,33 +446,54 @@ sp_bell_arrive(PyObject *self, PyObject *arg)
     Py_RETURN_NONE;
 }
 
-/* bell_sleep(bell, control, timeout_s) -> bool: a worker's blocking wait for a command (no
- * spinning: the caller spun): True when one is due, False when the wait ended without one
- * (a ring for another worker, the timeout). */
+/* bell_sleep(bell, control, bit, timeout_s) -> bool: a worker's blocking wait for a command
+ * (no spinning: the caller spun), its ``bit`` (1 << (group % 32)) in its SLEEP word meanwhile:
+ * True when one is due, False when the wait ended without one (a ring for a worker that shares
+ * its bit, the timeout). */
 static PyObject *
 sp_bell_sleep(PyObject *self, PyObject *args)
 {
     PyObject *ba, *ca;
+    unsigned int bit;
     double timeout_s;
     void *b, *c;
-    if (!PyArg_ParseTuple(args, "OOd", &ba, &ca, &timeout_s))
+    if (!PyArg_ParseTuple(args, "OOId", &ba, &ca, &bit, &timeout_s))
         return NULL;
     if (!as_address(ba, &b) || !as_address(ca, &c) || !layout_set())
         return NULL;
+    if (bit == 0) {
+        PyErr_SetString(PyExc_ValueError, "bell_sleep: bit must not be 0");
+        return NULL;
+    }
     calls[F_BELL_SLEEP]++;
     bell_t *bell = (bell_t *)b;
     volatile int64_t *control = (volatile int64_t *)c;
     if (bell_pending(control))
         Py_RETURN_TRUE;
-    __atomic_fetch_add(&bell->sleepers, 1, __ATOMIC_SEQ_CST);
+    /* SLEEP, then gen, then REQ; the driver writes REQ, bumps gen, then reads SLEEP (all
+     * sequentially consistent): it sees the bit, or this side sees the new REQ. */
+    __atomic_store_n((int64_t *)&control[w_sleep], (int64_t)bit, __ATOMIC_SEQ_CST);
     uint32_t gen = __atomic_load_n(&bell->gen, __ATOMIC_SEQ_CST);
     if (!bell_pending(control)) {
         calls[S_FUTEX_WAIT]++;
+#if HAVE_FUTEX
+        if (timeout_s < 0)
+            timeout_s = 0;
+        struct timespec until; /* FUTEX_WAIT_BITSET's timeout is absolute, CLOCK_MONOTONIC */
+        clock_gettime(CLOCK_MONOTONIC, &until);
+        double whole = (double)(time_t)timeout_s;
+        until.tv_sec += (time_t)whole;
+        until.tv_nsec += (long)((timeout_s - whole) * 1e9);
+        if (until.tv_nsec >= 1000000000L) {
+            until.tv_sec += 1;
+            until.tv_nsec -= 1000000000L;
+        }
         Py_BEGIN_ALLOW_THREADS
-        futex_wait_s(&bell->gen, gen, timeout_s);
+        syscall(SYS_futex, &bell->gen, FUTEX_WAIT_BITSET, gen, &until, NULL, bit);
         Py_END_ALLOW_THREADS
+#endif
     }
-    __atomic_fetch_sub(&bell->sleepers, 1, __ATOMIC_SEQ_CST);
+    __atomic_store_n((int64_t *)&control[w_sleep], 0, __ATOMIC_RELEASE);
     return PyBool_FromLong(bell_pending(control));
 }
 
@@ -769,7 +825,7 @@ fail:
 }
 
 /* step_round's full round on the round bell (Linux): every worker's command words, then its
- * REQ, ``remaining`` = the worker count, one ring (at most one FUTEX_WAKE); the driver's own
+ * REQ, ``remaining`` = the worker count, one ring (at most one FUTEX_WAKE_BITSET); the driver's own
  * block; then a spin within ``round_budget`` until ``remaining`` is 0. Taken: all the workers,
  * or none (the caller blocks on the bell, RoundBell.gather_sleep, for all of them). */
 static PyObject *
@@ -795,7 +851,15 @@ gather_round(PyObject *controls, PyObject *local, PyObject *env_failure, double 
         int64_t req = __atomic_load_n((int64_t *)&words[w_req], __ATOMIC_RELAXED);
         __atomic_store_n((int64_t *)&words[w_req], req + 1, __ATOMIC_RELEASE);
     }
-    bell_ring(bell);
+    bell_bump(bell);
+    uint32_t bits = 0;
+    for (Py_ssize_t w = 0; w < n; w++) {
+        void *control;
+        if (!as_address(PyTuple_GET_ITEM(controls, w), &control))
+            return NULL;
+        bits |= bell_sleeping((volatile int64_t *)control);
+    }
+    bell_wake(bell, bits);
     PyObject *local_result = Py_None, *local_failure = Py_None;
     Py_INCREF(local_result);
     Py_INCREF(local_failure);
@@ -1349,18 +1413,18 @@ static PyMethodDef methods[] = {
     {"serve_steps", sp_serve_steps, METH_VARARGS, "_Worker.serve's loop for plain steps."},
     {"step_round", (PyCFunction)(void (*)(void))sp_step_round, METH_FASTCALL, "The processes transport's step round (step_all)."},
     {"timed_call", (PyCFunction)(void (*)(void))sp_timed_call, METH_FASTCALL, "StepTimer.call."},
-    {"bell_ring", sp_bell_ring, METH_O, "bell_ring(bell): RoundBell.ring."},
+    {"bell_ring", sp_bell_ring, METH_VARARGS, "bell_ring(bell, controls): RoundBell.ring."},
     {"pcg64_raw", sp_pcg64_raw, METH_O,
      "pcg64_raw(state_address) -> bytes: replay.pcg64_bytes of a PCG64 bit generator."},
     {"log_row", (PyCFunction)(void (*)(void))sp_log_row, METH_FASTCALL,
      "log_row(header, ring, source, row_bytes, capacity): ActionLog.record's row copy."},
     {"bell_arrive", sp_bell_arrive, METH_O, "bell_arrive(bell): RoundBell.arrive."},
     {"bell_sleep", sp_bell_sleep, METH_VARARGS,
-     "bell_sleep(bell, control, timeout_s) -> bool: RoundBell.sleep."},
+     "bell_sleep(bell, control, bit, timeout_s) -> bool: RoundBell.sleep."},
     {"gather_sleep", sp_gather_sleep, METH_VARARGS,
      "gather_sleep(bell, timeout_s) -> bool: RoundBell.gather_sleep."},
     {"set_layout", sp_set_layout, METH_VARARGS,
-     "set_layout(cmd, cmd_payload, status, reply_payload, req, gather, ack, words): the "
+     "set_layout(cmd, cmd_payload, status, reply_payload, req, gather, ack, sleep, words): the "
      "control words."},
     {"crash_note", sp_crash_note, METH_NOARGS,
      "crash_note() -> address: the learner's crash note, its fatal-signal handler installed."},

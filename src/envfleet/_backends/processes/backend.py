@@ -338,6 +338,7 @@ class ProcessesTransport:
                 _py_step_round,
                 bell,
                 [self.workers.words[g] for g in self.remote],
+                tuple(int(self.workers.control[g].ctypes.data) for g in self.remote),
                 local,
                 self._round_budget,
                 self._round_sleep_s,
@@ -426,13 +427,15 @@ _OK = int(Status.OK)
 def _py_step_round(
     bell: RoundBell,
     words: list[memoryview],
+    controls: tuple[int, ...],
     local: Callable[[], Any] | None,
     budget: SpinBudget,
     sleep_s: float,
     ring: bool,
 ) -> tuple[Any, Any, int, list[int], float | None]:
     """The Python twin of ``_speedups.step_round`` given the round bell (its full round): every
-    worker's command words and REQ, one ring, the driver's own block, a spin within
+    worker's command words and REQ, one ring (``controls``: the workers' control rows'
+    addresses), the driver's own block, a spin within
     ``budget`` on the arrivals, then one blocking slice of at most ``sleep_s`` seconds (0:
     none); all taken, or none (the caller's wait blocks on the bell).
     Without ``ring`` (step_async rang each worker on its own) it only steps the driver's
@@ -445,7 +448,7 @@ def _py_step_round(
             w[CMD_PAYLOAD] = 0
             w[GATHER] = 1
             w[REQ] += 1
-        bell.ring()
+        bell.ring(controls)
     result = failure = None
     if local is not None:
         try:

@@ -248,9 +248,9 @@ class Doorbell:
 # -- the round bell (Linux, x86-64) ----------------------------------------------------------
 
 BELL_BYTES = 64  # the round bell's words, on a cache line of their own
-# The round bell's 32-bit words (byte offsets): generation, workers asleep on it, a full
-# round's arrivals still due, the driver asleep on those.
-_GEN, _SLEEPERS, _REMAINING, _DWAIT = 0, 4, 8, 12
+# The round bell's 32-bit words (byte offsets): generation, a full round's arrivals still
+# due, the driver asleep on those.
+_GEN, _REMAINING, _DWAIT = 0, 4, 8
 
 
 def machine() -> str:
@@ -279,8 +279,9 @@ the few functions that are allowed to make them)."""
 # futex(2)'s system call number (where the round bell runs) and operations (the non-private
 # ones: the words are shared).
 _SYS_FUTEX = {"x86_64": 202}.get(machine())
-_FUTEX_WAIT, _FUTEX_WAKE, _FUTEX_WAKE_OP = 0, 1, 5
+_FUTEX_WAIT, _FUTEX_WAKE, _FUTEX_WAKE_OP, _FUTEX_WAIT_BITSET, _FUTEX_WAKE_BITSET = 0, 1, 5, 9, 10
 _FUTEX_OP_SET, _FUTEX_OP_ADD, _FUTEX_OP_CMP_EQ = 0, 1, 0
+_FUTEX_OP_OPARG_SHIFT = 8  # added to an op: its argument is 1 << oparg
 _INT_MAX = 2**31 - 1
 
 USE_ROUND_BELL = True
@@ -310,66 +311,86 @@ def round_bell_available() -> bool:
 
 class RoundBell:
     """One vector env's wake-up word and arrival count (Linux futexes), shared by the driver
-    and every worker: the driver rings every worker it wrote a command to with one
-    generation bump and at most one ``FUTEX_WAKE``, whatever their number.
+    and every worker: the driver rings the workers it wrote a command to with one
+    generation bump and at most one ``FUTEX_WAKE_BITSET``, whatever their number, which wakes
+    just those of them that sleep.
 
     A worker's command is due when its ``REQ`` control word (the driver's count of the
     commands sent to it) differs from its ``ACK`` word (its count of replies). Waiting, a
-    worker spins on those words, then sleeps on the generation word (counted in
-    ``sleepers``, so that the driver issues a wake only when someone may sleep). A command
-    of a full step round (``GATHER`` word 1) ends with the worker's arrival on ``remaining``
-    (set to the worker count by the driver before the ring): the last to arrive wakes the
-    driver, which then reads every worker's status word; any other command ends with the
-    worker's done semaphore, as before. A worker that dies never arrives: the driver, asleep
-    in slices, sees it dead between two, and takes the survivors' replies by their ``ACK``.
-    So a worker writes its ``ACK`` after its arrival, never before: every ``ACK`` caught up
-    means every arrival landed, and none can land after the driver set ``remaining`` for the
-    next round (it would end that round one worker early, its rows unread).
+    worker spins on those words, then sleeps on the generation word with its own bit
+    (``worker.sleep_bit``) as the futex bitset, holding that bit in its own ``SLEEP`` word
+    meanwhile: a ring reads the ``SLEEP`` words of the workers it rang and wakes those bits
+    only (a per-worker call round wakes one worker per ring, not every sleeper), and a worker
+    killed asleep leaves nothing on the bell (its replacement starts with ``SLEEP`` cleared).
+    A command of a full step round (``GATHER`` word 1) ends with the worker's arrival on
+    ``remaining`` (set to the worker count by the driver before the ring): the last to
+    arrive wakes the driver, which then reads every worker's status word; any other command
+    ends with the worker's done semaphore, as before. A worker that dies never arrives: the
+    driver, asleep in slices, sees it dead between two, and takes the survivors' replies by
+    their ``ACK``. So a worker writes its ``ACK`` after its arrival, never before: every
+    ``ACK`` caught up means every arrival landed, and none can land after the driver set
+    ``remaining`` for the next round (it would end that round one worker early, its rows
+    unread).
 
     The C step path (``_speedups``: ``bell_ring``, ``bell_sleep``, ``bell_arrive``,
-    ``gather_sleep``, and
-    ``serve_steps`` / ``step_round`` given the bell) uses atomic instructions (release
-    stores and acquire loads of every word that publishes data); this Python twin does its
-    read-modify-writes with ``FUTEX_WAKE_OP`` (one system call, atomic in the kernel), so
-    that either side may run either, and its other stores are plain: hence the bell runs
-    only on :data:`ROUND_BELL_MACHINES`.
+    ``gather_sleep``, and ``serve_steps`` / ``step_round`` given the bell) uses atomic
+    instructions (release stores and acquire loads of every word that publishes data); this
+    Python twin does its read-modify-writes with ``FUTEX_WAKE_OP`` (one system call, atomic
+    in the kernel), so that either side may run either, and its other stores are plain:
+    hence the bell runs only on :data:`ROUND_BELL_MACHINES`.
+
+    Args:
+        region: the bell's :data:`BELL_BYTES` of shared memory.
+        layout: the indexes of the ``REQ``, ``ACK`` and ``SLEEP`` words in a worker's int64
+            control row (``worker.REQ``, ``worker.ACK``, ``worker.SLEEP``).
     """
 
-    def __init__(self, region: Any):
+    def __init__(self, region: Any, layout: tuple[int, int, int]):
         self.region = region
+        self.layout = layout
         self._bind()
 
     def _bind(self) -> None:
         self.address = address = ctypes.addressof(self.region)
-        self._words = (ctypes.c_int32 * 4).from_address(address)
+        self._words = (ctypes.c_int32 * 3).from_address(address)
         self._native = _native_bell()
 
     def __getstate__(self) -> Any:
-        return self.region
+        return self.region, self.layout
 
     def __setstate__(self, state: Any) -> None:
-        self.region = state
+        self.region, self.layout = state
         self._bind()
 
     # -- system calls (the Python twin) --
 
     def _futex(
-        self, offset: int, op: int, val: int, arg: int = 0, offset2: int = 0, val3: int = 0
+        self,
+        offset: int,
+        op: int,
+        val: int,
+        arg: int = 0,
+        offset2: int = 0,
+        val3: int = 0,
+        at: int | None = None,
     ) -> None:
-        syscalls["futex_wait" if op == _FUTEX_WAIT else "futex_wake"] += 1
+        """futex(2) on the bell's word at ``offset`` (or at the address ``at``)."""
+        waits = op in (_FUTEX_WAIT, _FUTEX_WAIT_BITSET)
+        syscalls["futex_wait" if waits else "futex_wake"] += 1
+        address = self.address + offset if at is None else at
         _libc.syscall(
             ctypes.c_long(cast_int(_SYS_FUTEX)),
-            ctypes.c_void_p(self.address + offset),
+            ctypes.c_void_p(address),
             ctypes.c_int(op),
             ctypes.c_int(val),
             ctypes.c_void_p(arg),
-            ctypes.c_void_p(self.address + offset2),
-            ctypes.c_int(val3),
+            ctypes.c_void_p(self.address + offset2 if at is None else at),
+            ctypes.c_uint32(val3),
         )
 
     def _add(self, offset: int, delta: int) -> None:
-        """Atomically add ``delta`` to a word (FUTEX_WAKE_OP on the word itself, waking none:
-        one system call, a full barrier)."""
+        """Atomically add ``delta`` to a word nobody sleeps on (FUTEX_WAKE_OP on the word
+        itself, waking none: one system call, a full barrier)."""
         op = _futex_op(_FUTEX_OP_ADD, delta, _FUTEX_OP_CMP_EQ, 0x7FF)
         self._futex(offset, _FUTEX_WAKE_OP, 0, 0, offset, op)
 
@@ -380,15 +401,25 @@ class RoundBell:
 
     # -- the driver's side --
 
-    def ring(self) -> None:
-        """Wake every worker whose ``REQ`` was bumped before (one system call at most)."""
+    def ring(self, controls: tuple[int, ...]) -> None:
+        """Wake the workers whose control rows are at the addresses ``controls`` (their
+        ``REQ`` bumped before): one generation bump, then one ``FUTEX_WAKE_BITSET`` of the bits
+        their ``SLEEP`` words hold, none when no one of them sleeps."""
         native = self._native
         if native is not None:
-            native.bell_ring(self.address)
+            native.bell_ring(self.address, controls)
             return
-        # Bump and wake in one call: atomic with respect to a waiter's check in the kernel.
+        # gen += 1 as a system call (a full barrier before the SLEEP words are read). Its
+        # first word is one nobody sleeps on: FUTEX_WAKE_OP wakes one waiter there even when
+        # told to wake none, and a worker woken so would only go round its loop.
         bump = _futex_op(_FUTEX_OP_ADD, 1, _FUTEX_OP_CMP_EQ, 0x7FF)
-        self._futex(_GEN, _FUTEX_WAKE_OP, _INT_MAX, 0, _GEN, bump)
+        self._futex(_REMAINING, _FUTEX_WAKE_OP, 0, 0, _GEN, bump)
+        at = 8 * self.layout[2]
+        bits = 0
+        for address in controls:
+            bits |= ctypes.c_uint32.from_address(address + at).value
+        if bits:
+            self._futex(_GEN, _FUTEX_WAKE_BITSET, _INT_MAX, 0, 0, bits)
 
     def expect(self, workers: int) -> None:
         """A full round of ``workers`` arrivals starts (before any of their ``REQ`` moves)."""
@@ -413,23 +444,31 @@ class RoundBell:
 
     # -- a worker's side --
 
-    def sleep(self, words: Any, address: int, req: int, ack: int, timeout_s: float) -> bool:
-        """A worker's blocking wait (no spin) until its command is due (``words[req] !=
-        words[ack]``: its control words, at ``address``), a ring for another worker, or
-        ``timeout_s``: whether one is due."""
+    def sleep(self, words: Any, address: int, bit: int, timeout_s: float) -> bool:
+        """A worker's blocking wait (no spin) until its command is due (``REQ != ACK`` in its
+        control words ``words``, at ``address``), a ring of a worker sharing its ``bit``, or
+        ``timeout_s``: whether one is due. Its ``SLEEP`` word holds ``bit`` meanwhile."""
         native = self._native
         if native is not None:
-            return bool(native.bell_sleep(self.address, address, timeout_s))
-        if words[req] != words[ack]:
+            return bool(native.bell_sleep(self.address, address, bit, timeout_s))
+        REQ, ACK, SLEEP = self.layout  # the control row's word indexes (worker.REQ...)
+        if words[REQ] != words[ACK]:
             return True
-        self._add(_SLEEPERS, 1)
+        # SLEEP = bit as a system call (FUTEX_WAKE_OP's SET of 1 << shift, waking none; the
+        # word's low half): a full barrier before gen and REQ are read, as the C twin's
+        # sequentially consistent store.
+        set_bit = _futex_op(_FUTEX_OP_SET + _FUTEX_OP_OPARG_SHIFT, bit.bit_length() - 1, 0, 0x7FF)
+        self._futex(0, _FUTEX_WAKE_OP, 0, 0, 0, set_bit, at=address + 8 * SLEEP)
         try:
             gen = self._words[_GEN // 4]
-            if words[req] == words[ack]:
-                self._wait(_GEN, gen, timeout_s)
+            if words[REQ] == words[ACK]:
+                timeout_s = max(0.0, timeout_s)
+                until = time.monotonic() + timeout_s  # FUTEX_WAIT_BITSET's: CLOCK_MONOTONIC
+                ts = _Timespec(int(until), int((until % 1.0) * 1e9))
+                self._futex(_GEN, _FUTEX_WAIT_BITSET, gen, ctypes.addressof(ts), 0, bit)
         finally:
-            self._add(_SLEEPERS, -1)
-        return bool(words[req] != words[ack])
+            words[SLEEP] = 0
+        return bool(words[REQ] != words[ACK])
 
     def arrive(self) -> None:
         """A worker's arrival on a full round (before its ``ACK``): the last wakes the driver

@@ -50,6 +50,7 @@ from envfleet._backends.processes.worker import (
     MAILBOX_BYTES,
     NEW_REGION,
     REQ,
+    SLEEP,
     WORDS,
     GroupLayout,
     WorkerSpec,
@@ -131,13 +132,15 @@ class WorkerProcesses:
             self._lay_out(request.layout, request.block(shared=True))
         self._ctx: Any = cast(Any, multiprocessing.get_context(request.context))
         groups = len(self.ranges)
-        # Per group: one cache line of control words, then the doorbell's two semaphores.
+        # Per group: two cache lines of control words, then the doorbell's two semaphores.
         self._control_raw: Any = multiprocessing.sharedctypes.RawArray(
             ctypes.c_uint8, groups * GROUP_BYTES
         )
         self.control = control_words(self._control_raw)
         # The same words as one int64 memoryview per group: ~2x cheaper to write than numpy.
         self.words = [word_view(row) for row in self.control]
+        # Per group, its control row's address alone: what a ring of that worker reads.
+        self._controls = [(int(row.ctypes.data),) for row in self.control]
         self._mail_raw: Any = multiprocessing.sharedctypes.RawArray(
             ctypes.c_uint8, groups * MAILBOX_BYTES
         )
@@ -157,7 +160,7 @@ class WorkerProcesses:
         self.bell: RoundBell | None = None
         if round_bell_available() and not request.pool:
             self._bell_raw = multiprocessing.sharedctypes.RawArray(ctypes.c_uint8, BELL_BYTES)
-            self.bell = RoundBell(self._bell_raw)
+            self.bell = RoundBell(self._bell_raw, (REQ, ACK, SLEEP))
         self.procs: list[Any] = [None] * groups
         self.conns: list[Connection | None] = [None] * groups
         self.regions: list[mmap.mmap | None] = [None] * groups
@@ -205,6 +208,7 @@ class WorkerProcesses:
         words = self.words[g]
         words[GATHER] = 0
         words[ACK] = words[REQ]
+        words[SLEEP] = 0  # one killed asleep held its bit there: no ring wakes for it now
         spec = WorkerSpec(
             group_index=g,
             start=start,
@@ -248,7 +252,7 @@ class WorkerProcesses:
             return
         words[GATHER] = 0
         words[REQ] += 1
-        bell.ring()
+        bell.ring(self._controls[g])
 
     def lay_out(self, workers: list[int], probe: Any) -> bool:
         """After the ``READY`` replies of ``workers``, just spawned: a worker spawned without

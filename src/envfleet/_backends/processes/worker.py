@@ -83,6 +83,7 @@ __all__ = [
     "REPLY_BYTES",
     "REPLY_PAYLOAD",
     "REQ",
+    "SLEEP",
     "STATUS",
     "WORDS",
     "WorkerSpec",
@@ -93,6 +94,7 @@ __all__ = [
     "mapped_block",
     "read_region",
     "send_block",
+    "sleep_bit",
     "stats_rows",
     "word_view",
     "worker_main",
@@ -104,14 +106,16 @@ MAILBOX_BYTES = 64 << 10  # per worker: a pickled reply up to this size skips th
 # back megabytes of observations).
 REGION_MIN_BYTES = 256 << 10
 
-# Per group in the control region: 8 int64 control words (one cache line, so workers never
-# share a line), then the doorbell's two semaphores. With a round bell (doorbell.RoundBell,
-# Linux): REQ counts the commands the driver sent, ACK the replies the worker sent (a command
-# is due while they differ), GATHER says the command is a full round's (the reply arrives on
-# the bell's count rather than on the done semaphore).
-WORDS = 8
+# Per group in the control region: 16 int64 control words (two whole cache lines, so workers
+# never share a line), then the doorbell's two semaphores. With a round bell
+# (doorbell.RoundBell, Linux): REQ counts the commands the driver sent, ACK the replies the
+# worker sent (a command is due while they differ), GATHER says the command is a full round's
+# (the reply arrives on the bell's count rather than on the done semaphore), SLEEP holds the
+# worker's bit (:func:`sleep_bit`) while it may sleep on the bell, else 0.
+WORDS = 16
 GROUP_BYTES = 8 * WORDS + 2 * SEM_SLOT
 CMD, CMD_PAYLOAD, STATUS, REPLY_PAYLOAD, REPLY_BYTES, REQ, GATHER, ACK = 0, 1, 2, 3, 4, 5, 6, 7
+SLEEP = 8
 ON_PIPE, IN_MAILBOX = 1, 2  # where a reply's payload is (REPLY_PAYLOAD; 0: none)
 # Added to REPLY_PAYLOAD: the payload is ``(pickle, buffer sizes)`` whose out-of-band buffers
 # lie one after the other in the worker's reply region (IN_REGION), a new one whose file
@@ -126,11 +130,18 @@ _SPUN_OUT, _TAKEN, _STEPPED = 0, 1, 2  # why _speedups.serve_steps returned
 def native_layout() -> None:
     """Hand the C step path (``_speedups.serve_steps`` and ``step_round``) the control words'
     layout: its one definition is ``CMD``, ``CMD_PAYLOAD``, ``STATUS``, ``REPLY_PAYLOAD``,
-    ``REQ``, ``GATHER``, ``ACK`` and ``WORDS`` above, read when a worker or a driver binds a C
-    function (or a round bell binds to the C module)."""
+    ``REQ``, ``GATHER``, ``ACK``, ``SLEEP`` and ``WORDS`` above, read when a worker or a driver
+    binds a C function (or a round bell binds to the C module)."""
     set_layout = _speedups.function("set_layout")
     if set_layout is not None:
-        set_layout(CMD, CMD_PAYLOAD, STATUS, REPLY_PAYLOAD, REQ, GATHER, ACK, WORDS)
+        set_layout(CMD, CMD_PAYLOAD, STATUS, REPLY_PAYLOAD, REQ, GATHER, ACK, SLEEP, WORDS)
+
+
+def sleep_bit(g: int) -> int:
+    """Group ``g``'s bit on the round bell: what its worker sleeps with (a futex bitset) and
+    holds in its ``SLEEP`` word meanwhile, so that a ring wakes only the workers it rang
+    (groups 32 apart share a bit)."""
+    return 1 << (g % 32)
 
 
 def control_words(region: Any) -> np.ndarray:
@@ -345,6 +356,7 @@ class _Worker:
         self.region = ReplyRegion()
         self.bell = spec.bell
         self.address = control_words(spec.control)[self.g].ctypes.data  # of self.control
+        self.bit = sleep_bit(self.g)
         if self.bell is not None:
             native_layout()  # the bell's C functions read REQ and ACK
 
@@ -363,7 +375,8 @@ class _Worker:
             return False
         bell, address, left = cast(RoundBell, self.bell), self.address, cast(float, timeout)
         end = time.monotonic() + left
-        while not bell.sleep(control, address, REQ, ACK, left):
+        bit = self.bit
+        while not bell.sleep(control, address, bit, left):
             left = end - time.monotonic()
             if left <= 0:
                 return bool(control[REQ] != control[ACK])
