@@ -7,23 +7,28 @@ Real envs, real threads and worker processes, real hangs.
 
 from __future__ import annotations
 
+import fcntl
+import importlib
 import inspect
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 
 import envfleet
+from envfleet._backends.rounds import RoundDriver
 from envfleet._core.stacks import innermost
 from tests.envs import FaultEnv
 
 
 class StartEnv(FaultEnv):
     """Env ``hang_index`` sleeps ``hang_s`` seconds in its constructor (or, with
-    ``in_close``, in ``close``); env ``raise_index`` raises ``raise_type()`` in its
-    ``raise_after``-th step."""
+    ``in_close``, in ``close``), or, given ``held_by`` (a file's path), waits in its
+    constructor until no one holds that file's lock; env ``raise_index`` raises
+    ``raise_type()`` in its ``raise_after``-th step."""
 
     def __init__(
         self,
@@ -34,6 +39,7 @@ class StartEnv(FaultEnv):
         raise_index: int = -1,
         raise_type: type[BaseException] = SystemExit,
         raise_after: int = 2,
+        held_by: str | None = None,
     ):
         super().__init__(env_index)
         self.hang = env_index == hang_index
@@ -41,7 +47,10 @@ class StartEnv(FaultEnv):
         self.in_close = in_close
         self.raises = raise_type if env_index == raise_index else None
         self.raise_after = raise_after
-        if self.hang and not in_close:
+        if self.hang and held_by is not None:
+            with open(held_by) as lock:
+                fcntl.flock(lock, fcntl.LOCK_SH)  # blocks while the test holds LOCK_EX
+        elif self.hang and not in_close:
             time.sleep(hang_s)
 
     def step(self, action: Any):
@@ -98,15 +107,59 @@ def test_start_timeout_is_checked(value: Any) -> None:
         envfleet.make("CartPole-v1", 2, backend="serial", start_timeout=value)
 
 
-def test_start_timeout_none_waits_for_a_slow_constructor(make_env: Any) -> None:
-    envs = make_env(
-        start_factory(hang_index=1, hang_s=1.5),
-        2,
-        backend="processes",
-        num_workers=2,
-        start_timeout=None,
-    )
-    envs.reset(seed=0)
+SMALL_DEFAULT_S = 0.2  # make()'s default start_timeout in the test below
+
+
+def test_start_timeout_none_waits_for_a_slow_constructor(
+    make_env: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """``start_timeout=None`` is no bound, not make()'s default one. The default is made
+    SMALL_DEFAULT_S here (make()'s signature and the module constant a fallback would read;
+    the bound is the driver's, so no worker needs to see it), and env 1's constructor waits
+    on a file lock the test holds. With the default, make() gives up on that constructor;
+    with None, make() returns once the test lets the constructor go, which it does a second
+    after the driver began waiting for its workers: past any deadline the default set."""
+    make_module = importlib.import_module("envfleet._front.make")
+    monkeypatch.setattr(make_module, "DEFAULT_START_TIMEOUT", SMALL_DEFAULT_S)
+    monkeypatch.setitem(make_module.make.__kwdefaults__, "start_timeout", SMALL_DEFAULT_S)
+    lock_path = tmp_path / "constructor.lock"
+    lock_path.touch()
+    factory = start_factory(hang_index=1, held_by=str(lock_path))
+    with open(lock_path) as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        # The default does give up on this constructor (else the rest would prove nothing).
+        with pytest.raises(envfleet.StartTimeoutError) as info:
+            make_env(factory, 2, backend="processes", num_workers=2)
+        assert info.value.env_indices == [1] and info.value.timeout == SMALL_DEFAULT_S
+
+        waiting, made = threading.Event(), threading.Event()
+        began: list[float] = []
+        start = RoundDriver._start
+
+        def watched_start(self: RoundDriver, *args: Any, **kwargs: Any) -> None:
+            began.append(time.monotonic())
+            waiting.set()  # the driver begins waiting for its workers (its deadline, if any)
+            start(self, *args, **kwargs)
+
+        monkeypatch.setattr(RoundDriver, "_start", watched_start)
+
+        def let_go() -> None:
+            waiting.wait(60)
+            made.wait(SMALL_DEFAULT_S + 1.0)  # only a failed make() ends this early
+            fcntl.flock(held, fcntl.LOCK_UN)
+
+        releaser = threading.Thread(target=let_go, daemon=True)
+        releaser.start()
+        try:
+            envs = make_env(factory, 2, backend="processes", num_workers=2, start_timeout=None)
+        finally:
+            made.set()
+            waiting.set()
+            releaser.join()
+        # make() waited for the constructor longer than the default allows.
+        assert time.monotonic() - began[0] > SMALL_DEFAULT_S + 1.0
+    obs, _ = envs.reset(seed=0)
+    assert obs.shape == (2, 2)
 
 
 @pytest.mark.parametrize("raised", [SystemExit, KeyboardInterrupt, GeneratorExit])

@@ -438,6 +438,80 @@ def test_close_after_env_error_and_garbage_collection(snapshot):
     snapshot.assert_nothing_left()
 
 
+class Abort(BaseException):
+    """Not an ``Exception``: an env's step raising it is no env error, it leaves the step
+    (as KeyboardInterrupt or SystemExit would)."""
+
+
+class AbortingEnv(IndexedEnv):
+    """Env ``abort_index`` raises :class:`Abort` in its ``abort_at``-th step."""
+
+    def __init__(self, env_index: int = -1, abort_index: int = 0, abort_at: int = 3):
+        super().__init__(env_index)
+        self.aborts = env_index == abort_index
+        self.abort_at = abort_at
+        self.steps = 0
+
+    def step(self, action):
+        self.steps += 1
+        if self.aborts and self.steps == self.abort_at:
+            raise Abort(f"env {self.env_index}, step {self.steps}")
+        return super().step(action)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("call", ["step", "step_async"])
+def test_a_base_exception_out_of_step_all_closes_the_backend(
+    make_env, snapshot, monkeypatch, step_path, call
+):
+    """A BaseException that leaves the transport's step_all (the C step round, or its
+    Python twin) mid-round, the workers rung and their replies unread, shuts the backend
+    down: a later call could read a stale reply. Env 0 runs in the driver's own block
+    (driver_envs=1), which step_all steps after ringing the workers, and raises
+    :class:`Abort` there; through step() (step_round) and through step_async/step_wait (the
+    round's finish). The vector env is closed, every worker process is gone and reaped, its
+    reply region unmapped, nothing left in /dev/shm."""
+    factory = functools.partial(AbortingEnv, abort_index=0, abort_at=3)
+    envs = make_env(factory, 3, backend="processes", num_workers=2, driver_envs=1)
+    backend = envs._backend
+    workers = backend.transport.workers
+    assert backend._step_all is not None, "no step_all: the plain step does not reach it"
+    procs = [p for p in workers.procs if p is not None]
+    pids = [p.pid for p in procs]
+    assert len(pids) == 2 and wait_gone(pids, timeout=0) == pids  # they run
+    envs.reset(seed=0)
+    for _ in range(2):
+        envs.step(_zeros(3))
+    escaped = []
+    step_all = backend._step_all
+
+    def watched_step_all(ring):
+        try:
+            return step_all(ring)
+        except BaseException as exc:
+            escaped.append(exc)
+            raise
+
+    monkeypatch.setattr(backend, "_step_all", watched_step_all)
+    with pytest.raises(Abort, match="env 0, step 3"):
+        if call == "step":
+            envs.step(_zeros(3))
+        else:
+            envs.step_async(_zeros(3))
+            envs.step_wait()
+    assert [type(exc) for exc in escaped] == [Abort]  # it left step_all itself
+    assert backend.closed and workers.closed
+    assert envs.closed
+    assert wait_gone(pids, timeout=10) == []  # a hang guard: close() joined them already
+    for proc in procs:  # released by close(), which Process.close() refuses while it runs
+        with pytest.raises(ValueError, match="process object is closed"):
+            proc.is_alive()
+    assert all(region is None for region in workers.regions)
+    snapshot.assert_nothing_left()
+    with pytest.raises(envfleet.ClosedEnvironmentError):
+        envs.step(_zeros(3))
+
+
 DRIVER = """
 import faulthandler, signal, sys, time
 # Every thread's stack on SIGUSR1 (asked for before a driver that hangs is killed). Ctrl-C

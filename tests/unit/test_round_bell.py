@@ -10,10 +10,14 @@ Nothing here is timed: the counts are of system calls, with spinning turned off
 from __future__ import annotations
 
 import ctypes
+import faulthandler
 import functools
+import mmap
 import multiprocessing
 import multiprocessing.sharedctypes
 import os
+import resource
+import signal
 import sys
 import time
 from typing import Any
@@ -24,8 +28,16 @@ from gymnasium.vector import SyncVectorEnv
 
 import envfleet
 import envfleet._core.native
-from envfleet._backends.processes import doorbell
-from envfleet._backends.processes.doorbell import BELL_BYTES, RoundBell, round_bell_available
+from envfleet._backends.processes import doorbell, worker
+from envfleet._backends.processes.doorbell import (
+    BELL_BYTES,
+    TIGHT_SPIN_S,
+    RoundBell,
+    SpinBudget,
+    round_bell_available,
+)
+from envfleet._core.protocol import Command, Status
+from envfleet._core.stats import BUCKETS_PER_OCTAVE, NUM_BUCKETS, STATS_WORDS
 from tests.envs import CrashEnv, IndexedEnv, sync_factories
 from tests.helpers import assert_same
 
@@ -255,3 +267,87 @@ def test_an_arrival_late_after_its_ack_never_ends_the_next_round_early(make_env,
             assert_same(fleet.step(actions), sync.step(actions), f"step {t}")
     finally:
         sync.close()
+
+
+def test_the_c_workers_arrival_lands_before_its_ack():
+    """The property of the test above (a worker's ACK follows its arrival), which that test
+    checks on the Python twin, on the C step path, where no arrival can be slowed: the C
+    worker loop (``serve_steps``: bell_arrive) is stopped at the very store of its ACK, and
+    its arrival must have landed by then.
+
+    A forked process runs ``serve_steps`` over one control row laid across a page boundary,
+    ACK the first word of the second page. The step it calls makes that page read-only in
+    the child, so the reply's writes (STATUS, REPLY_PAYLOAD, on the first page) go through
+    and the ACK store faults: the child dies of SIGSEGV there. The row and the bell are
+    shared with this process, which then reads them: the reply written, the ACK not, and
+    the round's count at 0, the arrival landed."""
+    speedups = pytest.importorskip("envfleet._core._speedups")
+    written_first = (worker.CMD, worker.CMD_PAYLOAD, worker.STATUS, worker.REPLY_PAYLOAD)
+    written_first += (worker.REQ, worker.GATHER)
+    assert max(written_first) < worker.ACK < worker.WORDS  # ACK alone on the second page
+    speedups.set_layout(
+        worker.CMD,
+        worker.CMD_PAYLOAD,
+        worker.STATUS,
+        worker.REPLY_PAYLOAD,
+        worker.REQ,
+        worker.GATHER,
+        worker.ACK,
+        worker.WORDS,
+    )
+    page = mmap.PAGESIZE
+    rows = mmap.mmap(-1, 2 * page)  # anonymous and shared: the forked child writes here
+    base = ctypes.addressof(ctypes.c_char.from_buffer(rows))
+    address = base + page - 8 * worker.ACK
+    words = (ctypes.c_int64 * worker.WORDS).from_address(address)
+    words[worker.CMD], words[worker.CMD_PAYLOAD] = int(Command.STEP), 0
+    words[worker.GATHER], words[worker.REQ], words[worker.ACK] = 1, 1, 0  # a full round's step
+    region = multiprocessing.sharedctypes.RawArray(ctypes.c_uint8, BELL_BYTES)
+    bell = RoundBell(region)
+    bell.expect(1)
+    sems = (ctypes.c_uint8 * 64)()  # the semaphores a bell's full round leaves alone
+    timer = np.zeros(STATS_WORDS)
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+
+    def child() -> None:
+        faulthandler.disable()
+        signal.signal(signal.SIGSEGV, signal.SIG_DFL)  # die of the fault, unreported
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+        steps = []
+
+        def step() -> None:
+            steps.append(1)
+            if len(steps) > 1:
+                os._exit(3)  # the command is still due: no ACK was stored
+            if libc.mprotect(base + page, page, mmap.PROT_READ) != 0:
+                os._exit(4)
+            return None  # no events: serve_steps replies itself
+
+        speedups.serve_steps(
+            ctypes.addressof(sems),
+            ctypes.addressof(sems) + 32,
+            None,
+            address,
+            step,
+            timer.ctypes.data,
+            SpinBudget(0.0),
+            TIGHT_SPIN_S,
+            int(Command.STEP),
+            int(Status.OK),
+            BUCKETS_PER_OCTAVE,
+            NUM_BUCKETS,
+            bell.address,
+        )
+        os._exit(5)  # it returned: the ACK store did not fault
+
+    proc = multiprocessing.get_context("fork").Process(target=child)
+    proc.start()
+    proc.join(30)
+    if proc.is_alive():
+        proc.kill()
+        proc.join()
+    assert proc.exitcode == -signal.SIGSEGV, proc.exitcode
+    assert words[worker.STATUS] == int(Status.OK) and words[worker.REPLY_PAYLOAD] == 0
+    assert words[worker.ACK] == 0  # the store that faulted
+    assert bell.gathered(), "the worker stored its ACK before its arrival landed"

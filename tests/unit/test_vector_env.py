@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import os
 import subprocess
@@ -562,14 +563,36 @@ def test_async_matches_sync_calls(make_env, backend):
     sync.close()
 
 
+class HeldCartPole(gym.Wrapper):
+    """CartPole whose step first waits until no one holds the lock of the file at
+    ``lock_path`` (the test holds it to keep a worker from replying)."""
+
+    def __init__(self, lock_path: str):
+        super().__init__(gym.make("CartPole-v1"))
+        self.lock_path = lock_path
+
+    def step(self, action):
+        with open(self.lock_path) as lock:
+            fcntl.flock(lock, fcntl.LOCK_SH)  # blocks while the test holds LOCK_EX
+        return self.env.step(action)
+
+
 @pytest.mark.parametrize("num_workers", [1, 2])
-def test_a_plain_step_takes_the_backends_step_round(make_env, monkeypatch, step_path, num_workers):
+def test_a_plain_step_takes_the_backends_step_round(
+    make_env, monkeypatch, step_path, num_workers, tmp_path
+):
     """processes: a step whose actions are of the space's own shape and dtype goes from
     step() straight to the backend's step_round (the C round, or its Python twin), never
     through the general round(); a round that step_round answers with None (every group
-    stepped, no env had an info) skips _step_outputs too. The results stay SyncVectorEnv's,
-    episode ends and autoresets included."""
-    envs = make_env("CartPole-v1", 3, backend="processes", num_workers=num_workers)
+    stepped, no env had an info) skips _step_outputs too. A round whose workers do not reply
+    within the step round's spin and blocking slice (held here: every env's step waits on a
+    file lock that the test lets go only once the driver waits for the replies the general
+    way) is finished by that wait, and its results go through _step_outputs. The results
+    stay SyncVectorEnv's, episode ends and autoresets included."""
+    lock_path = tmp_path / "step.lock"
+    lock_path.touch()
+    factory = functools.partial(HeldCartPole, str(lock_path))
+    envs = make_env(factory, 3, backend="processes", num_workers=num_workers)
     sync = SyncVectorEnv([cartpole] * 3)
     assert_same(envs.reset(seed=4), sync.reset(seed=4), "reset")
 
@@ -587,19 +610,42 @@ def test_a_plain_step_takes_the_backends_step_round(make_env, monkeypatch, step_
         outputs.append(results)
         return step_outputs(results)
 
+    transport = envs._backend.transport
+    wait = transport.wait
+    holding, let_go = [False], []
+
+    def releasing_wait(*args):
+        # The driver waits for replies the general way: the step round gave up on them.
+        if holding[0]:
+            fcntl.flock(held, fcntl.LOCK_UN)
+            holding[0] = False
+            let_go.append(len(answers))
+        return wait(*args)
+
     monkeypatch.setattr(envs._backend, "round", refuse)
     monkeypatch.setattr(envs, "_step_round", recorded_round)
     monkeypatch.setattr(envs, "_step_outputs", recorded_outputs)
+    monkeypatch.setattr(transport, "wait", releasing_wait)
+    held_steps = set(range(3, 60, 8))
     rng = np.random.default_rng(0)
     ended = 0
-    for t in range(60):
-        actions = rng.integers(0, 2, 3)
-        result = envs.step(actions)
-        ended += int(result[2].sum())
-        assert_same(result, sync.step(actions), f"step {t}")
+    with open(lock_path) as held:  # opened after make(): no worker inherits it
+        for t in range(60):
+            if t in held_steps:
+                fcntl.flock(held, fcntl.LOCK_EX)  # no worker holds it: each replied
+                holding[0] = True
+            actions = rng.integers(0, 2, 3)
+            result = envs.step(actions)
+            ended += int(result[2].sum())
+            assert_same(result, sync.step(actions), f"step {t}")
+            assert not holding[0], f"step {t} returned before its workers were let go"
     assert ended > 0
     assert len(answers) == 60
+    # Each held step was let go from the general wait, inside its own step_round.
+    assert let_go == sorted(held_steps), let_go
     # A worker that spun out is waited for the general way, and its results read.
+    spun_out = [answers[t] for t in sorted(held_steps)]
+    assert all(answer is not None for answer in spun_out), spun_out
     assert outputs == [a for a in answers if a is not None]
     sync.close()
 
