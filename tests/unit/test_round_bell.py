@@ -293,6 +293,7 @@ def test_the_c_workers_arrival_lands_before_its_ack():
         worker.REQ,
         worker.GATHER,
         worker.ACK,
+        worker.SLEEP,
         worker.WORDS,
     )
     page = mmap.PAGESIZE
@@ -303,7 +304,7 @@ def test_the_c_workers_arrival_lands_before_its_ack():
     words[worker.CMD], words[worker.CMD_PAYLOAD] = int(Command.STEP), 0
     words[worker.GATHER], words[worker.REQ], words[worker.ACK] = 1, 1, 0  # a full round's step
     region = multiprocessing.sharedctypes.RawArray(ctypes.c_uint8, BELL_BYTES)
-    bell = RoundBell(region)
+    bell = RoundBell(region, (worker.REQ, worker.ACK, worker.SLEEP))
     bell.expect(1)
     sems = (ctypes.c_uint8 * 64)()  # the semaphores a bell's full round leaves alone
     timer = np.zeros(STATS_WORDS)
