@@ -130,7 +130,7 @@ MICRO: dict[str, tuple[str, Callable[[set[str]], Callable[[], Any]]]] = {
     "write_results": ("EnvGroup._write_results, x16", micro_write_results),
     "write_rows": ("EnvGroup._write_observation_rows, x16", micro_write_rows),
     "serve_steps": ("processes no-op step, NoopEnv x2", micro_round_trip),
-    "step_round": ("processes no-op step, NoopEnv x2", micro_round_trip),
+    "full_round": ("processes no-op step, NoopEnv x2", micro_round_trip),
 }
 
 

@@ -163,7 +163,7 @@ def test_c_step_round_still_runs(make_env, monkeypatch, kind):
     fleet.reset(seed=0)
     for _ in range(10):
         fleet.step(np.zeros(NUM_ENVS, dtype=np.int64))
-    assert counting.calls["step_round"] == 10
+    assert counting.calls["full_round"] == 10
 
 
 @pytest.mark.backends("serial", "processes")

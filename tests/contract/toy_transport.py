@@ -32,8 +32,7 @@ class ToyTransport:
 
     late_what, late_fate = "workers", "they were killed"
     replaceable = False  # a group never dies: what raised is rebuilt env by env
-    step_all = None
-    spun_s: float | None = None
+    full_round = None
     remote: list[int] = []  # noqa: RUF012  (built here: no READY to wait for)
 
     def __init__(self, request: BuildRequest):
@@ -89,7 +88,9 @@ class ToyTransport:
         self._sent[w] = (command, payload)
         return True
 
-    def wait(self, workers: list[int], deadline: float | None, first: bool) -> Seen:
+    def wait(
+        self, workers: list[int], deadline: float | None, first: bool, spun_s: float | None = None
+    ) -> Seen:
         return Seen(list(workers))  # every reply is ready: it is computed when read
 
     def read(self, w: int, done: Round) -> None:

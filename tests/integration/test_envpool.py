@@ -397,3 +397,31 @@ def test_close(make_env: Callable[..., envfleet.FleetVectorEnv]) -> None:
         obs, _ = envs.reset(seed=0)
         assert obs.shape == (2, 3) and obs.dtype == np.float32
     assert envs.closed
+
+
+def test_the_native_step_keeps_the_same_books_as_the_others(
+    make_env: Callable[..., envfleet.FleetVectorEnv], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The plain step's native branch (EnvPool's own calls) counts a step only once it
+    returned, and after an exception the vector env is closed exactly when its backend is,
+    as the step round's and the general round's branches do."""
+    envs = make_env("CartPole-v1", 2, backend="envpool")
+    envs.reset(seed=0)
+    assert envs._native_step is not None, "the native branch does not run"
+    actions = np.zeros(2, dtype=np.int64)
+    envs.step(actions)
+    assert envs._steps == 1
+    native = envs._native_step
+
+    def broken(*args: Any) -> Any:
+        envs._backend.close(timeout=0, terminate=True)  # what a broken library leaves
+        raise RuntimeError("the native library failed")
+
+    monkeypatch.setattr(envs, "_native_step", broken)
+    with pytest.raises(RuntimeError, match="native library"):
+        envs.step(actions)
+    assert envs._steps == 1, "a failed native step was counted"
+    assert envs.closed, "the backend closed under the step, the vector env did not say so"
+    with pytest.raises(ClosedEnvironmentError):
+        envs.step(actions)
+    assert native is not broken

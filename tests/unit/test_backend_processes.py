@@ -461,13 +461,13 @@ class AbortingEnv(IndexedEnv):
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("call", ["step", "step_async"])
-def test_a_base_exception_out_of_step_all_closes_the_backend(
+def test_a_base_exception_out_of_full_round_closes_the_backend(
     make_env, snapshot, monkeypatch, step_path, call
 ):
-    """A BaseException that leaves the transport's step_all (the C step round, or its
+    """A BaseException that leaves the transport's full_round (the C step round, or its
     Python twin) mid-round, the workers rung and their replies unread, shuts the backend
     down: a later call could read a stale reply. Env 0 runs in the driver's own block
-    (driver_envs=1), which step_all steps after ringing the workers, and raises
+    (driver_envs=1), which full_round steps after ringing the workers, and raises
     :class:`Abort` there; through step() (step_round) and through step_async/step_wait (the
     round's finish). The vector env is closed, every worker process is gone and reaped, its
     reply region unmapped, nothing left in /dev/shm."""
@@ -475,7 +475,7 @@ def test_a_base_exception_out_of_step_all_closes_the_backend(
     envs = make_env(factory, 3, backend="processes", num_workers=2, driver_envs=1)
     backend = envs._backend
     workers = backend.transport.workers
-    assert backend._step_all is not None, "no step_all: the plain step does not reach it"
+    assert backend._full_round is not None, "no full_round: the plain step does not reach it"
     procs = [p for p in workers.procs if p is not None]
     pids = [p.pid for p in procs]
     assert len(pids) == 2 and wait_gone(pids, timeout=0) == pids  # they run
@@ -483,23 +483,23 @@ def test_a_base_exception_out_of_step_all_closes_the_backend(
     for _ in range(2):
         envs.step(_zeros(3))
     escaped = []
-    step_all = backend._step_all
+    full_round = backend._full_round
 
-    def watched_step_all(ring):
+    def watched_full_round(ring):
         try:
-            return step_all(ring)
+            return full_round(ring)
         except BaseException as exc:
             escaped.append(exc)
             raise
 
-    monkeypatch.setattr(backend, "_step_all", watched_step_all)
+    monkeypatch.setattr(backend, "_full_round", watched_full_round)
     with pytest.raises(Abort, match="env 0, step 3"):
         if call == "step":
             envs.step(_zeros(3))
         else:
             envs.step_async(_zeros(3))
             envs.step_wait()
-    assert [type(exc) for exc in escaped] == [Abort]  # it left step_all itself
+    assert [type(exc) for exc in escaped] == [Abort]  # it left full_round itself
     assert backend.closed and workers.closed
     assert envs.closed
     assert wait_gone(pids, timeout=10) == []  # a hang guard: close() joined them already

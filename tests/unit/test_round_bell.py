@@ -81,7 +81,7 @@ def test_a_full_round_costs_the_driver_constant_system_calls(make_env, step_path
         fleet = make_env(IndexedEnv, 4, backend="processes", num_workers=workers, spin_s=0.0)
         transport = _transport(fleet)
         assert transport.workers.bell is not None, "the round bell is not in use"
-        assert transport.step_all is not None, "no full round: each worker is rung alone"
+        assert transport.full_round is not None, "no full round: each worker is rung alone"
         fleet.reset(seed=0)
         actions = np.zeros(4, dtype=np.int64)
         fleet.step(actions)
@@ -116,11 +116,11 @@ def test_workers_sleep_on_the_bell_and_step_in_the_c_loop(make_env):
     fleet = make_env(IndexedEnv, 4, backend="processes", num_workers=2, spin_s=0.0)
     fleet.reset(seed=0)
     before_workers = dict(fleet.apply(_worker_calls))
-    before = speedups.counters()["step_round"]
+    before = speedups.counters()["full_round"]
     actions = np.zeros(4, dtype=np.int64)
     for _ in range(ROUNDS):
         fleet.step(actions)
-    assert speedups.counters()["step_round"] - before == ROUNDS
+    assert speedups.counters()["full_round"] - before == ROUNDS
     after_workers = dict(fleet.apply(_worker_calls))
     assert len(after_workers) == 2
     for pid, calls in after_workers.items():

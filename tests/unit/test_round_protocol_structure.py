@@ -35,7 +35,7 @@ ALLOWED = {
     # A new worker's words, before its process starts (nothing reads them yet).
     ("_backends/processes/lifecycle.py", "WorkerProcesses.start"): {"GATHER", "ACK", "SLEEP"},
     # The Python twin of the C full round (_speedups.step_round's gather_round).
-    ("_backends/processes/backend.py", "_py_step_round"): {"GATHER", "REQ"},
+    ("_backends/processes/backend.py", "_py_full_round"): {"GATHER", "REQ"},
     # A worker's reply: its arrival, then its ACK (the C twin: bell_arrive).
     ("_backends/processes/worker.py", "_Worker.ring_done"): {"ACK"},
     # The bell's Python twin (its read-modify-writes are FUTEX_WAKE_OP system calls).

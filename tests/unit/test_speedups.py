@@ -271,7 +271,7 @@ def test_processes_runs_the_c_round_and_worker_loop(make_env):
     assert workers, "no env runs in a worker process"
     step_cartpole(fleet)
     driver_after, workers_after = c_counters(), worker_counters(fleet)
-    assert driver_after["step_round"] - driver["step_round"] == COUNTED_STEPS
+    assert driver_after["full_round"] - driver["full_round"] == COUNTED_STEPS
     for pid, calls in workers_after.items():
         assert calls["serve_steps"] > workers[pid]["serve_steps"], f"worker {pid}"
         for name in ("write_results", "write_rows"):
@@ -289,7 +289,7 @@ def test_step_wait_finishes_the_step_in_the_c_round(make_env):
     ref = make_env("CartPole-v1", 16, backend="processes", **layout)
     fleet.reset(seed=0)
     ref.reset(seed=0)
-    before = c_counters()["step_round"]
+    before = c_counters()["full_round"]
     for t in range(COUNTED_STEPS):
         actions = np.full(16, t % 2, dtype=np.int64)
         fleet.step_async(actions)
@@ -298,7 +298,7 @@ def test_step_wait_finishes_the_step_in_the_c_round(make_env):
         for a, b in zip(got[:4], want[:4], strict=True):
             np.testing.assert_array_equal(a, b)
     # ref's steps count too: both paths take the round once a step.
-    assert c_counters()["step_round"] - before == 2 * COUNTED_STEPS
+    assert c_counters()["full_round"] - before == 2 * COUNTED_STEPS
 
 
 @pytest.mark.parametrize("context", ["spawn", "forkserver"])
@@ -367,7 +367,7 @@ def test_the_c_module_holds_what_pays():
     functions = set(c_counters()) - SYSCALL_COUNTERS
     assert functions == {
         "serve_steps",
-        "step_round",
+        "full_round",
         "timed_call",
         "write_results",
         "write_rows",

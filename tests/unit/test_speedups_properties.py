@@ -262,6 +262,6 @@ def is_plain(values: tuple[Any, ...]) -> bool:
 @settings(PROPERTIES, max_examples=40)
 @given(script=scripts, steps=st.integers(1, MAX_STEPS), actions=st.integers(0, 2**NUM_ENVS - 1))
 def test_processes_step_round_and_worker_loop_match_python(pair, script, steps, actions):
-    before = counters()["step_round"]
+    before = counters()["full_round"]
     run_both(pair, script, steps, actions)
-    assert counters()["step_round"] > before, "the driver's C step round did not run"
+    assert counters()["full_round"] > before, "the driver's C step round did not run"

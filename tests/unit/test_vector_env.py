@@ -583,8 +583,8 @@ def test_a_plain_step_takes_the_backends_step_round(
 ):
     """processes: a step whose actions are of the space's own shape and dtype goes from
     step() straight to the backend's step_round (the C round, or its Python twin), never
-    through the general round(); a round that step_round answers with None (every group
-    stepped, no env had an info) skips _step_outputs too. A round whose workers do not reply
+    through the general round(), and its answer to _step_outputs (None: every group stepped,
+    no env had an info, answered with the rows copied). A round whose workers do not reply
     within the step round's spin and blocking slice (held here: every env's step waits on a
     file lock that the test lets go only once the driver waits for the replies the general
     way) is finished by that wait, and its results go through _step_outputs. The results
@@ -646,7 +646,7 @@ def test_a_plain_step_takes_the_backends_step_round(
     # A worker that spun out is waited for the general way, and its results read.
     spun_out = [answers[t] for t in sorted(held_steps)]
     assert all(answer is not None for answer in spun_out), spun_out
-    assert outputs == [a for a in answers if a is not None]
+    assert outputs == answers
     sync.close()
 
 

@@ -13,7 +13,7 @@ import gymnasium
 import numpy as np
 
 from envfleet._backends.base import WorkerLayout, run_command
-from envfleet._backends.rounds import Seen, StepAll
+from envfleet._backends.rounds import FullRound, Seen
 from envfleet._backends.supervisor import Ledger, Round
 from envfleet._core.buffers import Block, allocate_batch
 from envfleet._core.envgroup import EnvFailure, EnvGroup
@@ -46,8 +46,7 @@ class InProcessTransport:
     late_what = "workers"
     late_fate = "they were killed"
     replaceable = False
-    step_all: StepAll | None = None
-    spun_s: float | None = None
+    full_round: FullRound | None = None
     remote: list[int] = []  # noqa: RUF012  (no worker starts apart: nothing to wait for)
 
     def __init__(
@@ -158,7 +157,9 @@ class InProcessTransport:
                 failures[w] = failure
         return results, failures
 
-    def wait(self, workers: list[int], deadline: float | None, first: bool) -> Seen:
+    def wait(
+        self, workers: list[int], deadline: float | None, first: bool, spun_s: float | None = None
+    ) -> Seen:
         return Seen([w for w in workers if w in self._replies])
 
     def read(self, w: int, done: Round) -> None:

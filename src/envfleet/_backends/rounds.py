@@ -19,9 +19,10 @@ calls, the start and the replacement of workers):
    :meth:`Transport.respawn` and a round of ``Command.RESTART``). The supervisor never calls
    a transport.
 
-A transport may lend one leaf accelerator, :attr:`Transport.step_all`: the synchronous step
-round where every worker is pending, in C (``processes``: ``_speedups.step_round``); what it
-leaves (a reply to read, a worker still running, a failure) goes through the same Python
+A transport may lend one leaf accelerator, :attr:`Transport.full_round`: the synchronous step
+round where every worker is pending, in C (``processes``: ``_speedups.full_round``, or its
+Python twin on the round bell), which answers a :class:`~envfleet._core.protocol.RoundOutcome`;
+what it leaves (a reply to read, a worker still running, a failure) goes through the same Python
 round.
 
 No wait is silent (:meth:`RoundDriver.report_hangs`): a Python wait is capped at the next
@@ -65,7 +66,7 @@ from envfleet._core.hangs import (
     warn_hang,
     watch_inline,
 )
-from envfleet._core.protocol import Command, TaskRequest
+from envfleet._core.protocol import Command, RoundOutcome, TaskRequest
 from envfleet._core.replay import EnvRecording, recording_of, replays_of, restore_envs
 from envfleet._core.stacks import at, first_at
 from envfleet._core.stats import StepTimeStats, WorkerMemory
@@ -76,10 +77,9 @@ logger = logging.getLogger("envfleet")
 
 _STEP, _RESTART, _TASK = Command.STEP, Command.RESTART, Command.TASK
 
-# (result of the driver's own block, its failure, workers taken in order, positions of those
-# with a reply to read, seconds spun on the first one still running, None: none, the wait
-# spins first): Transport.step_all.
-StepAll = Callable[[bool], tuple[Any, Any, int, list[int], float | None]]
+# Transport.full_round: called with ``ring`` (send every worker its command; false: step_async
+# did), it answers what it took.
+FullRound = Callable[[bool], RoundOutcome]
 
 
 class Seen:
@@ -109,11 +109,10 @@ class Transport(Protocol):
         replaceable: a hung or dead worker can be killed and started anew (``threads``: a
             thread cannot be killed, so a late one fails fast whatever the restart policy).
         late_what, late_fate: how a timeout names the late workers and what became of them.
-        step_all: the C step round where every worker is pending, or ``None`` (see the module).
-        remote: the workers :attr:`step_all` rings, in order (the others run in the driver),
+        full_round: the step round where every worker is pending, in one call (see the
+            module), or ``None``.
+        remote: the workers :attr:`full_round` rings, in order (the others run in the driver),
             and whose ``READY`` the driver waits for at the start.
-        spun_s: seconds :attr:`step_all` spun on the first reply it left to :meth:`wait`
-            (which counts them, then sets ``None``).
 
     A transport may also offer ``stacks(workers)``: each worker's threads' stacks, taken
     now, before a hung worker is killed (worker -> text in faulthandler's format; processes
@@ -129,9 +128,8 @@ class Transport(Protocol):
     replaceable: bool
     late_what: str
     late_fate: str
-    step_all: StepAll | None
+    full_round: FullRound | None
     remote: list[int]
-    spun_s: float | None
 
     @property
     def batch(self) -> Batch: ...
@@ -150,11 +148,14 @@ class Transport(Protocol):
         """Start ``command`` on worker ``w``; ``False`` when ``w`` was found dead."""
         ...
 
-    def wait(self, workers: list[int], deadline: float | None, first: bool) -> Seen:
+    def wait(
+        self, workers: list[int], deadline: float | None, first: bool, spun_s: float | None = None
+    ) -> Seen:
         """Wait until a worker of ``workers`` has a reply, dies, or ``deadline``
         (``time.monotonic()`` seconds, ``None``: none) passes. ``first``: a first-ready
         pool's wait, which reports every worker ready by then; else the transport may report
-        just the first to reply."""
+        just the first to reply. ``spun_s``: seconds :attr:`full_round` already spun on the
+        first of ``workers`` (a transport that spins before it blocks counts them)."""
         ...
 
     def read(self, w: int, done: Round) -> None:
@@ -222,7 +223,7 @@ class RoundDriver(Backend):
         self._pending: list[int] = []
         self._command = _STEP
         self._pool = transport.pool
-        self._step_all = transport.step_all
+        self._full_round = transport.full_round
         # The transport's, or None: a bound method of self here would be a reference cycle,
         # which keeps the workers' shared memory past close until the garbage collector runs.
         self._run_here = getattr(transport, "run_here", None)
@@ -296,56 +297,34 @@ class RoundDriver(Backend):
     ) -> dict[int, Any]:
         if (
             command is _STEP
-            and self._step_all is not None
+            and self._full_round is not None
             and not self._pending
             and len(payloads) == self._num_workers
         ):
             results = self.supervisor.guarded(self._fast_round, timeout, step, True)
+            if results is None:
+                results = {}
         else:
             results = self._any_round(command, payloads, timeout, step)
         if command is _STEP and self._recycler is not None:
             self._recycle_due(timeout, step)
         return results
 
-    @runs_envs_here
     def step_round(self, timeout: float | None, step: int) -> dict[int, Any] | None:
-        """The plain synchronous step (``round(STEP, every group's None, ...)``) in as few
-        frames as the transport allows (the C round's :attr:`Transport.step_all` where it
-        has one): ``None`` when every group stepped and no env had an info, else the
-        round's results (finished the guarded way)."""
-        step_all = self._step_all
-        if step_all is None or self._pending or self._recycler is not None:
-            results = self.round(_STEP, self._every_group, timeout, step)
-            return results if any(results.values()) else None
-        self._command = _STEP
-        busy = self._local_busy  # the driver's own block runs in this thread: its mark
-        if busy is not None:
-            busy.runs = (busy.runs + 1) & 255
-        try:
-            outcome = step_all(True)
-        except EnvfleetError:
-            raise
-        except BaseException as exc:  # what supervisor.guarded does: nothing half-read is kept
-            self._interrupted(exc, self._remote)
-            self.close(timeout=0, terminate=True)
-            raise
-        finally:
-            if busy is not None:
-                busy.runs = (busy.runs + 1) & 255
-        if (
-            outcome[2] == self._num_remote
-            and not outcome[3]
-            and outcome[1] is None
-            and not outcome[0]
-        ):
-            return None
-        return self.supervisor.guarded(self._finish_fast_round, outcome, timeout, step, True, 0.0)
+        """The plain synchronous step (``round(STEP, every group's None, ...)``): ``None`` when
+        every group stepped and no env had an info, else the round's results. Through the
+        transport's :attr:`Transport.full_round` where it has one (nothing pending, no
+        recycling due after the step), else through :meth:`round`."""
+        if self._full_round is not None and not self._pending and self._recycler is None:
+            return self.supervisor.guarded(self._fast_round, timeout, step, True)
+        results = self.round(_STEP, self._every_group, timeout, step)
+        return results if any(results.values()) else None
 
     @runs_envs_here
     def _any_round(
         self, command: Command, payloads: Mapping[int, Any], timeout: float | None, step: int
     ) -> dict[int, Any]:
-        """Every round :meth:`round` does not take through :attr:`_step_all` itself: groups
+        """Every round :meth:`round` does not take through :attr:`Transport.full_round`: groups
         run here to the end, or the commands sent and their replies gathered, guarded."""
         if (
             not self._pending
@@ -380,12 +359,14 @@ class RoundDriver(Backend):
         # the driver's own block: the C round runs it and waits for the replies.
         if (
             command is _STEP
-            and self._step_all is not None
+            and self._full_round is not None
             and self._pending == self._remote
             and list(inline) == [0]
             and inline[0] is None
         ):
             results = self.supervisor.guarded(self._fast_round, timeout, step, False)
+            if results is None:
+                results = {}
         else:
             results = super().finish(command, inline, timeout, step)
         if command is _STEP and self._recycler is not None:
@@ -472,54 +453,69 @@ class RoundDriver(Backend):
         return done.results, done.failures
 
     def _collect(
-        self, timeout: float | None, step: int, done: Round | None = None
+        self,
+        timeout: float | None,
+        step: int,
+        done: Round | None = None,
+        spun_s: float | None = None,
     ) -> dict[int, Any]:
         pending, self._pending = self._pending, []
         deadline = None if timeout is None else time.monotonic() + timeout
         fail_fast = not self.ledger.restarts_on(self._command)
-        done = self.gather(pending, deadline, timeout, step, fail_fast, done)
+        done = self.gather(pending, deadline, timeout, step, fail_fast, done, spun_s=spun_s)
         return self.supervisor.settle(done, timeout, step, self._command)
 
     @runs_envs_here
-    def _fast_round(self, timeout: float | None, step: int, ring: bool) -> dict[int, Any]:
-        """The synchronous step round through the transport's :attr:`Transport.step_all`
-        (``ring``: send every worker its command; false: step_async did), finished the
-        Python way when it leaves anything (with what is left of ``timeout`` after the
-        driver's own block)."""
+    def _fast_round(self, timeout: float | None, step: int, ring: bool) -> dict[int, Any] | None:
+        """The synchronous step round through the transport's :attr:`Transport.full_round`
+        (``ring``: send every worker its command; false: step_async did), for both the plain
+        step (:meth:`step_round`) and :meth:`round` / :meth:`finish`: ``None`` when it took
+        every reply, each "OK, no payload", and the driver's own block had no event (the rows
+        are the whole answer); else the round's results, finished the Python way (with what
+        is left of ``timeout`` after the driver's own block). Called guarded."""
         self._command = _STEP
         started = 0.0 if ring else time.monotonic()  # step_wait's timeout counts from here
         busy = self._local_busy  # the driver's own block runs in this thread: its mark
         if busy is not None:
             busy.runs = (busy.runs + 1) & 255
         try:
-            outcome = self._step_all(ring)  # type: ignore[misc]
+            outcome = self._full_round(ring)  # type: ignore[misc]
         except KeyboardInterrupt as exc:
             self._interrupted(exc, self._remote)
             raise
         finally:
             if busy is not None:
                 busy.runs = (busy.runs + 1) & 255
-        return self._finish_fast_round(outcome, timeout, step, ring, started)
+        if (
+            outcome.taken == self._num_remote
+            and not outcome.unread
+            and outcome.local_failure is None
+            and not outcome.local_result
+        ):
+            if self._pending:  # step_async's, all replied
+                self._pending = []
+            return None
+        return self._finish_full_round(outcome, timeout, step, ring, started)
 
-    def _finish_fast_round(
+    def _finish_full_round(
         self,
-        outcome: tuple[Any, Any, int, list[int], float | None],
+        outcome: RoundOutcome,
         timeout: float | None,
         step: int,
         ring: bool,
         started: float,
     ) -> dict[int, Any]:
-        """The results of the C round's ``outcome``: read what it left unread and wait for
-        the workers it did not take, within what is left of ``timeout`` (from ``started``
-        where step_async rang)."""
+        """The results of a full round's ``outcome`` that left something to do: read the
+        replies it left unread and wait for the workers it did not take, within what is left
+        of ``timeout`` (from ``started`` where step_async rang)."""
         remote = self._remote
-        local_result, local_failure, taken, unread, spun_s = outcome
         transport = self.transport
         done = Round()
-        if local_failure is not None:
-            done.failures[0] = local_failure
-        elif local_result is not None:
-            done.results[0] = local_result
+        if outcome.local_failure is not None:
+            done.failures[0] = outcome.local_failure
+        elif outcome.local_result is not None:
+            done.results[0] = outcome.local_result
+        taken, unread = outcome.taken, outcome.unread
         for i in range(taken):
             if i in unread:
                 transport.read(remote[i], done)
@@ -530,11 +526,10 @@ class RoundDriver(Backend):
             return done.results  # every reply read: nothing to wait for or settle
         self._check_crashed(done, step, not self.ledger.restarts_on(_STEP))
         self._pending = remote[taken:]
-        if self._pending:
-            transport.spun_s = spun_s  # the next wait, on the first of them, counts it
         if timeout is not None and not ring:
             timeout = max(0.0, timeout - (time.monotonic() - started))
-        return self._collect(timeout, step, done)
+        # The wait on the first worker not taken counts what the round spun on it.
+        return self._collect(timeout, step, done, outcome.spun_s if self._pending else None)
 
     def gather(
         self,
@@ -545,11 +540,14 @@ class RoundDriver(Backend):
         fail_fast: bool,
         done: Round | None = None,
         starting: bool = False,
+        spun_s: float | None = None,
     ) -> Round:
         """Wait for the reply of every worker of ``workers`` and read it into a round.
 
         ``fail_fast``: a dead worker or the deadline raises at once (and shuts down);
         otherwise they are noted in the round for the supervisor. ``done``: the round so far.
+        ``spun_s``: seconds a full round already spun on the first of ``workers`` (its wait
+        counts them).
         """
         transport = self.transport
         done = Round() if done is None else done
@@ -558,7 +556,8 @@ class RoundDriver(Backend):
         try:
             while waiting:
                 limit, capped = reports.cap(deadline)
-                seen = transport.wait(waiting, limit, False)
+                seen = transport.wait(waiting, limit, False, spun_s)
+                spun_s = None
                 if not seen.ready and not seen.dead:
                     if capped:  # the report time passed, not the deadline: report, wait on
                         self._report_hang(waiting, *reports.advance(), starting)

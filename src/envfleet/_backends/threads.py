@@ -218,7 +218,9 @@ class ThreadsTransport(InProcessTransport):
             return True
         return super().send(w, command, payload)
 
-    def wait(self, workers: list[int], deadline: float | None, first: bool) -> Seen:
+    def wait(
+        self, workers: list[int], deadline: float | None, first: bool, spun_s: float | None = None
+    ) -> Seen:
         """Until a worker of ``workers`` has a reply (its thread's, or the calling thread's
         run), or ``deadline``; then every reply already there too."""
         replies = self._replies

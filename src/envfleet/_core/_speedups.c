@@ -9,7 +9,7 @@
  *                   autoreset flags (_core/envgroup.py)
  *   write_rows      the observations into the group's rows of the observation buffer (same)
  *   serve_steps     the processes worker's loop of plain steps (_backends/processes/worker.py)
- *   step_round      the processes driver's ring, own block and spin of a step
+ *   full_round      the processes driver's ring, own block and spin of a step
  *                   (_backends/processes/backend.py)
  *   timed_call      StepTimer.call: a group's step timed into its stats row, where a backend
  *                   steps the group itself (serial, threads, Ray actors, the driver's block)
@@ -71,7 +71,7 @@
  * only the calls where they wrote (not those handed back to numpy). Updated with the GIL held. */
 enum {
     F_SERVE_STEPS,
-    F_STEP_ROUND,
+    F_FULL_ROUND,
     F_TIMED_CALL,
     F_WRITE_RESULTS,
     F_WRITE_ROWS,
@@ -86,7 +86,7 @@ enum {
     F_COUNT
 };
 static const char *const function_names[F_COUNT] = {
-    "serve_steps", "step_round", "timed_call", "write_results", "write_rows",
+    "serve_steps", "full_round", "timed_call", "write_results", "write_rows",
     "bell_ring",   "bell_sleep", "bell_arrive",  "gather_sleep", "pcg64_raw",
     "log_row",     "futex_wake", "futex_wait",
 };
@@ -94,7 +94,7 @@ static unsigned long long calls[F_COUNT];
 
 /* The control words' layout, given by Python (set_layout, from _backends/processes/worker.py:
  * CMD, CMD_PAYLOAD, STATUS, REPLY_PAYLOAD, REQ, GATHER, ACK, SLEEP), the one place it is defined. -1:
- * not given yet, and serve_steps / step_round / bell_sleep refuse to run. */
+ * not given yet, and serve_steps / full_round / bell_sleep refuse to run. */
 static Py_ssize_t w_cmd = -1, w_cmd_payload = -1, w_status = -1, w_reply_payload = -1;
 static Py_ssize_t w_req = -1, w_gather = -1, w_ack = -1, w_sleep = -1;
 
@@ -189,7 +189,7 @@ monotonic_s(void)
 
 /* -- the arguments of the functions called every step -------------------------------------- */
 
-/* step_round, timed_call, write_results and write_rows take METH_FASTCALL arguments, checked
+/* full_round, timed_call, write_results and write_rows take METH_FASTCALL arguments, checked
  * here as PyArg_ParseTuple would (the same TypeError): parsing its format string cost each call
  * more instructions than a write_rows' own work. */
 static int
@@ -824,14 +824,43 @@ fail:
     return NULL;
 }
 
-/* step_round's full round on the round bell (Linux): every worker's command words, then its
+/* A full round's outcome: an instance of ``outcome_type`` (protocol.RoundOutcome, a NamedTuple:
+ * a tuple subclass, allocated and filled here in its fields' order: local_result,
+ * local_failure, taken, unread, spun_s). Steals the three references; NULL on error. */
+static PyObject *
+round_outcome(PyObject *outcome_type, PyObject *local_result, PyObject *local_failure,
+              Py_ssize_t taken, PyObject *unread, double spun_s)
+{
+    PyTypeObject *type = (PyTypeObject *)outcome_type;
+    PyObject *taken_obj = PyLong_FromSsize_t(taken);
+    PyObject *spun_obj = PyFloat_FromDouble(spun_s);
+    PyObject *outcome = NULL;
+    if (taken_obj != NULL && spun_obj != NULL)
+        outcome = type->tp_alloc(type, 5);
+    if (outcome == NULL) {
+        Py_XDECREF(taken_obj);
+        Py_XDECREF(spun_obj);
+        Py_DECREF(local_result);
+        Py_DECREF(local_failure);
+        Py_DECREF(unread);
+        return NULL;
+    }
+    PyTuple_SET_ITEM(outcome, 0, local_result);
+    PyTuple_SET_ITEM(outcome, 1, local_failure);
+    PyTuple_SET_ITEM(outcome, 2, taken_obj);
+    PyTuple_SET_ITEM(outcome, 3, unread);
+    PyTuple_SET_ITEM(outcome, 4, spun_obj);
+    return outcome;
+}
+
+/* full_round's round on the round bell (Linux): every worker's command words, then its
  * REQ, ``remaining`` = the worker count, one ring (at most one FUTEX_WAKE_BITSET); the driver's own
  * block; then a spin within ``round_budget`` until ``remaining`` is 0. Taken: all the workers,
  * or none (the caller blocks on the bell, RoundBell.gather_sleep, for all of them). */
 static PyObject *
 gather_round(PyObject *controls, PyObject *local, PyObject *env_failure, double tight_s,
              long long step_code, long long ok_code, PyObject *bell_address,
-             PyObject *round_budget, double sleep_s)
+             PyObject *round_budget, double sleep_s, PyObject *outcome_type)
 {
     void *b;
     if (!as_address(bell_address, &b))
@@ -897,7 +926,7 @@ gather_round(PyObject *controls, PyObject *local, PyObject *env_failure, double 
         PyObject *unread = PyList_New(0);
         if (unread == NULL)
             goto fail;
-        return Py_BuildValue("(NNnNd)", local_result, local_failure, (Py_ssize_t)0, unread,
+        return round_outcome(outcome_type, local_result, local_failure, 0, unread,
                              budget_s + (slept_s > 0 ? slept_s : 0.0));
     }
     if ((slept_s < 0 ? budget_caught(round_budget, budget_s)
@@ -906,16 +935,16 @@ gather_round(PyObject *controls, PyObject *local, PyObject *env_failure, double 
     PyObject *unread = unread_replies(controls, ok_code);
     if (unread == NULL)
         goto fail;
-    return Py_BuildValue("(NNnNd)", local_result, local_failure, n, unread, 0.0);
+    return round_outcome(outcome_type, local_result, local_failure, n, unread, 0.0);
 fail:
     Py_DECREF(local_result);
     Py_DECREF(local_failure);
     return NULL;
 }
 
-/* step_round(requests, dones, controls, budgets, local, env_failure, tight_s, step_code,
- *            ok_code, bell, round_budget, sleep_s[, ring])
- *     -> (local_result, local_failure, taken, unread, spun_s)
+/* full_round(requests, dones, controls, budgets, local, env_failure, tight_s, step_code,
+ *            ok_code, bell, round_budget, sleep_s, outcome_type[, ring])
+ *     -> outcome_type(local_result, local_failure, taken, unread, spun_s)
  *
  * With ``bell`` (the round bell's address, Linux x86-64; else None) and ``ring``, the round is
  * gather_round's: one ring and one count of arrivals for all the workers (spinning within the
@@ -923,7 +952,7 @@ fail:
  * none) instead of one semaphore each; ``taken`` is then all or none, and ``spun_s`` the
  * seconds spun and slept.
  *
- * The processes transport's step_all: the round driver's send and gather of a plain step, up
+ * The processes transport's full_round: the round driver's send and gather of a plain step, up
  * to reading the replies. For each worker w (the tuples hold the addresses of its request and done semaphores and of its int64
  * control words): command word = step_code, payload word = 0, post its request (unless
  * ``ring`` is 0: step_async already did, and step_wait finishes the round). Then call
@@ -935,36 +964,41 @@ fail:
  * runs out the round stops there: the caller waits for workers ``taken`` on, blocking at once
  * for the first (it already spun ``spun_s`` seconds). */
 static PyObject *
-sp_step_round(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+sp_full_round(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    calls[F_STEP_ROUND]++;
+    calls[F_FULL_ROUND]++;
     double tight_s;
     long long step_code, ok_code;
     int ring = 1;
-    const char *fname = "step_round";
+    const char *fname = "full_round";
     double sleep_s;
-    if (!arg_count(fname, nargs, 12, 13) || !arg_of_type(fname, args, 0, &PyTuple_Type) ||
+    if (!arg_count(fname, nargs, 13, 14) || !arg_of_type(fname, args, 0, &PyTuple_Type) ||
         !arg_of_type(fname, args, 1, &PyTuple_Type) ||
         !arg_of_type(fname, args, 2, &PyTuple_Type) || !arg_of_type(fname, args, 3, &PyList_Type) ||
         !arg_double(args[6], &tight_s) || !arg_long_long(args[7], &step_code) ||
         !arg_long_long(args[8], &ok_code) || !arg_double(args[11], &sleep_s))
         return NULL;
-    if (nargs == 13 && (ring = PyObject_IsTrue(args[12])) < 0)
+    if (nargs == 14 && (ring = PyObject_IsTrue(args[13])) < 0)
         return NULL;
     PyObject *requests = args[0], *dones = args[1], *controls = args[2], *budgets = args[3];
     PyObject *local = args[4], *env_failure = args[5], *bell_address = args[9];
-    PyObject *round_budget = args[10];
+    PyObject *round_budget = args[10], *outcome_type = args[12];
+    if (!PyType_Check(outcome_type) ||
+        !PyType_IsSubtype((PyTypeObject *)outcome_type, &PyTuple_Type)) {
+        PyErr_SetString(PyExc_TypeError, "full_round: outcome_type must be a tuple subclass");
+        return NULL;
+    }
     if (!layout_set())
         return NULL;
     Py_ssize_t n = PyTuple_GET_SIZE(requests);
     if (PyTuple_GET_SIZE(dones) != n || PyTuple_GET_SIZE(controls) != n ||
         PyList_GET_SIZE(budgets) != n) {
-        PyErr_SetString(PyExc_ValueError, "step_round: one entry per worker in each");
+        PyErr_SetString(PyExc_ValueError, "full_round: one entry per worker in each");
         return NULL;
     }
     if (ring && bell_address != Py_None)
         return gather_round(controls, local, env_failure, tight_s, step_code, ok_code,
-                            bell_address, round_budget, sleep_s);
+                            bell_address, round_budget, sleep_s, outcome_type);
     for (Py_ssize_t w = 0; ring && w < n; w++) {
         void *request, *control;
         if (!as_address(PyTuple_GET_ITEM(requests, w), &request) ||
@@ -1026,7 +1060,7 @@ sp_step_round(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
             Py_DECREF(index);
         }
     }
-    return Py_BuildValue("(NNnNd)", local_result, local_failure, taken, unread, spun_s);
+    return round_outcome(outcome_type, local_result, local_failure, taken, unread, spun_s);
 fail_unread:
     Py_DECREF(unread);
 fail:
@@ -1411,7 +1445,8 @@ static PyMethodDef methods[] = {
     {"write_results", (PyCFunction)(void (*)(void))sp_write_results, METH_FASTCALL, "EnvGroup._write_results."},
     {"write_rows", (PyCFunction)(void (*)(void))sp_write_rows, METH_FASTCALL, "EnvGroup's observation rows, memcpy'd."},
     {"serve_steps", sp_serve_steps, METH_VARARGS, "_Worker.serve's loop for plain steps."},
-    {"step_round", (PyCFunction)(void (*)(void))sp_step_round, METH_FASTCALL, "The processes transport's step round (step_all)."},
+    {"full_round", (PyCFunction)(void (*)(void))sp_full_round, METH_FASTCALL,
+     "The processes transport's full step round (full_round)."},
     {"timed_call", (PyCFunction)(void (*)(void))sp_timed_call, METH_FASTCALL, "StepTimer.call."},
     {"bell_ring", sp_bell_ring, METH_VARARGS, "bell_ring(bell, controls): RoundBell.ring."},
     {"pcg64_raw", sp_pcg64_raw, METH_O,

@@ -8,7 +8,7 @@ caller gets (``tests/unit/test_speedups_properties.py`` compares the two on rand
 
 It holds what measurably pays end to end (``benchmarks/speedups.py``): ``write_results`` and
 ``write_rows`` (an EnvGroup's result and observation writes), ``serve_steps`` (a processes
-worker's loop of plain steps) and ``step_round`` (the processes driver's step round). Callers
+worker's loop of plain steps) and ``full_round`` (the processes driver's full step round). Callers
 look a function up with :func:`function` when an :class:`~envfleet._core.envgroup.EnvGroup` or a
 processes backend (driver or worker) is built, so setting ``envfleet._core.native.speedups = None``
 (or naming functions in :data:`disabled`) before ``envfleet.make`` turns them off for that
@@ -21,7 +21,7 @@ each autoreset (``_core/replay.py``: ``StartReader.packed``; its twin ``pcg64_by
 
 The processes backend's round bell (Linux futexes, ``_backends/processes/doorbell.py``) has
 its C side here too: ``bell_ring``, ``bell_sleep``, ``bell_arrive`` and ``gather_sleep``, and
-``step_round`` / ``serve_steps`` given the bell's address.
+``full_round`` / ``serve_steps`` given the bell's address.
 
 ``crash_note`` is no step-path function: it installs the fatal-signal handler that names the
 env the processes driver was stepping itself when its process died (``_core/crash_note.py``).
@@ -69,7 +69,7 @@ def function(name: str) -> Callable[..., Any] | None:
     """The C function ``name`` of :data:`speedups`, or ``None`` where the caller runs its
     Python twin (the module is not loaded, or ``name`` is in :data:`disabled`).
 
-    Example: ``step_round = envfleet._core.native.function("step_round")``.
+    Example: ``full_round = envfleet._core.native.function("full_round")``.
     """
     module = speedups
     if module is None or name in disabled:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -22,6 +22,7 @@ __all__ = [
     "RemoteError",
     "ResetRequest",
     "RestartRequest",
+    "RoundOutcome",
     "SetAttrRequest",
     "Status",
 ]
@@ -40,6 +41,41 @@ class SideValues(dict[str, Any]):
     (so restarts and merges carry them as they carry infos); the front takes such events out
     (``type(info) is SideValues``) before it batches the infos.
     """
+
+
+class RoundOutcome(NamedTuple):
+    """What a full step round (a processes transport's ``full_round``: the C round of
+    ``_speedups.full_round`` or its Python twin) did before handing back to the driver.
+
+    Attributes:
+        local_result: the driver's own block's events (its step's return), or ``None``
+            (no block, or it failed).
+        local_failure: the ``EnvFailure`` the driver's own block raised, or ``None``.
+        taken: the workers whose replies the round took, counted from the first of the
+            transport's ``remote`` workers (all of them, or the first that were caught up
+            when a spin ran out; 0 or all on the round bell).
+        unread: the indexes (into ``remote``) of the taken workers whose reply is not
+            "OK, no payload": the driver reads those.
+        spun_s: seconds the round already spun and slept on the first worker it did not
+            take (the driver's next wait on it counts them), or ``None``.
+    """
+
+    local_result: Any
+    local_failure: Any
+    taken: int
+    unread: list[int]
+    spun_s: float | None
+
+    def complete(self, workers: int) -> bool:
+        """Each of the round's ``workers`` remote workers' replies taken, every one "OK, no
+        payload", and the driver's own block neither failed nor had an event: the round's
+        answer is just the rows, nothing to read, wait for or settle."""
+        return (
+            self.taken == workers
+            and not self.unread
+            and self.local_failure is None
+            and not self.local_result
+        )
 
 
 class Command(enum.IntEnum):

@@ -120,8 +120,7 @@ class FleetVectorEnv(VectorEnv[Any, Any, np.ndarray]):
         self._state = AsyncState.DEFAULT
         # What an asynchronous call left for its wait to run in this thread (inline_groups).
         self._deferred: tuple[Command, dict[int, Any]] | None = None
-        # True: one env's own info dict, not batched (set by envfleet.ProcessEnv).
-        self.unbatched_infos = False
+        self._unbatched_infos = False
         self._needs_reset = np.zeros(self.num_envs, dtype=np.bool_)
         self._steps = 0
         self.closed = False
@@ -141,28 +140,7 @@ class FleetVectorEnv(VectorEnv[Any, Any, np.ndarray]):
         # leaf_actions); the step's payloads, or every group's None.
         self._side_actions = bool(side_leaves(single_action_space))
         self._step_payloads: dict[int, Any] = self._every_group
-        # The native path (backend.native, EnvPool): a step whose actions need no check
-        # beyond their shape and dtype hands the native library's arrays through.
-        self._native_step = (
-            backend.native_step
-            if backend.native and not is_pool and autoreset_mode is AutoresetMode.NEXT_STEP
-            else None
-        )
-        # The plain step's shorter path (step()): actions of the buffer's own shape and dtype
-        # need no check, and no env is left waiting for a reset.
-        self._step_round = (
-            backend.step_round
-            if self._action_leaf and not is_pool and autoreset_mode is not AutoresetMode.DISABLED
-            else None
-        )
-        # Its results are the batch's arrays copied: one observation leaf, no slabs.
-        self._plain_outputs = (
-            is_leaf(single_observation_space)
-            and self._outputs.slabs is None
-            and not self._outputs.side_spaces
-        )
-        self._action_shape = backend.batch.actions.shape if self._action_leaf else None
-        self._action_dtype = backend.batch.actions.dtype if self._action_leaf else None
+        self._plan_plain_step()
 
     # -- reset -----------------------------------------------------------------------------
 
@@ -234,6 +212,55 @@ class FleetVectorEnv(VectorEnv[Any, Any, np.ndarray]):
 
     # -- step ------------------------------------------------------------------------------
 
+    @property
+    def unbatched_infos(self) -> bool:
+        """True: a step's or reset's infos are the one env's own info dict, not batched (set
+        by :class:`envfleet.ProcessEnv`)."""
+        return self._unbatched_infos
+
+    @unbatched_infos.setter
+    def unbatched_infos(self, value: bool) -> None:
+        self._unbatched_infos = bool(value)
+        self._plan_plain_step()
+
+    def _plan_plain_step(self) -> None:
+        """The plain step's preconditions that hold for the vector env's life, in one place
+        (the others, checked by :meth:`step` at each call: actions of the action buffer's own
+        type, shape and dtype, no call pending, not closed, no pool started).
+
+        - ``_native_step`` (a backend whose native library steps, EnvPool; not a pool;
+          ``NEXT_STEP`` autoreset, the library's own): the library's arrays handed through.
+        - ``_step_round`` (one action leaf, whose buffer the actions fill as they are; not a
+          pool; autoreset on, so no env waits for a reset to be checked):
+          ``backend.step_round``, whose ``None`` stands for "every env stepped, no info".
+        - ``_copy_rows``: that ``None`` is answered with the batch's rows copied and ``{}``
+          (one observation leaf, no slabs or side leaves to assemble, ``copy``, infos
+          batched).
+        """
+        backend = self._backend
+        mode, pool = self.autoreset_mode, self._pool.is_pool
+        self._native_step = (
+            backend.native_step
+            if backend.native and not pool and mode is AutoresetMode.NEXT_STEP
+            else None
+        )
+        self._step_round = (
+            backend.step_round
+            if self._action_leaf and not pool and mode is not AutoresetMode.DISABLED
+            else None
+        )
+        outputs = self._outputs
+        self._copy_rows = (
+            self._step_round is not None
+            and is_leaf(self.single_observation_space)
+            and outputs.slabs is None
+            and not outputs.side_spaces
+            and self.copy
+            and not self._unbatched_infos
+        )
+        self._action_shape = backend.batch.actions.shape if self._action_leaf else None
+        self._action_dtype = backend.batch.actions.dtype if self._action_leaf else None
+
     def step(self, actions: Any) -> tuple[Any, np.ndarray, np.ndarray, np.ndarray, dict[str, Any]]:
         """Step every sub-environment with its action; autoreset per ``autoreset_mode``.
 
@@ -262,37 +289,24 @@ class FleetVectorEnv(VectorEnv[Any, Any, np.ndarray]):
             and not self.closed
             and not self._pool.started
         ):
+            # The plain step (_plan_plain_step): nothing to check beyond the above.
             native = self._native_step
             if native is not None:
+                try:
+                    answer = native(actions, self.copy)
+                except BaseException:
+                    self.closed = self._backend.closed
+                    raise
                 self._steps += 1
-                return native(actions, self.copy)
+                return answer
             step_round = self._step_round
             if step_round is not None:
-                # The plain step (actions of the buffer's own shape and dtype, nothing else
-                # to check) in as few frames as it takes: _prepare_step's common case, the
-                # backend's step round, _step_outputs' common case.
-                backend = self._backend
-                batch = backend.batch
-                batch.actions[...] = actions
-                outputs = self._outputs
-                if outputs.slabs is not None:
-                    outputs.pick_slab(True, self.copy)
+                self._stage_actions(actions)
                 try:
                     results = step_round(self.step_timeout, self._steps)
                 except BaseException:
-                    self.closed = backend.closed
+                    self.closed = self._backend.closed
                     raise
-                if results is None:
-                    if self._plain_outputs and self.copy and not self.unbatched_infos:
-                        self._steps += 1
-                        return (
-                            batch.observations.copy(),
-                            batch.rewards.copy(),
-                            batch.terminations.copy(),
-                            batch.truncations.copy(),
-                            {},
-                        )
-                    results = {}
                 return self._step_outputs(results)
         # step_async then step_wait, with the submit and the wait in one backend call.
         self._prepare_step(actions, "step_async")
@@ -334,10 +348,8 @@ class FleetVectorEnv(VectorEnv[Any, Any, np.ndarray]):
             and actions.dtype == out.dtype
             and actions.shape == out.shape
         ):
-            # The common case, checked without the general walk; the same dtype, so the
-            # assignment casts nothing (and costs ~0.1 µs against np.copyto's ~0.25).
-            out[...] = actions
-            self._step_payloads = self._every_group
+            self._stage_actions(actions)  # the common case, checked without the general walk
+            return
         else:
             leaves: list[tuple[np.ndarray | None, Any]] = []
             check_actions(self.single_action_space, out, actions, "actions", leaves, self.num_envs)
@@ -355,6 +367,15 @@ class FleetVectorEnv(VectorEnv[Any, Any, np.ndarray]):
                     w: [None if v is None else v[start:stop] for v in travel]
                     for w, (start, stop) in enumerate(self._backend.ranges)
                 }
+        if self._outputs.slabs is not None:
+            self._outputs.pick_slab(True, self.copy)
+
+    def _stage_actions(self, actions: np.ndarray) -> None:
+        """Write ``actions``, an array of the action buffer's own shape and dtype (the one
+        leaf: the assignment casts nothing), for a step of every group with no payload, and
+        pick the step's observation slab."""
+        self._backend.batch.actions[...] = actions
+        self._step_payloads = self._every_group
         if self._outputs.slabs is not None:
             self._outputs.pick_slab(True, self.copy)
 
@@ -378,16 +399,27 @@ class FleetVectorEnv(VectorEnv[Any, Any, np.ndarray]):
         return self._step_outputs(self._wait(AsyncState.WAITING_STEP, "step_wait", timeout))
 
     def _step_outputs(
-        self, results: dict[int, Any]
+        self, results: dict[int, Any] | None
     ) -> tuple[Any, np.ndarray, np.ndarray, np.ndarray, dict[str, Any]]:
-        """A finished step's results, as step_wait returns them."""
+        """A finished step's results, as step_wait returns them; ``results`` ``None``:
+        ``backend.step_round``'s "every env stepped, no info"."""
         self._steps += 1
+        batch = self._backend.batch
+        if results is None:
+            if self._copy_rows:  # the plain step's answer (_plan_plain_step)
+                return (
+                    batch.observations.copy(),
+                    batch.rewards.copy(),
+                    batch.terminations.copy(),
+                    batch.truncations.copy(),
+                    {},
+                )
+            results = {}
         outputs = self._outputs
         if outputs.side_spaces or self.unbatched_infos or any(results.values()):
             infos = self._infos(results)
         else:
             infos = {}  # no env had an info (the common case): vector_infos's answer
-        batch = self._backend.batch
         if self.autoreset_mode is _DISABLED:
             np.logical_or(batch.terminations, batch.truncations, out=self._needs_reset)
         if self.copy:

@@ -75,7 +75,7 @@ from envfleet._backends.registry import (
     PlanRequest,
     register,
 )
-from envfleet._backends.rounds import NOTHING, RoundDriver, Seen, StepAll
+from envfleet._backends.rounds import NOTHING, FullRound, RoundDriver, Seen
 from envfleet._backends.supervisor import Round
 from envfleet._backends.workers import watch
 from envfleet._core import native as _speedups
@@ -85,7 +85,7 @@ from envfleet._core.crash_note import driver_crash_note, note_base
 from envfleet._core.envgroup import EnvFailure, EnvGroup
 from envfleet._core.errors import ConfigError, EnvCrashedError, EnvError
 from envfleet._core.failures import CLOSED, failure_error, mismatch_error, remote_env_error
-from envfleet._core.protocol import Command, Failure, Status
+from envfleet._core.protocol import Command, Failure, RoundOutcome, Status
 from envfleet._core.replay import EnvRecording, new_log
 from envfleet._core.stats import StepTimer, StepTimeStats, WorkerMemory, step_time_table
 
@@ -152,8 +152,7 @@ class ProcessesTransport:
         self._round_sleep_s = BLOCK_SLICE_S if timeout is None else min(BLOCK_SLICE_S, timeout)
         self.remote = list(range(1 if driver_group else 0, groups))
         self._here = frozenset((0,)) if driver_group else frozenset()
-        self.step_all: StepAll | None = None
-        self.spun_s: float | None = None  # the C round spun that long on the next reply
+        self.full_round: FullRound | None = None
         # A forked worker flushes the stdio buffers it inherits when it exits: flush them
         # here so nothing the driver printed is printed again.
         for stream in (sys.stdout, sys.stderr):
@@ -191,7 +190,7 @@ class ProcessesTransport:
             if first_env is not None:
                 first_env.close()
                 first_env = None
-            self.step_all = self._bind_step_all()
+            self.full_round = self._bind_full_round()
         except EnvFailure as failure:
             self.close(None, True, ())
             raise failure_error(failure) from failure.__cause__
@@ -241,9 +240,16 @@ class ProcessesTransport:
                 return False
         return True
 
-    def wait(self, workers: list[int], deadline: float | None, first: bool) -> Seen:
+    def wait(
+        self,
+        workers: list[int],
+        deadline: float | None,
+        first: bool,
+        spun_s: float | None = None,
+    ) -> Seen:
         """A first-ready pool's wait: on the pool's shared doorbell, then every worker's
-        reply taken; else on the first worker's doorbell. Either watches every worker of
+        reply taken; else on the first worker's doorbell (``spun_s``: the full round
+        already spun and slept that long on it). Either watches every worker of
         ``workers`` for a death between blocking slices."""
         procs, doorbells = self.workers.procs, self.workers.doorbells
         g = workers[0]
@@ -263,8 +269,7 @@ class ProcessesTransport:
             return Seen(ready, dead)
         words = self.workers.words
         if self.workers.bell is not None and words[g][GATHER]:
-            return self._gather_wait(workers, deadline, alive)
-        spun_s, self.spun_s = self.spun_s, None
+            return self._gather_wait(workers, deadline, alive, spun_s)
         if Doorbell.wait(
             cast(Doorbell, doorbells[g]).done, self._budgets[g], deadline, alive, spun_s
         ):
@@ -279,14 +284,17 @@ class ProcessesTransport:
         return Seen(ready, dead) if ready or dead else NOTHING
 
     def _gather_wait(
-        self, workers: list[int], deadline: float | None, alive: Callable[[], bool]
+        self,
+        workers: list[int],
+        deadline: float | None,
+        alive: Callable[[], bool],
+        spun_s: float | None,
     ) -> Seen:
         """Wait for a full round's workers (their commands were rung on the round bell,
         GATHER): until every one arrived (the bell's count at 0, or each one's ACK caught up
         with its REQ), one died, or the deadline; report the ones that replied by then."""
         words, procs = self.workers.words, self.workers.procs
         gate = _Gathered(cast(RoundBell, self.workers.bell), [words[h] for h in workers])
-        spun_s, self.spun_s = self.spun_s, None
         if Doorbell.wait(gate, self._round_budget, deadline, alive, spun_s):
             return Seen(list(workers))
         ready = [h for h in workers if words[h][REQ] == words[h][ACK]]
@@ -319,23 +327,24 @@ class ProcessesTransport:
         else:
             done.results[g] = payload
 
-    def _bind_step_all(self) -> StepAll | None:
-        """:attr:`step_all`: _speedups.step_round bound to this transport's workers, or
-        ``None`` where it does not apply (no C step path, not the shared POSIX semaphores, a
-        first-ready pool). It rings every worker (unless told that step_async did), steps the
-        driver's own block, and spins on each reply in turn (the seconds it spun on the first
-        reply it left: :attr:`spun_s`)."""
-        step_round = _speedups.function("step_round")
+    def _bind_full_round(self) -> FullRound | None:
+        """:attr:`full_round`: ``_speedups.full_round`` bound to this transport's workers, its
+        Python twin :func:`_py_full_round` on the round bell without the C module, or
+        ``None`` where neither applies (no C step path and no bell, not the shared POSIX
+        semaphores, a first-ready pool). It rings every worker (unless told that step_async
+        did), steps the driver's own block, and spins on the replies; its
+        :class:`~envfleet._core.protocol.RoundOutcome` says what it took."""
+        full_round = _speedups.function("full_round")
         doorbells = [self.workers.doorbells[g] for g in self.remote]
         bell = self.workers.bell
-        if step_round is None and bell is not None:
+        if full_round is None and bell is not None:
             # The Python twin of the C round on the bell (no reference to self: a cycle
             # would keep the shared memory past close until the garbage collector runs).
             local = None
             if self._local is not None:
                 local = functools.partial(self._local_timer.call, self._local.step)
             return functools.partial(
-                _py_step_round,
+                _py_full_round,
                 bell,
                 [self.workers.words[g] for g in self.remote],
                 tuple(int(self.workers.control[g].ctypes.data) for g in self.remote),
@@ -344,7 +353,7 @@ class ProcessesTransport:
                 self._round_sleep_s,
             )
         if (
-            step_round is None
+            full_round is None
             or self.workers.any_done is not None
             or not all(
                 type(d.request) is SharedSem and type(d.done) is SharedSem
@@ -357,7 +366,7 @@ class ProcessesTransport:
         if self._local is not None:
             local = functools.partial(self._local_timer.call, self._local.step)
         return functools.partial(
-            step_round,
+            full_round,
             tuple(cast(Doorbell, d).request.address for d in doorbells),
             tuple(cast(Doorbell, d).done.address for d in doorbells),
             tuple(int(self.workers.control[g].ctypes.data) for g in self.remote),
@@ -370,6 +379,7 @@ class ProcessesTransport:
             None if bell is None else bell.address,
             self._round_budget,
             self._round_sleep_s,
+            RoundOutcome,
         )
 
     def step_times(self) -> tuple[StepTimeStats, ...]:
@@ -424,7 +434,7 @@ class ProcessesTransport:
 _OK = int(Status.OK)
 
 
-def _py_step_round(
+def _py_full_round(
     bell: RoundBell,
     words: list[memoryview],
     controls: tuple[int, ...],
@@ -432,8 +442,8 @@ def _py_step_round(
     budget: SpinBudget,
     sleep_s: float,
     ring: bool,
-) -> tuple[Any, Any, int, list[int], float | None]:
-    """The Python twin of ``_speedups.step_round`` given the round bell (its full round): every
+) -> RoundOutcome:
+    """The Python twin of ``_speedups.full_round`` given the round bell (its full round): every
     worker's command words and REQ, one ring (``controls``: the workers' control rows'
     addresses), the driver's own block, a spin within
     ``budget`` on the arrivals, then one blocking slice of at most ``sleep_s`` seconds (0:
@@ -456,21 +466,21 @@ def _py_step_round(
         except EnvFailure as exc:
             failure = exc
     if not ring:
-        return result, failure, 0, [], None
+        return RoundOutcome(result, failure, 0, [], None)
     if spin(bell.gathered, budget):
         budget.caught()
     else:
         spun_s = budget.budget_s
         if sleep_s <= 0:
-            return result, failure, 0, [], spun_s
+            return RoundOutcome(result, failure, 0, [], spun_s)
         started = time.monotonic()
         gathered = bell.gather_sleep(sleep_s)
         spun_s += time.monotonic() - started
         if not gathered:
-            return result, failure, 0, [], spun_s
+            return RoundOutcome(result, failure, 0, [], spun_s)
         budget.blocked(spun_s)
     unread = [i for i, w in enumerate(words) if w[STATUS] != _OK or w[REPLY_PAYLOAD]]
-    return result, failure, len(words), unread, 0.0
+    return RoundOutcome(result, failure, len(words), unread, 0.0)
 
 
 class _Gathered:

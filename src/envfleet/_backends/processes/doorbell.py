@@ -266,7 +266,7 @@ False and every command is rung on the worker's POSIX semaphores (full barriers)
 
 The Python side of the round protocol publishes with plain stores: the driver writes a
 command's words (``CMD``, ``CMD_PAYLOAD``, ``GATHER``) and then its ``REQ`` count
-(``WorkerProcesses.request``, ``_py_step_round``), a worker its ``STATUS`` and reply words
+(``WorkerProcesses.request``, ``_py_full_round``), a worker its ``STATUS`` and reply words
 and then its ``ACK`` (``_Worker.ring_done``), each side reading the other's with plain loads.
 That is correct only where the CPU keeps stores in order and loads in order, as x86-64's
 total store order does. On a weakly ordered CPU (aarch64, ppc64le, riscv64) a spinning

@@ -42,7 +42,7 @@ import ray.exceptions
 from envfleet._backends.base import EnvProbe
 from envfleet._backends.ray.actor import ActorLayout, ActorSpec, RemoteWorker, Reply
 from envfleet._backends.ray.plan import RayPlan, plan_ray
-from envfleet._backends.rounds import RoundDriver, Seen, StepAll
+from envfleet._backends.rounds import FullRound, RoundDriver, Seen
 from envfleet._backends.supervisor import Round
 from envfleet._backends.workers import ask_stacks, read_bytes, read_text
 from envfleet._core.buffers import allocate_batch
@@ -89,8 +89,7 @@ class RayTransport:
     late_what = "Ray actors of workers"
     late_fate = "they were killed"
     replaceable = True
-    step_all: StepAll | None = None
-    spun_s: float | None = None
+    full_round: FullRound | None = None
 
     def __init__(self, request: BuildRequest, actor_options: Mapping[str, Any] | None = None):
         self.ranges = list(request.plan.ranges)
@@ -268,7 +267,9 @@ class RayTransport:
         self._commands[w] = command
         return True
 
-    def wait(self, workers: list[int], deadline: float | None, first: bool) -> Seen:
+    def wait(
+        self, workers: list[int], deadline: float | None, first: bool, spun_s: float | None = None
+    ) -> Seen:
         """``ray.wait`` on the workers' replies (a dead actor's reply is ready: it raises
         when read). While actors are starting and Ray cannot place them, a warning every
         :data:`_START_WARN_S` seconds."""
