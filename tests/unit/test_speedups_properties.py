@@ -10,7 +10,7 @@ containers or of the wrong length, env exceptions) and asserts the same results,
 or the same error; and that the C side really ran the function (its counter advanced).
 
 - ``write_results``, ``write_rows``: the serial backend, the one function off on one side.
-- ``step_round``, ``serve_steps``: the processes backend with the driver's block and a worker
+- ``full_round``, ``serve_steps``: the processes backend with the driver's block and a worker
   each holding envs, every C function off on one side.
 """
 
@@ -261,7 +261,7 @@ def is_plain(values: tuple[Any, ...]) -> bool:
 
 @settings(PROPERTIES, max_examples=40)
 @given(script=scripts, steps=st.integers(1, MAX_STEPS), actions=st.integers(0, 2**NUM_ENVS - 1))
-def test_processes_step_round_and_worker_loop_match_python(pair, script, steps, actions):
+def test_processes_full_round_and_worker_loop_match_python(pair, script, steps, actions):
     before = counters()["full_round"]
     run_both(pair, script, steps, actions)
     assert counters()["full_round"] > before, "the driver's C step round did not run"

@@ -333,7 +333,7 @@ class RoundBell:
     unread).
 
     The C step path (``_speedups``: ``bell_ring``, ``bell_sleep``, ``bell_arrive``,
-    ``gather_sleep``, and ``serve_steps`` / ``step_round`` given the bell) uses atomic
+    ``gather_sleep``, and ``serve_steps`` / ``full_round`` given the bell) uses atomic
     instructions (release stores and acquire loads of every word that publishes data); this
     Python twin does its read-modify-writes with ``FUTEX_WAKE_OP`` (one system call, atomic
     in the kernel), so that either side may run either, and its other stores are plain:

@@ -128,7 +128,7 @@ _SPUN_OUT, _TAKEN, _STEPPED = 0, 1, 2  # why _speedups.serve_steps returned
 
 
 def native_layout() -> None:
-    """Hand the C step path (``_speedups.serve_steps`` and ``step_round``) the control words'
+    """Hand the C step path (``_speedups.serve_steps`` and ``full_round``) the control words'
     layout: its one definition is ``CMD``, ``CMD_PAYLOAD``, ``STATUS``, ``REPLY_PAYLOAD``,
     ``REQ``, ``GATHER``, ``ACK``, ``SLEEP`` and ``WORDS`` above, read when a worker or a driver
     binds a C function (or a round bell binds to the C module)."""
