@@ -323,7 +323,7 @@ class Definitions:
         if root in VARIABLES:
             return self.has_member(VARIABLES[root], parts[0])
         owner = root
-        if root[0].islower() or root[0] == "_":  # module.name
+        if root.lstrip("_")[0].islower():  # module.name (_speedups.x too), else Class.attr
             owner, *parts = parts
             if not any(owner in top for top in self.modules.get(root, [])):
                 return False
@@ -438,7 +438,8 @@ def test_a_stale_code_name_is_caught(tmp_path):
         "The block (`_buffers.Block`, `buffers.Block`, `rounds.RoundDriver.stacks`), "
         "`_workers.watch`, `workers.nope`, `RoundDriver.nope`, `Command.TASK`, `_cores`, "
         "`_core/nope.py`, `_core/stepping.py`, `processes/worker.py`, `Nope`, `SpinBudget`, "
-        "`envs.snapshot()`, `envs.nope`, `envfleet.make`, `make(env, 8)`.\n"
+        "`envs.snapshot()`, `envs.nope`, `envfleet.make`, `make(env, 8)`, `_Worker.serve`, "
+        "`_Worker.nope`.\n"
         "```\n diagram (_protocol.Status), (_core/infos.py), EnvGroup.step\n```\n"
     )
     assert unresolved(page) == [
@@ -453,5 +454,6 @@ def test_a_stale_code_name_is_caught(tmp_path):
             (1, "_core/nope.py"),
             (1, "Nope"),
             (1, "envs.nope"),
+            (1, "_Worker.nope"),
         ]
     ]
