@@ -20,9 +20,9 @@ calls, the start and the replacement of workers):
    a transport.
 
 A transport may lend one leaf accelerator, :attr:`Transport.step_all`: the synchronous step
-round where every worker is pending, in C (``processes``: ``_speedups.step_round``); what it
-leaves (a reply to read, a worker still running, a failure) goes through the same Python
-round.
+round where every worker is pending (``processes``: ``_speedups.step_round`` in C, or its
+Python twin on the round bell where the C module is missing); what it leaves (a reply to
+read, a worker still running, a failure) goes through the same Python round.
 
 No wait is silent (:meth:`RoundDriver.report_hangs`): a Python wait is capped at the next
 hang report's time, and past it warns :class:`envfleet.HangWarning` with the stacks of the
@@ -109,7 +109,7 @@ class Transport(Protocol):
         replaceable: a hung or dead worker can be killed and started anew (``threads``: a
             thread cannot be killed, so a late one fails fast whatever the restart policy).
         late_what, late_fate: how a timeout names the late workers and what became of them.
-        step_all: the C step round where every worker is pending, or ``None`` (see the module).
+        step_all: the step round where every worker is pending, or ``None`` (see the module).
         remote: the workers :attr:`step_all` rings, in order (the others run in the driver),
             and whose ``READY`` the driver waits for at the start.
         spun_s: seconds :attr:`step_all` spun on the first reply it left to :meth:`wait`

@@ -153,7 +153,7 @@ class ProcessesTransport:
         self.remote = list(range(1 if driver_group else 0, groups))
         self._here = frozenset((0,)) if driver_group else frozenset()
         self.step_all: StepAll | None = None
-        self.spun_s: float | None = None  # the C round spun that long on the next reply
+        self.spun_s: float | None = None  # step_all spun that long on the next reply
         # A forked worker flushes the stdio buffers it inherits when it exits: flush them
         # here so nothing the driver printed is printed again.
         for stream in (sys.stdout, sys.stderr):
@@ -320,11 +320,13 @@ class ProcessesTransport:
             done.results[g] = payload
 
     def _bind_step_all(self) -> StepAll | None:
-        """:attr:`step_all`: _speedups.step_round bound to this transport's workers, or
-        ``None`` where it does not apply (no C step path, not the shared POSIX semaphores, a
-        first-ready pool). It rings every worker (unless told that step_async did), steps the
-        driver's own block, and spins on each reply in turn (the seconds it spun on the first
-        reply it left: :attr:`spun_s`)."""
+        """:attr:`step_all`: _speedups.step_round bound to this transport's workers; without
+        the C step path, on the round bell, its Python twin (:func:`_py_step_round`); ``None``
+        where neither applies (a first-ready pool; no C step path and no round bell;
+        doorbells that are not the shared POSIX semaphores). It rings every worker (unless
+        told that step_async did), steps the driver's own block, and spins on the replies (on
+        the bell: on its count of arrivals; else on each reply in turn; the seconds it spun on
+        the first reply it left: :attr:`spun_s`)."""
         step_round = _speedups.function("step_round")
         doorbells = [self.workers.doorbells[g] for g in self.remote]
         bell = self.workers.bell
