@@ -178,12 +178,6 @@ class Doorbell:
         self.request = shared_semaphore(ctx, region, offset)
         self.done = shared_semaphore(ctx, region, offset + SEM_SLOT)
 
-    def ring_request(self) -> None:
-        self.request.release()
-
-    def ring_done(self) -> None:
-        self.done.release()
-
     @staticmethod
     def wait(
         sem: Any,

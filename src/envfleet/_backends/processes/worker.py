@@ -348,11 +348,6 @@ class _Worker:
         if self.bell is not None:
             native_layout()  # the bell's C functions read REQ and ACK
 
-    def due(self) -> bool:
-        """A command is due (round bell: the driver's REQ count ran ahead of our ACK)."""
-        control = self.control
-        return bool(control[REQ] != control[ACK])
-
     def acquire(self, block: bool = True, timeout: float | None = None) -> bool:
         """With a round bell, the request "semaphore" Doorbell.wait takes: poll, or sleep on
         the bell for at most ``timeout`` seconds (rings for other workers are slept through)."""
