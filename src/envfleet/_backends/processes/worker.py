@@ -118,7 +118,8 @@ ON_PIPE, IN_MAILBOX = 1, 2  # where a reply's payload is (REPLY_PAYLOAD; 0: none
 # descriptor comes first on the pipe (NEW_REGION as well).
 IN_REGION, NEW_REGION = 4, 8
 _COMMANDS = {int(c): c for c in Command}  # control word -> Command, without Enum's lookup
-# The hot path's Enum members as module globals: an Enum member lookup costs ~70 ns.
+# The hot path's Enum members as module globals: an Enum member lookup costs more than a
+# global's (benchmarks/README.md).
 _STEP, _CLOSE = Command.STEP, Command.CLOSE
 _SPUN_OUT, _TAKEN, _STEPPED = 0, 1, 2  # why _speedups.serve_steps returned
 
