@@ -2,8 +2,8 @@
 exists in the repository.
 
 A reader follows a link or opens a file the text names; a page that points at a file that moved
-or never was here (a design note kept elsewhere, a test that moved to a subfolder) sends them
-nowhere. Two checks:
+or never was here (a page kept in another repository, a test that moved to a subfolder) sends
+them nowhere. Three checks:
 
 - links: every relative Markdown link or image of README.md and docs/ resolves to a file of
   the repository, and an anchor into a Markdown page names one of its headings;
@@ -11,7 +11,9 @@ nowhere. Two checks:
   (``README.md``, ``setup.py``...) written in README.md, docs/, benchmarks/README.md, the
   Python sources (docstrings and comments: src, tests, benchmarks, examples, tools), setup.py,
   pyproject.toml and mkdocs.yml exists, read from the repository's root, the text's own folder,
-  ``src/`` or ``src/envfleet/``.
+  ``src/`` or ``src/envfleet/``;
+- code names: every module, class, function or attribute docs/architecture.md cites exists in
+  src/envfleet (the rule: :func:`test_every_code_name_of_the_architecture_page_exists`).
 """
 
 from __future__ import annotations
@@ -190,10 +192,10 @@ def test_a_missing_file_and_a_missing_anchor_are_caught(tmp_path):
     assert broken_link(ROOT / "docs" / "index.md", "reference/envfleet.md#envfleet.make") is None
     assert broken_link(ROOT / "docs" / "index.md", "reference/envfleet.md#envfleet.nope")
     page = tmp_path / "page.md"
-    page.write_text("See `src/envfleet/_native.py` and DESIGN.md.\n")
+    page.write_text("See `src/envfleet/_native.py` and NO_SUCH_PAGE.md.\n")
     assert [name for _, name in named_files(page) if missing(page, name)] == [
         "src/envfleet/_native.py",
-        "DESIGN.md",
+        "NO_SUCH_PAGE.md",
     ]
 
 
