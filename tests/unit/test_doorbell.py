@@ -45,7 +45,7 @@ def test_zero_budget_never_spins():
 def _ring_back(bell: Doorbell, rounds: int) -> None:
     for _ in range(rounds):
         assert Doorbell.wait(bell.request, SpinBudget(0.001), None, lambda: True)
-        bell.ring_done()
+        bell.done.release()  # as the worker replies (processes/worker.py)
 
 
 @pytest.mark.timeout(60)
@@ -59,7 +59,7 @@ def test_doorbell_round_trips_between_processes(context, spin_s):
     proc.start()
     budget = SpinBudget(spin_s)
     for _ in range(200):
-        bell.ring_request()
+        bell.request.release()  # as the driver rings (WorkerProcesses.request)
         assert Doorbell.wait(bell.done, budget, None, proc.is_alive)
     proc.join(30)
     assert proc.exitcode == 0
@@ -70,5 +70,5 @@ def test_wait_gives_up_at_the_deadline_and_when_the_peer_is_gone():
     bell = Doorbell(multiprocessing.get_context("fork"), region, 0)
     assert not Doorbell.wait(bell.done, SpinBudget(0.001), time.monotonic() + 0.05, lambda: True)
     assert not Doorbell.wait(bell.done, SpinBudget(0.001), None, lambda: False)
-    bell.ring_done()
+    bell.done.release()
     assert Doorbell.wait(bell.done, SpinBudget(0.001), None, lambda: False)  # posted: taken

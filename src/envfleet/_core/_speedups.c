@@ -162,7 +162,7 @@ sp_reset_counters(PyObject *self, PyObject *unused)
 }
 
 /* numpy's scalar types whose conversion is done here exactly as numpy does it; registered by
- * envfleet/_native.py at import (this module does not import numpy). */
+ * envfleet/_core/native.py at import (this module does not import numpy). */
 static PyTypeObject *np_bool_type = NULL;
 static PyTypeObject *np_float32_type = NULL;
 
@@ -556,7 +556,7 @@ spin_gathered(bell_t *bell, double tight_s, double spin_s)
     return spin_poll(poll_gathered, bell, tight_s, spin_s);
 }
 
-/* -- step times (StepTimer.record, _backends/supervisor.py) ----------------------------------------- */
+/* -- step times (StepTimer.record, _core/stats.py) ----------------------------------------- */
 
 /* StepTimer.record: count, total seconds, and the quarter-octave histogram bucket (bucket 0
  * holds everything up to 1 µs) of a float64 stats row. */

@@ -345,7 +345,7 @@ class ObservationSlabs:
 
     ``copy=True`` promises gymnasium's semantics: the observations a call returns are the
     caller's, and no later call changes them. Copying the shared buffer each step keeps that
-    promise at the price of a copy (about 100 µs per Atari batch of 8, plus the cache it
+    promise at the price of a copy each step (large for Atari's frames, and the cache it
     evicts). Instead, the front picks a slab that no earlier result still uses, has the envs
     write that step's observations there, and returns arrays built directly over it.
 
@@ -375,7 +375,8 @@ class ObservationSlabs:
 
     def pick(self) -> int:
         """A spare slab no result uses, or 0 (the batch's own buffer) when all are in use."""
-        # free() inlined: once per step, and calling it costs ~0.45 µs more per pick.
+        # free() inlined: once per step, where the call's own cost shows
+        # (benchmarks/README.md).
         handed = self._handed
         for k in self._spares:
             for ref in handed[k]:
@@ -389,7 +390,7 @@ class ObservationSlabs:
         """New arrays over spare slab ``k`` (same structure as the observations); the slab is
         in use until every one of them, and every view of them, is gone."""
         template = self._templates[k]
-        if type(template) is memoryview:  # a single array: the common case, ~0.2 µs
+        if type(template) is memoryview:  # a single array: the common case, the short path
             leaf = np.asarray(template)
             self._handed[k] = [weakref.ref(leaf)]
             return leaf

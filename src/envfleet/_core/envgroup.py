@@ -181,7 +181,8 @@ class EnvGroup:
         self.size = len(env_fns)
         self.stop = start + self.size
         self.autoreset_mode = autoreset_mode
-        # Asked once per step: an Enum member lookup costs ~70 ns, a bool attribute ~15 ns.
+        # Asked once per step: a bool attribute is cheaper than an Enum member lookup
+        # (benchmarks/README.md).
         self._next_step = autoreset_mode is AutoresetMode.NEXT_STEP
         self._same_step = autoreset_mode is AutoresetMode.SAME_STEP
         self.single_observation_space = single_observation_space
@@ -231,8 +232,8 @@ class EnvGroup:
         # Leaves without a fixed size have no buffer: their values go with the reply.
         self._side = bool(side_leaves(single_observation_space))
         self._action_leaf = is_leaf(single_action_space)
-        # np.stack costs ~5 µs for 8 small arrays; for an array leaf with ndim >= 1, the same
-        # rows written by one np.concatenate along a flattened first axis cost ~1.6 µs. Used
+        # For an array leaf with ndim >= 1, the rows written by one np.concatenate along a
+        # flattened first axis cost a fraction of np.stack's (benchmarks/README.md). Used
         # only when every observation is an ndarray of exactly the leaf's shape, where the two
         # write the same values with the same (same_kind) casting.
         self._obs_shape: tuple[int, ...] | None = None
@@ -240,10 +241,10 @@ class EnvGroup:
         # rows flattened for the concatenate above (None where that does not apply). The
         # front picks the slab of each command in the shared word ``buffers.slab``.
         #
-        # Cheaper still (~0.3 µs for 8 rows): when every observation also has exactly the
-        # buffer's dtype and is C-contiguous, the rows are their bytes, joined and written
-        # through a byte view of the group's rows. The join copies the bytes twice, so it is
-        # used for small rows only (4 Pong frames, 400 KB: 17.7 µs joined, 9.7 µs by numpy).
+        # Cheaper still: when every observation also has exactly the buffer's dtype and is
+        # C-contiguous, the rows are their bytes, joined and written through a byte view of
+        # the group's rows. The join copies the bytes twice, so it is used for small rows only
+        # (JOIN_MAX_BYTES): on large ones numpy's copy is faster (benchmarks/README.md).
         slabs = self.buffers.observation_slabs or [self.buffers.observations]
         self._obs_slabs: list[tuple[Any, np.ndarray | None, memoryview | None, int]] = []
         self._obs_dtype: np.dtype[Any] | None = None

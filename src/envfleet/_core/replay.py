@@ -144,10 +144,11 @@ def _generator_slots(holders: list[tuple[Any, str]]) -> list[tuple[Any, str, str
     attribute or method of that name, which is not a generator), never through the instance's
     ``__dict__``: on CPython 3.11 reading ``obj.__dict__`` turns the object's inline attribute
     values into a dict for good, and every attribute load in its methods (an env's
-    ``self.state``, a wrapper's ``self.env``) then takes the slow, unspecialized path: 7% of a
-    CartPole step. Only a class that computes attributes (``__getattr__`` or its own
-    ``__getattribute__``: PettingZoo's wrappers) is read through ``__dict__``
-    (``by_dict``), so that nothing of it runs."""
+    ``self.state``, a wrapper's ``self.env``) then takes the slow, unspecialized path, a cost
+    that shows on a CartPole step (benchmarks/README.md, the replay record's cost). Only a
+    class that computes attributes (``__getattr__`` or its own ``__getattribute__``:
+    PettingZoo's wrappers) is read through ``__dict__`` (``by_dict``), so that nothing of it
+    runs."""
     slots = []
     for obj, prefix in holders:
         cls = type(obj)

@@ -60,7 +60,7 @@ class StepTimer:
     def __init__(self, row: np.ndarray):
         self.row = row
         # Written through a memoryview of the row: a worker records once per step, and three
-        # numpy scalar updates cost ~0.7 µs there against ~0.35 µs this way.
+        # numpy scalar updates cost more there (benchmarks/README.md).
         self._words = row.data.cast("B").cast("d")
         self.call: Callable[[Callable[[], _T]], _T]
         """``fn()``, its time recorded when it returns (in C where envfleet._core.native has it)."""

@@ -14,7 +14,6 @@ import numpy as np
 __all__ = [
     "tree_concat",
     "tree_copy",
-    "tree_len",
     "tree_map",
     "tree_row",
     "tree_rows",
@@ -47,12 +46,6 @@ def tree_concat(trees: Sequence[Any]) -> Any:
 def tree_rows(tree: Any, rows: Any) -> Any:
     """Rows ``rows`` (an index array or slice) of every leaf."""
     return tree_map(lambda leaf: leaf[rows], tree)
-
-
-def tree_len(tree: Any) -> int:
-    while isinstance(tree, (dict, tuple)):
-        tree = next(iter(tree.values())) if isinstance(tree, dict) else tree[0]
-    return len(tree)
 
 
 def tree_row(tree: Any, k: int) -> Any:

@@ -1,4 +1,5 @@
-"""PettingZoo parallel envs as gymnasium envs: the per-sub-env adapter of the multi-agent layer.
+"""PettingZoo parallel envs as gymnasium envs: the per-sub-env adapter of the front's multi-agent
+envs (layer 5 in docs/architecture.md).
 
 :class:`ParallelEnvAdapter` is a ``gymnasium.Env`` over one ``pettingzoo.ParallelEnv``. Its
 observation is a ``Dict`` of array leaves (the agents' observations, per-agent rewards, flags

@@ -4,7 +4,7 @@
 (serial, threads, processes, outside a first-ready pool) they are handed out without a copy:
 each command writes its observations into a spare slab that no earlier result uses, and the
 arrays returned are built over it (:class:`envfleet._core.buffers.ObservationSlabs`, which stays
-in ``_buffers`` because the slabs are regions of the block that module lays out). Observation
+in ``buffers`` because the slabs are regions of the block that module lays out). Observation
 leaves without a fixed size (Text, Graph, ...) have no buffer: their latest values per env
 arrive as :class:`~envfleet._core.protocol.SideValues` events and are batched here.
 """

@@ -67,7 +67,8 @@ def _disown_after_fork() -> None:
 os.register_at_fork(after_in_child=_disown_after_fork)
 
 
-# Enum members of the step's hot path as globals (an Enum member lookup costs ~70 ns).
+# Enum members of the step's hot path as globals: an Enum member lookup costs more than a
+# global's (benchmarks/README.md).
 _NO_CALL, _DISABLED, _STEP = AsyncState.DEFAULT, AutoresetMode.DISABLED, Command.STEP
 
 

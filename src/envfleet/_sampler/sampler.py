@@ -438,8 +438,9 @@ class Sampler:
             hang_report_delay=hang_report_delay,
             **make_kwargs,
         )
-        # A PettingZoo env: the Sampler steps the packed vector env under the multi-agent
-        # layer, with the policy on agent rows (envfleet._sampler.multi_agent_rollout).
+        # A PettingZoo env: the Sampler steps the packed vector env under the
+        # MultiAgentVectorEnv, with the policy on agent rows
+        # (envfleet._sampler.multi_agent_rollout).
         self.possible_agents: tuple[str, ...] | None = None
         if isinstance(venv, MultiAgentVectorEnv):
             self.possible_agents = venv.possible_agents

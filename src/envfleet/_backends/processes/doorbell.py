@@ -11,8 +11,8 @@ On Linux the semaphores are unnamed POSIX semaphores (``sem_init`` with ``pshare
 in a shared memory region the caller provides, so they have no name and leave nothing in
 /dev/shm whatever way the processes end. Elsewhere they are ``multiprocessing`` semaphores.
 
-Measured on the 2-core development machine: a round trip costs about 1 µs when both sides
-spin and 25-85 µs when both block (a pipe round trip: about 45 µs).
+A round trip is far cheaper when both sides spin than when both block, and blocking costs
+about what a pipe's round trip does (benchmarks/README.md has the figures).
 """
 
 from __future__ import annotations
@@ -61,12 +61,12 @@ class SpinBudget:
     is slow, or is not running at all because the cores are oversubscribed, and then spinning
     only takes the CPU the peer needs. A wait that is caught while spinning, or that blocked
     but ended soon enough for a spin to have caught it, adds ``step_s`` (``max_s / 16``; the
-    C step path reads it from here, the rule's one definition). On a quiet
-    machine with short waits the budget stays near ``max_s`` (about 1 µs wake-ups); with long
+    C step path reads it from here, the rule's one definition). On a quiet machine with short
+    waits the budget stays near ``max_s`` (wake-ups as fast as a spin sees them); with long
     waits, or other processes competing for the cores, it falls to almost nothing and waiters
-    block at once. After its first :data:`TIGHT_SPIN_S` (20 µs, far below a scheduler slice)
-    the spin loop yields the core (``sched_yield``) between polls, so a spinner never holds a
-    core another runnable process could use for long.
+    block at once. After its first :data:`TIGHT_SPIN_S` (far below a scheduler slice) the spin
+    loop yields the core (``sched_yield``) between polls, so a spinner never holds a core
+    another runnable process could use for long.
 
     Args:
         max_s: the most seconds one wait may spin; 0 disables spinning.
@@ -178,12 +178,6 @@ class Doorbell:
         self.request = shared_semaphore(ctx, region, offset)
         self.done = shared_semaphore(ctx, region, offset + SEM_SLOT)
 
-    def ring_request(self) -> None:
-        self.request.release()
-
-    def ring_done(self) -> None:
-        self.done.release()
-
     @staticmethod
     def wait(
         sem: Any,
@@ -215,8 +209,8 @@ class Doorbell:
                 return True
             start = now = clock()
             spin_until = start + budget.budget_s
-            # Poll back to back at first (a poll costs ~0.3 µs, a yield ~0.55 µs: a ring is
-            # seen ~0.6 µs sooner on average), then yield the core between polls.
+            # Poll back to back at first (a poll costs less than a yield, so a ring is seen
+            # sooner: benchmarks/README.md), then yield the core between polls.
             tight_until = min(spin_until, start + TIGHT_SPIN_S)
             while now < tight_until:
                 if acquire(False):

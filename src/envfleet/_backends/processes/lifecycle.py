@@ -137,7 +137,8 @@ class WorkerProcesses:
             ctypes.c_uint8, groups * GROUP_BYTES
         )
         self.control = control_words(self._control_raw)
-        # The same words as one int64 memoryview per group: ~2x cheaper to write than numpy.
+        # The same words as one int64 memoryview per group: cheaper to write than numpy
+        # (benchmarks/README.md).
         self.words = [word_view(row) for row in self.control]
         # Per group, its control row's address alone: what a ring of that worker reads.
         self._controls = [(int(row.ctypes.data),) for row in self.control]

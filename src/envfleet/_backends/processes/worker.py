@@ -122,7 +122,8 @@ ON_PIPE, IN_MAILBOX = 1, 2  # where a reply's payload is (REPLY_PAYLOAD; 0: none
 # descriptor comes first on the pipe (NEW_REGION as well).
 IN_REGION, NEW_REGION = 4, 8
 _COMMANDS = {int(c): c for c in Command}  # control word -> Command, without Enum's lookup
-# The hot path's Enum members as module globals: an Enum member lookup costs ~70 ns.
+# The hot path's Enum members as module globals: an Enum member lookup costs more than a
+# global's (benchmarks/README.md).
 _STEP, _CLOSE = Command.STEP, Command.CLOSE
 _SPUN_OUT, _TAKEN, _STEPPED = 0, 1, 2  # why _speedups.serve_steps returned
 
@@ -359,11 +360,6 @@ class _Worker:
         self.bit = sleep_bit(self.g)
         if self.bell is not None:
             native_layout()  # the bell's C functions read REQ and ACK
-
-    def due(self) -> bool:
-        """A command is due (round bell: the driver's REQ count ran ahead of our ACK)."""
-        control = self.control
-        return bool(control[REQ] != control[ACK])
 
     def acquire(self, block: bool = True, timeout: float | None = None) -> bool:
         """With a round bell, the request "semaphore" Doorbell.wait takes: poll, or sleep on
