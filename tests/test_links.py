@@ -234,6 +234,7 @@ FOREIGN_NAMES = {
     "RawArray",  # multiprocessing's
     "ThreadPoolExecutor",  # concurrent.futures'
     "KeyboardInterrupt",
+    "None",  # Python's
     "FUTEX_WAKE",  # Linux's
     "FUTEX_WAKE_BITSET",  # Linux's
     "METH_FASTCALL",  # CPython's

@@ -287,23 +287,11 @@ spin_take(sem_t *sem, double tight_s, double spin_s)
 
 /* -- the round bell (Linux: _backends/processes/doorbell.py's RoundBell) -------------------- */
 
-/* One per vector env, in shared memory: the driver bumps ``gen`` once per ring and wakes, with
- * one FUTEX_WAKE_BITSET, just the workers it rang that say they sleep (a worker asleep holds
- * its bit, 1 << (group % 32), in its own SLEEP control word, and sleeps on ``gen`` with that
- * bitset); a worker has a command when its REQ word differs from its ACK word. The SLEEP word
- * is the worker's own row's: a worker killed asleep leaves no count behind on the bell, and
- * its replacement starts with the word cleared. A full step round's workers (GATHER word 1) each
- * decrement ``remaining`` after replying instead of posting their done semaphore; the one that
- * brings it to 0 clears ``dwait`` and wakes the driver asleep on it, if it said it sleeps
- * (``dwait`` 1). Non-private futex operations: the words are shared between processes.
- *
- * Memory order: every control word that publishes data to the other side is stored with
- * release semantics (or a sequentially consistent read-modify-write) after that data, and
- * loaded with acquire semantics before it is read: REQ after CMD, CMD_PAYLOAD and GATHER; a
- * worker's arrival on ``remaining`` and its ACK after its STATUS and reply rows; ``gen``,
- * SLEEP and ``dwait``. So this side is correct on any CPU (on x86-64 an acquire load
- * and a release store are plain moves). The Python twins write with plain stores: the bell
- * runs only where those are ordered (doorbell.py's ROUND_BELL_MACHINES, x86-64). */
+/* One per vector env, in shared memory. The round protocol's rules (R1-R9) are stated once, in
+ * _backends/processes/doorbell.py's module docstring; each function here cites those it keeps.
+ * This side keeps R2-R7's orders with atomic instructions (release stores, acquire loads,
+ * sequentially consistent read-modify-writes), correct on any CPU (R9). Non-private futex
+ * operations: the words are shared between processes. */
 typedef struct {
     uint32_t gen;
     int32_t remaining;
@@ -334,8 +322,8 @@ futex_wait_s(void *addr, uint32_t expected, double timeout_s)
 #endif
 }
 
-/* The driver's ring, first half: every command word written before it is seen by a worker
- * that sees the new generation. */
+/* The driver's ring (R3), first half: every command word written before it is seen by a
+ * worker that sees the new generation. */
 static void
 bell_bump(bell_t *bell)
 {
@@ -372,26 +360,19 @@ bell_pending(volatile int64_t *control)
            __atomic_load_n((int64_t *)&control[w_ack], __ATOMIC_ACQUIRE);
 }
 
-/* A full round's arrival: the last one wakes the driver if it sleeps. */
+/* A full round's arrival: the last one wakes the driver if it sleeps (R7). */
 static void
 gather_arrive(bell_t *bell)
 {
-    /* The driver sleeps on dwait (1 while it sleeps), which only the last arrival changes:
-     * no wake-up for the others' arrivals. */
     if (__atomic_sub_fetch(&bell->remaining, 1, __ATOMIC_SEQ_CST) == 0 &&
         __atomic_exchange_n(&bell->dwait, 0, __ATOMIC_SEQ_CST) != 0)
         futex_wake_n(&bell->dwait, 1);
 }
 
-/* A worker's reply is written: for a full round's command, its arrival on ``remaining`` (the
- * last one wakes the driver if it sleeps), then its ACK; else its ACK, then its done semaphore.
- *
- * REQ and GATHER are read first: once the arrival lands the driver may write the next command.
- * The ACK comes after the arrival, so a driver that finds every ACK caught up with its REQ (as
- * it does when a worker died and ``remaining`` will never reach 0) knows every arrival has
- * landed: an arrival still on its way would land after the driver set ``remaining`` for the
- * next round and end that round one worker early, its rows unread. The ACK written is the REQ
- * read before the arrival, so a command the driver sent since stays due. */
+/* A worker's reply is written (R6): for a full round's command, its arrival on ``remaining``,
+ * then its ACK; else its ACK, then its done semaphore. REQ and GATHER are read first (once the
+ * arrival lands the driver may write the next command), and the ACK written is that REQ, so a
+ * command the driver sent since stays due. */
 static void
 bell_arrive(bell_t *bell, volatile int64_t *control, sem_t *done, sem_t *any_done)
 {
@@ -470,8 +451,7 @@ sp_bell_sleep(PyObject *self, PyObject *args)
     volatile int64_t *control = (volatile int64_t *)c;
     if (bell_pending(control))
         Py_RETURN_TRUE;
-    /* SLEEP, then gen, then REQ; the driver writes REQ, bumps gen, then reads SLEEP (all
-     * sequentially consistent): it sees the bit, or this side sees the new REQ. */
+    /* R4: SLEEP, then gen, then REQ (R3's ring: REQ, gen, then SLEEP). */
     __atomic_store_n((int64_t *)&control[w_sleep], (int64_t)bit, __ATOMIC_SEQ_CST);
     uint32_t gen = __atomic_load_n(&bell->gen, __ATOMIC_SEQ_CST);
     if (!bell_pending(control)) {
@@ -499,7 +479,7 @@ sp_bell_sleep(PyObject *self, PyObject *args)
 
 /* gather_sleep(bell, timeout_s) -> bool: the driver's blocking wait for a full round's last
  * arrival (no spinning: the caller spun): True when ``remaining`` is 0. */
-/* The driver's one blocking wait for a full round's last arrival (at most timeout_s; called
+/* The driver's one blocking wait for a full round's last arrival (R7; at most timeout_s; called
  * with the GIL, which it releases while asleep): 1 when every worker arrived. */
 static int
 gather_block(bell_t *bell, double timeout_s)
@@ -853,10 +833,10 @@ round_outcome(PyObject *outcome_type, PyObject *local_result, PyObject *local_fa
     return outcome;
 }
 
-/* full_round's round on the round bell (Linux): every worker's command words, then its
- * REQ, ``remaining`` = the worker count, one ring (at most one FUTEX_WAKE_BITSET); the driver's own
- * block; then a spin within ``round_budget`` until ``remaining`` is 0. Taken: all the workers,
- * or none (the caller blocks on the bell, RoundBell.gather_sleep, for all of them). */
+/* full_round's round on the round bell (Linux): ``remaining`` = the worker count (R5), every
+ * worker's command words, then its REQ (R2), one ring (R3); the driver's own block; then a spin
+ * within ``round_budget`` until ``remaining`` is 0, and one blocking slice (R7). Taken: all the
+ * workers, or none (the caller blocks on the bell, RoundBell.gather_sleep, for all of them). */
 static PyObject *
 gather_round(PyObject *controls, PyObject *local, PyObject *env_failure, double tight_s,
              long long step_code, long long ok_code, PyObject *bell_address,

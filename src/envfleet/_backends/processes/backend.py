@@ -443,11 +443,11 @@ def _py_full_round(
     sleep_s: float,
     ring: bool,
 ) -> RoundOutcome:
-    """The Python twin of ``_speedups.full_round`` given the round bell (its full round): every
-    worker's command words and REQ, one ring (``controls``: the workers' control rows'
-    addresses), the driver's own block, a spin within
-    ``budget`` on the arrivals, then one blocking slice of at most ``sleep_s`` seconds (0:
-    none); all taken, or none (the caller's wait blocks on the bell).
+    """The Python twin of ``_speedups.full_round`` given the round bell (its full round, round
+    protocol R5, R2, R3, R7): ``remaining`` set, every worker's command words and REQ, one
+    ring (``controls``: the workers' control rows' addresses), the driver's own block, a spin
+    within ``budget`` on the arrivals, then one blocking slice of at most ``sleep_s`` seconds
+    (0: none); all taken, or none (the caller's wait blocks on the bell).
     Without ``ring`` (step_async rang each worker on its own) it only steps the driver's
     block, and leaves every reply to the waits (``spun_s`` None: they spin first)."""
     if ring:

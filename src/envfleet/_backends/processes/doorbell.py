@@ -13,6 +13,53 @@ in a shared memory region the caller provides, so they have no name and leave no
 
 A round trip is far cheaper when both sides spin than when both block, and blocking costs
 about what a pipe's round trip does (benchmarks/README.md has the figures).
+
+The round protocol
+------------------
+
+Where it runs (Linux on x86-64, not a first-ready pool), the driver rings its workers on one
+:class:`RoundBell` instead of their request semaphores. Its rules, stated here once; the code
+that keeps one cites it by number (``round protocol R4``):
+
+- **R1, the words.** Each worker has a control row of ``worker.WORDS`` int64 words on cache
+  lines of its own. The driver writes ``CMD``, ``CMD_PAYLOAD``, ``GATHER`` and ``REQ``; the
+  worker writes ``STATUS``, ``REPLY_PAYLOAD``, ``REPLY_BYTES``, ``ACK`` and ``SLEEP``. The
+  bell holds ``gen`` (the generation), ``remaining`` (a full round's arrivals still due) and
+  ``dwait`` (1 while the driver sleeps on them).
+- **R2, a command.** A command is due while ``REQ != ACK``. The driver writes the command's
+  words, then ``REQ + 1`` (a release store); a worker reads ``REQ`` (an acquire load) before
+  the command's words.
+- **R3, the ring.** After the ``REQ`` stores, the driver bumps ``gen`` (sequentially
+  consistent), then reads the ``SLEEP`` words of the workers it rang and wakes the bits they
+  hold with one ``FUTEX_WAKE_BITSET``; none when none of them sleeps.
+- **R4, a sleep.** A waiting worker spins on ``REQ``, then stores its bit
+  (``worker.sleep_bit``) in ``SLEEP``, reads ``gen``, reads ``REQ`` again, and only then
+  sleeps on ``gen`` with its bit as the futex bitset (all sequentially consistent); it clears
+  ``SLEEP`` when it wakes. With R3, either the driver sees the bit or the worker sees the new
+  ``REQ``: no wake-up is lost, and a ring wakes only the workers it rang (and those 32 groups
+  apart, which share their bit, find nothing due and sleep again).
+- **R5, a full round.** A full step round's commands carry ``GATHER = 1``, and the driver sets
+  ``remaining`` to the worker count before any of their ``REQ`` moves.
+- **R6, a reply.** A worker writes its ``STATUS`` and reply words, then, for a full round, its
+  arrival (``remaining - 1``), then ``ACK`` = the ``REQ`` it read (a release store); for any
+  other command, ``ACK`` then its done semaphore. Never ``ACK`` before the arrival: a driver
+  that finds every ``ACK`` caught up (R8) knows every arrival landed, and none can land after
+  it set ``remaining`` for the next round (which would end that round one worker early, its
+  rows unread).
+- **R7, the driver's sleep.** The driver spins on ``remaining``, then stores ``dwait = 1``,
+  reads ``remaining`` again and sleeps on ``dwait`` while it is not 0; the arrival that brings
+  ``remaining`` to 0 swaps ``dwait`` to 0 and, if it was 1, wakes the driver (the other
+  arrivals wake no one).
+- **R8, deaths and new workers.** A worker that dies never arrives: the driver, asleep in
+  slices, sees it dead between two and takes the survivors' replies by ``ACK == REQ``. A new
+  or restarted worker starts with ``ACK = REQ``, ``GATHER = 0`` and ``SLEEP = 0`` (its
+  predecessor's commands are answered or lost with it, and it holds no bit on the bell).
+- **R9, the CPUs.** The C side (``_speedups.c``) keeps R2-R7's orders with atomic
+  instructions and would be correct on any CPU; the Python twins store with plain stores (and
+  do their read-modify-writes as ``FUTEX_WAKE_OP`` system calls), in order only under x86-64's
+  total store order. So the bell runs on :data:`ROUND_BELL_MACHINES` only, and
+  tests/unit/test_round_protocol_structure.py keeps the Python stores of these words inside
+  the few functions allowed to make them.
 """
 
 from __future__ import annotations
@@ -255,20 +302,9 @@ def machine() -> str:
 
 
 ROUND_BELL_MACHINES = frozenset({"x86_64"})
-"""The CPUs on which the round bell runs; everywhere else :func:`round_bell_available` is
-False and every command is rung on the worker's POSIX semaphores (full barriers).
-
-The Python side of the round protocol publishes with plain stores: the driver writes a
-command's words (``CMD``, ``CMD_PAYLOAD``, ``GATHER``) and then its ``REQ`` count
-(``WorkerProcesses.request``, ``_py_full_round``), a worker its ``STATUS`` and reply words
-and then its ``ACK`` (``_Worker.ring_done``), each side reading the other's with plain loads.
-That is correct only where the CPU keeps stores in order and loads in order, as x86-64's
-total store order does. On a weakly ordered CPU (aarch64, ppc64le, riscv64) a spinning
-worker could see the new ``REQ`` before the new command and run the previous one. The C
-side (``_speedups.c``) stores those words with release and loads them with acquire
-semantics and would be correct anywhere; the Python twins would not, so the bell stays
-on x86-64 (tests/unit/test_round_protocol_structure.py keeps those plain stores inside
-the few functions that are allowed to make them)."""
+"""The CPUs on which the round bell runs (round protocol R9); everywhere else
+:func:`round_bell_available` is False and every command is rung on the worker's POSIX
+semaphores (full barriers)."""
 
 # futex(2)'s system call number (where the round bell runs) and operations (the non-private
 # ones: the words are shared).
@@ -305,33 +341,13 @@ def round_bell_available() -> bool:
 
 class RoundBell:
     """One vector env's wake-up word and arrival count (Linux futexes), shared by the driver
-    and every worker: the driver rings the workers it wrote a command to with one
-    generation bump and at most one ``FUTEX_WAKE_BITSET``, whatever their number, which wakes
-    just those of them that sleep.
+    and every worker, which keep the round protocol (the module's R1-R9): the driver rings
+    the workers it wrote a command to with one generation bump and at most one
+    ``FUTEX_WAKE_BITSET``, whatever their number, and a full round's last arrival wakes the
+    driver.
 
-    A worker's command is due when its ``REQ`` control word (the driver's count of the
-    commands sent to it) differs from its ``ACK`` word (its count of replies). Waiting, a
-    worker spins on those words, then sleeps on the generation word with its own bit
-    (``worker.sleep_bit``) as the futex bitset, holding that bit in its own ``SLEEP`` word
-    meanwhile: a ring reads the ``SLEEP`` words of the workers it rang and wakes those bits
-    only (a per-worker call round wakes one worker per ring, not every sleeper), and a worker
-    killed asleep leaves nothing on the bell (its replacement starts with ``SLEEP`` cleared).
-    A command of a full step round (``GATHER`` word 1) ends with the worker's arrival on
-    ``remaining`` (set to the worker count by the driver before the ring): the last to
-    arrive wakes the driver, which then reads every worker's status word; any other command
-    ends with the worker's done semaphore, as before. A worker that dies never arrives: the
-    driver, asleep in slices, sees it dead between two, and takes the survivors' replies by
-    their ``ACK``. So a worker writes its ``ACK`` after its arrival, never before: every
-    ``ACK`` caught up means every arrival landed, and none can land after the driver set
-    ``remaining`` for the next round (it would end that round one worker early, its rows
-    unread).
-
-    The C step path (``_speedups``: ``bell_ring``, ``bell_sleep``, ``bell_arrive``,
-    ``gather_sleep``, and ``serve_steps`` / ``full_round`` given the bell) uses atomic
-    instructions (release stores and acquire loads of every word that publishes data); this
-    Python twin does its read-modify-writes with ``FUTEX_WAKE_OP`` (one system call, atomic
-    in the kernel), so that either side may run either, and its other stores are plain:
-    hence the bell runs only on :data:`ROUND_BELL_MACHINES`.
+    The methods dispatch to the C module's ``bell_ring``, ``bell_sleep``, ``bell_arrive`` and
+    ``gather_sleep`` where it is built; the bodies here are their Python twins.
 
     Args:
         region: the bell's :data:`BELL_BYTES` of shared memory.
@@ -397,8 +413,7 @@ class RoundBell:
 
     def ring(self, controls: tuple[int, ...]) -> None:
         """Wake the workers whose control rows are at the addresses ``controls`` (their
-        ``REQ`` bumped before): one generation bump, then one ``FUTEX_WAKE_BITSET`` of the bits
-        their ``SLEEP`` words hold, none when no one of them sleeps."""
+        ``REQ`` bumped before): round protocol R3."""
         native = self._native
         if native is not None:
             native.bell_ring(self.address, controls)
@@ -416,14 +431,14 @@ class RoundBell:
             self._futex(_GEN, _FUTEX_WAKE_BITSET, _INT_MAX, 0, 0, bits)
 
     def expect(self, workers: int) -> None:
-        """A full round of ``workers`` arrivals starts (before any of their ``REQ`` moves)."""
+        """A full round of ``workers`` arrivals starts (before any of their ``REQ`` moves: R5)."""
         self._words[_REMAINING // 4] = workers
 
     def gathered(self) -> bool:
         return bool(self._words[_REMAINING // 4] == 0)
 
     def gather_sleep(self, timeout_s: float) -> bool:
-        """The driver's blocking wait for the last arrival (at most ``timeout_s``)."""
+        """The driver's blocking wait for the last arrival (at most ``timeout_s``): R7."""
         native = self._native
         if native is not None:
             return bool(native.gather_sleep(self.address, timeout_s))
@@ -441,7 +456,7 @@ class RoundBell:
     def sleep(self, words: Any, address: int, bit: int, timeout_s: float) -> bool:
         """A worker's blocking wait (no spin) until its command is due (``REQ != ACK`` in its
         control words ``words``, at ``address``), a ring of a worker sharing its ``bit``, or
-        ``timeout_s``: whether one is due. Its ``SLEEP`` word holds ``bit`` meanwhile."""
+        ``timeout_s``: whether one is due. Round protocol R4."""
         native = self._native
         if native is not None:
             return bool(native.bell_sleep(self.address, address, bit, timeout_s))
@@ -465,9 +480,9 @@ class RoundBell:
         return bool(words[REQ] != words[ACK])
 
     def arrive(self) -> None:
-        """A worker's arrival on a full round (before its ``ACK``): the last wakes the driver
-        (the Python twin: each that reads the count 0 after its own; one more wake-up is
-        harmless)."""
+        """A worker's arrival on a full round (before its ``ACK``: R6); the last wakes the
+        driver (R7; the Python twin: each that reads the count 0 after its own, one more
+        wake-up is harmless)."""
         native = self._native
         if native is not None:
             native.bell_arrive(self.address)

@@ -209,7 +209,7 @@ class WorkerProcesses:
         words = self.words[g]
         words[GATHER] = 0
         words[ACK] = words[REQ]
-        words[SLEEP] = 0  # one killed asleep held its bit there: no ring wakes for it now
+        words[SLEEP] = 0  # round protocol R8: one killed asleep held its bit there
         spec = WorkerSpec(
             group_index=g,
             start=start,
@@ -243,7 +243,8 @@ class WorkerProcesses:
 
     def request(self, g: int, command: Command, has_payload: bool) -> None:
         """Write ``command`` into worker ``g``'s control words and ring it: on the round bell
-        (its ``REQ`` count, then a ring), else on its doorbell."""
+        (its words, its ``REQ`` count, then a ring: round protocol R2, R3), else on its
+        doorbell."""
         words = self.words[g]
         words[CMD] = int(command)
         words[CMD_PAYLOAD] = has_payload

@@ -107,11 +107,8 @@ MAILBOX_BYTES = 64 << 10  # per worker: a pickled reply up to this size skips th
 REGION_MIN_BYTES = 256 << 10
 
 # Per group in the control region: 16 int64 control words (two whole cache lines, so workers
-# never share a line), then the doorbell's two semaphores. With a round bell
-# (doorbell.RoundBell, Linux): REQ counts the commands the driver sent, ACK the replies the
-# worker sent (a command is due while they differ), GATHER says the command is a full round's
-# (the reply arrives on the bell's count rather than on the done semaphore), SLEEP holds the
-# worker's bit (:func:`sleep_bit`) while it may sleep on the bell, else 0.
+# never share a line), then the doorbell's two semaphores. REQ, GATHER, ACK and SLEEP are the
+# round bell's (doorbell's round protocol, R1).
 WORDS = 16
 GROUP_BYTES = 8 * WORDS + 2 * SEM_SLOT
 CMD, CMD_PAYLOAD, STATUS, REPLY_PAYLOAD, REPLY_BYTES, REQ, GATHER, ACK = 0, 1, 2, 3, 4, 5, 6, 7
@@ -387,8 +384,8 @@ class _Worker:
     def ring_done(self) -> None:
         bell = self.bell
         if bell is not None:
-            # The arrival before the ACK, the REQ read before both: see the C twin,
-            # _speedups.c's bell_arrive.
+            # Round protocol R6: the REQ read first, the arrival before the ACK (the C twin:
+            # _speedups.c's bell_arrive).
             control = self.control
             req = control[REQ]
             if control[GATHER]:
