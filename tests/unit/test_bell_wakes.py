@@ -69,26 +69,20 @@ def _in_futex_wait(pid: int) -> bool:
         return False
 
 
-def _bell(native: bool) -> RoundBell:
+def _bell() -> RoundBell:
     native_layout()  # the C functions read REQ, ACK and SLEEP at the worker module's indexes
-    bell = RoundBell(
+    return RoundBell(
         multiprocessing.sharedctypes.RawArray(ctypes.c_uint8, BELL_BYTES), (REQ, ACK, SLEEP)
     )
-    if not native:
-        bell._native = None  # the Python twin, in the forked children too
-    elif bell._native is None:
-        pytest.skip("envfleet._core._speedups is not built here")
-    return bell
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("native", [True, False], ids=["c", "python"])
-def test_a_ring_wakes_only_the_worker_it_rang(native: bool) -> None:
+def test_a_ring_wakes_only_the_worker_it_rang() -> None:
     """Three processes asleep on one bell; worker 0 is rung RINGS times (each command served,
     its ACK caught up), each time with workers 1 and 2 blocked inside futex(2). They never
     wake: they count every return from their sleep that found no command due, and a ring
     that woke every sleeper would give them RINGS each."""
-    bell = _bell(native)
+    bell = _bell()
     workers = 3
     control = multiprocessing.sharedctypes.RawArray(ctypes.c_int64, workers * WORDS)
     stop = multiprocessing.sharedctypes.RawValue(ctypes.c_int64, 0)
@@ -100,7 +94,7 @@ def test_a_ring_wakes_only_the_worker_it_rang(native: bool) -> None:
     def worker(w: int) -> None:
         mine = words[w]
         while True:
-            if bell.sleep(mine, addresses[w], sleep_bit(w), 30.0):
+            if bell.sleep(addresses[w], sleep_bit(w), 30.0):
                 if stop.value:
                     os._exit(0)
                 mine[ACK] = mine[REQ]

@@ -1,7 +1,8 @@
 """The processes backend's round bell (Linux futexes, ``doorbell.RoundBell``): a full step
 round costs the driver a constant number of wake and wait system calls, whatever the worker
-count, on the C step path and on its Python twin; and the bell really runs (a fast path that
-silently stopped running would pass every other test).
+count; and the bell really runs (a fast path that silently stopped running would pass every
+other test). The bell is the C module's (round protocol R9): without it every command goes
+on the workers' semaphores, and the results are the same.
 
 Nothing here is timed: the counts are of system calls, with spinning turned off
 (``spin_s=0``) so that every worker sleeps between rounds and every ring needs a wake-up.
@@ -54,12 +55,15 @@ def _transport(fleet: Any) -> Any:
     return fleet._backend.transport
 
 
-def _driver_syscalls(step_path: str) -> dict[str, int]:
-    """The futex system calls this process (the driver) issued so far, on ``step_path``."""
-    if step_path == "c":
-        calls = envfleet._core.native.speedups.counters()  # type: ignore[union-attr]
-        return {"futex_wake": calls["futex_wake"], "futex_wait": calls["futex_wait"]}
-    return dict(doorbell.syscalls)
+def _driver_syscalls() -> dict[str, int]:
+    """The futex system calls this process (the driver) issued so far."""
+    calls = envfleet._core.native.speedups.counters()  # type: ignore[union-attr]
+    return {"futex_wake": calls["futex_wake"], "futex_wait": calls["futex_wait"]}
+
+
+def _expect(bell: RoundBell, workers: int) -> None:
+    """A full round of ``workers`` arrivals starts (R5), as the C full round sets it."""
+    ctypes.c_int32.from_address(bell.address + doorbell._REMAINING).value = workers
 
 
 def _worker_calls(env: Any) -> tuple[int, dict[str, int]]:
@@ -68,14 +72,12 @@ def _worker_calls(env: Any) -> tuple[int, dict[str, int]]:
 
 
 @pytest.mark.timeout(120)
-def test_a_full_round_costs_the_driver_constant_system_calls(make_env, step_path):
+def test_a_full_round_costs_the_driver_constant_system_calls(make_env):
     """W = 1, 2, 4 workers, every one asleep when its round is rung: per round the driver
-    issues at most one wake (C; the Python twin: the ring's bump and wake-up, and the flag it
-    sleeps under, each a system call) and
+    issues at most one wake and
     at most one blocking wait (plus a slice's end now and then on a loaded machine), the
     same for every W. The semaphores' round issued one post per sleeping worker and up to
     one wait per worker."""
-    wakes_per_round = 1 if step_path == "c" else 3
     seen = {}
     for workers in WORKER_COUNTS:
         fleet = make_env(IndexedEnv, 4, backend="processes", num_workers=workers, spin_s=0.0)
@@ -85,18 +87,18 @@ def test_a_full_round_costs_the_driver_constant_system_calls(make_env, step_path
         fleet.reset(seed=0)
         actions = np.zeros(4, dtype=np.int64)
         fleet.step(actions)
-        before = _driver_syscalls(step_path)
+        before = _driver_syscalls()
         started = time.monotonic()
         for _ in range(ROUNDS):
             fleet.step(actions)
         elapsed = time.monotonic() - started
-        after = _driver_syscalls(step_path)
+        after = _driver_syscalls()
         wakes = after["futex_wake"] - before["futex_wake"]
         waits = after["futex_wait"] - before["futex_wait"]
         # A blocked wait ends at the last arrival or at a slice's end (BLOCK_SLICE_S): no more
         # than one slice end per slice of the run's time, however many workers.
         slices = int(elapsed / doorbell.BLOCK_SLICE_S) + 1
-        assert wakes <= wakes_per_round * ROUNDS, (workers, wakes)
+        assert wakes <= ROUNDS, (workers, wakes)
         assert waits <= ROUNDS + slices, (workers, waits)
         seen[workers] = (wakes, waits)
         fleet.close()
@@ -136,11 +138,12 @@ def test_results_match_sync_with_and_without_the_bell(
 ):
     """Steps, resets with a mask, calls and step_async/step_wait give SyncVectorEnv's
     results with the bell and with the per-worker semaphores it replaces (the platforms
-    without futexes), on both step paths."""
+    without futexes), on both step paths: without the C module there is no bell (R9), and
+    every command goes on the semaphores."""
     monkeypatch.setattr(doorbell, "USE_ROUND_BELL", bell)
     n = 5
     fleet = make_env(IndexedEnv, n, backend="processes", num_workers=3, context=context)
-    assert (_transport(fleet).workers.bell is not None) == bell
+    assert (_transport(fleet).workers.bell is not None) == (bell and step_path == "c")
     sync = SyncVectorEnv(sync_factories(IndexedEnv, n))
     try:
         assert_same(fleet.reset(seed=3), sync.reset(seed=3), "reset")
@@ -167,7 +170,7 @@ def test_results_match_sync_with_and_without_the_bell(
 
 
 @pytest.mark.timeout(120)
-def test_a_worker_dying_mid_round_is_restarted_and_the_bell_goes_on(make_env, step_path):
+def test_a_worker_dying_mid_round_is_restarted_and_the_bell_goes_on(make_env):
     """A worker that segfaults inside a full round never arrives: the driver, asleep on the
     bell, finds it dead between two slices; the restart policy replaces it alone, and the
     new worker answers the bell's next rounds (REQ/ACK consistent, the count reset each
@@ -200,31 +203,31 @@ def test_a_worker_dying_mid_round_is_restarted_and_the_bell_goes_on(make_env, st
 
 
 def test_the_bell_wakes_a_sleeping_process_and_gathers_its_arrival():
-    """The bell's primitives across two processes (fork), on the Python twin: a worker asleep
-    on the bell sees its REQ move, replies (ACK, arrival); the driver, asleep on the
-    count, wakes at the last arrival."""
+    """The bell's primitives across two processes (fork): a worker asleep on the bell sees its
+    REQ move, replies (arrival, then ACK: R6); the driver, asleep on the count, wakes at the
+    last arrival (R7)."""
+    worker.native_layout()  # the C bell reads REQ, ACK and SLEEP at the worker module's
     region = multiprocessing.sharedctypes.RawArray(ctypes.c_uint8, BELL_BYTES)
-    control = multiprocessing.sharedctypes.RawArray(ctypes.c_int64, 16)
-    req, ack, sleep, rounds = 5, 7, 8, 50
-    bell = RoundBell(region, (req, ack, sleep))
-    bell._native = None  # the Python twin on both sides (the child inherits it)
+    control = multiprocessing.sharedctypes.RawArray(ctypes.c_int64, worker.WORDS)
+    req, ack, rounds = worker.REQ, worker.ACK, 50
+    bell = RoundBell(region, (req, ack, worker.SLEEP))
     words = memoryview(control).cast("B").cast("q")
     address = ctypes.addressof(control)
 
-    def worker() -> None:
+    def sleeper() -> None:
         for _ in range(rounds):
-            while not bell.sleep(words, address, 1, 1.0):
+            while not bell.sleep(address, 1, 1.0):
                 pass
             due = words[req]
             bell.arrive()
             words[ack] = due  # after the arrival, as _Worker.ring_done
         os._exit(0)
 
-    proc = multiprocessing.get_context("fork").Process(target=worker)
+    proc = multiprocessing.get_context("fork").Process(target=sleeper)
     proc.start()
     try:
         for _ in range(rounds):
-            bell.expect(1)
+            _expect(bell, 1)
             words[req] += 1
             bell.ring((address,))
             deadline = time.monotonic() + 10
@@ -237,42 +240,9 @@ def test_the_bell_wakes_a_sleeping_process_and_gathers_its_arrival():
     assert proc.exitcode == 0
 
 
-@pytest.mark.timeout(120)
-def test_an_arrival_late_after_its_ack_never_ends_the_next_round_early(make_env, monkeypatch):
-    """The driver takes a round's survivors by their ACKs when a worker died; so a worker's ACK
-    must follow its arrival. Were it the other way round, a driver that found every ACK caught
-    up could set ``remaining`` for the next round before the last arrival landed, and that
-    arrival would end the next round one worker early, its rows unread (a stale result).
-
-    Every arrival is made slow here (1 ms before the count moves, on the Python twin, which
-    the forked workers inherit), and the driver never spins, so each round is taken while the
-    slow arrivals are on their way: the results still match SyncVectorEnv's."""
-    monkeypatch.setattr(envfleet._core.native, "speedups", None)
-    monkeypatch.setenv("ENVFLEET_NO_SPEEDUPS", "1")
-    arrive = RoundBell.arrive
-
-    def slow_arrive(self: RoundBell) -> None:
-        time.sleep(0.001)
-        arrive(self)
-
-    monkeypatch.setattr(RoundBell, "arrive", slow_arrive)
-    n = 8
-    fleet = make_env(IndexedEnv, n, backend="processes", num_workers=4, spin_s=0.0, context="fork")
-    assert _transport(fleet).workers.bell is not None
-    sync = SyncVectorEnv(sync_factories(IndexedEnv, n))
-    try:
-        assert_same(fleet.reset(seed=5), sync.reset(seed=5), "reset")
-        for t in range(100):
-            actions = np.array([(t * 7 + i) % 2 for i in range(n)])
-            assert_same(fleet.step(actions), sync.step(actions), f"step {t}")
-    finally:
-        sync.close()
-
-
 def test_the_c_workers_arrival_lands_before_its_ack():
-    """The property of the test above (a worker's ACK follows its arrival), which that test
-    checks on the Python twin, on the C step path, where no arrival can be slowed: the C
-    worker loop (``serve_steps``: bell_arrive) is stopped at the very store of its ACK, and
+    """A worker's ACK follows its arrival (R6), on the C step path, where no arrival can be
+    slowed: the C worker loop (``serve_steps``: bell_arrive) is stopped at the very store of its ACK, and
     its arrival must have landed by then.
 
     A forked process runs ``serve_steps`` over one control row laid across a page boundary,
@@ -305,7 +275,7 @@ def test_the_c_workers_arrival_lands_before_its_ack():
     words[worker.GATHER], words[worker.REQ], words[worker.ACK] = 1, 1, 0  # a full round's step
     region = multiprocessing.sharedctypes.RawArray(ctypes.c_uint8, BELL_BYTES)
     bell = RoundBell(region, (worker.REQ, worker.ACK, worker.SLEEP))
-    bell.expect(1)
+    _expect(bell, 1)
     sems = (ctypes.c_uint8 * 64)()  # the semaphores a bell's full round leaves alone
     timer = np.zeros(STATS_WORDS)
     libc = ctypes.CDLL(None, use_errno=True)

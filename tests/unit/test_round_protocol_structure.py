@@ -4,10 +4,11 @@ The driver publishes a command by writing its words and then its ``REQ`` count; 
 publishes its reply by writing its status and reply words and then its ``ACK`` (a full
 round's arrival on the bell's ``remaining`` word before it). The C side stores those
 publishing words with release semantics and loads them with acquire semantics; the Python
-twins use plain stores and loads, which keep their order only on x86-64 (total store
-order). So the round bell runs on x86-64 alone (``doorbell.ROUND_BELL_MACHINES``), and the
-plain stores stay inside the few Python functions written for it: a new one elsewhere (a
-second place that bumps ``REQ``, say) fails here, to be reviewed against that argument.
+side (the driver's request, a new worker's words, the worker's ACK) uses plain stores and
+loads, which keep their order only on x86-64 (total store order). So the round bell runs
+on x86-64 alone (round protocol R9, ``doorbell.ROUND_BELL_MACHINES``), and the plain stores
+stay inside the few Python functions written for it: a new one elsewhere (a second place
+that bumps ``REQ``, say) fails here, to be reviewed against that argument.
 """
 
 from __future__ import annotations
@@ -17,12 +18,15 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import gymnasium
 import numpy as np
 import pytest
 
 import envfleet
+import envfleet._core.native
 from envfleet._backends.processes import doorbell
-from tests.envs import IndexedEnv
+from tests.envs import IndexedEnv, sync_factories
+from tests.helpers import assert_same
 
 # The control words whose store publishes data to the other side: a worker's REQ / GATHER /
 # ACK words (_backends/processes/worker.py) and the round bell's words (doorbell.py).
@@ -34,16 +38,8 @@ ALLOWED = {
     ("_backends/processes/lifecycle.py", "WorkerProcesses.request"): {"GATHER", "REQ"},
     # A new worker's words, before its process starts (nothing reads them yet).
     ("_backends/processes/lifecycle.py", "WorkerProcesses.start"): {"GATHER", "ACK", "SLEEP"},
-    # The Python twin of the C full round (_speedups.step_round's gather_round).
-    ("_backends/processes/backend.py", "_py_full_round"): {"GATHER", "REQ"},
-    # A worker's reply: its arrival, then its ACK (the C twin: bell_arrive).
+    # A worker's reply: its arrival, then its ACK (R6; the C twin: bell_arrive).
     ("_backends/processes/worker.py", "_Worker.ring_done"): {"ACK"},
-    # The bell's Python twin (its read-modify-writes are FUTEX_WAKE_OP system calls).
-    ("_backends/processes/doorbell.py", "RoundBell.expect"): {"_REMAINING"},
-    ("_backends/processes/doorbell.py", "RoundBell.gather_sleep"): {"_DWAIT"},
-    ("_backends/processes/doorbell.py", "RoundBell.arrive"): {"_DWAIT"},
-    # A worker's SLEEP word cleared after its sleep (its setting is a FUTEX_WAKE_OP).
-    ("_backends/processes/doorbell.py", "RoundBell.sleep"): {"SLEEP"},
 }
 
 PACKAGE = Path(envfleet.__file__).resolve().parent
@@ -173,14 +169,32 @@ def test_the_round_bell_is_off_on_weakly_ordered_cpus(monkeypatch: Any, cpu: str
 
 
 def test_the_round_bell_is_on_on_x86_64_linux(monkeypatch: Any) -> None:
-    """On x86-64 the bell runs wherever futexes are reachable (Linux)."""
-    native_x86 = doorbell.machine() == "x86_64"
+    """On x86-64 the bell runs wherever futexes are (Linux) and the C module's bell
+    functions run (R9: they are its one implementation)."""
     monkeypatch.setattr(doorbell, "machine", lambda: "x86_64")
-    reachable = doorbell._libc is not None and doorbell._SYS_FUTEX is not None
-    assert doorbell.round_bell_available() is reachable
+    has_c = envfleet._core.native.speedups is not None
+    assert doorbell.round_bell_available() is (sys.platform.startswith("linux") and has_c)
     assert frozenset({"x86_64"}) == doorbell.ROUND_BELL_MACHINES
-    if sys.platform.startswith("linux") and native_x86:
-        assert reachable
+
+
+def test_without_the_c_module_there_is_no_round_bell(make_env: Any, monkeypatch: Any) -> None:
+    """Without the C module (not built, or ``ENVFLEET_NO_SPEEDUPS=1``) a processes vector env
+    rings every worker on its own semaphore, has no full round, and steps as SyncVectorEnv
+    does (the differential suite's Python step path runs this way throughout)."""
+    monkeypatch.setattr(envfleet._core.native, "speedups", None)
+    monkeypatch.setenv("ENVFLEET_NO_SPEEDUPS", "1")
+    assert doorbell.round_bell_available() is False
+    fleet = make_env(IndexedEnv, 3, backend="processes", num_workers=2)
+    transport = fleet._backend.transport
+    assert transport.workers.bell is None and transport.full_round is None
+    sync = gymnasium.vector.SyncVectorEnv(sync_factories(IndexedEnv, 3))
+    try:
+        assert_same(fleet.reset(seed=1), sync.reset(seed=1), "reset")
+        for t in range(20):
+            actions = np.full(3, t % 2)
+            assert_same(fleet.step(actions), sync.step(actions), f"step {t}")
+    finally:
+        sync.close()
 
 
 @pytest.mark.timeout(120)

@@ -20,8 +20,8 @@ calls, the start and the replacement of workers):
    a transport.
 
 A transport may lend one leaf accelerator, :attr:`Transport.full_round`: the synchronous step
-round where every worker is pending, in C (``processes``: ``_speedups.full_round``, or its
-Python twin on the round bell), which answers a :class:`~envfleet._core.protocol.RoundOutcome`;
+round where every worker is pending, in C (``processes``: ``_speedups.full_round``), which
+answers a :class:`~envfleet._core.protocol.RoundOutcome`;
 what it leaves (a reply to read, a worker still running, a failure) goes through the same Python
 round.
 

@@ -39,7 +39,6 @@ import multiprocessing.util  # noqa: F401  (its exit handler, registered first: 
 import os
 import pickle
 import sys
-import time
 import weakref
 from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
@@ -53,14 +52,11 @@ from envfleet._backends.processes.doorbell import (
     RoundBell,
     SharedSem,
     SpinBudget,
-    spin,
 )
 from envfleet._backends.processes.lifecycle import DEFAULT_CLOSE_TIMEOUT, WorkerProcesses
 from envfleet._backends.processes.plan import DEFAULT_SPIN_S, ProcessesPlan, plan_processes
 from envfleet._backends.processes.worker import (
     ACK,
-    CMD,
-    CMD_PAYLOAD,
     GATHER,
     REPLY_BYTES,
     REPLY_PAYLOAD,
@@ -328,30 +324,16 @@ class ProcessesTransport:
             done.results[g] = payload
 
     def _bind_full_round(self) -> FullRound | None:
-        """:attr:`full_round`: ``_speedups.full_round`` bound to this transport's workers, its
-        Python twin :func:`_py_full_round` on the round bell without the C module, or
-        ``None`` where neither applies (no C step path and no bell, not the shared POSIX
-        semaphores, a first-ready pool). It rings every worker (unless told that step_async
-        did), steps the driver's own block, and spins on the replies; its
-        :class:`~envfleet._core.protocol.RoundOutcome` says what it took."""
+        """:attr:`full_round`: ``_speedups.full_round`` bound to this transport's workers, or
+        ``None`` where it does not apply (no C step path: the driver's Python round rings and
+        waits for each worker; not the shared POSIX semaphores; a first-ready pool). It rings
+        every worker (unless told that step_async did), steps the driver's own block, and
+        spins on the replies; its :class:`~envfleet._core.protocol.RoundOutcome` says what it
+        took. (No reference to self in it: a cycle would keep the shared memory past close
+        until the garbage collector runs.)"""
         full_round = _speedups.function("full_round")
         doorbells = [self.workers.doorbells[g] for g in self.remote]
         bell = self.workers.bell
-        if full_round is None and bell is not None:
-            # The Python twin of the C round on the bell (no reference to self: a cycle
-            # would keep the shared memory past close until the garbage collector runs).
-            local = None
-            if self._local is not None:
-                local = functools.partial(self._local_timer.call, self._local.step)
-            return functools.partial(
-                _py_full_round,
-                bell,
-                [self.workers.words[g] for g in self.remote],
-                tuple(int(self.workers.control[g].ctypes.data) for g in self.remote),
-                local,
-                self._round_budget,
-                self._round_sleep_s,
-            )
         if (
             full_round is None
             or self.workers.any_done is not None
@@ -429,58 +411,6 @@ class ProcessesTransport:
             exc.__cause__ = failure.__cause__
             return exc
         return remote_env_error(cast(Failure, failure).errors[0], w, note)
-
-
-_OK = int(Status.OK)
-
-
-def _py_full_round(
-    bell: RoundBell,
-    words: list[memoryview],
-    controls: tuple[int, ...],
-    local: Callable[[], Any] | None,
-    budget: SpinBudget,
-    sleep_s: float,
-    ring: bool,
-) -> RoundOutcome:
-    """The Python twin of ``_speedups.full_round`` given the round bell (its full round, round
-    protocol R5, R2, R3, R7): ``remaining`` set, every worker's command words and REQ, one
-    ring (``controls``: the workers' control rows' addresses), the driver's own block, a spin
-    within ``budget`` on the arrivals, then one blocking slice of at most ``sleep_s`` seconds
-    (0: none); all taken, or none (the caller's wait blocks on the bell).
-    Without ``ring`` (step_async rang each worker on its own) it only steps the driver's
-    block, and leaves every reply to the waits (``spun_s`` None: they spin first)."""
-    if ring:
-        bell.expect(len(words))  # before any REQ moves: a worker arrives once it sees its REQ
-        step = int(_STEP)
-        for w in words:
-            w[CMD] = step
-            w[CMD_PAYLOAD] = 0
-            w[GATHER] = 1
-            w[REQ] += 1
-        bell.ring(controls)
-    result = failure = None
-    if local is not None:
-        try:
-            result = local()
-        except EnvFailure as exc:
-            failure = exc
-    if not ring:
-        return RoundOutcome(result, failure, 0, [], None)
-    if spin(bell.gathered, budget):
-        budget.caught()
-    else:
-        spun_s = budget.budget_s
-        if sleep_s <= 0:
-            return RoundOutcome(result, failure, 0, [], spun_s)
-        started = time.monotonic()
-        gathered = bell.gather_sleep(sleep_s)
-        spun_s += time.monotonic() - started
-        if not gathered:
-            return RoundOutcome(result, failure, 0, [], spun_s)
-        budget.blocked(spun_s)
-    unread = [i for i, w in enumerate(words) if w[STATUS] != _OK or w[REPLY_PAYLOAD]]
-    return RoundOutcome(result, failure, len(words), unread, 0.0)
 
 
 class _Gathered:

@@ -54,12 +54,15 @@ that keeps one cites it by number (``round protocol R4``):
   slices, sees it dead between two and takes the survivors' replies by ``ACK == REQ``. A new
   or restarted worker starts with ``ACK = REQ``, ``GATHER = 0`` and ``SLEEP = 0`` (its
   predecessor's commands are answered or lost with it, and it holds no bit on the bell).
-- **R9, the CPUs.** The C side (``_speedups.c``) keeps R2-R7's orders with atomic
-  instructions and would be correct on any CPU; the Python twins store with plain stores (and
-  do their read-modify-writes as ``FUTEX_WAKE_OP`` system calls), in order only under x86-64's
-  total store order. So the bell runs on :data:`ROUND_BELL_MACHINES` only, and
-  tests/unit/test_round_protocol_structure.py keeps the Python stores of these words inside
-  the few functions allowed to make them.
+- **R9, the CPUs and the C module.** The bell's own words and system calls are the C
+  module's alone (``_speedups.c``: ``bell_ring``, ``bell_sleep``, ``bell_arrive``,
+  ``gather_sleep``, ``full_round``, ``serve_steps``), which keeps R2-R7's orders with atomic
+  instructions, correct on any CPU; without the C module there is no bell, and every command
+  goes on the workers' semaphores. The Python side still stores a command's words and
+  ``REQ`` (``WorkerProcesses.request``), a new worker's words (``WorkerProcesses.start``) and a
+  reply's ``ACK`` (``_Worker.ring_done``) with plain stores, in order only under x86-64's
+  total store order: so the bell runs on :data:`ROUND_BELL_MACHINES` only, and
+  tests/unit/test_round_protocol_structure.py keeps those stores inside those functions.
 """
 
 from __future__ import annotations
@@ -289,9 +292,9 @@ class Doorbell:
 # -- the round bell (Linux, x86-64) ----------------------------------------------------------
 
 BELL_BYTES = 64  # the round bell's words, on a cache line of their own
-# The round bell's 32-bit words (byte offsets): generation, a full round's arrivals still
-# due, the driver asleep on those.
-_GEN, _REMAINING, _DWAIT = 0, 4, 8
+# The round bell's 32-bit words (byte offsets; R1): the generation, a full round's arrivals
+# still due, the driver asleep on those. Only ``remaining`` is read here (gathered).
+_REMAINING = 4
 
 
 def machine() -> str:
@@ -306,36 +309,21 @@ ROUND_BELL_MACHINES = frozenset({"x86_64"})
 :func:`round_bell_available` is False and every command is rung on the worker's POSIX
 semaphores (full barriers)."""
 
-# futex(2)'s system call number (where the round bell runs) and operations (the non-private
-# ones: the words are shared).
-_SYS_FUTEX = {"x86_64": 202}.get(machine())
-_FUTEX_WAIT, _FUTEX_WAKE, _FUTEX_WAKE_OP, _FUTEX_WAIT_BITSET, _FUTEX_WAKE_BITSET = 0, 1, 5, 9, 10
-_FUTEX_OP_SET, _FUTEX_OP_ADD, _FUTEX_OP_CMP_EQ = 0, 1, 0
-_FUTEX_OP_OPARG_SHIFT = 8  # added to an op: its argument is 1 << oparg
-_INT_MAX = 2**31 - 1
-
 USE_ROUND_BELL = True
 """Whether a new processes backend rings its workers with a :class:`RoundBell` where it can
 (Linux on x86-64); the tests turn it off to run the per-worker semaphores there too."""
 
-syscalls = {"futex_wake": 0, "futex_wait": 0}
-"""The futex system calls this process's Python twin of the round bell issued (the C ones
-count theirs in ``_speedups.counters()``): the tests check that a full round costs the driver
-a constant number whatever the worker count."""
-
-
-def _futex_op(op: int, oparg: int, cmp: int, cmparg: int) -> int:
-    return ((op & 0xF) << 28) | ((cmp & 0xF) << 24) | ((oparg & 0xFFF) << 12) | (cmparg & 0xFFF)
-
 
 def round_bell_available() -> bool:
-    """A :class:`RoundBell` works here: Linux, futex(2) reachable through libc's ``syscall``,
-    on a CPU of :data:`ROUND_BELL_MACHINES` (x86-64)."""
+    """A :class:`RoundBell` works here: Linux (futexes), on a CPU of
+    :data:`ROUND_BELL_MACHINES` (x86-64), with the C module's bell functions, the one
+    implementation of the bell (without them every command goes on the workers' POSIX
+    semaphores, as on other CPUs)."""
     return (
         USE_ROUND_BELL
-        and _libc is not None
-        and _SYS_FUTEX is not None
+        and sys.platform.startswith("linux")
         and machine() in ROUND_BELL_MACHINES
+        and _native_bell() is not None
     )
 
 
@@ -344,15 +332,17 @@ class RoundBell:
     and every worker, which keep the round protocol (the module's R1-R9): the driver rings
     the workers it wrote a command to with one generation bump and at most one
     ``FUTEX_WAKE_BITSET``, whatever their number, and a full round's last arrival wakes the
-    driver.
-
-    The methods dispatch to the C module's ``bell_ring``, ``bell_sleep``, ``bell_arrive`` and
-    ``gather_sleep`` where it is built; the bodies here are their Python twins.
+    driver. Its system calls are the C module's (``bell_ring``, ``bell_sleep``,
+    ``bell_arrive``, ``gather_sleep``): the bell exists only where they run
+    (:func:`round_bell_available`).
 
     Args:
         region: the bell's :data:`BELL_BYTES` of shared memory.
         layout: the indexes of the ``REQ``, ``ACK`` and ``SLEEP`` words in a worker's int64
             control row (``worker.REQ``, ``worker.ACK``, ``worker.SLEEP``).
+
+    Raises:
+        RuntimeError: the C module's bell functions do not run in this process.
     """
 
     def __init__(self, region: Any, layout: tuple[int, int, int]):
@@ -363,7 +353,10 @@ class RoundBell:
     def _bind(self) -> None:
         self.address = address = ctypes.addressof(self.region)
         self._words = (ctypes.c_int32 * 3).from_address(address)
-        self._native = _native_bell()
+        native = _native_bell()
+        if native is None:
+            raise RuntimeError("the round bell needs envfleet._core._speedups' bell functions")
+        self._native = native
 
     def __getstate__(self) -> Any:
         return self.region, self.layout
@@ -372,126 +365,33 @@ class RoundBell:
         self.region, self.layout = state
         self._bind()
 
-    # -- system calls (the Python twin) --
-
-    def _futex(
-        self,
-        offset: int,
-        op: int,
-        val: int,
-        arg: int = 0,
-        offset2: int = 0,
-        val3: int = 0,
-        at: int | None = None,
-    ) -> None:
-        """futex(2) on the bell's word at ``offset`` (or at the address ``at``)."""
-        waits = op in (_FUTEX_WAIT, _FUTEX_WAIT_BITSET)
-        syscalls["futex_wait" if waits else "futex_wake"] += 1
-        address = self.address + offset if at is None else at
-        _libc.syscall(
-            ctypes.c_long(cast_int(_SYS_FUTEX)),
-            ctypes.c_void_p(address),
-            ctypes.c_int(op),
-            ctypes.c_int(val),
-            ctypes.c_void_p(arg),
-            ctypes.c_void_p(self.address + offset2 if at is None else at),
-            ctypes.c_uint32(val3),
-        )
-
-    def _add(self, offset: int, delta: int) -> None:
-        """Atomically add ``delta`` to a word nobody sleeps on (FUTEX_WAKE_OP on the word
-        itself, waking none: one system call, a full barrier)."""
-        op = _futex_op(_FUTEX_OP_ADD, delta, _FUTEX_OP_CMP_EQ, 0x7FF)
-        self._futex(offset, _FUTEX_WAKE_OP, 0, 0, offset, op)
-
-    def _wait(self, offset: int, expected: int, timeout_s: float) -> None:
-        timeout_s = max(0.0, timeout_s)
-        ts = _Timespec(int(timeout_s), int((timeout_s % 1.0) * 1e9))
-        self._futex(offset, _FUTEX_WAIT, expected, ctypes.addressof(ts))
-
     # -- the driver's side --
 
     def ring(self, controls: tuple[int, ...]) -> None:
         """Wake the workers whose control rows are at the addresses ``controls`` (their
         ``REQ`` bumped before): round protocol R3."""
-        native = self._native
-        if native is not None:
-            native.bell_ring(self.address, controls)
-            return
-        # gen += 1 as a system call (a full barrier before the SLEEP words are read). Its
-        # first word is one nobody sleeps on: FUTEX_WAKE_OP wakes one waiter there even when
-        # told to wake none, and a worker woken so would only go round its loop.
-        bump = _futex_op(_FUTEX_OP_ADD, 1, _FUTEX_OP_CMP_EQ, 0x7FF)
-        self._futex(_REMAINING, _FUTEX_WAKE_OP, 0, 0, _GEN, bump)
-        at = 8 * self.layout[2]
-        bits = 0
-        for address in controls:
-            bits |= ctypes.c_uint32.from_address(address + at).value
-        if bits:
-            self._futex(_GEN, _FUTEX_WAKE_BITSET, _INT_MAX, 0, 0, bits)
-
-    def expect(self, workers: int) -> None:
-        """A full round of ``workers`` arrivals starts (before any of their ``REQ`` moves: R5)."""
-        self._words[_REMAINING // 4] = workers
+        self._native.bell_ring(self.address, controls)
 
     def gathered(self) -> bool:
+        """A full round's every worker arrived (``remaining`` is 0: R5, R6)."""
         return bool(self._words[_REMAINING // 4] == 0)
 
     def gather_sleep(self, timeout_s: float) -> bool:
         """The driver's blocking wait for the last arrival (at most ``timeout_s``): R7."""
-        native = self._native
-        if native is not None:
-            return bool(native.gather_sleep(self.address, timeout_s))
-        words = self._words
-        # dwait = 1 as a system call (FUTEX_WAKE_OP's SET, waking none): a full barrier, so
-        # the last arrival either sees it and wakes us, or we see its count of 0.
-        self._futex(_DWAIT, _FUTEX_WAKE_OP, 0, 0, _DWAIT, _futex_op(_FUTEX_OP_SET, 1, 0, 0x7FF))
-        if words[_REMAINING // 4] != 0:
-            self._wait(_DWAIT, 1, timeout_s)  # until the last arrival clears it
-        words[_DWAIT // 4] = 0
-        return bool(words[_REMAINING // 4] == 0)
+        return bool(self._native.gather_sleep(self.address, timeout_s))
 
     # -- a worker's side --
 
-    def sleep(self, words: Any, address: int, bit: int, timeout_s: float) -> bool:
+    def sleep(self, address: int, bit: int, timeout_s: float) -> bool:
         """A worker's blocking wait (no spin) until its command is due (``REQ != ACK`` in its
-        control words ``words``, at ``address``), a ring of a worker sharing its ``bit``, or
+        control row, at ``address``), a ring of a worker sharing its ``bit``, or
         ``timeout_s``: whether one is due. Round protocol R4."""
-        native = self._native
-        if native is not None:
-            return bool(native.bell_sleep(self.address, address, bit, timeout_s))
-        REQ, ACK, SLEEP = self.layout  # the control row's word indexes (worker.REQ...)
-        if words[REQ] != words[ACK]:
-            return True
-        # SLEEP = bit as a system call (FUTEX_WAKE_OP's SET of 1 << shift, waking none; the
-        # word's low half): a full barrier before gen and REQ are read, as the C twin's
-        # sequentially consistent store.
-        set_bit = _futex_op(_FUTEX_OP_SET + _FUTEX_OP_OPARG_SHIFT, bit.bit_length() - 1, 0, 0x7FF)
-        self._futex(0, _FUTEX_WAKE_OP, 0, 0, 0, set_bit, at=address + 8 * SLEEP)
-        try:
-            gen = self._words[_GEN // 4]
-            if words[REQ] == words[ACK]:
-                timeout_s = max(0.0, timeout_s)
-                until = time.monotonic() + timeout_s  # FUTEX_WAIT_BITSET's: CLOCK_MONOTONIC
-                ts = _Timespec(int(until), int((until % 1.0) * 1e9))
-                self._futex(_GEN, _FUTEX_WAIT_BITSET, gen, ctypes.addressof(ts), 0, bit)
-        finally:
-            words[SLEEP] = 0
-        return bool(words[REQ] != words[ACK])
+        return bool(self._native.bell_sleep(self.address, address, bit, timeout_s))
 
     def arrive(self) -> None:
         """A worker's arrival on a full round (before its ``ACK``: R6); the last wakes the
-        driver (R7; the Python twin: each that reads the count 0 after its own, one more
-        wake-up is harmless)."""
-        native = self._native
-        if native is not None:
-            native.bell_arrive(self.address)
-            return
-        self._add(_REMAINING, -1)
-        words = self._words
-        if words[_REMAINING // 4] == 0 and words[_DWAIT // 4]:
-            words[_DWAIT // 4] = 0
-            self._futex(_DWAIT, _FUTEX_WAKE, 1)
+        driver (R7)."""
+        self._native.bell_arrive(self.address)
 
 
 def spin(poll: Callable[[], bool], budget: SpinBudget) -> bool:
@@ -515,16 +415,11 @@ def spin(poll: Callable[[], bool], budget: SpinBudget) -> bool:
     return False
 
 
-def cast_int(value: int | None) -> int:
-    assert value is not None
-    return value
-
-
 _BELL_FUNCTIONS = frozenset({"bell_ring", "bell_sleep", "bell_arrive", "gather_sleep"})
 
 
 def _native_bell() -> Any:
-    """The C module when its round-bell functions run here (else ``None``: the Python twin)."""
+    """The C module when its round-bell functions run here, else ``None`` (no round bell)."""
     from envfleet._core import native
 
     module = native.speedups

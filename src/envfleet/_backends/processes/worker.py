@@ -369,7 +369,7 @@ class _Worker:
         bell, address, left = cast(RoundBell, self.bell), self.address, cast(float, timeout)
         end = time.monotonic() + left
         bit = self.bit
-        while not bell.sleep(control, address, bit, left):
+        while not bell.sleep(address, bit, left):
             left = end - time.monotonic()
             if left <= 0:
                 return bool(control[REQ] != control[ACK])
