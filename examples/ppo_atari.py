@@ -6,7 +6,9 @@ two heads (policy logits, value), 8 envs x 128 steps per update, GAE(0.95), clip
 minibatches, rewards clipped to their sign for learning. The envs are
 ``gymnasium.make(env_id, frameskip=1)`` + ``AtariPreprocessing(frame_skip=4, screen_size=84,
 grayscale_obs=True, noop_max=30)`` + ``FrameStackObservation(4)``: ``uint8[4, 84, 84]``
-observations, scaled by 1/255 inside the model.
+observations, scaled by 1/255 inside the model. The agent, GAE and the update are
+``examples/ppo.py``'s, the PPO that the examples and ``benchmarks/train.py`` share; this file is
+the envs and the loop.
 
 Two ways to collect the same rollouts (same model, same update, same seeds):
 
@@ -39,18 +41,21 @@ from __future__ import annotations
 
 import argparse
 import functools
+import sys
 import time
-from collections import deque
 from collections.abc import Callable
-from typing import Any, TypeVar
+from pathlib import Path
+from typing import Any
 
 import gymnasium
 import numpy as np
 import torch
 from gymnasium.vector import AutoresetMode
-from torch import nn
 
 import envfleet
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import ppo  # noqa: E402  (examples/ppo.py: the agent, GAE and the update the examples share)
 
 VECTORS = ("envfleet", "gym-async", "envpool")
 
@@ -83,196 +88,13 @@ def env_factory(env_id: str) -> Callable[[], gymnasium.Env[Any, Any]]:
     return functools.partial(make_env, env_id)
 
 
-# -- the model -------------------------------------------------------------------------------
-
-
-Layer = TypeVar("Layer", nn.Conv2d, nn.Linear)
-
-
-def _init(layer: Layer, std: float = 2**0.5) -> Layer:
-    """Orthogonal weights with gain ``std``, zero biases (CleanRL's ``layer_init``)."""
-    nn.init.orthogonal_(layer.weight, std)
-    if layer.bias is not None:
-        nn.init.zeros_(layer.bias)
-    return layer
-
-
-class ActorCritic(nn.Module):
-    """The Nature CNN trunk (3 conv layers, 512 units) shared by a policy and a value head.
-
-    Input: ``uint8[B, 4, 84, 84]`` (any integer or float tensor; divided by 255 here).
-    Output of ``forward``: logits ``float32[B, num_actions]`` and values ``float32[B]``.
-    """
-
-    def __init__(self, num_actions: int, frames: int = 4):
-        super().__init__()
-        self.trunk = nn.Sequential(
-            _init(nn.Conv2d(frames, 32, 8, stride=4)),
-            nn.ReLU(),
-            _init(nn.Conv2d(32, 64, 4, stride=2)),
-            nn.ReLU(),
-            _init(nn.Conv2d(64, 64, 3, stride=1)),
-            nn.ReLU(),
-            nn.Flatten(),
-            _init(nn.Linear(64 * 7 * 7, 512)),
-            nn.ReLU(),
-        )
-        self.actor = _init(nn.Linear(512, num_actions), std=0.01)
-        self.critic = _init(nn.Linear(512, 1), std=1.0)
-
-    def features(self, obs: torch.Tensor) -> torch.Tensor:
-        return self.trunk(obs.float() / 255.0)
-
-    def value(self, obs: torch.Tensor) -> torch.Tensor:
-        return self.critic(self.features(obs)).squeeze(-1)
-
-    def forward(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        hidden = self.features(obs)
-        return self.actor(hidden), self.critic(hidden).squeeze(-1)
-
-
-def build_model(num_actions: int, seed: int) -> ActorCritic:
-    """The model with its initial weights drawn from ``torch.manual_seed(seed)``."""
-    torch.manual_seed(seed)
-    return ActorCritic(num_actions)
-
-
-class TorchPolicy:
-    """The rollout policy: ``uint8[n, 4, 84, 84]`` observations in, ``(int64[n] actions,
-    {"logp": float32[n], "value": float32[n]})`` out, actions sampled from the logits with the
-    policy's own seeded ``torch.Generator`` (reproducible; ``seed`` reseeds it, which the
-    Sampler does per worker if it runs copies of the policy there)."""
-
-    def __init__(self, model: ActorCritic, seed: int):
-        self.model = model
-        self.generator = torch.Generator().manual_seed(seed)
-
-    def seed(self, seed: int) -> None:
-        self.generator.manual_seed(seed)
-
-    @torch.no_grad()
-    def __call__(self, obs: np.ndarray) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-        device = next(self.model.parameters()).device
-        logits, value = self.model(torch.as_tensor(obs, device=device))
-        # Drawn on the CPU with the policy's generator, wherever the model runs.
-        log_probs = torch.log_softmax(logits, dim=-1).cpu()
-        actions = torch.multinomial(log_probs.exp(), 1, generator=self.generator).squeeze(-1)
-        logp = log_probs.gather(-1, actions.unsqueeze(-1)).squeeze(-1)
-        return actions.numpy(), {"logp": logp.numpy(), "value": value.cpu().numpy()}
-
-
-# -- advantages and the update ---------------------------------------------------------------
-
-
-def segment_gae(
-    batch: envfleet.EpisodeBatch,
-    rewards: np.ndarray,
-    last_values: np.ndarray,
-    gamma: float,
-    lam: float,
-) -> tuple[np.ndarray, np.ndarray]:
-    """GAE(lambda) advantages and value targets of every step, segment by segment.
-
-    Step ``t`` bootstraps from the value of step ``t + 1`` of its segment. A segment's last
-    step bootstraps from 0 if it ``terminated``, else (truncated, or cut by the end of the
-    rollout) from ``last_values[s]``. The recursion never crosses into the next segment.
-
-    Args:
-        batch: the rollout; ``batch.agent_infos["value"]`` is ``V(observations)``.
-        rewards: ``float[T]``, the rewards to learn from (e.g. clipped ``batch.rewards``).
-        last_values: ``float[S]``, ``V(batch.last_observations)``.
-
-    Returns:
-        ``(advantages, targets)``, ``float32[T]`` each; ``targets = advantages + values``.
-    """
-    values = batch.agent_infos["value"].astype(np.float64)
-    ends = batch.starts + batch.lengths - 1
-    following = np.append(values[1:], 0.0)  # the segment ends are set just below
-    following[ends] = np.where(batch.terminated[ends], 0.0, last_values)
-    deltas = rewards + gamma * following - values
-    decay = np.full(batch.num_steps, gamma * lam)
-    decay[ends] = 0.0  # no carry from the next segment's first step
-    advantages = np.empty(batch.num_steps)
-    running = 0.0
-    for t in range(batch.num_steps - 1, -1, -1):
-        running = deltas[t] + decay[t] * running
-        advantages[t] = running
-    return advantages.astype(np.float32), (advantages + values).astype(np.float32)
-
-
-def ppo_update(
-    model: ActorCritic,
-    optimizer: torch.optim.Optimizer,
-    batch: envfleet.EpisodeBatch,
-    args: argparse.Namespace,
-    generator: torch.Generator,
-) -> dict[str, float]:
-    """``args.epochs`` epochs of clipped PPO over ``args.minibatches`` shuffled minibatches.
-
-    Uses ``args``: ``gamma``, ``lam``, ``clip``, ``ent_coef``, ``vf_coef``,
-    ``max_grad_norm``, ``clip_rewards`` (learn from ``sign(reward)``), ``epochs``,
-    ``minibatches``. The batch needs ``agent_infos`` ``"logp"`` and ``"value"``.
-
-    Returns:
-        the last minibatch's ``loss``, ``policy_loss``, ``value_loss``, ``entropy`` and
-        ``approx_kl`` (floats).
-    """
-    device = next(model.parameters()).device
-    with torch.no_grad():
-        last_obs = torch.as_tensor(batch.last_observations, device=device)
-        last_values = model.value(last_obs).cpu().numpy()
-    rewards = np.sign(batch.rewards) if args.clip_rewards else batch.rewards
-    advantages, targets = segment_gae(batch, rewards, last_values, args.gamma, args.lam)
-    obs = torch.as_tensor(batch.observations, device=device)
-    actions = torch.as_tensor(batch.actions, dtype=torch.int64, device=device)
-    old_logp = torch.as_tensor(batch.agent_infos["logp"], dtype=torch.float32, device=device)
-    old_values = torch.as_tensor(batch.agent_infos["value"], dtype=torch.float32, device=device)
-    adv_all = torch.as_tensor(advantages, device=device)
-    targets_all = torch.as_tensor(targets, device=device)
-    n = batch.num_steps
-    size = max(1, n // args.minibatches)
-    stats: dict[str, float] = {}
-    for _ in range(args.epochs):
-        order = torch.randperm(n, generator=generator).to(device)
-        for first in range(0, n - size + 1, size):
-            idx = order[first : first + size]
-            logits, values = model(obs[idx])
-            log_probs = torch.log_softmax(logits, dim=-1)
-            logp = log_probs.gather(-1, actions[idx].unsqueeze(-1)).squeeze(-1)
-            log_ratio = logp - old_logp[idx]
-            ratio = log_ratio.exp()
-            adv = adv_all[idx]
-            adv = (adv - adv.mean()) / (adv.std(unbiased=len(idx) > 1) + 1e-8)
-            clipped_ratio = ratio.clamp(1 - args.clip, 1 + args.clip)
-            policy_loss = -torch.min(ratio * adv, clipped_ratio * adv).mean()
-            old_v, target = old_values[idx], targets_all[idx]
-            clipped_v = old_v + (values - old_v).clamp(-args.clip, args.clip)
-            value_loss = 0.5 * torch.max((values - target) ** 2, (clipped_v - target) ** 2).mean()
-            entropy = -(log_probs.exp() * log_probs).sum(-1).mean()
-            loss = policy_loss + args.vf_coef * value_loss - args.ent_coef * entropy
-            optimizer.zero_grad()
-            loss.backward()
-            nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-            optimizer.step()
-            with torch.no_grad():
-                approx_kl = ((ratio - 1) - log_ratio).mean()
-            stats = {
-                "loss": loss.item(),
-                "policy_loss": policy_loss.item(),
-                "value_loss": value_loss.item(),
-                "entropy": entropy.item(),
-                "approx_kl": approx_kl.item(),
-            }
-    return stats
-
-
 # -- the two ways to collect rollouts --------------------------------------------------------
 
 
 class SamplerRollouts:
     """Rollouts from ``envfleet.Sampler`` (its default inference mode unless ``inference``)."""
 
-    def __init__(self, args: argparse.Namespace, policy: TorchPolicy):
+    def __init__(self, args: argparse.Namespace, policy: ppo.Policy):
         kwargs: dict[str, Any] = {}
         if args.inference is not None:
             kwargs["inference"] = args.inference
@@ -291,6 +113,11 @@ class SamplerRollouts:
 
     def sample(self, num_steps: int) -> envfleet.EpisodeBatch:
         return self.sampler.sample(num_steps)
+
+    @property
+    def policy_version(self) -> int | None:
+        """The version being updated: a prefetched batch's older steps are stale."""
+        return self.sampler.policy_version
 
     def policy_changed(self) -> None:
         self.sampler.update_policy(None)  # the model was changed in place
@@ -319,7 +146,9 @@ class GymAsyncRollouts:
     """Rollouts from ``gymnasium.vector.AsyncVectorEnv`` in CleanRL's plain loop, returned
     as an :class:`envfleet.EpisodeBatch` (per env, segments split where episodes end)."""
 
-    def __init__(self, args: argparse.Namespace, policy: TorchPolicy):
+    policy_version = None  # every step is of the policy being updated
+
+    def __init__(self, args: argparse.Namespace, policy: ppo.Policy):
         self.policy = policy
         self.num_envs = args.num_envs
         self.envs = gymnasium.vector.AsyncVectorEnv(
@@ -361,7 +190,9 @@ class EnvPoolRollouts:
     after its episode ended, ignoring that step's action: that step is not a transition and
     is left out; the episode's final observation is the one its last step returned."""
 
-    def __init__(self, args: argparse.Namespace, policy: TorchPolicy):
+    policy_version = None  # every step is of the policy being updated
+
+    def __init__(self, args: argparse.Namespace, policy: ppo.Policy):
         import envpool
 
         self.policy = policy
@@ -473,31 +304,6 @@ def plain_rollout_batch(
     )
 
 
-class EpisodeReturns:
-    """Returns (raw game score) of finished episodes, summed per env across rollouts."""
-
-    def __init__(self, num_envs: int, window: int = 20):
-        self.running = np.zeros(num_envs)
-        self.recent: deque[float] = deque(maxlen=window)
-        self.count = 0
-
-    def add(self, batch: envfleet.EpisodeBatch) -> None:
-        if not batch.num_steps:
-            return
-        sums = np.add.reduceat(batch.rewards, batch.starts)
-        for env, total, ended in zip(
-            batch.env_index.tolist(), sums.tolist(), batch.complete.tolist(), strict=True
-        ):
-            self.running[env] += total
-            if ended:
-                self.recent.append(float(self.running[env]))
-                self.running[env] = 0.0
-                self.count += 1
-
-    def mean(self) -> float:
-        return float(np.mean(self.recent)) if self.recent else float("nan")
-
-
 # -- training --------------------------------------------------------------------------------
 
 
@@ -523,16 +329,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         action="store_true",
         help="envfleet: collect the next batch during the update (Sampler(prefetch=True))",
     )
-    parser.add_argument("--lr", type=float, default=2.5e-4)
-    parser.add_argument("--anneal-lr", action=argparse.BooleanOptionalAction, default=True)
-    parser.add_argument("--epochs", type=int, default=4)
-    parser.add_argument("--minibatches", type=int, default=4)
-    parser.add_argument("--gamma", type=float, default=0.99)
-    parser.add_argument("--lam", type=float, default=0.95)
-    parser.add_argument("--clip", type=float, default=0.1)
-    parser.add_argument("--ent-coef", type=float, default=0.01)
-    parser.add_argument("--vf-coef", type=float, default=0.5)
-    parser.add_argument("--max-grad-norm", type=float, default=0.5)
+    ppo.add_arguments(parser, lr=2.5e-4, epochs=4, clip=0.1, ent_coef=0.01)  # CleanRL's Atari
     parser.add_argument("--clip-rewards", action=argparse.BooleanOptionalAction, default=True)
     args = parser.parse_args(argv)
     if args.inference is not None and args.vector != "envfleet":
@@ -547,23 +344,24 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         ``steps`` (env steps sampled), ``updates``, ``episodes`` (finished), ``mean_return``
         (of the last 20, ``nan`` if none), ``seconds`` (wall time from the first rollout),
         ``sample_seconds`` (of it, collecting rollouts), ``steps_per_second``, ``losses``
-        (the last minibatch's loss of each update), ``model`` (the trained
-        :class:`ActorCritic`), ``vector``.
+        (the last minibatch's loss of each update), ``model`` (the trained ``ppo.Agent``),
+        ``vector``.
     """
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     log = print if args.log_every > 0 else (lambda *a: None)
 
     probe = make_env(args.env_id)
+    obs_shape = probe.observation_space.shape
     num_actions = int(probe.action_space.n)  # type: ignore[attr-defined]
     probe.close()
-    model = build_model(num_actions, args.seed).to(args.device)
-    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr, eps=1e-5)
-    policy = TorchPolicy(model, seed=args.seed)
-    shuffle = torch.Generator().manual_seed(args.seed + 1)
     batch_steps = args.num_envs * args.num_steps
+    config = ppo.PPOConfig.from_args(args, args.num_steps, args.num_envs, clip_value=True)
+    model = ppo.Agent(obs_shape, num_actions, "cnn", seed=args.seed).to(args.device)
+    learner = ppo.PPO(model, config, seed=args.seed)
+    policy = ppo.Policy(model, seed=args.seed, threads=args.threads)
     num_updates = max(1, args.total_steps // batch_steps)
-    returns = EpisodeReturns(args.num_envs)
+    returns = ppo.EpisodeReturns(args.num_envs)
     losses: list[float] = []
 
     rollouts: SamplerRollouts | GymAsyncRollouts | EnvPoolRollouts
@@ -577,14 +375,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     start = time.perf_counter()
     try:
         for update in range(1, num_updates + 1):
-            if args.anneal_lr:
-                optimizer.param_groups[0]["lr"] = args.lr * (1 - (update - 1) / num_updates)
+            lr = config.lr((update - 1) / num_updates)
             began = time.perf_counter()
             batch = rollouts.sample(batch_steps)
             sample_seconds += time.perf_counter() - began
             steps += batch.num_steps
-            returns.add(batch)
-            losses.append(ppo_update(model, optimizer, batch, args, shuffle)["loss"])
+            returns.add_batch(batch)
+            rewards = np.sign(batch.rewards) if args.clip_rewards else batch.rewards
+            losses.append(learner.learn(batch, lr, rollouts.policy_version, rewards))
             rollouts.policy_changed()
             if args.log_every > 0 and (update % args.log_every == 0 or update == num_updates):
                 elapsed = time.perf_counter() - start

@@ -8,11 +8,9 @@ instead of the table) and ``--plot FILE.png`` draws them (matplotlib, the ``plot
 ``envfleet bench --policy {mlp,cnn}`` measures the learner's loop instead
 (observations -> a torch policy -> step; :func:`envfleet.bench.measure_policy_loop`): every
 system's steps/s, its fraction of the overlap bound and its ratio to the faster gymnasium
-loop. ``envfleet bench --train {cartpole,lunarlander}`` measures the time to score: one PPO
-trained over every system until the mean return of the last 20 episodes reaches the target
-(:func:`envfleet.bench.measure_train`), medians over ``--seeds`` against the best peer;
-``--train pong`` the steps/s end to end of PPO on Atari. This
-module is the only place where envfleet prints.
+loop. The time to score, which ``envfleet bench --train`` measured, is the repository's
+script ``benchmarks/train.py`` (the same options): ``--train`` says so. This module is the
+only place where envfleet prints.
 
 ``envfleet tune ENV`` measures which vector env or Sampler to use for an env and a policy on
 this machine (:func:`envfleet.bench.tune`): every candidate's steps/s with the policy in the
@@ -43,8 +41,6 @@ from envfleet.bench import (
     LIMIT,
     PEERS,
     POLICY_SYSTEMS,
-    TRAIN_SYSTEMS,
-    TRAIN_WORKLOADS,
     BenchError,
     BenchProgress,
     BenchReport,
@@ -201,45 +197,14 @@ def _parser() -> argparse.ArgumentParser:
     )
     bench.add_argument(
         "--systems",
-        type=_names(list(dict.fromkeys([*POLICY_SYSTEMS, *TRAIN_SYSTEMS])), "system"),
+        type=_names(POLICY_SYSTEMS, "system"),
         default=None,
         metavar="LIST",
-        help=(
-            f"with --policy: comma-separated systems (default: {','.join(POLICY_SYSTEMS)}); "
-            f"with --train: {','.join(TRAIN_SYSTEMS)} (default: all)"
-        ),
+        help=f"with --policy: comma-separated systems (default: {','.join(POLICY_SYSTEMS)})",
     )
-    bench.add_argument(
-        "--train",
-        choices=tuple(TRAIN_WORKLOADS),
-        default=None,
-        help=(
-            "measure the time to score instead: one PPO (torch) trained over every system "
-            "until the mean return of the last 20 episodes reaches the target (cartpole: "
-            "CartPole-v1 x8 to 475; lunarlander: LunarLander-v3 x16 to 200), medians over "
-            "--seeds; pong: ALE/Pong-v5 x8 with a CNN, steps/s end to end over the first "
-            "50,000 steps (needs ale-py and OpenCV); ENV_IDs, --num-envs, --backends, --peers, "
-            "--seconds and --repeats do not apply"
-        ),
-    )
-    bench.add_argument(
-        "--seeds",
-        type=_positive_int,
-        default=3,
-        metavar="K",
-        help="with --train: seeds 1..K, each run on every system (default: 3)",
-    )
-    bench.add_argument(
-        "--budget",
-        type=_positive_int,
-        default=None,
-        metavar="STEPS",
-        help=(
-            "with --train: env steps after which a run that has not reached the target stops "
-            "(default: the workload's, 500,000 for cartpole, 1,500,000 for lunarlander, "
-            "50,000 for pong)"
-        ),
-    )
+    # The time to score moved out of the package (a library of vector envs ships no PPO):
+    # --train, hidden, says where it went.
+    bench.add_argument("--train", nargs="?", action=_MovedToScript, help=argparse.SUPPRESS)
     bench.add_argument(
         "--repeats",
         type=_positive_int,
@@ -363,6 +328,25 @@ def _tune_parser(commands: Any) -> None:
     )
 
 
+class _MovedToScript(argparse.Action):
+    """``--train``: an argparse error (exit status 2) naming the script it moved to."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        workload = values if isinstance(values, str) else "cartpole"
+        parser.error(
+            "--train moved out of envfleet (a library of vector envs ships no PPO): the time "
+            "to score is the script benchmarks/train.py of envfleet's repository, with the "
+            f"same options: python benchmarks/train.py --workload {workload} [--seeds K] "
+            "[--systems LIST] [--budget STEPS] [--json [FILE]] [--plot FILE.png]"
+        )
+
+
 def _policy_spec(text: str) -> str:
     if text in ("mlp", "cnn"):
         return text
@@ -470,8 +454,6 @@ def _replay_under_pdb(path: str, outcome: ReplayOutcome) -> None:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    if args.train is not None:
-        return _bench_train(args)
     if args.policy is not None:
         return _bench_policy(args)
     sizes: list[int] = args.num_envs or list(DEFAULT_NUM_ENVS)
@@ -554,9 +536,6 @@ def _bench_policy(args: argparse.Namespace) -> int:
     systems = list(POLICY_SYSTEMS) if args.systems is None else args.systems
     if not systems:
         return _error("nothing to measure: --systems is 'none'")
-    wrong = [s for s in systems if s not in POLICY_SYSTEMS]
-    if wrong:
-        return _error(f"not a system of --policy: {', '.join(wrong)}")
     if args.plot is not None:
         return _error("--plot draws the env-stepping bench; it does not apply with --policy")
     seconds: float = args.seconds or DEFAULT_SECONDS
@@ -588,63 +567,6 @@ def _bench_policy(args: argparse.Namespace) -> int:
     if args.json != "-":
         for r in reports:
             print(policy_table(r))
-    return 0
-
-
-def _bench_train(args: argparse.Namespace) -> int:
-    """``envfleet bench --train NAME``: time to score (:func:`envfleet.bench.measure_train`),
-    its Markdown table on stdout, ``--json`` and ``--plot`` as the other benches."""
-    import dataclasses
-
-    from envfleet.bench import (
-        measure_train,
-        plot_train,
-        require_matplotlib,
-        require_torch,
-        train_report_dict,
-        train_table,
-    )
-
-    systems = list(TRAIN_SYSTEMS) if args.systems is None else args.systems
-    wrong = [s for s in systems if s not in TRAIN_SYSTEMS]
-    if wrong:
-        return _error(f"not a system of --train: {', '.join(wrong)}")
-    if not systems:
-        return _error("nothing to measure: --systems is 'none'")
-    workload = TRAIN_WORKLOADS[args.train]
-    if args.budget is not None:
-        workload = dataclasses.replace(workload, budget=args.budget)
-    try:
-        require_torch()
-        if args.plot is not None:
-            require_matplotlib()
-    except ConfigError as exc:
-        return _error(str(exc))
-    show = args.json != "-" and sys.stderr.isatty()
-
-    def on_progress(system: str, seed: int, run: Any) -> None:
-        if show and run is not None:
-            outcome = "reached" if run.reached else "did not reach"
-            goal = f"{outcome} {workload.target:g} after" if workload.scored else "ran"
-            print(
-                f"  {workload.env_id} seed {seed}, {system}: {goal} {run.steps:,} steps, "
-                f"{run.seconds:.1f} s",
-                file=sys.stderr,
-            )
-
-    report = _measured(
-        lambda: measure_train(
-            workload, systems, tuple(range(1, args.seeds + 1)), progress=on_progress
-        )
-    )
-    if isinstance(report, int):
-        return report
-    if args.json is not None:
-        _write_json(train_report_dict(report), args.json)
-    if args.json != "-":
-        print(train_table(report))
-    if args.plot is not None:
-        return _write_plot(plot_train, report, args.plot)
     return 0
 
 

@@ -407,6 +407,7 @@ def test_bench_policy_without_torch_says_how_to_install_it():
         ["bench", "--policy", "rnn"],
         ["bench", "--policy", "mlp", "--systems", "gym-sync,bogus"],
         ["bench", "--policy", "mlp", "--repeats", "0"],
+        ["bench", "--policy", "mlp", "--systems", "sb3-subproc"],  # a --train system, once
     ],
 )
 def test_bad_policy_arguments_exit_2(argv, capsys):
@@ -414,3 +415,34 @@ def test_bad_policy_arguments_exit_2(argv, capsys):
         main(argv)
     assert exc.value.code == 2
     assert "error" in capsys.readouterr().err
+
+
+# -- envfleet bench --train: moved to benchmarks/train.py ------------------------------------
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["bench", "--train", "lunarlander", "--seeds", "3"],  # its old options after it
+        ["bench", "--budget", "1024", "--train", "lunarlander"],  # and before it
+        ["bench", "--train"],
+    ],
+)
+def test_train_says_it_moved_to_the_script(argv, capsys):
+    """The time to score is no longer the package's: ``--train``, hidden, exits 2 naming the
+    script and its command, whatever else is on the line."""
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "--train moved out of envfleet" in err and "python benchmarks/train.py" in err
+    workload = "cartpole" if argv == ["bench", "--train"] else "lunarlander"
+    assert f"--workload {workload}" in err
+    assert (Path(__file__).resolve().parents[2] / "benchmarks" / "train.py").is_file()
+
+
+def test_train_is_not_in_the_help(capsys):
+    with pytest.raises(SystemExit):
+        main(["bench", "--help"])
+    out = capsys.readouterr().out
+    assert "--train" not in out and "--seeds" not in out and "--budget" not in out

@@ -1,4 +1,5 @@
-"""The examples: ``examples/ppo_cartpole.py`` (PPO with the Sampler, driver inference),
+"""The examples: ``examples/ppo.py`` (the PPO the examples and ``benchmarks/train.py`` share:
+GAE, the update), ``examples/ppo_cartpole.py`` (PPO with the Sampler, driver inference),
 ``examples/ppo_atari.py`` (PPO on Atari, over the Sampler or gymnasium's AsyncVectorEnv) and
 ``examples/gpu_policy.py`` (a torch policy on CUDA when there is a GPU, else on the CPU)."""
 
@@ -31,8 +32,130 @@ def _load(name: str) -> ModuleType:
 
 
 @pytest.fixture(scope="module")
-def ppo() -> ModuleType:
+def cartpole() -> ModuleType:
     return _load("ppo_cartpole.py")
+
+
+@pytest.fixture(scope="module")
+def ppo(cartpole) -> ModuleType:
+    """examples/ppo.py, the module the examples import."""
+    return cartpole.ppo
+
+
+# -- examples/ppo.py -------------------------------------------------------------------------
+
+
+def test_gae_by_hand(ppo):
+    # Two steps of one column, the episode ending at the second: 1 + 0.5 * 1 and 1.
+    out = ppo.gae(np.ones((2, 1)), np.zeros((2, 1)), np.zeros((2, 1)), np.array([[1.0], [0.0]]),
+                  0.5, 1.0)  # fmt: skip
+    np.testing.assert_array_equal(out, [[1.5], [1.0]])
+
+
+def test_segments_and_the_rollout_layout_give_the_same_advantages(ppo):
+    """A [T, N] rollout with episode ends, cut into segments (as the Sampler returns it):
+    segment_gae gives the same advantages as gae over the rollout."""
+    rng = np.random.default_rng(0)
+    t_steps, n = 12, 3
+    rewards = rng.normal(size=(t_steps, n))
+    values = rng.normal(size=(t_steps, n)).astype(np.float32)  # as a policy records them
+    last_values = rng.normal(size=n)
+    terminated = rng.random((t_steps, n)) < 0.15
+    truncated = ~terminated & (rng.random((t_steps, n)) < 0.1)
+    final_values = rng.normal(size=(t_steps, n))
+    next_values = np.concatenate([values[1:], last_values[None]])
+    next_values = np.where(truncated, final_values, next_values)
+    next_values[terminated] = 0.0
+    expected = ppo.gae(rewards, values, next_values, ~(terminated | truncated), 0.99, 0.95)
+
+    order, ends, lengths, env_index = [], [], [], []
+    for env in range(n):
+        begin = 0
+        for t in range(t_steps):
+            if terminated[t, env] or truncated[t, env] or t == t_steps - 1:
+                order += [(r, env) for r in range(begin, t + 1)]
+                ends.append(next_values[t, env])
+                lengths.append(t + 1 - begin)
+                env_index.append(env)
+                begin = t + 1
+    rows, cols = np.array(order).T
+    batch = EpisodeBatch(
+        observations=np.zeros((len(order), 1), np.float32),
+        actions=np.zeros(len(order), np.int64),
+        rewards=rewards[rows, cols],
+        terminated=terminated[rows, cols],
+        truncated=truncated[rows, cols],
+        last_observations=np.zeros((len(lengths), 1), np.float32),
+        env_index=np.array(env_index),
+        policy_version=np.zeros(len(lengths), np.int64),
+        lengths=np.array(lengths),
+        agent_infos={"value": values[rows, cols]},
+    )
+    advantages, returns = ppo.segment_gae(batch, np.array(ends), 0.99, 0.95)
+    np.testing.assert_allclose(advantages, expected[rows, cols], rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(returns, expected[rows, cols] + values[rows, cols], rtol=1e-6)
+
+
+def _transitions(n: int, seed: int) -> tuple[np.ndarray, ...]:
+    """``n`` made-up CartPole transitions: observations, actions, advantages, returns."""
+    rng = np.random.default_rng(seed)
+    obs = rng.normal(size=(n, 4)).astype(np.float32)
+    actions = rng.integers(0, 2, n)
+    return obs, actions, *rng.normal(size=(2, n)).astype(np.float32)
+
+
+def test_stale_steps_take_decoupled_ppo_and_current_ones_plain_ppo(ppo):
+    """A prefetched batch's steps were chosen by the policy before the last update: they take
+    decoupled PPO's objective (clipped around the policy before this update, weighted by its
+    ratio to the one that chose them, truncated at 1). With no stale step, or stale steps whose
+    weights are 1, it is plain PPO, bit for bit; weights below 1 change the update."""
+    from torch.distributions import Categorical
+
+    config = ppo.PPOConfig(128, 256, 10, 1e-3, True, 0.99, 0.95)
+    n = 256
+    obs, actions, advantages, returns = _transitions(n, seed=0)
+
+    def update(stale: np.ndarray | None, behaviour_shift: float = 0.0) -> str:
+        agent = ppo.Agent((4,), 2, "mlp", seed=3)
+        learner = ppo.PPO(agent, config, seed=3)
+        with torch.no_grad():
+            logits, _ = agent(agent.prepare(obs))
+            logp = Categorical(logits=logits, validate_args=False).log_prob(
+                torch.as_tensor(actions)
+            )
+        behaviour = logp.numpy() - behaviour_shift
+        learner.update(obs, actions, behaviour, advantages, returns, 3e-4, stale)
+        return learner.digest()
+
+    plain = update(None)
+    assert update(np.zeros(n, dtype=np.bool_)) == plain
+    assert update(np.ones(n, dtype=np.bool_)) == plain
+    stale = np.ones(n, dtype=np.bool_)
+    # A behaviour policy likelier than the proximal one: weights below 1, another update.
+    assert update(stale, -0.3) not in (plain, update(None, -0.3))
+    # One less likely: weights above 1, truncated to 1 (V-trace's rho), as if current.
+    assert update(stale, 0.3) == plain
+
+
+def test_the_clipped_value_loss_holds_back_values_moved_past_the_clip(ppo):
+    """``clip_value`` (CleanRL's ``clip_vloss``): with the recorded values the agent's own,
+    one gradient step is the unclipped one; with recorded values far off (5 > clip), the
+    value's error is the clipped one, whose gradient is 0, and the update differs."""
+    n = 64
+    obs, actions, advantages, returns = _transitions(n, seed=1)
+
+    def update(clip_value: bool, shift: float) -> np.ndarray:
+        config = ppo.PPOConfig(16, n, 1, 1e-3, False, 0.99, 0.95, clip_value=clip_value)
+        agent = ppo.Agent((4,), 2, "mlp", seed=3)
+        learner = ppo.PPO(agent, config, seed=3)
+        _, infos = ppo.Policy(agent, seed=3)(obs)
+        values = infos["value"] + shift
+        learner.update(obs, actions, infos["logp"], advantages, returns, 1e-3, None, values)
+        return torch.cat([p.detach().flatten() for p in agent.parameters()]).numpy()
+
+    np.testing.assert_allclose(update(True, 0.0), update(False, 0.0), rtol=0, atol=1e-6)
+    moved = np.abs(update(True, 5.0) - update(False, 5.0)).max()
+    assert moved > 1e-4  # Adam's first step moves a weight by about lr = 1e-3
 
 
 def test_segment_gae_bootstraps_per_segment(ppo):
@@ -83,7 +206,7 @@ def test_segment_gae_bootstraps_per_segment(ppo):
 
 
 @pytest.mark.parametrize("criterion", ["eval", "train"])
-def test_ppo_cartpole_runs(ppo, criterion):
+def test_ppo_cartpole_runs(cartpole, criterion):
     """A few updates on a tiny budget (an unreachable target; eval from the first update):
     the whole code path runs, stops at the budget, and is reproducible. About 2-4 s."""
     argv = [
@@ -91,43 +214,43 @@ def test_ppo_cartpole_runs(ppo, criterion):
         *("--epochs", "2", "--target", "1e9", "--eval-gate", "0", "--eval-episodes", "3"),
         *("--criterion", criterion, "--seed", "3", "--quiet"),
     ]
-    result = ppo.main(argv)
+    result = cartpole.main(argv)
     assert result["reached"] is False
     assert result["steps"] == 1024
     assert result["updates"] == 4
     assert result["episodes"] > 0 and result["train_return"] > 0
     assert (criterion == "eval") == (not math.isnan(result["eval_return"]))
-    again = ppo.main(argv)
+    again = cartpole.main(argv)
     for key in ("steps", "episodes", "train_return", "eval_return"):
         assert again[key] == result[key] or (math.isnan(again[key]) and math.isnan(result[key])), (
             key
         )
 
 
-def test_ppo_cartpole_learns_from_steps_collected_during_the_update(ppo):
+def test_ppo_cartpole_learns_from_steps_collected_during_the_update(cartpole):
     """``--prefetch``: the same budget, every update after the first learning from the batch
     collected during the one before (one version behind): it runs, and reproducibly."""
     argv = [
         *("--num-envs", "4", "--steps-per-update", "64", "--total-steps", "1024"),
         *("--epochs", "2", "--target", "1e9", "--seed", "3", "--quiet", "--prefetch"),
     ]
-    result = ppo.main(argv)
+    result = cartpole.main(argv)
     assert (result["steps"], result["updates"]) == (1024, 4)
     assert result["episodes"] > 0
-    assert ppo.main(argv)["train_return"] == result["train_return"]
+    assert cartpole.main(argv)["train_return"] == result["train_return"]
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("criterion", ["eval", "train"])
-def test_ppo_cartpole_reaches_the_target(ppo, criterion):
+def test_ppo_cartpole_reaches_the_target(cartpole, criterion):
     """PPO with the default settings (seed 1) reaches CartPole-v1's threshold, 475.
 
-    ``eval``: the greedy policy's mean return over 10 seeded episodes; about 20k env steps,
-    2-5 s of training on the 2-core development machine (15 s when it was loaded).
-    ``train``: the mean of the last 20 complete training episodes; about 45k steps, 5-15 s.
-    """
-    result = ppo.main(["--criterion", criterion, "--quiet"])
+    ``eval``: the greedy policy's mean return over 10 seeded episodes; about 24k env steps,
+    2-5 s of training on the 2-core development machine (20 s when it was loaded).
+    ``train``: the mean of the last 20 complete training episodes; about 40k steps, 5-15 s
+    (40 s loaded)."""
+    result = cartpole.main(["--criterion", criterion, "--quiet"])
     assert result["reached"], result
     if criterion == "eval":
         assert result["eval_return"] >= 475
@@ -244,7 +367,7 @@ def test_ppo_atari_smoke(ppo_atari, vector):
     assert result["steps"] == 64
     assert result["updates"] == 2
     assert len(result["losses"]) == 2 and all(math.isfinite(x) for x in result["losses"])
-    initial = ppo_atari.build_model(result["model"].actor.out_features, seed=5)
+    initial = ppo_atari.ppo.Agent((4, 84, 84), result["model"].actor.out_features, "cnn", seed=5)
     trained = dict(result["model"].named_parameters())
     changed = [
         name

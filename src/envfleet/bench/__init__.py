@@ -6,13 +6,6 @@ that the numbers can be compared (:func:`run_bench`; :func:`plot_report` draws t
 here prints: results come back as dataclasses and progress goes to an optional callback; the
 CLI (:mod:`envfleet.cli`) renders both.
 
-Time to score (``envfleet bench --train``, :func:`measure_train`): one CleanRL-style PPO
-trained over every system of :data:`TRAIN_SYSTEMS` (gymnasium's vector envs, SB3's
-``SubprocVecEnv``, PufferLib, ``envfleet.make`` and ``envfleet.Sampler``) with the same model,
-hyperparameters and seeds until a score is reached (:data:`TRAIN_WORKLOADS`): seconds and env
-steps to it, medians over seeds, against the best peer (:func:`train_table`,
-:func:`plot_train`); ``pong`` measures the steps/s end to end of PPO on Atari instead.
-
 The learner's loop (``envfleet bench --policy``): :func:`measure_policy_loop` steps every
 system of :data:`POLICY_SYSTEMS` with a torch policy choosing the actions (CleanRL's PPO actor,
 :class:`TorchPolicy`) and compares each with the overlap bound (:func:`overlap_bound`) and the
@@ -42,6 +35,10 @@ Tuning (``envfleet tune``): :func:`tune` measures the candidates of :func:`tune_
 (backends, worker counts, ``driver_envs``, a first-ready pool, the Sampler's inference) with
 a policy in the learner's loop and says which ``envfleet.make``/``envfleet.Sampler`` call to
 use (:func:`tune_table` renders its :class:`TuneReport`).
+
+Time to a score, a PPO trained over every system, is no part of the package (a library of
+vector envs ships no trainer): it is the script ``benchmarks/train.py`` of the repository, on
+these public names, with the examples' PPO (``examples/ppo.py``).
 
 A peer whose library is missing is left out with :data:`PEER_INSTALL`'s command
 (:func:`unavailable`). The limit (:func:`measure_limit`): one env stepped in a plain Python
@@ -126,31 +123,6 @@ from envfleet.bench._sweep import (
     run_bench,
     unavailable,
 )
-from envfleet.bench._train import (
-    SCORE_EPISODES,
-    SYNC_SYSTEMS,
-    TRAIN_PEERS,
-    TRAIN_SYSTEMS,
-    TRAIN_WORKLOADS,
-    PPOConfig,
-    PPOPolicy,
-    TrainEnvs,
-    TrainPoint,
-    TrainReport,
-    TrainResult,
-    TrainRun,
-    TrainSystem,
-    TrainWorkload,
-    gae,
-    measure_train,
-    plot_train,
-    segment_gae,
-    train_report_dict,
-    train_report_from_dict,
-    train_run,
-    train_table,
-    train_unavailable,
-)
 from envfleet.bench._tune import (
     TuneCandidate,
     TuneProgress,
@@ -177,22 +149,15 @@ __all__ = [
     "POLICY_SYSTEMS",
     "PUFFER_INSTALL",
     "ROLLOUT_STEPS",
-    "SCORE_EPISODES",
     "STORE_SYSTEMS",
-    "SYNC_SYSTEMS",
     "SYSTEMS",
     "TORCH_INSTALL",
-    "TRAIN_PEERS",
-    "TRAIN_SYSTEMS",
-    "TRAIN_WORKLOADS",
     "BenchError",
     "BenchProgress",
     "BenchReport",
     "BenchResult",
     "LimitResult",
     "Machine",
-    "PPOConfig",
-    "PPOPolicy",
     "PolicyBound",
     "PolicyLoopReport",
     "PolicyLoopResult",
@@ -203,13 +168,6 @@ __all__ = [
     "TuneProgress",
     "TuneReport",
     "TuneResult",
-    "TrainEnvs",
-    "TrainPoint",
-    "TrainReport",
-    "TrainResult",
-    "TrainRun",
-    "TrainSystem",
-    "TrainWorkload",
     "Workload",
     "baseline_ratios",
     "bench_rows",
@@ -217,7 +175,6 @@ __all__ = [
     "check_workload",
     "describe_machine",
     "envpool_task",
-    "gae",
     "groups_bound",
     "machine_line",
     "make_env",
@@ -226,11 +183,9 @@ __all__ = [
     "measure_limit",
     "measure_policy_loop",
     "measure_system",
-    "measure_train",
     "one_call_bound",
     "overlap_bound",
     "plot_report",
-    "plot_train",
     "policy_report_dict",
     "policy_table",
     "puffer_workers",
@@ -241,7 +196,6 @@ __all__ = [
     "schedule_sizes",
     "schedule_splits",
     "schedule_structures",
-    "segment_gae",
     "time_in_loop",
     "timed_loop",
     "tune",
@@ -249,11 +203,6 @@ __all__ = [
     "tune_report_dict",
     "tune_table",
     "tune_workers",
-    "train_report_dict",
-    "train_report_from_dict",
-    "train_run",
-    "train_table",
-    "train_unavailable",
     "unavailable",
     "usable_cores",
     "workers_bound",
