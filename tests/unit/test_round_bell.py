@@ -242,8 +242,8 @@ def test_the_bell_wakes_a_sleeping_process_and_gathers_its_arrival():
 
 def test_the_c_workers_arrival_lands_before_its_ack():
     """A worker's ACK follows its arrival (R6), on the C step path, where no arrival can be
-    slowed: the C worker loop (``serve_steps``: bell_arrive) is stopped at the very store of its ACK, and
-    its arrival must have landed by then.
+    slowed: the C worker loop (``serve_steps``: bell_arrive) is stopped at the very store of
+    its ACK, and its arrival must have landed by then.
 
     A forked process runs ``serve_steps`` over one control row laid across a page boundary,
     ACK the first word of the second page. The step it calls makes that page read-only in
