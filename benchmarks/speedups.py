@@ -114,7 +114,7 @@ def micro_write_results(off: set[str]) -> Callable[[], Any]:
 def micro_write_rows(off: set[str]) -> Callable[[], Any]:
     group = serial_group(off)
     group.step()
-    return group._write_observation_rows
+    return group._writers[0].write
 
 
 def micro_round_trip(off: set[str]) -> Callable[[], Any]:
@@ -128,7 +128,7 @@ def micro_round_trip(off: set[str]) -> Callable[[], Any]:
 
 MICRO: dict[str, tuple[str, Callable[[set[str]], Callable[[], Any]]]] = {
     "write_results": ("EnvGroup._write_results, x16", micro_write_results),
-    "write_rows": ("EnvGroup._write_observation_rows, x16", micro_write_rows),
+    "write_rows": ("RowWriter.write (EnvGroup's rows), x16", micro_write_rows),
     "serve_steps": ("processes no-op step, NoopEnv x2", micro_round_trip),
     "full_round": ("processes no-op step, NoopEnv x2", micro_round_trip),
 }

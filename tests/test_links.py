@@ -221,6 +221,7 @@ FOREIGN_ROOTS = {
     "copy",
     "functools",
     "bit_generator",  # numpy's
+    "np",  # numpy, as imported
     "cpu",  # cgroup v2's cpu.max
 }
 FOREIGN_NAMES = {

@@ -21,8 +21,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import envfleet
-import envfleet._core.envgroup
 import envfleet._core.native
+import envfleet._core.rows
 import envfleet._front.results
 from tests.envs import FormObsEnv, MixedObsEnv, NestedSpaceEnv, SparseInfoEnv, sync_factories
 from tests.helpers import assert_same
@@ -475,7 +475,7 @@ def test_large_observation_rows_are_copied_once(make_env, monkeypatch, step_path
     """Rows larger than JOIN_MAX_BYTES (Atari frames) are copied once, where the join would
     copy them twice: by the C write_rows on the C step path, else by np.concatenate; the
     results are the same."""
-    monkeypatch.setattr(envfleet._core.envgroup, "JOIN_MAX_BYTES", 4 * 4 * 4 - 1)  # 4 CartPole rows
+    monkeypatch.setattr(envfleet._core.rows, "JOIN_MAX_BYTES", 4 * 4 * 4 - 1)  # 4 CartPole rows
     speedups = envfleet._core.native.speedups
     sync = SyncVectorEnv([lambda: gym.make("CartPole-v1")] * 4)
     fleet = make_env("CartPole-v1", 4, backend="serial")

@@ -7,7 +7,8 @@
  *
  *   write_results   EnvGroup's per-env result lists into its float64/bool buffers, and the
  *                   autoreset flags (_core/envgroup.py)
- *   write_rows      the observations into the group's rows of the observation buffer (same)
+ *   write_rows      the observations into a group's rows of one observation slab, or the
+ *                   slab's numpy write called when they do not fit (_core/rows.py)
  *   serve_steps     the processes worker's loop of plain steps (_backends/processes/worker.py)
  *   full_round      the processes driver's ring, own block and spin of a step
  *                   (_backends/processes/backend.py)
@@ -1169,19 +1170,20 @@ typedef struct {
 } ndarray_head;
 #define NDARRAY_C_CONTIGUOUS 0x0001 /* NPY_ARRAY_C_CONTIGUOUS */
 
-/* write_rows(env_obs, ndarray, dtype, shape, address, row_bytes) -> bool
+/* write_rows(env_obs, ndarray, dtype, shape, address, row_bytes, fallback) -> None
  *
  * Copy each observation's bytes to row j at address + j * row_bytes, when every one is an
  * exact ``ndarray`` instance (the type passed in), C-contiguous, of exactly ``shape`` and
  * whose dtype is ``dtype`` (the same object, as ``obs.dtype is dtype``): then the copy is
- * exactly numpy's, which copies same-typed elements byte for byte. False, with nothing
- * written, when some observation is not like that; the caller then writes them with numpy. */
+ * exactly numpy's, which copies same-typed elements byte for byte. When some observation is
+ * not like that, nothing is written here and ``fallback()`` writes them (numpy), its result
+ * or error returned: one call writes the rows either way (rows.RowWriter). */
 static PyObject *
 sp_write_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     void *dest;
     const char *fname = "write_rows";
-    if (!arg_count(fname, nargs, 6, 6) || !arg_of_type(fname, args, 0, &PyList_Type) ||
+    if (!arg_count(fname, nargs, 7, 7) || !arg_of_type(fname, args, 0, &PyList_Type) ||
         !arg_of_type(fname, args, 1, &PyType_Type) || !arg_of_type(fname, args, 3, &PyTuple_Type))
         return NULL;
     Py_ssize_t row_bytes = PyLong_AsSsize_t(args[5]);
@@ -1191,7 +1193,7 @@ sp_write_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     Py_ssize_t n = PyList_GET_SIZE(env_obs), ndim = PyTuple_GET_SIZE(shape);
     Py_ssize_t dims[32];
     if (ndim > 32)
-        Py_RETURN_FALSE;
+        goto decline;
     for (Py_ssize_t d = 0; d < ndim; d++) {
         dims[d] = PyLong_AsSsize_t(PyTuple_GET_ITEM(shape, d));
         if (dims[d] == -1 && PyErr_Occurred())
@@ -1200,13 +1202,13 @@ sp_write_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     for (Py_ssize_t j = 0; j < n; j++) {
         PyObject *obs = PyList_GET_ITEM(env_obs, j);
         if (!Py_IS_TYPE(obs, (PyTypeObject *)ndarray))
-            Py_RETURN_FALSE;
+            goto decline;
         ndarray_head *a = (ndarray_head *)obs;
         if (a->descr != dtype || a->nd != ndim || !(a->flags & NDARRAY_C_CONTIGUOUS))
-            Py_RETURN_FALSE;
+            goto decline;
         for (Py_ssize_t d = 0; d < ndim; d++) {
             if (a->dimensions[d] != dims[d])
-                Py_RETURN_FALSE;
+                goto decline;
         }
     }
     for (Py_ssize_t j = 0; j < n; j++) {
@@ -1214,7 +1216,9 @@ sp_write_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         memcpy((char *)dest + j * row_bytes, a->data, (size_t)row_bytes);
     }
     calls[F_WRITE_ROWS]++;
-    Py_RETURN_TRUE;
+    Py_RETURN_NONE;
+decline:
+    return PyObject_CallNoArgs(args[6]);
 }
 
 static PyObject *
@@ -1423,7 +1427,7 @@ sp_crash_note(PyObject *self, PyObject *unused)
 
 static PyMethodDef methods[] = {
     {"write_results", (PyCFunction)(void (*)(void))sp_write_results, METH_FASTCALL, "EnvGroup._write_results."},
-    {"write_rows", (PyCFunction)(void (*)(void))sp_write_rows, METH_FASTCALL, "EnvGroup's observation rows, memcpy'd."},
+    {"write_rows", (PyCFunction)(void (*)(void))sp_write_rows, METH_FASTCALL, "An observation slab's rows, memcpy'd (or its fallback called)."},
     {"serve_steps", sp_serve_steps, METH_VARARGS, "_Worker.serve's loop for plain steps."},
     {"full_round", (PyCFunction)(void (*)(void))sp_full_round, METH_FASTCALL,
      "The processes transport's full step round (full_round)."},

@@ -19,7 +19,7 @@ import gymnasium
 import numpy as np
 from gymnasium.spaces.utils import is_space_dtype_shape_equiv
 from gymnasium.vector import AutoresetMode
-from gymnasium.vector.utils import batch_space, concatenate, create_empty_array, iterate
+from gymnasium.vector.utils import batch_space, iterate
 
 from envfleet._core import native as _speedups
 from envfleet._core.buffers import Batch, fill_side, is_leaf, side_leaves, side_values
@@ -35,12 +35,11 @@ from envfleet._core.protocol import (
     SideValues,
 )
 from envfleet._core.replay import ActionLog, StartReader
+from envfleet._core.rows import RowWriter
 from envfleet._core.stepping import AdaptiveStepping, stepping_mode
 
-__all__ = ["JOIN_MAX_BYTES", "EnvFailure", "EnvGroup", "PartialFailure", "spaces_mismatch"]
+__all__ = ["EnvFailure", "EnvGroup", "PartialFailure", "spaces_mismatch"]
 
-# A group's observation rows up to this size are written as joined bytes (EnvGroup.__init__).
-JOIN_MAX_BYTES = 16 << 10
 # EnvGroup._quiet without an AdaptiveStepping: never asks it.
 _ALWAYS = 1 << 62
 
@@ -226,53 +225,23 @@ class EnvGroup:
         self._terminations: list[Any] = [False] * self.size
         self._truncations: list[Any] = [False] * self.size
         self._autoreset: list[bool] = [False] * self.size  # envs to reset on their next step
-        # For a single-array space, gymnasium's concatenate is np.stack(items, out=out) and its
-        # iterate is iter(items): call those directly, without the dispatch, on the hot path.
-        self._obs_leaf = is_leaf(single_observation_space)
+        # For a single-array space, gymnasium's iterate is iter(items): called directly,
+        # without the dispatch, on the hot path.
+        self._action_leaf = is_leaf(single_action_space)
         # Leaves without a fixed size have no buffer: their values go with the reply.
         self._side = bool(side_leaves(single_observation_space))
-        self._action_leaf = is_leaf(single_action_space)
-        # For an array leaf with ndim >= 1, the rows written by one np.concatenate along a
-        # flattened first axis cost a fraction of np.stack's (benchmarks/README.md). Used
-        # only when every observation is an ndarray of exactly the leaf's shape, where the two
-        # write the same values with the same (same_kind) casting.
-        self._obs_shape: tuple[int, ...] | None = None
-        # Per observation slab (buffers.ObservationSlabs): the group's rows of it, and those
-        # rows flattened for the concatenate above (None where that does not apply). The
-        # front picks the slab of each command in the shared word ``buffers.slab``.
-        #
-        # Cheaper still: when every observation also has exactly the buffer's dtype and is
-        # C-contiguous, the rows are their bytes, joined and written through a byte view of
-        # the group's rows. The join copies the bytes twice, so it is used for small rows only
-        # (JOIN_MAX_BYTES): on large ones numpy's copy is faster (benchmarks/README.md).
-        slabs = self.buffers.observation_slabs or [self.buffers.observations]
-        self._obs_slabs: list[tuple[Any, np.ndarray | None, memoryview | None, int]] = []
-        self._obs_dtype: np.dtype[Any] | None = None
-        # With the C step path, those same-dtype contiguous rows are memcpy'd from each
-        # observation's data, whatever their size (each byte copied once, with fewer checks
-        # than numpy's): rows of _obs_row_bytes bytes at the slab's address.
-        self._obs_row_bytes = 0
-        for out in slabs:
-            rows, raw, address = None, None, 0
-            if self._obs_leaf and isinstance(out, np.ndarray) and out.ndim >= 2 and out.size:
-                flat = out.reshape((-1, *out.shape[2:]))
-                if np.shares_memory(flat, out):  # a view (the group's rows are contiguous)
-                    self._obs_shape, rows = tuple(out.shape[1:]), flat
-                    # Compared by identity on the step path: numpy's own object for the
-                    # type, as envs' arrays carry it (a space unpickled in a spawned worker
-                    # gives an equal dtype that is another object).
-                    canonical = np.dtype(out.dtype.type)
-                    self._obs_dtype = canonical if canonical == out.dtype else out.dtype
-                    if out.flags.c_contiguous:
-                        address, self._obs_row_bytes = out.ctypes.data, out[0].nbytes
-                        if out.nbytes <= JOIN_MAX_BYTES:
-                            raw = out.data.cast("B")
-            self._obs_slabs.append((out, rows, raw, address))
+        # One writer per observation slab (buffers.ObservationSlabs; rows.RowWriter), its
+        # strategy chosen here; the front picks the slab of each command in the shared word
+        # ``buffers.slab``.
+        write_rows = _speedups.function("write_rows")
+        self._writers = [
+            RowWriter(self._env_obs, out, single_observation_space, write_rows)
+            for out in self.buffers.observation_slabs or [self.buffers.observations]
+        ]
         self._slab = self.buffers.slab
         # The C step path (envfleet._core.native; None where the Python twin runs): the results
         # written straight into the reward and done-flag rows at these addresses.
         self._c_write_results = _speedups.function("write_results")
-        self._c_write_rows = _speedups.function("write_rows")
         self._result_addresses: tuple[int, int, int] | None = None
         results = (self.buffers.rewards, self.buffers.terminations, self.buffers.truncations)
         dtypes = (np.dtype(np.float64), np.dtype(np.bool_), np.dtype(np.bool_))
@@ -297,20 +266,6 @@ class EnvGroup:
                 *self._result_addresses,
                 self._autoreset,
             )
-        self._c_rows: list[Callable[[], bool] | None] = [
-            functools.partial(
-                self._c_write_rows,
-                self._env_obs,
-                np.ndarray,
-                self._obs_dtype,
-                self._obs_shape,
-                address,
-                self._obs_row_bytes,
-            )
-            if rows is not None and address and self._c_write_rows is not None and not self._side
-            else None
-            for _, rows, _, address in self._obs_slabs
-        ]
 
     def resume_autoreset(self, done: Sequence[bool]) -> None:
         """Set each env's autoreset flag (``done``: its last step ended its episode): a group
@@ -433,9 +388,17 @@ class EnvGroup:
             for f, flag in zip(failures, keep, strict=True):
                 self._autoreset[f.env_index - self.start] = flag  # its state is unknown
             raise PartialFailure(failures, events)
-        write = self._c_rows[0 if self._slab is None else self._slab.item(0)]
-        if write is None or not write():
-            self._write_observations("step", events, c_tried=True)
+        # _write_observations inline, so that no Python frame runs around the C copy; its
+        # write read as an attribute (a slot's load) rather than called as a method (whose
+        # lookup is not specialized for a slot).
+        writer = self._writers[0 if self._slab is None else self._slab.item(0)]
+        write_obs = writer.write
+        try:
+            write_obs()
+        except Exception as exc:
+            raise self._misfit(writer, "step") from exc
+        if self._side:
+            self._side_values(events)
         return events
 
     def _step_envs(
@@ -539,67 +502,36 @@ class EnvGroup:
             raise
         self._autoreset[:] = np.logical_or(buf.terminations, buf.truncations).tolist()
 
-    def _write_observations(
-        self, method: str, events: list[InfoEvent], c_tried: bool = False
-    ) -> None:
-        """Write every env's latest observation into the group's rows; with leaves without a
-        fixed size, append each env's values there to ``events`` (as
-        :class:`~envfleet._core.protocol.SideValues` events). ``c_tried``: the step's C write of
-        the rows (``_c_rows``) was just tried and declined them (or does not apply): numpy
-        writes them.
+    def _write_observations(self, method: str, events: list[InfoEvent]) -> None:
+        """Write every env's latest observation into the group's rows of the slab the front
+        picked (its :class:`~envfleet._core.rows.RowWriter`); with leaves without a fixed size,
+        append each env's values there to ``events``.
 
         Raises:
             EnvFailure: an observation does not fit the observation space's buffer (wrong
                 shape or structure, or a dtype numpy will not cast with ``same_kind``), as
                 SyncVectorEnv's ``concatenate`` refuses it; names the first such env.
         """
+        writer = self._writers[0 if self._slab is None else self._slab.item(0)]
         try:
-            self._write_observation_rows(c_tried)
+            writer.write()
         except Exception as exc:
-            space = self.single_observation_space
-            probe: Any = create_empty_array(space, 1)
-            bad = self.start
-            for j, obs in enumerate(self._env_obs):
-                try:
-                    concatenate(space, [obs], probe)
-                except Exception:
-                    bad = self.start + j
-                    break
-            raise self._recorded(EnvFailure(bad, f"{method} (observation)")) from exc
+            raise self._misfit(writer, method) from exc
         if self._side:
-            space = self.single_observation_space
-            for j, obs in enumerate(self._env_obs):
-                values: list[Any] = []
-                side_values(space, obs, values)
-                events.append((self.start + j, SideValues(values=values)))
+            self._side_values(events)
 
-    def _write_observation_rows(self, c_tried: bool) -> None:
-        k = 0 if self._slab is None else self._slab.item(0)
-        out, rows, raw, _ = self._obs_slabs[k]
-        if rows is not None:
-            write = None if c_tried else self._c_rows[k]
-            if write is not None and write():
-                return  # the joined write below, in C
-            shape, dtype, ndarray = self._obs_shape, self._obs_dtype, np.ndarray
-            same_dtype = raw is not None
-            for obs in self._env_obs:
-                if type(obs) is not ndarray or obs.shape != shape:
-                    break
-                if obs.dtype is not dtype:
-                    same_dtype = False
-            else:
-                if same_dtype:
-                    try:
-                        raw[:] = b"".join(self._env_obs)  # type: ignore[index]
-                        return
-                    except (BufferError, ValueError, TypeError):
-                        pass  # not C-contiguous: numpy copies it below
-                np.concatenate(self._env_obs, axis=0, out=rows)
-                return
-        if self._obs_leaf:
-            np.stack(self._env_obs, axis=0, out=out)
-        else:
-            concatenate(self.single_observation_space, self._env_obs, out)
+    def _misfit(self, writer: RowWriter, method: str) -> EnvFailure:
+        """The failure of the first env whose observation ``writer`` could not write."""
+        return self._recorded(EnvFailure(self.start + writer.misfit(), f"{method} (observation)"))
+
+    def _side_values(self, events: list[InfoEvent]) -> None:
+        """Each env's values of the leaves without a fixed size, appended to ``events`` (as
+        :class:`~envfleet._core.protocol.SideValues` events)."""
+        space = self.single_observation_space
+        for j, obs in enumerate(self._env_obs):
+            values: list[Any] = []
+            side_values(space, obs, values)
+            events.append((self.start + j, SideValues(values=values)))
 
     def reset(self, request: ResetRequest) -> list[InfoEvent]:
         """Reset the envs (all, or those in ``request.mask``) with their seeds and options."""
