@@ -96,6 +96,9 @@ def _fault(how: str, hang_s: float) -> None:
         time.sleep(hang_s)
 
 
+REPLAY_TIMEOUT_S = 60.0  # the bound on a raise's, segfault's or kill's replay between calls
+
+
 @dataclass
 class ChaosConfig:
     minutes: float = 10.0
@@ -337,8 +340,12 @@ def chaos(config: ChaosConfig, log: Any = print) -> ChaosResult:
                     continue
                 path = os.path.join(tmp, f"{kind}-{i}.replay")
                 error.replay.save(path)
+                # A hang is "no next call within the step timeout"; the other kinds are not
+                # bounded so tightly (a replay's first call waits for its process to import
+                # envfleet, which takes more than a second on a loaded machine).
+                timeout_s = config.step_timeout if kind == "hang" else REPLAY_TIMEOUT_S
                 with open(os.devnull, "w") as quiet:
-                    outcome = watch_replay(path, timeout_s=config.step_timeout, stderr=quiet)
+                    outcome = watch_replay(path, timeout_s=timeout_s, stderr=quiet)
                 reproduced += outcome.reproduced
                 if not outcome.reproduced and kind != "kill":
                     result.not_reproduced.append(
