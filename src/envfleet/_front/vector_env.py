@@ -351,23 +351,22 @@ class FleetVectorEnv(VectorEnv[Any, Any, np.ndarray]):
         ):
             self._stage_actions(actions)  # the common case, checked without the general walk
             return
-        else:
-            leaves: list[tuple[np.ndarray | None, Any]] = []
-            check_actions(self.single_action_space, out, actions, "actions", leaves, self.num_envs)
-            # Each env gets its row in the caller's dtype, as gymnasium's vector envs hand it
-            # (iterate over the caller's batch): a leaf whose dtype differs from the buffer's
-            # travels with the step command, beside the buffer's cast copy; so do the leaves
-            # without a fixed size.
-            for target, value in leaves:
-                if target is not None:
-                    target[...] = value
-            travel = caller_leaves(self.single_action_space, out, actions)
-            self._step_payloads = self._every_group
-            if travel is not None:
-                self._step_payloads = {
-                    w: [None if v is None else v[start:stop] for v in travel]
-                    for w, (start, stop) in enumerate(self._backend.ranges)
-                }
+        leaves: list[tuple[np.ndarray | None, Any]] = []
+        check_actions(self.single_action_space, out, actions, "actions", leaves, self.num_envs)
+        # Each env gets its row in the caller's dtype, as gymnasium's vector envs hand it
+        # (iterate over the caller's batch): a leaf whose dtype differs from the buffer's
+        # travels with the step command, beside the buffer's cast copy; so do the leaves
+        # without a fixed size.
+        for target, value in leaves:
+            if target is not None:
+                target[...] = value
+        travel = caller_leaves(self.single_action_space, out, actions)
+        self._step_payloads = self._every_group
+        if travel is not None:
+            self._step_payloads = {
+                w: [None if v is None else v[start:stop] for v in travel]
+                for w, (start, stop) in enumerate(self._backend.ranges)
+            }
         if self._outputs.slabs is not None:
             self._outputs.pick_slab(True, self.copy)
 
