@@ -274,6 +274,7 @@ class RayTransport:
         :data:`_START_WARN_S` seconds."""
         refs = [self._refs[w] for w in workers]
         starting = any(self._commands[w] is None for w in workers)
+        began = time.monotonic() if starting else 0.0
         while True:
             wait_s = None if deadline is None else max(0.0, deadline - time.monotonic())
             if starting and (wait_s is None or wait_s > _START_WARN_S):
@@ -290,8 +291,14 @@ class RayTransport:
                 # An actor that died or whose method raised: read() reads them one by one.
                 with contextlib.suppress(ray.exceptions.RayError):
                     self._got.update(zip(workers, ray.get(refs), strict=True))
-            if ready_set or not starting or (deadline is not None and time.monotonic() >= deadline):
+            if ready_set or not starting:
                 return Seen([w for w, ref in zip(workers, refs, strict=True) if ref in ready_set])
+            now = time.monotonic()
+            if deadline is not None and now >= deadline:
+                return Seen([])
+            if now - began < _START_WARN_S:  # ray.wait came back a little early: wait on
+                continue
+            began = now
             logger.warning(
                 "Ray actors %s have not started after %g s: is the cluster short of the "
                 "resources they ask for (%s)? Still waiting",
