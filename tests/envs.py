@@ -26,6 +26,7 @@ from gymnasium import spaces
 __all__ = [
     "ActionDtypeEnv",
     "CrashEnv",
+    "FaultSeriesEnv",
     "FlakyEnv",
     "IndexedEnv",
     "MixedObsEnv",
@@ -945,6 +946,44 @@ class FaultEnv(gym.Env):
                 raise ValueError(f"boom in step {self._steps} of env {self.env_index}")
             else:
                 crash_process(how)
+        obs = self.np_random.uniform(-1.0, 1.0, 2).astype(np.float32)
+        return obs, 1.0, False, False, {}
+
+
+class FaultSeriesEnv(gym.Env):
+    """Env ``env_index`` does a series of faults, each once per env index: fault ``k`` of
+    ``series`` (``(how, at_step)``; ``how``: ``"raise"``, ``"sleep:S"`` or ``"null-write"``,
+    as :class:`FaultEnv`'s) comes in the env's ``at_step``-th step since it was built,
+    unless the file ``f"{marker}-{env_index}-{k}"`` exists (made just before). So an env
+    rebuilt after a fault (in its worker, or in a new one) goes on to the next faults of the
+    series, and a test can spare an env a fault by making its file. Faults due in the same
+    step come one after the other. Episodes never end."""
+
+    def __init__(
+        self, env_index: int = 0, series: tuple[tuple[str, int], ...] = (), marker: str = ""
+    ):
+        self.env_index, self.series, self.marker = env_index, series, marker
+        self.observation_space = spaces.Box(-1.0, 1.0, (2,), np.float32)
+        self.action_space = spaces.Discrete(2)
+        self._steps = 0
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
+        super().reset(seed=seed)
+        return self.np_random.uniform(-1.0, 1.0, 2).astype(np.float32), {}
+
+    def step(self, action: Any):
+        self._steps += 1
+        for k, (how, at) in enumerate(self.series):
+            mark = Path(f"{self.marker}-{self.env_index}-{k}")
+            if at != self._steps or mark.exists():
+                continue
+            mark.touch()
+            if how == "raise":
+                raise ValueError(f"boom in step {self._steps} of env {self.env_index}")
+            if how.startswith("sleep:"):
+                time.sleep(float(how.split(":")[1]))
+            elif how == "null-write":  # a real SIGSEGV in C
+                ctypes.memset(0, 0, 1)
         obs = self.np_random.uniform(-1.0, 1.0, 2).astype(np.float32)
         return obs, 1.0, False, False, {}
 

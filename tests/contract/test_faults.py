@@ -201,7 +201,7 @@ def test_a_segfaults_stack_comes_with_its_crash_error(
     """Issue 32 item 2: env 1 writes at address 0 in its third step (a real SIGSEGV); the
     EnvCrashedError carries what the worker's faulthandler wrote at the fault
     (``err.stacks``), and its message names the env's innermost frame. On Ray, from the
-    actor's file on this node (Ray gives no exit code)."""
+    actor's file, read by its node's helper (Ray gives no exit code)."""
     envs = make_env(fault_factory({1: ("null-write", 3)}), 2, **backend.options, num_workers=2)
     envs.reset(seed=0)
     for _ in range(2):

@@ -293,6 +293,12 @@ def test_close_leaves_no_actor_alive(ray_cluster, tmp_path, pending):
     envs.reset(seed=0)
     pids = _actor_pids(envs)
     assert len(pids) == 2 and all(psutil.pid_exists(pid) for pid in pids)
+    # One envfleet helper per node that holds actors, in a process of its own; gone too.
+    nodes = {node for node, _ in envs._backend.placement()}
+    helpers = envs._backend._helpers.pids
+    assert set(helpers) == nodes and len(set(helpers.values())) == len(nodes)
+    pids += [pid for pid in helpers.values() if pid is not None]
+    assert all(psutil.pid_exists(pid) for pid in pids) and os.getpid() not in pids
     if pending:
         envs.step_async(np.zeros(4, np.int64))
         with pytest.warns(UserWarning, match="Calling `close` while waiting for a pending call"):

@@ -51,8 +51,8 @@ class Recycle:
 
         envs = envfleet.make("LunarLander-v3", 16, recycle=envfleet.Recycle(max_rss_mb=2048))
 
-    Only ``backend="processes"`` or ``"ray"`` (the actors on the driver's node, whose record
-    and memory the driver reads there), synchronous (no ``batch_size``), with every env in a
+    Only ``backend="processes"`` or ``"ray"`` (on every node: each node's envfleet helper
+    reads its actors' records and memory), synchronous (no ``batch_size``), with every env in a
     worker (``driver_envs=0``, which it implies) and ``replay_steps > 0`` (the record it
     restores from): threads and serial envs live in the caller's process, which replacing a
     thread does not shrink.
@@ -85,9 +85,11 @@ class Recycling(Protocol):
 
     ranges: Any
 
-    def log_head(self, w: int) -> tuple[int, int, Any] | None: ...
-
-    def rss(self, w: int) -> int | None: ...
+    def counters(self) -> list[tuple[tuple[int, int, Any] | None, int | None]]:
+        """Per worker: its action log's counters (group steps, episodes, each env's episode
+        start; ``None`` before it opened its log) and its resident memory in bytes
+        (``None`` if unknown)."""
+        ...
 
 
 @dataclass
@@ -101,7 +103,8 @@ class _Life:
 
 class Recycler:
     """Which workers are due to be recycled (:meth:`due`), looked at every
-    :data:`CHECK_EVERY` step rounds from their action logs' counters and resident memory."""
+    :data:`CHECK_EVERY` step rounds from their action logs' counters and resident memory
+    (the round driver's ``counters``, one look at all of them)."""
 
     def __init__(self, policy: Recycle, driver: Recycling):
         self.policy = policy
@@ -118,15 +121,16 @@ class Recycler:
             return []
         self._rounds = 0
         ready = []
+        looks = self.driver.counters()
         for w, life in enumerate(self.lives):
-            head = self.driver.log_head(w)
+            head, rss = looks[w]
             if head is None:
                 continue
             steps, episodes, starts = head
             if steps < life.steps0:  # a new log: the supervisor replaced the worker
                 life = self.lives[w] = _Life()
             if life.drain_from is None:
-                reason = self._past(w, life, steps, episodes)
+                reason = self._past(w, life, steps, episodes, rss)
                 if reason is None:
                     continue
                 life.drain_from = steps
@@ -135,7 +139,7 @@ class Recycler:
                 ready.append(w)
         return ready
 
-    def _past(self, w: int, life: _Life, steps: int, episodes: int) -> str | None:
+    def _past(self, w: int, life: _Life, steps: int, episodes: int, rss: int | None) -> str | None:
         policy = self.policy
         start, stop = self.driver.ranges[w]
         if policy.max_steps is not None and (steps - life.steps0) * (stop - start) >= (
@@ -144,10 +148,8 @@ class Recycler:
             return f"max_steps={policy.max_steps}"
         if policy.max_episodes is not None and episodes - life.episodes0 >= policy.max_episodes:
             return f"max_episodes={policy.max_episodes}"
-        if policy.max_rss_mb is not None:
-            rss = self.driver.rss(w)
-            if rss is not None and rss >= policy.max_rss_mb * 2**20:
-                return f"max_rss_mb={policy.max_rss_mb:g} ({rss / 2**20:.1f} MiB)"
+        if policy.max_rss_mb is not None and rss is not None and rss >= policy.max_rss_mb * 2**20:
+            return f"max_rss_mb={policy.max_rss_mb:g} ({rss / 2**20:.1f} MiB)"
         return None
 
     def replayable(self, w: int, recordings: list[EnvRecording]) -> bool:

@@ -647,8 +647,8 @@ class RoundDriver(Backend):
         missing = (
             "stack not taken while its worker starts"
             if starting
-            else "stack not available (not taken by this backend here: e.g. a Ray actor "
-            "on another node, or a worker that did not answer)"
+            else "stack not available (the worker did not write it in time, or this backend "
+            "takes none here: serial, or a Ray actor whose node's helper is gone)"
         )
         what = "start" if starting else self._command.name.lower()
         message = hang_message(
@@ -761,13 +761,14 @@ class RoundDriver(Backend):
 
     def recordings(self, w: int) -> list[EnvRecording]:
         """Worker ``w``'s envs' episodes so far (for a replay), read where its record
-        outlives it (the transport's ``recordings``: in-process, processes); else none."""
+        outlives it (the transport's ``recordings``: in-process, processes, Ray); else
+        none."""
         read = getattr(self.transport, "recordings", None)
         return read(w) if read is not None else []
 
     def stacks(self, workers: list[int]) -> dict[int, str]:
         """Each of ``workers``' stacks, taken now (the transport's ``stacks``, where it has
-        one: processes and threads), worker -> text."""
+        one: processes, threads and Ray), worker -> text."""
         take = getattr(self.transport, "stacks", None)
         return take(workers) if take is not None else {}
 
@@ -775,7 +776,7 @@ class RoundDriver(Backend):
 
     def recycle_with(self, policy: Recycle) -> None:
         """Recycle the workers past ``policy``'s limits from now on (the transport gives
-        ``log_head`` and ``rss``: processes)."""
+        ``log_head`` and ``rss``, and may give ``counters``: processes, Ray)."""
         # A proxy, as the supervisor's: no reference cycle keeps the workers past close.
         self._recycler = Recycler(policy, cast(Any, weakref.proxy(self)))
 
@@ -786,6 +787,16 @@ class RoundDriver(Backend):
     def rss(self, w: int) -> int | None:
         """Worker ``w``'s resident memory last sampled, in bytes, ``None`` if unknown."""
         return cast(Any, self.transport).rss(w)
+
+    def counters(self) -> list[tuple[tuple[int, int, Any] | None, int | None]]:
+        """Per worker: its action-log counters and its resident memory (the recycler's look):
+        the transport's ``counters`` where it has one (Ray: one question to each node's
+        helper), else each worker's :meth:`log_head` and :meth:`rss`."""
+        transport = cast(Any, self.transport)
+        read = getattr(transport, "counters", None)
+        if read is not None:
+            return cast(list[tuple[tuple[int, int, Any] | None, int | None]], read())
+        return [(transport.log_head(w), transport.rss(w)) for w in range(len(self.ranges))]
 
     def worker_memory(self) -> tuple[WorkerMemory, ...]:
         read = getattr(self.transport, "worker_memory", None)

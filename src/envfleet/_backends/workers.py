@@ -8,7 +8,8 @@ Every worker process envfleet starts goes through these few functions:
   (multiprocessing's "bootstrapping phase" error under ``spawn`` and ``forkserver``) says so
   in the driver's file for it, which :func:`bootstrap_report` reads;
 - :func:`die_with_parent`, called first thing in the worker, makes it exit when the driver
-  dies, also when the driver is SIGKILLed (Linux's ``PR_SET_PDEATHSIG``);
+  dies, also when the driver is SIGKILLed (Linux's ``PR_SET_PDEATHSIG``); :func:`die_with`
+  makes a process die with another one (a Ray env actor with its node's helper);
 - :func:`remote_error` turns an exception raised in a worker into a picklable
   :class:`~envfleet._core.protocol.RemoteError` that carries its traceback; the driver
   rebuilds it (:func:`envfleet._core.failures.remote_cause`) and chains it as ``__cause__`` of
@@ -22,6 +23,7 @@ Every worker process envfleet starts goes through these few functions:
 
 from __future__ import annotations
 
+import _thread
 import collections
 import contextlib
 import ctypes
@@ -33,6 +35,7 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import pickle
+import select
 import signal
 import sys
 import tempfile
@@ -58,6 +61,7 @@ __all__ = [
     "Exit",
     "MemoryWatch",
     "Watch",
+    "die_with",
     "die_with_parent",
     "failure_reply",
     "join_all",
@@ -220,6 +224,45 @@ def die_with_parent(parent_pid: int, start_method: str) -> None:
         os._exit(0)
 
 
+def die_with(pid: int) -> None:
+    """Kill this process (SIGKILL) when process ``pid`` exits, or at once if it is gone. A
+    Ray env actor dies with the envfleet helper of its node
+    (:mod:`envfleet._backends.ray.helper`), which holds its stack file and action log: the
+    driver then reports the actor's death, rather than the actor running on with nothing
+    left to read its files after a crash.
+
+    On Linux a thread with no Python frame but one waits on a pidfd of ``pid`` (so the
+    actor's stack dumps show one line of it); elsewhere a daemon thread waits with
+    psutil."""
+    try:
+        proc = psutil.Process(pid)
+        fd = os.pidfd_open(pid) if hasattr(os, "pidfd_open") else None
+        if not proc.is_running():  # gone, and the pid taken again, before the pidfd
+            raise psutil.NoSuchProcess(pid)
+    except psutil.Error:
+        os.kill(os.getpid(), signal.SIGKILL)
+        return
+    except OSError:
+        fd = None
+    if fd is not None:
+        _thread.start_new_thread(_die_when_readable, (fd,))
+    else:
+        threading.Thread(
+            target=_die_after, args=(proc,), name="envfleet-die-with", daemon=True
+        ).start()
+
+
+def _die_when_readable(fd: int) -> None:
+    select.select([fd], [], [])  # a pidfd is readable once its process has exited
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _die_after(proc: Any) -> None:
+    with contextlib.suppress(psutil.Error):
+        proc.wait()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 def remote_error(failure: BaseException, env_index: int, method: str) -> RemoteError:
     """What a worker sends back for an exception: type, message, formatted traceback and the
     exception itself pickled (``None`` when it does not pickle and unpickle).
@@ -321,9 +364,9 @@ def watch_stacks(path: str | None) -> Any:
     when it dies of a fatal signal (SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGABRT: it then dies of
     that signal still). The dump runs in the signal handler, in C: a worker stuck in C code
     (``time.sleep``, a socket read, a simulator) still shows the Python frame that called it.
-    The worker removes the file's name once it has it open (the driver holds a descriptor,
-    or opens it through ``/proc/PID/fd``). Returns the open file (kept for the process's
-    life), ``None`` without a path."""
+    The worker removes the file's name once it has it open (the driver holds a descriptor;
+    on Ray, the helper of the actor's node opens it through ``/proc/PID/fd``). Returns the
+    open file (kept for the process's life), ``None`` without a path."""
     if path is None:
         return None
     out = open(path, "a", encoding="utf-8")  # noqa: SIM115  (open until the process exits)
@@ -502,6 +545,13 @@ class MemoryWatch:
         self._pids[w] = pid
         self._last.pop(w, None)
         self._history[w] = collections.deque(maxlen=GROWTH_SAMPLES)
+        self._warned.discard(w)
+
+    def forget(self, w: int) -> None:
+        """Stop sampling worker ``w`` (closed, or replaced by another transport's worker)."""
+        self._pids.pop(w, None)
+        self._last.pop(w, None)
+        self._history.pop(w, None)
         self._warned.discard(w)
 
     def episodes(self, w: int) -> int:

@@ -271,14 +271,16 @@ class EnvCrashedError(EnvfleetError):
             (SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGABRT), what its faulthandler wrote: every
             thread's stack at the fault, innermost frame first (the message names the env's
             innermost frame); ``""`` for a death that leaves none (SIGKILL, ``os._exit``) and
-            for a Ray actor on another node than the driver's. Read it as text:
+            for a Ray actor whose node was lost with it (on Ray the envfleet helper of the
+            actor's node reads the file, on every node). Read it as text:
             ``print(err.stacks or "no stack")``.
         rss_bytes: the worker process's resident memory when last seen (sampled about once
             a second), ``None`` where unknown; a SIGKILL's message gives it (the OOM killer
             kills so).
         replay: the dead worker's envs' episodes up to the crash (:class:`envfleet.Replay`),
-            which ``envfleet replay`` runs in a child process it watches; ``None`` on Ray
-            (the record dies with the actor) and with ``replay_steps=0``.
+            which ``envfleet replay`` runs in a child process it watches; ``None`` with
+            ``replay_steps=0`` and for a Ray actor whose node was lost with it (the record
+            is a file of its node, which that node's envfleet helper reads).
     """
 
     def __init__(
@@ -337,12 +339,12 @@ class StepTimeoutError(_TimedOut):
             late worker; value, the stacks of its threads taken just before it was killed
             (faulthandler's format, innermost frame first; the message names the env's
             innermost frame). A late worker whose stacks could not be taken has no key, and
-            the dict is ``{}`` where the backend cannot take them (``serial``; a Ray actor
-            on another node than the driver's). Read it per worker:
+            the dict is ``{}`` where the backend cannot take them (``serial``). Read it per
+            worker:
             ``for worker, text in err.stacks.items(): print(worker, text)``.
         replay: the first hung worker's envs' episodes up to the hang (:class:`envfleet.Replay`;
-            ``envfleet replay`` reports the step where it hangs again); ``None`` on Ray and
-            with ``replay_steps=0``.
+            ``envfleet replay`` reports the step where it hangs again); ``None`` with
+            ``replay_steps=0``.
     """
 
 
@@ -424,8 +426,9 @@ class HangWarning(UserWarning):
     Warned (:mod:`warnings`) while the call keeps waiting: first after the delay, then again
     after twice the delay, four times, ... Its message names each busy env (its global
     index), its worker, and the worker's stacks now (faulthandler's format, innermost frame
-    first, as :attr:`StepTimeoutError.stacks`), or says where they cannot be taken (a Ray
-    actor on another node). Nothing is killed: ``step_timeout`` does that.
+    first, as :attr:`StepTimeoutError.stacks`; a Ray actor's on any node, taken by the
+    envfleet helper of its node), or why they were not taken. Nothing is killed:
+    ``step_timeout`` does that.
 
     Example::
 

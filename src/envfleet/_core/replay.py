@@ -772,7 +772,7 @@ class Replay:
     an :class:`~envfleet.EnvCrashedError` and a :class:`~envfleet.StepTimeoutError` carry every
     env of the dead or hung worker (which one did it is not known to the driver), replayed in
     their worker's order. ``err.replay`` is ``None`` where the record died with its worker
-    (a Ray actor's crash or hang) or ``replay_steps=0``.
+    (a Ray actor lost with its node) or ``replay_steps=0``.
 
     Attributes:
         kind: ``"error"`` (an env raised), ``"crash"`` (its worker died) or ``"hang"``.

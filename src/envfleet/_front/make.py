@@ -126,7 +126,9 @@ def make(  # type: ignore[misc]  # the overloads stand for its keyword arguments
         num_envs: number of sub-environments; default 1, or ``len(env)`` for a list.
         backend: ``"processes"`` (the default: worker processes over shared memory, every
             env isolated in a worker, none in this process), ``"ray"`` (Ray actors, on this
-            machine or across a Ray cluster's nodes; ``pip install 'envfleet[ray]'``),
+            machine or across a Ray cluster's nodes, with one envfleet helper per node that
+            holds actors, which reads their stacks, replays and memory there: every node
+            gives what this one does, on Linux; ``pip install 'envfleet[ray]'``),
             ``"serial"`` (every env in this process, stepped in turn) or ``"threads"`` (one
             thread per block of envs in this process; for envs that release the GIL).
             ``serial`` and ``threads`` are in-process by definition: an env's segfault or
@@ -264,7 +266,7 @@ def make(  # type: ignore[misc]  # the overloads stand for its keyword arguments
             CartPole actions: 64 KB), plus 16 KiB per env; an episode longer than
             ``replay_steps`` is not replayable. ``0``: no record, ``err.replay`` is ``None``.
             Not for ``envpool``.
-        recycle: ``processes`` or ``ray`` (the actors on the driver's node), synchronous:
+        recycle: ``processes`` or ``ray`` (on every node), synchronous:
             an :class:`envfleet.Recycle` replaces each
             worker past its limits (episodes, steps, resident memory) between episodes, its
             envs continuing exactly where they were; every env must run in a worker

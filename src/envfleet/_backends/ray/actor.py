@@ -30,7 +30,7 @@ from envfleet._backends.base import (
     none_if_empty,
     run_command,
 )
-from envfleet._backends.workers import remote_error, watch_stacks
+from envfleet._backends.workers import die_with, remote_error, watch_stacks
 from envfleet._core.buffers import Block, allocate_batch, batch_nbytes
 from envfleet._core.envgroup import EnvFailure, EnvGroup, PartialFailure
 from envfleet._core.protocol import Command, Failure, Status
@@ -93,13 +93,14 @@ class EnvfleetWorker:
     def __init__(self, spec: ActorSpec):
         self.spec = spec
         # Its stacks at a hang (asked for by a signal) and at a fatal signal, into a file of
-        # this node, nameless once open: a driver on the same node opens it through
-        # /proc/PID/fd (stack_file), and nothing is left on disk whatever becomes of either.
+        # this node, nameless once open: the envfleet helper of this node opens it through
+        # /proc/PID/fd (place, NodeHelper.adopt) and reads it for the driver, and nothing is
+        # left on disk whatever becomes of either.
         fd, path = tempfile.mkstemp(prefix="envfleet-ray-stacks-", suffix=".txt")
         os.close(fd)
         self._stacks = watch_stacks(path)
-        # Its envs' action log, in a nameless file of this node that the driver reads the same
-        # way (a replay after a crash, the recycler's counters).
+        # Its envs' action log, in a nameless file of this node that the helper reads the
+        # same way (a replay after a crash or a hang, the recycler's counters).
         self._log_fd, path = tempfile.mkstemp(prefix="envfleet-ray-log-")
         os.unlink(path)
         self.group: EnvGroup | None = None
@@ -126,10 +127,14 @@ class EnvfleetWorker:
         status, payload = self.startup
         return status, payload, None, 0.0
 
-    def attach(self, layout: ActorLayout) -> Reply:
+    def attach(self, layout: ActorLayout, helper_pid: int | None = None) -> Reply:
         """Lay the envs built over buffers of the block's rows, with env 0's spaces: READY
-        with a space mismatch (``(env_index, description)``) or ``None``, or ERROR."""
+        with a space mismatch (``(env_index, description)``) or ``None``, or ERROR. From now
+        on this actor dies with process ``helper_pid``, the envfleet helper of its node that
+        holds its files (:func:`~envfleet._backends.workers.die_with`), if given."""
         spec = self.spec
+        if helper_pid is not None:
+            die_with(helper_pid)
         try:
             size = spec.stop - spec.start
             obs_space, act_space = layout.single_observation_space, layout.single_action_space
@@ -188,9 +193,10 @@ class EnvfleetWorker:
         """(Ray node id, process id) of this actor."""
         return ray.get_runtime_context().get_node_id(), os.getpid()
 
-    def stack_file(self) -> tuple[str, int, int, int]:
-        """(Ray node id, process id, descriptors of its stack file and of its action log): a
-        driver on the same node opens ``/proc/PID/fd/FD`` (:meth:`RayTransport.lay_out`)."""
+    def place(self) -> tuple[str, int, int, int]:
+        """(Ray node id, process id, descriptors of its stack file and of its action log):
+        the envfleet helper of that node opens ``/proc/PID/fd/FD``
+        (:meth:`envfleet._backends.ray.helper.NodeHelper.adopt`)."""
         node = ray.get_runtime_context().get_node_id()
         return node, os.getpid(), self._stacks.fileno(), self._log_fd
 

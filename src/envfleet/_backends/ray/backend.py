@@ -18,6 +18,14 @@ reason); a wait past the timeout kills the late actors and raises
 :class:`envfleet.StepTimeoutError`. A restart policy rebuilds envs inside their actor and
 replaces dead or hung actors with new ones (placed by the same options).
 
+Every node is like the driver's: one envfleet helper per node that holds env actors
+(:mod:`envfleet._backends.ray.helper`) holds their stack files and action logs open and reads
+them for the driver through Ray: the stacks of a hung actor (``err.stacks``, hang reports),
+what a dead one's faulthandler wrote, the replay of a crash or a hang (``err.replay``), the
+recycler's counters and memory, ``envs.stats.memory``. The driver opens no file and no
+``/proc`` entry of an actor. An env actor dies with its helper, so a helper's death is
+reported (and, under a restart policy, repaired) as its actors' death.
+
 This module holds the driver's side (:class:`RayTransport`: the primitives the round driver,
 :class:`envfleet._backends.rounds.RoundDriver`, runs every round over) and the registration;
 the actor is
@@ -29,22 +37,21 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any, cast
 
 import numpy as np
-import psutil
 import ray
 import ray.exceptions
 
 from envfleet._backends.base import EnvProbe
 from envfleet._backends.ray.actor import ActorLayout, ActorSpec, RemoteWorker, Reply
+from envfleet._backends.ray.helper import GONE, NodeHelpers, reason
 from envfleet._backends.ray.plan import RayPlan, plan_ray
 from envfleet._backends.rounds import FullRound, RoundDriver, Seen
 from envfleet._backends.supervisor import Round
-from envfleet._backends.workers import ask_stacks, read_bytes, read_text
+from envfleet._backends.workers import STACKS_WAIT_S
 from envfleet._core.buffers import allocate_batch
 from envfleet._core.errors import (
     ConfigError,
@@ -53,9 +60,15 @@ from envfleet._core.errors import (
 )
 from envfleet._core.failures import CLOSED, remote_env_error
 from envfleet._core.protocol import Command, Failure, RemoteError, Status
-from envfleet._core.replay import ActionLog, EnvRecording, log_recordings, read_head
+from envfleet._core.replay import EnvRecording, log_recordings, read_head
 from envfleet._core.stacks import at
-from envfleet._core.stats import STATS_WORDS, StepTimer, StepTimeStats, step_time_table
+from envfleet._core.stats import (
+    STATS_WORDS,
+    StepTimer,
+    StepTimeStats,
+    WorkerMemory,
+    step_time_table,
+)
 from envfleet._core.trees import tree_slice, tree_write
 
 __all__ = ["DEFAULT_CLOSE_TIMEOUT", "RayPlan", "RayTransport", "plan_ray"]
@@ -108,13 +121,12 @@ class RayTransport:
         self._refs: dict[int, Any] = {}  # worker -> ObjectRef of its running command
         self._commands: dict[int, Command | None] = {}  # its command; None: starting
         self._got: dict[int, Reply] = {}  # replies read in one call, until read
-        # Per worker on this node: its actor's pid and the driver's descriptor of its stack
-        # file, and of its action log (opened at lay_out; an actor on another node has none).
-        self._stack_files: dict[int, tuple[int, int]] = {}
-        self._log_files: dict[int, int] = {}
+        # The helper of each node that holds actors: their stack files and action logs.
+        self._helpers = NodeHelpers(self.ranges, self._options)
         self._closed = False
         first_env = request.first_env
         try:
+            self._helpers.prestart()
             for w in range(workers):
                 self._start_actor(w)
             if first_env is not None:
@@ -160,7 +172,7 @@ class RayTransport:
         self._refs[w], self._commands[w] = actor.ready.remote(), None
 
     def respawn(self, w: int, reason: str) -> None:
-        self._drop_stack_file(w)
+        self._helpers.forget(w)
         if reason == "recycle":
             start, stop = self.ranges[w]
             logger.info("recycling worker %d (sub-environments %d..%d)", w, start, stop - 1)
@@ -173,7 +185,9 @@ class RayTransport:
 
     def lay_out(self, workers: list[int], probe: Any) -> bool:
         """Every actor lays its envs over buffers of its rows once env 0's spaces are known:
-        at the start from env 0's ``READY`` (``probe``), when the driver's batch is made."""
+        at the start from env 0's ``READY`` (``probe``), when the driver's batch is made.
+        First each actor is handed to the helper of its node (started there if it has none:
+        :meth:`NodeHelpers.adopt`), and told to die with it."""
         if self._layout is None:
             request = self._request
             if request.probe is None:
@@ -192,67 +206,57 @@ class RayTransport:
                 layout.same_observation_space,
                 layout.replay_steps,
             )
-        self._open_stack_files(workers)
+        helper_pids = self._helpers.adopt({w: self._actors[w] for w in workers})
         for w in workers:
-            self._refs[w], self._commands[w] = self._actors[w].attach.remote(self._layout), None
+            self._refs[w] = self._actors[w].attach.remote(self._layout, helper_pids.get(w))
+            self._commands[w] = None
         return True
 
-    def _open_stack_files(self, workers: list[int]) -> None:
-        """Open the stack file and the action log of each of ``workers``' actors that runs
-        on this node, through ``/proc/PID/fd`` (the files have no name: nothing is left on
-        disk; no stacks, replays after a crash or recycling where there is no /proc)."""
-        with contextlib.suppress(Exception):  # a dead actor: the wait says so
-            here = ray.get_runtime_context().get_node_id()
-            places = ray.get([self._actors[w].stack_file.remote() for w in workers], timeout=10)
-            for w, (node, pid, stacks, log) in zip(workers, places, strict=True):
-                self._drop_stack_file(w)
-                if node != here:
-                    continue
-                with contextlib.suppress(OSError):
-                    self._stack_files[w] = (pid, os.open(f"/proc/{pid}/fd/{stacks}", os.O_RDWR))
-                    self._log_files[w] = os.open(f"/proc/{pid}/fd/{log}", os.O_RDONLY)
+    # -- what the recycler, replays and reports read: through each node's helper -------------
 
-    def _drop_stack_file(self, w: int) -> None:
-        entry, log = self._stack_files.pop(w, None), self._log_files.pop(w, None)
-        if entry is not None:
-            os.close(entry[1])
-        if log is not None:
-            os.close(log)
-
-    # -- what the recycler and replays read (actors on this node) -----------------------------
+    def counters(self) -> list[tuple[tuple[int, int, Any] | None, int | None]]:
+        """Per worker: its action-log counters (:func:`envfleet._core.replay.read_head`) and
+        its actor's resident memory now in bytes (``None`` each where unknown): one call to
+        each node's helper, all at once (the recycler's look)."""
+        found = self._helpers.counters(range(len(self.ranges)))
+        looks: list[tuple[tuple[int, int, Any] | None, int | None]] = []
+        for w, (start, stop) in enumerate(self.ranges):
+            head, rss = found.get(w, (b"", None))
+            looks.append((read_head(head, stop - start), rss))
+        return looks
 
     def log_head(self, w: int) -> tuple[int, int, Any] | None:
         """Worker ``w``'s action-log counters (:func:`envfleet._core.replay.read_head`),
-        ``None`` for an actor on another node."""
+        ``None`` where unknown."""
         start, stop = self.ranges[w]
-        fd = self._log_files.get(w)
-        return read_head(read_bytes(fd, ActionLog.head_nbytes(stop - start)), stop - start)
+        head, _ = self._helpers.counters([w]).get(w, (b"", None))
+        return read_head(head, stop - start)
 
     def rss(self, w: int) -> int | None:
-        """Worker ``w``'s actor's resident memory now, in bytes (``None`` off this node)."""
-        entry = self._stack_files.get(w)
-        if entry is None:
-            return None
-        try:
-            return int(psutil.Process(entry[0]).memory_info().rss)
-        except psutil.Error:
-            return None
+        """Worker ``w``'s actor's resident memory now, in bytes (``None`` where unknown)."""
+        return self._helpers.counters([w]).get(w, (b"", None))[1]
+
+    def worker_memory(self) -> tuple[WorkerMemory, ...]:
+        """Per actor: its resident memory last sampled by its node's helper, the episodes
+        its envs began and its growth per 1,000 episodes (``envs.stats.memory``)."""
+        found = self._helpers.memory(range(len(self.ranges)))
+        return tuple(WorkerMemory(*found.get(w, (None, 0, None))) for w in range(len(self.ranges)))
 
     def recordings(self, w: int) -> list[EnvRecording]:
         """Each of worker ``w``'s envs' episode so far, from the action log its actor writes
-        to a file of this node (readable after it died or while it hangs); none off this
-        node or without a log."""
-        fd, layout = self._log_files.get(w), self._layout
-        if fd is None or layout is None:
+        to a file of its node, read by that node's helper (after the actor died, or while it
+        hangs); none without a log, or when its helper is gone."""
+        layout = self._layout
+        if layout is None:
             return []
         start, stop = self.ranges[w]
-        return log_recordings(read_bytes(fd), layout.single_action_space, start, stop)
+        return log_recordings(self._helpers.log(w), layout.single_action_space, start, stop)
 
     def stacks(self, workers: list[int]) -> dict[int, str]:
-        """Each of ``workers``' actors' stacks, asked for by a signal, where the actor runs
-        on this node (:func:`~envfleet._backends.workers.ask_stacks`)."""
-        targets = {w: self._stack_files[w] for w in workers if w in self._stack_files}
-        return ask_stacks(targets, lambda w: psutil.pid_exists(self._stack_files[w][0]))
+        """Each of ``workers``' actors' stacks, asked for now by a signal from the helper of
+        its node (:meth:`envfleet._backends.ray.helper.NodeHelper.stacks`), every node at
+        once."""
+        return self._helpers.stacks(workers, STACKS_WAIT_S)
 
     # -- Transport ------------------------------------------------------------------------------
 
@@ -275,6 +279,7 @@ class RayTransport:
         :data:`_START_WARN_S` seconds."""
         refs = [self._refs[w] for w in workers]
         starting = any(self._commands[w] is None for w in workers)
+        began = time.monotonic() if starting else 0.0
         while True:
             wait_s = None if deadline is None else max(0.0, deadline - time.monotonic())
             if starting and (wait_s is None or wait_s > _START_WARN_S):
@@ -291,8 +296,14 @@ class RayTransport:
                 # An actor that died or whose method raised: read() reads them one by one.
                 with contextlib.suppress(ray.exceptions.RayError):
                     self._got.update(zip(workers, ray.get(refs), strict=True))
-            if ready_set or not starting or (deadline is not None and time.monotonic() >= deadline):
+            if ready_set or not starting:
                 return Seen([w for w, ref in zip(workers, refs, strict=True) if ref in ready_set])
+            now = time.monotonic()
+            if deadline is not None and now >= deadline:
+                return Seen([])
+            if now - began < _START_WARN_S:  # ray.wait came back a little early: wait on
+                continue
+            began = now
             logger.warning(
                 "Ray actors %s have not started after %g s: is the cluster short of the "
                 "resources they ask for (%s)? Still waiting",
@@ -322,7 +333,7 @@ class RayTransport:
                 done.failures[w] = Failure([error])
                 return
             except ray.exceptions.RayError as exc:  # the actor died, or its node
-                done.crashed[w] = _reason(exc)
+                done.crashed[w] = self._helpers.lost.get(w) or reason(exc)
                 return
         self._take(w, reply, done)
 
@@ -351,16 +362,31 @@ class RayTransport:
     ) -> EnvCrashedError:
         start, stop = self.ranges[w]
         when = "while starting" if starting else f"after {step} steps"
-        entry = self._stack_files.get(w)
-        stacks = read_text(entry[1]) if entry is not None else ""
+        found = self._helpers.report(w)
+        stacks, seen, gone = "", None, ""
+        if isinstance(found, str):
+            if w not in self._helpers.lost:
+                # An actor dies with its helper (or with the node of both): what the helper
+                # held for it (its stacks, its replay) is lost with them.
+                gone = f"; {GONE} ({found}), and the actor's stacks and replay with it"
+        else:
+            stacks, seen = found
+        where = at(stacks)
+        if not stacks and seen is not None:  # a death without a stack: SIGKILL, the OOM's way
+            where = (
+                f" (its resident memory last seen: {seen[0] / 2**20:.1f} MiB, "
+                f"{seen[1]:.1f} s before)"
+            )
         return EnvCrashedError(
             f"the Ray actor of worker {w} (sub-environments {start}..{stop - 1}) died {when}"
-            f"{at(stacks)}{f' ({reason})' if reason else ''}; {note + '; ' if note else ''}{fate}",
+            f"{where}{f' ({reason})' if reason else ''}{gone}; "
+            f"{note + '; ' if note else ''}{fate}",
             env_indices=range(start, stop),
             worker_index=w,
             exitcode=None,
             step=step,
             stacks=stacks,
+            rss_bytes=None if seen is None else seen[0],
         )
 
     # -- close ----------------------------------------------------------------------------------
@@ -382,8 +408,7 @@ class RayTransport:
             logger.warning("closing while Ray actors %s are busy; killing them", sorted(busy))
         self._refs, self._got = {}, {}
         self._actors = [None] * len(self._actors)
-        for w in list(self._stack_files):
-            self._drop_stack_file(w)
+        helpers = self._helpers.close()
         if not actors or not ray.is_initialized():
             return
         with contextlib.suppress(Exception):
@@ -391,19 +416,14 @@ class RayTransport:
                 refs = [actor.close.remote() for actor in actors]
                 limit = DEFAULT_CLOSE_TIMEOUT if timeout is None else timeout
                 ray.wait(refs, num_returns=len(refs), timeout=limit)
-        for actor in actors:
+        for actor in [*actors, *helpers]:  # (an env actor would die with its helper too)
             with contextlib.suppress(Exception):
                 ray.kill(actor, no_restart=True)
         with contextlib.suppress(Exception):
             # Calls on a killed actor fail once Ray has seen it die: wait for that, bounded.
             probes = [actor.where.remote() for actor in actors]
+            probes += [helper.close.remote() for helper in helpers]
             ray.wait(probes, num_returns=len(probes), timeout=_KILL_GRACE)
-
-
-def _reason(exc: BaseException) -> str:
-    """The first lines of Ray's account of an actor's death, on one line."""
-    text = " ".join(str(exc).split())
-    return text[:300] + ("..." if len(text) > 300 else "")
 
 
 # -- plan and registration (envfleet._backends.registry) -------------------------------------
