@@ -234,6 +234,7 @@ FOREIGN_NAMES = {
     "Multiprocessing",  # PufferLib's
     "RawArray",  # multiprocessing's
     "ThreadPoolExecutor",  # concurrent.futures'
+    "NodeAffinitySchedulingStrategy",  # Ray's
     "KeyboardInterrupt",
     "None",  # Python's
     "FUTEX_WAKE",  # Linux's
