@@ -257,7 +257,7 @@ def test_the_guard_catches_the_driver_reaching_another_node(
 
 def _nodes(envs: Any) -> list[str]:
     """Per worker, the node its actor runs on (asked of the actors, through Ray)."""
-    return [node for node, _ in envs._backend.placement()]
+    return [node for node, _ in envs._backend.transport.placement()]
 
 
 def _wait_dead(actor: Any) -> None:
@@ -411,10 +411,10 @@ def test_a_leaking_actor_is_recycled_on_every_node(make_env: Any, cluster: Nodes
     starts = ray.get(cluster.resident, timeout=WAIT)
     recycle = envfleet.Recycle(max_rss_mb=max(starts) / 2**20 + 64)
     envs = make_env(leaky, 2, backend="ray", num_workers=2, ray_options=SLOT, recycle=recycle)
-    before = envs._backend.placement()
+    before = envs._backend.transport.placement()
     assert sorted(node for node, _ in before) == sorted([cluster.head, cluster.far])
     got = _steps(envs, 160)
-    after = envs._backend.placement()
+    after = envs._backend.transport.placement()
     assert envs.stats.recycled >= 2, envs.stats
     # Each actor was replaced, on its own node: the far one by what its helper read.
     assert [node for node, _ in after] == [node for node, _ in before]
@@ -467,8 +467,8 @@ def test_a_lost_helper_or_node_costs_only_its_envs(make_env: Any, cluster: Nodes
     _assert_result(envs.reset(seed=2), *model.reset(seed=2), "reset")
     _play(envs, model, 3)
 
-    ray.kill(envs._backend._helpers.nodes[cluster.far])
-    _wait_dead(envs._backend._actors[far])
+    ray.kill(envs._backend.transport._helpers.nodes[cluster.far])
+    _wait_dead(envs._backend.transport._actors[far])
     actions = _actions(model.t, 4)
     _assert_result(envs.step(actions), *model.step(actions, rows=far_rows), "helper lost")
     _play(envs, model, 3)
@@ -479,7 +479,7 @@ def test_a_lost_helper_or_node_costs_only_its_envs(make_env: Any, cluster: Nodes
 
     remove_placement_group(held)  # the driver's node can take the far node's actor
     cluster.cluster.remove_node(cluster.far_node, allow_graceful=False)
-    _wait_dead(envs._backend._actors[far])
+    _wait_dead(envs._backend.transport._actors[far])
     actions = _actions(model.t, 4)
     _assert_result(envs.step(actions), *model.step(actions, rows=far_rows), "node lost")
     _play(envs, model, 3)
@@ -491,8 +491,8 @@ def test_a_lost_helper_or_node_costs_only_its_envs(make_env: Any, cluster: Nodes
     _assert_stats(envs, model, 2, crashes=2)
     model.close()
     # The far node's helper was dropped with its node; the one left goes with the actors.
-    helpers = envs._backend._helpers.pids
+    helpers = envs._backend.transport._helpers.pids
     assert list(helpers) == [cluster.head], helpers
-    pids = [pid for _, pid in envs._backend.placement()] + list(helpers.values())
+    pids = [pid for _, pid in envs._backend.transport.placement()] + list(helpers.values())
     envs.close()
     assert wait_gone(pids, timeout=WAIT) == []

@@ -660,7 +660,7 @@ def test_replies_in_the_mailbox_or_on_the_pipe(make_env):
     assert processes.MAILBOX_BYTES < 100_000
     fleet = make_env(InfoSizeEnv, 4, num_workers=2, driver_envs=0)
     sync = SyncVectorEnv(sync_factories(InfoSizeEnv, 4))
-    where = fleet._backend.workers.control[:, processes.REPLY_PAYLOAD]
+    where = fleet._backend.transport.workers.control[:, processes.REPLY_PAYLOAD]
     try:
         assert_same(fleet.reset(seed=3), sync.reset(seed=3), "reset")
         seen = set()
@@ -696,7 +696,7 @@ def test_large_arrays_of_a_reply_come_through_the_reply_region(snapshot):
     from envfleet._backends.processes import worker as processes
 
     fleet = envfleet.make("CartPole-v1", 4, num_workers=2)
-    where = fleet._backend.workers.control[:, processes.REPLY_PAYLOAD]
+    where = fleet._backend.transport.workers.control[:, processes.REPLY_PAYLOAD]
     groups = dict.fromkeys(range(2))
     try:
         seen = []
@@ -718,10 +718,10 @@ def test_large_arrays_of_a_reply_come_through_the_reply_region(snapshot):
             processes.IN_REGION | processes.NEW_REGION,  # grown
             0,  # every array below the threshold
         ]
-        assert all(region is not None for region in fleet._backend.workers.regions)
+        assert all(region is not None for region in fleet._backend.transport.workers.regions)
     finally:
         fleet.close()
-    assert all(region is None for region in fleet._backend.workers.regions)
+    assert all(region is None for region in fleet._backend.transport.workers.regions)
     snapshot.assert_nothing_left()
 
 
@@ -732,14 +732,14 @@ def test_a_restarted_worker_sends_a_reply_region_of_its_own(snapshot):
 
     policy = envfleet.RestartPolicy(max_restarts=5, window_s=60)
     fleet = envfleet.make("CartPole-v1", 4, num_workers=2, restart_policy=policy)
-    where = fleet._backend.workers.control[:, processes.REPLY_PAYLOAD]
+    where = fleet._backend.transport.workers.control[:, processes.REPLY_PAYLOAD]
     groups = {0: 1 << 17, 1: 1 << 17}
     try:
         fleet.reset(seed=0)
         fleet.run_in_workers_async(_big_reply, groups)
         fleet.run_in_workers_wait()
-        os.kill(fleet._backend.workers.procs[1].pid, signal.SIGKILL)
-        fleet._backend.workers.procs[1].join()
+        os.kill(fleet._backend.transport.workers.procs[1].pid, signal.SIGKILL)
+        fleet._backend.transport.workers.procs[1].join()
         info = fleet.step(_zeros(4))[4]  # restarts worker 1
         start, stop = fleet.worker_ranges[1]
         assert info["_env_restarted"][start:stop].all() and not info["_env_restarted"][:start].any()

@@ -90,7 +90,7 @@ def ray_cluster(cluster: Any) -> Any:
 
 
 def _actor_pids(envs: envfleet.FleetVectorEnv) -> list[int]:
-    return sorted({pid for _, pid in envs._backend.placement()})
+    return sorted({pid for _, pid in envs._backend.transport.placement()})
 
 
 def _assert_gone(pids: list[int]) -> None:
@@ -105,10 +105,10 @@ def test_defaults_calls_attributes_render_stats(make_env, ray_cluster, cluster):
     envs = make_env(factory, 5, backend="ray")
     assert envs.backend == "ray" and envs.num_workers == min(5, RAY_CPUS)
     assert envs.worker_ranges == ((0, 3), (3, 5))
-    options = envs._backend._options
+    options = envs._backend.transport._options
     assert options["scheduling_strategy"] == "SPREAD" and options["num_cpus"] <= 1.0
     # SPREAD: one actor on each of the two nodes.
-    placement = envs._backend.placement()
+    placement = envs._backend.transport.placement()
     assert {node for node, _ in placement} == {n["NodeID"] for n in ray.nodes() if n["Alive"]}
     pids = envs.get_attr("pid")
     assert pids == (pids[0],) * 3 + (pids[3],) * 2 and pids[0] != pids[3] != os.getpid()
@@ -141,7 +141,7 @@ def test_defaults_calls_attributes_render_stats(make_env, ray_cluster, cluster):
 def test_more_workers_than_cpus_share_them(make_env, ray_cluster):
     envs = make_env(IndexedEnv, 3, backend="ray", num_workers=3)
     # Two 1-CPU nodes hold 3 actors of half a CPU (less when CPUs are still held by others).
-    assert envs._backend._options["num_cpus"] <= 0.5
+    assert envs._backend.transport._options["num_cpus"] <= 0.5
     assert envs.get_attr("env_index") == (0, 1, 2)
     pids = envs.get_attr("pid")
     assert len(set(pids)) == 3 and os.getpid() not in pids
@@ -248,8 +248,8 @@ def test_actor_killed_from_outside(make_env, ray_cluster):
     envs = make_env(IndexedEnv, 4, backend="ray", num_workers=2)
     envs.reset(seed=0)
     pids = _actor_pids(envs)
-    killed = envs._backend.placement()[0][1]
-    ray.kill(envs._backend._actors[0])
+    killed = envs._backend.transport.placement()[0][1]
+    ray.kill(envs._backend.transport._actors[0])
     # ray.kill returns before the actor is gone: step only once it is, or the step may finish.
     assert wait_gone([killed], timeout=GONE) == []
     with pytest.raises(envfleet.EnvCrashedError) as info:
@@ -294,8 +294,8 @@ def test_close_leaves_no_actor_alive(ray_cluster, tmp_path, pending):
     pids = _actor_pids(envs)
     assert len(pids) == 2 and all(psutil.pid_exists(pid) for pid in pids)
     # One envfleet helper per node that holds actors, in a process of its own; gone too.
-    nodes = {node for node, _ in envs._backend.placement()}
-    helpers = envs._backend._helpers.pids
+    nodes = {node for node, _ in envs._backend.transport.placement()}
+    helpers = envs._backend.transport._helpers.pids
     assert set(helpers) == nodes and len(set(helpers.values())) == len(nodes)
     pids += [pid for pid in helpers.values() if pid is not None]
     assert all(psutil.pid_exists(pid) for pid in pids) and os.getpid() not in pids
@@ -450,9 +450,9 @@ def test_custom_resource_places_actors_on_its_node(ray_cluster, cluster):
     envs = envfleet.make(NodeEnv, 4, backend="ray", num_workers=2, ray_options=options)
     try:
         # The simulator node has one CPU: each actor gets half of it at most.
-        assert envs._backend._options["num_cpus"] <= 0.5
+        assert envs._backend.transport._options["num_cpus"] <= 0.5
         assert set(envs.get_attr("node_id")) == {simulator_node}
-        assert {node for node, _ in envs._backend.placement()} == {simulator_node}
+        assert {node for node, _ in envs._backend.transport.placement()} == {simulator_node}
     finally:
         envs.close()
     # Three actors needing one simulator each do not fit the cluster's two.

@@ -251,8 +251,8 @@ def test_a_groups_step_writes_its_rows_in_c():
     finally:
         envfleet._core.native.disabled = saved
     try:
-        assert [w.strategy for w in envs._backend.groups[0]._writers] == ["c"]
-        assert [w.strategy for w in twin._backend.groups[0]._writers] == ["joined"]
+        assert [w.strategy for w in envs._backend.transport.groups[0]._writers] == ["c"]
+        assert [w.strategy for w in twin._backend.transport.groups[0]._writers] == ["joined"]
         assert_same(envs.reset(seed=0), twin.reset(seed=0))
         actions = np.zeros(4, dtype=np.int64)
         for _ in range(5):

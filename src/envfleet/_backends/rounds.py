@@ -21,7 +21,8 @@ calls, the start and the replacement of workers):
 
 A transport may lend one leaf accelerator, :attr:`Transport.full_round`: the synchronous step
 round where every worker is pending, in C (``processes``: ``_speedups.full_round``), which
-answers a :class:`~envfleet._core.protocol.RoundOutcome`;
+answers ``None`` when the round is complete, else a
+:class:`~envfleet._core.protocol.RoundOutcome`;
 what it leaves (a reply to read, a worker still running, a failure) goes through the same Python
 round.
 
@@ -78,8 +79,8 @@ logger = logging.getLogger("envfleet")
 _STEP, _RESTART, _TASK = Command.STEP, Command.RESTART, Command.TASK
 
 # Transport.full_round: called with ``ring`` (send every worker its command; false: step_async
-# did), it answers what it took.
-FullRound = Callable[[bool], RoundOutcome]
+# did), it answers ``None`` when the round is complete, else what it took.
+FullRound = Callable[[bool], RoundOutcome | None]
 
 
 class Seen:
@@ -271,12 +272,6 @@ class RoundDriver(Backend):
             if any(self.transport.inline(c) for c in Command):
                 watch_inline(self._busy)
 
-    def __getattr__(self, name: str) -> Any:
-        # What a transport offers beyond the primitives (``placement`` of Ray's actors).
-        if name.startswith("__") or name == "transport":
-            raise AttributeError(name)
-        return getattr(self.transport, name)
-
     # -- the front's calls ----------------------------------------------------------------
 
     def inline_groups(self, command: Command) -> frozenset[int]:
@@ -301,7 +296,7 @@ class RoundDriver(Backend):
             and not self._pending
             and len(payloads) == self._num_workers
         ):
-            results = self.supervisor.guarded(self._fast_round, timeout, step, True)
+            results = self._fast_round(timeout, step, True)
             if results is None:
                 results = {}
         else:
@@ -316,7 +311,7 @@ class RoundDriver(Backend):
         transport's :attr:`Transport.full_round` where it has one (nothing pending, no
         recycling due after the step), else through :meth:`round`."""
         if self._full_round is not None and not self._pending and self._recycler is None:
-            return self.supervisor.guarded(self._fast_round, timeout, step, True)
+            return self._fast_round(timeout, step, True)
         results = self.round(_STEP, self._every_group, timeout, step)
         return results if any(results.values()) else None
 
@@ -364,7 +359,7 @@ class RoundDriver(Backend):
             and list(inline) == [0]
             and inline[0] is None
         ):
-            results = self.supervisor.guarded(self._fast_round, timeout, step, False)
+            results = self._fast_round(timeout, step, False)
             if results is None:
                 results = {}
         else:
@@ -472,30 +467,30 @@ class RoundDriver(Backend):
         step (:meth:`step_round`) and :meth:`round` / :meth:`finish`: ``None`` when it took
         every reply, each "OK, no payload", and the driver's own block had no event (the rows
         are the whole answer); else the round's results, finished the Python way (with what
-        is left of ``timeout`` after the driver's own block). Called guarded."""
+        is left of ``timeout`` after the driver's own block). Guarded by the supervisor's
+        rule (:meth:`Supervisor.abandon`), itself: the plain step's one frame in this layer."""
         self._command = _STEP
         started = 0.0 if ring else time.monotonic()  # step_wait's timeout counts from here
         busy = self._local_busy  # the driver's own block runs in this thread: its mark
-        if busy is not None:
-            busy.runs = (busy.runs + 1) & 255
         try:
-            outcome = self._full_round(ring)  # type: ignore[misc]
-        except KeyboardInterrupt as exc:
-            self._interrupted(exc, self._remote)
-            raise
-        finally:
             if busy is not None:
                 busy.runs = (busy.runs + 1) & 255
-        if (
-            outcome.taken == self._num_remote
-            and not outcome.unread
-            and outcome.local_failure is None
-            and not outcome.local_result
-        ):
-            if self._pending:  # step_async's, all replied
-                self._pending = []
-            return None
-        return self._finish_full_round(outcome, timeout, step, ring, started)
+            try:
+                outcome = self._full_round(ring)  # type: ignore[misc]
+            except KeyboardInterrupt as exc:
+                self._interrupted(exc, self._remote)
+                raise
+            finally:
+                if busy is not None:
+                    busy.runs = (busy.runs + 1) & 255
+            if outcome is None:  # complete: the rows are the whole answer
+                if self._pending:  # step_async's, all replied
+                    self._pending = []
+                return None
+            return self._finish_full_round(outcome, timeout, step, ring, started)
+        except BaseException as exc:
+            self.supervisor.abandon(exc)
+            raise
 
     def _finish_full_round(
         self,

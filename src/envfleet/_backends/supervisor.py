@@ -448,11 +448,16 @@ class Supervisor:
         """
         try:
             return call(*args)
-        except EnvfleetError:
+        except BaseException as exc:
+            self.abandon(exc)
             raise
-        except BaseException:
+
+    def abandon(self, exc: BaseException) -> None:
+        """The guard's rule, for :meth:`guarded` and the round that guards itself
+        (``RoundDriver._fast_round``): ``exc`` ending a call shuts the backend down unless it
+        is an envfleet error (which left the backend as it should be)."""
+        if not isinstance(exc, EnvfleetError):
             self.backend.close(timeout=0, terminate=True)
-            raise
 
     def broken(self, error: EnvfleetError) -> NoReturn:
         """Shut the backend down and raise ``error``."""

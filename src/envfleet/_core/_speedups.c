@@ -805,13 +805,31 @@ fail:
     return NULL;
 }
 
-/* A full round's outcome: an instance of ``outcome_type`` (protocol.RoundOutcome, a NamedTuple:
- * a tuple subclass, allocated and filled here in its fields' order: local_result,
- * local_failure, taken, unread, spun_s). Steals the three references; NULL on error. */
+/* A full round's outcome: None when the round is complete (all ``workers`` taken, none of
+ * their replies to read, the driver's own block neither failed nor had an event: the rows are
+ * the whole answer, the common case, so it allocates nothing), else an instance of
+ * ``outcome_type`` (protocol.RoundOutcome, a NamedTuple: a tuple subclass, allocated and filled
+ * here in its fields' order: local_result, local_failure, taken, unread, spun_s). Steals the
+ * three references; NULL on error. */
 static PyObject *
 round_outcome(PyObject *outcome_type, PyObject *local_result, PyObject *local_failure,
-              Py_ssize_t taken, PyObject *unread, double spun_s)
+              Py_ssize_t taken, Py_ssize_t workers, PyObject *unread, double spun_s)
 {
+    if (taken == workers && PyList_GET_SIZE(unread) == 0 && local_failure == Py_None) {
+        int events = local_result == Py_None ? 0 : PyObject_IsTrue(local_result);
+        if (events == 0) {
+            Py_DECREF(local_result);
+            Py_DECREF(local_failure);
+            Py_DECREF(unread);
+            Py_RETURN_NONE;
+        }
+        if (events < 0) {
+            Py_DECREF(local_result);
+            Py_DECREF(local_failure);
+            Py_DECREF(unread);
+            return NULL;
+        }
+    }
     PyTypeObject *type = (PyTypeObject *)outcome_type;
     PyObject *taken_obj = PyLong_FromSsize_t(taken);
     PyObject *spun_obj = PyFloat_FromDouble(spun_s);
@@ -907,7 +925,7 @@ gather_round(PyObject *controls, PyObject *local, PyObject *env_failure, double 
         PyObject *unread = PyList_New(0);
         if (unread == NULL)
             goto fail;
-        return round_outcome(outcome_type, local_result, local_failure, 0, unread,
+        return round_outcome(outcome_type, local_result, local_failure, 0, n, unread,
                              budget_s + (slept_s > 0 ? slept_s : 0.0));
     }
     if ((slept_s < 0 ? budget_caught(round_budget, budget_s)
@@ -916,7 +934,7 @@ gather_round(PyObject *controls, PyObject *local, PyObject *env_failure, double 
     PyObject *unread = unread_replies(controls, ok_code);
     if (unread == NULL)
         goto fail;
-    return round_outcome(outcome_type, local_result, local_failure, n, unread, 0.0);
+    return round_outcome(outcome_type, local_result, local_failure, n, n, unread, 0.0);
 fail:
     Py_DECREF(local_result);
     Py_DECREF(local_failure);
@@ -925,7 +943,8 @@ fail:
 
 /* full_round(requests, dones, controls, budgets, local, env_failure, tight_s, step_code,
  *            ok_code, bell, round_budget, sleep_s, outcome_type[, ring])
- *     -> outcome_type(local_result, local_failure, taken, unread, spun_s)
+ *     -> None (the round complete) or outcome_type(local_result, local_failure, taken, unread,
+ *        spun_s)
  *
  * With ``bell`` (the round bell's address, Linux x86-64; else None) and ``ring``, the round is
  * gather_round's: one ring and one count of arrivals for all the workers (spinning within the
@@ -1041,7 +1060,7 @@ sp_full_round(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
             Py_DECREF(index);
         }
     }
-    return round_outcome(outcome_type, local_result, local_failure, taken, unread, spun_s);
+    return round_outcome(outcome_type, local_result, local_failure, taken, n, unread, spun_s);
 fail_unread:
     Py_DECREF(unread);
 fail:

@@ -45,7 +45,9 @@ class SideValues(dict[str, Any]):
 
 class RoundOutcome(NamedTuple):
     """What a full step round (a processes transport's ``full_round``: the C round of
-    ``_speedups.full_round`` or its Python twin) did before handing back to the driver.
+    ``_speedups.full_round``) left to the driver, which reads it by these names
+    (``RoundDriver._finish_full_round``). A complete round (every remote reply taken, none to
+    read, the driver's own block neither failed nor had an event) answers ``None`` instead.
 
     Attributes:
         local_result: the driver's own block's events (its step's return), or ``None``
@@ -65,17 +67,6 @@ class RoundOutcome(NamedTuple):
     taken: int
     unread: list[int]
     spun_s: float | None
-
-    def complete(self, workers: int) -> bool:
-        """Each of the round's ``workers`` remote workers' replies taken, every one "OK, no
-        payload", and the driver's own block neither failed nor had an event: the round's
-        answer is just the rows, nothing to read, wait for or settle."""
-        return (
-            self.taken == workers
-            and not self.unread
-            and self.local_failure is None
-            and not self.local_result
-        )
 
 
 class Command(enum.IntEnum):

@@ -328,9 +328,10 @@ class ProcessesTransport:
         ``None`` where it does not apply (no C step path: the driver's Python round rings and
         waits for each worker; not the shared POSIX semaphores; a first-ready pool). It rings
         every worker (unless told that step_async did), steps the driver's own block, and
-        spins on the replies; its :class:`~envfleet._core.protocol.RoundOutcome` says what it
-        took. (No reference to self in it: a cycle would keep the shared memory past close
-        until the garbage collector runs.)"""
+        spins on the replies; it answers ``None`` when the round is complete, else a
+        :class:`~envfleet._core.protocol.RoundOutcome` of what it left. (No reference to self
+        in it: a cycle would keep the shared memory past close until the garbage collector
+        runs.)"""
         full_round = _speedups.function("full_round")
         doorbells = [self.workers.doorbells[g] for g in self.remote]
         bell = self.workers.bell
