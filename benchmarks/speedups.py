@@ -102,7 +102,7 @@ def serial_group(off: set[str]) -> Any:
         envs = envfleet.make("CartPole-v1", 16, backend="serial")
     _alive.append(envs)
     envs.reset(seed=0)
-    return envs._backend.groups[0]
+    return envs._backend.transport.groups[0]
 
 
 def micro_write_results(off: set[str]) -> Callable[[], Any]:
