@@ -82,6 +82,17 @@ def ray_cluster(request: pytest.FixtureRequest) -> Any:
     return ray
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _sb3_logs_in_pytests_temp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """SB3's ``learn()`` makes a log folder at each call, in the system's temporary directory
+    unless ``SB3_LOGDIR`` names one (``stable_baselines3.common.logger.configure``): keep
+    them in pytest's temporary directory, which pytest removes with its old runs."""
+    patch = pytest.MonkeyPatch()
+    patch.setenv("SB3_LOGDIR", str(tmp_path_factory.mktemp("sb3-logs")))
+    yield
+    patch.undo()
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _shutdown_ray_after_module() -> Iterator[None]:
     """Shut down a Ray cluster a test module started, so that no Ray process outlives it
