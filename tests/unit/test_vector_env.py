@@ -648,6 +648,10 @@ def test_a_plain_step_takes_the_backends_step_round(make_env, monkeypatch, num_w
     # A worker that spun out is waited for the general way, and its results read.
     spun_out = [answers[t] for t in sorted(held_steps)]
     assert all(answer is not None for answer in spun_out), spun_out
+    # A round complete within the spin (the common case) is answered None by the C round
+    # itself, no outcome built, and so by step_round.
+    complete = [answers[t] for t in range(60) if t not in held_steps]
+    assert None in complete, complete
     assert outputs == answers
     sync.close()
 
