@@ -210,6 +210,10 @@ class WorkerProcesses:
         words[GATHER] = 0
         words[ACK] = words[REQ]
         words[SLEEP] = 0  # round protocol R8: one killed asleep held its bit there
+        # A spawn or forkserver child still importing the main module cannot start a worker
+        # (spawn() reports multiprocessing's bootstrapping error to its own driver and exits):
+        # no files for it, which nothing would remove if that driver killed it first.
+        bootstrapping = getattr(multiprocessing.current_process(), "_inheriting", False)
         spec = WorkerSpec(
             group_index=g,
             start=start,
@@ -225,8 +229,8 @@ class WorkerProcesses:
             spin_s=self._worker_spin_s,
             parent_pid=os.getpid(),
             start_method=self._ctx.get_start_method(),
-            stacks_path=self._stack_files.new(g),
-            replay_path=self._log_files.new(g),
+            stacks_path=None if bootstrapping else self._stack_files.new(g),
+            replay_path=None if bootstrapping else self._log_files.new(g),
             bell=self.bell,
         )
         parent_conn, child_conn = self._ctx.Pipe(duplex=True)
