@@ -779,14 +779,10 @@ class RoundDriver(Backend):
         """Worker ``w``'s action-log counters (:func:`envfleet._core.replay.read_head`)."""
         return cast(Any, self.transport).log_head(w)
 
-    def rss(self, w: int) -> int | None:
-        """Worker ``w``'s resident memory last sampled, in bytes, ``None`` if unknown."""
-        return cast(Any, self.transport).rss(w)
-
     def counters(self) -> list[tuple[tuple[int, int, Any] | None, int | None]]:
         """Per worker: its action-log counters and its resident memory (the recycler's look):
         the transport's ``counters`` where it has one (Ray: one question to each node's
-        helper), else each worker's :meth:`log_head` and :meth:`rss`."""
+        helper), else the transport's ``log_head`` and ``rss`` of each worker."""
         transport = cast(Any, self.transport)
         read = getattr(transport, "counters", None)
         if read is not None:
