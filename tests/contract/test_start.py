@@ -28,7 +28,9 @@ class StartEnv(FaultEnv):
     """Env ``hang_index`` sleeps ``hang_s`` seconds in its constructor (or, with
     ``in_close``, in ``close``), or, given ``held_by`` (a file's path), waits in its
     constructor until no one holds that file's lock; env ``raise_index`` raises
-    ``raise_type()`` in its ``raise_after``-th step."""
+    ``raise_type()`` in its ``raise_after``-th step. Given ``rebuilt_marker`` (a file's path),
+    env ``hang_index``'s first build makes that file and waits for nothing, and every later
+    build (a replacement's) sleeps ``hang_s``. ``faults``: as :class:`FaultEnv`'s."""
 
     def __init__(
         self,
@@ -40,9 +42,14 @@ class StartEnv(FaultEnv):
         raise_type: type[BaseException] = SystemExit,
         raise_after: int = 2,
         held_by: str | None = None,
+        rebuilt_marker: str | None = None,
+        faults: dict[int, tuple[str, int]] | None = None,
     ):
-        super().__init__(env_index)
+        super().__init__(env_index, faults)
         self.hang = env_index == hang_index
+        if self.hang and rebuilt_marker is not None and not Path(rebuilt_marker).exists():
+            Path(rebuilt_marker).touch()
+            self.hang = False
         self.hang_s = hang_s
         self.in_close = in_close
         self.raises = raise_type if env_index == raise_index else None
@@ -99,6 +106,66 @@ def test_start_timeout_on_ray(make_env: Any) -> None:
     with pytest.raises(envfleet.StartTimeoutError) as info:
         make_env(start_factory(hang_index=1), 2, backend="ray", num_workers=2, start_timeout=20.0)
     assert info.value.env_indices == [1]
+
+
+def test_a_replacement_is_built_within_start_timeout_not_step_timeout(
+    make_env: Any, tmp_path: Path
+) -> None:
+    """A worker replaced under a restart policy builds its envs as at the start: within
+    ``start_timeout``, even when that is longer than the step's ``step_timeout``. Env 1's
+    worker exits in its second step; its replacement's constructor takes 3 s, three times
+    the step's timeout (bounded by ``step_timeout``, as it was, the step raised
+    ``StepTimeoutError``)."""
+    factory = start_factory(
+        hang_index=1,
+        hang_s=3.0,
+        rebuilt_marker=str(tmp_path / "built"),
+        faults={1: ("exit", 2)},
+    )
+    envs = make_env(
+        factory,
+        2,
+        backend="processes",
+        num_workers=2,
+        step_timeout=1.0,
+        restart_policy=envfleet.RestartPolicy(max_restarts=1, window_s=600.0),
+    )
+    envs.reset(seed=0)
+    envs.step(np.zeros(2, dtype=np.int64))
+    _, _, terminated, truncated, info = envs.step(np.zeros(2, dtype=np.int64))
+    assert info["env_restarted"].tolist() == [False, True]
+    assert truncated.tolist() == [False, True] and not terminated.any()
+    assert envs.stats.restarts == 1 and envs.stats.timeouts == 0
+    envs.step(np.zeros(2, dtype=np.int64))  # the rebuilt env steps on
+
+
+def test_a_replacement_past_start_timeout_raises_and_closes(
+    make_env: Any, snapshot: Any, tmp_path: Path
+) -> None:
+    """A replacement whose constructor hangs is given up after ``start_timeout``:
+    ``StartTimeoutError`` names its env and its constructor's frame, the vector env is closed
+    and no process or shared memory is left."""
+    factory = start_factory(
+        hang_index=1, rebuilt_marker=str(tmp_path / "built"), faults={1: ("exit", 2)}
+    )
+    envs = make_env(
+        factory,
+        2,
+        backend="processes",
+        num_workers=2,
+        start_timeout=2.0,
+        restart_policy=envfleet.RestartPolicy(max_restarts=1, window_s=600.0),
+    )
+    envs.reset(seed=0)
+    envs.step(np.zeros(2, dtype=np.int64))
+    with pytest.raises(envfleet.StartTimeoutError) as info:
+        envs.step(np.zeros(2, dtype=np.int64))
+    assert info.value.env_indices == [1] and info.value.timeout == 2.0
+    assert "rebuilt within 2.0 s (start_timeout)" in str(info.value)
+    assert "the vector env closed" in str(info.value)
+    assert innermost(info.value.stacks[1]).endswith(" in __init__")
+    assert envs.closed
+    snapshot.assert_nothing_left()
 
 
 @pytest.mark.parametrize("value", [0, -1.0, "5", float("nan")])

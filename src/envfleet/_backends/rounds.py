@@ -201,7 +201,8 @@ class RoundDriver(Backend):
         transport: its workers, spawned (their ``READY`` replies not yet read).
         start: the workers whose ``READY`` replies to wait for (none: the transport built
             its envs already).
-        start_timeout: seconds the workers may take to build their envs (``None``: no bound).
+        start_timeout: seconds the workers may take to build their envs (``None``: no bound),
+            at the start and whenever a worker is replaced (restart policy, recycling).
 
     Raises:
         EnvError, ConfigError: a worker could not build its envs.
@@ -222,6 +223,7 @@ class RoundDriver(Backend):
         self.late_what, self.late_fate = transport.late_what, transport.late_fate
         self.supervisor = Supervisor(self)
         self._pending: list[int] = []
+        self._start_timeout = start_timeout
         self._command = _STEP
         self._pool = transport.pool
         self._full_round = transport.full_round
@@ -705,11 +707,12 @@ class RoundDriver(Backend):
 
     def _start(self, workers: list[int], timeout: float | None, step: int, at_start: bool) -> None:
         """Wait for ``workers``, just spawned, to build their envs (within ``timeout``
-        seconds in all), lay them out (:meth:`Transport.lay_out`: at the start with env 0's
-        probe) and check them; raise for the first that could not.
+        seconds in all: ``start_timeout``, also for a replacement), lay them out
+        (:meth:`Transport.lay_out`: at the start with env 0's probe) and check them; raise for
+        the first that could not.
 
         Raises:
-            StartTimeoutError: at the start, past ``timeout``; later, StepTimeoutError.
+            StartTimeoutError: past ``timeout`` (a replacement's: the vector env closed).
             EnvError, ConfigError, SpaceMismatchError, EnvCrashedError: as :class:`RoundDriver`.
         """
         transport = self.transport
@@ -721,14 +724,13 @@ class RoundDriver(Backend):
             if transport.lay_out(workers, probe):
                 done = self.gather(workers, deadline, timeout, step, True, starting=True)
         except StepTimeoutError as exc:
-            if not at_start:
-                raise
             envs = set(exc.env_indices)
             late = [w for w, (a, b) in enumerate(self.ranges) if envs.intersection(range(a, b))]
             where = first_at(exc.stacks, late)
+            built, fate = ("built", "") if at_start else ("rebuilt", " and the vector env closed")
             raise StartTimeoutError(
-                f"sub-environments {exc.env_indices} were not built within {timeout} s "
-                f"(start_timeout){where}; their {transport.late_what} {late} were killed",
+                f"sub-environments {exc.env_indices} were not {built} within {timeout} s "
+                f"(start_timeout){where}; their {transport.late_what} {late} were killed{fate}",
                 exc.env_indices,
                 float(timeout if timeout is not None else 0.0),
                 exc.stacks,
@@ -805,7 +807,7 @@ class RoundDriver(Backend):
             return
         self.transport.respawn(w, "recycle")
         try:
-            self._start([w], timeout, step, at_start=False)
+            self._start([w], self._start_timeout, step, at_start=False)
         except EnvfleetError:  # a new worker could not start: give up
             self.close(timeout=0, terminate=True)
             raise
@@ -839,7 +841,7 @@ class RoundDriver(Backend):
         for w in workers:
             self.transport.respawn(w, done.crashed.get(w, "late"))
         try:
-            self._start(workers, timeout, step, at_start=False)
+            self._start(workers, self._start_timeout, step, at_start=False)
         except EnvfleetError:  # a new worker could not start: give up
             self.close(timeout=0, terminate=True)
             raise

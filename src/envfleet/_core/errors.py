@@ -349,10 +349,12 @@ class StepTimeoutError(_TimedOut):
 
 
 class StartTimeoutError(_TimedOut):
-    """Sub-environments were not built within ``start_timeout`` seconds of ``make()``.
+    """Sub-environments were not built within ``start_timeout`` seconds of ``make()``, or of
+    their worker's replacement (restart policy, recycling).
 
     The workers building them were killed (threads, which cannot be killed, were left behind
-    as daemon threads) and nothing else is left: no process, no shared memory. Like
+    as daemon threads), the vector env is closed and nothing else is left: no process, no
+    shared memory. Like
     :class:`StepTimeoutError` it is also a ``multiprocessing.TimeoutError``.
 
     Attributes:

@@ -189,7 +189,10 @@ def make(  # type: ignore[misc]  # the overloads stand for its keyword arguments
         start_timeout: seconds the workers (processes, threads, Ray actors) may take to build
             their envs (default 60); past it the workers are killed (threads are left
             behind, as daemons) and :class:`envfleet.StartTimeoutError` names the envs not
-            built. ``None``: wait for good. Envs built in the calling thread are not bounded:
+            built. A worker replaced later (``restart_policy``, ``recycle``) builds its envs
+            within it too (not ``step_timeout``); past it the vector env closes with
+            :class:`envfleet.StartTimeoutError`. ``None``: wait for good. Envs built in the
+            calling thread are not bounded:
             env 0 where it is built here first, to learn the spaces (see ``driver_envs``),
             the ``processes`` driver's own block and every ``serial`` env. A worker that dies
             while starting is reported at once.
