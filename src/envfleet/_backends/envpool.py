@@ -315,7 +315,6 @@ class EnvPoolBackend(Backend):
         self._all_ids = np.arange(num_envs, dtype=np.int32)
         self._resetting = np.zeros(num_envs, dtype=np.bool_)  # a reset's result is pending
         self._command: Command | None = None  # synchronous mode: what collect() receives
-        self._pending_ids = self._all_ids
         self._t0 = 0.0
         self._dummy_action: Any = None
         # The native path (module docstring): EnvPool's own layout, or None.
@@ -404,7 +403,7 @@ class EnvPoolBackend(Backend):
             else:
                 self._t0 = time.perf_counter()
                 self._pool.send(self.batch.actions, env_id=self._all_ids)
-                self._command, self._pending_ids = command, self._all_ids
+                self._command = command
             self._fresh = False
         elif command is Command.RESET:
             mask = np.zeros(self.num_envs, dtype=np.bool_)
@@ -424,7 +423,7 @@ class EnvPoolBackend(Backend):
             self._reseed(seeds, ids)
             self._pool._reset(ids)  # EnvPool's reset(env_id) without its blocking recv
             self._resetting[ids] = True
-            self._command, self._pending_ids = command, ids
+            self._command = command
             self._fresh = False
         elif command is Command.RENDER:
             if self.render_mode != "rgb_array":
