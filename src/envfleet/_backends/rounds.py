@@ -286,7 +286,7 @@ class RoundDriver(Backend):
         stepped = self._command is _STEP
         results = self.supervisor.guarded(self._collect, timeout, step)
         if stepped and self._recycler is not None:
-            self._recycle_due(timeout, step)
+            self._recycle_due(step)
         return results
 
     def round(
@@ -304,7 +304,7 @@ class RoundDriver(Backend):
         else:
             results = self._any_round(command, payloads, timeout, step)
         if command is _STEP and self._recycler is not None:
-            self._recycle_due(timeout, step)
+            self._recycle_due(step)
         return results
 
     def step_round(self, timeout: float | None, step: int) -> dict[int, Any] | None:
@@ -367,7 +367,7 @@ class RoundDriver(Backend):
         else:
             results = super().finish(command, inline, timeout, step)
         if command is _STEP and self._recycler is not None:
-            self._recycle_due(timeout, step)
+            self._recycle_due(step)
         return results
 
     def collect_ready(self, timeout: float | None, step: int) -> dict[int, Any]:
@@ -724,21 +724,28 @@ class RoundDriver(Backend):
             if transport.lay_out(workers, probe):
                 done = self.gather(workers, deadline, timeout, step, True, starting=True)
         except StepTimeoutError as exc:
-            envs = set(exc.env_indices)
-            late = [w for w, (a, b) in enumerate(self.ranges) if envs.intersection(range(a, b))]
-            where = first_at(exc.stacks, late)
-            built, fate = ("built", "") if at_start else ("rebuilt", " and the vector env closed")
-            raise StartTimeoutError(
-                f"sub-environments {exc.env_indices} were not {built} within {timeout} s "
-                f"(start_timeout){where}; their {transport.late_what} {late} were killed{fate}",
-                exc.env_indices,
-                float(timeout if timeout is not None else 0.0),
-                exc.stacks,
-            ) from None
+            raise self._late_start(exc, timeout, "built" if at_start else "rebuilt") from None
         _check_built(done)
         for w in sorted(done.results):
             if done.results[w] is not None:
                 raise mismatch_error(done.results[w])
+
+    def _late_start(
+        self, exc: StepTimeoutError, timeout: float | None, what: str
+    ) -> StartTimeoutError:
+        """``exc``, a wait past ``start_timeout`` while workers were ``what`` ("built" at the
+        start; later the vector env closed), as the :class:`StartTimeoutError` it is."""
+        envs = set(exc.env_indices)
+        late = [w for w, (a, b) in enumerate(self.ranges) if envs.intersection(range(a, b))]
+        fate = "" if what == "built" else " and the vector env closed"
+        return StartTimeoutError(
+            f"sub-environments {exc.env_indices} were not {what} within {timeout} s "
+            f"(start_timeout){first_at(exc.stacks, late)}; their {self.late_what} {late} "
+            f"were killed{fate}",
+            exc.env_indices,
+            float(timeout if timeout is not None else 0.0),
+            exc.stacks,
+        )
 
     # -- the mechanics the supervisor uses (Supervised) ---------------------------------------
 
@@ -795,12 +802,13 @@ class RoundDriver(Backend):
         read = getattr(self.transport, "worker_memory", None)
         return read() if read is not None else ()
 
-    def _recycle_due(self, timeout: float | None, step: int) -> None:
+    def _recycle_due(self, step: int) -> None:
         for w in cast(Recycler, self._recycler).due():
-            self._recycle(w, timeout, step)
+            self._recycle(w, step)
 
-    def _recycle(self, w: int, timeout: float | None, step: int) -> None:
-        """Replace idle worker ``w`` with a new one whose envs continue its envs' episodes."""
+    def _recycle(self, w: int, step: int) -> None:
+        """Replace idle worker ``w`` with a new one whose envs continue its envs' episodes:
+        building them and bringing them up to date, each within ``start_timeout``."""
         recycler = cast(Recycler, self._recycler)
         recordings = self.recordings(w)
         if not recycler.replayable(w, recordings):
@@ -815,7 +823,10 @@ class RoundDriver(Backend):
         batch = self.batch
         ended = (batch.terminations[start:stop] | batch.truncations[start:stop]).tolist()
         request = TaskRequest(restore_envs, (recordings, ended))
-        done = self._side_round(_TASK, {w: request}, timeout, step)
+        try:
+            done = self._side_round(_TASK, {w: request}, self._start_timeout, step)
+        except StepTimeoutError as exc:
+            raise self._late_start(exc, self._start_timeout, "brought up to date") from None
         if done.failures:
             self.supervisor.broken(self.env_error(w, done.failures[w], "recycling its worker"))
         self.ledger.recycled += 1
