@@ -155,28 +155,29 @@ def test_a_leaking_worker_is_named_and_recycled_under_max_rss(
 
 
 def _uneven_episodes(env_index: int) -> LeakyEnv:
-    """Env 0's episodes last 60 steps, env 1's 33; every step sleeps 40 ms; no leak."""
-    return LeakyEnv(leak_kb=0, episode_steps=(60, 33)[env_index], step_s=0.04)
+    """Env 0's episodes last 80 steps, env 1's 33; every step sleeps 40 ms; no leak."""
+    return LeakyEnv(leak_kb=0, episode_steps=(80, 33)[env_index], step_s=0.04)
 
 
 def test_bringing_a_recycled_workers_envs_up_to_date_is_bounded_by_start_timeout(
     make_env: Any,
 ) -> None:
     """Both envs in one worker, past ``max_episodes`` at the first look (step 32). The worker
-    is replaced once env 0 ends its episode (step 60), when env 1 is some 27 steps into its
-    second one: running them again (over a second) is part of building the replacement,
-    bounded by ``start_timeout``, not by the 0.6 s ``step_timeout`` of one step (0.08 s
+    is replaced at the first look after each env began an episode (step 96), when env 0 is
+    15 steps into its episode and env 1 29 into its own: running those 44 steps again (about
+    2 s) is part of building the replacement,
+    bounded by ``start_timeout``, not by the 1 s ``step_timeout`` of one step (0.08 s
     here), past which the run was lost to a ``StepTimeoutError``."""
     envs = make_env(
         _uneven_episodes,
         2,
         backend="processes",
         num_workers=1,
-        step_timeout=0.6,
+        step_timeout=1.0,
         recycle=envfleet.Recycle(max_episodes=2),
     )
     envs.reset(seed=0)
-    for _ in range(70):
+    for _ in range(100):
         envs.step(np.zeros(2, np.int64))
     assert envs.stats.recycled == 1 and envs.stats.timeouts == 0
 
@@ -184,9 +185,9 @@ def test_bringing_a_recycled_workers_envs_up_to_date_is_bounded_by_start_timeout
 def test_a_recycled_worker_late_bringing_its_envs_up_to_date_is_a_start_timeout(
     make_env: Any, snapshot: Any
 ) -> None:
-    """As above, with the driver's ``start_timeout`` made 0.3 s once the workers have
-    started (the start itself is not what is tested): the replacement's second of catching
-    up runs past it, and the ``StartTimeoutError`` says so and closes the vector env."""
+    """As above, with the driver's ``start_timeout`` made 1 s once the workers have started
+    (the start itself is not what is tested): the replacement's 2 s of catching up run past
+    it, and the ``StartTimeoutError`` says so and closes the vector env."""
     envs = make_env(
         _uneven_episodes,
         2,
@@ -194,13 +195,13 @@ def test_a_recycled_worker_late_bringing_its_envs_up_to_date_is_a_start_timeout(
         num_workers=1,
         recycle=envfleet.Recycle(max_episodes=2),
     )
-    envs._backend._start_timeout = 0.3
+    envs._backend._start_timeout = 1.0
     envs.reset(seed=0)
     with pytest.raises(envfleet.StartTimeoutError) as info:
-        for _ in range(70):
+        for _ in range(100):
             envs.step(np.zeros(2, np.int64))
-    assert info.value.env_indices == [0, 1] and info.value.timeout == 0.3
-    assert "not brought up to date within 0.3 s (start_timeout)" in str(info.value)
+    assert info.value.env_indices == [0, 1] and info.value.timeout == 1.0
+    assert "not brought up to date within 1.0 s (start_timeout)" in str(info.value)
     assert envs.closed and envs.stats.recycled == 0
     snapshot.assert_nothing_left()
 
