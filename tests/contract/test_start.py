@@ -108,30 +108,32 @@ def test_start_timeout_on_ray(make_env: Any) -> None:
     assert info.value.env_indices == [1]
 
 
+def _replacing(make_env: Any, tmp_path: Path, hang_s: float, **options: Any) -> Any:
+    """Two envs, one a worker, under a restart policy, reset and stepped once: env 1's worker
+    exits in the next step, and its replacement's constructor sleeps ``hang_s``."""
+    factory = start_factory(
+        hang_index=1,
+        hang_s=hang_s,
+        rebuilt_marker=str(tmp_path / "built"),
+        faults={1: ("exit", 2)},
+    )
+    policy = envfleet.RestartPolicy(max_restarts=1, window_s=600.0)
+    envs = make_env(
+        factory, 2, backend="processes", num_workers=2, restart_policy=policy, **options
+    )
+    envs.reset(seed=0)
+    envs.step(np.zeros(2, dtype=np.int64))
+    return envs
+
+
 def test_a_replacement_is_built_within_start_timeout_not_step_timeout(
     make_env: Any, tmp_path: Path
 ) -> None:
     """A worker replaced under a restart policy builds its envs as at the start: within
-    ``start_timeout``, even when that is longer than the step's ``step_timeout``. Env 1's
-    worker exits in its second step; its replacement's constructor takes 3 s, three times
-    the step's timeout (bounded by ``step_timeout``, as it was, the step raised
-    ``StepTimeoutError``)."""
-    factory = start_factory(
-        hang_index=1,
-        hang_s=3.0,
-        rebuilt_marker=str(tmp_path / "built"),
-        faults={1: ("exit", 2)},
-    )
-    envs = make_env(
-        factory,
-        2,
-        backend="processes",
-        num_workers=2,
-        step_timeout=1.0,
-        restart_policy=envfleet.RestartPolicy(max_restarts=1, window_s=600.0),
-    )
-    envs.reset(seed=0)
-    envs.step(np.zeros(2, dtype=np.int64))
+    ``start_timeout``, even when that is longer than the step's ``step_timeout``. The
+    replacement's constructor takes 3 s, three times the step's timeout (bounded by
+    ``step_timeout``, as it was, the step raised ``StepTimeoutError``)."""
+    envs = _replacing(make_env, tmp_path, 3.0, step_timeout=1.0)
     _, _, terminated, truncated, info = envs.step(np.zeros(2, dtype=np.int64))
     assert info["env_restarted"].tolist() == [False, True]
     assert truncated.tolist() == [False, True] and not terminated.any()
@@ -145,19 +147,7 @@ def test_a_replacement_past_start_timeout_raises_and_closes(
     """A replacement whose constructor hangs is given up after ``start_timeout``:
     ``StartTimeoutError`` names its env and its constructor's frame, the vector env is closed
     and no process or shared memory is left."""
-    factory = start_factory(
-        hang_index=1, rebuilt_marker=str(tmp_path / "built"), faults={1: ("exit", 2)}
-    )
-    envs = make_env(
-        factory,
-        2,
-        backend="processes",
-        num_workers=2,
-        start_timeout=2.0,
-        restart_policy=envfleet.RestartPolicy(max_restarts=1, window_s=600.0),
-    )
-    envs.reset(seed=0)
-    envs.step(np.zeros(2, dtype=np.int64))
+    envs = _replacing(make_env, tmp_path, 1000.0, start_timeout=2.0)
     with pytest.raises(envfleet.StartTimeoutError) as info:
         envs.step(np.zeros(2, dtype=np.int64))
     assert info.value.env_indices == [1] and info.value.timeout == 2.0
