@@ -308,6 +308,10 @@ SCRIPT = textwrap.dedent(
     from tests.contract.test_hang_reports import hang_env
 
     if __name__ == "__main__":
+        # Ctrl-C raises KeyboardInterrupt as in a terminal, also where the tests run with
+        # SIGINT ignored (a background job of a non-interactive shell): Python leaves an
+        # inherited SIG_IGN as it is.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         envs = envfleet.make(hang_env(hang_s=30.0), 2, backend=sys.argv[1])
         envs.reset(seed=0)
         envs.step(np.zeros(2, np.int64))
