@@ -817,17 +817,13 @@ round_outcome(PyObject *outcome_type, PyObject *local_result, PyObject *local_fa
 {
     if (taken == workers && PyList_GET_SIZE(unread) == 0 && local_failure == Py_None) {
         int events = local_result == Py_None ? 0 : PyObject_IsTrue(local_result);
-        if (events == 0) {
+        if (events <= 0) { /* complete (0), or the truth test raised (-1) */
             Py_DECREF(local_result);
             Py_DECREF(local_failure);
             Py_DECREF(unread);
+            if (events < 0)
+                return NULL;
             Py_RETURN_NONE;
-        }
-        if (events < 0) {
-            Py_DECREF(local_result);
-            Py_DECREF(local_failure);
-            Py_DECREF(unread);
-            return NULL;
         }
     }
     PyTypeObject *type = (PyTypeObject *)outcome_type;
