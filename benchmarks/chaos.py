@@ -28,6 +28,7 @@ Run::
 
     python benchmarks/chaos.py                    # 10 minutes
     python benchmarks/chaos.py --minutes 1        # a quick look
+    python benchmarks/chaos.py --defaults 1       # make()'s defaults, no option set
 
 The exit status is 0 when no step was lost, every env fault's replay reproduced it, and
 nothing was left; 1 otherwise.
@@ -38,6 +39,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
+import dataclasses
 import gc
 import hashlib
 import json
@@ -113,6 +115,10 @@ class ChaosConfig:
     recycle_episodes: int = 400
     replays_per_kind: int = 5
     seed: int = 0
+    # make()'s defaults, no option set (its default restart policy, no recycling, no
+    # step_timeout): segfaults and SIGKILLs only, since an env's own exception raises and a
+    # hang without step_timeout is reported, not ended, by design.
+    defaults: bool = False
 
 
 @dataclass
@@ -252,13 +258,16 @@ def chaos(config: ChaosConfig, log: Any = print) -> ChaosResult:
     before = _leftovers()
     rss0 = psutil.Process().memory_info().rss
     random_ = random.Random(config.seed)
-    policy = envfleet.RestartPolicy(max_restarts=10**6, window_s=1.0)
-    common = {
+    policy = envfleet.RestartPolicy(max_restarts=10**6, window_s=1.0, restart_on=(Exception,))
+    common: dict[str, Any] = {
         "backend": "processes",
         "restart_policy": policy,
         "recycle": envfleet.Recycle(max_episodes=config.recycle_episodes),
         "step_timeout": config.step_timeout,
     }
+    if config.defaults:
+        common = {}
+        config = dataclasses.replace(config, p_raise=0.0, p_hang=0.0)
     make = _factory(config, faults=True)
     envs = envfleet.make(make, config.num_envs, num_workers=config.num_workers, **common)
     obs, _ = envs.reset(seed=config.seed)
@@ -386,11 +395,16 @@ def table(result: ChaosResult, config: ChaosConfig) -> str:
     return "\n".join(out)
 
 
+def _flag(text: str) -> bool:
+    return text.lower() not in ("0", "false", "no", "")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     defaults = ChaosConfig()
     for name, value in asdict(defaults).items():
-        parser.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value)
+        kind: Any = _flag if isinstance(value, bool) else type(value)
+        parser.add_argument(f"--{name.replace('_', '-')}", type=kind, default=value)
     parser.add_argument("--json", default=None, help="also write the result as JSON here")
     args = parser.parse_args(argv)
     config = ChaosConfig(**{k: getattr(args, k) for k in asdict(defaults)})

@@ -11,8 +11,10 @@ the tests build the matching ``gymnasium.vector.SyncVectorEnv`` with
 
 from __future__ import annotations
 
+import builtins
 import ctypes
 import faulthandler
+import functools
 import os
 import signal
 import time
@@ -1134,3 +1136,42 @@ class WaitingEnv(gym.Env):
         if self.np_random.random() < 0.3:
             info[f"env{self.env_index}"] = np.int64(self._left)
         return obs, reward, terminated, ended and not terminated, info
+
+
+class FaultAt(gym.Wrapper):
+    """``gymnasium.make(env_id)`` whose env ``fault_index`` does ``how`` (as
+    :func:`tests.envs.crash_process`, ``"sigkill"``, ``"null-write"`` or ``"raise:NAME"`` to
+    raise the builtin exception ``NAME``) in its ``at_step``-th step since it was built;
+    every other env is the plain env. Built as ``FaultAt(env_index=i, ...)`` by
+    :func:`fault_at`."""
+
+    def __init__(self, env_id: str, env_index: int, fault_index: int, how: str, at_step: int):
+        super().__init__(gym.make(env_id))
+        self.faulty = env_index == fault_index
+        self.how, self.at_step, self._steps = how, at_step, 0
+
+    def step(self, action: Any):
+        self._steps += 1
+        if self.faulty and self._steps == self.at_step:
+            if self.how == "null-write":
+                ctypes.memset(0, 0, 1)
+            elif self.how == "sigkill":
+                os.kill(os.getpid(), signal.SIGKILL)
+                time.sleep(60)
+            elif self.how.startswith("raise:"):
+                raise getattr(builtins, self.how.split(":")[1])(f"lost at step {self._steps}")
+            else:
+                crash_process(self.how)
+        return self.env.step(action)
+
+
+def fault_at(env_id: str, fault_index: int = -1, how: str = "", at_step: int = 0) -> Any:
+    """A factory (it takes ``env_index``) of :class:`FaultAt` envs; ``fault_index=-1``: none
+    faults (the fault-free run to compare with)."""
+    return functools.partial(
+        _fault_at, env_id=env_id, fault_index=fault_index, how=how, at_step=at_step
+    )
+
+
+def _fault_at(env_index: int, **kwargs: Any) -> FaultAt:
+    return FaultAt(env_index=env_index, **kwargs)

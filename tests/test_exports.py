@@ -27,6 +27,7 @@ ALL = [
     "ConfigError",
     "EnvCrashedError",
     "EnvError",
+    "EnvRestartedWarning",
     "EnvfleetError",
     "EpisodeBatch",
     "FleetStats",

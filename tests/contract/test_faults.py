@@ -1,7 +1,8 @@
 """The backend contract's failure model, on every backend.
 
 An env that raises in ``step`` or ``reset`` gives an ``EnvError`` naming it that is also of
-the env's own exception type; a worker that dies (exit, SIGKILL, segfault) gives an
+the env's own exception type; with ``restart_policy=None`` (the fail-fast opt-out; the default
+restarts them: test_restart_default.py) a worker that dies (exit, SIGKILL, segfault) gives an
 ``EnvCrashedError`` naming its envs, and one that hangs a ``StepTimeoutError``; either closes
 the vector env and leaves nothing behind. Real envs, real workers, real faults; timeouts
 are hang guards and ``step_timeout`` values, never speed bounds.
@@ -29,6 +30,8 @@ from tests.envs import (
     TypedRaisingEnv,
     fault_factory,
 )
+
+FAIL_FAST: dict[str, Any] = {"restart_policy": None}  # the opt-out of make()'s restarts
 
 KINDS = {
     "value": ValueError,
@@ -98,7 +101,7 @@ def test_worker_death_is_an_env_crashed_error_naming_its_envs(
 ) -> None:
     """Env 1's worker dies in env 1's third step: that step raises EnvCrashedError naming
     env 1 and its worker; the vector env is closed and (own processes) nothing is left."""
-    envs = make_env(fault_factory({1: (how, 3)}), 2, **backend.options, num_workers=2)
+    envs = make_env(fault_factory({1: (how, 3)}), 2, **backend.options, num_workers=2, **FAIL_FAST)
     envs.reset(seed=0)
     for _ in range(2):
         envs.step(_zeros(2))
@@ -131,6 +134,7 @@ def test_hung_env_is_a_step_timeout_error_naming_it(
         **backend.options,
         num_workers=2,
         step_timeout=2.0,
+        **FAIL_FAST,
     )
     envs.reset(seed=0)
     for _ in range(2):
@@ -169,6 +173,7 @@ def test_a_hung_envs_stack_comes_with_its_step_timeout(
         **backend.options,
         num_workers=2,
         step_timeout=1.0,
+        **FAIL_FAST,
     )
     envs.reset(seed=0)
     for _ in range(2):
@@ -202,7 +207,9 @@ def test_a_segfaults_stack_comes_with_its_crash_error(
     EnvCrashedError carries what the worker's faulthandler wrote at the fault
     (``err.stacks``), and its message names the env's innermost frame. On Ray, from the
     actor's file, read by its node's helper (Ray gives no exit code)."""
-    envs = make_env(fault_factory({1: ("null-write", 3)}), 2, **backend.options, num_workers=2)
+    envs = make_env(
+        fault_factory({1: ("null-write", 3)}), 2, **backend.options, num_workers=2, **FAIL_FAST
+    )
     envs.reset(seed=0)
     for _ in range(2):
         envs.step(_zeros(2))
@@ -229,7 +236,11 @@ def test_a_sigkilled_worker_is_reported_with_its_last_memory(
     leaves no stack); the EnvCrashedError gives the worker's resident memory last seen."""
     monkeypatch.setattr(workers, "RSS_PERIOD_S", 0.05)  # the driver's sampling thread
     envs = make_env(
-        functools.partial(MemoryHogEnv, mb=256, kill_at=20), 2, **backend.options, num_workers=2
+        functools.partial(MemoryHogEnv, mb=256, kill_at=20),
+        2,
+        **backend.options,
+        num_workers=2,
+        **FAIL_FAST,
     )
     envs.reset(seed=0)
     with pytest.raises(envfleet.EnvCrashedError) as info:

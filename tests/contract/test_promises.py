@@ -3,7 +3,10 @@ a fresh interpreter, ``envfleet.make()`` with no option set, real CartPole envs,
 them segfaulting for real (``ctypes.string_at(0)``).
 
 A segfault in the first, a middle or the last env, with the envs given as a list
-(``make([f0, ..., f3])``) or as one factory (``make(fn, N)``), gives an
+(``make([f0, ..., f3])``) or as one factory (``make(fn, N)``), costs that env its episode and
+nothing more: the run goes on, the env reads ``truncated`` with ``info["env_restarted"]``, one
+:class:`envfleet.EnvRestartedWarning` names it, the cause, its frame and the replay file, and
+the same vector env keeps stepping; with ``restart_policy=None`` the same segfault is an
 :class:`envfleet.EnvCrashedError` naming that env, with the worker's stacks and a replay, and
 the learner goes on (it makes and steps another vector env). Before the default kept every
 env out of the learner's process, env 0's segfault killed the learner with exit 139 and
@@ -18,6 +21,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -25,7 +29,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 SCRIPT = textwrap.dedent(
     """
-    import ctypes, json, sys
+    import ctypes, json, sys, warnings
     import gymnasium as gym
     import numpy as np
     import envfleet
@@ -62,17 +66,24 @@ SCRIPT = textwrap.dedent(
             return bad() if env_index == self.bad_index else good()
 
 
-    def crash(form, n, bad_index):
+    def crash(form, n, bad_index, **options):
         if form == "list":
-            envs = envfleet.make([bad if i == bad_index else good for i in range(n)])
+            envs = envfleet.make([bad if i == bad_index else good for i in range(n)], **options)
         else:
-            envs = envfleet.make(OneBad(bad_index), n)
-        out = {"bad": bad_index, "workers": envs.num_workers}
+            envs = envfleet.make(OneBad(bad_index), n, **options)
+        out = {"bad": bad_index, "workers": envs.num_workers, "restarted": []}
         envs.reset(seed=0)
         actions = np.zeros(n, dtype=np.int64)
         try:
-            for _ in range(2 * CRASH_AT):
-                envs.step(actions)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always", envfleet.EnvRestartedWarning)
+                for _ in range(2 * CRASH_AT):
+                    *_, truncated, info = envs.step(actions)
+                    if "env_restarted" in info:
+                        out["restarted"].append(
+                            [np.flatnonzero(info["_env_restarted"]).tolist(), truncated.tolist()]
+                        )
+            out["warnings"] = [str(w.message) for w in caught]
         except envfleet.EnvCrashedError as err:
             out.update(
                 error=str(err),
@@ -90,9 +101,9 @@ SCRIPT = textwrap.dedent(
 
 
     if __name__ == "__main__":
-        form, n = sys.argv[1], int(sys.argv[2])
+        form, n, options = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])
         for bad_index in (0, n // 2, n - 1):
-            print(json.dumps(crash(form, n, bad_index)), flush=True)
+            print(json.dumps(crash(form, n, bad_index, **options)), flush=True)
         with envfleet.make("CartPole-v1", n) as envs:  # the learner goes on
             envs.reset(seed=0)
             obs, *_ = envs.step(np.zeros(n, dtype=np.int64))
@@ -101,16 +112,14 @@ SCRIPT = textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize(("form", "num_envs"), [("list", 4), ("factory", 8), ("factory", 16)])
-def test_a_segfault_under_defaults_is_a_typed_error_and_the_learner_goes_on(
-    tmp_path: Path, form: str, num_envs: int
-) -> None:
+def _learner(tmp_path: Path, form: str, num_envs: int, options: str) -> list[dict[str, Any]]:
+    """The script's lines: one per bad env, then whether the learner is alive."""
     script = tmp_path / "one_bad_env.py"
     script.write_text(SCRIPT)
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO / "src"), *filter(None, [env.get("PYTHONPATH")])])
     out = subprocess.run(
-        [sys.executable, str(script), form, str(num_envs)],
+        [sys.executable, str(script), form, str(num_envs), options],
         capture_output=True,
         text=True,
         timeout=240,
@@ -118,11 +127,32 @@ def test_a_segfault_under_defaults_is_a_typed_error_and_the_learner_goes_on(
         env=env,
     )
     assert out.returncode == 0, f"the learner died ({out.returncode}): {out.stderr[-3000:]}"
-    lines = [json.loads(line) for line in out.stdout.splitlines()]
-    *crashes, last = lines
+    *crashes, last = [json.loads(line) for line in out.stdout.splitlines()]
     assert last == {"alive": True}
     assert [c["bad"] for c in crashes] == [0, num_envs // 2, num_envs - 1]
-    for c in crashes:
+    return crashes
+
+
+@pytest.mark.parametrize(("form", "num_envs"), [("list", 4), ("factory", 8), ("factory", 16)])
+def test_a_segfault_under_defaults_costs_that_env_its_episode(
+    tmp_path: Path, form: str, num_envs: int
+) -> None:
+    for c in _learner(tmp_path, form, num_envs, "{}"):
+        bad = c["bad"]
+        assert c["error"] is None, c["error"]
+        truncated = [i == bad for i in range(num_envs)]
+        assert c["restarted"] == [[[bad], truncated]], c
+        [message] = c["warnings"]
+        assert "SIGSEGV" in message and f"sub-environment {bad} starts a new episode" in message
+        assert "string_at" in message or "in step" in message, message
+        assert "its replay: " in message, message
+
+
+@pytest.mark.parametrize(("form", "num_envs"), [("list", 4), ("factory", 8)])
+def test_a_segfault_without_restarts_is_a_typed_error_and_the_learner_goes_on(
+    tmp_path: Path, form: str, num_envs: int
+) -> None:
+    for c in _learner(tmp_path, form, num_envs, '{"restart_policy": null}'):
         assert c["error"] is not None, f"env {c['bad']}'s segfault raised nothing"
         assert "SIGSEGV" in c["error"], c["error"]
         assert c["bad"] in c["env_indices"], c

@@ -385,7 +385,9 @@ def test_side_leaves_after_restarts(make_env, backend, fail):
         NUM_ENVS,
         **backend.options,
         num_workers=2,
-        restart_policy=envfleet.RestartPolicy(max_restarts=100, window_s=60.0),
+        restart_policy=envfleet.RestartPolicy(
+            restart_on=(Exception,), max_restarts=100, window_s=60.0
+        ),
     )
     space = fleet.single_observation_space
 
@@ -431,7 +433,9 @@ def test_observation_mode_different_survives_restarts(make_env, backend):
         **backend.options,
         num_workers=3,
         observation_mode="different",
-        restart_policy=envfleet.RestartPolicy(max_restarts=10, window_s=60.0),
+        restart_policy=envfleet.RestartPolicy(
+            restart_on=(Exception,), max_restarts=10, window_s=60.0
+        ),
     )
     fleet.reset(seed=0)
     restarted = 0

@@ -117,7 +117,7 @@ def _replacing(make_env: Any, tmp_path: Path, hang_s: float, **options: Any) -> 
         rebuilt_marker=str(tmp_path / "built"),
         faults={1: ("exit", 2)},
     )
-    policy = envfleet.RestartPolicy(max_restarts=1, window_s=600.0)
+    policy = envfleet.RestartPolicy(restart_on=(Exception,), max_restarts=1, window_s=600.0)
     envs = make_env(
         factory, 2, backend="processes", num_workers=2, restart_policy=policy, **options
     )

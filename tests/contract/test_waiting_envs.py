@@ -113,7 +113,11 @@ def test_a_hang_in_a_block_stepped_at_once_names_the_envs_frame(
     StepTimeoutError names worker 1's envs, carries its stacks, and names env 3's frame (the
     sleep in FaultEnv.step), not the worker's main thread waiting for its crew."""
     envs = make_env(
-        fault_factory({3: ("sleep:60", 10)}, wait_s=0.002), 4, num_workers=2, step_timeout=2.0
+        fault_factory({3: ("sleep:60", 10)}, wait_s=0.002),
+        4,
+        num_workers=2,
+        step_timeout=2.0,
+        restart_policy=None,
     )
     _step_into_fault(envs, 9)
     with pytest.raises(envfleet.StepTimeoutError) as info:
@@ -133,7 +137,9 @@ def test_a_segfault_in_a_block_stepped_at_once_is_an_env_crashed_error(
     """Env 3 writes at address 0 (a real SIGSEGV) in a crew thread while its block is
     stepped at once: EnvCrashedError for worker 1 (envs 2 and 3) with the fault's stack,
     whose innermost frame is env 3's."""
-    envs = make_env(fault_factory({3: ("null-write", 10)}, wait_s=0.002), 4, num_workers=2)
+    envs = make_env(
+        fault_factory({3: ("null-write", 10)}, wait_s=0.002), 4, num_workers=2, restart_policy=None
+    )
     _step_into_fault(envs, 9)
     with pytest.raises(envfleet.EnvCrashedError) as info:
         envs.step(np.zeros(4, dtype=np.int64))

@@ -374,7 +374,7 @@ def test_a_crashing_env_is_restarted_under_a_restart_policy() -> None:
         functools.partial(make_faulty, "raise", 1),
         NUM_ENVS,
         backend="processes",
-        restart_policy=envfleet.RestartPolicy(max_restarts=2),
+        restart_policy=envfleet.RestartPolicy(restart_on=(Exception,), max_restarts=2),
     )
     try:
         envs.reset(seed=0)

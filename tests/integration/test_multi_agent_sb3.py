@@ -365,7 +365,7 @@ def test_a_restarted_env_ends_its_rows_episodes() -> None:
         crashing_pistonball,
         NUM_ENVS,
         backend="processes",
-        restart_policy=envfleet.RestartPolicy(max_restarts=1),
+        restart_policy=envfleet.RestartPolicy(restart_on=(Exception,), max_restarts=1),
     )
     try:
         venv.seed(SEED)

@@ -561,7 +561,7 @@ def test_step_timeout_from_a_future(snapshot):
 def test_restart_policy_rebuilds_after_a_crash(snapshot):
     factory = functools.partial(CrashEnv, crash_index=0, crash_after=2, how="exit")
     want_env = CrashEnv(crash_index=0, crash_after=2, how="exit")
-    policy = envfleet.RestartPolicy(max_restarts=2, window_s=3600.0)
+    policy = envfleet.RestartPolicy(restart_on=(Exception,), max_restarts=2, window_s=3600.0)
     with envfleet.ProcessEnv(factory, restart_policy=policy) as penv:
         first_pid = penv.pid
         assert_same(penv.reset(seed=6), want_env.reset(seed=6))

@@ -305,7 +305,9 @@ def test_every_failure_is_reported_from_another_node_as_from_the_drivers(
         num_workers=2,
         ray_options=SLOT,
         hang_report_delay=0.4,
-        restart_policy=envfleet.RestartPolicy(max_restarts=4, window_s=600.0),
+        restart_policy=envfleet.RestartPolicy(
+            restart_on=(Exception,), max_restarts=4, window_s=600.0
+        ),
     )
     nodes = _nodes(envs)
     assert sorted(nodes) == sorted([cluster.head, cluster.far])
@@ -457,7 +459,9 @@ def test_a_lost_helper_or_node_costs_only_its_envs(make_env: Any, cluster: Nodes
         backend="ray",
         num_workers=2,
         ray_options={"num_cpus": 0.1, "resources": {"lossy": 1}},
-        restart_policy=envfleet.RestartPolicy(max_restarts=10, window_s=600.0),
+        restart_policy=envfleet.RestartPolicy(
+            restart_on=(Exception,), max_restarts=10, window_s=600.0
+        ),
     )
     nodes = _nodes(envs)
     assert sorted(nodes) == sorted([cluster.head, cluster.far])

@@ -815,7 +815,9 @@ def run_with_fault(marker: str, how: str, fault_index: int, **kwargs: Any) -> tu
         num_workers=2,
         seed=3,
         segment_length=8,
-        restart_policy=envfleet.RestartPolicy(max_restarts=2, window_s=600.0),
+        restart_policy=envfleet.RestartPolicy(
+            restart_on=(Exception,), max_restarts=2, window_s=600.0
+        ),
         **kwargs,
     ) as sampler:
         batches = [sampler.sample(64) for _ in range(6)]

@@ -125,7 +125,7 @@ def test_infos_of_every_kind_match_dummy_vec_env(backend):
 
 
 def test_restarted_env_ends_its_episode_truncated():
-    policy = envfleet.RestartPolicy(max_restarts=5, window_s=60)
+    policy = envfleet.RestartPolicy(restart_on=(Exception,), max_restarts=5, window_s=60)
     factory = functools.partial(FlakyEnv, faults={1: "raise"}, fault_after=3)
     venv = SB3VecEnv(factory, NUM_ENVS, backend="processes", restart_policy=policy)
     try:

@@ -20,6 +20,7 @@ import tempfile
 import time
 import weakref
 from pathlib import Path
+from typing import Any
 
 import gymnasium as gym
 import numpy as np
@@ -35,6 +36,8 @@ ENVS_FILE = "envs.py"
 
 # (num_envs, num_workers, failing env index, its worker)
 FAILING = [(4, 2, 1, 0), (4, 2, 3, 1), (5, 3, 4, 2)]
+
+FAIL_FAST: dict[str, Any] = {"restart_policy": None}  # the opt-out of make()'s restarts
 
 
 def _raising(fail_index, fail_in, fail_after=4):
@@ -190,7 +193,7 @@ def _assert_closed_after_crash(envs, snapshot, num_envs):
 )
 def test_worker_dies_in_step(make_env, snapshot, context, how, exitcode, signum):
     factory = functools.partial(CrashEnv, crash_index=3, crash_after=4, how=how)
-    envs = make_env(factory, 5, backend="processes", num_workers=2, context=context)
+    envs = make_env(factory, 5, backend="processes", num_workers=2, context=context, **FAIL_FAST)
     pids = _worker_pids(envs, snapshot, 5)
     assert pids[0] == pids[2] != pids[3] == pids[4]
     envs.reset(seed=0)
@@ -218,7 +221,7 @@ def test_worker_dies_in_step(make_env, snapshot, context, how, exitcode, signum)
 )
 def test_worker_killed_between_steps(make_env, snapshot, context, worker):
     """A worker SIGKILLed while idle (OOM killer, kill -9): the next step names it."""
-    envs = make_env(IndexedEnv, 4, backend="processes", num_workers=2, context=context)
+    envs = make_env(IndexedEnv, 4, backend="processes", num_workers=2, context=context, **FAIL_FAST)
     pids = _worker_pids(envs, snapshot, 4)
     envs.reset(seed=0)
     for _ in range(2):
@@ -241,7 +244,7 @@ def test_worker_killed_between_steps(make_env, snapshot, context, worker):
 @pytest.mark.parametrize("call", ["reset", "get_attr"])
 def test_worker_killed_before_other_calls(make_env, snapshot, call):
     """A worker SIGKILLed while idle: reset and get_attr raise EnvCrashedError too."""
-    envs = make_env(IndexedEnv, 4, backend="processes", num_workers=2)
+    envs = make_env(IndexedEnv, 4, backend="processes", num_workers=2, **FAIL_FAST)
     pids = _worker_pids(envs, snapshot, 4)
     envs.reset(seed=0)
     os.kill(pids[3], signal.SIGKILL)
@@ -262,7 +265,7 @@ def test_worker_killed_before_other_calls(make_env, snapshot, call):
 def test_worker_killed_while_busy(make_env, snapshot, context):
     """SIGKILL to a worker stuck in a step: step_wait raises instead of waiting forever."""
     factory = functools.partial(CrashEnv, crash_index=1, crash_after=1, how="hang")
-    envs = make_env(factory, 3, backend="processes", num_workers=3, context=context)
+    envs = make_env(factory, 3, backend="processes", num_workers=3, context=context, **FAIL_FAST)
     pids = _worker_pids(envs, snapshot, 3)
     envs.reset(seed=0)
     envs.step(_zeros(3))
@@ -297,7 +300,13 @@ def test_worker_dies_while_building_envs(snapshot, how):
 def test_step_timeout(make_env, snapshot, context):
     factory = functools.partial(CrashEnv, crash_index=2, crash_after=2, how="hang")
     envs = make_env(
-        factory, 6, backend="processes", num_workers=3, step_timeout=1.0, context=context
+        factory,
+        6,
+        backend="processes",
+        num_workers=3,
+        step_timeout=1.0,
+        context=context,
+        **FAIL_FAST,
     )
     assert envs.step_timeout == 1.0
     envs.reset(seed=0)
@@ -316,7 +325,7 @@ def test_step_timeout(make_env, snapshot, context):
 @pytest.mark.timeout(60)
 def test_step_wait_timeout_argument(make_env, snapshot):
     factory = functools.partial(CrashEnv, crash_index=0, crash_after=0, how="hang")
-    envs = make_env(factory, 2, backend="processes", num_workers=2)
+    envs = make_env(factory, 2, backend="processes", num_workers=2, **FAIL_FAST)
     assert envs.step_timeout is None
     envs.reset(seed=0)
     envs.step_async(_zeros(2))
@@ -730,7 +739,7 @@ def test_a_restarted_worker_sends_a_reply_region_of_its_own(snapshot):
     large reply brings a new one, and the driver reads that one, not the dead worker's."""
     from envfleet._backends.processes import worker as processes
 
-    policy = envfleet.RestartPolicy(max_restarts=5, window_s=60)
+    policy = envfleet.RestartPolicy(restart_on=(Exception,), max_restarts=5, window_s=60)
     fleet = envfleet.make("CartPole-v1", 4, num_workers=2, restart_policy=policy)
     where = fleet._backend.transport.workers.control[:, processes.REPLY_PAYLOAD]
     groups = {0: 1 << 17, 1: 1 << 17}
@@ -827,7 +836,7 @@ import envfleet
 from tests.envs import fault_factory
 envs = envfleet.make(
     fault_factory({1: ("null-write", 3)}), 2, backend="processes", num_workers=2,
-    context=sys.argv[1],
+    context=sys.argv[1], restart_policy=None,
 )
 envs.reset(seed=0)
 try:

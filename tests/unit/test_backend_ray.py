@@ -37,7 +37,7 @@ ray = pytest.importorskip("ray")
 pytestmark = pytest.mark.ray  # every test here runs on a real local Ray cluster
 
 ROOT = Path(__file__).resolve().parents[2]
-POLICY = envfleet.RestartPolicy(max_restarts=10, window_s=600.0)
+POLICY = envfleet.RestartPolicy(restart_on=(Exception,), max_restarts=10, window_s=600.0)
 GONE = 30.0  # seconds: a hang guard for processes to exit, never a speed bound
 
 
@@ -228,7 +228,7 @@ def test_env_raises_in_make(ray_cluster):
 
 def test_actor_segfaults_in_step(make_env, ray_cluster):
     factory = functools.partial(CrashEnv, crash_index=3, how="segfault")
-    envs = make_env(factory, 4, backend="ray")
+    envs = make_env(factory, 4, backend="ray", restart_policy=None)  # fail fast
     envs.reset(seed=0)
     pids = _actor_pids(envs)
     for _ in range(3):
@@ -245,7 +245,7 @@ def test_actor_segfaults_in_step(make_env, ray_cluster):
 
 
 def test_actor_killed_from_outside(make_env, ray_cluster):
-    envs = make_env(IndexedEnv, 4, backend="ray", num_workers=2)
+    envs = make_env(IndexedEnv, 4, backend="ray", num_workers=2, restart_policy=None)
     envs.reset(seed=0)
     pids = _actor_pids(envs)
     killed = envs._backend.transport.placement()[0][1]
@@ -256,6 +256,22 @@ def test_actor_killed_from_outside(make_env, ray_cluster):
         envs.step(np.zeros(4, np.int64))
     assert (info.value.worker_index, info.value.env_indices) == (0, [0, 1])
     _assert_gone(pids)
+
+
+def test_a_segfaulting_actor_is_restarted_by_default(make_env, ray_cluster):
+    """make()'s default restart policy on Ray: the actor is replaced, its envs start new
+    episodes (the whole actor's block on Ray), the restart warns, and the run goes on."""
+    factory = functools.partial(CrashEnv, crash_index=3, how="segfault")
+    envs = make_env(factory, 4, backend="ray")
+    envs.reset(seed=0)
+    for _ in range(3):
+        envs.step(np.zeros(4, np.int64))
+    with pytest.warns(envfleet.EnvRestartedWarning, match=r"sub-environments \[2, 3\] start"):
+        _, _, _, truncated, info = envs.step(np.zeros(4, np.int64))
+    assert truncated.tolist() == [False, False, True, True]
+    assert np.flatnonzero(info["_env_restarted"]).tolist() == [2, 3]
+    envs.step(np.zeros(4, np.int64))
+    assert envs.stats.crashes == 1 and envs.stats.restarts == 1 and not envs.closed
 
 
 def test_actor_dies_while_starting(ray_cluster):
@@ -275,6 +291,7 @@ def test_hang_past_the_timeout_kills_the_actors(make_env, ray_cluster, via):
         backend="ray",
         num_workers=2,
         step_timeout=timeout if via == "step_timeout" else None,
+        restart_policy=None,  # fail fast
     )
     envs.reset(seed=0)
     pids = _actor_pids(envs)
@@ -399,7 +416,7 @@ def test_actor_killed_between_steps_is_replaced(make_env, ray_cluster):
 
 
 def test_budget_exhausted_crash_fails_fast(make_env, ray_cluster):
-    policy = envfleet.RestartPolicy(max_restarts=0)
+    policy = envfleet.RestartPolicy(restart_on=(Exception,), max_restarts=0)
     envs = make_env(
         _flaky({3: "segfault"}, fault_after=2),
         4,
@@ -433,7 +450,13 @@ def test_pool_sync_mode(make_env, ray_cluster):
 def test_pool_recv_timeout_kills_the_actors(make_env, ray_cluster, tmp_path):
     gate = str(tmp_path / "gate")
     envs = test_pool.pool(
-        make_env, "ray", 4, 2, knobs={"gate": gate, "gated": (0, 1, 2, 3)}, num_workers=2
+        make_env,
+        "ray",
+        4,
+        2,
+        knobs={"gate": gate, "gated": (0, 1, 2, 3)},
+        num_workers=2,
+        restart_policy=None,
     )
     envs.async_reset(seed=0)
     with pytest.raises(envfleet.StepTimeoutError):

@@ -92,7 +92,7 @@ def test_env_error_leaves_it_usable_and_restart_policy_rebuilds(make_env):
     assert isinstance(info.value.__cause__, ValueError)
     assert not envs.closed
 
-    policy = envfleet.RestartPolicy(max_restarts=5, window_s=60)
+    policy = envfleet.RestartPolicy(restart_on=(Exception,), max_restarts=5, window_s=60)
     fleet = make_env(factory, 4, backend="threads", num_workers=2, restart_policy=policy)
     sync = SyncVectorEnv(sync_factories(functools.partial(RaisingEnv, fail_index=-1), 4))
     assert_same(fleet.reset(seed=0), sync.reset(seed=0))

@@ -35,7 +35,7 @@ from tests.envs import FlakyEnv, sync_factories
 from tests.helpers import assert_same, wait_gone
 
 ROOT = Path(__file__).resolve().parents[2]
-POLICY = envfleet.RestartPolicy(max_restarts=10, window_s=600.0)
+POLICY = envfleet.RestartPolicy(restart_on=(Exception,), max_restarts=10, window_s=600.0)
 NEXT, SAME, DISABLED = AutoresetMode.NEXT_STEP, AutoresetMode.SAME_STEP, AutoresetMode.DISABLED
 MODES = [NEXT, SAME, DISABLED]
 HANG_TIMEOUT = 3.0  # the timeout a hanging worker runs into; a hang guard for the others
@@ -269,11 +269,13 @@ def _check_closed(envs, snapshot):
 
 
 def test_config_errors():
-    assert envfleet.RestartPolicy() == envfleet.RestartPolicy(max_restarts=3, window_s=60.0)
+    assert envfleet.RestartPolicy() == envfleet.RestartPolicy(max_restarts=10, window_s=60.0)
     for kwargs in ({"max_restarts": -1}, {"window_s": 0}, {"window_s": -1.0}):
         with pytest.raises(envfleet.ConfigError):
             envfleet.RestartPolicy(**kwargs)
-    envfleet.RestartPolicy(max_restarts=0, window_s=0.001)  # the bounds themselves are fine
+    envfleet.RestartPolicy(
+        restart_on=(Exception,), max_restarts=0, window_s=0.001
+    )  # the bounds themselves are fine
     with pytest.raises(envfleet.ConfigError, match="restart_policy"):
         envfleet.make(FlakyEnv, 2, backend="serial", restart_policy="x")
     with pytest.raises(envfleet.ConfigError, match="restart_policy"):
@@ -353,7 +355,8 @@ def test_last_seed_is_the_last_reset_with_a_seed(make_env, tmp_path):
     model.close()
 
 
-# -- a worker dies: it is respawned with all its envs -----------------------------------------
+# -- a worker dies: it is respawned with all its envs; the env it was inside loses its episode,
+# the others are brought back from their records ------------------------------------------
 
 
 # (how, autoreset mode, context, num_envs, num_workers, faulty env, rows of its worker)
@@ -379,11 +382,11 @@ def test_worker_dies_in_step(
 ):
     factory = _flaky({index: how}, fault_after=4, marker=_marker(tmp_path))
     envs = _make(make_env, factory, num_envs, num_workers, mode, context=context)
-    model = Model(num_envs, mode, faults={index: rows}, fault_after=4)
+    model = Model(num_envs, mode, faults={index: [index]}, fault_after=4)
     _assert_result(envs.reset(seed=5), *model.reset(seed=5), "reset")
     pids = envs.get_attr("pid")
     _play(envs, model, 25)
-    assert len(model.events) == 1 and model.events[0][1] == rows
+    assert len(model.events) == 1 and model.events[0][1] == [index]
     _assert_stats(envs, model, 1, crashes=1)
     new_pids = envs.get_attr("pid")
     for i in range(num_envs):
@@ -459,7 +462,7 @@ def test_worker_hangs(
     factory = _flaky({index: "hang"}, fault_after=3, marker=_marker(tmp_path))
     step_timeout = HANG_TIMEOUT if timeout_via == "step_timeout" else None
     envs = _make(make_env, factory, num_envs, num_workers, step_timeout=step_timeout)
-    model = Model(num_envs, faults={index: rows}, fault_after=3)
+    model = Model(num_envs, faults={index: [index]}, fault_after=3)  # its block: rows
 
     def step_wait_with_timeout(actions):
         envs.step_async(actions)
@@ -469,7 +472,7 @@ def test_worker_hangs(
     _assert_result(envs.reset(seed=4), *model.reset(seed=4), "reset")
     pids = envs.get_attr("pid")
     _play(envs, model, 15, step)
-    assert len(model.events) == 1 and model.events[0][1] == rows
+    assert len(model.events) == 1 and model.events[0][1] == [index]
     _assert_stats(envs, model, 1, timeouts=1)
     new_pids = envs.get_attr("pid")
     assert [i for i in range(num_envs) if new_pids[i] != pids[i]] == rows
@@ -488,10 +491,10 @@ def test_several_failures_in_one_step(make_env, snapshot, tmp_path):
     SAME_STEP: every env's step() runs on every step, so all three fail on step 3."""
     faults = {1: "raise", 2: "raise", 4: "segfault"}
     envs = _make(make_env, _flaky(faults, marker=_marker(tmp_path)), 6, 2, SAME)
-    model = Model(6, SAME, faults={1: [1], 2: [2], 4: [3, 4, 5]})
+    model = Model(6, SAME, faults={1: [1], 2: [2], 4: [4]})
     _assert_result(envs.reset(seed=8), *model.reset(seed=8), "reset")
     _play(envs, model, 20)
-    assert model.events == [(3, [1, 2, 3, 4, 5])]
+    assert model.events == [(3, [1, 2, 4])]
     _assert_stats(envs, model, 3, crashes=1, env_errors=2)
     envs.close()
     snapshot.assert_nothing_left()
@@ -506,7 +509,9 @@ def test_several_failures_in_one_step(make_env, snapshot, tmp_path):
 @pytest.mark.parametrize(("backend", "worker"), [("processes", 1), ("serial", None)])
 def test_budget_exhausted_env_error(make_env, backend, worker, max_restarts):
     """An env that raises every third step: restarted ``max_restarts`` times, then EnvError."""
-    policy = envfleet.RestartPolicy(max_restarts=max_restarts, window_s=600.0)
+    policy = envfleet.RestartPolicy(
+        restart_on=(Exception,), max_restarts=max_restarts, window_s=600.0
+    )
     envs = _make(
         make_env, _flaky({2: "raise"}, fault_after=2), 4, 2, backend=backend, restart_policy=policy
     )
@@ -540,7 +545,7 @@ def test_budget_exhausted_env_error(make_env, backend, worker, max_restarts):
 @pytest.mark.timeout(60)
 def test_budget_exhausted_by_one_step(make_env):
     """Two envs raise in one step and one restart is left: neither is rebuilt."""
-    policy = envfleet.RestartPolicy(max_restarts=1, window_s=600.0)
+    policy = envfleet.RestartPolicy(restart_on=(Exception,), max_restarts=1, window_s=600.0)
     factory = _flaky({1: "raise", 2: "raise"}, fault_after=2)  # both fail on step 2
     envs = _make(make_env, factory, 4, 2, restart_policy=policy)
     model = Model(4)
@@ -557,7 +562,7 @@ def test_budget_exhausted_by_one_step(make_env):
 @pytest.mark.timeout(60)
 def test_budget_window_slides(make_env):
     """A restart more than ``window_s`` seconds after the last one fits the budget again."""
-    policy = envfleet.RestartPolicy(max_restarts=1, window_s=0.3)
+    policy = envfleet.RestartPolicy(restart_on=(Exception,), max_restarts=1, window_s=0.3)
     envs = _make(
         make_env, _flaky({1: "raise"}, fault_after=2), 2, 1, backend="serial", restart_policy=policy
     )
@@ -586,12 +591,12 @@ def test_env_0_is_rebuilt_in_the_driver(make_env, tmp_path, backend):
 
 @pytest.mark.timeout(60)
 def test_budget_exhausted_crash(make_env, snapshot):
-    policy = envfleet.RestartPolicy(max_restarts=1, window_s=600.0)
+    policy = envfleet.RestartPolicy(restart_on=(Exception,), max_restarts=1, window_s=600.0)
     envs = _make(make_env, _flaky({3: "segfault"}, fault_after=2), 4, 2, restart_policy=policy)
-    model = Model(4, faults={3: [2, 3]}, fault_after=2, once=False)
+    model = Model(4, faults={3: [3]}, fault_after=2, once=False)
     _assert_result(envs.reset(seed=0), *model.reset(seed=0), "reset")
     _play(envs, model, 6)
-    assert model.events == [(2, [2, 3])]
+    assert model.events == [(2, [3])]
     with pytest.raises(envfleet.EnvCrashedError) as info:
         envs.step(_actions(6, 4))
     err = info.value
@@ -606,7 +611,7 @@ def test_budget_exhausted_crash(make_env, snapshot):
 @pytest.mark.timeout(60)
 def test_budget_exhausted_timeout(make_env, snapshot):
     """``max_restarts=0`` never restarts: the hang fails fast, as without a policy."""
-    policy = envfleet.RestartPolicy(max_restarts=0)
+    policy = envfleet.RestartPolicy(restart_on=(Exception,), max_restarts=0)
     envs = _make(
         make_env,
         _flaky({1: "hang"}, fault_after=1),
@@ -731,7 +736,7 @@ def test_identical_runs_give_identical_results(make_env, tmp_path):
 
     first, second = run(str(tmp_path / "a")), run(str(tmp_path / "b"))
     rebuilt = [np.flatnonzero(r[-1].get("_env_restarted", [])).tolist() for r in first]
-    assert sorted(i for rows in rebuilt for i in rows) == [0, 2, 3]
+    assert sorted(i for rows in rebuilt for i in rows) == [0, 3]
     assert_same(first, second)
 
 
@@ -743,7 +748,7 @@ import numpy as np
 import envfleet
 from tests.envs import FlakyEnv
 from tests.helpers import wait_gone
-policy = envfleet.RestartPolicy(max_restarts=5, window_s=600)
+policy = envfleet.RestartPolicy(restart_on=(Exception,), max_restarts=5, window_s=600)
 envs = envfleet.make(FlakyEnv, 4, backend="processes", num_workers=2, context=sys.argv[1],
                      restart_policy=policy)
 envs.reset(seed=0)

@@ -68,7 +68,13 @@ from envfleet._core.hangs import (
     watch_inline,
 )
 from envfleet._core.protocol import Command, RoundOutcome, TaskRequest
-from envfleet._core.replay import EnvRecording, recording_of, replays_of, restore_envs
+from envfleet._core.replay import (
+    EnvRecording,
+    catch_up_envs,
+    recording_of,
+    replays_of,
+    restore_envs,
+)
 from envfleet._core.stacks import at, first_at
 from envfleet._core.stats import StepTimeStats, WorkerMemory
 
@@ -834,7 +840,7 @@ class RoundDriver(Backend):
 
     def replace_workers(
         self, workers: list[int], done: Round, timeout: float | None, step: int
-    ) -> None:
+    ) -> dict[int, StepTimeoutError]:
         others = [w for w in self._pending if w not in workers]  # a pool's, still running
         late = [w for w in workers if w not in done.crashed]
         stacks = self.stacks(late)
@@ -845,10 +851,11 @@ class RoundDriver(Backend):
                 at(text),
                 text,
             )
-        for w in late:  # what it would have raised, kept: envs.stats.failures
+        hung = {}
+        for w in late:  # what it would have raised
             fate = "killed and restarted by the restart policy"
             mine = {w: stacks[w]} if w in stacks else {}
-            self.ledger.failures.append(timeout_error(self, [w], timeout, mine, fate))
+            hung[w] = timeout_error(self, [w], timeout, mine, fate)
         for w in workers:
             self.transport.respawn(w, done.crashed.get(w, "late"))
         try:
@@ -857,6 +864,51 @@ class RoundDriver(Backend):
             self.close(timeout=0, terminate=True)
             raise
         self._pending = others
+        return hung
+
+    def lost_envs(self, w: int, command: Command) -> tuple[list[int], TaskRequest | None]:
+        """Before worker ``w``, dead or hung in ``command``, is replaced: the envs (global
+        indices) that lose their episode, and the catch-up that brings its other envs back
+        (:func:`~envfleet._core.replay.catch_up_envs`; ``None``: every env of ``w`` loses
+        its episode).
+
+        Only the env the worker was inside loses it, where the transport tells which
+        (``running_env``: processes) and the others' records before the step are whole
+        (``before_step``), in a step; everywhere else (a reset, a worker that ran no env code
+        or several envs at once, a record past ``replay_steps``, Ray) every env of ``w``."""
+        start, stop = self.ranges[w]
+        everything = list(range(start, stop))
+        transport = cast(Any, self.transport)
+        running = getattr(transport, "running_env", None)
+        if command is not _STEP or running is None:
+            return everything, None
+        env = running(w)
+        if env is None or not start <= env < stop:  # no env, or several at once
+            return everything, None
+        recordings, actions = transport.before_step(w)
+        if len(recordings) != stop - start or not all(
+            r.complete for r in recordings if r.env_index != env
+        ):
+            return everything, None
+        batch = self.batch
+        done = (batch.terminations[start:stop] | batch.truncations[start:stop]).tolist()
+        return [env], TaskRequest(catch_up_envs, (recordings, actions, done, [env - start]))
+
+    def catch_up(self, w: int, request: TaskRequest, step: int) -> list[Any] | None:
+        """Run ``request`` (:meth:`lost_envs`) on ``w``'s new worker, within ``start_timeout``
+        (part of building the replacement): its envs' info events of the step taken again.
+
+        Raises:
+            StartTimeoutError: past ``start_timeout`` (the vector env closed).
+            EnvError: an env raised in it (the vector env closed).
+        """
+        try:
+            done = self._side_round(_TASK, {w: request}, self._start_timeout, step)
+        except StepTimeoutError as exc:
+            raise self._late_start(exc, self._start_timeout, "brought up to date") from None
+        if done.failures:
+            self.supervisor.broken(self.env_error(w, done.failures[w], "bringing its envs back"))
+        return cast(list[Any] | None, done.results.get(w))
 
     def restart_envs(self, requests: dict[int, Any], timeout: float | None, step: int) -> Round:
         return self._side_round(_RESTART, requests, timeout, step)

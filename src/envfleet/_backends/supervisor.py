@@ -16,8 +16,13 @@ counters and seeds; the step-time statistics live in :mod:`envfleet._core.stats`
 from __future__ import annotations
 
 import collections
+import itertools
 import logging
 import numbers
+import os
+import pickle
+import sys
+import tempfile
 import time
 import weakref
 from collections.abc import Callable, Iterable
@@ -32,10 +37,12 @@ from envfleet._core.errors import (
     EnvCrashedError,
     EnvError,
     EnvfleetError,
+    EnvRestartedWarning,
     StepTimeoutError,
 )
 from envfleet._core.failures import CLOSED
-from envfleet._core.protocol import Command, Failure, InfoEvent, RestartRequest
+from envfleet._core.hangs import warn_at
+from envfleet._core.protocol import Command, Failure, InfoEvent, RestartRequest, TaskRequest
 from envfleet._core.replay import replays_of
 from envfleet._core.stacks import first_at
 from envfleet._core.stats import FleetStats, StepTimeStats, WorkerMemory
@@ -50,6 +57,8 @@ RESTARTED = "restarted by the restart policy"  # a survived crash's fate, in its
 _T = TypeVar("_T")
 
 __all__ = [
+    "CONNECTION_ERRORS",
+    "DEFAULT_RESTART_POLICY",
     "Ledger",
     "RestartBudget",
     "RestartPolicy",
@@ -59,50 +68,93 @@ __all__ = [
     "log_env_restart",
     "merge_events",
     "restart_seed",
+    "save_replay",
     "timeout_error",
+    "warn_restarted",
 ]
+
+
+# What a restart policy restarts of the exceptions an env raises by default: a lost connection to
+# an external simulator, as ML-Agents restarts a Unity env on its communication error.
+CONNECTION_ERRORS: tuple[type[BaseException], ...] = (
+    ConnectionError,
+    BrokenPipeError,
+    TimeoutError,
+)
 
 
 @dataclass(frozen=True)
 class RestartPolicy:
-    """Rebuild failed sub-environments instead of failing fast.
+    """Rebuild what failed instead of failing fast: ``make()``'s default is ``RestartPolicy()``.
 
     At most ``max_restarts`` restarts within any ``window_s`` seconds, for the whole vector
-    env, as an Erlang/OTP supervisor's intensity and period: the failure that would exceed the
-    budget fails fast with the typed error it would have raised without a policy.
+    env, as an Erlang/OTP supervisor's intensity and period (ML-Agents rate-limits its Unity
+    restarts the same way): the failure that would exceed the budget fails fast with the typed
+    error it would have raised without a policy. The default, 10 within 60 s, survives the rare
+    fault a long run meets (a segfault, an OOM kill, a dropped simulator) and stops a crash
+    loop (a fault that recurs every few seconds is a bug) within a minute.
 
     What is restarted, on ``step`` and ``reset``:
 
-    - an env that raises: only that env, rebuilt from its factory inside its worker;
-    - a worker that dies (segfault, ``os._exit``, SIGKILL, OOM kill) or hangs past the timeout
-      (it is killed): the worker, with every env it held.
+    - a worker that dies (segfault, ``os._exit``, SIGKILL, OOM kill, a lost Ray actor) or
+      runs past ``step_timeout`` (it is killed): a new worker is started for its envs. On
+      ``backend="processes"`` the worker marks which env it is inside before each call into
+      env code: only that env is rebuilt and starts a new episode; its block-mates are brought
+      back to where they were from their records and take the step again, so their data is
+      what it would have been without the fault. Where the worker was stepping several envs
+      at once (envs that wait, stepped concurrently) or in another backend, every env of the
+      worker starts a new episode;
+    - an env whose step or reset raises one of ``restart_on`` (by default a lost connection:
+      ``ConnectionError``, ``BrokenPipeError``, ``TimeoutError``): only that env, rebuilt from
+      its factory inside its worker. Any other exception raises as in gymnasium, restart
+      policy or not: a restart would hide a bug and loop. ``restart_on=(Exception,)`` restarts
+      every env exception, ``restart_on=()`` none.
 
-    Each restart counts one. Rebuilt envs keep their ``env_index`` and are reset with a seed
-    derived from their last seed and their restart count (:func:`restart_seed`). On that step
-    they return ``reward 0.0``, ``terminated False``, ``truncated True``, the new episode's
-    first observation, and ``info["env_restarted"] = True`` (with gymnasium's
-    ``info["_env_restarted"]`` mask). With ``AutoresetMode.SAME_STEP`` there is no
-    ``final_obs`` for them (the episode's last observation died with the env). Every other env's
-    data is exactly what it would have been without the fault.
+    Each restart counts one and warns :class:`envfleet.EnvRestartedWarning` once, naming the
+    env, the cause, the faulting frame and the file its replay was saved to. Rebuilt envs keep
+    their ``env_index`` and are reset with a seed derived from their last seed and their
+    restart count (:func:`restart_seed`). On that step they return ``reward 0.0``,
+    ``terminated False``, ``truncated True``, the new episode's first observation, and
+    ``info["env_restarted"] = True`` (with gymnasium's ``info["_env_restarted"]`` mask). With
+    ``AutoresetMode.SAME_STEP`` there is no ``final_obs`` for them (the episode's last
+    observation died with the env). Every other env's data is exactly what it would have been
+    without the fault.
 
     Errors in ``call``, ``get_attr``, ``set_attr`` and ``render`` are the caller's and are not
     restarted: they raise as without a policy.
 
     In a first-ready pool (``batch_size < num_envs``) the same holds for each worker's own
     command (``send`` steps, ``async_reset`` resets): the rebuilt envs come back from
-    ``recv`` flagged as above while the other workers keep running. Threads cannot be killed:
-    on ``backend="threads"`` a hung env fails fast whatever the policy.
+    ``recv`` flagged as above while the other workers keep running. ``serial`` and ``threads``
+    run every env in this process: a native crash there ends the process, whatever the
+    policy, and a thread cannot be killed, so on ``threads`` a step past ``step_timeout``
+    fails fast; only ``restart_on`` exceptions are restarted there.
+
+    ``make(..., restart_policy=None)`` is the opt-out: every failure fails fast with its typed
+    error (:class:`envfleet.EnvCrashedError`, :class:`envfleet.StepTimeoutError`).
 
     Args:
         max_restarts: restarts allowed within any ``window_s`` seconds (>= 0; 0 never restarts).
         window_s: the window, in seconds (> 0).
+        restart_on: the exception types an env may raise in ``step`` or ``reset`` that are
+            restarted like a crash (a tuple of exception classes).
 
     Raises:
-        ConfigError: a negative ``max_restarts`` or a ``window_s`` that is not > 0.
+        ConfigError: a negative ``max_restarts``, a ``window_s`` that is not > 0, or a
+            ``restart_on`` that is not a tuple of exception classes.
+
+    Example::
+
+        envs = envfleet.make("CartPole-v1", 8)  # RestartPolicy(): crashes restart
+        strict = envfleet.make("CartPole-v1", 8, restart_policy=None)  # fail fast
+        lenient = envfleet.make(
+            "CartPole-v1", 8, restart_policy=envfleet.RestartPolicy(restart_on=(Exception,))
+        )
     """
 
-    max_restarts: int = 3
+    max_restarts: int = 10
     window_s: float = 60.0
+    restart_on: tuple[type[BaseException], ...] = CONNECTION_ERRORS
 
     def __post_init__(self) -> None:
         if (
@@ -113,6 +165,19 @@ class RestartPolicy:
             raise ConfigError(f"max_restarts must be an integer >= 0, got {self.max_restarts!r}")
         if not isinstance(self.window_s, numbers.Real) or not self.window_s > 0:
             raise ConfigError(f"window_s must be seconds > 0, got {self.window_s!r}")
+        if not isinstance(self.restart_on, tuple) or not all(
+            isinstance(t, type) and issubclass(t, BaseException) for t in self.restart_on
+        ):
+            raise ConfigError(
+                f"restart_on must be a tuple of exception classes, got {self.restart_on!r}"
+            )
+
+    def restarts(self, exception: BaseException | None) -> bool:
+        """Whether an env's ``exception`` (``None``: not known here) is restarted."""
+        return exception is not None and isinstance(exception, self.restart_on)
+
+
+DEFAULT_RESTART_POLICY = RestartPolicy()  # make()'s default (``restart_policy=None`` opts out)
 
 
 def restart_seed(seed: int | None, restarts: int) -> int | None:
@@ -185,7 +250,11 @@ class Ledger:
         return self.policy is not None and command in RESTARTABLE
 
     def refusal(
-        self, commands: Command | Iterable[Command], only_envs_failed: bool, count: int
+        self,
+        commands: Command | Iterable[Command],
+        only_envs_failed: bool,
+        count: int,
+        exceptions: Iterable[BaseException | None] = (),
     ) -> str | None:
         """Grant ``count`` restarts after ``commands`` failed (``None``; the budget is spent),
         or refuse them, returning the note for the fail-fast error: empty when nothing is
@@ -194,11 +263,15 @@ class Ledger:
         ``commands``: the command, or each failed worker's (a first-ready pool's workers may
         run different ones). ``only_envs_failed``: every failure is an env's own, the rest of
         its group completed (else the group's state is unknown and it cannot be rebuilt in
-        place).
+        place). ``exceptions``: what each env that raised raised (``None`` where it did not
+        travel); every one must be of the policy's ``restart_on``.
         """
         if isinstance(commands, Command):
             commands = (commands,)
         if not (only_envs_failed and all(self.restarts_on(c) for c in commands)):
+            return ""
+        policy = cast(RestartPolicy, self.policy)
+        if not all(policy.restarts(exc) for exc in exceptions):
             return ""
         if not self.allow(count):
             return cast(RestartBudget, self.budget).describe()
@@ -275,6 +348,50 @@ def log_env_restart(env_index: int, method: str, type_name: str, message: str) -
     )
 
 
+_REPLAYS_SAVED = itertools.count()
+
+
+def save_replay(error: EnvfleetError) -> str:
+    """Save ``error``'s replay (``error.replay``) to a new file under the temporary folder's
+    ``envfleet-replays``: what a restart's warning names; ``""`` where there is none or it
+    could not be written (:func:`warn_restarted` says why)."""
+    replay = getattr(error, "replay", None)
+    if replay is None:
+        return ""
+    folder = os.path.join(tempfile.gettempdir(), "envfleet-replays")
+    path = os.path.join(folder, f"{os.getpid()}-{next(_REPLAYS_SAVED)}.replay")
+    try:
+        os.makedirs(folder, exist_ok=True)
+        replay.save(path)
+    except Exception:
+        logger.warning("could not save the replay of a restart to %s", path, exc_info=True)
+        return ""
+    return path
+
+
+def warn_restarted(error: EnvfleetError, lost: list[int], block: list[int]) -> None:
+    """Warn :class:`~envfleet.EnvRestartedWarning` that the restart policy survived ``error``:
+    ``lost``, the envs that start a new episode, of ``block``, the envs of the worker (or
+    the env) that failed; with the file its replay was saved to (:func:`save_replay`)."""
+    path = save_replay(error)
+    kept = [e for e in block if e not in lost]
+    if len(lost) == 1:
+        ends = f"sub-environment {lost[0]} starts a new episode"
+        if kept:
+            ends += f" (its worker was inside it); {kept} continue exactly"
+    else:
+        ends = f"sub-environments {lost} start a new episode"
+    replay = (
+        f"its replay: {path} (envfleet replay {path})"
+        if path
+        else "no replay was saved (replay_steps=0, or its record died with its worker)"
+    )
+    warn_at(
+        EnvRestartedWarning(f"envfleet restarted after: {error}. {ends}; {replay}"),
+        sys._getframe(1),
+    )
+
+
 def merge_events(*lists: list[InfoEvent] | None) -> list[InfoEvent] | None:
     """Info events of one group from several lists, in env order (``None`` when none)."""
     events = [event for events in lists for event in events or ()]
@@ -316,6 +433,25 @@ def failed_envs(failure: Any) -> list[tuple[int, str, str, str]]:
         return [(e.env_index, e.method, e.type_name, e.message) for e in failure.errors]
     per_env = failure.failures if isinstance(failure, PartialFailure) else [failure]
     return [(f.env_index, f.method, type(f.__cause__).__name__, str(f.__cause__)) for f in per_env]
+
+
+def env_exceptions(failure: Any) -> list[BaseException | None]:
+    """What each env that failed in ``failure`` (see :func:`failed_envs`) raised: its exception,
+    unpickled from a worker's reply, or ``None`` where it did not pickle."""
+    if isinstance(failure, Failure):
+        return [_unpickled(e.exception) for e in failure.errors]
+    per_env = failure.failures if isinstance(failure, PartialFailure) else [failure]
+    return [f.__cause__ for f in per_env]
+
+
+def _unpickled(blob: bytes | None) -> BaseException | None:
+    if blob is None:
+        return None
+    try:
+        exc = pickle.loads(blob)
+    except Exception:
+        return None
+    return exc if isinstance(exc, BaseException) else None
 
 
 def _only_envs_failed(failure: Any) -> bool:
@@ -376,10 +512,21 @@ class Supervised(Protocol):
 
     def replace_workers(
         self, workers: list[int], done: Round, timeout: float | None, step: int
-    ) -> None:
+    ) -> dict[int, StepTimeoutError]:
         """Kill ``workers`` (dead or hung) and start new ones with their envs, ready to serve;
         leave every other worker's pending command as it is. Shut down and raise when one
-        cannot start."""
+        cannot start. Returns the error each hung one would have raised (with its stacks,
+        taken before it was killed)."""
+        ...
+
+    def lost_envs(self, w: int, command: Command) -> tuple[list[int], TaskRequest | None]:
+        """Before worker ``w`` (dead or hung in ``command``) is replaced: the envs that lose
+        their episode and the catch-up of the others (``None``: all lose it)."""
+        ...
+
+    def catch_up(self, w: int, request: TaskRequest, step: int) -> list[InfoEvent] | None:
+        """Run a :meth:`lost_envs` catch-up on ``w``'s new worker: its info events."""
+        ...
 
     def restart_envs(
         self, requests: dict[int, RestartRequest], timeout: float | None, step: int
@@ -525,6 +672,7 @@ class Supervisor:
             after.values(),
             all(_only_envs_failed(f) for f in done.failures.values()),
             len(respawn) + sum(map(len, failed.values())),
+            [exc for f in done.failures.values() for exc in env_exceptions(f)],
         )
         if note is not None:
             if done.crashed:
@@ -539,15 +687,27 @@ class Supervisor:
             raise backend.env_error(w, done.failures[w], note)
         ledger.crashes += len(done.crashed)
         for w, f in sorted(done.failures.items()):
+            error = backend.env_error(w, f, "")
             for env_index, method, type_name, message in failed_envs(f):
                 log_env_restart(env_index, method, type_name, message)
-            ledger.survived(backend.env_error(w, f, ""))
-        for w, reason in sorted(done.crashed.items()):  # before they are replaced
-            ledger.survived(backend.crash_error(w, step, "", reason, False, RESTARTED))
+            ledger.survived(error)
+            warn_restarted(error, failed[w], list(range(*backend.ranges[w])))
+        crashes = {  # before they are replaced
+            w: backend.crash_error(w, step, "", reason, False, RESTARTED)
+            for w, reason in sorted(done.crashed.items())
+        }
+        caught: dict[int, list[InfoEvent] | None] = {}
         if respawn:
-            backend.replace_workers(respawn, done, timeout, step)
+            lost = {w: backend.lost_envs(w, after[w]) for w in respawn}  # before they go
+            hung = backend.replace_workers(respawn, done, timeout, step)
             for w in respawn:
-                failed[w] = list(range(*backend.ranges[w]))
+                envs, catch_up = lost[w]
+                died: EnvfleetError = crashes[w] if w in crashes else hung[w]
+                ledger.survived(died)
+                if catch_up is not None:
+                    caught[w] = backend.catch_up(w, catch_up, step)
+                failed[w] = envs
+                warn_restarted(died, envs, list(range(*backend.ranges[w])))
         requests = {
             w: ledger.restart_request(backend.ranges[w][0], envs, after[w], w not in respawn)
             for w, envs in failed.items()
@@ -563,7 +723,9 @@ class Supervisor:
             else:
                 for e in envs:
                     ledger.restarted([e])
-            results[w] = merge_events(_events(done.failures.get(w)), restarted.results.get(w))
+            results[w] = merge_events(
+                _events(done.failures.get(w)), caught.get(w), restarted.results.get(w)
+            )
         return dict(sorted(results.items()))
 
     def ready(self, done: Round, timeout: float | None, step: int) -> dict[int, Any]:

@@ -31,9 +31,10 @@ from typing import Any
 
 from envfleet._core import native
 
-__all__ = ["NOTE_CLEAR", "driver_crash_note", "note_base"]
+__all__ = ["NOTE_CLEAR", "NOTE_SEVERAL", "driver_crash_note", "note_base"]
 
 NOTE_CLEAR = -1  # the note's value while the learner's process steps no env
+NOTE_SEVERAL = -2  # a worker's note while it steps several envs at once (envs that wait)
 
 
 def note_base(driver_envs: int, start: int) -> int:

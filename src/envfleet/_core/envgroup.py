@@ -19,11 +19,11 @@ import gymnasium
 import numpy as np
 from gymnasium.spaces.utils import is_space_dtype_shape_equiv
 from gymnasium.vector import AutoresetMode
-from gymnasium.vector.utils import batch_space, iterate
+from gymnasium.vector.utils import batch_space, concatenate, create_empty_array, iterate
 
 from envfleet._core import native as _speedups
 from envfleet._core.buffers import Batch, fill_side, is_leaf, side_leaves, side_values
-from envfleet._core.crash_note import NOTE_CLEAR
+from envfleet._core.crash_note import NOTE_CLEAR, NOTE_SEVERAL
 from envfleet._core.errors import ConfigError
 from envfleet._core.protocol import (
     CallRequest,
@@ -275,10 +275,18 @@ class EnvGroup:
 
     def note_crashes(self, note: memoryview | None, base: int) -> None:
         """Write ``base + j`` into ``note[0]`` before stepping or resetting env ``j``, and
-        :data:`~envfleet._core.crash_note.NOTE_CLEAR` once done (one store per env step):
-        the learner's own block (processes' ``driver_envs``), whose fatal signal then names
-        its env on stderr (:func:`envfleet._core.crash_note.driver_crash_note`)."""
+        :data:`~envfleet._core.crash_note.NOTE_CLEAR` once done (one store per env step);
+        :data:`~envfleet._core.crash_note.NOTE_SEVERAL` while several envs step at once
+        (:meth:`adapt_stepping`). The learner's own block (processes' ``driver_envs``), whose
+        fatal signal then names its env on stderr
+        (:func:`envfleet._core.crash_note.driver_crash_note`), and every processes worker,
+        whose note the driver reads when the worker died or hung (the env that loses its
+        episode)."""
         self._crash_note, self._crash_base = note, base
+        if note is not None:
+            note[0] = NOTE_CLEAR
+        if self._stepping is not None:
+            self._stepping.note = note
 
     def adapt_stepping(self, words: np.ndarray | None = None, mode: str | None = None) -> None:
         """Let the group choose, from its envs' own steps, between stepping them one after
@@ -303,6 +311,7 @@ class EnvGroup:
         self._stepping = AdaptiveStepping(
             self.size, words, stepping_mode() if mode is None else mode
         )
+        self._stepping.note = self._crash_note
         self._quiet = 0
 
     def check_spaces(self) -> tuple[int, str] | None:
@@ -401,6 +410,31 @@ class EnvGroup:
             self._side_values(events)
         return events
 
+    def step_only(self, actions: list[Any], indices: list[int]) -> list[InfoEvent]:
+        """Step the envs ``indices`` (local, in order) with ``actions`` (one per env of the
+        group, as the record keeps them), recording the step, as :meth:`step` steps every env:
+        a worker's catch-up after its predecessor died inside that step
+        (:func:`envfleet._core.replay.catch_up_envs`). The other envs' slots are left as they
+        are; with every env stepped, the observations are written too (else the restart of
+        the others writes them: ``Command.RESTART``).
+
+        Raises:
+            PartialFailure: an env raised (the supervisor gives up then).
+        """
+        log = self.action_log
+        if log is not None:
+            space = self.single_action_space
+            log.record(concatenate(space, actions, cast(Any, create_empty_array(space, self.size))))
+        resets = self._next_step and True in self._autoreset
+        events: list[InfoEvent] = []
+        failures = self._step_envs(((j, actions[j]) for j in indices), resets, events, log)
+        if failures is not None:
+            raise PartialFailure(failures, events)
+        self._write_results()
+        if len(indices) == self.size:
+            self._write_observations("step", events)
+        return events
+
     def _step_envs(
         self,
         pairs: Iterable[tuple[int, Any]],
@@ -429,9 +463,11 @@ class EnvGroup:
         same_step = self._same_step
         failures: list[EnvFailure] | None = None
         note, base = self._crash_note, self._crash_base
+        if note is not None and note[0] == NOTE_SEVERAL:
+            note = None  # several envs in flight at once (stepping.py): the note says so
         for j, action in pairs:
             env = envs[j]
-            if note is not None:  # the learner's own block: its crash note names this env
+            if note is not None:  # the crash note names the env this worker is inside
                 note[0] = base + j
             try:
                 if resets and autoreset[j]:

@@ -21,6 +21,7 @@ __all__ = [
     "ConfigError",
     "EnvCrashedError",
     "EnvError",
+    "EnvRestartedWarning",
     "EnvfleetError",
     "HangWarning",
     "InvalidActionError",
@@ -436,4 +437,22 @@ class HangWarning(UserWarning):
 
         warnings.simplefilter("ignore", envfleet.HangWarning)  # no report at all
         envs = envfleet.make("CartPole-v1", 8, hang_report_delay=None)  # or none for this one
+    """
+
+
+class EnvRestartedWarning(UserWarning):
+    """A sub-environment was rebuilt by the restart policy (``make(restart_policy=...)``,
+    on by default) instead of failing the call.
+
+    Warned (:mod:`warnings`) once per restart, at the call that found the failure. Its message
+    names the env whose episode ended (its global index; the whole block where the worker ran
+    several envs at once), the cause (a signal, an exit code, a step past ``step_timeout``, a
+    lost connection), the faulting frame where one was written, and the file its replay was
+    saved to (``envfleet replay PATH`` reproduces the failure in one process). The failure
+    itself is kept in ``envs.stats.failures`` as the error it would have raised.
+
+    Example::
+
+        warnings.simplefilter("error", envfleet.EnvRestartedWarning)  # a restart raises
+        envs = envfleet.make("CartPole-v1", 8, restart_policy=None)  # or: fail fast
     """

@@ -50,6 +50,7 @@ __all__ = [
     "env_in_frames",
     "hang_message",
     "runs_envs_here",
+    "warn_at",
     "warn_hang",
     "watch_inline",
 ]
@@ -133,6 +134,13 @@ def warn_hang(message: str, frame: types.FrameType | None) -> None:
     """Warn :class:`HangWarning` ``message``, located at the caller's line that waits: the
     first frame outside envfleet above envfleet's own in ``frame``'s stack (``frame``: its
     innermost); every report is shown (no once-per-location registry), unless filtered."""
+    warn_at(HangWarning(message), frame)
+
+
+def warn_at(warning: Warning, frame: types.FrameType | None) -> None:
+    """Warn ``warning`` located at the user's line: the first frame outside envfleet above
+    envfleet's own in ``frame``'s stack (``frame``: its innermost); shown every time (no
+    once-per-location registry), unless filtered."""
     filename, lineno = "<envfleet>", 0
     inside = False
     while frame is not None:
@@ -144,7 +152,7 @@ def warn_hang(message: str, frame: types.FrameType | None) -> None:
             if inside:
                 break
         frame = frame.f_back
-    warnings.warn_explicit(HangWarning(message), HangWarning, filename, lineno)
+    warnings.warn_explicit(warning, type(warning), filename, lineno)
 
 
 def add_note(exc: BaseException, note: str) -> None:

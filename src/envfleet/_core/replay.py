@@ -74,6 +74,8 @@ __all__ = [
     "StartReader",
     "unpack_start",
     "restore_envs",
+    "catch_up_envs",
+    "log_before_step",
     "group_recordings",
     "run_replay",
     "watch_replay",
@@ -456,7 +458,11 @@ class ActionLog:
         self._listed = bool(side_leaves(action_space))
         self._list: list[Any] = []
         parts = _lay_out(Carver(memory), self._batched_space, size, capacity, self._listed)
-        self.header, self.starts, self.start_bytes, self.slots, self.ring = parts
+        self.header, self.starts, self.start_bytes, self.slots, self.ring = parts[:5]
+        # Each env's episode before its last (its start index, start bytes and slot): what a
+        # worker that died in the very step an env began a new episode brings that env back
+        # from (before_step).
+        self.prev_starts, self.prev_start_bytes, self.prev_slots = parts[5:]
         # The same words as memoryviews: a step's and an episode start's writes go through
         # these (an item write of a memoryview costs a fraction of a numpy one's).
         self._header = self.header.data
@@ -481,6 +487,7 @@ class ActionLog:
         """Start a new log over the memory (the writer's side, once)."""
         self.header[:] = (0, self.capacity, self.size, SLOT_BYTES, 0)
         self.start_bytes[:] = -1
+        self.prev_start_bytes[:] = -1
 
     @staticmethod
     def head_nbytes(size: int) -> int:
@@ -579,6 +586,10 @@ class ActionLog:
             except Exception:
                 blob = b""
         self._header[_EPISODES] += 1
+        kept = int(self.start_bytes[j])  # the episode before this one, kept (before_step)
+        self.prev_starts[j], self.prev_start_bytes[j] = self._starts[j], kept
+        if kept > 0:
+            self.prev_slots[j, :kept] = self.slots[j, :kept]
         self._starts[j] = self._header[_N]
         size = len(blob)
         if 0 < size <= SLOT_BYTES:
@@ -590,8 +601,33 @@ class ActionLog:
 
     def recording(self, j: int, env_index: int) -> EnvRecording:
         """What env ``j`` (local; ``env_index`` in the vector env) did in its episode so far."""
-        n, first = int(self.header[_N]), int(self.starts[j])
-        length = int(self.start_bytes[j])
+        n, first, length = int(self.header[_N]), int(self.starts[j]), int(self.start_bytes[j])
+        return self._recording_of(j, env_index, first, n, length, self.slots)
+
+    def before_step(self, start: int) -> tuple[list[EnvRecording], list[Any]]:
+        """Every env's episode as it stood before the group's last step began (``start``: env
+        0's index in the vector env), and each env's action of that step: what a worker that
+        died or hung inside that step brings its envs back from, to take the step again. An
+        env that began a new episode during the step (an autoreset) is given the episode
+        before it."""
+        n = int(self.header[_N])
+        if n <= 0:
+            return [], []
+        recordings = []
+        for j in range(self.size):
+            first, length, slots = int(self.starts[j]), int(self.start_bytes[j]), self.slots
+            if first == n:  # began during the step: the episode before it
+                first, length = int(self.prev_starts[j]), int(self.prev_start_bytes[j])
+                slots = self.prev_slots
+            recordings.append(self._recording_of(j, start + j, first, n - 1, length, slots))
+        i = (n - 1) % self.capacity
+        return recordings, [self._row(i, j) for j in range(self.size)]
+
+    def _recording_of(
+        self, j: int, env_index: int, first: int, n: int, length: int, slots: np.ndarray
+    ) -> EnvRecording:
+        """Env ``j``'s episode from action ``first`` up to (not including) action ``n``, its
+        start ``length`` bytes of ``slots[j]`` (-1: none kept)."""
         count = n - first
         if length < 0 or count > self.capacity or count < 0:
             why = (
@@ -600,9 +636,9 @@ class ActionLog:
                 else f"its episode is longer than replay_steps={self.capacity}"
             )
             return EnvRecording(env_index, None, [], complete=False, why=why, steps=max(count, 0))
-        start = unpack_start(self.slots[j, :length].tobytes())
+        begun = unpack_start(slots[j, :length].tobytes())
         actions = [self._row(t % self.capacity, j) for t in range(first, n)]
-        return EnvRecording(env_index, start, actions, complete=True, why="", steps=count)
+        return EnvRecording(env_index, begun, actions, complete=True, why="", steps=count)
 
     def _row(self, i: int, j: int) -> Any:
         if self._listed:
@@ -618,15 +654,18 @@ def _lay_out_head(carve: Carver, size: int) -> tuple[np.ndarray, np.ndarray]:
 
 def _lay_out(
     carve: Carver, batched_space: gymnasium.Space[Any], size: int, capacity: int, listed: bool
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, Any]:
+) -> tuple[Any, ...]:
     """The views of a log, in the order :class:`ActionLog` lays them: header, starts, each
-    start's pickled bytes (-1: none, or too large to keep) and slot, and the ring (``None``
-    for an action space kept in a Python list)."""
+    start's pickled bytes (-1: none, or too large to keep) and slot, the ring (``None`` for an
+    action space kept in a Python list), then the same three of each env's episode before."""
     header, starts = _lay_out_head(carve, size)
     start_bytes = carve((size,), np.int64)
     slots = carve((size, SLOT_BYTES), np.uint8)
     ring = None if listed else create_empty_array(batched_space, capacity, fn=carve)
-    return header, starts, start_bytes, slots, ring
+    prev_starts = carve((size,), np.int64)
+    prev_start_bytes = carve((size,), np.int64)
+    prev_slots = carve((size, SLOT_BYTES), np.uint8)
+    return header, starts, start_bytes, slots, ring, prev_starts, prev_start_bytes, prev_slots
 
 
 def new_log(action_space: gymnasium.Space[Any], size: int, replay_steps: int) -> ActionLog | None:
@@ -687,6 +726,37 @@ def log_recordings(
     action log a worker wrote to its file (:func:`read_log`); none when it wrote none."""
     log = read_log(data, action_space, stop - start)
     return [] if log is None else log.recordings(start)
+
+
+def log_before_step(
+    data: bytes, action_space: gymnasium.Space[Any], start: int, stop: int
+) -> tuple[list[EnvRecording], list[Any]]:
+    """:meth:`ActionLog.before_step` of the action log a worker wrote to its file (envs
+    ``start`` to ``stop - 1``); nothing when it wrote none."""
+    log = read_log(data, action_space, stop - start)
+    return ([], []) if log is None else log.before_step(start)
+
+
+def catch_up_envs(
+    group: Any, argument: tuple[list[EnvRecording], list[Any], list[bool], list[int]]
+) -> Any:
+    """A task (``Command.TASK``) run in the group of a worker started in place of one that
+    died or hung inside a step: bring every env but the ``lost`` ones (local indices: the env
+    the old worker was inside, restarted after this) to where it was before that step, from
+    its record (``recordings``: :meth:`ActionLog.before_step`), with its autoreset flag
+    (``done``: whether its step before ended its episode), then take the step again with the
+    same ``actions`` (one per env), as the old worker would have. Returns the step's info
+    events (the group's :meth:`~envfleet._core.envgroup.EnvGroup.step_only`)."""
+    recordings, actions, done, lost = argument
+    for j, (env, r) in enumerate(zip(group.envs, recordings, strict=True)):
+        if j not in lost:
+            _begin(env, cast(tuple, r.start))
+            for action in r.actions:
+                env.step(action)
+    if group.action_log is not None:
+        group.action_log.restore(recordings)
+    group.resume_autoreset(done)
+    return group.step_only(actions, [j for j in range(group.size) if j not in lost])
 
 
 def read_head(data: bytes, size: int) -> tuple[int, int, np.ndarray] | None:

@@ -45,6 +45,7 @@ from typing import Any
 
 import numpy as np
 
+from envfleet._core.crash_note import NOTE_CLEAR, NOTE_SEVERAL
 from envfleet._core.errors import ConfigError
 from envfleet._core.stats import (
     CONCURRENT,
@@ -236,6 +237,8 @@ class AdaptiveStepping:
         self.blocks = 0.0  # smoothed times the stepping thread blocked per env step
         self.crew: Crew | None = None
         self._log_lock = threading.Lock()
+        # The group's crash note (EnvGroup.note_crashes), NOTE_SEVERAL while envs step at once.
+        self.note: memoryview | None = None
         self._probe = 0  # the env that steps alone at the next probe
         self._words: Any = None  # memoryview of float64 words
         if words is not None:
@@ -336,13 +339,20 @@ class AdaptiveStepping:
             self._learn(time.thread_time() - c0, time.perf_counter() - t0, _blocks() - b0, 1)
         shared = None if log is None else _LockedLog(log, self._log_lock)
         members = crew.size
+        note = self.note
+        if note is not None:  # several envs in flight: no one env to name if the worker dies
+            note[0] = NOTE_SEVERAL
 
         def member(t: int) -> None:
             for j in range(t, size, members):  # env j always on member j % members
                 if j != probe:
                     failed[j] = step_envs(((j, actions[j]),), resets, per_env[j], shared)
 
-        crew.run(member)
+        try:
+            crew.run(member)
+        finally:
+            if note is not None:
+                note[0] = NOTE_CLEAR
         words = self._words
         if words is not None:
             words[CONCURRENT_STEPS - KIND] += 1.0

@@ -34,7 +34,7 @@ from envfleet._backends.registry import (
     lookup,
 )
 from envfleet._backends.rounds import RoundDriver
-from envfleet._backends.supervisor import Ledger, RestartPolicy
+from envfleet._backends.supervisor import DEFAULT_RESTART_POLICY, Ledger, RestartPolicy
 from envfleet._core.buffers import batch_nbytes
 from envfleet._core.cores import pool_workers, usable_cores
 from envfleet._core.errors import ConfigError, EnvError, SpaceMismatchError
@@ -90,7 +90,7 @@ def make(  # type: ignore[misc]  # the overloads stand for its keyword arguments
     step_timeout: float | None = None,
     hang_report_delay: float | None = DEFAULT_HANG_REPORT_DELAY,
     start_timeout: float | None = DEFAULT_START_TIMEOUT,
-    restart_policy: RestartPolicy | None = None,
+    restart_policy: RestartPolicy | None = DEFAULT_RESTART_POLICY,
     context: str | None = None,
     copy: bool = True,
     driver_envs: int | None = None,
@@ -196,11 +196,18 @@ def make(  # type: ignore[misc]  # the overloads stand for its keyword arguments
             env 0 where it is built here first, to learn the spaces (see ``driver_envs``),
             the ``processes`` driver's own block and every ``serial`` env. A worker that dies
             while starting is reported at once.
-        restart_policy: ``None``: fail fast (a typed error names what failed). A
-            :class:`envfleet.RestartPolicy`: rebuild envs that raise in step or reset, and
-            workers that die or run past the timeout, within its budget; the rebuilt envs
-            return ``truncated=True`` and ``info["env_restarted"]``. With ``processes``, every
-            env must then run in a worker (``driver_envs=0``).
+        restart_policy: default ``RestartPolicy()``: a worker that dies (a signal,
+            ``os._exit``, SIGKILL, an OOM kill, a lost Ray actor) or runs past
+            ``step_timeout`` is rebuilt, and an env that loses its connection to a simulator
+            (``ConnectionError``, ``BrokenPipeError``, ``TimeoutError``) too, within a budget
+            of 10 restarts a minute; each restart warns :class:`envfleet.EnvRestartedWarning`,
+            only the env that was running loses its episode (``truncated=True``,
+            ``info["env_restarted"]``) and every other env continues exactly. Any other
+            exception an env raises raises, as in gymnasium. ``None``: fail fast (a typed
+            error names what failed). See :class:`envfleet.RestartPolicy`. An explicit policy
+            needs every env in a worker on ``processes`` (``driver_envs=0``); the default
+            restarts nothing where envs run in the driver (an opt-in ``driver_envs`` share,
+            ``envpool``).
         context: ``multiprocessing`` start method (``"fork"``, ``"spawn"``, ``"forkserver"``);
             default: the platform's.
         copy: ``True``: step/reset return observations, rewards and done flags that are the
@@ -311,6 +318,8 @@ def make(  # type: ignore[misc]  # the overloads stand for its keyword arguments
     if recycle is not None:
         _check_recycle(recycle, backend, batch_size, num_envs, replay_steps, driver_envs)
     spec = lookup(backend)
+    if restart_policy is DEFAULT_RESTART_POLICY and (spec.native is not None or driver_envs):
+        restart_policy = None  # envs the driver runs (a share, EnvPool's threads): none rebuilt
     options = spec.own_options(
         {"driver_envs": driver_envs, "spin_s": spin_s}
         | {"ray_address": ray_address, "ray_options": ray_options},

@@ -18,6 +18,7 @@ import gymnasium
 import numpy as np
 from gymnasium.vector import AutoresetMode
 
+from envfleet._backends.supervisor import DEFAULT_RESTART_POLICY
 from envfleet._core.buffers import is_leaf
 from envfleet._core.errors import (
     AlreadyPendingCallError,
@@ -79,9 +80,10 @@ class ProcessEnv:
             ``None``: no reports). It kills nothing (``step_timeout`` does). With
             ``blocking=False`` the warning comes from the future's thread. To silence
             them: ``warnings.simplefilter("ignore", envfleet.HangWarning)``.
-        restart_policy: an :class:`envfleet.RestartPolicy` to rebuild the env after a crash,
-            as the processes backend does (the step then returns ``truncated=True`` and
-            ``info["env_restarted"]``).
+        restart_policy: as :func:`envfleet.make`'s (default ``RestartPolicy()``): the env's
+            process is rebuilt after a crash or a lost connection, the step then returns
+            ``truncated=True`` and ``info["env_restarted"]`` and warns
+            :class:`envfleet.EnvRestartedWarning`; ``None``: fail fast.
         context: ``multiprocessing`` start method.
         start: start the process now (default); else call :meth:`start`.
 
@@ -97,7 +99,7 @@ class ProcessEnv:
         env_kwargs: dict[str, Any] | None = None,
         step_timeout: float | None = None,
         hang_report_delay: float | None = DEFAULT_HANG_REPORT_DELAY,
-        restart_policy: Any = None,
+        restart_policy: Any = DEFAULT_RESTART_POLICY,
         context: str | None = None,
         start: bool = True,
     ):

@@ -380,6 +380,12 @@ class ProcessesTransport:
     def log_head(self, g: int) -> tuple[int, int, Any] | None:
         return self.workers.log_head(g)
 
+    def running_env(self, g: int) -> int | None:
+        return self.workers.running_env(g)
+
+    def before_step(self, g: int) -> tuple[list[EnvRecording], list[Any]]:
+        return self.workers.before_step(g)
+
     def rss(self, g: int) -> int | None:
         return self.workers.rss(g)
 

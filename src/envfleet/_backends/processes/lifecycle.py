@@ -43,6 +43,7 @@ from envfleet._backends.processes.worker import (
     ACK,
     CMD,
     CMD_PAYLOAD,
+    ENV,
     GATHER,
     GROUP_BYTES,
     IN_MAILBOX,
@@ -77,6 +78,7 @@ from envfleet._backends.workers import (
     spawn,
 )
 from envfleet._core.buffers import Batch, Block, allocate_batch
+from envfleet._core.crash_note import NOTE_CLEAR
 from envfleet._core.errors import (
     EnvCrashedError,
     RemoteTraceback,
@@ -84,7 +86,13 @@ from envfleet._core.errors import (
 )
 from envfleet._core.failures import CLOSED
 from envfleet._core.protocol import Command
-from envfleet._core.replay import ActionLog, EnvRecording, log_recordings, read_head
+from envfleet._core.replay import (
+    ActionLog,
+    EnvRecording,
+    log_before_step,
+    log_recordings,
+    read_head,
+)
 from envfleet._core.stacks import at
 from envfleet._core.stats import STATS_WORDS, WorkerMemory
 
@@ -210,6 +218,7 @@ class WorkerProcesses:
         words[GATHER] = 0
         words[ACK] = words[REQ]
         words[SLEEP] = 0  # round protocol R8: one killed asleep held its bit there
+        words[ENV] = NOTE_CLEAR  # inside no env until its group says so
         # A spawn or forkserver child still importing the main module cannot start a worker
         # (spawn() reports multiprocessing's bootstrapping error to its own driver and exits):
         # no files for it, which nothing would remove if that driver killed it first.
@@ -337,6 +346,24 @@ class WorkerProcesses:
             return []
         start, stop = self.ranges[g]
         return log_recordings(self._log_files.read(g), layout.single_action_space, start, stop)
+
+    def running_env(self, g: int) -> int | None:
+        """The env (global index) worker ``g`` was inside when last seen: before it is
+        replaced, the one of its envs a death or a hang is put on; ``None`` when it ran no env
+        code (killed while idle); :data:`~envfleet._core.crash_note.NOTE_SEVERAL` while it
+        stepped several at once."""
+        env = int(self.words[g][ENV])
+        return None if env == NOTE_CLEAR else env
+
+    def before_step(self, g: int) -> tuple[list[EnvRecording], list[Any]]:
+        """Worker ``g``'s envs' episodes before its last step began and their actions of that
+        step (:meth:`~envfleet._core.replay.ActionLog.before_step`), from its log's file;
+        nothing without a log."""
+        layout = getattr(self, "layout", None)
+        if layout is None:
+            return [], []
+        start, stop = self.ranges[g]
+        return log_before_step(self._log_files.read(g), layout.single_action_space, start, stop)
 
     def stacks(self, workers: list[int], wait_s: float = STACKS_WAIT_S) -> dict[int, str]:
         """Each live worker of ``workers``'s stacks, asked for now

@@ -71,6 +71,7 @@ __all__ = [
     "ACK",
     "CMD",
     "CMD_PAYLOAD",
+    "ENV",
     "GATHER",
     "GROUP_BYTES",
     "GroupLayout",
@@ -113,6 +114,10 @@ WORDS = 16
 GROUP_BYTES = 8 * WORDS + 2 * SEM_SLOT
 CMD, CMD_PAYLOAD, STATUS, REPLY_PAYLOAD, REPLY_BYTES, REQ, GATHER, ACK = 0, 1, 2, 3, 4, 5, 6, 7
 SLEEP = 8
+# The env (global index) the worker is inside now: written before each call into env code
+# (EnvGroup.note_crashes; crash_note.NOTE_CLEAR between, NOTE_SEVERAL while several envs step
+# at once), read by the driver when the worker died or hung: the env that loses its episode.
+ENV = 9
 ON_PIPE, IN_MAILBOX = 1, 2  # where a reply's payload is (REPLY_PAYLOAD; 0: none)
 # Added to REPLY_PAYLOAD: the payload is ``(pickle, buffer sizes)`` whose out-of-band buffers
 # lie one after the other in the worker's reply region (IN_REGION), a new one whose file
@@ -550,6 +555,8 @@ def worker_main(spec: WorkerSpec, conn: Connection, parent_conn: Connection) -> 
                 ),
             )
             built = []  # the group's now
+            row = control_words(spec.control)[spec.group_index]
+            group.note_crashes(word_view(row)[ENV : ENV + 1], spec.start)
             # One after another, or all at once for envs that wait (_core/stepping.py); what
             # it finds goes into the last words of the worker's step-time row.
             group.adapt_stepping(stats_rows(spec.stats)[spec.group_index][KIND:])
