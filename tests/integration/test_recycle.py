@@ -20,6 +20,7 @@ from gymnasium.vector import AutoresetMode
 
 import envfleet
 from envfleet._backends import workers
+from envfleet._core.cores import usable_memory
 from tests.envs import LeakyEnv
 
 
@@ -245,3 +246,60 @@ def test_a_samplers_worker_inference_refuses_recycle() -> None:
             backend="processes",
             recycle=envfleet.Recycle(max_steps=10),
         )
+
+
+def test_the_default_recycles_a_worker_past_its_share_of_the_memory(
+    make_env: Any, monkeypatch: Any
+) -> None:
+    """Under make()'s defaults (``recycle="auto"``) a worker past its share of the usable
+    memory (0.8 of it over the workers) is replaced between episodes, its envs continuing
+    exactly: the leaking run gives what the same run with ``recycle=None`` gives. The machine's
+    memory is made small here (``usable_memory``), so that a test-sized leak passes the share."""
+    from envfleet._backends import recycle as recycle_module
+
+    monkeypatch.setattr(workers, "RSS_PERIOD_S", 0.02)
+    leaky = functools.partial(LeakyEnv, leak_kb=512, episode_steps=5, step_s=0.001)
+    probe = make_env(leaky, 2, backend="processes", num_workers=2, context="forkserver")
+    probe.reset(seed=0)
+    probe.step(np.zeros(2, np.int64))
+    base = max(m.rss_bytes or 0 for m in probe.stats.memory)
+    assert probe._backend._recycler is not None  # the default is on
+    probe.close()
+    # A share of 48 MiB above where a worker starts: passed within about 96 steps.
+    memory = (base + 48 * 2**20) * 2 / recycle_module.MEMORY_SHARE
+    monkeypatch.setattr(recycle_module, "usable_memory", lambda: memory)
+    zeros = _zeros_actions
+    got, stats = _run(make_env, leaky, "auto", 600, zeros, 2, context="forkserver")
+    want, _ = _run(make_env, leaky, None, 600, zeros, 2, context="forkserver")
+    assert stats.recycled >= 2
+    _assert_same_runs(got, want)
+
+
+def test_the_default_recycling_is_off_where_it_cannot_apply(make_env: Any) -> None:
+    """``recycle="auto"`` recycles nothing in a first-ready pool, with ``replay_steps=0``, with
+    the driver's own share, and on serial and threads; ``recycle=None`` turns it off."""
+    for options in (
+        {"batch_size": 2},
+        {"replay_steps": 0},
+        {"driver_envs": 1, "restart_policy": None},
+        {"backend": "serial"},
+        {"backend": "threads"},
+        {"recycle": None},
+    ):
+        envs = make_env("CartPole-v1", 4, **{"backend": "processes", **options})
+        assert envs._backend._recycler is None, options
+    envs = make_env("CartPole-v1", 4)
+    assert envs._backend._recycler.policy.max_rss_mb == pytest.approx(
+        0.8 * usable_memory() / envs.num_workers / 2**20
+    )
+
+
+def _zeros_actions(rng: Any, n: int) -> np.ndarray:
+    return np.zeros(n, np.int64)
+
+
+def _assert_same_runs(got: list[Any], want: list[Any]) -> None:
+    assert len(got) == len(want)
+    for k, (a, b) in enumerate(zip(got, want, strict=True)):
+        for x, y in zip(a, b, strict=True):
+            assert np.array_equal(x, y), f"step {k} differs"

@@ -15,14 +15,18 @@ import numbers
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from envfleet._core.cores import usable_memory
 from envfleet._core.errors import ConfigError
 from envfleet._core.replay import EnvRecording
 
 logger = logging.getLogger("envfleet")
 
-__all__ = ["CHECK_EVERY", "Recycle", "Recycler"]
+__all__ = ["CHECK_EVERY", "MEMORY_SHARE", "Recycle", "Recycler", "default_recycle"]
 
 CHECK_EVERY = 32  # step rounds between two looks at the workers' counters
+# make()'s default bound: a worker is recycled past this fraction of the usable memory,
+# divided among the workers (default_recycle).
+MEMORY_SHARE = 0.8
 
 
 @dataclass(frozen=True)
@@ -171,3 +175,23 @@ class Recycler:
         """Worker ``w`` was replaced; ``head``: its new log's counters (after the restore)."""
         steps, episodes = (head[0], head[1]) if head is not None else (0, 0)
         self.lives[w] = _Life(steps, episodes)
+
+
+def default_recycle(num_workers: int) -> Recycle:
+    """``make()``'s default recycling (``recycle="auto"``): a worker past its share of the
+    memory, :data:`MEMORY_SHARE` of :func:`~envfleet._core.cores.usable_memory` (the
+    machine's, or a container's ``memory.max``) divided among ``num_workers``, is replaced
+    between episodes.
+
+    Why a share and not a worker's growth: the OOM killer strikes when the whole tree runs out
+    of memory, whichever worker grew; a worker under its share leaves room for every other to
+    reach theirs, and one past it (a leak) is the first to push the machine to the point where
+    the kernel kills a process. An env that needs more than its share on purpose gets its
+    worker replaced at most once an episode, never mid-episode; ``recycle=None`` turns it off,
+    ``recycle=Recycle(max_rss_mb=...)`` sets the bound.
+
+    Example::
+
+        default_recycle(16).max_rss_mb  # 0.8 of 24 GiB over 16 workers: about 1,228 MiB
+    """
+    return Recycle(max_rss_mb=MEMORY_SHARE * usable_memory() / max(1, num_workers) / 2**20)

@@ -316,10 +316,13 @@ class RoundDriver(Backend):
     def step_round(self, timeout: float | None, step: int) -> dict[int, Any] | None:
         """The plain synchronous step (``round(STEP, every group's None, ...)``): ``None`` when
         every group stepped and no env had an info, else the round's results. Through the
-        transport's :attr:`Transport.full_round` where it has one (nothing pending, no
-        recycling due after the step), else through :meth:`round`."""
-        if self._full_round is not None and not self._pending and self._recycler is None:
-            return self._fast_round(timeout, step, True)
+        transport's :attr:`Transport.full_round` where it has one (nothing pending; recycling
+        looked at after it), else through :meth:`round`."""
+        if self._full_round is not None and not self._pending:
+            fast = self._fast_round(timeout, step, True)
+            if self._recycler is not None:
+                self._recycle_due(step)
+            return fast
         results = self.round(_STEP, self._every_group, timeout, step)
         return results if any(results.values()) else None
 

@@ -1,5 +1,6 @@
 """The cores this process may use: its CPU affinity and a cgroup v2 ``cpu.max`` quota, the
-smaller of the two (:func:`usable_cores`).
+smaller of the two (:func:`usable_cores`); and the memory it may use: the machine's and a
+cgroup v2 ``memory.max`` limit, the smaller (:func:`usable_memory`).
 
 Worker counts and spin budgets read :func:`usable_cores`, never the host's ``os.cpu_count()``:
 in a container limited to two CPUs on a 64-core host, or a job pinned to a few cores with
@@ -25,9 +26,11 @@ __all__ = [
     "PROC_CGROUP",
     "affinity_cores",
     "cpu_max_cores",
+    "memory_max_bytes",
     "pool_workers",
     "quota_cores",
     "usable_cores",
+    "usable_memory",
 ]
 
 CGROUP_ROOT = "/sys/fs/cgroup"  # where the cgroup v2 hierarchy is mounted
@@ -93,6 +96,50 @@ def _cgroup_v2_path(proc_cgroup: str) -> str | None:
     return None
 
 
+def _cgroup_values(name: str, root: str, proc_cgroup: str) -> list[str]:
+    """The contents of this process's cgroup v2 file ``name`` and of each parent's up to
+    ``root`` (innermost first); none where there is no cgroup v2 line or no file to read."""
+    path = _cgroup_v2_path(proc_cgroup)
+    if path is None:
+        return []
+    parts = [part for part in path.split("/") if part not in ("", ".", "..")]
+    texts = []
+    for depth in range(len(parts), -1, -1):
+        try:
+            texts.append(Path(root, *parts[:depth], name).read_text())
+        except OSError:
+            continue
+    return texts
+
+
+def memory_max_bytes(text: str) -> int | None:
+    """The bytes a cgroup v2 ``memory.max`` file's contents allow; ``None`` for no limit
+    (``"max"``) or contents that are not a number.
+
+    Example:
+        >>> memory_max_bytes("1073741824\n"), memory_max_bytes("max")
+        (1073741824, None)
+    """
+    try:
+        value = int(text.strip())
+    except ValueError:
+        return None
+    return value if value > 0 else None
+
+
+def usable_memory(root: str = CGROUP_ROOT, proc_cgroup: str = PROC_CGROUP) -> int:
+    """The memory this process's tree may use, in bytes: the smaller of the machine's
+    (``psutil.virtual_memory().total``) and its cgroup v2 ``memory.max`` limits (its cgroup's
+    and every parent's: a container's memory limit), which is where the OOM killer strikes.
+
+    Example:
+        >>> usable_memory() <= psutil.virtual_memory().total
+        True
+    """
+    limits = [memory_max_bytes(t) for t in _cgroup_values("memory.max", root, proc_cgroup)]
+    return min([int(psutil.virtual_memory().total), *(v for v in limits if v is not None)])
+
+
 def quota_cores(root: str = CGROUP_ROOT, proc_cgroup: str = PROC_CGROUP) -> int | None:
     """The cores this process's cgroup v2 CPU quota grants: the smallest :func:`cpu_max_cores`
     of its cgroup's ``cpu.max`` and every parent's up to ``root`` (a parent's quota bounds
@@ -106,19 +153,7 @@ def quota_cores(root: str = CGROUP_ROOT, proc_cgroup: str = PROC_CGROUP) -> int 
         >>> quota_cores(root="/nonexistent") is None
         True
     """
-    path = _cgroup_v2_path(proc_cgroup)
-    if path is None:
-        return None
-    parts = [part for part in path.split("/") if part not in ("", ".", "..")]
-    found: list[int] = []
-    for depth in range(len(parts), -1, -1):
-        try:
-            text = Path(root, *parts[:depth], "cpu.max").read_text()
-        except OSError:
-            continue
-        cores = cpu_max_cores(text)
-        if cores is not None:
-            found.append(cores)
+    found = [c for t in _cgroup_values("cpu.max", root, proc_cgroup) if (c := cpu_max_cores(t))]
     return min(found) if found else None
 
 

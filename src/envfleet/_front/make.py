@@ -23,7 +23,7 @@ from envfleet._backends.base import (
     accepts_env_index,
     bind_env_index,
 )
-from envfleet._backends.recycle import Recycle
+from envfleet._backends.recycle import Recycle, default_recycle
 from envfleet._backends.registry import (
     BACKENDS,
     BackendSpec,
@@ -102,7 +102,7 @@ def make(  # type: ignore[misc]  # the overloads stand for its keyword arguments
     pin_memory: bool = False,
     observation_mode: str | tuple[gymnasium.Space[Any], gymnasium.Space[Any]] = "same",
     replay_steps: int = REPLAY_STEPS,
-    recycle: Recycle | None = None,
+    recycle: Recycle | str | None = "auto",
     resume: Snapshot | None = None,
 ) -> FleetVectorEnv | TorchVectorEnv:
     """Create a vector env of ``num_envs`` sub-environments on ``backend``.
@@ -276,12 +276,16 @@ def make(  # type: ignore[misc]  # the overloads stand for its keyword arguments
             CartPole actions: 64 KB), plus 16 KiB per env; an episode longer than
             ``replay_steps`` is not replayable. ``0``: no record, ``err.replay`` is ``None``.
             Not for ``envpool``.
-        recycle: ``processes`` or ``ray`` (on every node), synchronous:
-            an :class:`envfleet.Recycle` replaces each
-            worker past its limits (episodes, steps, resident memory) between episodes, its
-            envs continuing exactly where they were; every env must run in a worker
-            (``driver_envs=0``, the default). Needs ``replay_steps > 0`` (the record the new
-            worker's envs are brought up to date from).
+        recycle: ``"auto"`` (the default): on ``processes``, synchronous, every env in a
+            worker, a worker past its share of the memory (0.8 of the machine's, or a
+            container's limit, over the workers) is replaced between episodes, before the
+            OOM killer comes (:func:`~envfleet._backends.recycle.default_recycle` says why);
+            nothing elsewhere. An :class:`envfleet.Recycle` (``processes`` or ``ray``, on
+            every node, synchronous) replaces each worker past its limits (episodes, steps,
+            resident memory) between episodes, its envs continuing exactly where they were;
+            every env must run in a worker (``driver_envs=0``, the default). Needs
+            ``replay_steps > 0`` (the record the new worker's envs are brought up to date
+            from). ``None``: never.
         resume: an :class:`envfleet.Snapshot` (``envs.snapshot()``, from any backend and
             worker count, of the same ``num_envs`` and ``autoreset_mode``): the new vector
             env's envs are brought to where the snapshot's were, and its next ``step``
@@ -315,7 +319,10 @@ def make(  # type: ignore[misc]  # the overloads stand for its keyword arguments
     if not _is_int(replay_steps, 0, 2**31):
         raise ConfigError(f"replay_steps must be an integer >= 0, got {replay_steps!r}")
     hang_report_delay = check_hang_report_delay(hang_report_delay)
-    if recycle is not None:
+    auto_recycle = isinstance(recycle, str) and recycle == "auto"
+    if auto_recycle:
+        recycle = None  # the default bound, once the plan gives the workers (below)
+    elif recycle is not None:
         _check_recycle(recycle, backend, batch_size, num_envs, replay_steps, driver_envs)
     spec = lookup(backend)
     if restart_policy is DEFAULT_RESTART_POLICY and (spec.native is not None or driver_envs):
@@ -342,6 +349,8 @@ def make(  # type: ignore[misc]  # the overloads stand for its keyword arguments
     plan = spec.plan(
         PlanRequest(num_envs, num_workers, pool, step_timeout, restart_policy, options)
     )
+    if auto_recycle and spec.name == "processes" and not pool and replay_steps and not driver_envs:
+        recycle = default_recycle(len(plan.ranges))
     accepts = [accepts_env_index(fn) for fn in env_fns]
     # A factory that returns a PettingZoo ParallelEnv gets it adapted, in whichever process
     # builds it (envfleet._front.multi_agent); any other env passes through unchanged.
@@ -380,7 +389,7 @@ def make(  # type: ignore[misc]  # the overloads stand for its keyword arguments
     if report_hangs is not None:
         report_hangs(hang_report_delay)
     if recycle is not None:
-        cast(RoundDriver, built).recycle_with(recycle)
+        cast(RoundDriver, built).recycle_with(cast(Recycle, recycle))
     probe = build.probe
     assert probe is not None, f"backend {spec.name!r} built its envs without learning env 0's"
     venv = FleetVectorEnv(
