@@ -17,6 +17,7 @@ import faulthandler
 import functools
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -1037,7 +1038,8 @@ class BuggyEnv(gym.Env):
     a draw below ``p`` does ``how`` (as :class:`FaultEnv`: ``"raise"``, ``"null-write"``,
     ``"sleep:S"``, ``"sigkill"``, ...) in env ``bug_index`` only. Episodes end when another
     draw falls below ``end_p`` (autoresets then continue the same random stream), so which
-    step fails depends only on the seed and the actions, as a real env's bug would."""
+    step fails depends only on the seed and the actions, as a real env's bug would.
+    ``checkpoint=False``: it holds a lock, so that its state cannot be checkpointed."""
 
     def __init__(
         self,
@@ -1046,9 +1048,12 @@ class BuggyEnv(gym.Env):
         bug_index: int = 1,
         p: float = 0.02,
         end_p: float = 0.1,
+        checkpoint: bool = True,
     ):
         self.env_index, self.how, self.bug = env_index, how, env_index == bug_index
         self.p, self.end_p = p, end_p
+        if not checkpoint:  # a state that does not pickle: no checkpoint (replay.env_state)
+            self.lock = threading.Lock()
         self.observation_space = spaces.Box(0.0, 1.0, (2,), np.float64)
         self.action_space = spaces.Discrete(2)
         self.episode_steps = 0

@@ -125,7 +125,8 @@ def test_a_snapshot_file_resumes_in_a_fresh_process(make_env: Any, tmp_path: Any
 
 
 def test_what_cannot_be_snapshotted_or_resumed_says_why(make_env: Any, tmp_path: Any) -> None:
-    long = make_env("CartPole-v1", 2, backend="serial", replay_steps=3)
+    # Box2D's world does not pickle: LunarLander cannot be checkpointed past replay_steps
+    long = make_env("LunarLander-v3", 2, backend="serial", replay_steps=3)
     long.reset(seed=0)
     for _ in range(5):
         long.step(np.zeros(2, np.int64))
@@ -462,3 +463,55 @@ def test_a_sampler_snapshot_where_it_is_not_built_says_so() -> None:
             "CartPole-v1", _Noisy(), 4, inference="worker", backend="processes",
             num_workers=3, resume=taken,
         )  # fmt: skip
+
+
+def _snapshot_past_replay_steps(
+    make_env: Any, env_id: str, num_envs: int, replay_steps: int, at: int, more: int
+) -> Any:
+    """``at`` steps (far past ``replay_steps`` into an episode), a snapshot, ``more`` steps;
+    the same ``more`` steps from ``make(..., resume=snapshot)`` give the same results, bit
+    for bit. Returns the snapshot."""
+    envs = make_env(env_id, num_envs, replay_steps=replay_steps)
+    space = envs.single_action_space
+    space.seed(0)
+    actions = [np.stack([space.sample() for _ in range(num_envs)]) for _ in range(at + more)]
+    envs.reset(seed=0)
+    for t in range(at):
+        envs.step(actions[t])
+    state = envs.snapshot()
+    want = [envs.step(actions[t])[:4] for t in range(at, at + more)]
+    envs.close()
+    again = make_env(env_id, num_envs, replay_steps=replay_steps, resume=state)
+    got = [again.step(actions[t])[:4] for t in range(at, at + more)]
+    for k, (a, b) in enumerate(zip(got, want, strict=True)):
+        for x, y in zip(a, b, strict=True):
+            assert np.array_equal(x, y), f"step {at + k} differs after the resume"
+    # No record holds more than replay_steps actions: each began at a checkpoint.
+    assert all(r.complete and r.steps <= replay_steps for r in state.recordings)
+    return state
+
+
+def test_a_snapshot_at_any_step_of_cartpole(make_env: Any) -> None:
+    """CartPole x4 under the defaults, replay_steps=40, snapshot at step 300: episodes run
+    past 40 steps, their envs are checkpointed (their state pickles, TimeLimit's counter and
+    np_random included) and the resumed run is bit-exact."""
+    state = _snapshot_past_replay_steps(make_env, "CartPole-v1", 4, 40, 300, 60)
+    assert any(r.start[0] == "state" for r in state.recordings)
+
+
+@pytest.mark.atari
+def test_a_snapshot_mid_episode_of_pong(make_env: Any) -> None:
+    """ALE/Pong-v5 x2 (episodes of thousands of steps), replay_steps=50, snapshot at step
+    180: ALE's state with its generator (cloneState) is the checkpoint."""
+    pytest.importorskip("ale_py")
+    state = _snapshot_past_replay_steps(make_env, "ALE/Pong-v5", 2, 50, 180, 60)
+    assert all(r.start[0] == "state" for r in state.recordings)
+
+
+def test_a_snapshot_mid_episode_of_halfcheetah(make_env: Any) -> None:
+    """HalfCheetah-v5 x2 (1,000-step episodes), replay_steps=100, snapshot at step 250:
+    MuJoCo's integration state (mj_getState: time, qpos, qvel, warm start) is the
+    checkpoint."""
+    pytest.importorskip("mujoco")
+    state = _snapshot_past_replay_steps(make_env, "HalfCheetah-v5", 2, 100, 250, 60)
+    assert all(r.start[0] == "state" for r in state.recordings)

@@ -34,7 +34,7 @@ from envfleet._core.protocol import (
     SetAttrRequest,
     SideValues,
 )
-from envfleet._core.replay import ActionLog, StartReader
+from envfleet._core.replay import SLOT_BYTES, ActionLog, StartReader, env_state
 from envfleet._core.rows import RowWriter
 from envfleet._core.stepping import AdaptiveStepping, stepping_mode
 
@@ -72,6 +72,9 @@ class PartialFailure(EnvFailure):
         self.__cause__ = first.__cause__
         self.failures = failures
         self.events = events
+
+
+_NEVER = 1 << 62  # a group step no run reaches
 
 
 def info_as_now(info: dict[str, Any]) -> dict[str, Any]:
@@ -171,8 +174,13 @@ class EnvGroup:
     ):
         self.start = start
         self.action_log = action_log
+        # The group step at which an env's record may need a checkpoint (_checkpoint), and
+        # the envs that cannot be checkpointed.
+        self._checkpoint_at = _NEVER
+        self._checkpoint_off: set[int] = set()
         if action_log is not None:
             action_log.open()
+            self._checkpoint_at = max(1, action_log.capacity // 2)
         # Per env: how its episode starts are read (replay.StartReader), made at its first
         # episode start and kept while it is the same env object.
         self._start_readers: dict[int, StartReader] = {}
@@ -408,7 +416,33 @@ class EnvGroup:
             raise self._misfit(writer, "step") from exc
         if self._side:
             self._side_values(events)
+        if log is not None and log.words[0] >= self._checkpoint_at:
+            self._checkpoint(log)
         return events
+
+    def _checkpoint(self, log: ActionLog) -> None:
+        """Checkpoint each env whose record holds half its capacity since its start
+        (:func:`~envfleet._core.replay.env_state`, :meth:`ActionLog.rebase`), so that no
+        record ever needs more than ``replay_steps`` actions: a snapshot, a recycled worker
+        and a restart's catch-up work at any step of any episode. An env whose state cannot
+        be taken (or does not fit its slot) is not asked again; its record past
+        ``replay_steps`` is incomplete, as without checkpoints."""
+        n, half = int(log.words[0]), max(1, log.capacity // 2)
+        off = self._checkpoint_off
+        for j, env in enumerate(self.envs):
+            if j not in off and n - int(log.starts[j]) >= half:
+                blob = env_state(env)
+                if blob is None or not log.rebase(j, ("state", blob)):
+                    off.add(j)
+                    logger.info(
+                        "sub-environment %d cannot be checkpointed (its state does not pickle "
+                        "or is over %d bytes): a record of it holds %d steps at most",
+                        self.start + j,
+                        SLOT_BYTES,
+                        log.capacity,
+                    )
+        due = [int(log.starts[j]) + half for j in range(self.size) if j not in off]
+        self._checkpoint_at = min(due) if due else _NEVER
 
     def step_only(self, actions: list[Any], indices: list[int]) -> list[InfoEvent]:
         """Step the envs ``indices`` (local, in order) with ``actions`` (one per env of the

@@ -36,6 +36,7 @@ import subprocess
 import sys
 import time
 import traceback
+import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -75,6 +76,8 @@ __all__ = [
     "unpack_start",
     "restore_envs",
     "catch_up_envs",
+    "env_state",
+    "load_state",
     "log_before_step",
     "group_recordings",
     "run_replay",
@@ -420,10 +423,134 @@ def reset_start(
     return _start(env.unwrapped, _generators(env, holders), options)
 
 
+# -- checkpoints: an env's whole state mid-episode ---------------------------------------------
+
+# The native objects an env's Python state refers to, by the unwrapped env's attribute: kept
+# out of a checkpoint's pickle (they do not pickle), their state taken through their own API.
+_NATIVE = ("ale", "model", "data")
+
+
+def _layers(env: Any) -> list[Any]:
+    """The wrapper chain, outermost first, down to the unwrapped env (``.env`` links)."""
+    layers = [env]
+    while isinstance(getattr(layers[-1], "env", None), gymnasium.Env) and len(layers) < 64:
+        layers.append(layers[-1].env)
+    return layers
+
+
+class _StatePickler(cloudpickle.Pickler):
+    """Pickles an env's layers' attributes, each layer itself and each native object by
+    reference (``persistent_id``): a checkpoint is loaded into another env of the same
+    factory, in place."""
+
+    def __init__(self, out: Any, refs: dict[int, tuple[str, Any]]):
+        super().__init__(out, protocol=pickle.HIGHEST_PROTOCOL)
+        self.refs = refs
+
+    def persistent_id(self, obj: Any) -> Any:
+        ref = self.refs.get(id(obj))
+        return None if ref is None else ref[0]
+
+
+def _refs(layers: list[Any]) -> dict[int, tuple[str, Any]]:
+    unwrapped = layers[-1]
+    refs = {id(layer): (f"layer:{i}", layer) for i, layer in enumerate(layers)}
+    for name in _NATIVE:
+        obj = vars(unwrapped).get(name)
+        if obj is not None:
+            refs[id(obj)] = (f"native:{name}", obj)
+    return refs
+
+
+def _native_state(unwrapped: Any) -> tuple[str, Any] | None:
+    """What the unwrapped env's native simulator holds, through its own API: ALE's state with
+    its generator (``cloneState(include_rng=True)``), MuJoCo's integration state
+    (``mj_getState``: time, ``qpos``, ``qvel``, actuators, warm start, controls...)."""
+    ale = vars(unwrapped).get("ale")
+    if ale is not None and hasattr(ale, "cloneState"):
+        return ("ale", pickle.dumps(ale.cloneState(include_rng=True)))
+    model, data = vars(unwrapped).get("model"), vars(unwrapped).get("data")
+    if model is not None and data is not None and type(model).__module__.startswith("mujoco"):
+        import mujoco
+
+        spec = mujoco.mjtState.mjSTATE_INTEGRATION
+        state = np.empty(mujoco.mj_stateSize(model, spec), dtype=np.float64)
+        mujoco.mj_getState(model, data, state, spec)
+        return ("mujoco", state)
+    return None
+
+
+def _set_native(unwrapped: Any, native: tuple[str, Any] | None) -> None:
+    if native is None:
+        return
+    if native[0] == "ale":
+        unwrapped.ale.restoreState(pickle.loads(native[1]))
+    else:
+        import mujoco
+
+        spec = mujoco.mjtState.mjSTATE_INTEGRATION
+        mujoco.mj_setState(unwrapped.model, unwrapped.data, native[1], spec)
+        mujoco.mj_forward(unwrapped.model, unwrapped.data)
+
+
+def env_state(env: gymnasium.Env[Any, Any]) -> bytes | None:
+    """A checkpoint of ``env`` now, mid-episode: every layer's attributes (the wrapper stack's:
+    TimeLimit's counter, frame stacks, normalisers' statistics; the env's own, its generators
+    included), pickled with the layers and native objects by reference, and the native
+    simulator's state through its API (:func:`_native_state`); compressed. ``None`` where it
+    cannot be taken: an attribute that does not pickle (Box2D's world, a window), or a native
+    object this module has no API for. Loaded by :func:`load_state` into an env of the same
+    factory. Not a pickle of the env: gymnasium's ``EzPickle`` envs (LunarLander, MuJoCo,
+    ALE) pickle as their constructor arguments, a fresh env."""
+    layers = _layers(env)
+    unwrapped = layers[-1]
+    refs = _refs(layers)
+    native_names = [n for n in _NATIVE if vars(unwrapped).get(n) is not None]
+    try:
+        native = _native_state(unwrapped)
+        if native_names and native is None:
+            return None
+        parts = [
+            {k: v for k, v in vars(layer).items() if not (k == "env" and i < len(layers) - 1)}
+            for i, layer in enumerate(layers)
+        ]
+        out = io.BytesIO()
+        _StatePickler(out, refs).dump((len(layers), parts, native))
+    except Exception:
+        return None
+    return zlib.compress(out.getvalue(), 1)
+
+
+def load_state(env: gymnasium.Env[Any, Any], blob: bytes) -> None:
+    """Bring ``env`` (built by the same factory as the checkpointed one) to the state of
+    :func:`env_state`'s ``blob``, in place.
+
+    Raises:
+        ValueError: ``env``'s wrapper stack is not the checkpointed one's.
+    """
+    layers = _layers(env)
+    refs = {name: obj for name, obj in _refs(layers).values()}
+
+    class _Unpickler(pickle.Unpickler):
+        def persistent_load(self, pid: Any) -> Any:
+            return refs[pid]
+
+    count, parts, native = _Unpickler(io.BytesIO(zlib.decompress(blob))).load()
+    if count != len(layers):
+        raise ValueError(f"a checkpoint of {count} layers loaded into an env of {len(layers)}")
+    for layer, part in zip(layers, parts, strict=True):
+        vars(layer).update(part)
+    _set_native(layers[-1], native)
+
+
 def _begin(env: gymnasium.Env[Any, Any], start: tuple[Any, ...]) -> Any:
-    """Reset ``env`` as the recorded episode began; returns ``reset``'s result."""
+    """Reset ``env`` as the recorded episode began (or load its checkpoint: ``("state",
+    blob)``); returns ``reset``'s result (``None`` for a checkpoint)."""
     if start[0] == "seed":
         return env.reset(seed=start[1], options=start[2])
+    if start[0] == "state":
+        load_state(env, start[1])
+        return None
     states, native, options = start[1], start[2], start[3]
     unwrapped: Any = env.unwrapped
     for path, state in states.items():
@@ -466,6 +593,9 @@ class ActionLog:
         # The same words as memoryviews: a step's and an episode start's writes go through
         # these (an item write of a memoryview costs a fraction of a numpy one's).
         self._header = self.header.data
+        # The header's words as a memoryview: ``words[0]`` is the group steps recorded (what
+        # a group reads after each step to see whether a checkpoint is due).
+        self.words = self._header
         self._starts = self.starts.data
         self._start_bytes = self.start_bytes.data
         self._slots = self.slots.data.cast("B")
@@ -598,6 +728,19 @@ class ActionLog:
             self._start_bytes[j] = size
         else:
             self._start_bytes[j] = -1
+
+    def rebase(self, j: int, start: tuple[Any, ...]) -> bool:
+        """Env ``j`` (local) checkpointed (``start``: ``("state", blob)``,
+        :func:`env_state`): its record starts anew at the next action, no episode begun, so
+        that it never needs more than ``capacity`` actions. ``False`` (nothing changed) when
+        the checkpoint does not fit its slot."""
+        blob = pickle.dumps(start, pickle.HIGHEST_PROTOCOL)
+        if len(blob) > SLOT_BYTES:
+            return False
+        episodes = int(self.header[_EPISODES])
+        self.began(j, blob)
+        self._header[_EPISODES] = episodes  # a checkpoint begins no episode (the recycler's count)
+        return True
 
     def recording(self, j: int, env_index: int) -> EnvRecording:
         """What env ``j`` (local; ``env_index`` in the vector env) did in its episode so far."""
