@@ -1147,17 +1147,25 @@ class FaultAt(gym.Wrapper):
     """``gymnasium.make(env_id)`` whose env ``fault_index`` does ``how`` (as
     :func:`tests.envs.crash_process`, ``"sigkill"``, ``"null-write"`` or ``"raise:NAME"`` to
     raise the builtin exception ``NAME``) in its ``at_step``-th step since it was built;
-    every other env is the plain env. Built as ``FaultAt(env_index=i, ...)`` by
-    :func:`fault_at`."""
+    every other env is the plain env; with ``marker``, once per run. Built as
+    ``FaultAt(env_index=i, ...)`` by :func:`fault_at`."""
 
-    def __init__(self, env_id: str, env_index: int, fault_index: int, how: str, at_step: int):
+    def __init__(
+        self,
+        env_id: str,
+        env_index: int,
+        fault_index: int,
+        how: str,
+        at_step: int,
+        marker: str = "",
+    ):
         super().__init__(gym.make(env_id))
         self.faulty = env_index == fault_index
-        self.how, self.at_step, self._steps = how, at_step, 0
+        self.how, self.at_step, self._steps, self.marker = how, at_step, 0, marker
 
     def step(self, action: Any):
         self._steps += 1
-        if self.faulty and self._steps == self.at_step:
+        if self.faulty and self._steps == self.at_step and not self._done_before():
             if self.how == "null-write":
                 ctypes.memset(0, 0, 1)
             elif self.how == "sigkill":
@@ -1169,12 +1177,25 @@ class FaultAt(gym.Wrapper):
                 crash_process(self.how)
         return self.env.step(action)
 
+    def _done_before(self) -> bool:
+        """With a ``marker`` file: whether an env (this one before a restart) did the fault
+        already; the file is made just before the fault."""
+        if not self.marker:
+            return False
+        if Path(self.marker).exists():
+            return True
+        Path(self.marker).touch()
+        return False
 
-def fault_at(env_id: str, fault_index: int = -1, how: str = "", at_step: int = 0) -> Any:
+
+def fault_at(
+    env_id: str, fault_index: int = -1, how: str = "", at_step: int = 0, marker: str = ""
+) -> Any:
     """A factory (it takes ``env_index``) of :class:`FaultAt` envs; ``fault_index=-1``: none
-    faults (the fault-free run to compare with)."""
+    faults (the fault-free run to compare with); ``marker``: a file path, so that the fault
+    comes once per run (not again in the env rebuilt after it)."""
     return functools.partial(
-        _fault_at, env_id=env_id, fault_index=fault_index, how=how, at_step=at_step
+        _fault_at, env_id=env_id, fault_index=fault_index, how=how, at_step=at_step, marker=marker
     )
 
 

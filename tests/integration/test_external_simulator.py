@@ -91,9 +91,9 @@ def _kill(pid: int) -> None:
 
 
 def test_without_a_restart_policy_the_dead_simulator_is_env_2s_error(make_env: Any) -> None:
-    """The same kill with make()'s defaults (no restart policy): the step raises env 2's
+    """The same kill with the fail-fast opt-out (``restart_policy=None``): the step raises env 2's
     EnvError, which is also a ConnectionError."""
-    envs = make_env(simulator_env, NUM_ENVS, num_workers=2)
+    envs = make_env(simulator_env, NUM_ENVS, num_workers=2, restart_policy=None)
     envs.reset(seed=0)
     for _ in range(10):
         envs.step(np.zeros(NUM_ENVS, dtype=np.int64))

@@ -505,7 +505,7 @@ def test_start_with_an_unknown_id_or_a_bad_env_is_a_config_error(snapshot):
 @pytest.mark.parametrize(("how", "blocking"), [("segfault", True), ("exit", False)])
 def test_crash_in_step_raises_and_closes(snapshot, how, blocking):
     factory = functools.partial(CrashEnv, crash_index=0, crash_after=2, how=how)
-    penv = envfleet.ProcessEnv(factory)
+    penv = envfleet.ProcessEnv(factory, restart_policy=None)
     penv.reset(seed=0)
     penv.step(0)
     penv.step(1)
@@ -533,7 +533,7 @@ def test_crash_in_step_raises_and_closes(snapshot, how, blocking):
 
 def test_step_timeout_on_a_hanging_env(snapshot):
     factory = functools.partial(CrashEnv, crash_index=0, crash_after=1, how="hang")
-    penv = envfleet.ProcessEnv(factory, step_timeout=1.5)
+    penv = envfleet.ProcessEnv(factory, step_timeout=1.5, restart_policy=None)
     penv.reset(seed=0)
     penv.step(0)
     with pytest.raises(envfleet.StepTimeoutError) as info:
@@ -549,7 +549,7 @@ def test_step_timeout_on_a_hanging_env(snapshot):
 
 def test_step_timeout_from_a_future(snapshot):
     factory = functools.partial(CrashEnv, crash_index=0, crash_after=0, how="hang")
-    penv = envfleet.ProcessEnv(factory, step_timeout=1.5)
+    penv = envfleet.ProcessEnv(factory, step_timeout=1.5, restart_policy=None)
     penv.reset(seed=0)
     with pytest.raises(envfleet.StepTimeoutError):
         penv.step(0, blocking=False).result(timeout=HANG_GUARD_S)

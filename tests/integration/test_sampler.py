@@ -517,7 +517,15 @@ def test_env_error_is_raised_with_the_remote_traceback(inference: str) -> None:
 
 
 def test_worker_crash_is_reported_and_nothing_is_left(snapshot: Any) -> None:
-    sampler = Sampler("CartPole-v1", PolePolicy(), 4, inference="worker", num_workers=2, seed=0)
+    sampler = Sampler(
+        "CartPole-v1",
+        PolePolicy(),
+        4,
+        inference="worker",
+        num_workers=2,
+        seed=0,
+        restart_policy=None,  # fail fast
+    )
     sampler.sample(20)
     pid = sampler.vector_env.apply(lambda env: os.getpid())[2]  # env 2's worker: worker 1
     os.kill(pid, signal.SIGKILL)

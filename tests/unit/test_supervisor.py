@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import math
+import multiprocessing
 import os
 import signal
 import subprocess
@@ -454,7 +455,7 @@ def test_worker_killed_between_steps(
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize(
     ("timeout_via", "num_envs", "num_workers", "index", "rows"),
-    [("step_timeout", 6, 3, 3, [2, 3]), ("step_wait", 3, 3, 1, [1])],
+    [("step_timeout", 6, 3, 3, [2, 3]), ("step_timeout", 3, 3, 1, [1])],
 )
 def test_worker_hangs(
     make_env, snapshot, tmp_path, timeout_via, num_envs, num_workers, index, rows
@@ -499,6 +500,24 @@ def test_several_failures_in_one_step(make_env, snapshot, tmp_path):
     envs.close()
     snapshot.assert_nothing_left()
     model.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_step_wait_timeout_raises_whatever_the_policy(make_env, snapshot, tmp_path):
+    """``step_wait(timeout=)`` is the caller's own bound, gymnasium's: a worker late for it
+    raises ``StepTimeoutError`` (also ``multiprocessing.TimeoutError``) under a restart policy
+    too; the policy restarts workers past ``step_timeout``."""
+    factory = _flaky({1: "hang"}, fault_after=3, marker=_marker(tmp_path))
+    envs = _make(make_env, factory, 3, 3)
+    envs.reset(seed=4)
+    for t in range(3):
+        envs.step(_actions(t, 3))
+    envs.step_async(_actions(3, 3))
+    with pytest.raises(multiprocessing.TimeoutError) as info:
+        envs.step_wait(timeout=HANG_TIMEOUT)
+    assert isinstance(info.value, envfleet.StepTimeoutError) and 1 in info.value.env_indices
+    assert envs.closed and envs.stats.restarts == 0
+    snapshot.assert_nothing_left()
 
 
 # -- the budget ---------------------------------------------------------------------------------

@@ -580,7 +580,7 @@ class RoundDriver(Backend):
         except KeyboardInterrupt as exc:
             self._interrupted(exc, waiting, "start" if starting else None)
             raise
-        if done.late and (fail_fast or not transport.replaceable):
+        if done.late and (fail_fast or not transport.replaceable or self.ledger.wait_bound):
             self._pending = done.late  # still running: close() treats them as busy
             self.supervisor.timed_out(done.late, timeout)
         return done

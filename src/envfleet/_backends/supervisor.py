@@ -227,6 +227,10 @@ class Ledger:
         self.crashes = 0
         self.env_errors = 0
         self.recycled = 0
+        # A caller's own *_wait(timeout=) is running (the front sets it): a worker late for it
+        # raises StepTimeoutError, as gymnasium's AsyncVectorEnv raises, whatever the policy;
+        # the policy restarts workers past step_timeout.
+        self.wait_bound = False
         # The last failures a restart policy survived, each the error it would have raised.
         self.failures: collections.deque[EnvfleetError] = collections.deque(maxlen=FAILURES_KEPT)
 

@@ -273,8 +273,11 @@ def make(  # type: ignore[misc]  # the overloads stand for its keyword arguments
             :class:`envfleet.Replay` of the failing episode (``err.replay``; see
             :func:`envfleet.replay`). The record costs one copy of each worker's action rows
             per step and ``replay_steps`` of them in memory per worker (1000 steps of 8
-            CartPole actions: 64 KB), plus 16 KiB per env; an episode longer than
-            ``replay_steps`` is not replayable. ``0``: no record, ``err.replay`` is ``None``.
+            CartPole actions: 64 KB), plus 32 KiB per env. An env is checkpointed every
+            ``replay_steps // 2`` steps of an episode (its whole state, where it pickles;
+            ``docs/concepts/supervision.md``), so its record never needs more; an env whose
+            state does not pickle (Box2D's) is not replayable past ``replay_steps`` in an
+            episode. ``0``: no record, ``err.replay`` is ``None``.
             Not for ``envpool``.
         recycle: ``"auto"`` (the default): on ``processes``, synchronous, every env in a
             worker, a worker past its share of the memory (0.8 of the machine's, or a

@@ -382,7 +382,9 @@ class FleetVectorEnv(VectorEnv[Any, Any, np.ndarray]):
     def step_wait(
         self, timeout: float | None = None
     ) -> tuple[Any, np.ndarray, np.ndarray, np.ndarray, dict[str, Any]]:
-        """Wait for :meth:`step_async`; ``timeout`` in seconds (default ``step_timeout``).
+        """Wait for :meth:`step_async`; ``timeout`` in seconds (default ``step_timeout``). A
+        worker late for a ``timeout`` given here raises, as gymnasium's ``AsyncVectorEnv``
+        raises, whatever the restart policy (which restarts workers past ``step_timeout``).
 
         Raises:
             NoAsyncCallError: no step is pending.
@@ -580,8 +582,9 @@ class FleetVectorEnv(VectorEnv[Any, Any, np.ndarray]):
 
         Raises:
             UnsupportedError: ``replay_steps=0``; an env whose episode is longer than
-                ``replay_steps`` (its start is no longer recorded); a pool whose spaces have
-                leaves without a fixed size.
+                ``replay_steps`` and whose state cannot be checkpointed (it does not pickle:
+                Box2D's; every other env is checkpointed as it goes, so a snapshot works at
+                any step); a pool whose spaces have leaves without a fixed size.
             AlreadyPendingCallError, PoolStateError: a call is pending.
             EnvError, EnvCrashedError, StepTimeoutError: a pool's env failed while finishing
                 its step (as :meth:`recv`).
@@ -897,6 +900,8 @@ class FleetVectorEnv(VectorEnv[Any, Any, np.ndarray]):
             timeout = self.step_timeout
         started = time.monotonic()
         deferred, self._deferred = self._deferred, None
+        ledger = self._backend.ledger
+        ledger.wait_bound = explicit is not None  # its timeout raises, as gymnasium's
         try:
             if deferred is None:
                 return self._backend.collect(timeout, self._steps)
@@ -910,6 +915,7 @@ class FleetVectorEnv(VectorEnv[Any, Any, np.ndarray]):
             self.closed = self._backend.closed
             raise
         finally:
+            ledger.wait_bound = False
             self._state = AsyncState.DEFAULT
 
     def _raise_late(self, groups: dict[int, Any], timeout: float, elapsed: float) -> None:
