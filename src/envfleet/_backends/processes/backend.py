@@ -149,6 +149,10 @@ class ProcessesTransport:
         self.remote = list(range(1 if driver_group else 0, groups))
         self._here = frozenset((0,)) if driver_group else frozenset()
         self.full_round: FullRound | None = None
+        # After a full round whose outcome a Ctrl-C lost, every remote worker can be waited
+        # for again (RoundDriver._fast_round): on the round bell, arrivals and ACKs are in
+        # shared memory and the round takes no token.
+        self.regathers = False
         # A forked worker flushes the stdio buffers it inherits when it exits: flush them
         # here so nothing the driver printed is printed again.
         for stream in (sys.stdout, sys.stderr):
@@ -187,6 +191,7 @@ class ProcessesTransport:
                 first_env.close()
                 first_env = None
             self.full_round = self._bind_full_round()
+            self.regathers = self.full_round is not None and workers.bell is not None
         except EnvFailure as failure:
             self.close(None, True, ())
             raise failure_error(failure) from failure.__cause__
@@ -278,6 +283,27 @@ class ProcessesTransport:
             else:
                 dead[h] = ""
         return Seen(ready, dead) if ready or dead else NOTHING
+
+    def busy(self, workers: list[int]) -> list[int]:
+        """The workers of ``workers`` alive and still running their command: a look that
+        leaves every reply's token where it is (a Ctrl-C's note asks it, and the round goes
+        on after). On the round bell ``REQ`` ahead of ``ACK``; else no token on its done
+        semaphore (one taken is given back: only this thread takes them)."""
+        words, procs, doorbells = self.workers.words, self.workers.procs, self.workers.doorbells
+        busy = []
+        for g in workers:
+            if g in self._here or not procs[g].is_alive():
+                continue
+            if self.workers.bell is not None:
+                if words[g][REQ] != words[g][ACK]:
+                    busy.append(g)
+                continue
+            done = cast(Doorbell, doorbells[g]).done
+            if done.acquire(False):
+                done.release()
+            else:
+                busy.append(g)
+        return busy
 
     def _gather_wait(
         self,
