@@ -138,8 +138,42 @@ SCRIPT = textwrap.dedent(
         kw = dict(backend=backend, num_workers=NUM_ENVS)
         if mode == "pool":
             kw["batch_size"] = 2
-        envs = envfleet.make(factory, NUM_ENVS, **kw)
         got = {"interrupted": False, "notes": None, "closed": None}
+        if mode.startswith("sampler"):
+            # The Sampler over the vector env: driver inference (a step per 4 env steps) or
+            # worker inference (a task round per sample).
+            inference = mode.split("-")[1]
+            policy = lambda obs: np.zeros(len(obs), np.int64)
+            def sampler(f):
+                return envfleet.Sampler(
+                    f, policy, NUM_ENVS, inference=inference, num_workers=NUM_ENVS, seed=1
+                )
+            def fields(batch):
+                return [np.asarray(getattr(batch, k)).tolist() for k in (
+                    "observations", "actions", "rewards", "terminated", "truncated",
+                    "last_observations", "env_index", "lengths")]
+            s = sampler(factory)
+            interrupt_when(napping(marker, 1))
+            try:
+                for _ in range(60):
+                    s.sample(4)
+            except KeyboardInterrupt as exc:
+                got["interrupted"], got["notes"] = True, getattr(exc, "__notes__", None)
+            venv = s.vector_env
+            got["closed"] = venv.closed
+            steps = venv._steps
+            after = fields(s.sample(8))
+            s.close()
+            ref = sampler(NapEnv)
+            while ref.vector_env._steps < steps:
+                ref.sample(4)
+            got["same"] = fields(ref.sample(8)) == after
+            got["after"], got["expected"] = None, None
+            ref.close()
+            got["close_s"] = 0.0
+            print(json.dumps(got))
+            sys.exit(0)
+        envs = envfleet.make(factory, NUM_ENVS, **kw)
 
         if mode == "pool":
             envs.async_reset(seed=3)
@@ -261,6 +295,16 @@ def test_ctrl_c_in_a_pool_recv_routes_every_env_once(tmp_path: Path) -> None:
     later = {e for ids in routed[got["interrupted_at"] :] for e in ids}
     assert later == set(range(NUM_ENVS)), routed
     assert got["close_s"] < 10.0, got
+
+
+def test_ctrl_c_in_a_sampler_driver_collection(tmp_path: Path) -> None:
+    """A Sampler (driver inference) interrupted in its vector env's step: the step completes,
+    the sample raises, and the next sample is bit-identical to an uninterrupted Sampler's
+    after as many steps (it acts on the completed step's observations)."""
+    got = run_script(tmp_path, "sampler-driver")
+    assert got["interrupted"], got
+    assert got["closed"] is False, got
+    assert got["same"], got
 
 
 def test_ctrl_c_inside_an_env_run_here_closes(tmp_path: Path) -> None:

@@ -329,10 +329,12 @@ class FleetVectorEnv(VectorEnv[Any, Any, np.ndarray]):
         """A step that raised ``exc``: the vector env is closed if the backend is. A Ctrl-C
         whose round the backend completed (``_envfleet_completed``, see
         :mod:`envfleet._backends.rounds`) counts as a step that returned: the step count
-        and the autoreset bookkeeping move on, so the next step goes on from it."""
+        and the autoreset bookkeeping move on, so the next step goes on from it. Its
+        outputs (infos dropped) ride on the interrupt as ``_envfleet_step``, for the
+        Sampler to act on next."""
         self.closed = self._backend.closed
         if not self.closed and getattr(exc, "_envfleet_completed", False):
-            self._step_outputs({})
+            exc._envfleet_step = self._step_outputs({})  # type: ignore[attr-defined]
 
     def step_async(self, actions: Any) -> None:
         """Start a step; collect it with :meth:`step_wait` (gymnasium's AsyncVectorEnv API)."""
