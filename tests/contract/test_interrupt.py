@@ -128,16 +128,16 @@ SCRIPT = textwrap.dedent(
         actions = [rng.integers(0, 3, NUM_ENVS) for _ in range(40)]
         K = 5  # the interrupted step is step K + 1
         in_reset = mode == "reset"
-        nap_s = {"second": 30.0, "grace": 30.0, "pool": 1.5}.get(mode, 1.0)
+        nap_s = {"second": 30.0, "grace": 30.0, "pool": 1.5, "pool-sync": 1.5}.get(mode, 1.0)
         if mode == "grace":
             rounds.INTERRUPT_GRACE_S = 0.5
         factory = functools.partial(
             NapEnv, marker=marker, nap_at=2 if in_reset else K + 1, nap_s=nap_s,
-            in_reset=in_reset, napper=-1 if mode == "pool" else 1,
+            in_reset=in_reset, napper=-1 if mode.startswith("pool") else 1,
         )
         kw = dict(backend=backend, num_workers=NUM_ENVS)
-        if mode == "pool":
-            kw["batch_size"] = 2
+        if mode.startswith("pool"):
+            kw["batch_size"] = 2 if mode == "pool" else NUM_ENVS
         got = {"interrupted": False, "notes": None, "closed": None}
         if mode.startswith("sampler"):
             # The Sampler over the vector env: driver inference (a step per 4 env steps) or
@@ -175,10 +175,10 @@ SCRIPT = textwrap.dedent(
             sys.exit(0)
         envs = envfleet.make(factory, NUM_ENVS, **kw)
 
-        if mode == "pool":
+        if mode.startswith("pool"):
             envs.async_reset(seed=3)
             routed = []
-            # Three envs napping: a recv of two waits until one wakes.
+            # Three envs napping: a recv of two (or all) waits until one wakes.
             interrupt_when(napping(marker, 3))
             for r in range(30):
                 try:
@@ -278,19 +278,25 @@ def test_ctrl_c_completes_the_call_and_the_run_goes_on(
     assert got["close_s"] < 10.0, got
 
 
-def test_ctrl_c_in_a_pool_recv_routes_every_env_once(tmp_path: Path) -> None:
-    """A pool's recv interrupted while it waits is undone: the next recvs return every env
-    sent an action exactly once per send (none lost, none twice), and a snapshot works."""
-    got = run_script(tmp_path, "pool")
+@pytest.mark.parametrize("mode", ["pool", "pool-sync"])
+def test_ctrl_c_in_a_pool_recv_routes_every_env_once(tmp_path: Path, mode: str) -> None:
+    """A pool's recv interrupted while it waits is undone (``batch_size=2``; with
+    ``batch_size == num_envs`` the round is completed and its results kept for the next
+    recv): the next recvs return every env sent an action exactly once per send (none lost,
+    none twice), and a snapshot works."""
+    got = run_script(tmp_path, mode)
     assert got["interrupted"], got
     assert got["closed"] is False, got
     note = "\n".join(got["notes"] or [])
-    assert "envfleet: Ctrl-C interrupted" in note and "undone" in note, note
+    kept = "undone" if mode == "pool" else "completed"
+    assert "envfleet: Ctrl-C interrupted" in note and kept in note, note
     routed = got["routed"]
+    size = 2 if mode == "pool" else NUM_ENVS
     assert len(routed) == 29, routed  # 30 recvs, one interrupted
-    in_flight = set(range(NUM_ENVS))  # async_reset: every env; each recv'd env is sent again
+    # Each recv'd env is sent its next action at once, so every env is always in flight:
+    # a recv returns distinct envs, and an env lost at the interrupt would never come back.
     for ids in routed:
-        assert len(ids) == 2 and set(ids) <= in_flight, (ids, in_flight, routed)
+        assert len(ids) == len(set(ids)) == size, (ids, routed)
     # the envs napping when the recv was interrupted come back after it
     later = {e for ids in routed[got["interrupted_at"] :] for e in ids}
     assert later == set(range(NUM_ENVS)), routed
