@@ -54,7 +54,13 @@ from typing import Any, NoReturn, Protocol, cast
 
 from envfleet._backends.base import Backend
 from envfleet._backends.recycle import Recycle, Recycler
-from envfleet._backends.supervisor import Ledger, Round, Supervisor, timeout_error
+from envfleet._backends.supervisor import (
+    RESTARTABLE,
+    Ledger,
+    Round,
+    Supervisor,
+    timeout_error,
+)
 from envfleet._core.buffers import Batch
 from envfleet._core.errors import (
     EnvCrashedError,
@@ -373,10 +379,13 @@ class RoundDriver(Backend):
             try:
                 results, failures = run_here(command, payloads)
             except KeyboardInterrupt as exc:
-                # Inside an env's step or reset here: its group stopped half way (the envs
-                # after it not run), which cannot be completed: the vector env closes.
+                # Inside an env's step, reset or task here: its group stopped half way (the
+                # envs after it not run, the buffers half written), which cannot be
+                # completed: the vector env closes. A call, get_attr, set_attr or render
+                # writes no buffer: the vector env stays as the envs are.
                 self._interrupted(exc, ())
-                self.close(timeout=0, terminate=True)
+                if command in RESTARTABLE:
+                    self.close(timeout=0, terminate=True)
                 raise
             finally:
                 busy.runs = (busy.runs + 1) & 255
