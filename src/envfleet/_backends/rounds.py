@@ -39,8 +39,17 @@ replies are read and settled as if the call had returned), within ``step_timeout
 else :data:`INTERRUPT_GRACE_S`, then the interrupt is raised (its ``_envfleet_completed``
 set: the front counts the step). A first-ready pool's wait is *undone* instead: nothing it
 had not read is taken, every pending worker stays pending. A second Ctrl-C during the
-completion wait, the grace running out, an interrupt while a reply is being read, or one
-inside an env run in this thread (its step half done) closes the vector env as before.
+completion wait, the grace running out, an interrupt while a reply is being read, one in a
+submit (``send``: a command half sent), or one inside an env run in this thread (its step
+half done) closes the vector env as before.
+
+An interrupt is raised at any bytecode, also just after a wait took a reply's token and
+before it said so: the processes transport's ``recover`` then tells, from the round bell's
+``REQ``/``ACK`` words, who replied; a first-ready wait gives back the shared token it may
+have taken (``rewake``: a spare one only wakes a later wait for nothing). Without the bell
+(a pool's per-worker tokens, other platforms) a microsecond window remains: a reply whose
+token is lost there is found by no later wait on it, which then ends at ``step_timeout``
+(or, completing a round, the grace).
 """
 
 from __future__ import annotations
@@ -673,6 +682,14 @@ class RoundDriver(Backend):
                 if starting or reading or not self._defer(exc):
                     self._pending = waiting  # still running: close() treats them as busy
                     raise
+                # The interrupt may have come just after the wait took a reply's token:
+                # the transport's account of who replied (processes: REQ/ACK) stands.
+                recover = getattr(transport, "recover", None)
+                if recover is not None:
+                    reading = True
+                    for w in recover(waiting):
+                        waiting.remove(w)
+                        transport.read(w, done)
                 if deadline is None:
                     deadline, graced = time.monotonic() + INTERRUPT_GRACE_S, True
         if waiting:  # left by the grace's end
@@ -736,6 +753,9 @@ class RoundDriver(Backend):
         except KeyboardInterrupt as exc:
             self._interrupted(exc, self._pending)
             if in_wait and self._interrupt is None:
+                rewake = getattr(transport, "rewake", None)
+                if rewake is not None:
+                    rewake()
                 exc._envfleet_kept = True  # type: ignore[attr-defined]  # undone, not closed
                 add_note(exc, "envfleet: the wait was undone; the vector env is usable")
             raise
