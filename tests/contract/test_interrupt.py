@@ -128,7 +128,9 @@ SCRIPT = textwrap.dedent(
         actions = [rng.integers(0, 3, NUM_ENVS) for _ in range(40)]
         K = 5  # the interrupted step is step K + 1
         in_reset = mode == "reset"
-        nap_s = {"second": 30.0, "grace": 30.0, "pool": 1.5, "pool-sync": 1.5}.get(mode, 1.0)
+        nap_s = 30.0 if mode in ("second", "grace", "timeout") else 1.0
+        if mode.startswith("pool"):
+            nap_s = 1.5
         if mode == "grace":
             rounds.INTERRUPT_GRACE_S = 0.5
         factory = functools.partial(
@@ -136,6 +138,8 @@ SCRIPT = textwrap.dedent(
             in_reset=in_reset, napper=-1 if mode.startswith("pool") else 1,
         )
         kw = dict(backend=backend, num_workers=NUM_ENVS)
+        if mode == "timeout":
+            kw["step_timeout"] = 1.0
         if mode.startswith("pool"):
             kw["batch_size"] = 2 if mode == "pool" else NUM_ENVS
         got = {"interrupted": False, "notes": None, "closed": None}
@@ -334,6 +338,19 @@ def test_a_second_ctrl_c_during_the_completion_closes(tmp_path: Path) -> None:
     note = "\n".join(got["notes"] or [])
     assert "second Ctrl-C" in note, note
     assert got["elapsed"] < 20.0, got
+    assert got["close_s"] < 10.0, got
+
+
+def test_the_completion_wait_is_bounded_by_step_timeout(tmp_path: Path) -> None:
+    """With step_timeout (1 s; the env naps 30 s), the completion wait ends at it: the
+    vector env closes as a timeout closes it, and the KeyboardInterrupt is raised (so an
+    ``except KeyboardInterrupt`` runs), the StepTimeoutError as its cause, named in a note."""
+    got = run_script(tmp_path, "timeout")
+    assert got["interrupted"], got
+    assert got["closed"] is True, got
+    note = "\n".join(got["notes"] or [])
+    assert "did not complete (StepTimeoutError" in note, note
+    assert got["elapsed"] < 15.0, got
     assert got["close_s"] < 10.0, got
 
 

@@ -325,8 +325,10 @@ class RoundDriver(Backend):
             if stepped and self._recycler is not None and self._interrupt is None:
                 self._recycle_due(step)
         except BaseException as error:
-            self._ended(error)
-            raise
+            raised = self._ended(error)
+            if raised is error:
+                raise
+            raise raised from error
         if self._interrupt is not None:
             self._deliver()
         return results
@@ -351,8 +353,10 @@ class RoundDriver(Backend):
             if command is _STEP and self._recycler is not None and self._interrupt is None:
                 self._recycle_due(step)
         except BaseException as error:
-            self._ended(error)
-            raise
+            raised = self._ended(error)
+            if raised is error:
+                raise
+            raise raised from error
         if self._interrupt is not None:
             self._deliver()
         return results
@@ -447,8 +451,10 @@ class RoundDriver(Backend):
         except BaseException as error:
             if not getattr(error, "_envfleet_kept", False):
                 self.supervisor.abandon(error)
-            self._ended(error)
-            raise
+            raised = self._ended(error)
+            if raised is error:
+                raise
+            raise raised from error
         if self._interrupt is not None:
             self.supervisor.keep(results)
             self._deliver()
@@ -574,8 +580,10 @@ class RoundDriver(Backend):
             results = self._finish_full_round(outcome, timeout, step, ring, started)
         except BaseException as exc:
             self.supervisor.abandon(exc)
-            self._ended(exc)
-            raise
+            raised = self._ended(exc)
+            if raised is exc:
+                raise
+            raise raised from exc
         if self._interrupt is not None:
             self._deliver()
         return results
@@ -884,13 +892,24 @@ class RoundDriver(Backend):
         )
         raise exc
 
-    def _ended(self, error: BaseException) -> None:
-        """A front call ends with ``error`` while a Ctrl-C is kept: forget the interrupt; an
-        envfleet error (the completed round's env error, crash or timeout, raised as without
-        the interrupt) notes that it came."""
+    def _ended(self, error: BaseException) -> BaseException:
+        """What a front call ending with ``error`` raises, a Ctrl-C kept or not (the kept one
+        is forgotten). The completed round's envfleet error: a crash or a timeout (the vector
+        env closed) raises the Ctrl-C, the error as its cause, so the learner's ``except
+        KeyboardInterrupt`` still runs; an env error (the vector env usable, the front's
+        bookkeeping needs it) is raised as without the interrupt, noting it."""
         kept, self._interrupt = self._interrupt, None
-        if kept is not None and kept is not error and isinstance(error, EnvfleetError):
+        if kept is None or kept is error or not isinstance(error, EnvfleetError):
+            return error
+        if not self.closed:
             add_note(error, "envfleet: a Ctrl-C came while this call waited; it ended so")
+            return error
+        add_note(
+            kept,
+            f"envfleet: the interrupted {self._command.name.lower()} did not complete "
+            f"({type(error).__name__}: {error}); the vector env closed",
+        )
+        return kept
 
     # -- starting and replacing workers ---------------------------------------------------------
 
