@@ -813,7 +813,7 @@ class RoundDriver(Backend):
     ) -> None:
         """Note on ``exc``, a ``KeyboardInterrupt`` (anything else is left as it is), where
         it came: the env run in this thread whose frame its traceback holds, else the busy
-        ``workers`` with their stacks, taken now (before the vector env closes them). Once
+        ``workers`` with their stacks, taken now (before the round is completed or closed). Once
         per exception; never raises but a second interrupt."""
         if not isinstance(exc, KeyboardInterrupt) or getattr(exc, "_envfleet_noted", False):
             return
