@@ -138,6 +138,8 @@ SCRIPT = textwrap.dedent(
             in_reset=in_reset, napper=-1 if mode.startswith("pool") else 1,
         )
         kw = dict(backend=backend, num_workers=NUM_ENVS)
+        if backend == "processes-driver":  # env 0 stepped by the driver itself
+            kw.update(backend="processes", driver_envs=1, num_workers=NUM_ENVS - 1)
         if mode == "timeout":
             kw["step_timeout"] = 1.0
         if mode.startswith("pool"):
@@ -264,6 +266,8 @@ def run_script(tmp_path: Path, mode: str, backend: str = "processes") -> dict[st
         ("step_async", "processes"),
         ("reset", "processes"),
         ("step", "threads"),
+        ("step", "processes-driver"),
+        ("step_async", "processes-driver"),
     ],
 )
 def test_ctrl_c_completes_the_call_and_the_run_goes_on(
