@@ -31,6 +31,25 @@ hang report's time, and past it warns :class:`envfleet.HangWarning` with the sta
 workers still to reply, then waits on; the groups run in the calling thread mark an
 :class:`~envfleet._core.hangs.InlineRun` that a reporter thread watches. A
 ``KeyboardInterrupt`` in a wait carries a note naming the busy envs and their stacks.
+
+Ctrl-C keeps the run. A ``KeyboardInterrupt`` in a synchronous round's wait (``gather``: a
+step, a reset, ``step_wait``, a call or a task; the C step round's too) is *deferred*: the
+round is completed (the wait goes on for the workers still running the command, their
+replies are read and settled as if the call had returned), within ``step_timeout`` when set,
+else :data:`INTERRUPT_GRACE_S`, then the interrupt is raised (its ``_envfleet_completed``
+set: the front counts the step). A first-ready pool's wait is *undone* instead: nothing it
+had not read is taken, every pending worker stays pending. A second Ctrl-C during the
+completion wait, the grace running out, an interrupt while a reply is being read, one in a
+submit (``send``: a command half sent), or one inside an env run in this thread (its step
+half done) closes the vector env as before.
+
+An interrupt is raised at any bytecode, also just after a wait took a reply's token and
+before it said so: the processes transport's ``recover`` then tells, from the round bell's
+``REQ``/``ACK`` words, who replied; a first-ready wait gives back the shared token it may
+have taken (``rewake``: a spare one only wakes a later wait for nothing). Without the bell
+(a pool's per-worker tokens, other platforms) a microsecond window remains: a reply whose
+token is lost there is found by no later wait on it, which then ends at ``step_timeout``
+(or, completing a round, the grace).
 """
 
 from __future__ import annotations
@@ -40,11 +59,17 @@ import sys
 import time
 import weakref
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Protocol, cast
+from typing import Any, NoReturn, Protocol, cast
 
 from envfleet._backends.base import Backend
 from envfleet._backends.recycle import Recycle, Recycler
-from envfleet._backends.supervisor import Ledger, Round, Supervisor, timeout_error
+from envfleet._backends.supervisor import (
+    RESTARTABLE,
+    Ledger,
+    Round,
+    Supervisor,
+    timeout_error,
+)
 from envfleet._core.buffers import Batch
 from envfleet._core.errors import (
     EnvCrashedError,
@@ -83,6 +108,13 @@ __all__ = ["RoundDriver", "Seen", "Transport"]
 logger = logging.getLogger("envfleet")
 
 _STEP, _RESTART, _TASK = Command.STEP, Command.RESTART, Command.TASK
+
+# Seconds a round interrupted by Ctrl-C may take to complete when the call has no
+# step_timeout (with one, the step_timeout bounds it). An env's step is milliseconds, a slow
+# one (a physics substep loop, a render) well under a second: 5 s completes any step that is
+# not hung, yet gives a terminal back soon after Ctrl-C on a hung env (a second Ctrl-C gives
+# it back at once). Past it the vector env closes, as an interrupt did before.
+INTERRUPT_GRACE_S = 5.0
 
 # Transport.full_round: called with ``ring`` (send every worker its command; false: step_async
 # did), it answers ``None`` when the round is complete, else what it took.
@@ -241,6 +273,8 @@ class RoundDriver(Backend):
         self._num_workers = len(self.ranges)
         self._every_group: dict[int, Any] = dict.fromkeys(range(self._num_workers))
         self._recycler: Recycler | None = None
+        # A Ctrl-C whose round is being completed, raised once it is (_defer, _deliver).
+        self._interrupt: KeyboardInterrupt | None = None
         # The commands every group runs here when sent them (not in a pool: a pool's sends
         # and reads are apart).
         self._inline_every = frozenset(
@@ -289,28 +323,48 @@ class RoundDriver(Backend):
         self.supervisor.guarded(self._submit, command, payloads, step)
 
     def collect(self, timeout: float | None, step: int) -> dict[int, Any]:
+        """See :meth:`Backend.collect`. A Ctrl-C in the wait completes the round, then raises
+        (the module's docstring)."""
         stepped = self._command is _STEP
-        results = self.supervisor.guarded(self._collect, timeout, step)
-        if stepped and self._recycler is not None:
-            self._recycle_due(step)
+        try:
+            results = self.supervisor.guarded(self._collect, timeout, step)
+            if stepped and self._recycler is not None and self._interrupt is None:
+                self._recycle_due(step)
+        except BaseException as error:
+            raised = self._ended(error)
+            if raised is error:
+                raise
+            raise raised from error
+        if self._interrupt is not None:
+            self._deliver()
         return results
 
     def round(
         self, command: Command, payloads: Mapping[int, Any], timeout: float | None, step: int
     ) -> dict[int, Any]:
-        if (
-            command is _STEP
-            and self._full_round is not None
-            and not self._pending
-            and len(payloads) == self._num_workers
-        ):
-            results = self._fast_round(timeout, step, True)
-            if results is None:
-                results = {}
-        else:
-            results = self._any_round(command, payloads, timeout, step)
-        if command is _STEP and self._recycler is not None:
-            self._recycle_due(step)
+        """See :meth:`Backend.round`; a Ctrl-C in its wait completes it, then raises (the
+        module's docstring); one inside an env run in this thread closes the backend."""
+        try:
+            if (
+                command is _STEP
+                and self._full_round is not None
+                and not self._pending
+                and len(payloads) == self._num_workers
+            ):
+                results = self._fast_round(timeout, step, True)
+                if results is None:
+                    results = {}
+            else:
+                results = self._any_round(command, payloads, timeout, step)
+            if command is _STEP and self._recycler is not None and self._interrupt is None:
+                self._recycle_due(step)
+        except BaseException as error:
+            raised = self._ended(error)
+            if raised is error:
+                raise
+            raise raised from error
+        if self._interrupt is not None:
+            self._deliver()
         return results
 
     def step_round(self, timeout: float | None, step: int) -> dict[int, Any] | None:
@@ -347,7 +401,13 @@ class RoundDriver(Backend):
             try:
                 results, failures = run_here(command, payloads)
             except KeyboardInterrupt as exc:
+                # Inside an env's step, reset or task here: its group stopped half way (the
+                # envs after it not run, the buffers half written), which cannot be
+                # completed: the vector env closes. A call, get_attr, set_attr or render
+                # writes no buffer: the vector env stays as the envs are.
                 self._interrupted(exc, ())
+                if command in RESTARTABLE:
+                    self.close(timeout=0, terminate=True)
                 raise
             finally:
                 busy.runs = (busy.runs + 1) & 255
@@ -388,8 +448,26 @@ class RoundDriver(Backend):
                 are kept for the next calls (one error per call).
             EnvCrashedError: a pending worker died; the backend is shut down.
             StepTimeoutError: a worker ran past ``timeout`` seconds from its own send.
+
+        Ctrl-C: a first-ready pool's wait is *undone* (every pending worker stays pending,
+        what was found meanwhile is kept for the next call), and the interrupt raised; with
+        ``batch_size == num_envs`` (a synchronous round) the round is *completed* and its
+        results kept for the next call. Either way the next call goes on as if the
+        interrupted one had not been made (a pool) or had returned (kept results).
         """
-        return self.supervisor.guarded(self._collect_ready, timeout, step)
+        try:
+            results = self._collect_ready(timeout, step)
+        except BaseException as error:
+            if not getattr(error, "_envfleet_kept", False):
+                self.supervisor.abandon(error)
+            raised = self._ended(error)
+            if raised is error:
+                raise
+            raise raised from error
+        if self._interrupt is not None:
+            self.supervisor.keep(results)
+            self._deliver()
+        return results
 
     def step_times(self) -> tuple[StepTimeStats, ...]:
         return self.transport.step_times()
@@ -479,7 +557,15 @@ class RoundDriver(Backend):
         every reply, each "OK, no payload", and the driver's own block had no event (the rows
         are the whole answer); else the round's results, finished the Python way (with what
         is left of ``timeout`` after the driver's own block). Guarded by the supervisor's
-        rule (:meth:`Supervisor.abandon`), itself: the plain step's one frame in this layer."""
+        rule (:meth:`Supervisor.abandon`), itself: the plain step's one frame in this layer.
+
+        Ctrl-C: the interrupt is raised when the C call returns, its outcome lost; on the
+        round bell (the transport's ``regathers``: arrivals and ``ACK`` words in shared memory,
+        no token taken) every remote worker is waited for again and read, which *completes*
+        the round (then the interrupt is raised). Elsewhere (step_wait's semaphores, whose
+        tokens the round may have taken; an env of the driver's own block interrupted in its
+        step) the backend closes, as before. An interrupt in the Python wait that follows
+        completes the round there (:meth:`gather`)."""
         self._command = _STEP
         started = 0.0 if ring else time.monotonic()  # step_wait's timeout counts from here
         busy = self._local_busy  # the driver's own block runs in this thread: its mark
@@ -490,7 +576,9 @@ class RoundDriver(Backend):
                 outcome = self._full_round(ring)  # type: ignore[misc]
             except KeyboardInterrupt as exc:
                 self._interrupted(exc, self._remote)
-                raise
+                if not (ring and self._regathers(exc)):
+                    raise
+                outcome = RoundOutcome(None, None, 0, [], 0.0)  # wait for every worker
             finally:
                 if busy is not None:
                     busy.runs = (busy.runs + 1) & 255
@@ -498,10 +586,25 @@ class RoundDriver(Backend):
                 if self._pending:  # step_async's, all replied
                     self._pending = []
                 return None
-            return self._finish_full_round(outcome, timeout, step, ring, started)
+            results = self._finish_full_round(outcome, timeout, step, ring, started)
         except BaseException as exc:
             self.supervisor.abandon(exc)
-            raise
+            raised = self._ended(exc)
+            if raised is exc:
+                raise
+            raise raised from exc
+        if self._interrupt is not None:
+            self._deliver()
+        return results
+
+    def _regathers(self, exc: KeyboardInterrupt) -> bool:
+        """Whether the C step round interrupted by ``exc`` (its outcome lost) can be completed
+        by waiting for every remote worker again (see :meth:`_fast_round`); if so, defer
+        ``exc`` until it is."""
+        if not getattr(self.transport, "regathers", False):
+            return False
+        group, _ = env_in_frames(traceback_frames(exc.__traceback__))
+        return group is None and self._defer(exc)
 
     def _finish_full_round(
         self,
@@ -554,13 +657,23 @@ class RoundDriver(Backend):
         otherwise they are noted in the round for the supervisor. ``done``: the round so far.
         ``spun_s``: seconds a full round already spun on the first of ``workers`` (its wait
         counts them).
+
+        Ctrl-C (not ``starting``) completes the round: the wait goes on, until ``deadline``
+        or, without one, :data:`INTERRUPT_GRACE_S` seconds (past it the backend closes and
+        the interrupt is raised); the interrupt is kept for the front's call to raise once the
+        round is settled (:meth:`_deliver`). A second one, or one while a reply is read, is
+        raised at once (the caller's guard closes the backend).
         """
         transport = self.transport
         done = Round() if done is None else done
         waiting = list(workers)
         reports = _HangReports(self._hang_delay)
-        try:
-            while waiting:
+        graced = False  # the deadline is the grace of a Ctrl-C's completion
+        if self._interrupt is not None and deadline is None:  # completing an interrupted round
+            deadline, graced = time.monotonic() + INTERRUPT_GRACE_S, True
+        while waiting:
+            reading = False
+            try:
                 limit, capped = reports.cap(deadline)
                 seen = transport.wait(waiting, limit, False, spun_s)
                 spun_s = None
@@ -568,18 +681,36 @@ class RoundDriver(Backend):
                     if capped:  # the report time passed, not the deadline: report, wait on
                         self._report_hang(waiting, *reports.advance(), starting)
                         continue
+                    if graced:
+                        break  # the grace ran out: give up (out of this try)
                     done.late.append(waiting.pop(0))  # the deadline passed
                     continue
+                reading = True
                 for w in seen.ready:
                     waiting.remove(w)
                     transport.read(w, done)
+                reading = False
                 for w, reason in seen.dead.items():
                     waiting.remove(w)
                     done.crashed[w] = reason
                 self._check_crashed(done, step, fail_fast, starting)
-        except KeyboardInterrupt as exc:
-            self._interrupted(exc, waiting, "start" if starting else None)
-            raise
+            except KeyboardInterrupt as exc:
+                self._interrupted(exc, waiting, "start" if starting else None)
+                if starting or reading or not self._defer(exc):
+                    self._pending = waiting  # still running: close() treats them as busy
+                    raise
+                # The interrupt may have come just after the wait took a reply's token:
+                # the transport's account of who replied (processes: REQ/ACK) stands.
+                recover = getattr(transport, "recover", None)
+                if recover is not None:
+                    reading = True
+                    for w in recover(waiting):
+                        waiting.remove(w)
+                        transport.read(w, done)
+                if deadline is None:
+                    deadline, graced = time.monotonic() + INTERRUPT_GRACE_S, True
+        if waiting:  # left by the grace's end
+            self._give_up(waiting)
         if done.late and (fail_fast or not transport.replaceable or self.ledger.wait_bound):
             self._pending = done.late  # still running: close() treats them as busy
             self.supervisor.timed_out(done.late, timeout)
@@ -604,6 +735,7 @@ class RoundDriver(Backend):
         # noted in the round and the supervisor rebuilds it.
         fail_fast = self.ledger.policy is None
         reports = _HangReports(self._hang_delay)
+        in_wait = True  # in the wait, where a Ctrl-C undoes the call: nothing was taken
         try:
             while True:
                 # Each pending worker has ``timeout`` seconds from its own send: the wait
@@ -611,7 +743,9 @@ class RoundDriver(Backend):
                 # whatever the others reply meanwhile.
                 deadline = supervisor.deadline(self._pending, timeout)
                 limit, capped = reports.cap(deadline)
+                in_wait = True
                 seen = transport.wait(self._pending, limit, True)
+                in_wait = False
                 done = Round()
                 for w, reason in seen.dead.items():
                     done.crashed[w] = reason
@@ -635,6 +769,12 @@ class RoundDriver(Backend):
                 return supervisor.ready(done, timeout, step)
         except KeyboardInterrupt as exc:
             self._interrupted(exc, self._pending)
+            if in_wait and self._interrupt is None:
+                rewake = getattr(transport, "rewake", None)
+                if rewake is not None:
+                    rewake()
+                exc._envfleet_kept = True  # type: ignore[attr-defined]  # undone, not closed
+                add_note(exc, "envfleet: the wait was undone; the vector env is usable")
             raise
 
     # -- hang reports and Ctrl-C ----------------------------------------------------------------
@@ -663,8 +803,13 @@ class RoundDriver(Backend):
         warn_hang(message, sys._getframe(1))
 
     def _still_busy(self, workers: Sequence[int]) -> list[int]:
-        """The workers of ``workers`` that have not replied (nor died): each asked with a
-        wait whose deadline has passed (what it finds is dropped: the vector env closes)."""
+        """The workers of ``workers`` that have not replied (nor died): the transport's
+        ``busy`` where it has one (it takes nothing: processes, whose waits take a reply's
+        token), else each asked with a wait whose deadline has passed (the in-process
+        transports and Ray: their waits take nothing a later wait would miss)."""
+        probe = getattr(self.transport, "busy", None)
+        if probe is not None:
+            return cast(list[int], probe(list(workers)))
         busy = []
         for w in workers:
             seen = self.transport.wait([w], 0.0, False)
@@ -677,7 +822,7 @@ class RoundDriver(Backend):
     ) -> None:
         """Note on ``exc``, a ``KeyboardInterrupt`` (anything else is left as it is), where
         it came: the env run in this thread whose frame its traceback holds, else the busy
-        ``workers`` with their stacks, taken now (before the vector env closes them). Once
+        ``workers`` with their stacks, taken now (before the round is completed or closed). Once
         per exception; never raises but a second interrupt."""
         if not isinstance(exc, KeyboardInterrupt) or getattr(exc, "_envfleet_noted", False):
             return
@@ -706,11 +851,74 @@ class RoundDriver(Backend):
                 exc,
                 f"envfleet: Ctrl-C interrupted the wait on {noun}s {busy} (sub-environments "
                 f"{envs}){first_at(stacks, busy, noun)}, busy in {what}; their "
-                "stacks, taken before the vector env closed:\n"
-                + busy_blocks(self.ranges, busy, stacks, noun),
+                "stacks, taken at the interrupt:\n" + busy_blocks(self.ranges, busy, stacks, noun),
             )
         except Exception:  # the note is a help: never mask the interrupt
             logger.debug("could not note where the interrupt came", exc_info=True)
+
+    def _defer(self, exc: KeyboardInterrupt) -> bool:
+        """Keep ``exc`` to raise once the interrupted round is complete; ``False`` (and a
+        note) when one is kept already: ``exc`` is a second Ctrl-C, which ends the
+        completion wait (the caller's guard closes the backend)."""
+        first = self._interrupt
+        if first is None:
+            self._interrupt = exc
+            return True
+        self._interrupt = None
+        if exc is not first:
+            add_note(
+                exc,
+                f"envfleet: a second Ctrl-C ended the wait for the interrupted "
+                f"{self._command.name.lower()} to complete; the vector env closed",
+            )
+        return False
+
+    def _give_up(self, waiting: list[int]) -> NoReturn:
+        """The round a Ctrl-C interrupted did not complete within :data:`INTERRUPT_GRACE_S`
+        (``waiting``: the workers still busy): close the backend and raise the interrupt."""
+        exc = cast(KeyboardInterrupt, self._interrupt)
+        self._interrupt = None
+        add_note(
+            exc,
+            f"envfleet: the interrupted {self._command.name.lower()} did not complete within "
+            f"{INTERRUPT_GRACE_S:g} s (INTERRUPT_GRACE_S; step_timeout is None); the vector "
+            "env closed",
+        )
+        self._pending = waiting  # still running: close() treats them as busy
+        self.close(timeout=0, terminate=True)
+        raise exc
+
+    def _deliver(self) -> NoReturn:
+        """Raise the Ctrl-C kept while its round completed: the round is settled, the
+        backend as if the call had returned (``_envfleet_completed``: the front counts it)."""
+        exc = cast(KeyboardInterrupt, self._interrupt)
+        self._interrupt = None
+        exc._envfleet_completed = True  # type: ignore[attr-defined]
+        add_note(
+            exc,
+            f"envfleet: the interrupted {self._command.name.lower()} completed (its results "
+            "dropped); the vector env is usable",
+        )
+        raise exc
+
+    def _ended(self, error: BaseException) -> BaseException:
+        """What a front call ending with ``error`` raises, a Ctrl-C kept or not (the kept one
+        is forgotten). The completed round's envfleet error: a crash or a timeout (the vector
+        env closed) raises the Ctrl-C, the error as its cause, so the learner's ``except
+        KeyboardInterrupt`` still runs; an env error (the vector env usable, the front's
+        bookkeeping needs it) is raised as without the interrupt, noting it."""
+        kept, self._interrupt = self._interrupt, None
+        if kept is None or kept is error or not isinstance(error, EnvfleetError):
+            return error
+        if not self.closed:
+            add_note(error, "envfleet: a Ctrl-C came while this call waited; it ended so")
+            return error
+        add_note(
+            kept,
+            f"envfleet: the interrupted {self._command.name.lower()} did not complete "
+            f"({type(error).__name__}: {error}); the vector env closed",
+        )
+        return kept
 
     # -- starting and replacing workers ---------------------------------------------------------
 

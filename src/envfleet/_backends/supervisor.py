@@ -594,8 +594,11 @@ class Supervisor:
     def guarded(self, call: Callable[..., _T], *args: Any) -> _T:
         """``call(*args)``; shut down if it ends with anything but an envfleet error.
 
-        Interrupted (Ctrl-C) or broken between sending commands to workers and reading their
-        replies, a later call could read a stale reply, so the backend shuts down instead.
+        Broken between sending commands to workers and reading their replies, a later call
+        could read a stale reply, so the backend shuts down instead. A Ctrl-C in a round's
+        wait does not reach here: the round driver completes the round first (see
+        :mod:`envfleet._backends.rounds`); one that does (a second Ctrl-C, one while a
+        reply is read) shuts down.
         """
         try:
             return call(*args)
@@ -744,6 +747,11 @@ class Supervisor:
         else:
             self._kept.update(done.results)
         return self.take_kept()
+
+    def keep(self, results: dict[int, Any]) -> None:
+        """Keep ``results`` (worker -> result) for the next calls: a round completed after a
+        Ctrl-C, whose call raised the interrupt instead of returning them."""
+        self._kept.update(results)
 
     def has_kept(self) -> bool:
         """Whether earlier pool rounds kept results or errors for the next calls."""

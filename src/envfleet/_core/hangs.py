@@ -16,9 +16,9 @@ if any, still decides when to give up). Two watchers, one schedule:
   it (:func:`env_in_frames`).
 
 A ``KeyboardInterrupt`` raised while the learner waits on envs carries a note
-(:func:`add_note`) naming the busy envs and their stacks (:func:`busy_blocks`), taken before
-the vector env closes; in an env run in the calling thread, the env whose frame the
-traceback holds.
+(:func:`add_note`) naming the busy envs and their stacks (:func:`busy_blocks`), taken at the
+interrupt (the round driver then completes the round, :mod:`envfleet._backends.rounds`); in
+an env run in the calling thread, the env whose frame the traceback holds.
 """
 
 from __future__ import annotations

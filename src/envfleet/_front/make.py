@@ -185,7 +185,10 @@ def make(  # type: ignore[misc]  # the overloads stand for its keyword arguments
                 warnings.simplefilter("ignore", envfleet.HangWarning)
 
             A ``KeyboardInterrupt`` (Ctrl-C) while a call waits on envs carries a note
-            (``exc.__notes__``) naming the busy envs and their stacks, whatever this is.
+            (``exc.__notes__``) naming the busy envs and their stacks, whatever this is, and
+            is raised once the interrupted call has completed (a pool's ``recv``: undone),
+            within ``step_timeout`` or 5 s: the vector env stays usable, ``snapshot()``
+            works in the ``except`` block (a second Ctrl-C closes it at once).
         start_timeout: seconds the workers (processes, threads, Ray actors) may take to build
             their envs (default 60); past it the workers are killed (threads are left
             behind, as daemons) and :class:`envfleet.StartTimeoutError` names the envs not

@@ -305,8 +305,8 @@ class FleetVectorEnv(VectorEnv[Any, Any, np.ndarray]):
                 self._stage_actions(actions)
                 try:
                     results = step_round(self.step_timeout, self._steps)
-                except BaseException:
-                    self.closed = self._backend.closed
+                except BaseException as exc:
+                    self._interrupted_step(exc)
                     raise
                 return self._step_outputs(results)
         # step_async then step_wait, with the submit and the wait in one backend call.
@@ -319,11 +319,22 @@ class FleetVectorEnv(VectorEnv[Any, Any, np.ndarray]):
                 results = self._backend.round(
                     _STEP, self._every_group, self.step_timeout, self._steps
                 )
-        except BaseException:
+        except BaseException as exc:
             # A crash, a timeout or an interrupt may have shut the backend down.
-            self.closed = self._backend.closed
+            self._interrupted_step(exc)
             raise
         return self._step_outputs(results)
+
+    def _interrupted_step(self, exc: BaseException) -> None:
+        """A step that raised ``exc``: the vector env is closed if the backend is. A Ctrl-C
+        whose round the backend completed (``_envfleet_completed``, see
+        :mod:`envfleet._backends.rounds`) counts as a step that returned: the step count
+        and the autoreset bookkeeping move on, so the next step goes on from it. Its
+        outputs (infos dropped) ride on the interrupt as ``_envfleet_step``, for the
+        Sampler to act on next."""
+        self.closed = self._backend.closed
+        if not self.closed and getattr(exc, "_envfleet_completed", False):
+            exc._envfleet_step = self._step_outputs({})  # type: ignore[attr-defined]
 
     def step_async(self, actions: Any) -> None:
         """Start a step; collect it with :meth:`step_wait` (gymnasium's AsyncVectorEnv API)."""
@@ -397,8 +408,17 @@ class FleetVectorEnv(VectorEnv[Any, Any, np.ndarray]):
         With a ``restart_policy``, those failures rebuild what failed instead, within the
         policy's budget, and the step returns every env's result (see
         :class:`envfleet.RestartPolicy`); past the budget they raise as above.
+
+        Ctrl-C (``KeyboardInterrupt``) while it waits completes the step, then raises: the
+        vector env stays usable and the next step goes on from the completed one (see
+        docs/concepts/supervision.md).
         """
-        return self._step_outputs(self._wait(AsyncState.WAITING_STEP, "step_wait", timeout))
+        try:
+            results = self._wait(AsyncState.WAITING_STEP, "step_wait", timeout)
+        except BaseException as exc:
+            self._interrupted_step(exc)
+            raise
+        return self._step_outputs(results)
 
     def _step_outputs(
         self, results: dict[int, Any] | None

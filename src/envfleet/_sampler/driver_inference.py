@@ -114,9 +114,17 @@ class DriverInference(Inference):
         version = self.version()
         if not venv.is_pool:
             assert isinstance(recorder, StepLog)
-            self.obs, done = step_and_record(
-                venv, policy, self.obs, version, recorder, self.timers, self.own
-            )
+            try:
+                self.obs, done = step_and_record(
+                    venv, policy, self.obs, version, recorder, self.timers, self.own
+                )
+            except KeyboardInterrupt as exc:
+                # Ctrl-C: the vector env completed the step (envfleet._backends.rounds); its
+                # transition is dropped with this sample, the next acts on its observations.
+                completed = getattr(exc, "_envfleet_step", None)
+                if completed is not None:
+                    self.obs = self.own(completed[0])
+                raise
             return self.ids, np.full(venv.num_envs, version), done
         assert isinstance(recorder, Recorder)
         with self.timers.time("env_step"):

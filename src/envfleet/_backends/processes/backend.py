@@ -39,6 +39,7 @@ import multiprocessing.util  # noqa: F401  (its exit handler, registered first: 
 import os
 import pickle
 import sys
+import time
 import weakref
 from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
@@ -61,6 +62,7 @@ from envfleet._backends.processes.worker import (
     REPLY_BYTES,
     REPLY_PAYLOAD,
     REQ,
+    SLEEP,
     STATUS,
     native_layout,
 )
@@ -91,6 +93,11 @@ logger = logging.getLogger("envfleet")
 
 # The hot path's Enum members as module globals (an Enum member lookup is slow).
 _STEP, _ERROR = Command.STEP, int(Status.ERROR)
+
+
+# The most seconds recover() waits for a worker that replied to sleep on its next command
+# (it does once its spin budget, DEFAULT_SPIN_S, runs out: within milliseconds).
+RECOVER_S = 1.0
 
 
 class ProcessesTransport:
@@ -149,6 +156,10 @@ class ProcessesTransport:
         self.remote = list(range(1 if driver_group else 0, groups))
         self._here = frozenset((0,)) if driver_group else frozenset()
         self.full_round: FullRound | None = None
+        # After a full round whose outcome a Ctrl-C lost, every remote worker can be waited
+        # for again (RoundDriver._fast_round): on the round bell, arrivals and ACKs are in
+        # shared memory and the round takes no token.
+        self.regathers = False
         # A forked worker flushes the stdio buffers it inherits when it exits: flush them
         # here so nothing the driver printed is printed again.
         for stream in (sys.stdout, sys.stderr):
@@ -187,6 +198,7 @@ class ProcessesTransport:
                 first_env.close()
                 first_env = None
             self.full_round = self._bind_full_round()
+            self.regathers = self.full_round is not None and workers.bell is not None
         except EnvFailure as failure:
             self.close(None, True, ())
             raise failure_error(failure) from failure.__cause__
@@ -278,6 +290,61 @@ class ProcessesTransport:
             else:
                 dead[h] = ""
         return Seen(ready, dead) if ready or dead else NOTHING
+
+    def busy(self, workers: list[int]) -> list[int]:
+        """The workers of ``workers`` alive and still running their command: a look that
+        leaves every reply's token where it is (a Ctrl-C's note asks it, and the round goes
+        on after). On the round bell ``REQ`` ahead of ``ACK``; else no token on its done
+        semaphore (one taken is given back: only this thread takes them)."""
+        words, procs, doorbells = self.workers.words, self.workers.procs, self.workers.doorbells
+        busy = []
+        for g in workers:
+            if g in self._here or not procs[g].is_alive():
+                continue
+            if self.workers.bell is not None:
+                if words[g][REQ] != words[g][ACK]:
+                    busy.append(g)
+                continue
+            done = cast(Doorbell, doorbells[g]).done
+            if done.acquire(False):
+                done.release()
+            else:
+                busy.append(g)
+        return busy
+
+    def recover(self, workers: list[int]) -> list[int]:
+        """After a Ctrl-C in a wait on ``workers``: those that replied, each one's done token
+        taken now unless the interrupted wait took it (and lost the news: an interrupt is
+        raised at any bytecode, also just after a take). On the round bell only (else
+        ``[]``: the wait's own account stands): ``ACK`` caught up with ``REQ`` is a reply;
+        its token is posted after the ``ACK`` (R6), so once the worker sleeps on its next
+        command (``SLEEP`` set) or is dead, the token is either there (taken here) or was
+        taken. A full round's replies (``GATHER``) have no token."""
+        if self.workers.bell is None:
+            return []
+        words, procs, doorbells = self.workers.words, self.workers.procs, self.workers.doorbells
+        replied = []
+        for g in workers:
+            w = words[g]
+            if g in self._here or w[REQ] != w[ACK]:
+                continue
+            if not w[GATHER]:
+                done = cast(Doorbell, doorbells[g]).done
+                end = time.monotonic() + RECOVER_S
+                while not done.acquire(False):
+                    if w[SLEEP] or not procs[g].is_alive() or time.monotonic() > end:
+                        done.acquire(False)  # posted before it slept, or taken before
+                        break
+                    time.sleep(0.0002)
+            replied.append(g)
+        return replied
+
+    def rewake(self) -> None:
+        """After a Ctrl-C in a first-ready wait: give back the pool's shared doorbell token,
+        which the wait may have taken before it looked who replied (a spare one only wakes a
+        later wait with nothing new, which waits again)."""
+        if self.workers.any_done is not None:
+            self.workers.any_done.release()
 
     def _gather_wait(
         self,
