@@ -15,14 +15,25 @@ mean of the last 10 training episodes reaches ``--eval-gate`` (half the target b
 greedy policy (argmax of the logits) is evaluated after each update on ``--eval-episodes`` (10)
 episodes with fixed seeds, and training stops when their mean return is ``>= --target``.
 
+Preemption (a scheduler's SIGTERM): with ``--checkpoint PATH`` a SIGTERM ends the run at the
+end of the update in progress, after writing the envs (``sampler.snapshot()``), the agent, its
+optimizer, both generators and the score to PATH; ``--resume PATH`` continues from it, every
+later update bit-identical to the uninterrupted run's (``tests/integration/test_examples.py``
+sends a real SIGTERM and compares the weights' digests).
+
 Run it::
 
     python examples/ppo_cartpole.py --seed 1
+    python examples/ppo_cartpole.py --seed 1 --checkpoint run.ckpt   # kill -TERM it, then:
+    python examples/ppo_cartpole.py --seed 1 --checkpoint run.ckpt --resume run.ckpt
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -90,7 +101,37 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ppo.add_arguments(parser, lr=1e-3, epochs=10)  # --lr, --epochs, --clip...
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     parser.add_argument("--quiet", action="store_true", help="no progress lines")
+    parser.add_argument("--checkpoint", default=None, help="on SIGTERM: save here, then exit")
+    parser.add_argument("--resume", default=None, help="continue from this checkpoint")
+    parser.add_argument("--trace", default=None, help="append each update's digest (JSON)")
     return parser.parse_args(argv)
+
+
+def save(path: str, sampler: Any, agent: Any, learner: Any, policy: Any, state: dict) -> None:
+    """Everything a resumed run needs, written whole (a temporary file renamed over ``path``):
+    the sampler's envs and counters, the weights, Adam's moments, both generators, the score
+    and the loop's counters."""
+    blob = {
+        "sampler": sampler.snapshot(),
+        "agent": agent.state_dict(),
+        "optimizer": learner.optimizer.state_dict(),
+        "policy_rng": policy.generator.get_state(),
+        "shuffle_rng": learner.shuffle.get_state(),
+        **state,
+    }
+    torch.save(blob, path + ".tmp")
+    os.replace(path + ".tmp", path)
+
+
+def load(path: str, agent: Any, learner: Any, policy: Any) -> dict:
+    """A checkpoint of :func:`save` put back into ``agent``, ``learner`` and ``policy``;
+    returns the rest (the sampler's snapshot, the score, the counters)."""
+    blob = torch.load(path, weights_only=False)  # a file this script wrote
+    agent.load_state_dict(blob.pop("agent"))
+    learner.optimizer.load_state_dict(blob.pop("optimizer"))
+    policy.generator.set_state(blob.pop("policy_rng"))
+    learner.shuffle.set_state(blob.pop("shuffle_rng"))
+    return blob
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -120,6 +161,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     returns = ppo.EpisodeReturns(args.num_envs, window=20)
     result: dict[str, Any] = {"reached": False, "eval_return": float("nan"), "seed": args.seed}
 
+    first, steps, resumed = 1, 0, None
+    if args.resume:
+        resumed = load(args.resume, agent, learner, policy)
+        first, steps, returns = resumed["update"] + 1, resumed["steps"], resumed["returns"]
+    preempted: list[int] = []  # a SIGTERM: the run stops after the update in progress
+    if args.checkpoint:
+        signal.signal(signal.SIGTERM, lambda signum, frame: preempted.append(signum))
     sampler = envfleet.Sampler(
         ENV_ID,
         policy,
@@ -129,11 +177,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         backend=args.backend,
         progress=False,
         prefetch=args.prefetch,
+        resume=None if resumed is None else resumed["sampler"],
     )
-    steps = 0
     start = time.perf_counter()
+    update = first - 1
     try:
-        for update in range(1, num_updates + 1):
+        for update in range(first, num_updates + 1):
             lr = config.lr((update - 1) / num_updates)
             batch = sampler.sample(batch_steps)
             steps += batch.num_steps
@@ -157,8 +206,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     reached = result["eval_return"] >= args.target
                     line += f"  eval return {result['eval_return']:6.1f}"
             log(f"{line}  {time.perf_counter() - start:6.1f} s")
+            if args.trace:
+                with open(args.trace, "a") as f:
+                    record = {"update": update, "digest": learner.digest(), "steps": steps}
+                    f.write(json.dumps({**record, "train_return": train_return}) + "\n")
             if reached:
                 result["reached"] = True
+                break
+            if preempted:
+                state = {"update": update, "steps": steps, "returns": returns}
+                save(args.checkpoint, sampler, agent, learner, policy, state)
+                log(f"preempted: saved to {args.checkpoint} after update {update}")
+                result["preempted"] = update
                 break
     finally:
         sampler.close()
