@@ -36,7 +36,14 @@ def _drive_pool(envs: Any, max_rounds: int, seconds: float) -> int:
 @pytest.mark.backends(processes=True)
 def test_pool_reports_a_dead_worker(how: str, backend: Any, make_env: Any, snapshot: Any) -> None:
     """Issue 17 item 1: the pool kept serving the other envs and never reported env 3."""
-    envs = make_env(fault_factory({3: (how, 5)}), 4, **backend.options, batch_size=2, num_workers=4)
+    envs = make_env(
+        fault_factory({3: (how, 5)}),
+        4,
+        **backend.options,
+        batch_size=2,
+        num_workers=4,
+        restart_policy=None,  # fail fast: the report itself is under test
+    )
     with pytest.raises(envfleet.EnvCrashedError) as info:
         _drive_pool(envs, max_rounds=2000, seconds=30)
     err = info.value

@@ -365,7 +365,8 @@ def test_every_failure_is_reported_from_another_node_as_from_the_drivers(
     err = info.value
     assert err.env_indices == [far] and list(err.stacks) == [far], str(err)
     assert innermost(err.stacks[far]) == f"{sleep_line} in step", err.stacks
-    assert f"at {sleep_line} in step" in str(err) and "budget exhausted" in str(err), str(err)
+    # a step_wait(timeout=) of the caller's raises whatever the restart policy's budget
+    assert f"at {sleep_line} in step" in str(err), str(err)
     [hung] = err.replay.envs
     assert err.replay.kind == "hang" and hung.env_index == far and hung.complete
     assert hung.steps == 6, hung  # the env's 6 steps since it was built, the hang's included

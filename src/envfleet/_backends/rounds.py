@@ -326,38 +326,37 @@ class RoundDriver(Backend):
         """See :meth:`Backend.collect`. A Ctrl-C in the wait completes the round, then raises
         (the module's docstring)."""
         stepped = self._command is _STEP
-        try:
-            results = self.supervisor.guarded(self._collect, timeout, step)
-            if stepped and self._recycler is not None and self._interrupt is None:
-                self._recycle_due(step)
-        except BaseException as error:
-            raised = self._ended(error)
-            if raised is error:
-                raise
-            raise raised from error
-        if self._interrupt is not None:
-            self._deliver()
-        return results
+        return self._completed(self.supervisor.guarded, (self._collect, timeout, step), stepped)
 
     def round(
         self, command: Command, payloads: Mapping[int, Any], timeout: float | None, step: int
     ) -> dict[int, Any]:
         """See :meth:`Backend.round`; a Ctrl-C in its wait completes it, then raises (the
         module's docstring); one inside an env run in this thread closes the backend."""
+        return self._completed(self._round_of, (command, payloads, timeout, step), command is _STEP)
+
+    def _round_of(
+        self, command: Command, payloads: Mapping[int, Any], timeout: float | None, step: int
+    ) -> dict[int, Any]:
+        """:meth:`round`'s round: the C one for a plain step where it applies, else Python's."""
+        if (
+            command is _STEP
+            and self._full_round is not None
+            and not self._pending
+            and len(payloads) == self._num_workers
+        ):
+            results = self._fast_round(timeout, step, True)
+            return {} if results is None else results
+        return self._any_round(command, payloads, timeout, step)
+
+    def _completed(self, run: Callable[..., dict[int, Any]], args: tuple, stepped: bool) -> Any:
+        """``run(*args)`` (a round, or its collection; its last argument the step count), then
+        the recycler's look after a step round; a Ctrl-C it completed is raised once it
+        returned (:meth:`_deliver`), and what ends it is raised as :meth:`_ended` says."""
         try:
-            if (
-                command is _STEP
-                and self._full_round is not None
-                and not self._pending
-                and len(payloads) == self._num_workers
-            ):
-                results = self._fast_round(timeout, step, True)
-                if results is None:
-                    results = {}
-            else:
-                results = self._any_round(command, payloads, timeout, step)
-            if command is _STEP and self._recycler is not None and self._interrupt is None:
-                self._recycle_due(step)
+            results = run(*args)
+            if stepped and self._recycler is not None and self._interrupt is None:
+                self._recycle_due(args[-1])
         except BaseException as error:
             raised = self._ended(error)
             if raised is error:

@@ -231,6 +231,9 @@ class Ledger:
         # raises StepTimeoutError, as gymnasium's AsyncVectorEnv raises, whatever the policy;
         # the policy restarts workers past step_timeout.
         self.wait_bound = False
+        # The vector env is closing (the front sets it): a failure while pending calls finish
+        # is not restarted, the workers go anyway.
+        self.closing = False
         # The last failures a restart policy survived, each the error it would have raised.
         self.failures: collections.deque[EnvfleetError] = collections.deque(maxlen=FAILURES_KEPT)
 
@@ -251,7 +254,7 @@ class Ledger:
 
     def restarts_on(self, command: Command) -> bool:
         """Whether a failure of ``command`` is restarted under the policy (:data:`RESTARTABLE`)."""
-        return self.policy is not None and command in RESTARTABLE
+        return self.policy is not None and not self.closing and command in RESTARTABLE
 
     def refusal(
         self,

@@ -891,14 +891,7 @@ def catch_up_envs(
     same ``actions`` (one per env), as the old worker would have. Returns the step's info
     events (the group's :meth:`~envfleet._core.envgroup.EnvGroup.step_only`)."""
     recordings, actions, done, lost = argument
-    for j, (env, r) in enumerate(zip(group.envs, recordings, strict=True)):
-        if j not in lost:
-            _begin(env, cast(tuple, r.start))
-            for action in r.actions:
-                env.step(action)
-    if group.action_log is not None:
-        group.action_log.restore(recordings)
-    group.resume_autoreset(done)
+    _bring_back(group, recordings, done, lost)
     return group.step_only(actions, [j for j in range(group.size) if j not in lost])
 
 
@@ -921,10 +914,20 @@ def restore_envs(group: Any, argument: tuple[list[EnvRecording], list[bool]]) ->
     ended its episode (with NEXT_STEP its next step resets it). Nothing is written to the
     batch's rows."""
     recordings, done = argument
-    for env, r in zip(group.envs, recordings, strict=True):
-        _begin(env, cast(tuple, r.start))
-        for action in r.actions:
-            env.step(action)
+    _bring_back(group, recordings, done, ())
+
+
+def _bring_back(
+    group: Any, recordings: list[EnvRecording], done: list[bool], skip: Sequence[int]
+) -> None:
+    """Run each env of ``group`` but ``skip`` (local indices) through its recorded episode
+    from its start (or checkpoint), continue the group's record with ``recordings`` and set
+    its autoreset flags (``done``)."""
+    for j, (env, r) in enumerate(zip(group.envs, recordings, strict=True)):
+        if j not in skip:
+            _begin(env, cast(tuple, r.start))
+            for action in r.actions:
+                env.step(action)
     if group.action_log is not None:
         group.action_log.restore(recordings)
     group.resume_autoreset(done)

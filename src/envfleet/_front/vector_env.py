@@ -829,6 +829,7 @@ class FleetVectorEnv(VectorEnv[Any, Any, np.ndarray]):
                 f"Calling `close` while waiting for a pending call to `{self._state.value}` "
                 "to complete."
             )
+        self._backend.ledger.closing = True  # nothing is restarted on the way out
         if self._state is not AsyncState.DEFAULT and not terminate:
             try:
                 self._wait(self._state, "close", timeout if timeout is not None else 5.0)
