@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import numbers
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 from envfleet._core.cores import usable_memory
 from envfleet._core.errors import ConfigError
@@ -95,6 +95,11 @@ class Recycling(Protocol):
         (``None`` if unknown)."""
         ...
 
+    def memory(self) -> list[int | None] | None:
+        """Per worker its resident memory in bytes as last sampled (``None`` if unknown),
+        without a look at the logs; ``None`` where only :meth:`counters` tells."""
+        ...
+
 
 @dataclass
 class _Life:
@@ -124,6 +129,8 @@ class Recycler:
         if self._rounds < CHECK_EVERY:
             return []
         self._rounds = 0
+        if self._memory_only():
+            return []
         ready = []
         looks = self.driver.counters()
         for w, life in enumerate(self.lives):
@@ -142,6 +149,19 @@ class Recycler:
             if bool((starts >= life.drain_from).all()) and steps > life.drain_from:
                 ready.append(w)
         return ready
+
+    def _memory_only(self) -> bool:
+        """Whether a look at the workers' memory alone says none is due: a policy of
+        ``max_rss_mb`` only (the default's), no worker draining and every one under the
+        limit; then the logs are not read (the default's look costs a list of samples)."""
+        policy = self.policy
+        if policy.max_episodes is not None or policy.max_steps is not None:
+            return False
+        if any(life.drain_from is not None for life in self.lives):
+            return False
+        memory = self.driver.memory()
+        limit = cast(float, policy.max_rss_mb) * 2**20
+        return memory is not None and all(rss is None or rss < limit for rss in memory)
 
     def _past(self, w: int, life: _Life, steps: int, episodes: int, rss: int | None) -> str | None:
         policy = self.policy

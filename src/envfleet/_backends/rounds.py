@@ -1014,6 +1014,15 @@ class RoundDriver(Backend):
             return cast(list[tuple[tuple[int, int, Any] | None, int | None]], read())
         return [(transport.log_head(w), transport.rss(w)) for w in range(len(self.ranges))]
 
+    def memory(self) -> list[int | None] | None:
+        """Per worker its resident memory as last sampled (the transport's ``rss``: processes),
+        for the recycler's look without the logs; ``None`` where the transport has none
+        (Ray: its nodes' helpers answer :meth:`counters`)."""
+        rss = getattr(self.transport, "rss", None)
+        if rss is None or getattr(self.transport, "counters", None) is not None:
+            return None
+        return [rss(w) for w in range(len(self.ranges))]
+
     def worker_memory(self) -> tuple[WorkerMemory, ...]:
         read = getattr(self.transport, "worker_memory", None)
         return read() if read is not None else ()

@@ -599,6 +599,9 @@ class ActionLog:
         self._starts = self.starts.data
         self._start_bytes = self.start_bytes.data
         self._slots = self.slots.data.cast("B")
+        self._prev_starts = self.prev_starts.data
+        self._prev_start_bytes = self.prev_start_bytes.data
+        self._prev_slots = self.prev_slots.data.cast("B")
         # record()'s byte copy: the array it was last given, when a row of the ring is the
         # same bytes (dtype, shape, both contiguous), with their memoryviews.
         self._source: Any = None
@@ -716,14 +719,15 @@ class ActionLog:
             except Exception:
                 blob = b""
         self._header[_EPISODES] += 1
-        kept = int(self.start_bytes[j])  # the episode before this one, kept (before_step)
-        self.prev_starts[j], self.prev_start_bytes[j] = self._starts[j], kept
+        kept = self._start_bytes[j]  # the episode before this one, kept (before_step)
+        self._prev_starts[j] = self._starts[j]
+        self._prev_start_bytes[j] = kept
+        at = j * SLOT_BYTES
         if kept > 0:
-            self.prev_slots[j, :kept] = self.slots[j, :kept]
+            self._prev_slots[at : at + kept] = self._slots[at : at + kept]
         self._starts[j] = self._header[_N]
         size = len(blob)
         if 0 < size <= SLOT_BYTES:
-            at = j * SLOT_BYTES
             self._slots[at : at + size] = blob
             self._start_bytes[j] = size
         else:
