@@ -119,16 +119,18 @@ class Recycler:
         self.policy = policy
         self.driver = driver
         self.lives = [_Life() for _ in driver.ranges]
-        self._rounds = 0
+        # Step rounds to go before the next look (the plain step counts it down in place,
+        # RoundDriver.step_round: no call a round).
+        self.countdown = CHECK_EVERY
         self._warned: set[int] = set()
 
     def due(self) -> list[int]:
         """After a step round: the workers to recycle now (each past a limit, and each of its
-        envs in an episode begun since)."""
-        self._rounds += 1
-        if self._rounds < CHECK_EVERY:
+        envs in an episode begun since), looked at once every :data:`CHECK_EVERY` rounds."""
+        self.countdown -= 1
+        if self.countdown > 0:
             return []
-        self._rounds = 0
+        self.countdown = CHECK_EVERY
         if self._memory_only():
             return []
         ready = []

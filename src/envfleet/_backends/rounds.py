@@ -373,8 +373,12 @@ class RoundDriver(Backend):
         looked at after it), else through :meth:`round`."""
         if self._full_round is not None and not self._pending:
             fast = self._fast_round(timeout, step, True)
-            if self._recycler is not None:
-                self._recycle_due(step)
+            recycler = self._recycler
+            if recycler is not None:  # its countdown here, its look every CHECK_EVERY rounds
+                if recycler.countdown > 1:
+                    recycler.countdown -= 1
+                else:
+                    self._recycle_due(step)
             return fast
         results = self.round(_STEP, self._every_group, timeout, step)
         return results if any(results.values()) else None
