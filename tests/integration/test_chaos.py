@@ -53,3 +53,24 @@ def test_a_short_chaos_soak_loses_nothing() -> None:
         assert got == (of if kind != "kill" else "0"), shown  # a SIGKILL is not the env's
     assert not any(result.left.values()), shown
     assert result.ok, shown
+
+
+def test_a_short_chaos_soak_under_the_defaults_loses_nothing() -> None:
+    """``--defaults``: make()'s defaults, no option set (no policy, recycling or timeout
+    given): segfaults and SIGKILLs are restarted by the default policy, snapshots resume,
+    and no step is lost."""
+    config = chaos.ChaosConfig(
+        minutes=0.15,
+        p_segfault=2e-5,
+        kill_every=3.0,
+        snapshot_every=4.0,
+        replays_per_kind=1,
+        defaults=True,
+    )
+    result = chaos.chaos(config, log=lambda *args: None)
+    shown = chaos.table(result, config)
+    assert result.steps_lost == 0, shown
+    assert "kill" in result.injected and result.snapshots >= 1, shown
+    assert set(result.injected) <= {"kill", "segfault"}, shown  # nothing raises or hangs
+    assert not any(result.left.values()), shown
+    assert result.ok, shown
