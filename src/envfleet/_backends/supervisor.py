@@ -385,7 +385,7 @@ def warn_restarted(error: EnvfleetError, lost: list[int], block: list[int]) -> N
     if len(lost) == 1:
         ends = f"sub-environment {lost[0]} starts a new episode"
         if kept:
-            ends += f" (its worker was inside it); {kept} continue exactly"
+            ends += f"; {kept} continue exactly"
     else:
         ends = f"sub-environments {lost} start a new episode"
     replay = (
