@@ -358,10 +358,7 @@ class RoundDriver(Backend):
             if stepped and self._recycler is not None and self._interrupt is None:
                 self._recycle_due(args[-1])
         except BaseException as error:
-            raised = self._ended(error)
-            if raised is error:
-                raise
-            raise raised from error
+            self._raise_ended(error)
         if self._interrupt is not None:
             self._deliver()
         return results
@@ -463,10 +460,7 @@ class RoundDriver(Backend):
         except BaseException as error:
             if not getattr(error, "_envfleet_kept", False):
                 self.supervisor.abandon(error)
-            raised = self._ended(error)
-            if raised is error:
-                raise
-            raise raised from error
+            self._raise_ended(error)
         if self._interrupt is not None:
             self.supervisor.keep(results)
             self._deliver()
@@ -592,10 +586,7 @@ class RoundDriver(Backend):
             results = self._finish_full_round(outcome, timeout, step, ring, started)
         except BaseException as exc:
             self.supervisor.abandon(exc)
-            raised = self._ended(exc)
-            if raised is exc:
-                raise
-            raise raised from exc
+            self._raise_ended(exc)
         if self._interrupt is not None:
             self._deliver()
         return results
@@ -904,6 +895,14 @@ class RoundDriver(Backend):
         )
         raise exc
 
+    def _raise_ended(self, error: BaseException) -> NoReturn:
+        """Raise what a front call ending with ``error`` raises (:meth:`_ended`): ``error``
+        itself, or the kept Ctrl-C with ``error`` as its cause."""
+        raised = self._ended(error)
+        if raised is error:
+            raise error
+        raise raised from error
+
     def _ended(self, error: BaseException) -> BaseException:
         """What a front call ending with ``error`` raises, a Ctrl-C kept or not (the kept one
         is forgotten). The completed round's envfleet error: a crash or a timeout (the vector
@@ -1048,16 +1047,8 @@ class RoundDriver(Backend):
         except EnvfleetError:  # a new worker could not start: give up
             self.close(timeout=0, terminate=True)
             raise
-        start, stop = self.ranges[w]
-        batch = self.batch
-        ended = (batch.terminations[start:stop] | batch.truncations[start:stop]).tolist()
-        request = TaskRequest(restore_envs, (recordings, ended))
-        try:
-            done = self._side_round(_TASK, {w: request}, self._start_timeout, step)
-        except StepTimeoutError as exc:
-            raise self._late_start(exc, self._start_timeout, "brought up to date") from None
-        if done.failures:
-            self.supervisor.broken(self.env_error(w, done.failures[w], "recycling its worker"))
+        request = TaskRequest(restore_envs, (recordings, self._ended_episodes(w)))
+        self._bring_up(w, request, step, "recycling its worker")
         self.ledger.recycled += 1
         recycler.recycled(w, self.log_head(w))
 
@@ -1113,8 +1104,7 @@ class RoundDriver(Backend):
             r.complete for r in recordings if r.env_index != env
         ):
             return everything, None
-        batch = self.batch
-        done = (batch.terminations[start:stop] | batch.truncations[start:stop]).tolist()
+        done = self._ended_episodes(w)
         return [env], TaskRequest(catch_up_envs, (recordings, actions, done, [env - start]))
 
     def catch_up(self, w: int, request: TaskRequest, step: int) -> list[Any] | None:
@@ -1125,13 +1115,31 @@ class RoundDriver(Backend):
             StartTimeoutError: past ``start_timeout`` (the vector env closed).
             EnvError: an env raised in it (the vector env closed).
         """
+        return cast(list[Any] | None, self._bring_up(w, request, step, "bringing its envs back"))
+
+    def _bring_up(self, w: int, request: TaskRequest, step: int, doing: str) -> Any:
+        """Run ``request`` (a task that brings a new worker's envs up to date: a recycled
+        worker's, a replacement's catch-up) on worker ``w`` within ``start_timeout``, part of
+        building it; its result. ``doing``: what the error says was under way.
+
+        Raises:
+            StartTimeoutError: past ``start_timeout`` (the vector env closed).
+            EnvError: an env raised in it (the vector env closed).
+        """
         try:
             done = self._side_round(_TASK, {w: request}, self._start_timeout, step)
         except StepTimeoutError as exc:
             raise self._late_start(exc, self._start_timeout, "brought up to date") from None
         if done.failures:
-            self.supervisor.broken(self.env_error(w, done.failures[w], "bringing its envs back"))
-        return cast(list[Any] | None, done.results.get(w))
+            self.supervisor.broken(self.env_error(w, done.failures[w], doing))
+        return done.results.get(w)
+
+    def _ended_episodes(self, w: int) -> list[bool]:
+        """Per env of worker ``w``, whether its last step ended its episode (its rows' flags:
+        a step in which a worker died or hung wrote none of them)."""
+        start, stop = self.ranges[w]
+        batch = self.batch
+        return (batch.terminations[start:stop] | batch.truncations[start:stop]).tolist()
 
     def restart_envs(self, requests: dict[int, Any], timeout: float | None, step: int) -> Round:
         return self._side_round(_RESTART, requests, timeout, step)
