@@ -3,7 +3,8 @@
 Three synthetic envs whose step waits as a step that talks to an external simulator does
 (``time.sleep`` stands for the simulator: the process uses no CPU and releases the GIL):
 
-- ``wait``: each step sleeps 5 ms;
+- ``wait``: each step sleeps ``--wait-ms`` (5 ms by default; 20 ms for the remote-simulator
+  targets at x64, x256 and x1,024);
 - ``straggler``: each step sleeps 0.2 ms, and one step in 20 (drawn from the env's seeded RNG)
   8 ms: a simulator that mostly answers fast but sometimes stalls;
 - ``mixed``: each step computes for 0.5 ms (a busy loop in Python), then sleeps 2 ms.
@@ -22,18 +23,31 @@ Systems, side by side in one run (the order rotates between repetitions):
 - ``envfleet-pool-per-env`` (``straggler`` only): the same pool with ``num_workers=n``.
 
 The synchronous systems are stepped with zero actions; rates are env steps per second summed
-over the envs. The table gives each system's median steps/s, its ratio to ``gym-async`` and to
-``envfleet-per-env`` (medians of the per-repetition ratios), and what envfleet's workers found
-(``envs.stats.env_kind``, and how many of them stepped their envs all at once at the end).
+over the envs, counted from ``reset`` (``--warmup 0``, the default: whatever the workers take
+to learn their envs is in the figure). The table gives each system's median steps/s; its
+ratio to the physical bound (``× bound``: ``N / t_wait`` for ``wait``; ``N`` over the mean
+step, 0.59 ms, for ``straggler``; for ``mixed`` the smaller of ``N / 2.5 ms`` and the CPU bound,
+usable cores / 0.5 ms); its ratios to ``gym-async`` and to ``envfleet-per-env`` (or, for the
+pools, ``envfleet-pool-per-env``: medians of the per-repetition ratios); the memory of its
+process tree (PSS summed over the learner and every worker, GiB, at the end of the last
+repetition); and what envfleet's workers found (``envs.stats.env_kind``, and how many of them
+stepped their envs all at once at the end). ``gym-async`` is left out above
+``--gym-async-max`` envs (256): a process per env, it needs about 33 GiB at x1,024.
 
 Run: ``python benchmarks/waiting.py`` (about 4 minutes on 2 cores), ``--quick`` for a look
 (0.5 s per measurement, 1 repetition); results go to ``benchmarks/results/waiting.{md,json}``
-(``--out NAME``).
+(``--out NAME``). The issue's targets::
+
+    python benchmarks/waiting.py --envs wait --wait-ms 20 --num-envs 64 256 1024 \
+        --systems gym-async envfleet --seconds 12 --out waiting-20ms
+    python benchmarks/waiting.py --envs wait --num-envs 16 64 --systems gym-async envfleet
+    python benchmarks/waiting.py --envs straggler mixed --num-envs 16 64
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -46,6 +60,7 @@ from typing import Any
 
 import gymnasium
 import numpy as np
+import psutil
 from gymnasium import spaces
 
 import envfleet
@@ -66,10 +81,10 @@ class WaitingEnv(gymnasium.Env[np.ndarray, np.int64]):
     """A step that waits (``time.sleep``) as one that talks to a simulator does; see the
     module docstring for ``kind``."""
 
-    def __init__(self, kind: str = "wait"):
+    def __init__(self, kind: str = "wait", wait_s: float = 0.005):
         if kind not in ENVS:
             raise ValueError(f"kind must be one of {ENVS}, got {kind!r}")
-        self.kind = kind
+        self.kind, self.wait_s = kind, wait_s
         self.observation_space = spaces.Box(-1.0, 1.0, (4,), np.float32)
         self.action_space = spaces.Discrete(2)
 
@@ -80,7 +95,7 @@ class WaitingEnv(gymnasium.Env[np.ndarray, np.int64]):
     def step(self, action: Any) -> Any:
         rng = self.np_random
         if self.kind == "wait":
-            time.sleep(0.005)
+            time.sleep(self.wait_s)
         elif self.kind == "straggler":
             time.sleep(0.008 if rng.random() < 0.05 else 0.0002)
         else:  # mixed: 0.5 ms of CPU, then 2 ms waiting
@@ -120,6 +135,25 @@ def _pool_rate(envs: Any, seconds: float, warmup: float) -> float:
     return steps / (time.perf_counter() - start)
 
 
+def bound(kind: str, n: int, wait_s: float) -> float:
+    """The physical limit of ``n`` envs of ``kind``, env steps/s (module docstring)."""
+    if kind == "wait":
+        return n / wait_s
+    if kind == "straggler":
+        return n / (0.95 * 0.0002 + 0.05 * 0.008)
+    return min(n / 0.0025, envfleet.usable_cores() / 0.0005)
+
+
+def tree_gib() -> float:
+    """PSS of this process and all its children, GiB (shared pages counted once)."""
+    me = psutil.Process()
+    total = 0
+    for proc in [me, *me.children(recursive=True)]:
+        with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
+            total += proc.memory_full_info().pss
+    return total / 2**30
+
+
 def _found(envs: Any) -> str:
     """What envfleet's workers found: the env kind and how many step all at once."""
     workers = envs.stats.workers
@@ -127,21 +161,25 @@ def _found(envs: Any) -> str:
     return f"{envs.stats.env_kind}, {at_once}/{len(workers)} at once"
 
 
-def systems(kind: str, n: int) -> dict[str, Callable[[float, float], tuple[float, str]]]:
-    """Each system's measurement: ``(seconds, warmup) -> (steps/s, what the workers found)``."""
+Measure = Callable[[float, float], tuple[float, str, float]]
+
+
+def systems(kind: str, n: int, wait_s: float = 0.005) -> dict[str, Measure]:
+    """Each system's measurement: ``(seconds, warmup) -> (steps/s, what the workers found,
+    the process tree's GiB)``."""
 
     def env_fn() -> WaitingEnv:
-        return WaitingEnv(kind)
+        return WaitingEnv(kind, wait_s)
 
-    def gym_async(seconds: float, warmup: float) -> tuple[float, str]:
+    def gym_async(seconds: float, warmup: float) -> tuple[float, str, float]:
         envs = gymnasium.vector.AsyncVectorEnv([env_fn] * n, shared_memory=True)
         try:
-            return _sync_rate(envs, n, seconds, warmup), ""
+            return _sync_rate(envs, n, seconds, warmup), "", tree_gib()
         finally:
             envs.close()
 
-    def fleet(stepping: str = "auto", **kwargs: Any) -> Callable[[float, float], tuple[float, str]]:
-        def run(seconds: float, warmup: float) -> tuple[float, str]:
+    def fleet(stepping: str = "auto", **kwargs: Any) -> Measure:
+        def run(seconds: float, warmup: float) -> tuple[float, str, float]:
             before = os.environ.get("ENVFLEET_STEPPING")
             os.environ["ENVFLEET_STEPPING"] = stepping  # read by the workers as they start
             try:
@@ -156,7 +194,7 @@ def systems(kind: str, n: int) -> dict[str, Callable[[float, float], tuple[float
                     rate = _pool_rate(envs, seconds, warmup)
                 else:
                     rate = _sync_rate(envs, n, seconds, warmup)
-                return rate, _found(envs)
+                return rate, _found(envs), tree_gib()
 
         return run
 
@@ -177,25 +215,33 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--envs", nargs="+", choices=ENVS, default=list(ENVS))
     parser.add_argument("--num-envs", nargs="+", type=int, default=[16, 64])
     parser.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
+    parser.add_argument("--wait-ms", type=float, default=5.0, help="the wait env's sleep")
+    parser.add_argument("--gym-async-max", type=int, default=256, help="most envs for gym-async")
     parser.add_argument("--seconds", type=float, default=2.0)
-    parser.add_argument("--warmup", type=float, default=0.5)
+    parser.add_argument("--warmup", type=float, default=0.0, help="seconds not counted")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="0.5 s per measurement, 1 repeat")
     parser.add_argument("--out", default="waiting")
     args = parser.parse_args(argv)
     if args.quick:
-        args.seconds, args.warmup, args.repeats = 0.5, 0.2, 1
+        args.seconds, args.repeats = 0.5, 1
+    wait_s = args.wait_ms / 1e3
     rows = []
     for kind in args.envs:
         for n in args.num_envs:
-            table = {k: v for k, v in systems(kind, n).items() if k in args.systems}
+            table = {
+                k: v
+                for k, v in systems(kind, n, wait_s).items()
+                if k in args.systems and not (k == "gym-async" and n > args.gym_async_max)
+            }
             rates: dict[str, list[float]] = {name: [] for name in table}
             found: dict[str, str] = {}
+            gib: dict[str, float] = {}
             for r in range(args.repeats):
                 names = list(table)
                 names = names[r % len(names) :] + names[: r % len(names)]  # rotate the order
                 for name in names:
-                    rate, seen = table[name](args.seconds, args.warmup)
+                    rate, seen, gib[name] = table[name](args.seconds, args.warmup)
                     rates[name].append(rate)
                     found[name] = seen
                 print(kind, n, r, {k: round(v[-1]) for k, v in rates.items()}, file=sys.stderr)
@@ -207,8 +253,11 @@ def main(argv: list[str] | None = None) -> int:
                     "steps_per_s": statistics.median(rates[name]),
                     "runs": rates[name],
                     "found": found[name],
+                    "x_bound": statistics.median(rates[name]) / bound(kind, n, wait_s),
+                    "tree_gib": gib[name],
                 }
-                for ref, key in (("gym-async", "x_gym_async"), ("envfleet-per-env", "x_per_env")):
+                per_env = "envfleet-pool-per-env" if "pool" in name else "envfleet-per-env"
+                for ref, key in (("gym-async", "x_gym_async"), (per_env, "x_per_env")):
                     if ref in rates:
                         row[key] = statistics.median(
                             a / b for a, b in zip(rates[name], rates[ref], strict=True)
@@ -221,17 +270,20 @@ def main(argv: list[str] | None = None) -> int:
         "",
         f"`{command}` on {os.cpu_count()} cores ({envfleet.usable_cores()} usable), Python "
         f"{platform.python_version()}, envfleet {envfleet.__version__}, gymnasium "
-        f"{gymnasium.__version__}; medians of {args.repeats} runs of {args.seconds:g} s.",
+        f"{gymnasium.__version__}; medians of {args.repeats} runs of {args.seconds:g} s "
+        f"counted from reset after {args.warmup:g} s; wait {args.wait_ms:g} ms.",
         "",
-        "| env | n | system | steps/s | × gym-async | × per-env | workers found |",
-        "|---|---:|---|---:|---:|---:|---|",
+        "| env | n | system | steps/s | × bound | × gym-async | × per-env | tree GiB | "
+        "workers found |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---|",
     ]
     for row in rows:
         x_gym = f"{row['x_gym_async']:.2f}" if "x_gym_async" in row else "-"
         x_per = f"{row['x_per_env']:.2f}" if "x_per_env" in row else "-"
         lines.append(
             f"| {row['env']} | {row['num_envs']} | {row['system']} | {row['steps_per_s']:,.0f} "
-            f"| {x_gym} | {x_per} | {row['found'] or '-'} |"
+            f"| {row['x_bound']:.2f} | {x_gym} | {x_per} | {row['tree_gib']:.2f} "
+            f"| {row['found'] or '-'} |"
         )
     text = "\n".join(lines) + "\n"
     print(text)

@@ -18,6 +18,7 @@ import signal
 import warnings
 from typing import Any
 
+import gymnasium
 import numpy as np
 import pytest
 from gymnasium.vector import AutoresetMode
@@ -234,3 +235,31 @@ def test_the_default_budget_fails_a_crash_loop() -> None:
     assert envfleet.RestartPolicy() == envfleet.RestartPolicy(10, 60.0)
     with pytest.raises(envfleet.EnvCrashedError, match="restart budget exhausted"):
         _run(fault_at("CartPole-v1", 3, "exit", 1), 40)
+
+
+class _SharedSimulator(gymnasium.Wrapper):  # type: ignore[type-arg]
+    """CartPole behind a connection that every env loses at once: each env raises
+    ``ConnectionError`` in its ``lost_at``-th step since it was built (a simulator that all
+    the envs talk to, gone)."""
+
+    def __init__(self, lost_at: int = 5):
+        super().__init__(gymnasium.make("CartPole-v1"))
+        self.lost_at, self._steps = lost_at, 0
+
+    def step(self, action: Any) -> Any:
+        self._steps += 1
+        if self._steps == self.lost_at:
+            raise ConnectionError("the shared simulator is gone")
+        return self.env.step(action)
+
+
+def test_a_round_that_loses_every_env_is_one_restart() -> None:
+    """All 8 envs lose their connection in the same step: one fault, one restart of the
+    budget (``RestartPolicy(1, 60)`` grants it), every env rebuilt; the same again 5 steps
+    later is a second one, past the budget: it raises, naming the budget."""
+    got, warned, stats = _run(_SharedSimulator, 7, restart_policy=envfleet.RestartPolicy(1, 60))
+    assert all(got[5][4]["env_restarted"]) and all(got[5][3])  # truncated, restarted
+    assert stats.env_errors == NUM_ENVS and stats.restarts >= 1 and warned
+    with pytest.raises(envfleet.EnvError, match="restart budget exhausted") as info:
+        _run(_SharedSimulator, 12, restart_policy=envfleet.RestartPolicy(1, 60))
+    assert isinstance(info.value, ConnectionError)

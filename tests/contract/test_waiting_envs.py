@@ -76,6 +76,19 @@ def test_waiting_envs_in_process_match_sync_vector_env(make_env: Any, backend: A
     assert not any(w.concurrent_steps for w in envs.stats.workers)
 
 
+@pytest.mark.backends("ray")
+def test_waiting_envs_on_ray_actors_are_stepped_at_once(make_env: Any, backend: Any) -> None:
+    """Each Ray actor's group learns its envs wait and steps them at once from the first
+    round, as a processes worker does; the batches stay SyncVectorEnv's."""
+    envs = make_env(WaitingEnv, NUM_ENVS, **backend.options, num_workers=2)
+    sync = SyncVectorEnv(sync_factories(WaitingEnv, NUM_ENVS))
+    try:
+        run_lockstep(envs, sync, steps=20, seed=3)
+    finally:
+        sync.close()
+    _workers_stepped_at_once(envs, 19)
+
+
 def test_envs_that_compute_are_stepped_one_after_another(make_env: Any) -> None:
     """CartPole's steps keep the CPU busy: every worker says "compute" and never stepped its
     envs at once."""

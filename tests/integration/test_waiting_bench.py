@@ -22,13 +22,15 @@ def test_quick_mode_prints_its_table(tmp_path: Path) -> None:
         timeout=180,
     )
     assert proc.returncode == 0, proc.stderr
-    assert "| env | n | system | steps/s | × gym-async | × per-env | workers found |" in proc.stdout
+    header = "| env | n | system | steps/s | × bound | × gym-async | × per-env | tree GiB |"
+    assert header in proc.stdout
     rows = json.loads(out.with_suffix(".json").read_text())["rows"]
     assert [(r["env"], r["num_envs"], r["system"]) for r in rows] == [
         ("wait", 4, "gym-async"),
         ("wait", 4, "envfleet"),
     ]
     assert all(r["steps_per_s"] > 0 and len(r["runs"]) == 1 for r in rows)
+    assert all(r["x_bound"] > 0 and r["tree_gib"] > 0 for r in rows)
     assert rows[0]["x_gym_async"] == 1.0
     assert rows[1]["found"].startswith("wait, ")  # the workers' finding, not a speed
     for r in rows:

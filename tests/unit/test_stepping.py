@@ -204,8 +204,9 @@ def test_innermost_names_the_thread_that_runs_an_env() -> None:
 
 
 def test_a_worker_of_envs_that_compute_times_ever_fewer_rounds() -> None:
-    """One after another, every round is timed at first, then one in 16, 32, ... up to one in
-    SAMPLE_EVERY_MAX while the envs keep computing; the caller steps the others untimed."""
+    """One after another, every round is timed at first (the first one twice: env 0 alone,
+    then the others), then one in 16, 32, ... up to one in SAMPLE_EVERY_MAX while the envs
+    keep computing; the caller steps the others untimed."""
     stepping = AdaptiveStepping(2, None)
     quiet_runs = []
 
@@ -214,11 +215,66 @@ def test_a_worker_of_envs_that_compute_times_ever_fewer_rounds() -> None:
             sum(range(2000))  # CPU only
         return None
 
-    for _ in range(FIRST_SAMPLES + 8):
+    for _ in range(FIRST_SAMPLES + 7):
         _, quiet = stepping.step(step_envs, iter([0, 0]), False, [], None)
         quiet_runs.append(quiet)
     assert stepping.kind == "compute" and not stepping.concurrent
-    assert quiet_runs[: FIRST_SAMPLES - 1] == [0] * (FIRST_SAMPLES - 1)
-    assert quiet_runs[FIRST_SAMPLES - 1 :] == [
+    assert quiet_runs[: FIRST_SAMPLES - 2] == [0] * (FIRST_SAMPLES - 2)
+    assert quiet_runs[FIRST_SAMPLES - 2 :] == [
         min(SAMPLE_EVERY << k, SAMPLE_EVERY_MAX) - 1 for k in range(9)
     ]
+
+
+def _threads_of_each_env(stepping: AdaptiveStepping, work: Any, size: int) -> list[str]:
+    """One round of ``stepping``: the name of the thread each env stepped on."""
+    names = [""] * size
+
+    def step_envs(pairs: Any, resets: bool, events: list[Any], log: Any) -> list[Any] | None:
+        for j, _ in pairs:
+            names[j] = threading.current_thread().name
+            work()
+        return None
+
+    stepping.step(step_envs, iter([0] * size), False, [], None)
+    return names
+
+
+def test_envs_that_wait_are_stepped_at_once_from_the_first_round() -> None:
+    """Learned within the first round: env 0 steps alone on the worker's thread, is seen to
+    wait (a 5 ms sleep), and the other 99 step at once on the crew, each on its own thread,
+    in that same round; no round of one after another first."""
+    stepping = AdaptiveStepping(100, _words())
+    event = threading.Event()
+    try:
+        names = _threads_of_each_env(stepping, lambda: event.wait(0.005), 100)
+        assert names[0] == threading.current_thread().name
+        assert names[1:] == [f"envfleet-env-{j}" for j in range(1, 100)]
+        assert stepping.concurrent
+    finally:
+        stepping.close()
+
+
+def test_envs_that_compute_stay_on_the_workers_thread_from_the_first_round() -> None:
+    stepping = AdaptiveStepping(8, _words())
+    try:
+        for _ in range(3):
+            names = _threads_of_each_env(stepping, lambda: sum(range(5000)), 8)
+            assert names == [threading.current_thread().name] * 8
+        assert stepping.crew is None  # no thread was ever started
+    finally:
+        stepping.close()
+
+
+def test_a_crew_of_hundreds_runs_them_all_at_once_round_after_round() -> None:
+    """Members wake one another in a chain: all 300 are inside the task at once (a barrier of
+    300), for several rounds, and close() ends every thread."""
+    crew = Crew(300)
+    barrier = threading.Barrier(300, timeout=30)
+    try:
+        for _ in range(3):
+            crew.run(lambda t: barrier.wait())
+    finally:
+        crew.close()
+    for thread in crew.threads:
+        thread.join(10)
+        assert not thread.is_alive()

@@ -562,19 +562,22 @@ def test_budget_exhausted_env_error(make_env, backend, worker, max_restarts):
 
 
 @pytest.mark.timeout(60)
-def test_budget_exhausted_by_one_step(make_env):
-    """Two envs raise in one step and one restart is left: neither is rebuilt."""
+def test_one_steps_failures_are_one_restart(make_env):
+    """Two envs raise in one step with one restart left: one restart rebuilds both (a round's
+    failures are one fault, as one lost simulator is for all its envs); their next failing
+    step is past the budget."""
     policy = envfleet.RestartPolicy(restart_on=(Exception,), max_restarts=1, window_s=600.0)
     factory = _flaky({1: "raise", 2: "raise"}, fault_after=2)  # both fail on step 2
     envs = _make(make_env, factory, 4, 2, restart_policy=policy)
-    model = Model(4)
-    envs.reset(seed=0)
-    model.reset(seed=0)
-    _play(envs, model, 2)
+    model = Model(4, faults={1: [1], 2: [2]}, fault_after=2, once=False)
+    _assert_result(envs.reset(seed=0), *model.reset(seed=0), "reset")
+    _play(envs, model, 3)  # the 3rd step() call raises in envs 1 and 2
+    assert model.events == [(2, [1, 2])]
+    _play(envs, model, 3)  # after the restart, the autoreset step and 2 more calls
     with pytest.raises(envfleet.EnvError, match="restart budget exhausted") as info:
-        envs.step(_actions(2, 4))
+        envs.step(_actions(model.t, 4))
     assert (info.value.env_index, info.value.worker_index) == (1, 0)
-    _assert_stats(envs, model, 0, env_errors=2)
+    _assert_stats(envs, model, 2, env_errors=4)  # two rebuilds (one per worker), one fault
     model.close()
 
 

@@ -110,7 +110,10 @@ class RestartPolicy:
       policy or not: a restart would hide a bug and loop. ``restart_on=(Exception,)`` restarts
       every env exception, ``restart_on=()`` none.
 
-    Each restart counts one and warns :class:`envfleet.EnvRestartedWarning` once, naming the
+    The failures of one round (a step, a reset, a pool's ``recv``) count one restart against
+    the budget, however many envs and workers they rebuild: a remote simulator that drops the
+    connections of all its 1,024 envs at once is one fault, not 1,024. Each rebuild warns
+    :class:`envfleet.EnvRestartedWarning` once, naming the
     env, the cause, the faulting frame and the file its replay was saved to. Rebuilt envs keep
     their ``env_index`` and are reset with a seed derived from their last seed and their
     restart count (:func:`restart_seed`). On that step they return ``reward 0.0``,
@@ -681,7 +684,7 @@ class Supervisor:
         note = ledger.refusal(
             after.values(),
             all(_only_envs_failed(f) for f in done.failures.values()),
-            len(respawn) + sum(map(len, failed.values())),
+            1,  # one round's failures are one restart: a simulator lost by 1,024 envs is one
             [exc for f in done.failures.values() for exc in env_exceptions(f)],
         )
         if note is not None:

@@ -10,19 +10,22 @@ Two kinds of env:
   or a sleep, not holding the GIL. Stepped one after another, K envs of a worker wait K times
   in a row; stepped at once, their waits overlap.
 
-:class:`AdaptiveStepping` learns which kind a worker's envs are from their own steps: on the
-first rounds and then one round in :data:`SAMPLE_EVERY` (one in up to :data:`SAMPLE_EVERY_MAX`
-while they keep computing: the other rounds cost nothing more), the CPU time of the thread that
-steps them (``time.thread_time()``) against the wall time (``time.perf_counter()``), and how often
-that thread blocked (its voluntary context switches, Linux: a thread only preempted on a busy
+:class:`AdaptiveStepping` learns which kind a worker's envs are from their own steps, from
+the first round on: in its first round env 0 steps alone, timed, and the others step at once
+in that same round if it waited, else one after another, timed. Then on the first rounds
+and one round in :data:`SAMPLE_EVERY` (one in up to :data:`SAMPLE_EVERY_MAX` while they keep
+computing: the other rounds cost nothing more), the CPU time of the thread that steps them
+(``time.thread_time()``) against the wall time (``time.perf_counter()``), and how often that
+thread blocked (its voluntary context switches, Linux: a thread only preempted on a busy
 machine waits too, for a core, but never blocks). When the envs spend more than half their
 step waiting (CPU under :data:`ENTER_BELOW` of the wall time), wait at least
 :data:`MIN_WAIT_S` a step and block at least every other step, the worker steps its block
-concurrently on a small crew of threads (:class:`Crew`: the worker's own thread and up to
-:data:`MAX_THREADS` - 1 more, each env always on the same one); it goes back to one after
-another when they compute (CPU over :data:`LEAVE_ABOVE`). While concurrent, one env steps
-alone every :data:`PROBE_EVERY` rounds (a different one each time), so that its CPU and wall
-time are its own, not stretched by the other envs' turns on the GIL.
+concurrently on a crew of threads (:class:`Crew`: the worker's own thread and one more per
+env, up to :data:`MAX_THREADS` in all, each env always on the same one, so that hundreds of
+waits overlap); it goes back to one after another when they compute (CPU over
+:data:`LEAVE_ABOVE`). While concurrent, one env steps alone every :data:`PROBE_EVERY` rounds
+(a different one each time), so that its CPU and wall time are its own, not stretched by the
+other envs' turns on the GIL.
 
 Either way each env's results, infos, failures and autoreset bookkeeping land in env order,
 as :class:`~envfleet._core.envgroup.EnvGroup` writes them stepping one after another: the
@@ -79,12 +82,12 @@ __all__ = [
 SAMPLE_EVERY = 16  # one round in this many is timed (after the first FIRST_SAMPLES)
 SAMPLE_EVERY_MAX = 256  # ... one in up to this many while the envs keep computing
 FIRST_SAMPLES = 4  # rounds timed one after the other at the start
-DECIDE_AFTER = 3  # timed rounds before the first choice
+DECIDE_AFTER = 3  # timed stretches before the kind is reported (the choice is made from the first)
 PROBE_EVERY = 64  # while concurrent: one env steps alone, timed, once in this many rounds
 ENTER_BELOW = 0.5  # CPU time over wall time under which the envs wait
 LEAVE_ABOVE = 0.7  # ... over which a concurrent worker goes back to one after another
 MIN_WAIT_S = 100e-6  # the least waiting per env step worth a thread hand-off
-MAX_THREADS = 64  # a crew's threads at most, the worker's own one included
+MAX_THREADS = 1024  # a crew's threads at most, the worker's own one included
 SMOOTH = 0.25  # weight of a new timed round in the running CPU and wall times
 MIN_BLOCKS = 0.5  # the least times per env step that the thread blocks, for envs that wait
 
@@ -119,7 +122,9 @@ class Crew:
     daemon threads named ``envfleet-env-<t>``, started here, each waiting on its own lock.
 
     :meth:`run` hands ``task(t)`` to every member and returns once all have returned. A
-    thread waiting for its turn uses no CPU.
+    thread waiting for its turn uses no CPU. The members wake in a chain (member ``t`` wakes
+    ``t + 1`` before it runs the task): woken all at once, hundreds of threads would fight
+    for the GIL together, and each fight costs CPU.
 
     Example::
 
@@ -158,8 +163,8 @@ class Crew:
         """
         self._task, self._error = task, None
         self._finished = itertools.count(1)
-        for t in range(1, self.size):
-            self._go[t].release()
+        if self.size > 1:
+            self._go[1].release()  # each member wakes the next one (_serve)
         error: BaseException | None = None
         try:
             task(0)
@@ -174,8 +179,14 @@ class Crew:
 
     def _serve(self, t: int) -> None:
         go = self._go[t]
+        after = self._go[t + 1] if t + 1 < self.size else None
         while True:
             go.acquire()
+            if after is not None:
+                # Woken one after another, not all at once: hundreds of threads woken together
+                # would all fight for the GIL, and each fight costs CPU (a chain costs one
+                # wake-up per member).
+                after.release()
             task = self._task
             if task is None:
                 return  # closed
@@ -191,8 +202,8 @@ class Crew:
     def close(self) -> None:
         """Let every thread end (they are daemons: one stuck in an env is left behind)."""
         self._task = None
-        for t in range(1, self.size):
-            self._go[t].release()
+        if self.size > 1:
+            self._go[1].release()  # and on down the chain
 
 
 class _LockedLog:
@@ -288,6 +299,8 @@ class AdaptiveStepping:
             step one after another, untimed, without asking (0 while concurrent).
         """
         self.rounds += 1
+        if not self.concurrent and self.samples == 0 and self.mode == "auto" and self.size >= 2:
+            return self._first_round(step_envs, list(actions), resets, events, log), 0
         if not self.concurrent:
             t0, c0, b0 = time.perf_counter(), time.thread_time(), _blocks()
             failures = step_envs(enumerate(actions), resets, events, log)
@@ -297,6 +310,34 @@ class AdaptiveStepping:
             return failures, self._quiet_rounds()
         failures = self._step_concurrently(step_envs, list(actions), resets, events, log)
         return failures, 0
+
+    def _first_round(
+        self,
+        step_envs: Callable[[Iterable[tuple[int, Any]], bool, list[Any], Any], list[Any] | None],
+        actions: list[Any],
+        resets: bool,
+        events: list[Any],
+        log: Any,
+    ) -> list[Any] | None:
+        """The block's first round: env 0 alone, timed; the other envs at once if its step
+        waited, else one after another, timed. So a worker of envs that wait overlaps their
+        waits from its first round on (its block of 512 envs that wait 20 ms takes one wait,
+        not 512 in a row), and one of envs that compute has lost nothing but a clock read."""
+        t0, c0, b0 = time.perf_counter(), time.thread_time(), _blocks()
+        first = step_envs(((0, actions[0]),), resets, events, log)
+        self._learn(time.thread_time() - c0, time.perf_counter() - t0, _blocks() - b0, 1)
+        if self.concurrent:
+            rest = self._step_concurrently(step_envs, actions, resets, events, log, skip=0)
+        else:
+            t0, c0, b0 = time.perf_counter(), time.thread_time(), _blocks()
+            pairs = itertools.islice(enumerate(actions), 1, None)
+            rest = step_envs(pairs, resets, events, log)
+            self._learn(
+                time.thread_time() - c0, time.perf_counter() - t0, _blocks() - b0, self.size - 1
+            )
+        if first and rest:
+            return first + rest
+        return first or rest
 
     def _quiet_rounds(self) -> int:
         """Rounds to step untimed before the next timed one, one after another: none while
@@ -322,15 +363,17 @@ class AdaptiveStepping:
         resets: bool,
         events: list[Any],
         log: Any,
+        skip: int = -1,
     ) -> list[Any] | None:
+        """Step every env but ``skip`` (already stepped, its events in ``events``) at once."""
         size = self.size
         crew = self.crew
         if crew is None:
             crew = self.crew = Crew(min(size, MAX_THREADS))
         per_env: list[list[Any]] = [[] for _ in range(size)]
         failed: list[list[Any] | None] = [None] * size
-        probe = -1
-        if self.rounds % PROBE_EVERY == 0 or self.samples < DECIDE_AFTER:
+        probe = skip
+        if skip < 0 and (self.rounds % PROBE_EVERY == 0 or self.samples < DECIDE_AFTER):
             # One env alone, timed as one after another times them: its own CPU and wall
             # (on the first rounds too where the envs were stepped at once from the start).
             probe, self._probe = self._probe, (self._probe + 1) % size
@@ -373,7 +416,7 @@ class AdaptiveStepping:
             self.wall_s += SMOOTH * (wall_s - self.wall_s)
             self.blocks += SMOOTH * (blocks - self.blocks)
         self.samples += 1
-        if self.mode == "auto" and self.size >= 2 and self.samples >= DECIDE_AFTER:
+        if self.mode == "auto" and self.size >= 2:  # chosen from the first timed env step on
             if self.concurrent:
                 # Hysteresis: back to one after another only when clearly computing.
                 leave = (

@@ -35,15 +35,16 @@ from envfleet._core.buffers import Block, allocate_batch, batch_nbytes
 from envfleet._core.envgroup import EnvFailure, EnvGroup, PartialFailure
 from envfleet._core.protocol import Command, Failure, Status
 from envfleet._core.replay import REPLAY_STEPS, fd_log
-from envfleet._core.stats import STATS_WORDS, StepTimer
+from envfleet._core.stats import STATS_WORDS, STEPPING_WORDS, StepTimer
 from envfleet._core.trees import tree_write
 
 __all__ = ["ActorLayout", "ActorSpec", "EnvfleetWorker", "RemoteWorker", "Reply"]
 
 _DATA_COMMANDS = (Command.STEP, Command.RESET, Command.RESTART)
 
-# What every actor call returns: (status, payload, the group's rows or None, step seconds).
-Reply = tuple[Status, Any, Any, float]
+# What every actor call returns: (status, payload, the group's rows or None, step seconds;
+# a step's: (seconds, *the group's STEPPING_WORDS))).
+Reply = tuple[Status, Any, Any, Any]
 
 
 @dataclass
@@ -105,6 +106,9 @@ class EnvfleetWorker:
         os.unlink(path)
         self.group: EnvGroup | None = None
         self.timer = _LastStepTimer()
+        # What the group learned of its envs (they compute or wait; _core/stepping.py), sent
+        # with every step's reply into the driver's statistics row of this actor.
+        self._stepping_words = np.zeros(STEPPING_WORDS)
         self.batch: Any = None
         self.fns: list[Any] = []
         self.built: list[gymnasium.Env[Any, Any]] = []
@@ -153,6 +157,7 @@ class EnvfleetWorker:
                 action_log=fd_log(self._log_fd, act_space, size, layout.replay_steps),
             )
             self.built = []  # the group's now
+            self.group.adapt_stepping(self._stepping_words)  # as a processes worker's group
             return Status.READY, self.group.check_spaces(), None, 0.0
         except Exception as exc:
             return Status.ERROR, _start_failure(exc, spec.start), None, 0.0
@@ -187,6 +192,8 @@ class EnvfleetWorker:
         if command in _DATA_COMMANDS:
             b = self.batch
             rows = (b.observations, b.rewards, b.terminations, b.truncations)
+        if command is Command.STEP:
+            return status, none_if_empty(result), rows, (self.timer.seconds, *self._stepping_words)
         return status, none_if_empty(result), rows, self.timer.seconds
 
     def where(self) -> tuple[str, int]:

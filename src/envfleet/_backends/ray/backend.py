@@ -63,6 +63,7 @@ from envfleet._core.protocol import Command, Failure, RemoteError, Status
 from envfleet._core.replay import EnvRecording, log_recordings, read_head
 from envfleet._core.stacks import at
 from envfleet._core.stats import (
+    KIND,
     STATS_WORDS,
     StepTimer,
     StepTimeStats,
@@ -352,6 +353,9 @@ class RayTransport:
             return
         done.results[w] = payload
         if self._commands[w] is Command.STEP:
+            if isinstance(seconds, tuple):  # with what the actor's group learned of its envs
+                seconds, *stepping = seconds
+                self._stats[w, KIND:] = stepping
             self._timers[w].record(seconds)
 
     def env_error(self, w: int, failure: Any, note: str) -> EnvError:
