@@ -1114,16 +1114,21 @@ class WaitingEnv(gym.Env):
     """An env that waits, as one whose simulator runs elsewhere: every step sleeps ``wait_s``
     seconds (using no CPU, the GIL released), then draws its observation, reward, episode end
     and sparse infos (keys that differ between envs) from ``np_random``. Episodes end after a
-    length drawn at reset, terminated or truncated at random."""
+    length drawn at reset, terminated or truncated at random. Each reset sleeps
+    ``reset_wait_s`` and keeps the name of the thread it ran on (``reset_thread``)."""
 
-    def __init__(self, env_index: int = 0, wait_s: float = 0.001):
+    def __init__(self, env_index: int = 0, wait_s: float = 0.001, reset_wait_s: float = 0.0):
         self.env_index = env_index
-        self.wait_s = wait_s
+        self.wait_s, self.reset_wait_s = wait_s, reset_wait_s
         self.observation_space = spaces.Box(-1.0, 1.0, (3,), np.float32)
         self.action_space = spaces.Discrete(3)
         self._left = 0
+        self.reset_thread = ""
 
     def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
+        self.reset_thread = threading.current_thread().name
+        if self.reset_wait_s:
+            time.sleep(self.reset_wait_s)
         super().reset(seed=seed)
         self._left = int(self.np_random.integers(3, 12))
         obs = self.np_random.uniform(-1.0, 1.0, 3).astype(np.float32)

@@ -62,6 +62,29 @@ def test_waiting_envs_match_sync_vector_env(
     _workers_stepped_at_once(envs, STEPS - 3 if stepping == "auto" else STEPS)
 
 
+def _waiting_resets(env_index: int = 0) -> WaitingEnv:
+    return WaitingEnv(env_index, reset_wait_s=0.002)
+
+
+@pytest.mark.parametrize("mode", MODES, ids=lambda m: m.value)
+def test_envs_whose_reset_waits_reset_at_once(make_env: Any, mode: AutoresetMode) -> None:
+    """Resets that wait (2 ms) are a block's first round too: env 0 resets alone on the
+    worker's thread, the others at once on the crew's, from the very first reset; resets
+    (masked ones too) and steps stay SyncVectorEnv's bit for bit."""
+    envs = make_env(_waiting_resets, 8, autoreset_mode=mode, num_workers=2)
+    sync = SyncVectorEnv(sync_factories(_waiting_resets, 8), autoreset_mode=mode)
+    try:
+        envs.reset(seed=1)
+        threads = envs.get_attr("reset_thread")
+        for start in (0, 4):  # the blocks: envs 0-3 and 4-7
+            assert not threads[start].startswith("envfleet-env-"), threads
+            assert all(t.startswith("envfleet-env-") for t in threads[start + 1 : start + 4])
+        seen = run_lockstep(envs, sync, steps=30, seed=7)
+    finally:
+        sync.close()
+    assert seen["ended"] > 0
+
+
 @pytest.mark.backends("serial", "threads")
 def test_waiting_envs_in_process_match_sync_vector_env(make_env: Any, backend: Any) -> None:
     """serial and threads step each block one env after another, as before; the same

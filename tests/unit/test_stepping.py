@@ -278,3 +278,25 @@ def test_a_crew_of_hundreds_runs_them_all_at_once_round_after_round() -> None:
     for thread in crew.threads:
         thread.join(10)
         assert not thread.is_alive()
+
+
+def test_run_each_resets_envs_that_wait_at_once_and_others_in_turn() -> None:
+    """A block's reset before any step: env 0 alone, timed; the others on the crew if it
+    waited (env j on member j), on the worker's thread if it computed."""
+    for work, crew_used in ((lambda: threading.Event().wait(0.003), True), (lambda: None, False)):
+        stepping = AdaptiveStepping(6, _words())
+        names = [""] * 6
+
+        def task(j: int, log: Any, names: list[str] = names, work: Any = work) -> None:
+            names[j] = threading.current_thread().name
+            work()
+
+        try:
+            stepping.run_each(task, [0, 2, 3, 5], None)
+        finally:
+            stepping.close()
+        me = threading.current_thread().name
+        if crew_used:
+            assert names == [me, "", "envfleet-env-2", "envfleet-env-3", "", "envfleet-env-5"]
+        else:
+            assert names == [me, "", me, me, "", me]

@@ -609,37 +609,46 @@ class EnvGroup:
         self._autoreset[:] = [
             False if mask is None or mask[j] else a for j, a in enumerate(self._autoreset)
         ]
-        events: list[InfoEvent] = []
-        failures: list[EnvFailure] = []
-        note = self._crash_note
-        for j, env in enumerate(self.envs):
-            if mask is not None and not mask[j]:
-                continue
-            if self.action_log is not None:
+        todo = [j for j in range(self.size) if mask is None or mask[j]]
+        per_env: list[list[InfoEvent]] = [[] for _ in range(self.size)]
+        failed: list[EnvFailure | None] = [None] * self.size
+
+        def reset_env(j: int, log: Any) -> None:
+            env = self.envs[j]
+            if log is not None:
                 seed = request.seeds[j]
-                self.action_log.began(
+                log.began(
                     j,
                     ("seed", seed, request.options)
                     if seed is not None
                     else self._reset_start(j, env, request.options),
                 )
-            if note is not None:  # the learner's own block: its crash note names this env
+            note = self._crash_note
+            if note is not None and note[0] == NOTE_SEVERAL:
+                note = None  # several envs in flight at once (stepping.py): the note says so
+            if note is not None:  # the crash note names the env this worker is inside
                 note[0] = self._crash_base + j
             try:
                 self._env_obs[j], env_info = env.reset(
                     seed=request.seeds[j], options=request.options
                 )
             except Exception as exc:
-                failures.append(self._recorded(_failure(self.start + j, "reset", exc)))
-                continue
-            except BaseException:
+                failed[j] = self._recorded(_failure(self.start + j, "reset", exc))
+                return
+            finally:
                 if note is not None:
                     note[0] = NOTE_CLEAR
-                raise
             if env_info:
-                events.append((self.start + j, env_info))
-        if note is not None:
-            note[0] = NOTE_CLEAR
+                per_env[j].append((self.start + j, env_info))
+
+        stepping = self._stepping
+        if stepping is None or len(todo) < 2:
+            for j in todo:
+                reset_env(j, self.action_log)
+        else:  # envs that wait reset at once, as they step (stepping.py)
+            stepping.run_each(reset_env, todo, self.action_log)
+        events = [event for env_events in per_env for event in env_events]
+        failures = [f for f in failed if f is not None]
         if failures:
             raise PartialFailure(failures, events)
         self._write_observations("reset", events)

@@ -339,6 +339,64 @@ class AdaptiveStepping:
             return first + rest
         return first or rest
 
+    def run_each(self, task: Callable[[int, Any], None], indices: list[int], log: Any) -> None:
+        """``task(j, log)`` for each env ``j`` of ``indices`` (local, in order), at once while
+        the block's envs are seen to wait, else one after another: a reset of the block (a
+        simulator's reset waits as its step does). Before any step has been timed, the first
+        env's task runs alone, timed, and the others at once if it waited. Concurrent tasks
+        get ``log`` behind a lock (``None`` stays ``None``) and the crash note reads
+        :data:`~envfleet._core.crash_note.NOTE_SEVERAL` meanwhile; each task keeps its own
+        results (the caller joins them in env order).
+
+        Raises:
+            BaseException: what a task let out (a task catches its env's ``Exception``).
+        """
+        rest = indices
+        if not self.concurrent and self.mode == "auto" and self.samples == 0 and indices:
+            t0, c0, b0 = time.perf_counter(), time.thread_time(), _blocks()
+            task(indices[0], log)
+            cpu_s, wall_s = time.thread_time() - c0, time.perf_counter() - t0
+            waited = (
+                cpu_s < ENTER_BELOW * wall_s
+                and wall_s - cpu_s >= MIN_WAIT_S
+                and (_RUSAGE_THREAD is None or _blocks() - b0 >= 1)
+            )
+            rest = indices[1:]
+            if not waited:
+                rest = []
+                for j in indices[1:]:
+                    task(j, log)
+        elif not (self.concurrent or self.mode == "concurrent"):
+            for j in indices:
+                task(j, log)
+            rest = []
+        if len(rest) < 2:
+            for j in rest:
+                task(j, log)
+            return
+        crew = self.crew
+        if crew is None:
+            crew = self.crew = Crew(min(self.size, MAX_THREADS))
+        shared = None if log is None else _LockedLog(log, self._log_lock)
+        members, size = crew.size, self.size
+        due = [False] * size
+        for j in rest:
+            due[j] = True
+        note = self.note
+        if note is not None:
+            note[0] = NOTE_SEVERAL
+
+        def member(t: int) -> None:
+            for j in range(t, size, members):  # env j always on member j % members
+                if due[j]:
+                    task(j, shared)
+
+        try:
+            crew.run(member)
+        finally:
+            if note is not None:
+                note[0] = NOTE_CLEAR
+
     def _quiet_rounds(self) -> int:
         """Rounds to step untimed before the next timed one, one after another: none while
         concurrent or in the first rounds, then ``every - 1``; ``every`` doubles from

@@ -152,10 +152,11 @@ def make(  # type: ignore[misc]  # the overloads stand for its keyword arguments
             never the host's ``os.cpu_count()``.
             Envs that compute (their step keeps a core busy: CartPole, Atari) and envs that
             wait (on a simulator, a game server, a robot, a browser: no CPU used meanwhile)
-            need no setting: each ``processes`` worker learns which from its envs' steps and
-            steps its block one env after another while they compute, all at once (a thread
-            per env in the worker, results still in env order) while they wait; see
-            ``envs.stats.env_kind`` and ``docs/backends/local.md``.
+            need no setting: each ``processes`` worker (and Ray actor) learns which from its
+            envs' first steps, and steps and resets its block one env after another while
+            they compute, all at once (a thread per env in the worker, up to 1,024, results
+            still in env order) while they wait; see ``envs.stats.env_kind`` and
+            ``docs/backends/local.md``.
         batch_size: ``None`` or ``num_envs``: synchronous. ``1 <= batch_size < num_envs``: a
             first-ready pool, EnvPool's asynchronous interface: :meth:`~FleetVectorEnv.
             async_reset`, :meth:`~FleetVectorEnv.send` and :meth:`~FleetVectorEnv.recv`, which
