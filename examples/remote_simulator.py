@@ -11,14 +11,14 @@ user writes: a plain blocking ``socket``, a request, a blocking read of the repl
 process uses no CPU while it waits, so envfleet's workers find that their envs wait
 (``envs.stats.env_kind`` is ``"wait"``) and each steps its block at once, the waits
 overlapping: N envs of ``latency_s`` a step make at most ``N / latency_s`` steps a second,
-the limit the script prints its rate against. The first rounds are stepped one env after
-another while the workers learn which kind their envs are (1,024 envs on 2 cores at 20 ms:
-about 10 s a round).
+the limit the script prints its rate against (asyncio's timers wake up to about a millisecond
+late, which a short ``latency_s`` feels).
 
 What fails, and what the defaults (``RestartPolicy()``) do about it:
 
 - the server dies or restarts: each env's next read finds its connection closed and raises
-  ``ConnectionError``, which is restarted: the env is rebuilt in its worker, its
+  ``ConnectionError``, which is restarted (all the envs' failures of that step count one
+  restart against the policy's budget): the env is rebuilt in its worker, its
   ``__init__`` connects again (it retries for ``connect_timeout_s``, so a server back on the
   same port serves it), its row says ``info["env_restarted"]``, and
   :class:`envfleet.EnvRestartedWarning` names the envs, with the frame that read the socket
