@@ -43,13 +43,6 @@ MAX_STEPS = 16  # short episodes: every env truncates (and some terminate) withi
 SEED = 100
 STEP_TIMEOUT = 10.0  # the hang test's guard: a step that gets no report ends by then
 
-# TODO(restart budget per incident): remove once main's RestartPolicy() counts one restart
-# per failed round. Today its budget (10 restarts within 60 s) counts each env, so the
-# server's death, which fails all 1,024 envs in one round, exceeds it and the step raises.
-TODO_RESTART_BUDGET: dict[str, Any] = {
-    "restart_policy": envfleet.RestartPolicy(max_restarts=100000)
-}
-
 
 class LocalTwin(remote_simulator.RemoteSimulatorEnv):
     """RemoteSimulatorEnv with its server's Simulation here instead of a connection: the
@@ -181,7 +174,8 @@ def test_a_server_killed_and_restarted_on_its_port_is_each_envs_restart(
     make_env: Any, servers: Any, snapshot: Any
 ) -> None:
     """x1,024 envs; their server is SIGKILLed between two steps and a new one started on the
-    same port. Under the default restart policy the next step's failure is every env's lost
+    same port. Under the default restart policy (its budget counts one restart per failed
+    round: the 1,024 lost connections are one) the next step's failure is every env's lost
     connection: EnvRestartedWarning names all 1,024 envs, the failure kept in
     ``envs.stats.failures`` is an env's ConnectionError raised in the env's socket read
     (``_recv_exactly``), and every env is rebuilt, connected to the new server
@@ -189,7 +183,7 @@ def test_a_server_killed_and_restarted_on_its_port_is_each_envs_restart(
     observation of a new episode seeded as documented (``restart_seed``); the run goes on bit
     for bit against the reference."""
     old, port = servers()
-    envs = make_env(remote_env(port), NUM_ENVS, **TODO_RESTART_BUDGET)
+    envs = make_env(remote_env(port), NUM_ENVS)  # RestartPolicy(): 10 restarts a minute
     reference = twins(NUM_ENVS)
     rng = np.random.default_rng(1)
     try:
