@@ -178,14 +178,14 @@ class PoolDriver:
         self.ended = np.zeros(n, np.bool_)  # its last result ended an episode
         self.actions: list[list[int]] = [[] for _ in range(n)]  # sent, in order
         self.records: list[list[Record]] = [[] for _ in range(n)]
-        self.sends = 0
+        self.sizes: list[int] = []  # envs per send
 
     def send(self, ids: np.ndarray) -> None:
         if not ids.size:
             return
         actions = self.rng.integers(0, ACTIONS, ids.size)
         self.envs.send(actions, ids)
-        self.sends += 1
+        self.sizes.append(ids.size)
         self.state[ids] = SENT
         # NEXT_STEP: the call after an episode's end is its reset, which ignores the action.
         self.next_action[ids] = np.where(self.ended[ids], -1, actions)
@@ -261,7 +261,7 @@ POOL_LAYOUTS = [
     pytest.param({"num_workers": 16}, 100, 300, id="16-workers-batch-100"),
     # 32 blocks of 32, a batch a block.
     pytest.param({"num_workers": 32}, 32, 200, id="32-workers-batch-32"),
-    # make()'s own layout for a batch of half the envs (on two cores: two blocks of 512).
+    # make()'s own layout for a batch of half the envs (two blocks of 512 on two cores).
     pytest.param({}, 512, 24, id="default-workers-batch-512"),
 ]
 
@@ -294,6 +294,7 @@ def test_1024_env_pool_routes_every_row_to_its_env(
     assert counts.sum() == recvs * batch_size
     assert counts.min() >= 2, f"envs never stepped: {np.flatnonzero(counts < 2)}"
     assert sum(r[2] or r[3] for rs in driver.records for r in rs) > 0, "no episode ended"
+    assert len(set(driver.sizes)) > 1 and len(driver.sizes) >= recvs // 2, driver.sizes
     for e in range(POOL_ENVS):
         want = _solo_records(e, driver.actions[e], len(driver.records[e]))
         assert driver.records[e] == want, f"env {e} differs from SyncVectorEnv"
@@ -386,13 +387,14 @@ def test_a_fault_in_a_block_that_waits_restarts_what_the_policy_says(
     fault: str,
     mode: AutoresetMode,
 ) -> None:
-    """FaultEnv x64 (each step sleeps 1 ms) on make()'s defaults (two workers, the default
-    RestartPolicy), env 45 faults in its 13th step while worker 1 steps its block at once
-    (its stats say so): a crash or a hang restarts worker 1's whole block (the worker
-    cannot tell which env it was in), a lost connection env 45 alone; each restarted env
-    reads truncated, reward 0, ``env_restarted`` in that step and goes on in the episode its
-    restart seed gives; every other env, worker 0's all along, is bit-identical to
-    SyncVectorEnv. One EnvRestartedWarning says so, with a replay that loads."""
+    """FaultEnv x64 (each step sleeps 1 ms) in two workers, on make()'s defaults otherwise
+    (the default RestartPolicy; ``step_timeout`` only for the hang): env 45 faults in its
+    13th step while worker 1 steps its block at once (its stats say so). A crash or a hang
+    restarts worker 1's whole block (the worker cannot tell which env it was in), a lost
+    connection env 45 alone; each restarted env reads truncated, reward 0,
+    ``env_restarted`` in that step and goes on in the episode its restart seed gives; every
+    other env, worker 0's all along, is bit-identical to SyncVectorEnv. One
+    EnvRestartedWarning says so, with a replay that loads."""
     monkeypatch.delenv("ENVFLEET_STEPPING", raising=False)
     factory, options, cause = FAULTS[fault]
     envs = make_env(factory, FAULT_ENVS, num_workers=2, autoreset_mode=mode, **options)
@@ -433,6 +435,10 @@ def test_a_fault_in_a_block_that_waits_restarts_what_the_policy_says(
     messages = [
         str(m.message) for m in caught if issubclass(m.category, envfleet.EnvRestartedWarning)
     ]
+    replays = [m.group(1) for m in map(re.compile(r"its replay: (\S+)").search, messages) if m]
+    loaded = [load_replay(path) for path in replays]
+    for path in replays:
+        os.unlink(path)
     [message] = messages
     assert cause in message, message
     if fault == "connection":
@@ -440,9 +446,5 @@ def test_a_fault_in_a_block_that_waits_restarts_what_the_policy_says(
         assert f"sub-environment {FAULTY} starts a new episode; {mates} continue exactly" in message
     else:
         assert f"sub-environments {block} start a new episode" in message, message
-    path = re.search(r"its replay: (\S+)", message)
-    assert path is not None, message
-    replay = load_replay(path.group(1))
-    os.unlink(path.group(1))
-    assert FAULTY in [r.env_index for r in replay.envs]
+    assert len(loaded) == 1 and FAULTY in [r.env_index for r in loaded[0].envs], message
     snapshot.assert_nothing_left()
