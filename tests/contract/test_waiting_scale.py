@@ -60,9 +60,9 @@ def test_256_waiting_envs_match_sync_vector_env(
     """WaitingEnv x256 on the backend's defaults: every reset, step, autoreset (or masked
     reset of the envs that ended, DISABLED) and a masked reset of a quarter of the envs mid
     run give SyncVectorEnv's batches bit for bit (observations, rewards, flags, sparse
-    infos, final observations). ``processes`` workers (and Ray actors, where they time their
-    envs) found envs that wait and stepped most rounds at once; serial and threads do not
-    time their envs (``"unknown"``)."""
+    infos, final observations). ``processes`` workers and Ray actors found envs that wait
+    and stepped (nearly) every round at once; serial and threads do not time their envs
+    (``"unknown"``)."""
     monkeypatch.delenv("ENVFLEET_STEPPING", raising=False)  # the workers choose ("auto")
     envs = make_env(WaitingEnv, SCALE, **backend.options, autoreset_mode=mode)
     sync = SyncVectorEnv(sync_factories(WaitingEnv, SCALE, wait_s=0.0), autoreset_mode=mode)
@@ -76,9 +76,7 @@ def test_256_waiting_envs_match_sync_vector_env(
         assert seen["final_obs"] == seen["ended"], seen
     stats = envs.stats
     assert [w.count for w in stats.workers] == [STEPS] * envs.num_workers, stats.workers
-    # Ray actors time their envs where they adapt their groups as processes workers do
-    # (envfleet from commit 116babe on); before, they did not: "unknown", as serial and threads.
-    if backend.id == "processes" or (backend.id == "ray" and stats.env_kind != "unknown"):
+    if backend.id in ("processes", "ray"):
         _assert_stepped_at_once(stats.workers)
         assert stats.env_kind == "wait"
     else:  # StepTimeStats.env_kind: only workers that time their envs know
@@ -87,13 +85,15 @@ def test_256_waiting_envs_match_sync_vector_env(
 
 
 def _assert_stepped_at_once(workers: Any) -> None:
-    """Every worker found envs that wait and steps them at once, as it did most rounds (all
-    but the first three before commit 116babe, every one since)."""
+    """Every worker found envs that wait and steps them at once, as it did (nearly) every
+    round."""
     assert workers, "no worker statistics"
     for w, worker in enumerate(workers):
         seen = f"worker {w}: {worker}"
         assert worker.env_kind == "wait" and worker.concurrent, seen
-        assert worker.concurrent_steps >= STEPS // 2, seen
+        # From the first round on; a first step slowed on a busy machine (its CPU time past
+        # half its wall time) may keep a round or two one after another.
+        assert worker.concurrent_steps >= STEPS - 3, seen
 
 
 # -- the first-ready pool's routing, x1,024 --------------------------------------------------
