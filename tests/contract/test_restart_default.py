@@ -12,6 +12,7 @@ the same run without the fault.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import signal
@@ -253,13 +254,20 @@ class _SharedSimulator(gymnasium.Wrapper):  # type: ignore[type-arg]
         return self.env.step(action)
 
 
-def test_a_round_that_loses_every_env_is_one_restart() -> None:
+def test_a_round_that_loses_every_env_is_one_restart(caplog: pytest.LogCaptureFixture) -> None:
     """All 8 envs lose their connection in the same step: one fault, one restart of the
-    budget (``RestartPolicy(1, 60)`` grants it), every env rebuilt; the same again 5 steps
-    later is a second one, past the budget: it raises, naming the budget."""
-    got, warned, stats = _run(_SharedSimulator, 7, restart_policy=envfleet.RestartPolicy(1, 60))
+    budget (``RestartPolicy(1, 60)`` grants it), every env rebuilt, one log line and one
+    warning per worker, each naming the frame that raised; the same again 5 steps later is a
+    second one, past the budget: it raises, naming the budget."""
+    with caplog.at_level(logging.WARNING, logger="envfleet"):
+        got, warned, stats = _run(_SharedSimulator, 7, restart_policy=envfleet.RestartPolicy(1, 60))
     assert all(got[5][4]["env_restarted"]) and all(got[5][3])  # truncated, restarted
-    assert stats.env_errors == NUM_ENVS and stats.restarts >= 1 and warned
+    assert stats.env_errors == NUM_ENVS and stats.restarts >= 1
+    lines = [r.getMessage() for r in caplog.records if "restarting it" in r.getMessage()]
+    workers = len(stats.workers)
+    assert len(lines) == workers and len(warned) == workers, (lines, warned)
+    assert all(f"(and {NUM_ENVS // workers - 1} more of its worker's envs)" in x for x in lines)
+    assert all(f"(raised at {__file__}:" in x and " in step). " in x for x in warned), warned
     with pytest.raises(envfleet.EnvError, match="restart budget exhausted") as info:
         _run(_SharedSimulator, 12, restart_policy=envfleet.RestartPolicy(1, 60))
     assert isinstance(info.value, ConnectionError)

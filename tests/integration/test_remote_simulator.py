@@ -198,6 +198,9 @@ def test_a_server_killed_and_restarted_on_its_port_is_each_envs_restart(
             obs, rewards, terminated, truncated, infos = envs.step(_actions(rng, NUM_ENVS))
         messages = [str(w.message) for w in record if w.category is envfleet.EnvRestartedWarning]
         assert _named_envs(messages) == set(range(NUM_ENVS)), messages
+        for text in messages:  # each names the env's frame that raised: its socket read
+            assert f"(raised at {remote_simulator.__file__}:" in text, text
+            assert " in _recv_exactly). " in text, text
         assert infos["env_restarted"].all() and infos["_env_restarted"].all(), infos
         assert truncated.all() and not terminated.any() and not rewards.any()
         seeds = [restart_seed(SEED + e, 1) for e in range(NUM_ENVS)]

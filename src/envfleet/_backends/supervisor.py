@@ -21,9 +21,11 @@ import logging
 import numbers
 import os
 import pickle
+import re
 import sys
 import tempfile
 import time
+import traceback
 import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -38,6 +40,7 @@ from envfleet._core.errors import (
     EnvError,
     EnvfleetError,
     EnvRestartedWarning,
+    RemoteTraceback,
     StepTimeoutError,
 )
 from envfleet._core.failures import CLOSED
@@ -348,13 +351,21 @@ def timeout_error(
     return error
 
 
-def log_env_restart(env_index: int, method: str, type_name: str, message: str) -> None:
+def log_env_restart(failed: list[tuple[int, str, str, str]]) -> None:
+    """One log line for a worker's envs that raised and are restarted (``failed``: each
+    ``(env_index, method, type name, message)``): the first named, the others counted, so
+    that a simulator lost by 512 envs of a worker is one line, not 512."""
+    if not failed:
+        return
+    env_index, method, type_name, message = failed[0]
+    more = f" (and {len(failed) - 1} more of its worker's envs)" if len(failed) > 1 else ""
     logger.warning(
-        "sub-environment %d raised in %s (%s: %s); restarting it",
+        "sub-environment %d raised in %s (%s: %s)%s; restarting it",
         env_index,
         method,
         type_name,
         message,
+        more,
     )
 
 
@@ -396,10 +407,37 @@ def warn_restarted(error: EnvfleetError, lost: list[int], block: list[int]) -> N
         if path
         else "no replay was saved (replay_steps=0, or its record died with its worker)"
     )
+    where = raised_at(error)
+    at = f" (raised at {where})" if where else ""
     warn_at(
-        EnvRestartedWarning(f"envfleet restarted after: {error}. {ends}; {replay}"),
+        EnvRestartedWarning(f"envfleet restarted after: {error}{at}. {ends}; {replay}"),
         sys._getframe(1),
     )
+
+
+_FRAME_LINE = re.compile(r'^\s*File "([^"]+)", line (\d+), in (.+)$', re.MULTILINE)
+
+
+def raised_at(error: BaseException) -> str:
+    """``file:line in function`` of the innermost frame that raised an env's exception under
+    ``error`` (an :class:`~envfleet.EnvError`): from its traceback here, or from the
+    :class:`~envfleet.RemoteTraceback` a worker sent; ``""`` for other errors (a crash's
+    message names its frame already)."""
+    if not isinstance(error, EnvError):
+        return ""
+    cause = error.__cause__
+    while cause is not None:
+        if isinstance(cause, RemoteTraceback):
+            frames = _FRAME_LINE.findall(cause.tb)
+            if frames:
+                path, line, function = frames[-1]
+                return f"{path}:{line} in {function}"
+            return ""
+        if cause.__cause__ is None and cause.__traceback__ is not None:
+            frame = traceback.extract_tb(cause.__traceback__)[-1]
+            return f"{frame.filename}:{frame.lineno} in {frame.name}"
+        cause = cause.__cause__
+    return ""
 
 
 def merge_events(*lists: list[InfoEvent] | None) -> list[InfoEvent] | None:
@@ -701,8 +739,7 @@ class Supervisor:
         ledger.crashes += len(done.crashed)
         for w, f in sorted(done.failures.items()):
             error = backend.env_error(w, f, "")
-            for env_index, method, type_name, message in failed_envs(f):
-                log_env_restart(env_index, method, type_name, message)
+            log_env_restart(failed_envs(f))
             ledger.survived(error)
             warn_restarted(error, failed[w], list(range(*backend.ranges[w])))
         crashes = {  # before they are replaced
