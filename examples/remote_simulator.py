@@ -21,8 +21,8 @@ What fails, and what the defaults (``RestartPolicy()``) do about it:
   restart against the policy's budget): the env is rebuilt in its worker, its
   ``__init__`` connects again (it retries for ``connect_timeout_s``, so a server back on the
   same port serves it), its row says ``info["env_restarted"]``, and
-  :class:`envfleet.EnvRestartedWarning` names the envs, with the frame that read the socket
-  (:func:`_recv_exactly`) in the failure's traceback (``envs.stats.failures``);
+  :class:`envfleet.EnvRestartedWarning` names the envs and the frame that read the socket
+  (``raised at ... in _recv_exactly``; the whole traceback is in ``envs.stats.failures``);
 - the server stops answering (stuck, paused): the envs block in their read, and after
   ``hang_report_delay`` seconds :class:`envfleet.HangWarning` names them and that read's
   frame in their stacks; ``step_timeout`` (none by default) is what gives up.

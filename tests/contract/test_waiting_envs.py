@@ -167,6 +167,31 @@ def test_a_hang_in_a_block_stepped_at_once_names_the_envs_frame(
     snapshot.assert_nothing_left()
 
 
+def test_a_hang_among_hundreds_of_envs_stepped_at_once_names_the_envs_frame(
+    make_env: Any,
+) -> None:
+    """Env 7 of a block of 240 stepped at once hangs: faulthandler dumps 100 threads at most,
+    newest first, which leaves env 7's thread out; the stacks the worker adds after the dump
+    (the threads inside an env) hold it, so the StepTimeoutError names its frame."""
+    envs = make_env(
+        fault_factory({7: ("sleep:60", 4)}, wait_s=0.002),
+        240,
+        num_workers=1,
+        step_timeout=3.0,
+        restart_policy=None,
+    )
+    envs.reset(seed=0)
+    for _ in range(3):
+        envs.step(np.zeros(240, dtype=np.int64))
+    assert envs.stats.workers[0].concurrent, envs.stats.workers[0]
+    with pytest.raises(envfleet.StepTimeoutError) as info:
+        envs.step(np.zeros(240, dtype=np.int64))
+    err = info.value
+    where = f"{_fault_line('time.sleep(float')} in step"
+    assert innermost(err.stacks[0]) == where, err.stacks[0][-3000:]
+    assert f"worker 0 at {where}" in str(err)
+
+
 def test_a_segfault_in_a_block_stepped_at_once_is_an_env_crashed_error(
     make_env: Any, snapshot: Any
 ) -> None:

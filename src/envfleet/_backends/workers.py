@@ -29,6 +29,7 @@ import contextlib
 import ctypes
 import ctypes.util
 import faulthandler
+import functools
 import logging
 import math
 import multiprocessing
@@ -52,6 +53,7 @@ import psutil
 
 from envfleet._core.envgroup import EnvFailure
 from envfleet._core.protocol import Failure, RemoteError
+from envfleet._core.stacks import format_frames, runs_env
 
 logger = logging.getLogger("envfleet")
 
@@ -377,8 +379,33 @@ def watch_stacks(path: str | None) -> Any:
     # takes SIGSEGV): disable first, so that faulthandler's own handlers are installed.
     faulthandler.disable()
     faulthandler.enable(out, all_threads=True)
-    faulthandler.register(STACKS_SIGNAL, out, all_threads=True, chain=False)
+    # faulthandler dumps the first FAULTHANDLER_THREADS threads only (newest first): in a
+    # worker stepping hundreds of envs at once, the one that hangs may be past them. Its
+    # Python handler, chained after the dump, adds the stacks of the threads inside an env
+    # (it runs in the main thread, which waits for the crew in a lock that a signal
+    # interrupts; a main thread stuck in C runs it never, and is in the dump itself).
+    try:
+        signal.signal(STACKS_SIGNAL, functools.partial(_env_stacks, out))
+        chain = True
+    except ValueError:  # not the main thread (a Ray actor's): the dump alone
+        chain = False
+    faulthandler.register(STACKS_SIGNAL, out, all_threads=True, chain=chain)
     return out
+
+
+FAULTHANDLER_THREADS = 100  # the threads faulthandler dumps at most (CPython's MAX_NTHREADS)
+
+
+def _env_stacks(out: Any, signum: int, frame: Any) -> None:
+    """After faulthandler's dump: where it could not hold every thread, the stacks of the
+    threads that are inside an env (:func:`envfleet._core.stacks.runs_env`), in its format."""
+    frames = sys._current_frames()
+    if len(frames) <= FAULTHANDLER_THREADS:
+        return
+    blocks = [format_frames(f, ident, current=False) for ident, f in frames.items() if runs_env(f)]
+    if blocks:
+        out.write("\n" + "\n".join(blocks))
+        out.flush()
 
 
 def ask_stacks(

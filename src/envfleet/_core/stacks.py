@@ -19,7 +19,7 @@ import re
 import types
 from collections.abc import Iterable, Mapping
 
-__all__ = ["at", "first_at", "format_frames", "innermost"]
+__all__ = ["at", "first_at", "format_frames", "innermost", "runs_env"]
 
 _FRAME = re.compile(r'^\s+File "(?P<file>.*)", line (?P<line>\d+) in (?P<function>.*)$')
 
@@ -37,10 +37,25 @@ def format_frames(frame: types.FrameType | None, ident: int, current: bool = Tru
     return "\n".join(lines) + "\n"
 
 
-# The frame of EnvGroup's per-env loop (envgroup.py's ``_step_envs``): a thread with one runs
-# an env. A worker that steps its envs all at once runs them in its crew's threads
-# (_core/stepping.py) while its main thread, the one a signal interrupts, waits for them.
-_ENV_LOOP = re.compile(r'^\s+File ".*envgroup\.py", line \d+ in _step_envs$', re.MULTILINE)
+# The frames of EnvGroup's per-env loop and per-env reset (envgroup.py's ``_step_envs`` and
+# ``reset_env``): a thread with one runs an env. A worker that steps its envs all at once
+# runs them in its crew's threads (_core/stepping.py) while its main thread, the one a signal
+# interrupts, waits for them.
+_ENV_FUNCTIONS = ("_step_envs", "reset_env")
+_ENV_LOOP = re.compile(
+    r'^\s+File ".*envgroup\.py", line \d+ in (?:_step_envs|reset_env)$', re.MULTILINE
+)
+
+
+def runs_env(frame: types.FrameType | None) -> bool:
+    """Whether a thread whose innermost frame is ``frame`` is inside an env (its stack holds
+    EnvGroup's ``_step_envs`` or ``reset_env``)."""
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name in _ENV_FUNCTIONS and code.co_filename.endswith("envgroup.py"):
+            return True
+        frame = frame.f_back
+    return False
 
 
 def innermost(stacks: str) -> str | None:
