@@ -11,6 +11,10 @@ Three synthetic envs whose step waits as a step that talks to an external simula
 
 Systems, side by side in one run (the order rotates between repetitions):
 
+- ``lone-env``: one env stepped alone in a plain loop in this process, its rate times ``n``:
+  what ``n`` envs would make if each ran alone, this machine's timers and step included (a
+  2 ms sleep wakes about 0.1-0.6 ms late on a shared VM); the realistic limit;
+
 - ``gym-async``: ``gymnasium.vector.AsyncVectorEnv`` (a process per env), the reference;
 - ``envfleet``: ``envfleet.make(env, n)``, the defaults (a worker per usable core, each
   stepping its block of envs all at once when they wait);
@@ -68,6 +72,7 @@ import envfleet
 RESULTS = Path(__file__).resolve().parent / "results"
 ENVS = ("wait", "straggler", "mixed")
 SYSTEMS = (
+    "lone-env",
     "gym-async",
     "envfleet",
     "envfleet-sequential",
@@ -198,7 +203,19 @@ def systems(kind: str, n: int, wait_s: float = 0.005) -> dict[str, Measure]:
 
         return run
 
+    def lone_env(seconds: float, warmup: float) -> tuple[float, str, float]:
+        # One env stepped in a plain loop here, its rate times n: what n envs would make if
+        # each ran alone, with this machine's own sleep (its timers wake late) and step.
+        env = env_fn()
+        env.reset(seed=0)
+        steps, start = 0, time.perf_counter()
+        while time.perf_counter() - start < min(seconds, 2.0):
+            env.step(0)
+            steps += 1
+        return n * steps / (time.perf_counter() - start), "", 0.0
+
     table = {
+        "lone-env": lone_env,
         "gym-async": gym_async,
         "envfleet": fleet(),
         "envfleet-sequential": fleet("sequential"),
@@ -257,7 +274,11 @@ def main(argv: list[str] | None = None) -> int:
                     "tree_gib": gib[name],
                 }
                 per_env = "envfleet-pool-per-env" if "pool" in name else "envfleet-per-env"
-                for ref, key in (("gym-async", "x_gym_async"), (per_env, "x_per_env")):
+                for ref, key in (
+                    ("gym-async", "x_gym_async"),
+                    (per_env, "x_per_env"),
+                    ("lone-env", "x_lone"),
+                ):
                     if ref in rates:
                         row[key] = statistics.median(
                             a / b for a, b in zip(rates[name], rates[ref], strict=True)
@@ -273,16 +294,18 @@ def main(argv: list[str] | None = None) -> int:
         f"{gymnasium.__version__}; medians of {args.repeats} runs of {args.seconds:g} s "
         f"counted from reset after {args.warmup:g} s; wait {args.wait_ms:g} ms.",
         "",
-        "| env | n | system | steps/s | × bound | × gym-async | × per-env | tree GiB | "
-        "workers found |",
-        "|---|---:|---|---:|---:|---:|---:|---:|---|",
+        "| env | n | system | steps/s | × bound | × lone-env | × gym-async | × per-env | "
+        "tree GiB | workers found |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---|",
     ]
     for row in rows:
         x_gym = f"{row['x_gym_async']:.2f}" if "x_gym_async" in row else "-"
         x_per = f"{row['x_per_env']:.2f}" if "x_per_env" in row else "-"
+        x_lone = f"{row['x_lone']:.2f}" if "x_lone" in row else "-"
+        gib = f"{row['tree_gib']:.2f}" if row["tree_gib"] else "-"
         lines.append(
             f"| {row['env']} | {row['num_envs']} | {row['system']} | {row['steps_per_s']:,.0f} "
-            f"| {row['x_bound']:.2f} | {x_gym} | {x_per} | {row['tree_gib']:.2f} "
+            f"| {row['x_bound']:.2f} | {x_lone} | {x_gym} | {x_per} | {gib} "
             f"| {row['found'] or '-'} |"
         )
     text = "\n".join(lines) + "\n"

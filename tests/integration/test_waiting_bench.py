@@ -22,7 +22,7 @@ def test_quick_mode_prints_its_table(tmp_path: Path) -> None:
         timeout=180,
     )
     assert proc.returncode == 0, proc.stderr
-    header = "| env | n | system | steps/s | × bound | × gym-async | × per-env | tree GiB |"
+    header = "| env | n | system | steps/s | × bound | × lone-env | × gym-async | × per-env |"
     assert header in proc.stdout
     rows = json.loads(out.with_suffix(".json").read_text())["rows"]
     assert [(r["env"], r["num_envs"], r["system"]) for r in rows] == [

@@ -17,6 +17,8 @@ from envfleet._core.stepping import (
     DECIDE_AFTER,
     FIRST_SAMPLES,
     MIN_WAIT_S,
+    PROBE_EVERY,
+    PROBE_EVERY_MAX,
     SAMPLE_EVERY,
     SAMPLE_EVERY_MAX,
     AdaptiveStepping,
@@ -300,3 +302,28 @@ def test_run_each_resets_envs_that_wait_at_once_and_others_in_turn() -> None:
             assert names == [me, "", "envfleet-env-2", "envfleet-env-3", "", "envfleet-env-5"]
         else:
             assert names == [me, "", me, me, "", me]
+
+
+def test_probes_grow_rarer_while_the_envs_keep_waiting() -> None:
+    """While concurrent, one env steps alone, timed (a sample), 64 rounds after the block
+    went concurrent (its first), then 64 later, 128 later, 256 later... up to one in
+    PROBE_EVERY_MAX: each probe's wait is a round's."""
+    stepping = AdaptiveStepping(2, _words(), "auto")
+    probes: list[int] = []
+
+    def step_envs(pairs: Any, resets: bool, events: list[Any], log: Any) -> list[Any] | None:
+        for _ in pairs:
+            threading.Event().wait(0.0005)
+        return None
+
+    try:
+        for _ in range(1 + 64 + 64 + 128 + 2):
+            before = stepping.samples
+            stepping.step(step_envs, iter([0, 0]), False, [], None)
+            if stepping.samples > before:
+                probes.append(stepping.rounds)
+    finally:
+        stepping.close()
+    assert stepping.concurrent
+    assert [r for r in probes if r > DECIDE_AFTER] == [65, 65 + 64, 65 + 64 + 128], probes
+    assert PROBE_EVERY == 64 and PROBE_EVERY_MAX == 1024

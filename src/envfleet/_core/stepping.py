@@ -25,7 +25,8 @@ env, up to :data:`MAX_THREADS` in all, each env always on the same one, so that 
 waits overlap); it goes back to one after another when they compute (CPU over
 :data:`LEAVE_ABOVE`). While concurrent, one env steps alone every :data:`PROBE_EVERY` rounds
 (a different one each time), so that its CPU and wall time are its own, not stretched by the
-other envs' turns on the GIL.
+other envs' turns on the GIL; the probe's own wait is a round's, so while the envs keep
+waiting the interval doubles up to :data:`PROBE_EVERY_MAX` rounds.
 
 Either way each env's results, infos, failures and autoreset bookkeeping land in env order,
 as :class:`~envfleet._core.envgroup.EnvGroup` writes them stepping one after another: the
@@ -71,6 +72,7 @@ __all__ = [
     "MAX_THREADS",
     "MIN_WAIT_S",
     "PROBE_EVERY",
+    "PROBE_EVERY_MAX",
     "SAMPLE_EVERY",
     "SAMPLE_EVERY_MAX",
     "STEPPING_MODES",
@@ -84,6 +86,7 @@ SAMPLE_EVERY_MAX = 256  # ... one in up to this many while the envs keep computi
 FIRST_SAMPLES = 4  # rounds timed one after the other at the start
 DECIDE_AFTER = 3  # timed stretches before the kind is reported (the choice is made from the first)
 PROBE_EVERY = 64  # while concurrent: one env steps alone, timed, once in this many rounds
+PROBE_EVERY_MAX = 1024  # ... once in up to this many while the envs keep waiting
 ENTER_BELOW = 0.5  # CPU time over wall time under which the envs wait
 LEAVE_ABOVE = 0.7  # ... over which a concurrent worker goes back to one after another
 MIN_WAIT_S = 100e-6  # the least waiting per env step worth a thread hand-off
@@ -251,6 +254,8 @@ class AdaptiveStepping:
         # The group's crash note (EnvGroup.note_crashes), NOTE_SEVERAL while envs step at once.
         self.note: memoryview | None = None
         self._probe = 0  # the env that steps alone at the next probe
+        self.probe_every = PROBE_EVERY  # rounds between probes (doubles while they wait)
+        self._next_probe = PROBE_EVERY  # the round of the next probe
         self._words: Any = None  # memoryview of float64 words
         if words is not None:
             assert words.shape == (STEPPING_WORDS,)
@@ -431,7 +436,10 @@ class AdaptiveStepping:
         per_env: list[list[Any]] = [[] for _ in range(size)]
         failed: list[list[Any] | None] = [None] * size
         probe = skip
-        if skip < 0 and (self.rounds % PROBE_EVERY == 0 or self.samples < DECIDE_AFTER):
+        if skip < 0 and (self.rounds >= self._next_probe or self.samples < DECIDE_AFTER):
+            if self.rounds >= self._next_probe:
+                self._next_probe = self.rounds + self.probe_every
+                self.probe_every = min(2 * self.probe_every, PROBE_EVERY_MAX)
             # One env alone, timed as one after another times them: its own CPU and wall
             # (on the first rounds too where the envs were stepped at once from the start).
             probe, self._probe = self._probe, (self._probe + 1) % size
@@ -485,6 +493,8 @@ class AdaptiveStepping:
                 self.concurrent = not leave
             else:
                 self.concurrent = self._waits()
+                if self.concurrent:  # probes as often as at first, until they keep waiting
+                    self.probe_every, self._next_probe = PROBE_EVERY, self.rounds + PROBE_EVERY
         self._publish()
 
     def _publish(self) -> None:
