@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import multiprocessing
 import numbers
+import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Literal, cast, overload
 
@@ -345,7 +346,7 @@ def make(  # type: ignore[misc]  # the overloads stand for its keyword arguments
         return _native_vector_env(spec, native, copy)
     env_fns, num_envs = _env_list(env, env_kwargs, num_envs)
     pool = _check_batching(num_envs, num_workers, batch_size)
-    if pool and num_workers is None and batch_size is not None:
+    if pool and num_workers is None and batch_size is not None and not _hosts_pool(spec.name):
         num_workers = pool_workers(num_envs, batch_size, usable_cores())
     mode = _check_mode(autoreset_mode, pool)
     if resume is not None:  # before any worker starts
@@ -478,6 +479,14 @@ def _env_list(
     elif len(env_fns) != num_envs:
         raise ConfigError(f"got {len(env_fns)} env factories for num_envs={num_envs}")
     return env_fns, num_envs
+
+
+def _hosts_pool(backend: str) -> bool:
+    """Whether ``backend`` lays a first-ready pool out itself when no ``num_workers`` is
+    given: ``processes`` puts each env in a group of its own, the groups hosted a core's
+    worth to a worker process, so that each env is handed back when it finishes
+    (``ENVFLEET_POOL_LAYOUT=blocks``: a block per worker, handed back whole, as before)."""
+    return backend == "processes" and os.environ.get("ENVFLEET_POOL_LAYOUT", "") != "blocks"
 
 
 def _check_batching(num_envs: int, num_workers: Any, batch_size: Any) -> bool:
