@@ -71,7 +71,8 @@ def test_a_blocked_env_holds_up_none_of_its_process_mates(make_env: Any, tmp_pat
     every other env; each result is routed to its env_id."""
     latch = str(tmp_path / "latch")
     envs = make_env(latched(latch), NUM_ENVS, batch_size=NUM_ENVS // 2, backend="processes")
-    assert envs.num_workers == NUM_ENVS  # a group per env (hosted: see the stats below)
+    # A group per env, hosted by a worker process per usable core.
+    assert envs.num_workers == usable_cores() and len(envs._backend.ranges) == NUM_ENVS
     envs.async_reset(seed=0)
     steps = np.zeros(NUM_ENVS, dtype=np.int64)  # results received per env, the reset's too
     others = [e for e in range(NUM_ENVS) if e != 1]
@@ -162,7 +163,7 @@ def test_a_fault_in_one_env_of_a_process_restarts_that_env_alone(
     without the fault."""
     with pytest.warns(envfleet.EnvRestartedWarning) as warned:
         envs, got = run(make_env, {1: fault}, tmp_path, **kwargs)
-    assert envs.num_workers == NUM_ENVS  # a group per env, two to a process
+    assert envs.num_workers == usable_cores() and len(envs._backend.ranges) == NUM_ENVS
     messages = [
         str(w.message) for w in warned if issubclass(w.category, envfleet.EnvRestartedWarning)
     ]

@@ -217,8 +217,9 @@ class ProcessesTransport:
 
     @property
     def num_workers(self) -> int:
-        """Worker processes (the driver's own block, if any, is not one)."""
-        return len(self.remote)
+        """Worker processes (the driver's own block, if any, is not one; a host process
+        serving several groups is one)."""
+        return sum(1 for g in self.remote if self.workers.lead(g) == g)
 
     @property
     def closed(self) -> bool:

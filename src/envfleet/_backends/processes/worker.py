@@ -412,8 +412,13 @@ class _Worker:
     def driver_alive(self) -> bool:
         if self.watch_ppid and os.getppid() != self.spec.parent_pid:
             return False
-        # Between commands nothing is due on the pipe: readable means end-of-file.
-        return not self.conn.poll()
+        # Between commands nothing is due on the pipe: readable means end-of-file. A hosted
+        # group's pipe may hold the payload of a command rung but not taken yet (its request
+        # count, posted before the payload was sent, then says so).
+        if not self.conn.poll():
+            return True
+        value = getattr(self.doorbell.request, "value", None) if self.hosted else None
+        return value is not None and value() > 0
 
     def ring_done(self) -> None:
         if self.log_words is not None:
