@@ -597,8 +597,10 @@ class Supervisor:
     def deadline(self, workers: Iterable[int], timeout: float | None) -> float | None:
         """The first of ``workers``' deadlines (``time.monotonic()`` seconds), each ``timeout``
         seconds from its own send; ``None`` without a timeout or a worker."""
+        if timeout is None:
+            return None
         sent = [self.sent_at[w] for w in workers]
-        if timeout is None or not sent:
+        if not sent:
             return None
         return min(sent) + timeout
 

@@ -716,6 +716,7 @@ class _Host:
         self._current: int | None = None  # the group whose command runs in turns now
         self._since = 0.0  # when it began
         self._open = set(range(len(workers)))  # groups not closed
+        self._unrung = False  # a reply of this turn not yet announced on the pool's doorbell
         self._threads: list[threading.Thread] = []
 
     def serve(self) -> None:
@@ -749,7 +750,6 @@ class _Host:
         while self._open:
             if not Doorbell.wait(bell, budget, None, lead.driver_alive, None, IDLE_SLICE_MAX_S):
                 return None  # the driver is gone
-            replied = False
             for i in sorted(self._open):
                 w = workers[i]
                 with lock:
@@ -761,16 +761,16 @@ class _Host:
                 served = w.serve_one(groups[i], timers[i])
                 with lock:
                     self._current = None
+                    if served and not self._switched:
+                        self._unrung = True  # replied, the pool's doorbell not rung yet
                     switched = self._switched
-                if served:
-                    replied = True
-                else:
+                if not served:
                     self._open.discard(i)
-                if switched:  # went on threads meanwhile (_watch)
-                    if replied and any_done is not None:
-                        any_done.release()
+                if switched:  # went on threads meanwhile (_watch rang for earlier replies)
                     return i if served else None
-            if replied and any_done is not None:
+            with lock:
+                unrung, self._unrung = self._unrung, False
+            if unrung and any_done is not None:
                 any_done.release()
             turns += 1
             due = may_leave and turns % self.CHECK_EVERY == 0
@@ -800,6 +800,9 @@ class _Host:
         Commands rung before are still there to take: each group's request count holds
         them."""
         self._switched = True
+        if self._unrung and self.any_done is not None:
+            self.any_done.release()  # the replies of the turn cut short: found now
+        self._unrung = False
         for w in self.workers:
             w.any_done = self.any_done
         self.served[SERVED] = HOST_THREADS
