@@ -717,7 +717,7 @@ class Supervisor:
         # Groups hosted with a dead or hung one (their process goes too): those not at fault
         # are brought back as they were; the others join the dead.
         spared, dropped = backend.spare(done, after) if respawn else ({}, [])
-        if spared or dropped:
+        if respawn:
             respawn = sorted([*done.crashed, *done.late])
             failed = {w: envs for w, envs in failed.items() if w in done.failures}
         ledger.crashes += len(done.crashed)

@@ -160,14 +160,19 @@ def make(  # type: ignore[misc]  # the overloads stand for its keyword arguments
         batch_size: ``None`` or ``num_envs``: synchronous. ``1 <= batch_size < num_envs``: a
             first-ready pool, EnvPool's asynchronous interface: :meth:`~FleetVectorEnv.
             async_reset`, :meth:`~FleetVectorEnv.send` and :meth:`~FleetVectorEnv.recv`, which
-            returns the first ``batch_size`` envs to finish, with ``info["env_id"]``. A worker
-            hands its envs back together, so by default a pool has the most workers
-            (``processes``) or threads (``threads``), up to the usable cores, whose equal
-            blocks of envs fill a batch exactly, as EnvPool runs a thread per core (one env
-            per worker where no such count exists). ``num_workers=num_envs`` puts one env in
-            each worker, so that a slow env holds up no other, at the cost of a worker
-            wake-up on each side of every env step and more processes than cores taking
-            turns.
+            returns the first ``batch_size`` envs to finish, with ``info["env_id"]``. On
+            ``processes`` with no ``num_workers``, each env is a group of its own, handed
+            back when it finishes, and the groups are hosted by a worker process per usable
+            core (as EnvPool runs a thread per core): each process steps its envs in turns
+            while they compute, and on a thread each once one is seen to wait (or a step
+            runs 5 ms), so that a straggler holds up no other env; supervision stays per env
+            (``ENVFLEET_POOL_LAYOUT=blocks``: blocks as below). Given ``num_workers``, or on
+            ``threads``, a worker hands its block of envs back together, and a pool has by
+            default the most threads, up to the usable cores, whose equal blocks fill a
+            batch exactly (one env per worker where no such count exists).
+            ``num_workers=num_envs`` puts one env in each worker process, at the cost of a
+            process wake-up on each side of every env step and more processes than cores
+            taking turns.
         autoreset_mode: a ``gymnasium.vector.AutoresetMode`` (or its string value).
         env_kwargs: keyword arguments for ``gymnasium.make``; only with a gymnasium id.
         step_timeout: seconds any step, reset or call may take before the workers still busy
