@@ -16,6 +16,8 @@ on a file latch the test releases; timeouts are hang guards, never speed bounds.
 from __future__ import annotations
 
 import os
+import pickle
+import threading
 import time
 from typing import Any
 
@@ -184,3 +186,75 @@ def test_a_fault_in_one_env_of_a_process_restarts_that_env_alone(
     assert stats.env_restarts == {1: 1} and stats.restarts == 1
     envs.close()
     snapshot.assert_nothing_left()
+
+
+def test_a_hang_report_names_the_env_its_thread_runs(make_env: Any, tmp_path: Any) -> None:
+    """Env 1 blocks in its first step and recv() waits on it alone: the HangWarning names
+    env 1's group and the frame of env 1's step, from its own thread's stack (its process
+    runs other threads: env 0's among them)."""
+    latch = str(tmp_path / "latch")
+    envs = make_env(
+        latched(latch), NUM_ENVS, batch_size=1, backend="processes", hang_report_delay=0.5
+    )
+    envs.async_reset(seed=0)
+    for _ in range(NUM_ENVS):  # every reset's result
+        envs.recv(timeout=GUARD)
+    envs.send(np.zeros(1, dtype=np.int64), np.array([1]))
+    envs.send(np.zeros(1, dtype=np.int64), np.array([0]))
+    _, _, _, _, info = envs.recv(timeout=GUARD)
+    assert info["env_id"].tolist() == [0]  # env 0 came back; env 1 is blocked
+    try:
+        with pytest.warns(envfleet.HangWarning) as record:
+
+            def release_once_reported() -> None:  # the latch opens after the report
+                deadline = time.monotonic() + GUARD
+                while not len(record) and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                open(latch, "w").close()
+
+            threading.Thread(target=release_once_reported, daemon=True).start()
+            obs, _, _, _, info = envs.recv(timeout=GUARD)
+    finally:
+        open(latch, "w").close()
+    assert info["env_id"].tolist() == [1] and obs[0].tolist() == [1, 1]
+    text = str(record[0].message)
+    assert "(sub-environments [1])" in text, text
+    assert "test_pool_hosted.py" in text and " in step" in text, text
+
+
+def _pool_run(envs: Any, rounds: int, counts: dict[int, int], seen: dict[int, list[Any]]):
+    """``rounds`` of recv -> send, each env's action a function of its own step count."""
+    for _ in range(rounds):
+        obs, rewards, terminated, truncated, info = envs.recv(timeout=GUARD)
+        ids = info["env_id"]
+        for k, e in enumerate(ids.tolist()):
+            seen.setdefault(e, []).append(
+                (obs[k].tobytes(), float(rewards[k]), bool(terminated[k]), bool(truncated[k]))
+            )
+        actions = np.array(
+            [np.random.default_rng([e, counts.get(e, 0)]).integers(0, 2) for e in ids.tolist()]
+        )
+        for e in ids.tolist():
+            counts[e] = counts.get(e, 0) + 1
+        envs.send(actions, ids)
+
+
+def test_a_snapshot_of_a_hosted_pool_resumes_elsewhere(make_env: Any) -> None:
+    """A hosted pool snapshotted with envs in flight, resumed on threads: every env goes on
+    with the same results."""
+    kwargs: dict[str, Any] = {"batch_size": NUM_ENVS // 2}
+    first = make_env("CartPole-v1", NUM_ENVS, backend="processes", **kwargs)
+    first.async_reset(seed=5)
+    counts: dict[int, int] = {}
+    _pool_run(first, 60, counts, {})
+    state = pickle.loads(pickle.dumps(first.snapshot()))
+    resumed_counts = dict(counts)
+    expected: dict[int, list[Any]] = {}
+    _pool_run(first, 60, counts, expected)
+    again = make_env("CartPole-v1", NUM_ENVS, backend="threads", resume=state, **kwargs)
+    got: dict[int, list[Any]] = {}
+    _pool_run(again, 60, resumed_counts, got)
+    for e in range(NUM_ENVS):
+        n = min(len(expected.get(e, [])), len(got.get(e, [])))
+        assert n >= 5, (e, n)
+        assert got[e][:n] == expected[e][:n], e
