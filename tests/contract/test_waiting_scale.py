@@ -169,8 +169,9 @@ class PoolDriver:
     def __init__(self, envs: Any, rng: np.random.Generator):
         self.envs, self.rng = envs, rng
         n = envs.num_envs
-        # make() documents contiguous blocks whose sizes differ by at most one.
-        self.blocks = np.array_split(np.arange(n), envs.num_workers)
+        # The pool's units of hand-back: a worker's block given num_workers, one env each
+        # under make()'s default layout (one-env groups hosted a core's worth to a process).
+        self.blocks = [np.arange(start, stop) for start, stop in envs._backend.ranges]
         self.block_of = np.repeat(np.arange(len(self.blocks)), [len(b) for b in self.blocks])
         self.state = np.full(n, OUT, np.int8)
         self.calls = np.zeros(n, np.int64)  # calls each env took, as its results show
@@ -261,7 +262,7 @@ POOL_LAYOUTS = [
     pytest.param({"num_workers": 16}, 100, 300, id="16-workers-batch-100"),
     # 32 blocks of 32, a batch a block.
     pytest.param({"num_workers": 32}, 32, 200, id="32-workers-batch-32"),
-    # make()'s own layout for a batch of half the envs (two blocks of 512 on two cores).
+    # make()'s own layout for a batch of half the envs: each env handed back on its own.
     pytest.param({}, 512, 24, id="default-workers-batch-512"),
 ]
 

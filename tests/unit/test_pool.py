@@ -240,6 +240,8 @@ def test_routing_every_row_action_and_step_goes_to_its_env(
     envs = pool(make_env, backend, num_envs, batch_size, num_workers=num_workers)
     assert envs.is_pool and envs.batch_size == batch_size
     default = pool_workers(num_envs, batch_size, usable_cores())
+    if backend == "processes":  # each env a group, hosted by a worker process per core
+        default = min(num_envs, usable_cores())
     assert envs.num_workers == (default if num_workers is None else num_workers)
     rng = np.random.default_rng(num_envs * 10 + batch_size)
     model = Model(num_envs)
@@ -460,7 +462,8 @@ def test_pool_config_accepted(make_env):
     assert make_env(RouteEnv, 4, backend="serial", batch_size=1).is_pool
     assert not make_env(RouteEnv, 4, backend="serial", batch_size=4).is_pool
     envs = make_env(RouteEnv, 4, backend="processes", batch_size=2, driver_envs=0)
-    assert envs.is_pool and envs.num_workers == pool_workers(4, 2, usable_cores())
+    # A worker process per usable core (each env a group of its own, hosted by them).
+    assert envs.is_pool and envs.num_workers == min(4, usable_cores())
 
 
 @pytest.mark.parametrize("backend", ["processes", "threads"])

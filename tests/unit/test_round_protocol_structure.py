@@ -37,7 +37,7 @@ ALLOWED = {
     # The driver's command to one worker: its words, then REQ, then the ring.
     ("_backends/processes/lifecycle.py", "WorkerProcesses.request"): {"GATHER", "REQ"},
     # A new worker's words, before its process starts (nothing reads them yet).
-    ("_backends/processes/lifecycle.py", "WorkerProcesses.start"): {"GATHER", "ACK", "SLEEP"},
+    ("_backends/processes/lifecycle.py", "WorkerProcesses._spec"): {"GATHER", "ACK", "SLEEP"},
     # A worker's reply: its arrival, then its ACK (R6; the C twin: bell_arrive).
     ("_backends/processes/worker.py", "_Worker.ring_done"): {"ACK"},
 }

@@ -268,6 +268,9 @@ class RoundDriver(Backend):
         # The transport's, or None: a bound method of self here would be a reference cycle,
         # which keeps the workers' shared memory past close until the garbage collector runs.
         self._run_here = getattr(transport, "run_here", None)
+        # The transport's, or None: after each round's sends (processes: ring the hosts).
+        self._flush = getattr(transport, "flush", None)
+        self._late_stacks: dict[int, str] | None = None  # spare()'s, for replace_workers
         self._remote = transport.remote
         self._num_remote = len(self._remote)
         self._num_workers = len(self.ranges)
@@ -501,6 +504,9 @@ class RoundDriver(Backend):
             ):
                 self._pending = []
                 self.supervisor.crashed(w, step)
+        flush = self._flush
+        if flush is not None:
+            flush()
         if not inline:
             return
         busy = self._busy  # the reporter thread watches this run (report_hangs)
@@ -714,7 +720,7 @@ class RoundDriver(Backend):
         self, done: Round, step: int, fail_fast: bool, starting: bool = False
     ) -> None:
         if done.crashed and fail_fast:
-            w = next(iter(done.crashed))
+            w = self.first_crashed(done.crashed)
             self._pending = []
             self.supervisor.crashed(w, step, reason=done.crashed[w], starting=starting)
 
@@ -1056,8 +1062,9 @@ class RoundDriver(Backend):
         self, workers: list[int], done: Round, timeout: float | None, step: int
     ) -> dict[int, StepTimeoutError]:
         others = [w for w in self._pending if w not in workers]  # a pool's, still running
-        late = [w for w in workers if w not in done.crashed]
-        stacks = self.stacks(late)
+        late = [w for w in workers if w in done.late]
+        # Taken by spare() before a host was killed, else now.
+        stacks, self._late_stacks = self._late_stacks or self.stacks(late), None
         for w, text in stacks.items():
             logger.warning(
                 "worker %d did not answer in time%s; its stacks before it was killed:\n%s",
@@ -1070,8 +1077,13 @@ class RoundDriver(Backend):
             fate = "killed and restarted by the restart policy"
             mine = {w: stacks[w]} if w in stacks else {}
             hung[w] = timeout_error(self, [w], timeout, mine, fate)
-        for w in workers:
-            self.transport.respawn(w, done.crashed.get(w, "late"))
+        reasons = {w: done.crashed.get(w, "late" if w in done.late else "host") for w in workers}
+        respawn_all = getattr(self.transport, "respawn_all", None)
+        if respawn_all is not None:
+            respawn_all(reasons)  # a host process once for all its groups
+        else:
+            for w in workers:
+                self.transport.respawn(w, reasons[w])
         try:
             self._start(workers, self._start_timeout, step, at_start=False)
         except EnvfleetError:  # a new worker could not start: give up
@@ -1079,6 +1091,119 @@ class RoundDriver(Backend):
             raise
         self._pending = others
         return hung
+
+    def spare(
+        self, done: Round, after: dict[int, Command]
+    ) -> tuple[dict[int, tuple[TaskRequest, bool]], list[int]]:
+        """Before the dead and hung workers of ``done`` are replaced: where one is a group
+        hosted with others in one process (a first-ready pool's default), the groups that go
+        down with its process without being at fault, and how each is brought back in the
+        new one. Their process is killed here (the hung groups' stacks taken first).
+
+        At fault: a hung group; of a process that died, the group whose env a fatal signal
+        hit (its handler's note), or, where not known (SIGKILL, ``os._exit``), each group
+        that was inside its env. Every other group of the process is *spared*: one that had
+        replied has its reply read; one sent a plain step takes it again from its record
+        (:func:`~envfleet._core.replay.catch_up_envs`); one idle, or whose reply was read,
+        is brought to where it was (:func:`~envfleet._core.replay.restore_envs`). A group
+        that cannot be (no complete record, a reset or call in flight) is at fault too: it is
+        added to ``done.crashed`` (and ``after``, its command).
+
+        Returns:
+            spared: group -> (its bring-up task, whether it was sent a command: the task's
+                result is then its result);
+            dropped: idle groups whose envs are rebuilt (restarted after ``RESET``) whose
+                restart result must not reach the front (it sent them nothing).
+        """
+        transport = cast(Any, self.transport)
+        hosted = getattr(transport, "hosted", None)
+        down = [*done.crashed, *done.late]
+        if hosted is None or not any(hosted(w) for w in down):
+            return {}, []
+        self._late_stacks = self.stacks(list(done.late))  # before their process goes
+        everyone = sorted({*down, *transport.host_mates(down)})
+        transport.kill(everyone)
+        culprits = set(done.late)
+        for w in done.crashed:
+            fault = transport.fault_group(w)
+            if fault is not None:
+                culprits.add(fault)
+            elif transport.running_env(w) is not None:
+                culprits.add(w)  # inside its env when its process died: it may be the one
+        pending = {*self._pending, *done.crashed, *done.late}
+        commands = self.supervisor.commands
+        spared: dict[int, tuple[TaskRequest, bool]] = {}
+        dropped: list[int] = []
+        for w in everyone:
+            if w in culprits:
+                continue
+            request = None
+            if w in pending:
+                command = after.get(w, commands.get(w, _STEP))
+                if transport.replied(w):
+                    done.crashed.pop(w, None)
+                    transport.read(w, done)  # its reply, read as any other
+                    if w in done.results:
+                        request = self._restore_request(w)
+                        pending.discard(w)  # answered: brought back, its result kept
+                    else:  # it failed, or its reply was cut short: as at fault
+                        done.failures.pop(w, None)
+                elif command is _STEP:
+                    caught = transport.pending_step(w)
+                    if caught is not None and all(r.complete for r in caught[0]):
+                        recordings, actions = caught
+                        ended = self._ended_episodes(w)
+                        request = TaskRequest(catch_up_envs, (recordings, actions, ended, []))
+                if request is None:
+                    done.crashed.setdefault(w, "")
+                    after.setdefault(w, command)
+                    continue
+                done.crashed.pop(w, None)
+                spared[w] = (request, w in pending)
+                continue
+            request = self._restore_request(w)
+            if request is None:  # idle, no complete record: rebuilt, its result dropped
+                done.crashed.setdefault(w, "")
+                after[w] = Command.RESET
+                dropped.append(w)
+                continue
+            spared[w] = (request, False)
+        for w in culprits:  # at fault though it was not found dead yet
+            if w in everyone and w not in done.crashed and w not in done.late:
+                done.crashed[w] = ""
+                if w not in pending:
+                    after[w] = Command.RESET
+                    dropped.append(w)
+                else:
+                    after.setdefault(w, commands.get(w, _STEP))
+        self._pending = [w for w in self._pending if w not in spared]
+        return spared, dropped
+
+    def _restore_request(self, w: int) -> TaskRequest | None:
+        """The task that brings worker ``w``'s envs in a new worker to where its record says
+        they are (:func:`~envfleet._core.replay.restore_envs`); ``None`` without a complete
+        record."""
+        recordings = self.recordings(w)
+        start, stop = self.ranges[w]
+        if len(recordings) != stop - start or not all(r.complete for r in recordings):
+            return None
+        return TaskRequest(restore_envs, (recordings, self._ended_episodes(w)))
+
+    def first_crashed(self, crashed: Mapping[int, str]) -> int:
+        """Of the dead workers ``crashed``, the one to name: the group whose env a fatal
+        signal hit where a host process tells (its other groups died with it), else the
+        first found."""
+        fault_group = getattr(self.transport, "fault_group", None)
+        if fault_group is not None:
+            for w in crashed:
+                fault = fault_group(w)
+                if fault in crashed:
+                    return cast(int, fault)
+            running = getattr(self.transport, "running_env", None)
+            for w in crashed:
+                if running is not None and running(w) is not None:
+                    return w
+        return next(iter(crashed))
 
     def lost_envs(self, w: int, command: Command) -> tuple[list[int], TaskRequest | None]:
         """Before worker ``w``, dead or hung in ``command``, is replaced: the envs (global

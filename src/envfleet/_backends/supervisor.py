@@ -567,6 +567,20 @@ class Supervised(Protocol):
         taken before it was killed)."""
         ...
 
+    def spare(
+        self, done: Round, after: dict[int, Command]
+    ) -> tuple[dict[int, tuple[TaskRequest, bool]], list[int]]:
+        """Before ``done``'s dead and hung workers are replaced: the groups that go down
+        with their process without being at fault (a host of several groups), each with the
+        task that brings it back and whether its result is the task's; and the idle groups
+        rebuilt whose restart result is dropped. Adds the groups that cannot be spared to
+        ``done.crashed`` (and ``after``)."""
+        ...
+
+    def first_crashed(self, crashed: dict[int, str]) -> int:
+        """Of the dead workers ``crashed``, the one a crash error names."""
+        ...
+
     def lost_envs(self, w: int, command: Command) -> tuple[list[int], TaskRequest | None]:
         """Before worker ``w`` (dead or hung in ``command``) is replaced: the envs that lose
         their episode and the catch-up of the others (``None``: all lose it)."""
@@ -621,8 +635,10 @@ class Supervisor:
     def deadline(self, workers: Iterable[int], timeout: float | None) -> float | None:
         """The first of ``workers``' deadlines (``time.monotonic()`` seconds), each ``timeout``
         seconds from its own send; ``None`` without a timeout or a worker."""
+        if timeout is None:
+            return None
         sent = [self.sent_at[w] for w in workers]
-        if timeout is None or not sent:
+        if not sent:
             return None
         return min(sent) + timeout
 
@@ -727,7 +743,7 @@ class Supervisor:
         )
         if note is not None:
             if done.crashed:
-                w = next(iter(done.crashed))
+                w = backend.first_crashed(done.crashed)
                 self.crashed(w, step, note, reason=done.crashed[w])
             if done.late:
                 self.timed_out(done.late, timeout, note, counted=True)
@@ -736,6 +752,12 @@ class Supervisor:
                 self._kept.update(done.results)
                 self._kept_failures.update((v, f) for v, f in done.failures.items() if v != w)
             raise backend.env_error(w, done.failures[w], note)
+        # Groups hosted with a dead or hung one (their process goes too): those not at fault
+        # are brought back as they were; the others join the dead.
+        spared, dropped = backend.spare(done, after) if respawn else ({}, [])
+        if respawn:
+            respawn = sorted([*done.crashed, *done.late])
+            failed = {w: envs for w, envs in failed.items() if w in done.failures}
         ledger.crashes += len(done.crashed)
         for w, f in sorted(done.failures.items()):
             error = backend.env_error(w, f, "")
@@ -749,7 +771,11 @@ class Supervisor:
         caught: dict[int, list[InfoEvent] | None] = {}
         if respawn:
             lost = {w: backend.lost_envs(w, after[w]) for w in respawn}  # before they go
-            hung = backend.replace_workers(respawn, done, timeout, step)
+            hung = backend.replace_workers(sorted({*respawn, *spared}), done, timeout, step)
+            for w, (request, sent) in sorted(spared.items()):
+                events = backend.catch_up(w, request, step)
+                if sent:  # its command taken again: its result
+                    done.results[w] = events
             for w in respawn:
                 envs, catch_up = lost[w]
                 died: EnvfleetError = crashes[w] if w in crashes else hung[w]
@@ -776,6 +802,8 @@ class Supervisor:
             results[w] = merge_events(
                 _events(done.failures.get(w)), caught.get(w), restarted.results.get(w)
             )
+        for w in dropped:  # rebuilt while idle: the front sent it nothing to answer
+            results.pop(w, None)
         return dict(sorted(results.items()))
 
     def ready(self, done: Round, timeout: float | None, step: int) -> dict[int, Any]:

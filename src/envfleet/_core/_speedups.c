@@ -1440,7 +1440,62 @@ sp_crash_note(PyObject *self, PyObject *unused)
     return PyLong_FromVoidPtr((void *)&crash_note);
 }
 
+/* -- a host process's fatal-signal note (several one-env groups, one thread each) ------------ */
+
+/* Per thread, the group its serving thread serves (-1: none); the host's fault word, where the
+ * handler writes the group of the thread a fatal signal was delivered to, so that the driver
+ * names the env that faulted, not every env of the process (_backends/processes/worker.py's
+ * host_main). */
+static __thread int64_t thread_group = -1;
+static volatile int64_t *fault_word = NULL;
+
+static void
+host_fault_handler(int sig)
+{
+    if (fault_word != NULL)
+        *fault_word = thread_group;
+    signal(sig, SIG_DFL);
+    raise(sig); /* SA_NODEFER: the default action at once; a fault recurs on return */
+}
+
+/* watch_faults(address): install host_fault_handler for SIGSEGV, SIGBUS, SIGFPE, SIGILL and
+ * SIGABRT (before faulthandler, which chains to it, and which faulthandler.disable() puts
+ * back); the int64 at ``address`` gets the faulting thread's group. */
+static PyObject *
+sp_watch_faults(PyObject *self, PyObject *arg)
+{
+    void *address;
+    if (!as_address(arg, &address))
+        return NULL;
+    fault_word = (volatile int64_t *)address;
+    for (int k = 0; k < FATAL_COUNT; k++) {
+        struct sigaction action;
+        memset(&action, 0, sizeof action);
+        action.sa_handler = host_fault_handler;
+        sigemptyset(&action.sa_mask);
+        action.sa_flags = SA_NODEFER;
+        if (sigaction(fatal_signals[k], &action, NULL) != 0)
+            return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    Py_RETURN_NONE;
+}
+
+/* fault_group(g): the calling thread serves group g (what host_fault_handler writes). */
+static PyObject *
+sp_fault_group(PyObject *self, PyObject *arg)
+{
+    long long g = PyLong_AsLongLong(arg);
+    if (g == -1 && PyErr_Occurred())
+        return NULL;
+    thread_group = (int64_t)g;
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
+    {"watch_faults", sp_watch_faults, METH_O,
+     "watch_faults(address): a host's fatal-signal handler, noting the faulting thread's group."},
+    {"fault_group", sp_fault_group, METH_O, "fault_group(g): this thread serves group g."},
+
     {"write_results", (PyCFunction)(void (*)(void))sp_write_results, METH_FASTCALL, "EnvGroup._write_results."},
     {"write_rows", (PyCFunction)(void (*)(void))sp_write_rows, METH_FASTCALL, "An observation slab's rows, memcpy'd (or its fallback called)."},
     {"serve_steps", sp_serve_steps, METH_VARARGS, "_Worker.serve's loop for plain steps."},

@@ -296,6 +296,12 @@ class EnvGroup:
         if self._stepping is not None:
             self._stepping.note = note
 
+    def stepping_kind(self) -> str:
+        """What :meth:`adapt_stepping` found its envs to be: ``"wait"``, ``"compute"`` or
+        ``"unknown"`` (not timed enough yet, or not adapting)."""
+        stepping = self._stepping
+        return "unknown" if stepping is None else stepping.kind
+
     def adapt_stepping(self, words: np.ndarray | None = None, mode: str | None = None) -> None:
         """Let the group choose, from its envs' own steps, between stepping them one after
         another and all at once (envs that wait: a simulator, a server), as a processes

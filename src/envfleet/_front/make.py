@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import multiprocessing
 import numbers
+import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Literal, cast, overload
 
@@ -160,14 +161,19 @@ def make(  # type: ignore[misc]  # the overloads stand for its keyword arguments
         batch_size: ``None`` or ``num_envs``: synchronous. ``1 <= batch_size < num_envs``: a
             first-ready pool, EnvPool's asynchronous interface: :meth:`~FleetVectorEnv.
             async_reset`, :meth:`~FleetVectorEnv.send` and :meth:`~FleetVectorEnv.recv`, which
-            returns the first ``batch_size`` envs to finish, with ``info["env_id"]``. A worker
-            hands its envs back together, so by default a pool has the most workers
-            (``processes``) or threads (``threads``), up to the usable cores, whose equal
-            blocks of envs fill a batch exactly, as EnvPool runs a thread per core (one env
-            per worker where no such count exists). ``num_workers=num_envs`` puts one env in
-            each worker, so that a slow env holds up no other, at the cost of a worker
-            wake-up on each side of every env step and more processes than cores taking
-            turns.
+            returns the first ``batch_size`` envs to finish, with ``info["env_id"]``. On
+            ``processes`` with no ``num_workers``, each env is a group of its own, handed
+            back when it finishes, and the groups are hosted by a worker process per usable
+            core (as EnvPool runs a thread per core): each process steps its envs in turns
+            while they compute, and on a thread each once one is seen to wait (or a step
+            runs 5 ms), so that a straggler holds up no other env; supervision stays per env
+            (``ENVFLEET_POOL_LAYOUT=blocks``: blocks as below). Given ``num_workers``, or on
+            ``threads``, a worker hands its block of envs back together, and a pool has by
+            default the most threads, up to the usable cores, whose equal blocks fill a
+            batch exactly (one env per worker where no such count exists).
+            ``num_workers=num_envs`` puts one env in each worker process, at the cost of a
+            process wake-up on each side of every env step and more processes than cores
+            taking turns.
         autoreset_mode: a ``gymnasium.vector.AutoresetMode`` (or its string value).
         env_kwargs: keyword arguments for ``gymnasium.make``; only with a gymnasium id.
         step_timeout: seconds any step, reset or call may take before the workers still busy
@@ -346,7 +352,7 @@ def make(  # type: ignore[misc]  # the overloads stand for its keyword arguments
         return _native_vector_env(spec, native, copy)
     env_fns, num_envs = _env_list(env, env_kwargs, num_envs)
     pool = _check_batching(num_envs, num_workers, batch_size)
-    if pool and num_workers is None and batch_size is not None:
+    if pool and num_workers is None and batch_size is not None and not _hosts_pool(spec.name):
         num_workers = pool_workers(num_envs, batch_size, usable_cores())
     mode = _check_mode(autoreset_mode, pool)
     if resume is not None:  # before any worker starts
@@ -479,6 +485,14 @@ def _env_list(
     elif len(env_fns) != num_envs:
         raise ConfigError(f"got {len(env_fns)} env factories for num_envs={num_envs}")
     return env_fns, num_envs
+
+
+def _hosts_pool(backend: str) -> bool:
+    """Whether ``backend`` lays a first-ready pool out itself when no ``num_workers`` is
+    given: ``processes`` puts each env in a group of its own, the groups hosted a core's
+    worth to a worker process, so that each env is handed back when it finishes
+    (``ENVFLEET_POOL_LAYOUT=blocks``: a block per worker, handed back whole, as before)."""
+    return backend == "processes" and os.environ.get("ENVFLEET_POOL_LAYOUT", "") != "blocks"
 
 
 def _check_batching(num_envs: int, num_workers: Any, batch_size: Any) -> bool:

@@ -106,6 +106,8 @@ class FirstReadyPool:
         self._group_of = np.repeat(np.arange(len(ranges)), sizes)
         self._group_of_list: list[int] = self._group_of.tolist()
         self._group_sizes = np.array(sizes)
+        # Every group one env (a hosted pool's default): env e is group e.
+        self._one_env_groups = all(size == 1 for size in sizes)
         # Per group, its envs (shared by every command sent to it; never written).
         self._group_envs = [np.arange(start, stop) for start, stop in ranges]
         for envs in self._group_envs:
@@ -209,6 +211,16 @@ class FirstReadyPool:
                 self._pool_side_actions[e] = [values[k] for values in side]
         self._has_action[ids] = True
         self.outputs.drop_slabs()
+        if self._one_env_groups and not self._side_actions:
+            # Each env its own group: every env of ``ids`` steps now.
+            envs = ids.tolist()
+            submit(Command.STEP, dict.fromkeys(envs))
+            self.env_state[ids] = RUNNING
+            self._has_action[ids] = False
+            flying, group_envs = self._in_flight, self._group_envs
+            for e in envs:
+                flying[e] = group_envs[e]
+            return
         # The groups of ``ids`` whose every env now has its action: those step.
         group_of = self._group_of_list
         touched = {group_of[e] for e in ids.tolist()}
@@ -305,10 +317,17 @@ class FirstReadyPool:
         if not results:
             return
         flying, ready_infos = self._in_flight, self._ready_infos
-        done = [flying.pop(w) for w in sorted(results)]
-        envs = done[0] if len(done) == 1 else np.concatenate(done)
-        self.env_state[envs] = READY
-        self._ready.extend(envs.tolist())
+        if self._one_env_groups:  # env e is group e
+            ready = sorted(results)
+            for w in ready:
+                del flying[w]
+            self.env_state[ready] = READY
+            self._ready.extend(ready)
+        else:
+            done = [flying.pop(w) for w in sorted(results)]
+            envs = done[0] if len(done) == 1 else np.concatenate(done)
+            self.env_state[envs] = READY
+            self._ready.extend(envs.tolist())
         for events in results.values():  # an env's infos all come from its one worker
             for index, info in events or ():
                 ready_infos.setdefault(index, []).append(info)

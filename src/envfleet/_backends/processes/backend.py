@@ -55,9 +55,15 @@ from envfleet._backends.processes.doorbell import (
     SpinBudget,
 )
 from envfleet._backends.processes.lifecycle import DEFAULT_CLOSE_TIMEOUT, WorkerProcesses
-from envfleet._backends.processes.plan import DEFAULT_SPIN_S, ProcessesPlan, plan_processes
+from envfleet._backends.processes.plan import (
+    DEFAULT_SPIN_S,
+    ProcessesPlan,
+    hosted_pool_plan,
+    plan_processes,
+)
 from envfleet._backends.processes.worker import (
     ACK,
+    CMD_PAYLOAD,
     GATHER,
     REPLY_BYTES,
     REPLY_PAYLOAD,
@@ -139,7 +145,7 @@ class ProcessesTransport:
         self.pool = request.pool
         assert self.ledger.policy is None or not driver_group, "restarts need every env in a worker"
         assert not (request.pool and driver_group), "a first-ready pool has every env in a worker"
-        self.workers = workers = WorkerProcesses(request, plan.worker_spin_s)
+        self.workers = workers = WorkerProcesses(request, plan.worker_spin_s, plan.hosts)
         self._owner_pid = os.getpid()
         _OPEN.add(self)  # closed at interpreter exit, if still open (_close_at_exit)
         self._local_timer = StepTimer(workers.stats[0])
@@ -168,7 +174,8 @@ class ProcessesTransport:
         first_env = request.first_env
         try:
             for g in self.remote:
-                workers.start(g)
+                if workers.lead(g) == g:  # a host process starts with all its groups
+                    workers.start(g)
             workers.memory.start()
             if driver_group:
                 # Built while the workers build theirs; env 0 is the one make() already built.
@@ -210,8 +217,9 @@ class ProcessesTransport:
 
     @property
     def num_workers(self) -> int:
-        """Worker processes (the driver's own block, if any, is not one)."""
-        return len(self.remote)
+        """Worker processes (the driver's own block, if any, is not one; a host process
+        serving several groups is one)."""
+        return sum(1 for g in self.remote if self.workers.lead(g) == g)
 
     @property
     def closed(self) -> bool:
@@ -248,6 +256,10 @@ class ProcessesTransport:
                 return False
         return True
 
+    def flush(self) -> None:
+        """After a round's commands were sent: ring the hosts serving in turns."""
+        self.workers.ring_hosts()
+
     def wait(
         self,
         workers: list[int],
@@ -273,8 +285,13 @@ class ProcessesTransport:
             Doorbell.wait(self.workers.any_done, self._any_budget, deadline, alive)
             ready = [h for h in workers if cast(Doorbell, doorbells[h]).done.acquire(False)]
             unread = [h for h in workers if h not in ready]
-            dead = {unread[e.index]: "" for e in watch([procs[h] for h in unread]).dead}
-            return Seen(ready, dead)
+            if not self.workers.hosted:
+                dead = {unread[e.index]: "" for e in watch([procs[h] for h in unread]).dead}
+                return Seen(ready, dead)
+            # A host's groups share its process: each process looked at once.
+            hosts = list({id(procs[h]): procs[h] for h in unread}.values())
+            gone = {id(hosts[e.index]) for e in watch(hosts).dead}
+            return Seen(ready, {h: "" for h in unread if id(procs[h]) in gone})
         words = self.workers.words
         if self.workers.bell is not None and words[g][GATHER]:
             return self._gather_wait(workers, deadline, alive, spun_s)
@@ -435,6 +452,49 @@ class ProcessesTransport:
     def step_times(self) -> tuple[StepTimeStats, ...]:
         return step_time_table(self.workers.stats)
 
+    # -- hosts (a first-ready pool's one-env groups, several to a process) ---------------------
+
+    def host_mates(self, groups: Sequence[int]) -> list[int]:
+        """The groups that share a worker process with one of ``groups``, not in it (they go
+        down with it)."""
+        chosen = set(groups)
+        return sorted({m for g in groups for m in self.workers.mates(g)} - chosen)
+
+    def hosted(self, g: int) -> bool:
+        """Whether group ``g`` shares its worker process with other groups."""
+        return len(self.workers.mates(g)) > 1
+
+    def kill(self, groups: Sequence[int]) -> None:
+        self.workers.kill(groups)
+
+    def fault_group(self, g: int) -> int | None:
+        return self.workers.fault_group(g)
+
+    def replied(self, g: int) -> bool:
+        return self.workers.replied(g)
+
+    def respawn_all(self, reasons: dict[int, str]) -> None:
+        self.workers.respawn_all(reasons)
+
+    def pending_step(self, g: int) -> tuple[list[EnvRecording], list[Any]] | None:
+        """Hosted group ``g``, its process gone while it was sent a plain step: its envs'
+        episodes before that step and the step's actions, to take it again in a new
+        process: from its log when the step began (recorded: its count ahead of the one it
+        last replied with), else its episodes so far and the actions in the batch; ``None``
+        when not known (no log, a step with a payload)."""
+        count = self.workers.log_count(g)
+        if count is None or self.workers.words[g][CMD_PAYLOAD]:
+            return None
+        if count[0] > count[1]:
+            recordings, actions = self.workers.before_step(g)
+        else:
+            start, stop = self.ranges[g]
+            recordings = self.workers.recordings(g)
+            actions = [_row(self.batch.actions, e) for e in range(start, stop)]
+        if len(recordings) != len(actions):
+            return None
+        return recordings, actions
+
     def respawn(self, g: int, reason: str) -> None:
         self.workers.respawn(g, reason)
 
@@ -485,6 +545,15 @@ class ProcessesTransport:
             exc.__cause__ = failure.__cause__
             return exc
         return remote_env_error(cast(Failure, failure).errors[0], w, note)
+
+
+def _row(tree: Any, i: int) -> Any:
+    """Row ``i`` of a batched tree of arrays (the batch's actions), a copy."""
+    if isinstance(tree, dict):
+        return {key: _row(leaf, i) for key, leaf in tree.items()}
+    if isinstance(tree, tuple):
+        return tuple(_row(leaf, i) for leaf in tree)
+    return tree[i].copy()
 
 
 class _Gathered:
@@ -551,12 +620,19 @@ def _plan(request: PlanRequest) -> Plan:
             "step_timeout and restart_policy cannot cover envs the driver steps "
             "itself; use driver_envs=0 (the default)"
         )
+    cores = usable_cores()
+    num_workers = request.num_workers
+    if request.pool and num_workers is None:
+        # A first-ready pool's default (make() left the worker count to it): one env per
+        # group, the groups hosted a core's worth to a process.
+        plan = hosted_pool_plan(request.num_envs, request.options["spin_s"], cores)
+        return Plan(plan.ranges, plan, driver_free=True)
     plan = plan_processes(
         request.num_envs,
-        request.num_workers,
+        num_workers,
         driver_envs,
         request.options["spin_s"],
-        usable_cores(),
+        cores,
     )
     # Every env in a worker: make() builds none in the driver (env 0's spaces come from it).
     return Plan(plan.ranges, plan, driver_free=plan.driver_envs == 0)

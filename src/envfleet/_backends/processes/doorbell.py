@@ -148,7 +148,7 @@ def _load_libc() -> Any:
         return None
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        for name in ("sem_init", "sem_post", "sem_trywait", "sem_timedwait"):
+        for name in ("sem_init", "sem_post", "sem_trywait", "sem_timedwait", "sem_getvalue"):
             getattr(libc, name).restype = ctypes.c_int
         libc.syscall.restype = ctypes.c_long
         return libc
@@ -180,6 +180,7 @@ class SharedSem:
         self._timedwait = _libc.sem_timedwait
         ptr, trywait = self.ptr, _libc.sem_trywait
         self._post = functools.partial(_libc.sem_post, ptr)
+        self._getvalue = _libc.sem_getvalue
         self._poll: Callable[[], bool] = lambda: bool(trywait(ptr) == 0)
 
     def __getstate__(self) -> tuple[Any, int]:
@@ -191,6 +192,12 @@ class SharedSem:
 
     def release(self) -> None:
         self._post()
+
+    def value(self) -> int:
+        """The semaphore's count now (no system call)."""
+        count = ctypes.c_int(0)
+        self._getvalue(self.ptr, ctypes.byref(count))
+        return count.value
 
     def acquire(self, block: bool = True, timeout: float | None = None) -> bool:
         if not block:

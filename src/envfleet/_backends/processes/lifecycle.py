@@ -44,18 +44,23 @@ from envfleet._backends.processes.worker import (
     CMD,
     CMD_PAYLOAD,
     ENV,
+    FAULT,
     GATHER,
     GROUP_BYTES,
     IN_MAILBOX,
     IN_REGION,
+    LOGN,
     MAILBOX_BYTES,
     NEW_REGION,
     REQ,
+    SERVED,
     SLEEP,
+    THREAD,
     WORDS,
     GroupLayout,
     WorkerSpec,
     control_words,
+    host_main,
     mailbox,
     mapped_block,
     read_region,
@@ -117,6 +122,9 @@ class WorkerProcesses:
             env 0 built in the driver or not: without it, the block is laid out once env 0's
             worker tells its spaces, :meth:`lay_out`).
         worker_spin_s: the most seconds a worker polls for a command before blocking.
+        hosts: the groups each worker process serves (a first-ready pool's one-env groups,
+            several to a process, each served by a thread of its own: host_main); ``None``:
+            a process per group (of ``remote``).
 
     Attributes:
         control, words: per group, its control words (numpy rows; int64 memoryviews, cheaper
@@ -127,7 +135,12 @@ class WorkerProcesses:
             before a worker sent one); batch: the shared block's arrays, once laid out.
     """
 
-    def __init__(self, request: BuildRequest, worker_spin_s: float):
+    def __init__(
+        self,
+        request: BuildRequest,
+        worker_spin_s: float,
+        hosts: list[list[int]] | None = None,
+    ):
         self.ranges = list(request.plan.ranges)
         self._request = request
         self._blobs, self._accepts = request.blobs, request.accepts_index
@@ -170,6 +183,20 @@ class WorkerProcesses:
         if round_bell_available() and not request.pool:
             self._bell_raw = multiprocessing.sharedctypes.RawArray(ctypes.c_uint8, BELL_BYTES)
             self.bell = RoundBell(self._bell_raw, (REQ, ACK, SLEEP))
+        # Per host process, its groups (the first one's stacks file is the host's); per
+        # group, its host. Without hosts every group is its own process.
+        self.hosts: list[list[int]] = hosts if hosts is not None else [[g] for g in range(groups)]
+        self.host_of = {g: h for h, members in enumerate(self.hosts) for g in members}
+        self.hosted = any(len(members) > 1 for members in self.hosts)
+        # Per host, its bell (rung while it serves its groups in turns: worker.SERVED), and
+        # per group, its host's bell and the words where the host says how it serves (None:
+        # a process of its own).
+        self._host_raw: Any = multiprocessing.sharedctypes.RawArray(
+            ctypes.c_uint8, max(1, len(self.hosts)) * SEM_SLOT
+        )
+        self.host_bells: list[Any] = [None] * len(self.hosts)
+        self._host_ring: list[tuple[Any, Any, memoryview] | None] = [None] * groups
+        self._to_ring: list[tuple[Any, Any, memoryview]] = []  # until ring_hosts
         self.procs: list[Any] = [None] * groups
         self.conns: list[Connection | None] = [None] * groups
         self.regions: list[mmap.mmap | None] = [None] * groups
@@ -208,8 +235,54 @@ class WorkerProcesses:
             layout.replay_steps,
         )
 
+    def lead(self, g: int) -> int:
+        """The first group of ``g``'s host process (whose stacks file and memory are the
+        host's); ``g`` itself without hosts."""
+        return self.hosts[self.host_of[g]][0] if g in self.host_of else g
+
+    def mates(self, g: int) -> list[int]:
+        """The groups served by ``g``'s process (``[g]`` without hosts)."""
+        return list(self.hosts[self.host_of[g]]) if g in self.host_of else [g]
+
     def start(self, g: int) -> None:
-        """Spawn the worker process of group ``g`` (its envs, doorbell and pipe)."""
+        """Spawn the worker process of group ``g`` (its envs, doorbell and pipe): with hosts,
+        the host process of ``g`` and every group it serves."""
+        members = self.mates(g)
+        specs, parents, children = [], [], []
+        for m in members:
+            spec, parent_conn, child_conn = self._spec(m, len(members) > 1, m == members[0])
+            specs.append(spec)
+            parents.append(parent_conn)
+            children.append(child_conn)
+        lead = members[0]
+        if len(members) == 1:
+            target: Any = worker_main
+            args: tuple[Any, ...] = (specs[0], children[0], parents[0])
+        else:
+            h = self.host_of[lead]
+            bell = shared_semaphore(self._ctx, self._host_raw, h * SEM_SLOT)
+            self.host_bells[h] = bell
+            self.words[lead][SERVED] = 0  # in turns, until the host says otherwise
+            ring = (bell.release, getattr(bell, "value", None), self.words[lead])
+            for m in members:
+                self._host_ring[m] = ring
+            target, args = host_main, (specs, children, parents, bell)
+        proc = spawn(
+            self._ctx,
+            target,
+            args,
+            f"envfleet-worker-{lead}",
+            report_path=specs[0].stacks_path,  # where it says it could not start (bootstrapping)
+        )
+        for m, parent_conn, child_conn in zip(members, parents, children, strict=True):
+            child_conn.close()
+            self.procs[m], self.conns[m] = proc, parent_conn
+        self.memory.watch(lead, proc.pid)
+
+    def _spec(self, g: int, hosted: bool, lead: bool) -> tuple[WorkerSpec, Connection, Connection]:
+        """Group ``g``'s :class:`WorkerSpec` (its doorbell made, its words reset) and its
+        pipe's two ends; ``hosted``: served by a thread of a host process, whose stacks file
+        is its ``lead`` group's."""
         start, stop = self.ranges[g]
         doorbell = Doorbell(self._ctx, self._control_raw, g * GROUP_BYTES + 8 * WORDS)
         # A new worker (a restarted one too) has no command due: the commands sent to the
@@ -219,6 +292,9 @@ class WorkerProcesses:
         words[ACK] = words[REQ]
         words[SLEEP] = 0  # round protocol R8: one killed asleep held its bit there
         words[ENV] = NOTE_CLEAR  # inside no env until its group says so
+        words[THREAD] = 0
+        words[LOGN] = 0
+        words[FAULT] = -1
         # A spawn or forkserver child still importing the main module cannot start a worker
         # (spawn() reports multiprocessing's bootstrapping error to its own driver and exits):
         # no files for it, which nothing would remove if that driver killed it first.
@@ -238,21 +314,14 @@ class WorkerProcesses:
             spin_s=self._worker_spin_s,
             parent_pid=os.getpid(),
             start_method=self._ctx.get_start_method(),
-            stacks_path=None if bootstrapping else self._stack_files.new(g),
+            stacks_path=None if bootstrapping or not lead else self._stack_files.new(g),
             replay_path=None if bootstrapping else self._log_files.new(g),
             bell=self.bell,
+            hosted=hosted,
         )
         parent_conn, child_conn = self._ctx.Pipe(duplex=True)
-        proc = spawn(
-            self._ctx,
-            worker_main,
-            (spec, child_conn, parent_conn),
-            f"envfleet-worker-{g}",
-            report_path=spec.stacks_path,  # where it says it could not start (bootstrapping)
-        )
-        child_conn.close()
-        self.procs[g], self.conns[g], self.doorbells[g] = proc, parent_conn, doorbell
-        self.memory.watch(g, proc.pid)
+        self.doorbells[g] = doorbell
+        return spec, parent_conn, child_conn
 
     def request(self, g: int, command: Command, has_payload: bool) -> None:
         """Write ``command`` into worker ``g``'s control words and ring it: on the round bell
@@ -264,10 +333,24 @@ class WorkerProcesses:
         bell = self.bell
         if bell is None:
             cast(Doorbell, self.doorbells[g]).request.release()
+            ring = self._host_ring[g]
+            if ring is not None and not ring[2][SERVED] and ring not in self._to_ring:
+                # A host serving in turns: its bell, once this round's commands are all
+                # written (ring_hosts), so that it takes them in one turn.
+                self._to_ring.append(ring)
             return
         words[GATHER] = 0
         words[REQ] += 1
         bell.ring(self._controls[g])
+
+    def ring_hosts(self) -> None:
+        """Ring the bell of each host serving in turns that :meth:`request` wrote a command
+        for, unless a ring it has not taken yet is there (it then looks at every group's
+        request count again)."""
+        rings, self._to_ring = self._to_ring, []
+        for release, value, _ in rings:
+            if value is None or value() == 0:
+                release()
 
     def lay_out(self, workers: list[int], probe: Any) -> bool:
         """After the ``READY`` replies of ``workers``, just spawned: a worker spawned without
@@ -317,8 +400,61 @@ class WorkerProcesses:
         return pickle.loads(blob)
 
     def _read_stacks(self, g: int) -> str:
-        """All worker ``g``'s faulthandler has written to its stack file so far."""
-        return read_text(self._stack_files.fds[g])
+        """All worker ``g``'s faulthandler has written to its stack file so far (a hosted
+        group's: its own thread's stack, from its host's file)."""
+        return self.group_stacks(g, read_text(self._stack_files.fds[self.lead(g)]))
+
+    def group_stacks(self, g: int, text: str) -> str:
+        """Of ``text``, what its host process's faulthandler wrote, group ``g``'s part: the
+        stack of the thread serving it (as the ``Current thread``: the one that ran its env),
+        where ``g`` is hosted and that thread is found; else ``text``."""
+        ident = int(self.words[g][THREAD])
+        if len(self.mates(g)) == 1 or not ident or not text:
+            return text
+        mark = f"0x{ident:016x} (most recent call first):"
+        for block in text.split("\n\n"):
+            head, _, rest = block.lstrip("\n").partition("\n")
+            if head.endswith(mark) and head.split(" 0x")[0] in ("Thread", "Current thread"):
+                return f"Current thread {mark}\n{rest.rstrip()}\n"
+        return text
+
+    def fault_group(self, g: int) -> int | None:
+        """After ``g``'s host process died of a fatal signal: the group whose thread the
+        signal hit (its fault handler's note), ``None`` when not known (not hosted, no C
+        module, a signal sent to the process rather than raised by a thread, SIGKILL)."""
+        if len(self.mates(g)) == 1:
+            return None
+        fault = int(self.words[self.lead(g)][FAULT])
+        return fault if fault in self.mates(g) else None
+
+    def log_count(self, g: int) -> tuple[int, int] | None:
+        """Hosted group ``g``'s action-log step count now and when it last replied (LOGN):
+        the first ahead of the second means the step it was sent began (its actions are
+        recorded); ``None`` without a log."""
+        head = self.log_head(g)
+        if head is None:
+            return None
+        return head[0], int(self.words[g][LOGN])
+
+    def replied(self, g: int) -> bool:
+        """Whether group ``g`` (its process dead or killed) posted a reply not yet taken
+        (its done token, taken now: read the reply next)."""
+        doorbell = self.doorbells[g]
+        return doorbell is not None and bool(doorbell.done.acquire(False))
+
+    def kill(self, groups: Sequence[int]) -> None:
+        """Kill the processes of ``groups`` (their hosts: every group of each) and wait for
+        them to go; their pipes and regions stay until :meth:`respawn`."""
+        seen = set()
+        for g in groups:
+            proc = self.procs[g]
+            if proc is None or id(proc) in seen:
+                continue
+            seen.add(id(proc))
+            with contextlib.suppress(ValueError):
+                if proc.is_alive():
+                    proc.kill()
+                proc.join()
 
     def log_head(self, g: int) -> tuple[int, int, Any] | None:
         """Worker ``g``'s action-log counters: its group steps, the episodes its envs began and
@@ -328,7 +464,7 @@ class WorkerProcesses:
 
     def rss(self, g: int) -> int | None:
         """Worker ``g``'s resident memory when last sampled (bytes), ``None`` before."""
-        seen = self.memory.last(g)
+        seen = self.memory.last(self.lead(g))
         return None if seen is None else seen[0]
 
     def worker_memory(self) -> tuple[WorkerMemory, ...]:
@@ -370,36 +506,63 @@ class WorkerProcesses:
         (:func:`~envfleet._backends.workers.ask_stacks`): worker -> text."""
         targets = {}
         for g in workers:
-            proc, fd = self.procs[g], self._stack_files.fds[g]
+            lead = self.lead(g)  # a host's groups: one ask of the process
+            proc, fd = self.procs[lead], self._stack_files.fds[lead]
             if proc is not None and fd is not None and proc.is_alive():
-                targets[g] = (proc.pid, fd)
-        return ask_stacks(targets, lambda g: bool(self.procs[g].is_alive()), wait_s)
+                targets[lead] = (proc.pid, fd)
+        found = ask_stacks(targets, lambda g: bool(self.procs[g].is_alive()), wait_s)
+        return {
+            g: self.group_stacks(g, found[self.lead(g)]) for g in workers if self.lead(g) in found
+        }
 
     def respawn(self, g: int, reason: str) -> None:
         """Kill worker ``g`` (dead or hung: ``reason`` is ``"late"``) and start a new one for
-        the same envs."""
-        if reason == "recycle":
-            start, stop = self.ranges[g]
-            logger.info("recycling worker %d (sub-environments %d..%d)", g, start, stop - 1)
-        else:
-            why = "did not answer in time" if reason == "late" else "died"
-            stacks = self.crash_stacks(g) if reason != "late" else ""
-            logger.warning(
-                "worker %d %s%s; restarting it and its envs%s",
-                g,
-                why,
-                at(stacks),
-                f"; its stacks when it died:\n{stacks}" if stacks else "",
-            )
-        proc = self.procs[g]
-        if proc.is_alive():
-            proc.kill()
-        proc.join()
-        cast(Connection, self.conns[g]).close()
-        self._drop_region(g)  # the new worker sends its own
-        with contextlib.suppress(ValueError):
-            proc.close()
-        self.start(g)
+        the same envs (with hosts: ``g``'s host for every group it serves; see
+        :meth:`respawn_all`)."""
+        self.respawn_all({g: reason})
+
+    def respawn_all(self, reasons: dict[int, str]) -> None:
+        """:meth:`respawn` each group of ``reasons`` (group -> reason), one new process per
+        host: the groups a host serves must all be there (they all go down with it)."""
+        done: set[int] = set()
+        for g, reason in reasons.items():
+            h = self.host_of.get(g)
+            if h in done:
+                continue
+            if h is not None:
+                done.add(h)
+            members = self.mates(g)
+            lead = members[0]
+            start, stop = self.ranges[members[0]][0], self.ranges[members[-1]][1]
+            if reason == "recycle":
+                logger.info("recycling worker %d (sub-environments %d..%d)", g, start, stop - 1)
+            else:
+                # A host killed because a group of it was late, else one that died.
+                late = any(reasons.get(m) == "late" for m in members)
+                why = "did not answer in time" if late else "died"
+                stacks = self.crash_stacks(lead) if why == "died" else ""
+                if len(members) > 1:
+                    what = f"worker process of groups {members[0]}..{members[-1]}"
+                else:
+                    what = f"worker {g}"
+                logger.warning(
+                    "%s %s%s; restarting it and its envs%s",
+                    what,
+                    why,
+                    at(stacks),
+                    f"; its stacks when it died:\n{stacks}" if stacks else "",
+                )
+            proc = self.procs[g]
+            with contextlib.suppress(ValueError):
+                if proc.is_alive():
+                    proc.kill()
+                proc.join()
+            for m in members:
+                cast(Connection, self.conns[m]).close()
+                self._drop_region(m)  # the new worker sends its own
+            with contextlib.suppress(ValueError):
+                proc.close()
+            self.start(g)
 
     def _drop_region(self, g: int) -> None:
         """Unmap worker ``g``'s reply region (its memory goes with the last mapping)."""
@@ -414,13 +577,13 @@ class WorkerProcesses:
         proc.join(_KILL_GRACE)
         exitcode = proc.exitcode
         start, stop = self.ranges[w]
-        written = self._read_stacks(w)
+        written = read_text(self._stack_files.fds[self.lead(w)])
         boot = bootstrap_report(written)
         if boot is not None:
             return self._bootstrap_error(w, exitcode, step, note, fate, boot)
-        stacks = written
+        stacks = self.group_stacks(w, written)
         where = at(stacks)
-        seen = self.memory.last(w)
+        seen = self.memory.last(self.lead(w))
         rss = seen[0] if seen is not None else None
         if exitcode == -signal.SIGKILL and seen is not None:
             # The OOM killer's way: say how much memory the worker held when last seen.
@@ -471,8 +634,10 @@ class WorkerProcesses:
         SIGBUS, SIGFPE, SIGILL, SIGABRT): every thread's stack, innermost first; ``""`` for a
         death that leaves none (SIGKILL, ``os._exit``) and for a worker that could not start
         because the main module starts workers on import (its report is in the same file)."""
-        text = self._read_stacks(g)
-        return "" if bootstrap_report(text) is not None else text
+        text = read_text(self._stack_files.fds[self.lead(g)])
+        if bootstrap_report(text) is not None:
+            return ""
+        return self.group_stacks(g, text)
 
     def disown(self) -> None:
         # multiprocessing's exit handler terminates the daemonic processes it counts as this
@@ -496,7 +661,7 @@ class WorkerProcesses:
             return
         self.closed = True
         self.memory.stop()
-        procs = [p for p in self.procs if p is not None]
+        procs = list({id(p): p for p in self.procs if p is not None}.values())  # a host once
         graceful = not terminate and not busy
         if busy and not terminate:
             logger.warning("closing while workers %s are busy; terminating them", list(busy))
@@ -504,10 +669,15 @@ class WorkerProcesses:
             for g, proc in enumerate(self.procs):
                 if proc is not None and proc.is_alive():
                     self.request(g, Command.CLOSE, False)
+            self.ring_hosts()
         if graceful:
             limit = DEFAULT_CLOSE_TIMEOUT if timeout is None else timeout
             join_all(procs, limit)
-            hung = [g for g, p in enumerate(self.procs) if p is not None and p.is_alive()]
+            hung = [
+                g
+                for g, p in enumerate(self.procs)
+                if p is not None and p.is_alive() and self.lead(g) == g
+            ]
             for g, text in self.stacks(hung).items():
                 logger.warning(
                     "worker %d did not close its envs within %g s%s; terminating it. Its "

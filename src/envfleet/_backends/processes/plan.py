@@ -10,7 +10,7 @@ from typing import Any
 from envfleet._backends.base import worker_ranges
 from envfleet._core.errors import ConfigError
 
-__all__ = ["DEFAULT_SPIN_S", "ProcessesPlan", "plan_processes"]
+__all__ = ["DEFAULT_SPIN_S", "ProcessesPlan", "hosted_pool_plan", "plan_processes"]
 
 DEFAULT_SPIN_S = 0.002  # the most a wait polls before it blocks, in seconds
 
@@ -24,6 +24,9 @@ class ProcessesPlan:
     driver_envs: int
     driver_spin_s: float
     worker_spin_s: float
+    # A first-ready pool's one-env groups, per worker process (host_main: a thread per group);
+    # None: a process per group.
+    hosts: list[list[int]] | None = None
 
 
 def _is_int(value: Any, low: int, high: int) -> bool:
@@ -95,3 +98,25 @@ def plan_processes(
         driver_spin_s=float(spin_s) if num_workers + 1 <= cores else 0.0,
         worker_spin_s=float(spin_s) if num_workers <= cores else 0.0,
     )
+
+
+def hosted_pool_plan(num_envs: int, spin_s: float | None, cores: int) -> ProcessesPlan:
+    """A first-ready pool's default layout: one env per group, so that each env's result is
+    handed back when that env finishes (a group's reply is its envs' together), and the
+    groups served by ``min(num_envs, cores)`` worker processes (contiguous runs of groups,
+    a thread per group in each: ``host_main``), so that the processes, their memory and
+    their wake-ups are those of a worker per core. Hosted groups never spin for their
+    command (their threads share their process's core); the driver spins as with one
+    worker per process.
+
+    Example::
+
+        hosted_pool_plan(8, None, cores=2).hosts  # [[0, 1, 2, 3], [4, 5, 6, 7]]
+    """
+    plan = plan_processes(num_envs, num_envs, 0, spin_s, cores)
+    processes = max(1, min(num_envs, cores))
+    plan.hosts = [list(range(a, b)) for a, b in worker_ranges(num_envs, processes)]
+    spin = DEFAULT_SPIN_S if spin_s is None else float(spin_s)
+    plan.driver_spin_s = spin if processes + 1 <= cores else 0.0
+    plan.worker_spin_s = spin if processes <= cores else 0.0  # a host serving in turns
+    return plan

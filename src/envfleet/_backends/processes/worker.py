@@ -13,13 +13,16 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import faulthandler
 import functools
 import mmap
 import os
 import pickle
 import signal
 import tempfile
+import threading
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing import reduction
@@ -66,6 +69,7 @@ from envfleet._core.stats import (
     STATS_WORDS,
     StepTimer,
 )
+from envfleet._core.stepping import stepping_mode
 
 __all__ = [
     "ACK",
@@ -86,6 +90,12 @@ __all__ = [
     "REQ",
     "SLEEP",
     "STATUS",
+    "THREAD",
+    "LOGN",
+    "FAULT",
+    "SERVED",
+    "HOST_TURNS",
+    "HOST_THREADS",
     "WORDS",
     "WorkerSpec",
     "attach_block",
@@ -99,6 +109,7 @@ __all__ = [
     "stats_rows",
     "word_view",
     "worker_main",
+    "host_main",
 ]
 
 MAILBOX_BYTES = 64 << 10  # per worker: a pickled reply up to this size skips the pipe
@@ -118,6 +129,18 @@ SLEEP = 8
 # (EnvGroup.note_crashes; crash_note.NOTE_CLEAR between, NOTE_SEVERAL while several envs step
 # at once), read by the driver when the worker died or hung: the env that loses its episode.
 ENV = 9
+# A hosted group's (several one-env groups served by one process, a thread each: host_main):
+# THREAD, the ident of the thread that serves it (its block in the host's stacks); LOGN, its
+# action log's step count when it last replied (a later count: the step it was sent began,
+# recorded); FAULT, in the row of a host's first group only, the group whose thread a fatal
+# signal hit (-1: none, or not a serving thread).
+THREAD, LOGN, FAULT = 10, 11, 12
+# In the row of a host's first group: how the host serves its groups now. HOST_TURNS (0): its
+# main thread steps each group's command in turn, rung once for all on the host's bell (envs
+# that compute: a wake-up per host, as a block of envs has); HOST_THREADS: each group on its
+# own thread, on its own doorbell (envs that wait: each env handed back when it finishes).
+SERVED = 13
+HOST_TURNS, HOST_THREADS = 0, 1
 ON_PIPE, IN_MAILBOX = 1, 2  # where a reply's payload is (REPLY_PAYLOAD; 0: none)
 # Added to REPLY_PAYLOAD: the payload is ``(pickle, buffer sizes)`` whose out-of-band buffers
 # lie one after the other in the worker's reply region (IN_REGION), a new one whose file
@@ -212,6 +235,7 @@ class WorkerSpec:
     stacks_path: str | None = None  # where faulthandler writes this worker's stacks
     replay_path: str | None = None  # the file of its action log (envfleet._core.replay)
     bell: RoundBell | None = None  # the vector env's round bell (Linux; not in a pool)
+    hosted: bool = False  # served by a thread of a host process (host_main), with others
 
 
 def _anonymous_file(name: str, nbytes: int) -> int:
@@ -354,12 +378,17 @@ class _Worker:
         self.mailbox = mailbox(spec.mailboxes, self.g)
         self.doorbell = spec.doorbell
         self.done, self.any_done = spec.doorbell.done, spec.any_done
-        self.budget = SpinBudget(spec.spin_s)
+        # A hosted group on its thread never spins (its host's other threads need the
+        # cores); its host, serving in turns, spins on its bell instead (_Host).
+        self.budget = SpinBudget(0.0 if spec.hosted else spec.spin_s)
         self.watch_ppid = spec.start_method != "forkserver"
         self.region = ReplyRegion()
         self.bell = spec.bell
         self.address = control_words(spec.control)[self.g].ctypes.data  # of self.control
         self.bit = sleep_bit(self.g)
+        self.hosted = spec.hosted
+        # A hosted group's action-log header words (LOGN is written from it on every reply).
+        self.log_words: Any = None
         if self.bell is not None:
             native_layout()  # the bell's C functions read REQ and ACK
 
@@ -383,10 +412,17 @@ class _Worker:
     def driver_alive(self) -> bool:
         if self.watch_ppid and os.getppid() != self.spec.parent_pid:
             return False
-        # Between commands nothing is due on the pipe: readable means end-of-file.
-        return not self.conn.poll()
+        # Between commands nothing is due on the pipe: readable means end-of-file. A hosted
+        # group's pipe may hold the payload of a command rung but not taken yet (its request
+        # count, posted before the payload was sent, then says so).
+        if not self.conn.poll():
+            return True
+        value = getattr(self.doorbell.request, "value", None) if self.hosted else None
+        return value is not None and value() > 0
 
     def ring_done(self) -> None:
+        if self.log_words is not None:
+            self.control[LOGN] = self.log_words[0]
         bell = self.bell
         if bell is not None:
             # Round protocol R6: the REQ read first, the arrival before the ACK (the C twin:
@@ -435,10 +471,27 @@ class _Worker:
                 os.close(fd)
         self.conn.send_bytes(blob)
 
-    def serve(self, group: EnvGroup) -> None:
+    def serve_one(self, group: EnvGroup, timer: StepTimer) -> bool:
+        """Run the command just taken (its doorbell's request) and reply; ``False`` for
+        ``CLOSE`` (no reply: the group is done)."""
+        control = self.control
+        command = _COMMANDS[control[CMD]]
+        if command is _CLOSE:
+            return False
+        payload = pickle.loads(self.conn.recv_bytes()) if control[CMD_PAYLOAD] else None
+        try:
+            result = run_command(group, command, payload, timer)
+        except BaseException as exc:  # an env's SystemExit too: report it
+            self.reply_failure(exc, group, command)
+            return True
+        self.reply(Status.OK, none_if_empty(result))
+        return True
+
+    def serve(self, group: EnvGroup, timer: StepTimer | None = None) -> None:
         control = self.control
         request: Any = self if self.bell is not None else self.doorbell.request
-        timer = StepTimer(stats_rows(self.spec.stats)[self.g])
+        if timer is None:
+            timer = StepTimer(stats_rows(self.spec.stats)[self.g])
         serve_steps = self._serve_steps(group, timer)
         while True:
             spun_s: float | None = None
@@ -489,7 +542,13 @@ class _Worker:
         it is not built or the semaphores are not the shared POSIX ones it drives."""
         serve_steps = _speedups.function("serve_steps")
         sems = (self.doorbell.request, self.done, self.any_done)
-        if serve_steps is None or not all(s is None or type(s) is SharedSem for s in sems):
+        # A hosted group blocks at once on its command (no spin: its host's other threads
+        # need the cores) and replies from Python, which notes its log's count (LOGN).
+        if (
+            self.hosted
+            or serve_steps is None
+            or not all(s is None or type(s) is SharedSem for s in sems)
+        ):
             return None
         native_layout()
         any_done = None if self.any_done is None else self.any_done.address
@@ -517,6 +576,293 @@ def worker_main(spec: WorkerSpec, conn: Connection, parent_conn: Connection) -> 
     die_with_parent(spec.parent_pid, spec.start_method)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the driver's to handle
     stacks = watch_stacks(spec.stacks_path)  # noqa: F841  (its file stays open)
+    _run_group(spec, conn)
+
+
+def host_main(
+    specs: list[WorkerSpec],
+    conns: list[Connection],
+    parent_conns: list[Connection],
+    bell: SharedSem,
+) -> None:
+    """A host process: several groups (one env each, in a first-ready pool), each with its
+    own doorbell, pipe, mailbox and reply, so that each env's result is handed back when that
+    env finishes. What is the process's is done once: the pipes' other ends closed, death
+    with the driver, Ctrl-C ignored, the fatal-signal note (``FAULT``: which group's env a
+    segfault hit) and the stacks' file (the first group's). Its groups' envs are built here,
+    one after another, then served (:class:`_Host`)."""
+    for parent_conn in parent_conns:
+        parent_conn.close()  # inherited under fork; only the driver may hold them
+    lead = specs[0]
+    die_with_parent(lead.parent_pid, lead.start_method)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the driver's to handle
+    watch_faults = _speedups.function("watch_faults")
+    words = control_words(lead.control)[lead.group_index]
+    words[SERVED] = HOST_TURNS
+    if watch_faults is not None:
+        # Before faulthandler, which chains to it (and faulthandler.disable() puts it back).
+        faulthandler.disable()
+        words[FAULT] = -1
+        watch_faults(words.ctypes.data + 8 * FAULT)
+    stacks = watch_stacks(lead.stacks_path)  # noqa: F841  (its file stays open)
+    workers = [_Worker(spec, conn) for spec, conn in zip(specs, conns, strict=True)]
+    groups: list[EnvGroup] = []
+    try:
+        built = _build_hosted(workers)
+        if built is None:  # a group could not build its envs (replied): the driver gives up
+            while workers[0].driver_alive():
+                time.sleep(IDLE_SLICE_MAX_S / 4)
+            return
+        groups = built
+        _Host(workers, groups, bell).serve()
+    except (EOFError, BrokenPipeError, ConnectionResetError):
+        pass  # the driver is gone
+    finally:
+        for group in groups:
+            with contextlib.suppress(Exception):
+                group.close()
+        for conn in conns:
+            conn.close()
+
+
+def _build_hosted(workers: list[_Worker]) -> list[EnvGroup] | None:
+    """Build each hosted group's envs in turn (this thread: env constructors need not be
+    thread-safe), replying ``READY`` for each as :func:`_run_group` does (driver-free: the
+    probe first, every group's, then each one's layout from its pipe); ``None`` when one
+    could not (its error replied)."""
+    fns_of, built_of = [], []
+    for worker in workers:
+        spec = worker.spec
+        try:
+            fns = [
+                bind_env_index(cloudpickle.loads(blob), spec.start + j, spec.accepts_index[j])
+                for j, blob in enumerate(spec.env_fns)
+            ]
+            built: list[gymnasium.Env[Any, Any]] = []
+            if spec.layout is None:
+                built = build_group_envs(fns, spec.start)
+                probe = EnvProbe.of(built[0]) if spec.start == 0 else None
+                worker.reply(Status.READY, probe)
+        except EnvFailure as failure:
+            worker.reply(Status.ERROR, failure_reply(_failure_error(failure)))
+            return None
+        except Exception as exc:
+            worker.reply(Status.ERROR, failure_reply(remote_error(exc, spec.start, "make")))
+            return None
+        fns_of.append(fns)
+        built_of.append(built)
+    groups: list[EnvGroup] = []
+    for worker, fns, built in zip(workers, fns_of, built_of, strict=True):
+        spec = worker.spec
+        try:
+            layout = spec.layout
+            if layout is None:
+                layout = attach_block(worker.conn)
+                fns = [Prebuilt(env, fn) for env, fn in zip(built, fns, strict=True)]
+            group = _new_group(spec, fns, layout)
+            groups.append(group)
+            if group.action_log is not None:
+                worker.log_words = group.action_log.words
+            mismatch = group.check_spaces()
+        except EnvFailure as failure:
+            worker.reply(Status.ERROR, failure_reply(_failure_error(failure)))
+            return None
+        except (EOFError, BrokenPipeError, ConnectionResetError):
+            raise
+        except Exception as exc:
+            worker.reply(Status.ERROR, failure_reply(remote_error(exc, spec.start, "make")))
+            return None
+        worker.reply(Status.READY, mismatch)
+    return groups
+
+
+def _failure_error(failure: EnvFailure) -> Any:
+    return remote_error(failure, failure.env_index, failure.method)
+
+
+class _Host:
+    """How a host process serves its groups. At first in turns (``HOST_TURNS``): the driver
+    rings the host's ``bell`` (besides each group's request), and this thread runs every
+    group's command taken, one after another, each replied as it ends, the pool's shared
+    doorbell rung once after them: a wake-up on each side per host, not per env, as a
+    block of envs costs (envs that compute). Once a group's env is seen to wait
+    (:class:`~envfleet._core.stepping.AdaptiveStepping`'s kind, from its own steps), or with
+    ``ENVFLEET_STEPPING=concurrent``, for good on threads (``HOST_THREADS``): a thread per
+    group, blocking on its own doorbell, so that each env's result is handed back when it
+    finishes whatever the others wait for. ``ENVFLEET_STEPPING=sequential`` keeps turns."""
+
+    CHECK_EVERY = 8  # turns between looks at the groups' kinds
+    # A command run in turns for this long (an env that waits, a hang) hands every other
+    # group to its own thread at once: none waits behind it.
+    STUCK_S = 0.005
+
+    def __init__(self, workers: list[_Worker], groups: list[EnvGroup], bell: SharedSem):
+        self.workers, self.groups, self.bell = workers, groups, bell
+        lead = workers[0]
+        self.served = lead.control  # the SERVED word is the first group's
+        self.any_done = lead.any_done
+        self.timers = [StepTimer(stats_rows(w.spec.stats)[w.g]) for w in workers]
+        self.fault_group = _speedups.function("fault_group")
+        ident = threading.get_ident()
+        for w, group in zip(workers, groups, strict=True):
+            w.control[THREAD] = ident
+            note = word_view(control_words(w.spec.control)[w.g])[ENV : ENV + 1]
+            group.note_crashes(note, w.spec.start)
+            group.adapt_stepping(stats_rows(w.spec.stats)[w.g][KIND:])
+        # Taking a command in turns and going on threads exclude each other: after the
+        # switch only each group's own thread takes its commands.
+        self._lock = threading.Lock()
+        self._switched = False
+        self._current: int | None = None  # the group whose command runs in turns now
+        self._since = 0.0  # when it began
+        self._open = set(range(len(workers)))  # groups not closed
+        self._unrung = False  # a reply of this turn not yet announced on the pool's doorbell
+        self._threads: list[threading.Thread] = []
+
+    def serve(self) -> None:
+        mode = stepping_mode()
+        if mode == "concurrent":
+            with self._lock:
+                self._switch(None)
+        else:
+            if mode == "auto":
+                threading.Thread(
+                    target=self._watch, name="envfleet-host-watch", daemon=True
+                ).start()
+            i = self._turns(mode == "auto")
+            if i is not None:  # this thread goes on serving the group it was running
+                _host_thread(self.workers[i], self.groups[i], self.timers[i], self.fault_group)
+        for thread in self._threads:
+            thread.join()
+
+    def _turns(self, may_leave: bool) -> int | None:
+        """Serve in turns until the host goes on threads (returns the group whose command
+        this thread ran then, to go on serving it; ``None``: none), every group closed or
+        the driver gone (``None``)."""
+        workers, groups, timers, lock = self.workers, self.groups, self.timers, self._lock
+        for w in workers:
+            w.any_done = None  # rung once per turn, below
+        any_done, bell, fault_group = self.any_done, self.bell, self.fault_group
+        lead = workers[0]
+        budget = SpinBudget(lead.spec.spin_s)  # one thread waits here: it may spin
+        clock = time.perf_counter
+        turns = 0
+        while self._open:
+            if not Doorbell.wait(bell, budget, None, lead.driver_alive, None, IDLE_SLICE_MAX_S):
+                return None  # the driver is gone
+            for i in sorted(self._open):
+                w = workers[i]
+                with lock:
+                    if not w.doorbell.request.acquire(False):
+                        continue
+                    self._current, self._since = i, clock()
+                if fault_group is not None:
+                    fault_group(w.g)
+                served = w.serve_one(groups[i], timers[i])
+                with lock:
+                    self._current = None
+                    if served and not self._switched:
+                        self._unrung = True  # replied, the pool's doorbell not rung yet
+                    switched = self._switched
+                if not served:
+                    self._open.discard(i)
+                if switched:  # went on threads meanwhile (_watch rang for earlier replies)
+                    return i if served else None
+            with lock:
+                unrung, self._unrung = self._unrung, False
+            if unrung and any_done is not None:
+                any_done.release()
+            turns += 1
+            due = may_leave and turns % self.CHECK_EVERY == 0
+            if due and any(g.stepping_kind() == "wait" for g in groups):
+                with lock:
+                    self._switch(None)
+                return None
+        return None
+
+    def _watch(self) -> None:
+        """While in turns: a command that has run :data:`STUCK_S` hands the others to their
+        threads."""
+        while True:
+            time.sleep(self.STUCK_S / 2)
+            with self._lock:
+                if self._switched or not self._open:
+                    return
+                current = self._current
+                if current is not None and time.perf_counter() - self._since > self.STUCK_S:
+                    self._switch(current)
+                    return
+
+    def _switch(self, current: int | None) -> None:
+        """Go on threads, for good (the lock held): every open group but ``current`` (whose
+        command this host's first thread runs now, and goes on serving) on a thread of its
+        own, blocking on its own doorbell; the driver rings each group's alone (``SERVED``).
+        Commands rung before are still there to take: each group's request count holds
+        them."""
+        self._switched = True
+        if self._unrung and self.any_done is not None:
+            self.any_done.release()  # the replies of the turn cut short: found now
+        self._unrung = False
+        for w in self.workers:
+            w.any_done = self.any_done
+        self.served[SERVED] = HOST_THREADS
+        for i in sorted(self._open - {current} if current is not None else self._open):
+            w = self.workers[i]
+            thread = threading.Thread(
+                target=_host_thread,
+                args=(w, self.groups[i], self.timers[i], self.fault_group),
+                name=f"envfleet-group-{w.g}",
+                daemon=True,
+            )
+            thread.start()
+            self._threads.append(thread)
+
+
+def _host_thread(worker: _Worker, group: EnvGroup, timer: StepTimer, fault_group: Any) -> None:
+    """One hosted group's thread: its words noted (THREAD, and the C note of the group a
+    fatal signal hits), then :meth:`_Worker.serve`. A failure outside any env (a bug here)
+    ends the whole host, which the driver sees as its groups' death."""
+    try:
+        worker.control[THREAD] = threading.get_ident()
+        if fault_group is not None:
+            fault_group(worker.g)
+        worker.serve(group, timer)
+    except (EOFError, BrokenPipeError, ConnectionResetError):
+        pass  # the driver is gone
+    except BaseException:
+        with contextlib.suppress(Exception):
+            traceback.print_exc()
+        os._exit(1)
+
+
+def _new_group(spec: WorkerSpec, fns: list[Any], layout: GroupLayout) -> EnvGroup:
+    """The EnvGroup of ``spec``'s envs over its layout's block, with its action log."""
+    batch = allocate_batch(
+        layout.single_observation_space,
+        layout.single_action_space,
+        layout.num_envs,
+        cast(Block, layout.block),
+    )
+    return EnvGroup(
+        fns,
+        spec.start,
+        batch,
+        layout.single_observation_space,
+        layout.single_action_space,
+        layout.autoreset_mode,
+        same_observation_space=layout.same_observation_space,
+        action_log=file_log(
+            spec.replay_path,
+            layout.single_action_space,
+            spec.stop - spec.start,
+            layout.replay_steps,
+        ),
+    )
+
+
+def _run_group(spec: WorkerSpec, conn: Connection) -> None:
+    """Build one group's envs, reply ``READY``, then serve its commands until the driver
+    closes it or is gone."""
     worker = _Worker(spec, conn)
     group: EnvGroup | None = None
     built: list[gymnasium.Env[Any, Any]] = []
@@ -533,27 +879,7 @@ def worker_main(spec: WorkerSpec, conn: Connection, parent_conn: Connection) -> 
                 worker.reply(Status.READY, EnvProbe.of(built[0]) if spec.start == 0 else None)
                 layout = attach_block(conn)
                 fns = [Prebuilt(env, fn) for env, fn in zip(built, fns, strict=True)]
-            batch = allocate_batch(
-                layout.single_observation_space,
-                layout.single_action_space,
-                layout.num_envs,
-                cast(Block, layout.block),
-            )
-            group = EnvGroup(
-                fns,
-                spec.start,
-                batch,
-                layout.single_observation_space,
-                layout.single_action_space,
-                layout.autoreset_mode,
-                same_observation_space=layout.same_observation_space,
-                action_log=file_log(
-                    spec.replay_path,
-                    layout.single_action_space,
-                    spec.stop - spec.start,
-                    layout.replay_steps,
-                ),
-            )
+            group = _new_group(spec, fns, layout)
             built = []  # the group's now
             row = control_words(spec.control)[spec.group_index]
             group.note_crashes(word_view(row)[ENV : ENV + 1], spec.start)
