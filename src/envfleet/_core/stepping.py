@@ -105,6 +105,27 @@ def _blocks() -> int:
     return 0 if _RUSAGE_THREAD is None else resource.getrusage(_RUSAGE_THREAD).ru_nvcsw
 
 
+def _measure(run: Callable[[], Any]) -> tuple[Any, tuple[float, float, float]]:
+    """``run()``'s result, and (the calling thread's CPU seconds, the wall seconds, the
+    times the thread blocked) while it ran."""
+    t0, c0, b0 = time.perf_counter(), time.thread_time(), _blocks()
+    result = run()
+    return result, (time.thread_time() - c0, time.perf_counter() - t0, float(_blocks() - b0))
+
+
+def _waiting(cpu_s: float, wall_s: float, blocks: float) -> bool:
+    """Steps of ``cpu_s`` CPU and ``wall_s`` wall seconds, the thread blocking ``blocks``
+    times in each, wait: CPU under :data:`ENTER_BELOW` of the wall time, at least
+    :data:`MIN_WAIT_S` off the CPU a step, and the thread blocked (in a sleep, a read, a
+    lock) at least every other step, which a thread only made to wait for a core
+    (preempted, on a busy machine) does not."""
+    return (
+        cpu_s < ENTER_BELOW * wall_s
+        and wall_s - cpu_s >= MIN_WAIT_S
+        and (_RUSAGE_THREAD is None or blocks >= MIN_BLOCKS)
+    )
+
+
 def stepping_mode() -> str:
     """``ENVFLEET_STEPPING`` from the environment: ``"auto"`` (default), ``"sequential"`` or
     ``"concurrent"``.
@@ -276,15 +297,8 @@ class AdaptiveStepping:
         return "wait" if self._waits() else "compute"
 
     def _waits(self) -> bool:
-        """The envs wait: CPU under :data:`ENTER_BELOW` of the wall time, at least
-        :data:`MIN_WAIT_S` off the CPU a step, and the thread blocked (in a sleep, a read, a
-        lock) at least every other step, which a thread only made to wait for a core
-        (preempted, on a busy machine) does not."""
-        return (
-            self.cpu_s < ENTER_BELOW * self.wall_s
-            and self.wall_s - self.cpu_s >= MIN_WAIT_S
-            and (_RUSAGE_THREAD is None or self.blocks >= MIN_BLOCKS)
-        )
+        """The envs wait, by their smoothed step times (:func:`_waiting`)."""
+        return _waiting(self.cpu_s, self.wall_s, self.blocks)
 
     def step(
         self,
@@ -307,11 +321,8 @@ class AdaptiveStepping:
         if not self.concurrent and self.samples == 0 and self.mode == "auto" and self.size >= 2:
             return self._first_round(step_envs, list(actions), resets, events, log), 0
         if not self.concurrent:
-            t0, c0, b0 = time.perf_counter(), time.thread_time(), _blocks()
-            failures = step_envs(enumerate(actions), resets, events, log)
-            self._learn(
-                time.thread_time() - c0, time.perf_counter() - t0, _blocks() - b0, self.size
-            )
+            failures, timed = _measure(lambda: step_envs(enumerate(actions), resets, events, log))
+            self._learn(*timed, self.size)
             return failures, self._quiet_rounds()
         failures = self._step_concurrently(step_envs, list(actions), resets, events, log)
         return failures, 0
@@ -328,18 +339,14 @@ class AdaptiveStepping:
         waited, else one after another, timed. So a worker of envs that wait overlaps their
         waits from its first round on (its block of 512 envs that wait 20 ms takes one wait,
         not 512 in a row), and one of envs that compute has lost nothing but a clock read."""
-        t0, c0, b0 = time.perf_counter(), time.thread_time(), _blocks()
-        first = step_envs(((0, actions[0]),), resets, events, log)
-        self._learn(time.thread_time() - c0, time.perf_counter() - t0, _blocks() - b0, 1)
+        first, timed = _measure(lambda: step_envs(((0, actions[0]),), resets, events, log))
+        self._learn(*timed, 1)
         if self.concurrent:
             rest = self._step_concurrently(step_envs, actions, resets, events, log, skip=0)
         else:
-            t0, c0, b0 = time.perf_counter(), time.thread_time(), _blocks()
             pairs = itertools.islice(enumerate(actions), 1, None)
-            rest = step_envs(pairs, resets, events, log)
-            self._learn(
-                time.thread_time() - c0, time.perf_counter() - t0, _blocks() - b0, self.size - 1
-            )
+            rest, timed = _measure(lambda: step_envs(pairs, resets, events, log))
+            self._learn(*timed, self.size - 1)
         if first and rest:
             return first + rest
         return first or rest
@@ -358,16 +365,9 @@ class AdaptiveStepping:
         """
         rest = indices
         if not self.concurrent and self.mode == "auto" and self.samples == 0 and indices:
-            t0, c0, b0 = time.perf_counter(), time.thread_time(), _blocks()
-            task(indices[0], log)
-            cpu_s, wall_s = time.thread_time() - c0, time.perf_counter() - t0
-            waited = (
-                cpu_s < ENTER_BELOW * wall_s
-                and wall_s - cpu_s >= MIN_WAIT_S
-                and (_RUSAGE_THREAD is None or _blocks() - b0 >= 1)
-            )
+            _, timed = _measure(lambda: task(indices[0], log))
             rest = indices[1:]
-            if not waited:
+            if not _waiting(*timed):
                 rest = []
                 for j in indices[1:]:
                     task(j, log)
@@ -379,22 +379,29 @@ class AdaptiveStepping:
             for j in rest:
                 task(j, log)
             return
+        shared = None if log is None else _LockedLog(log, self._log_lock)
+        due = [False] * self.size
+        for j in rest:
+            due[j] = True
+        self._run_at_once(lambda j: task(j, shared), due.__getitem__)
+
+    def _run_at_once(self, run_env: Callable[[int], None], due: Callable[[int], bool]) -> None:
+        """``run_env(j)`` for every env ``j`` of the block that is ``due(j)``, at once on the
+        crew (made at its first use; env ``j`` always on member ``j % members``), the crash
+        note reading :data:`~envfleet._core.crash_note.NOTE_SEVERAL` meanwhile: several envs
+        in flight, no one env to name if the worker dies."""
         crew = self.crew
         if crew is None:
             crew = self.crew = Crew(min(self.size, MAX_THREADS))
-        shared = None if log is None else _LockedLog(log, self._log_lock)
         members, size = crew.size, self.size
-        due = [False] * size
-        for j in rest:
-            due[j] = True
         note = self.note
         if note is not None:
             note[0] = NOTE_SEVERAL
 
         def member(t: int) -> None:
-            for j in range(t, size, members):  # env j always on member j % members
-                if due[j]:
-                    task(j, shared)
+            for j in range(t, size, members):
+                if due(j):
+                    run_env(j)
 
         try:
             crew.run(member)
@@ -430,9 +437,6 @@ class AdaptiveStepping:
     ) -> list[Any] | None:
         """Step every env but ``skip`` (already stepped, its events in ``events``) at once."""
         size = self.size
-        crew = self.crew
-        if crew is None:
-            crew = self.crew = Crew(min(size, MAX_THREADS))
         per_env: list[list[Any]] = [[] for _ in range(size)]
         failed: list[list[Any] | None] = [None] * size
         probe = skip
@@ -443,25 +447,15 @@ class AdaptiveStepping:
             # One env alone, timed as one after another times them: its own CPU and wall
             # (on the first rounds too where the envs were stepped at once from the start).
             probe, self._probe = self._probe, (self._probe + 1) % size
-            t0, c0, b0 = time.perf_counter(), time.thread_time(), _blocks()
-            failed[probe] = step_envs(((probe, actions[probe]),), resets, per_env[probe], log)
-            self._learn(time.thread_time() - c0, time.perf_counter() - t0, _blocks() - b0, 1)
+            pair = ((probe, actions[probe]),)
+            failed[probe], timed = _measure(lambda: step_envs(pair, resets, per_env[probe], log))
+            self._learn(*timed, 1)
         shared = None if log is None else _LockedLog(log, self._log_lock)
-        members = crew.size
-        note = self.note
-        if note is not None:  # several envs in flight: no one env to name if the worker dies
-            note[0] = NOTE_SEVERAL
 
-        def member(t: int) -> None:
-            for j in range(t, size, members):  # env j always on member j % members
-                if j != probe:
-                    failed[j] = step_envs(((j, actions[j]),), resets, per_env[j], shared)
+        def step_env(j: int) -> None:
+            failed[j] = step_envs(((j, actions[j]),), resets, per_env[j], shared)
 
-        try:
-            crew.run(member)
-        finally:
-            if note is not None:
-                note[0] = NOTE_CLEAR
+        self._run_at_once(step_env, probe.__ne__)
         words = self._words
         if words is not None:
             words[CONCURRENT_STEPS - KIND] += 1.0
