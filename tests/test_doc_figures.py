@@ -1,8 +1,9 @@
-"""Every measured figure quoted in the prose of docs/ links to the row of docs/benchmarks.md
-that measured it, and that row has the same number.
+"""Every measured figure quoted in the prose of docs/ links to the row of a benchmark page
+(docs/benchmarks.md, or a page under docs/benchmarks/) that measured it, and that row has the
+same number.
 
-docs/benchmarks.md is the one source of the project's measured figures: each section gives the
-command, the machine, the date and the commit of its table. Another page that mentions such a
+The benchmark pages are the one source of the project's measured figures: each section gives
+the command, the machine, the date and the commit of its table. Another page that mentions such a
 figure either describes it without a number and links the section, or quotes the number inside
 the text of a link to that section whose title names the row it is read from (here from a page
 at the top of docs/; from docs/concepts/ the target starts with ``../``)::
@@ -53,7 +54,10 @@ HEADING = re.compile(r"^(#{1,6})\s+(.*)$")
 
 def slugs(heading: str) -> set[str]:
     """The anchors GitHub and the site's table of contents give a heading (as test_links)."""
-    text = re.sub(r"[`*_]|\[([^\]]*)\]\([^)]*\)", r"\1", heading).strip().lower()
+    # Markdown's marks go (a link's text stays); an underscore only where it marks emphasis,
+    # not inside a name (`split_infos`).
+    text = re.sub(r"[`*]|(?<!\w)_|_(?!\w)|\[([^\]]*)\]\([^)]*\)", r"\1", heading)
+    text = text.strip().lower()
     github = re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
     mkdocs = re.sub(r"[-\s]+", "-", re.sub(r"[^\w\s-]", "", text)).strip("-")
     return {github, mkdocs}
@@ -126,13 +130,17 @@ def number_in(number: str, text: str) -> bool:
     return re.search(rf"(?<![\w.]){re.escape(number)}(?![\d])", text) is not None
 
 
+def sources(docs: Path = DOCS) -> list[Path]:
+    """The benchmark pages: docs/benchmarks.md and the pages under docs/benchmarks/."""
+    return [docs / SOURCE, *sorted((docs / SOURCE.removesuffix(".md")).glob("*.md"))]
+
+
 def problems(docs: Path = DOCS) -> list[str]:
     """What is wrong with the figures quoted in docs/, one line each; empty when nothing is."""
-    source = docs / SOURCE
-    known = sections(source)
+    pages = {page.resolve(): sections(page) for page in sources(docs)}
     found = []
     for page in sorted(docs.rglob("*.md")):
-        if page == source:
+        if page.resolve() in pages:
             continue
         name = str(page.relative_to(docs))
         for paragraph in paragraphs(page.read_text()):
@@ -143,10 +151,12 @@ def problems(docs: Path = DOCS) -> list[str]:
                 where = f"{name}: {number!r} in {paragraph[max(0, offset - 60) : offset + 40]!r}"
                 link = next((m for m in links if m.start(1) <= offset < m.end(1)), None)
                 path, _, anchor = (link.group(2) if link else "").partition("#")
-                if link is None or (page.parent / path).resolve() != source.resolve():
-                    found.append(f"{where}: not in the text of a link to docs/{SOURCE}")
+                target = (page.parent / path).resolve() if link else None
+                known = pages.get(target) if target else None
+                if link is None or known is None:
+                    found.append(f"{where}: not in the text of a link to a benchmark page")
                 elif anchor not in known:
-                    found.append(f"{where}: the link names no section of docs/{SOURCE}")
+                    found.append(f"{where}: the link names no section of {path}")
                 elif not link.group(3):
                     found.append(f'{where}: the link has no "title" naming the row it quotes')
                 elif not any(
@@ -154,8 +164,7 @@ def problems(docs: Path = DOCS) -> list[str]:
                     for row in known[anchor]
                 ):
                     found.append(
-                        f"{where}: no row of docs/{SOURCE}#{anchor} has {link.group(3)!r} "
-                        f"and {number}"
+                        f"{where}: no row of {path}#{anchor} has {link.group(3)!r} and {number}"
                     )
     return found
 
