@@ -5,7 +5,7 @@ A reader follows a link or opens a file the text names; a page that points at a 
 or never was here (a page kept in another repository, a test that moved to a subfolder) sends
 them nowhere. Three checks:
 
-- links: every relative Markdown link or image of README.md, docs/ and
+- links: every relative Markdown link or image of README.md, CHANGELOG.md, docs/ and
   benchmarks/results/ resolves to a file of the repository, and an anchor into a Markdown page
   names one of its headings;
 - named files: every path-like name (``a/b.py``, ``docs/x.md``) and every top-level file name
@@ -31,6 +31,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [
     ROOT / "README.md",
+    ROOT / "CHANGELOG.md",
     *sorted((ROOT / "docs").rglob("*.md")),
     *sorted((ROOT / "benchmarks" / "results").glob("*.md")),  # the index and the older runs
 ]
