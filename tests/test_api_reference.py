@@ -9,6 +9,7 @@ error and warning among them, has its entry.
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import inspect
 import sys
@@ -39,6 +40,11 @@ def pages(generator: ModuleType) -> dict[Path, str]:
 
 
 def test_the_files_are_what_the_docstrings_give(generator: ModuleType, pages) -> None:
+    for module, _ in generator.MODULES:  # the pages are written with every public module
+        try:
+            importlib.import_module(module)
+        except ImportError as exc:
+            pytest.skip(f"{module} does not import here ({exc}): its page would differ")
     stale = [str(p.relative_to(ROOT)) for p in generator.stale(pages)]
     assert stale == [], "run `python tools/api_reference.py`: these are stale"
 
