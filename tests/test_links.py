@@ -5,15 +5,17 @@ A reader follows a link or opens a file the text names; a page that points at a 
 or never was here (a page kept in another repository, a test that moved to a subfolder) sends
 them nowhere. Three checks:
 
-- links: every relative Markdown link or image of README.md and docs/ resolves to a file of
-  the repository, and an anchor into a Markdown page names one of its headings;
+- links: every relative Markdown link or image of README.md, CHANGELOG.md, docs/ and
+  benchmarks/results/ resolves to a file of the repository, and an anchor into a Markdown page
+  names one of its headings;
 - named files: every path-like name (``a/b.py``, ``docs/x.md``) and every top-level file name
   (``README.md``, ``setup.py``...) written in README.md, docs/, benchmarks/README.md, the
   Python sources (docstrings and comments: src, tests, benchmarks, examples, tools), setup.py,
   pyproject.toml and mkdocs.yml exists, read from the repository's root, the text's own folder,
   ``src/`` or ``src/envfleet/``;
-- code names: every module, class, function or attribute docs/architecture.md cites exists in
-  src/envfleet (the rule: :func:`test_every_code_name_of_the_architecture_page_exists`).
+- code names: every module, class, function or attribute docs/architecture.md and the pages
+  under docs/architecture/ cite exists in src/envfleet (the rule:
+  :func:`test_every_code_name_of_the_architecture_page_exists`).
 """
 
 from __future__ import annotations
@@ -27,7 +29,12 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+PAGES = [
+    ROOT / "README.md",
+    ROOT / "CHANGELOG.md",
+    *sorted((ROOT / "docs").rglob("*.md")),
+    *sorted((ROOT / "benchmarks" / "results").glob("*.md")),  # the index and the older runs
+]
 TEXTS = [
     *PAGES,
     ROOT / "benchmarks" / "README.md",
@@ -87,7 +94,10 @@ def exists(text: Path, name: str) -> bool:
 
 def slugs(heading: str) -> set[str]:
     """The anchors GitHub and the site's table of contents give a heading."""
-    text = re.sub(r"[`*_]|\[([^\]]*)\]\([^)]*\)", r"\1", heading).strip().lower()
+    # Markdown's marks go (a link's text stays); an underscore only where it marks emphasis,
+    # not inside a name (`split_infos`).
+    text = re.sub(r"[`*]|(?<!\w)_|_(?!\w)|\[([^\]]*)\]\([^)]*\)", r"\1", heading)
+    text = text.strip().lower()
     github = re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
     mkdocs = re.sub(r"[-\s]+", "-", re.sub(r"[^\w\s-]", "", text)).strip("-")
     return {github, mkdocs}
@@ -202,6 +212,8 @@ def test_a_missing_file_and_a_missing_anchor_are_caught(tmp_path):
 # -- The code names docs/architecture.md cites ---------------------------------------------------
 
 ARCHITECTURE = ROOT / "docs" / "architecture.md"
+# The architecture's pages: docs/architecture.md and its continuations under docs/architecture/.
+ARCHITECTURE_PAGES = [ARCHITECTURE, *sorted((ROOT / "docs" / "architecture").glob("*.md"))]
 PACKAGE = ROOT / "src" / "envfleet"
 SPAN = re.compile(r"`([^`\n]+)`")
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)
@@ -404,7 +416,8 @@ def unresolved(page: Path) -> list[str]:
 
 
 def test_every_code_name_of_the_architecture_page_exists():
-    """Every code name docs/architecture.md cites names something in the code.
+    """Every code name docs/architecture.md (and each page under docs/architecture/) cites names
+    something in the code.
 
     A code name is a backticked span of the page's prose, or a name in its diagram (a fence
     without a language), of one of these forms:
@@ -433,8 +446,9 @@ def test_every_code_name_of_the_architecture_page_exists():
     anything else in backticks (lowercase bare words, calls with arguments, values, command
     lines) is prose, not checked.
     """
-    assert len(code_names(ARCHITECTURE)) > 300  # the scan sees the page
-    assert unresolved(ARCHITECTURE) == []
+    assert len(ARCHITECTURE_PAGES) > 1  # the page and its continuations
+    assert sum(len(code_names(page)) for page in ARCHITECTURE_PAGES) > 300  # the scan sees them
+    assert [name for page in ARCHITECTURE_PAGES for name in unresolved(page)] == []
 
 
 def test_a_stale_code_name_is_caught(tmp_path):
