@@ -206,7 +206,7 @@ def _pid(env: Any) -> int:
 
 
 def _plain() -> dict[str, Any]:
-    return {"backend": "processes", "step_timeout": 1.0}
+    return {"backend": "processes", "supervision": envfleet.Supervision(step_timeout=1.0)}
 
 
 def _open_files() -> set[str]:
@@ -261,9 +261,11 @@ def chaos(config: ChaosConfig, log: Any = print) -> ChaosResult:
     policy = envfleet.RestartPolicy(max_restarts=10**6, window_s=1.0, restart_on=(Exception,))
     common: dict[str, Any] = {
         "backend": "processes",
-        "restart_policy": policy,
-        "recycle": envfleet.Recycle(max_episodes=config.recycle_episodes),
-        "step_timeout": config.step_timeout,
+        "supervision": envfleet.Supervision(
+            restart_policy=policy,
+            recycle=envfleet.Recycle(max_episodes=config.recycle_episodes),
+            step_timeout=config.step_timeout,
+        ),
     }
     if config.defaults:
         common = {}

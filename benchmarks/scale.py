@@ -82,7 +82,9 @@ def _workers_usage(procs: list[psutil.Process]) -> tuple[float, float, int, int]
 
 
 def measure(env: str, num_envs: int, workers: int, seconds: float) -> dict[str, Any]:
-    envs = envfleet.make(factory(env), num_envs, num_workers=workers, driver_envs=0)
+    envs = envfleet.make(
+        factory(env), num_envs, num_workers=workers, backend=envfleet.Processes(driver_envs=0)
+    )
     try:
         envs.reset(seed=0)
         envs.action_space.seed(0)

@@ -61,7 +61,7 @@ import psutil
 from gymnasium.vector.utils import batch_space
 
 import envfleet
-from envfleet.bench import ACTION_BANK, BenchResult, check_env_id, measure_system, timed_loop
+from envfleet.bench import ACTION_BANK, BenchResult, check_gymnasium_id, measure_system, timed_loop
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
@@ -169,7 +169,7 @@ def gym_id(env: str) -> str:
     """The gymnasium id of a benchmark env name; ``Synthetic-<N>us`` is registered here."""
     match = _SYNTHETIC.fullmatch(env)
     if match is None:
-        check_env_id(env)  # imports ale_py for ALE/ ids
+        check_gymnasium_id(env)  # imports ale_py for ALE/ ids
         return env
     gid = f"bench/{env}-v0"
     if gid not in gymnasium.registry:
@@ -186,7 +186,7 @@ class MakeEnv:
 
     def __call__(self) -> gymnasium.Env[Any, Any]:
         if self.gid.startswith("ALE/"):
-            check_env_id(self.gid)
+            check_gymnasium_id(self.gid)
         return gymnasium.make(self.gid)
 
 
@@ -341,13 +341,13 @@ def measure_one(spec: dict[str, Any]) -> dict[str, Any]:
         if system == "envfleet-processes-isolated":
 
             def build() -> Any:
-                return envfleet.make(gid, n, driver_envs=0)
+                return envfleet.make(gid, n, backend=envfleet.Processes(driver_envs=0))
 
         elif system == "envfleet-processes-share":
             share = n // usable_cores() if usable_cores() > 1 else 0
 
             def build() -> Any:
-                return envfleet.make(gid, n, driver_envs=share)
+                return envfleet.make(gid, n, backend=envfleet.Processes(driver_envs=share))
 
         elif system == "sb3-subproc":
             from stable_baselines3.common.vec_env import SubprocVecEnv
@@ -375,9 +375,16 @@ def measure_noop(spec: dict[str, Any]) -> dict[str, Any]:
     """Per-batch ``step()`` time (µs) of a 1-env no-op env on one system."""
     system = spec["system"]
     if system == "envfleet-processes":
-        envs: Any = envfleet.make(NoopEnv, 1, num_workers=1, driver_envs=0)
+        envs: Any = envfleet.make(
+            NoopEnv, 1, num_workers=1, backend=envfleet.Processes(driver_envs=0)
+        )
     elif system == "envfleet-processes-spin0":
-        envs = envfleet.make(NoopEnv, 1, num_workers=1, driver_envs=0, spin_s=0.0)
+        envs = envfleet.make(
+            NoopEnv,
+            1,
+            num_workers=1,
+            backend=envfleet.Processes(driver_envs=0, spin_s=0.0),
+        )
     elif system == "envfleet-serial":
         envs = envfleet.make(NoopEnv, 1, backend="serial")
     elif system == "gym-sync":
@@ -400,7 +407,12 @@ def measure_startup(spec: dict[str, Any]) -> dict[str, Any]:
     system, context, n = spec["system"], spec["context"], spec["num_envs"]
     t0 = time.perf_counter()
     if system == "envfleet-processes":
-        envs: Any = envfleet.make("CartPole-v1", n, num_workers=n, driver_envs=0, context=context)
+        envs: Any = envfleet.make(
+            "CartPole-v1",
+            n,
+            num_workers=n,
+            backend=envfleet.Processes(driver_envs=0, context=context),
+        )
     elif system == "gym-async":
         envs = gymnasium.vector.AsyncVectorEnv(
             [MakeEnv("CartPole-v1")] * n, shared_memory=True, context=context
@@ -415,7 +427,12 @@ def measure_startup(spec: dict[str, Any]) -> dict[str, Any]:
         envs.close()
         close_s = time.perf_counter() - t1
     return {
-        "result": {"system": system, "context": context, "startup_s": startup_s, "close_s": close_s}
+        "result": {
+            "system": system,
+            "backend": envfleet.Processes(context=context),
+            "startup_s": startup_s,
+            "close_s": close_s,
+        }
     }
 
 
@@ -925,7 +942,12 @@ def main_extras(args: argparse.Namespace) -> int:
     for _trial in range(args.startup_trials):
         for context in contexts:
             for system in ("envfleet-processes", "gym-async"):
-                spec = {"kind": "startup", "system": system, "context": context, "num_envs": 16}
+                spec = {
+                    "kind": "startup",
+                    "system": system,
+                    "backend": envfleet.Processes(context=context),
+                    "num_envs": 16,
+                }
                 label = f"start-up {system} {context}"
                 out = run_measured(spec, args, timeout, label, context != "forkserver")
                 foreign_seen.append(out.get("foreign_cores") or 0.0)

@@ -203,7 +203,9 @@ class SoakConfig:
 
     def make(self) -> envfleet.FleetVectorEnv:
         if self.backend == "processes":
-            return envfleet.make(self.env_id, self.num_envs, context=self.context)
+            return envfleet.make(
+                self.env_id, self.num_envs, backend=envfleet.Processes(context=self.context)
+            )
         return envfleet.make(self.env_id, self.num_envs, backend=self.backend)
 
 

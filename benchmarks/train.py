@@ -77,7 +77,7 @@ import numpy as np
 from gymnasium.vector import AutoresetMode
 
 import envfleet
-from envfleet import ConfigError, check_env_id, usable_cores
+from envfleet import ConfigError, check_gymnasium_id, usable_cores
 from envfleet.bench import (
     PEER_INSTALL,
     PLOT_DPI,
@@ -167,7 +167,7 @@ class TrainWorkload:
             ConfigError: an unknown id, or ale-py or OpenCV missing for an Atari env (the
                 message says what to install).
         """
-        check_env_id(self.env_id)
+        check_gymnasium_id(self.env_id)
         check_workload(Workload(self.env_id, self.num_envs, self.policy, self.atari))
 
 
@@ -428,7 +428,7 @@ def _sampler_prefetch(
     workers = max(1, usable_cores() - 1)
     return envfleet.Sampler(
         factory, policy, num_envs, seed=seed, progress=False, prefetch=True,
-        inference="worker", num_workers=workers, driver_envs=0,
+        inference="worker", num_workers=workers, backend=envfleet.Processes(driver_envs=0),
     )  # fmt: skip
 
 

@@ -5,8 +5,9 @@ in this process on the whole batch of observations, on CUDA when there is a GPU 
 otherwise, so the script runs anywhere. Only a GPU brings a speed-up: on the CPU the policy
 and the envs share the cores, and a small MLP is as fast there (the GPU pays off for a large
 network, a CNN on image observations, or many envs per call). Each step moves the observations
-to the device and the actions back (``envfleet.make(..., output="torch", device=...)`` hands
-out torch tensors instead: ``docs/integrations/torch.md``). Episode statistics come
+to the device and the actions back
+(``envfleet.make(..., output=envfleet.TorchOutput(device=...))`` hands out torch tensors
+instead: ``docs/integrations/torch.md``). Episode statistics come
 from gymnasium's vector ``RecordEpisodeStatistics`` over the vector env.
 
 Run it::

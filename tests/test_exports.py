@@ -39,6 +39,8 @@ ALL = [
     "NoAsyncCallError",
     "PoolStateError",
     "ProcessEnv",
+    "Processes",
+    "Ray",
     "Recycle",
     "RemoteTraceback",
     "Replay",
@@ -55,12 +57,14 @@ ALL = [
     "StartTimeoutError",
     "StepTimeStats",
     "StepTimeoutError",
+    "Supervision",
     "TimerStat",
+    "TorchOutput",
     "UnsupportedError",
     "WorkerMemory",
     "WrongProcessError",
     "__version__",
-    "check_env_id",
+    "check_gymnasium_id",
     "make",
     "replay",
     "usable_cores",
@@ -198,3 +202,21 @@ def test_examples_use_only_public_names():
         "import envfleet\nenvfleet._native.speedups",
     ):
         assert _private_uses(line), line
+
+
+def test_the_all_extra_is_every_extra() -> None:
+    """``pip install 'envfleet[all]'`` installs what every user-facing extra does (the docs'
+    snippets need no more); ``test``, ``dev`` and ``docs`` are the project's own."""
+    import re
+
+    import tomllib
+
+    root = Path(__file__).resolve().parents[1]
+    extras = tomllib.loads((root / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"
+    ]
+    (spec,) = extras["all"]
+    match = re.fullmatch(r"envfleet\[(.*)\]", spec)
+    assert match is not None, spec
+    named = set(match.group(1).split(","))
+    assert named == set(extras) - {"all", "test", "dev", "docs"}

@@ -32,10 +32,11 @@ from envfleet._core.errors import (
 from envfleet._core.replay import Replay, ReplayFileError, Snapshot
 from envfleet._core.replay import run_replay as replay
 from envfleet._core.stats import FleetStats, StepTimeStats, WorkerMemory
-from envfleet._front.factories import check_env_id
+from envfleet._front.factories import check_gymnasium_id
 from envfleet._front.make import BACKENDS, make
 from envfleet._front.multi_agent import AgentError
 from envfleet._front.multi_agent_vector_env import MultiAgentVectorEnv
+from envfleet._front.options import Processes, Ray, Supervision, TorchOutput
 from envfleet._front.process_env import ProcessEnv
 from envfleet._front.vector_env import FleetVectorEnv
 from envfleet._sampler.auto_inference import SamplerReport
@@ -65,6 +66,8 @@ __all__ = [
     "NoAsyncCallError",
     "PoolStateError",
     "ProcessEnv",
+    "Processes",
+    "Ray",
     "Recycle",
     "RemoteTraceback",
     "Replay",
@@ -81,12 +84,14 @@ __all__ = [
     "StepTimeStats",
     "StartTimeoutError",
     "StepTimeoutError",
+    "Supervision",
     "TimerStat",
+    "TorchOutput",
     "UnsupportedError",
     "WorkerMemory",
     "WrongProcessError",
     "__version__",
-    "check_env_id",
+    "check_gymnasium_id",
     "make",
     "replay",
     "usable_cores",

@@ -46,7 +46,7 @@ from envfleet.bench import (
     BenchReport,
     baseline_ratios,
     bench_rows,
-    check_env_id,
+    check_gymnasium_id,
     run_bench,
     unavailable,
 )
@@ -465,7 +465,7 @@ def _bench(args: argparse.Namespace) -> int:
         return _error("nothing to measure: --backends and --peers are both 'none'")
     try:
         for env_id in env_ids:  # before anything runs: unknown ids, missing ale-py
-            check_env_id(env_id)
+            check_gymnasium_id(env_id)
         if args.plot is not None:
             from envfleet.bench import require_matplotlib
 
@@ -544,7 +544,7 @@ def _bench_policy(args: argparse.Namespace) -> int:
         env_ids = list(dict.fromkeys(args.env_ids))
         chosen = [w for n in (args.num_envs or [None]) for w in workloads(args.policy, env_ids, n)]
         for w in chosen:
-            check_env_id(w.env_id)
+            check_gymnasium_id(w.env_id)
             check_workload(w)
     except ConfigError as exc:
         return _error(str(exc))

@@ -46,6 +46,7 @@ from gymnasium.vector import VectorEnv, VectorWrapper
 
 from envfleet._core.buffers import side_leaves
 from envfleet._core.errors import ConfigError
+from envfleet._front.options import TorchOutput
 
 if TYPE_CHECKING:
     import torch
@@ -97,53 +98,58 @@ def _check_device(torch: Any, device: Any) -> torch.device:
     return cast("torch.device", dev)
 
 
-def check_output(output: str, device: Any, pin_memory: bool, copy: bool) -> bool:
-    """Check :func:`envfleet.make`'s ``output``, ``device`` and ``pin_memory`` arguments.
+def check_output(output: Any, copy: bool) -> bool:
+    """Check :func:`envfleet.make`'s ``output``: ``"numpy"``, ``"torch"`` or an
+    :class:`envfleet.TorchOutput`.
 
     Called before any worker starts. Returns the ``copy`` flag the underlying
     :class:`envfleet.FleetVectorEnv` should get: with pinning or a device transfer the staging
     copy is the only one needed, so the vector env hands out views (``copy=False``).
 
     Raises:
-        ConfigError: ``output`` not in ``("numpy", "torch")``; ``device`` or ``pin_memory``
-            with ``output="numpy"``; torch missing; a device this machine lacks;
+        ConfigError: another ``output``; torch missing; a device this machine lacks;
             ``pin_memory=True`` without an accelerator (CUDA) to pin memory for.
     """
-    if output not in OUTPUTS:
-        raise ConfigError(f"output must be one of {OUTPUTS}, got {output!r}")
-    if output == "numpy":
-        if device is not None or pin_memory:
-            raise ConfigError("device and pin_memory are options of output='torch'")
-        return copy
+    if isinstance(output, str) and output in OUTPUTS:
+        if output == "numpy":
+            return copy
+        output = TorchOutput()
+    if not isinstance(output, TorchOutput):
+        raise ConfigError(
+            f"output must be one of {OUTPUTS} or an envfleet.TorchOutput, got {output!r}"
+        )
     torch = import_torch()
+    device = output.device
     dev = torch.device("cpu") if device is None else _check_device(torch, device)
-    if pin_memory and not _pinning_available(torch):
+    if output.pin_memory and not _pinning_available(torch):
         raise ConfigError(
             "pin_memory=True needs an accelerator (CUDA) to pin memory for, and this torch "
             "build or machine has none (torch.cuda.is_available() is False)"
         )
-    return copy and not pin_memory and dev.type == "cpu"
+    return copy and not output.pin_memory and dev.type == "cpu"
 
 
 def make_with_output(make: Callable[..., Any], arguments: dict[str, Any]) -> Any:
-    """:func:`envfleet.make` with ``output``, ``device`` and ``pin_memory`` applied.
+    """:func:`envfleet.make` with its ``output`` applied.
 
     ``arguments`` are every argument of ``make``: the vector env is made with
     ``output="numpy"`` (and ``copy=False`` where a staging copy or transfer follows, see
-    :func:`check_output`), then wrapped in a :class:`TorchVectorEnv` for ``output="torch"``.
+    :func:`check_output`), then wrapped in a :class:`TorchVectorEnv` for torch output.
 
     Raises:
         ConfigError: as :func:`check_output`, before any worker starts; else as ``make``.
     """
     arguments = dict(arguments)
-    output, device = arguments.pop("output"), arguments.pop("device")
-    pin_memory, copy = bool(arguments.pop("pin_memory")), bool(arguments["copy"])
-    arguments["copy"] = check_output(output, device, pin_memory, copy)
+    output, copy = arguments.pop("output"), bool(arguments["copy"])
+    arguments["copy"] = check_output(output, copy)
     env = make(**arguments)
     if output == "numpy":
         return env
+    torch_output = output if isinstance(output, TorchOutput) else TorchOutput()
     try:
-        return TorchVectorEnv(env, device=device, pin_memory=pin_memory, copy=copy)
+        return TorchVectorEnv(
+            env, device=torch_output.device, pin_memory=torch_output.pin_memory, copy=copy
+        )
     except BaseException:
         env.close(terminate=True)
         raise

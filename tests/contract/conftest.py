@@ -13,12 +13,14 @@ pool; ``cheap=True``: workers start fast). A test whose other parameters depend 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
 
+import envfleet
 from tests.contract import toy_transport  # noqa: F401  (registers backend="toy")
 
 
@@ -42,8 +44,21 @@ class Backend:
 
     @property
     def name(self) -> str:
-        """The ``backend=`` argument of ``envfleet.make``."""
-        return str(self.options["backend"])
+        """The backend's name (``options["backend"]`` or its options object's)."""
+        backend = self.options["backend"]
+        return backend if isinstance(backend, str) else backend.name
+
+    def with_layout(self, layout: dict[str, Any]) -> dict[str, Any]:
+        """``options`` and ``layout`` (``num_workers``, ``batch_size``... and the processes
+        backend's ``driver_envs``, folded into its :class:`envfleet.Processes`)."""
+        layout = dict(layout)
+        out = dict(self.options)
+        driver_envs = layout.pop("driver_envs", None)
+        if driver_envs is not None:
+            backend = out["backend"]
+            base = backend if isinstance(backend, envfleet.Processes) else envfleet.Processes()
+            out["backend"] = dataclasses.replace(base, driver_envs=driver_envs)
+        return {**out, **layout}
 
     @property
     def owns_processes(self) -> bool:
@@ -63,7 +78,7 @@ BACKENDS = [
     Backend("processes", {"backend": "processes"}, workers="processes"),
     Backend(
         "processes-spawn",
-        {"backend": "processes", "context": "spawn"},
+        {"backend": envfleet.Processes(context="spawn")},
         workers="processes",
         cheap=False,
         marks=(pytest.mark.slow,),  # each worker a fresh interpreter

@@ -119,8 +119,11 @@ import numpy as np
 import envfleet
 
 backend, child = sys.argv[1], sys.argv[2]
-kwargs = {"num_workers": 2, "context": "fork"} if backend == "processes" else {}
-envs = envfleet.make("CartPole-v1", 4, backend=backend, **kwargs)
+if backend == "processes":
+    kwargs = {"num_workers": 2, "backend": envfleet.Processes(context="fork")}
+else:
+    kwargs = {"backend": backend}
+envs = envfleet.make("CartPole-v1", 4, **kwargs)
 envs.reset(seed=0)
 envs.step(np.array([0, 1, 0, 1]))
 child_saw = None

@@ -148,7 +148,7 @@ def differential_cases(backend) -> list[tuple[str, AutoresetMode, dict[str, Any]
 def test_matches_sync_vector_env(make_env, case, backend, layout, mode):
     env, env_kwargs, sync_fns = ENV_CASES[case]
     fleet = make_env(
-        env, NUM_ENVS, **backend.options, autoreset_mode=mode, env_kwargs=env_kwargs, **layout
+        env, NUM_ENVS, autoreset_mode=mode, env_kwargs=env_kwargs, **backend.with_layout(layout)
     )
     sync = SyncVectorEnv(sync_fns(NUM_ENVS), autoreset_mode=mode)
     try:
@@ -180,7 +180,7 @@ def python_path_cases(backend) -> list[tuple[str, AutoresetMode, dict[str, Any]]
     layout = {"num_workers": 2} if backend.id == "serial" else {}
     cases = [(c, m, layout) for c in ENV_CASES for m in MODES]
     if backend.id == "processes":
-        share = {"num_workers": 1, "driver_envs": 2}
+        share = {"num_workers": 1, "backend": envfleet.Processes(driver_envs=2)}
         cases += [(c, AutoresetMode.NEXT_STEP, share) for c in ENV_CASES]
     return cases
 
@@ -342,9 +342,8 @@ def test_start_methods(make_env, context, case):
     fleet = make_env(
         env,
         4,
-        backend="processes",
+        backend=envfleet.Processes(context=context),
         num_workers=2,
-        context=context,
         env_kwargs=env_kwargs,
         autoreset_mode=mode,
     )
@@ -390,12 +389,18 @@ def layouts(draw, max_envs, driver_share=False):
     num_workers = draw(st.integers(1, num_envs - (driver_envs or 0)))
     mode = draw(st.sampled_from(MODES))
     seed = draw(st.integers(0, 2**31 - 1))
-    return num_envs, {"num_workers": num_workers, "driver_envs": driver_envs}, mode, seed
+    return (
+        num_envs,
+        {"num_workers": num_workers, "driver_envs": driver_envs},
+        mode,
+        seed,
+    )
 
 
 def _check_layout(backend, num_envs, layout, mode, seed):
-    if layout["driver_envs"] is None:
-        del layout["driver_envs"]
+    driver_envs = layout.pop("driver_envs")
+    if driver_envs is not None:  # the processes backend's opt-in share
+        backend = envfleet.Processes(driver_envs=driver_envs)
     fleet = envfleet.make(SparseInfoEnv, num_envs, backend=backend, autoreset_mode=mode, **layout)
     sync = SyncVectorEnv(sync_factories(SparseInfoEnv, num_envs), autoreset_mode=mode)
     try:

@@ -62,8 +62,12 @@ def factories(crash_index):
     return [functools.partial(SegfaultEnv, crash=i == crash_index) for i in range(4)]
 
 
-def run(crash_index, **options):
-    envs = envfleet.make(factories(crash_index), driver_envs=2, num_workers=2, **options)
+def run(crash_index, context=None):
+    envs = envfleet.make(
+        factories(crash_index),
+        backend=envfleet.Processes(context=context, driver_envs=2),
+        num_workers=2,
+    )
     envs.reset(seed=0)
     for t in range(5):
         try:
@@ -171,7 +175,9 @@ def test_a_segfault_in_a_worker_is_still_an_env_crashed_error(tmp_path: Path, co
     in a worker, segfaults: the learner gets EnvCrashedError naming env 3 and lives on, and
     nothing claims the learner was stepping an env."""
     body = f"""
-        first = envfleet.make(factories(crash_index=-1), driver_envs=2, num_workers=2)
+        first = envfleet.make(
+            factories(crash_index=-1), backend=envfleet.Processes(driver_envs=2), num_workers=2
+        )
         first.reset(seed=0)
         first.step(np.zeros(4, dtype=np.int64))
         run(crash_index=3, context={context!r})

@@ -50,8 +50,8 @@ class RefuseDriver:
 
 
 def driver_free(backend: Any) -> dict[str, Any]:
-    """make()'s options that put every env of ``backend`` in a worker."""
-    return {"driver_envs": 0} if backend.name == "processes" else {}
+    """make()'s options that select ``backend`` with every env in a worker."""
+    return backend.with_layout({"driver_envs": 0} if backend.name == "processes" else {})
 
 
 def run_both(fleet: Any, sync: SyncVectorEnv, steps: int) -> None:
@@ -66,7 +66,7 @@ def run_both(fleet: Any, sync: SyncVectorEnv, steps: int) -> None:
 @pytest.mark.backends(isolated=True)
 def test_no_env_is_built_in_the_driver(backend: Any, make_env: Any, snapshot: Any) -> None:
     factory = RefuseDriver(os.getpid(), render_mode="rgb_array")
-    fleet = make_env(factory, NUM_ENVS, **backend.options, **driver_free(backend), num_workers=2)
+    fleet = make_env(factory, NUM_ENVS, **driver_free(backend), num_workers=2)
     # The reference: the same envs, built in this process (serial), and gymnasium's own.
     kwargs = {"render_mode": "rgb_array"}
     here = make_env("CartPole-v1", NUM_ENVS, backend="serial", env_kwargs=kwargs)
@@ -91,9 +91,13 @@ def test_no_env_is_built_in_the_driver(backend: Any, make_env: Any, snapshot: An
 def test_a_plan_with_envs_in_the_driver_fails_at_once(backend: Any, make_env: Any) -> None:
     """The processes plan's opt-in share steps envs in the driver (serial and threads every
     env): the refusing factory is called there, and make() raises its error, no hang."""
-    share = {"driver_envs": 1, "num_workers": 1} if backend.name == "processes" else {}
+    share = (
+        backend.with_layout({"driver_envs": 1, "num_workers": 1})
+        if backend.name == "processes"
+        else backend.options
+    )
     with pytest.raises(envfleet.EnvError) as info:
-        make_env(RefuseDriver(os.getpid()), NUM_ENVS, **backend.options, **share)
+        make_env(RefuseDriver(os.getpid()), NUM_ENVS, **share)
     assert info.value.env_index == 0 and info.value.method == "make"
     assert isinstance(info.value.__cause__, DriverBuildError)
     assert "must not be built in the driver's process" in str(info.value)
@@ -101,7 +105,9 @@ def test_a_plan_with_envs_in_the_driver_fails_at_once(backend: Any, make_env: An
 
 @pytest.mark.backends("processes")
 @pytest.mark.parametrize(
-    "knobs", [{}, {"batch_size": 2}, {"step_timeout": 30.0}], ids=["defaults", "pool", "timeout"]
+    "knobs",
+    [{}, {"batch_size": 2}, {"supervision": envfleet.Supervision(step_timeout=30.0)}],
+    ids=["defaults", "pool", "timeout"],
 )
 def test_default_pool_and_timeout_layouts_build_no_env_in_the_driver(
     backend: Any, knobs: dict[str, Any], make_env: Any
@@ -127,7 +133,9 @@ def test_a_restarted_worker_gets_the_spaces_and_the_block(backend: Any, make_env
         NUM_ENVS,
         **backend.options,
         num_workers=2,
-        restart_policy=envfleet.RestartPolicy(restart_on=(Exception,), max_restarts=2),
+        supervision=envfleet.Supervision(
+            restart_policy=envfleet.RestartPolicy(restart_on=(Exception,), max_restarts=2)
+        ),
     )
     fleet.reset(seed=0)
     for _ in range(2):
@@ -148,9 +156,7 @@ def test_a_restarted_worker_gets_the_spaces_and_the_block(backend: Any, make_env
 @pytest.mark.backends(isolated=True, cheap=True)
 def test_a_failure_of_env_0_in_its_worker_names_it(backend: Any, make_env: Any) -> None:
     with pytest.raises(envfleet.EnvError) as info:
-        make_env(
-            RefuseDriver(-1, "NoSuchEnv-v0"), NUM_ENVS, **backend.options, **driver_free(backend)
-        )
+        make_env(RefuseDriver(-1, "NoSuchEnv-v0"), NUM_ENVS, **driver_free(backend))
     assert info.value.env_index == 0 and info.value.method == "make"
     assert "NoSuchEnv" in str(info.value)
 
@@ -168,7 +174,7 @@ def test_spaces_are_checked_against_env_0s_from_its_worker(
 ) -> None:
     factory = functools.partial(_action_space_differs, 3)
     with pytest.raises(envfleet.SpaceMismatchError, match="sub-environment 3 has another space"):
-        make_env(factory, NUM_ENVS, **backend.options, **driver_free(backend), num_workers=2)
+        make_env(factory, NUM_ENVS, **driver_free(backend), num_workers=2)
     snapshot.assert_nothing_left()
 
 
@@ -181,7 +187,6 @@ def test_a_given_observation_space_pair_is_used(backend: Any, make_env: Any) -> 
     fleet = make_env(
         RefuseDriver(os.getpid()),
         NUM_ENVS,
-        **backend.options,
         **driver_free(backend),
         observation_mode=(batched, single),
     )

@@ -31,7 +31,9 @@ from tests.envs import (
     fault_factory,
 )
 
-FAIL_FAST: dict[str, Any] = {"restart_policy": None}  # the opt-out of make()'s restarts
+FAIL_FAST: dict[str, Any] = {
+    "supervision": envfleet.Supervision(restart_policy=None)
+}  # the opt-out of make()'s restarts
 
 KINDS = {
     "value": ValueError,
@@ -67,8 +69,8 @@ def raising_layout(backend: Any) -> dict[str, Any]:
     """Env 1 in a worker of its own where the backend has workers (processes: env 0 in the
     driver's block)."""
     if backend.workers == "processes":
-        return {"num_workers": 2, "driver_envs": 1}
-    return {"num_workers": 2} if backend.workers else {}
+        return backend.with_layout({"num_workers": 2, "driver_envs": 1})
+    return backend.with_layout({"num_workers": 2} if backend.workers else {})
 
 
 @pytest.mark.per_backend("kind", lambda backend: sorted(KINDS) if backend.cheap else ["value"])
@@ -79,7 +81,6 @@ def test_env_exception_is_also_of_its_own_type(make_env: Any, backend: Any, kind
     envs = make_env(
         functools.partial(TypedRaisingEnv, kind=kind),
         3,
-        **backend.options,
         **raising_layout(backend),
     )
     envs.reset(seed=0)
@@ -133,8 +134,7 @@ def test_hung_env_is_a_step_timeout_error_naming_it(
         2,
         **backend.options,
         num_workers=2,
-        step_timeout=2.0,
-        **FAIL_FAST,
+        supervision=envfleet.Supervision(step_timeout=2.0, restart_policy=None),
     )
     envs.reset(seed=0)
     for _ in range(2):
@@ -172,8 +172,7 @@ def test_a_hung_envs_stack_comes_with_its_step_timeout(
         2,
         **backend.options,
         num_workers=2,
-        step_timeout=1.0,
-        **FAIL_FAST,
+        supervision=envfleet.Supervision(step_timeout=1.0, restart_policy=None),
     )
     envs.reset(seed=0)
     for _ in range(2):

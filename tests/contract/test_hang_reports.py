@@ -121,7 +121,13 @@ def test_serial_env_in_the_calling_thread_is_reported_then_at_doubled_intervals(
     make_env: Any,
 ) -> None:
     """The reporter thread watches the env run in the learner's own thread."""
-    envs = make_env(hang_env(), 2, backend="serial", num_workers=2, hang_report_delay=DELAY)
+    envs = make_env(
+        hang_env(),
+        2,
+        backend="serial",
+        num_workers=2,
+        supervision=envfleet.Supervision(hang_report_delay=DELAY),
+    )
     envs.reset(seed=0)
     envs.step(_actions(2))
     with reports() as got:
@@ -139,7 +145,12 @@ def test_serial_env_in_the_calling_thread_is_reported_then_at_doubled_intervals(
 def test_processes_worker_is_reported_then_at_doubled_intervals(make_env: Any) -> None:
     """The default layout: env 1 runs in a worker process; the learner's wait reports it,
     with the stacks its worker wrote (the same text as a StepTimeoutError's)."""
-    envs = make_env(hang_env(), 2, backend="processes", hang_report_delay=DELAY)
+    envs = make_env(
+        hang_env(),
+        2,
+        backend="processes",
+        supervision=envfleet.Supervision(hang_report_delay=DELAY),
+    )
     envs.reset(seed=0)
     envs.step(_actions(2))
     with reports() as got:
@@ -159,10 +170,9 @@ def test_processes_driver_block_is_reported(make_env: Any) -> None:
     envs = make_env(
         hang_env(hung=0, hang_s=SHORT_S),
         2,
-        backend="processes",
+        backend=envfleet.Processes(driver_envs=1),
         num_workers=1,
-        driver_envs=1,
-        hang_report_delay=DELAY,
+        supervision=envfleet.Supervision(hang_report_delay=DELAY),
     )
     envs.reset(seed=0)
     envs.step(_actions(2))
@@ -175,7 +185,11 @@ def test_processes_driver_block_is_reported(make_env: Any) -> None:
 
 def test_threads_worker_is_reported(make_env: Any) -> None:
     envs = make_env(
-        hang_env(hang_s=SHORT_S), 2, backend="threads", num_workers=2, hang_report_delay=DELAY
+        hang_env(hang_s=SHORT_S),
+        2,
+        backend="threads",
+        num_workers=2,
+        supervision=envfleet.Supervision(hang_report_delay=DELAY),
     )
     envs.reset(seed=0)
     envs.step(_actions(2))
@@ -187,7 +201,11 @@ def test_threads_worker_is_reported(make_env: Any) -> None:
 
 def test_call_is_reported(make_env: Any) -> None:
     envs = make_env(
-        hang_env(hang_s=SHORT_S), 2, backend="processes", num_workers=2, hang_report_delay=DELAY
+        hang_env(hang_s=SHORT_S),
+        2,
+        backend="processes",
+        num_workers=2,
+        supervision=envfleet.Supervision(hang_report_delay=DELAY),
     )
     with pytest.warns(envfleet.HangWarning) as record:
         values = envs.call("stall")
@@ -205,7 +223,7 @@ def test_pool_recv_is_reported(make_env: Any) -> None:
         backend="processes",
         num_workers=2,
         batch_size=1,
-        hang_report_delay=DELAY,
+        supervision=envfleet.Supervision(hang_report_delay=DELAY),
     )
     envs.async_reset(seed=0)
     ids = [int(envs.recv()[4]["env_id"][0]) for _ in range(2)]
@@ -232,7 +250,7 @@ def test_sampler_round_is_reported() -> None:
         segment_length=4,
         seed=0,
         backend="processes",
-        hang_report_delay=DELAY,
+        supervision=envfleet.Supervision(hang_report_delay=DELAY),
     )
     try:
         with pytest.warns(envfleet.HangWarning) as record:
@@ -244,7 +262,9 @@ def test_sampler_round_is_reported() -> None:
 
 
 def test_process_env_is_reported() -> None:
-    with envfleet.ProcessEnv(hang_env(hung=0, hang_s=SHORT_S), hang_report_delay=DELAY) as penv:
+    with envfleet.ProcessEnv(
+        hang_env(hung=0, hang_s=SHORT_S), supervision=envfleet.Supervision(hang_report_delay=DELAY)
+    ) as penv:
         penv.reset(seed=0)
         penv.step(0)
         with pytest.warns(envfleet.HangWarning) as record:
@@ -260,7 +280,7 @@ def test_no_report_with_none(make_env: Any, backend_name: str) -> None:
         2,
         backend=backend_name,
         num_workers=2,
-        hang_report_delay=None,
+        supervision=envfleet.Supervision(hang_report_delay=None),
     )
     envs.reset(seed=0)
     with reports() as got:
@@ -273,17 +293,28 @@ def test_no_report_with_none(make_env: Any, backend_name: str) -> None:
 @pytest.mark.parametrize("bad", [0, -1.0, float("nan"), float("inf"), "60", True])
 def test_bad_delay_is_a_config_error(bad: Any) -> None:
     with pytest.raises(envfleet.ConfigError, match="hang_report_delay"):
-        envfleet.make(hang_env(), 2, backend="processes", hang_report_delay=bad)
+        envfleet.make(
+            hang_env(),
+            2,
+            backend="processes",
+            supervision=envfleet.Supervision(hang_report_delay=bad),
+        )
     with pytest.raises(envfleet.ConfigError, match="hang_report_delay"):
-        envfleet.Sampler(hang_env(), _zero_policy, 2, hang_report_delay=bad)
+        envfleet.Sampler(
+            hang_env(), _zero_policy, 2, supervision=envfleet.Supervision(hang_report_delay=bad)
+        )
     with pytest.raises(envfleet.ConfigError, match="hang_report_delay"):
-        envfleet.ProcessEnv(hang_env(), hang_report_delay=bad)
+        envfleet.ProcessEnv(hang_env(), supervision=envfleet.Supervision(hang_report_delay=bad))
 
 
 @pytest.mark.ray
 def test_ray_actor_is_reported(make_env: Any) -> None:
     envs = make_env(
-        hang_env(hang_s=SHORT_S), 2, backend="ray", num_workers=2, hang_report_delay=DELAY
+        hang_env(hang_s=SHORT_S),
+        2,
+        backend="ray",
+        num_workers=2,
+        supervision=envfleet.Supervision(hang_report_delay=DELAY),
     )
     envs.reset(seed=0)
     envs.step(_actions(2))

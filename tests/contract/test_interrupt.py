@@ -139,11 +139,12 @@ SCRIPT = textwrap.dedent(
         )
         kw = dict(backend=backend, num_workers=NUM_ENVS)
         if backend == "processes-driver":  # env 0 stepped by the driver itself
-            kw.update(backend="processes", driver_envs=1, num_workers=NUM_ENVS - 1)
+            kw.update(backend=envfleet.Processes(driver_envs=1), num_workers=NUM_ENVS - 1)
         if mode.startswith("timeout"):
-            kw["step_timeout"] = 1.0
-        if mode == "timeout":  # fail fast: the timeout closes the vector env
-            kw["restart_policy"] = None
+            # fail fast with "timeout": the timeout closes the vector env
+            kw["supervision"] = envfleet.Supervision(
+                step_timeout=1.0, **({"restart_policy": None} if mode == "timeout" else {})
+            )
         if mode.startswith("pool"):
             kw["batch_size"] = 2 if mode == "pool" else NUM_ENVS
         got = {"interrupted": False, "notes": None, "closed": None}

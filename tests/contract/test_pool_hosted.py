@@ -103,6 +103,29 @@ def test_a_blocked_env_holds_up_none_of_its_process_mates(make_env: Any, tmp_pat
         envs.send(np.zeros(len(ids), dtype=np.int64), ids)
 
 
+def test_pool_layout_blocks_hands_back_a_workers_block_together(
+    make_env: Any, tmp_path: Any
+) -> None:
+    """``Processes(pool_layout="blocks")`` lays the pool out in a block per worker, as a pool
+    with ``num_workers`` given: the workers' blocks fill a batch exactly, and its results are
+    routed to their envs as the per-env layout's are."""
+    latch = tmp_path / "latch"
+    latch.touch()  # released from the start: no env blocks
+    backend = envfleet.Processes(pool_layout="blocks")
+    envs = make_env(latched(str(latch)), NUM_ENVS, batch_size=NUM_ENVS // 2, backend=backend)
+    blocks = envs._backend.ranges
+    assert len(blocks) < NUM_ENVS and all(b - a > 1 for a, b in blocks), blocks
+    envs.async_reset(seed=0)
+    for _ in range(4):
+        obs, _, _, _, info = envs.recv()
+        ids = info["env_id"].tolist()
+        assert len(ids) == NUM_ENVS // 2
+        whole = [list(range(a, b)) for a, b in blocks if a in ids]
+        assert sorted(ids) == sorted(e for block in whole for e in block)  # whole blocks
+        assert obs[:, 0].tolist() == ids  # each row its env's
+        envs.send(np.zeros(len(ids), dtype=np.int64), ids)
+
+
 def drive(envs: Any, rounds: int = ROUNDS) -> dict[int, list[Record]]:
     """recv -> send until every env has ``rounds`` results; env e's k-th action is
     ``(e + k) % 2`` whatever the timing (as tests/contract/test_pool_restarts.py's)."""
@@ -152,7 +175,7 @@ def run(make_env: Any, faults: dict[int, tuple[str, int]], once_dir: Any = None,
     ("fault", "kwargs"),
     [
         (("ctypes-segfault", 5), {}),
-        (("sleep:60", 5), {"step_timeout": 2.0}),
+        (("sleep:60", 5), {"supervision": envfleet.Supervision(step_timeout=2.0)}),
     ],
     ids=["segfault", "hang"],
 )
@@ -194,7 +217,11 @@ def test_a_hang_report_names_the_env_its_thread_runs(make_env: Any, tmp_path: An
     runs other threads: env 0's among them)."""
     latch = str(tmp_path / "latch")
     envs = make_env(
-        latched(latch), NUM_ENVS, batch_size=1, backend="processes", hang_report_delay=0.5
+        latched(latch),
+        NUM_ENVS,
+        batch_size=1,
+        backend="processes",
+        supervision=envfleet.Supervision(hang_report_delay=0.5),
     )
     envs.async_reset(seed=0)
     for _ in range(NUM_ENVS):  # every reset's result

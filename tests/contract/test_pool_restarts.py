@@ -138,7 +138,11 @@ def test_processes_pool_rebuilds_a_dead_worker(
     how: str, make_env: Any, snapshot: Any, tmp_path: Any
 ) -> None:
     # One env per worker: only the env of the dead worker is rebuilt.
-    kwargs = {"backend": "processes", "restart_policy": POLICY, "num_workers": NUM_ENVS}
+    kwargs = {
+        "backend": "processes",
+        "supervision": envfleet.Supervision(restart_policy=POLICY),
+        "num_workers": NUM_ENVS,
+    }
     envs, got = run(make_env, {3: (how, 5)}, tmp_path, **kwargs)
     _, clean = run(make_env, {}, **kwargs)
     assert_rebuilt(got, clean, {3}, at_step=5)
@@ -153,7 +157,11 @@ def test_processes_pool_rebuilds_only_the_env_a_dead_worker_was_inside(
 ) -> None:
     """Two envs per worker: the worker dies inside env 2's step; env 2 is rebuilt, env 3 (its
     block-mate) is brought back from its record, and every env but 2 is untouched."""
-    kwargs = {"backend": "processes", "restart_policy": POLICY, "num_workers": 2}
+    kwargs = {
+        "backend": "processes",
+        "supervision": envfleet.Supervision(restart_policy=POLICY),
+        "num_workers": 2,
+    }
     envs, got = run(make_env, {2: ("sigkill", 5)}, tmp_path, **kwargs)
     _, clean = run(make_env, {}, **kwargs)
     assert_rebuilt(got, clean, {2}, at_step=5)
@@ -166,7 +174,11 @@ def test_pool_rebuilds_an_env_that_raised(
     backend: Backend, num_workers: int, make_env: Any, tmp_path: Any
 ) -> None:
     """Only the env that raised is rebuilt, also when it shares its worker with another."""
-    kwargs = {**backend.options, "restart_policy": POLICY, "num_workers": num_workers}
+    kwargs = {
+        **backend.options,
+        "supervision": envfleet.Supervision(restart_policy=POLICY),
+        "num_workers": num_workers,
+    }
     envs, got = run(make_env, {1: ("raise", 5)}, tmp_path, **kwargs)
     _, clean = run(make_env, {}, **kwargs)
     assert_rebuilt(got, clean, {1}, at_step=5)
@@ -177,8 +189,7 @@ def test_pool_rebuilds_an_env_that_raised(
 def test_processes_pool_replaces_a_hung_worker(make_env: Any, snapshot: Any, tmp_path: Any) -> None:
     kwargs = {
         "backend": "processes",
-        "restart_policy": POLICY,
-        "step_timeout": 2.0,
+        "supervision": envfleet.Supervision(restart_policy=POLICY, step_timeout=2.0),
         "num_workers": NUM_ENVS,
     }
     envs, got = run(make_env, {2: ("sleep:60", 5)}, tmp_path, **kwargs)
@@ -197,8 +208,7 @@ def test_threads_pool_hang_still_ends_the_vector_env(make_env: Any) -> None:
         NUM_ENVS,
         backend="threads",
         batch_size=2,
-        restart_policy=POLICY,
-        step_timeout=1.0,
+        supervision=envfleet.Supervision(restart_policy=POLICY, step_timeout=1.0),
     )
     with pytest.raises(envfleet.StepTimeoutError) as info:
         drive(envs)
@@ -229,10 +239,12 @@ def test_pool_budget_exhaustion_raises_the_typed_error(
         NUM_ENVS,
         **backend.options,
         batch_size=2,
-        restart_policy=envfleet.RestartPolicy(
-            restart_on=(Exception,), max_restarts=1, window_s=600.0
+        supervision=envfleet.Supervision(
+            restart_policy=envfleet.RestartPolicy(
+                restart_on=(Exception,), max_restarts=1, window_s=600.0
+            ),
+            step_timeout=2.0 if how.startswith("sleep") else None,
         ),
-        step_timeout=2.0 if how.startswith("sleep") else None,
     )
     with pytest.raises(error, match="restart budget exhausted") as info:
         drive(envs, rounds=20)
@@ -250,9 +262,13 @@ def test_pool_budget_exhaustion_raises_the_typed_error(
 @pytest.mark.ray
 @pytest.mark.parametrize("how", ["sigkill", "raise", "sleep:60"])
 def test_ray_pool_rebuilds(how: str, make_env: Any, tmp_path: Any) -> None:
-    kwargs: dict[str, Any] = {"backend": "ray", "num_workers": 2, "restart_policy": POLICY}
-    if how.startswith("sleep"):
-        kwargs["step_timeout"] = 3.0
+    kwargs: dict[str, Any] = {
+        "backend": "ray",
+        "num_workers": 2,
+        "supervision": envfleet.Supervision(
+            restart_policy=POLICY, step_timeout=3.0 if how.startswith("sleep") else None
+        ),
+    }
     envs, got = run(make_env, {3: (how, 5)}, tmp_path, **kwargs)
     _, clean = run(make_env, {}, **kwargs)
     # An actor holds envs 2 and 3: a dead or hung one takes both; an exception only env 3.

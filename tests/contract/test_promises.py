@@ -102,6 +102,8 @@ SCRIPT = textwrap.dedent(
 
     if __name__ == "__main__":
         form, n, options = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])
+        if options:  # the Supervision's fields
+            options = {"supervision": envfleet.Supervision(**options)}
         for bad_index in (0, n // 2, n - 1):
             print(json.dumps(crash(form, n, bad_index, **options)), flush=True)
         with envfleet.make("CartPole-v1", n) as envs:  # the learner goes on

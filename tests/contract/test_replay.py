@@ -130,7 +130,13 @@ def test_a_crash_replays_the_same_segfault_in_a_watched_child(
 def test_a_hangs_replay_hangs_at_the_same_step(make_env: Any, backend: Any, tmp_path: Any) -> None:
     """Env 1 sleeps past ``step_timeout`` after many autoresets: the StepTimeoutError's replay
     hangs again at env 1's same step, which the watcher reports."""
-    envs = make_env(_buggy("sleep:60"), 2, **backend.options, num_workers=2, step_timeout=1.0)
+    envs = make_env(
+        _buggy("sleep:60"),
+        2,
+        **backend.options,
+        num_workers=2,
+        supervision=envfleet.Supervision(step_timeout=1.0),
+    )
     err, sent = _run_to_failure(envs, 2, envfleet.StepTimeoutError)
     replay = err.replay
     assert (replay.kind, replay.timeout_s) == ("hang", 1.0)
@@ -189,7 +195,7 @@ def test_an_episode_longer_than_replay_steps_is_not_replayable(make_env: Any) ->
     """An episode past ``replay_steps`` actions of an env whose state cannot be checkpointed
     has lost its start: the replay says so."""
     buggy = functools.partial(BuggyEnv, how="raise", p=0.01, checkpoint=False)
-    envs = make_env(buggy, 2, backend="serial", replay_steps=2)
+    envs = make_env(buggy, 2, backend="serial", supervision=envfleet.Supervision(replay_steps=2))
     err, _ = _run_to_failure(envs, 2, envfleet.EnvError)
     [recording] = err.replay.envs
     assert not recording.complete and "longer than replay_steps=2" in recording.why
@@ -198,7 +204,12 @@ def test_an_episode_longer_than_replay_steps_is_not_replayable(make_env: Any) ->
 
 
 def test_replay_steps_0_keeps_no_record(make_env: Any) -> None:
-    envs = make_env(_buggy("raise", p=0.3), 2, backend="processes", replay_steps=0)
+    envs = make_env(
+        _buggy("raise", p=0.3),
+        2,
+        backend="processes",
+        supervision=envfleet.Supervision(replay_steps=0),
+    )
     err, _ = _run_to_failure(envs, 2, envfleet.EnvError)
     assert err.replay is None
 
@@ -206,7 +217,9 @@ def test_replay_steps_0_keeps_no_record(make_env: Any) -> None:
 @pytest.mark.parametrize("bad", [-1, 1.5, "10", True])
 def test_a_bad_replay_steps_is_a_config_error(bad: Any) -> None:
     with pytest.raises(envfleet.ConfigError, match="replay_steps"):
-        envfleet.make("CartPole-v1", 2, backend="serial", replay_steps=bad)
+        envfleet.make(
+            "CartPole-v1", 2, backend="serial", supervision=envfleet.Supervision(replay_steps=bad)
+        )
 
 
 def test_the_cli_reproduces_refuses_and_says_when_it_did_not(

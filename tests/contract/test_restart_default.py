@@ -124,8 +124,10 @@ def test_a_crash_costs_one_episode_of_one_env(how: str, mode: AutoresetMode) -> 
 def test_a_step_past_step_timeout_costs_one_episode() -> None:
     """Env 2 hangs in its 30th step: past ``step_timeout`` its worker is killed and replaced;
     only env 2 starts a new episode, named in the warning with the frame it hung in."""
-    base, _, _ = _run(fault_factory({}), 40, step_timeout=5.0)
-    got, warned, stats = _run(fault_factory({2: ("hang", 30)}), 40, step_timeout=5.0)
+    base, _, _ = _run(fault_factory({}), 40, supervision=envfleet.Supervision(step_timeout=5.0))
+    got, warned, stats = _run(
+        fault_factory({2: ("hang", 30)}), 40, supervision=envfleet.Supervision(step_timeout=5.0)
+    )
     _assert_one_episode_lost(base, got, lost=2, at=30)
     assert stats.timeouts == 1 and stats.restarts == 1
     [message] = warned
@@ -213,11 +215,19 @@ def test_restart_on_widens_and_narrows() -> None:
     every ``Exception``, a ``ValueError`` restarts; narrowed to none, a ``ConnectionError``
     raises."""
     wide = envfleet.RestartPolicy(restart_on=(Exception,))
-    got, warned, _ = _run(fault_at("CartPole-v1", 3, "raise:ValueError", 5), 8, restart_policy=wide)
+    got, warned, _ = _run(
+        fault_at("CartPole-v1", 3, "raise:ValueError", 5),
+        8,
+        supervision=envfleet.Supervision(restart_policy=wide),
+    )
     assert got[5][3][3] and len(warned) == 1
     narrow = envfleet.RestartPolicy(restart_on=())
     with pytest.raises(envfleet.EnvError) as info:
-        _run(fault_at("CartPole-v1", 3, "raise:ConnectionError", 5), 8, restart_policy=narrow)
+        _run(
+            fault_at("CartPole-v1", 3, "raise:ConnectionError", 5),
+            8,
+            supervision=envfleet.Supervision(restart_policy=narrow),
+        )
     assert isinstance(info.value, ConnectionError)
     with pytest.raises(envfleet.ConfigError, match="restart_on"):
         envfleet.RestartPolicy(restart_on=(ValueError, "x"))  # type: ignore[arg-type]
@@ -226,7 +236,11 @@ def test_restart_on_widens_and_narrows() -> None:
 def test_restart_policy_none_fails_fast() -> None:
     """The documented opt-out: ``restart_policy=None`` gives today's typed error at once."""
     with pytest.raises(envfleet.EnvCrashedError, match="signal SIGSEGV") as info:
-        _run(fault_at("CartPole-v1", 3, "null-write", 5), 8, restart_policy=None)
+        _run(
+            fault_at("CartPole-v1", 3, "null-write", 5),
+            8,
+            supervision=envfleet.Supervision(restart_policy=None),
+        )
     assert info.value.worker_index == 0
 
 
@@ -260,7 +274,11 @@ def test_a_round_that_loses_every_env_is_one_restart(caplog: pytest.LogCaptureFi
     warning per worker, each naming the frame that raised; the same again 5 steps later is a
     second one, past the budget: it raises, naming the budget."""
     with caplog.at_level(logging.WARNING, logger="envfleet"):
-        got, warned, stats = _run(_SharedSimulator, 7, restart_policy=envfleet.RestartPolicy(1, 60))
+        got, warned, stats = _run(
+            _SharedSimulator,
+            7,
+            supervision=envfleet.Supervision(restart_policy=envfleet.RestartPolicy(1, 60)),
+        )
     assert all(got[5][4]["env_restarted"]) and all(got[5][3])  # truncated, restarted
     assert stats.env_errors == NUM_ENVS and stats.restarts >= 1
     lines = [r.getMessage() for r in caplog.records if "restarting it" in r.getMessage()]
@@ -269,5 +287,9 @@ def test_a_round_that_loses_every_env_is_one_restart(caplog: pytest.LogCaptureFi
     assert all(f"(and {NUM_ENVS // workers - 1} more of its worker's envs)" in x for x in lines)
     assert all(f"(raised at {__file__}:" in x and " in step). " in x for x in warned), warned
     with pytest.raises(envfleet.EnvError, match="restart budget exhausted") as info:
-        _run(_SharedSimulator, 12, restart_policy=envfleet.RestartPolicy(1, 60))
+        _run(
+            _SharedSimulator,
+            12,
+            supervision=envfleet.Supervision(restart_policy=envfleet.RestartPolicy(1, 60)),
+        )
     assert isinstance(info.value, ConnectionError)

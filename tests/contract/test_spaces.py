@@ -30,7 +30,7 @@ MID_RESETS = {20: (np.array([True, False, True, False]), 99)}
 
 def check_side_kind(make_env, kind, options, mode, **layout):
     factory = functools.partial(SideObsEnv, kind)
-    fleet = make_env(factory, NUM_ENVS, **options, autoreset_mode=mode, **layout)
+    fleet = make_env(factory, NUM_ENVS, autoreset_mode=mode, **{**options, **layout})
     sync = SyncVectorEnv(sync_factories(factory, NUM_ENVS), autoreset_mode=mode)
     try:
         assert fleet.single_observation_space == sync.single_observation_space
@@ -63,10 +63,9 @@ def test_side_spaces_processes_driver_share_match_sync(make_env, kind):
     check_side_kind(
         make_env,
         kind,
-        {"backend": "processes"},
+        {"backend": envfleet.Processes(driver_envs=2)},
         AutoresetMode.NEXT_STEP,
         num_workers=1,
-        driver_envs=2,
     )
 
 
@@ -278,7 +277,7 @@ def test_observation_mode_bad_values_are_refused():
 
 def check_side_actions(make_env, kind, options, mode, steps=40, **layout):
     factory = functools.partial(SideActionEnv, kind)
-    fleet = make_env(factory, NUM_ENVS, **options, autoreset_mode=mode, **layout)
+    fleet = make_env(factory, NUM_ENVS, autoreset_mode=mode, **{**options, **layout})
     sync = SyncVectorEnv(sync_factories(factory, NUM_ENVS), autoreset_mode=mode)
     try:
         assert fleet.action_space == sync.action_space
@@ -295,7 +294,7 @@ def side_action_cases(backend):
         return [("dict", AutoresetMode.NEXT_STEP, {"num_workers": 2})]
     layouts = [{"num_workers": 2}]
     if backend.id == "processes":
-        layouts.append({"num_workers": 1, "driver_envs": 2})
+        layouts.append({"num_workers": 1, "backend": envfleet.Processes(driver_envs=2)})
     return [(k, m, lay) for lay in layouts for k in ["text", "dict"] for m in AutoresetMode]
 
 
@@ -385,8 +384,10 @@ def test_side_leaves_after_restarts(make_env, backend, fail):
         NUM_ENVS,
         **backend.options,
         num_workers=2,
-        restart_policy=envfleet.RestartPolicy(
-            restart_on=(Exception,), max_restarts=100, window_s=60.0
+        supervision=envfleet.Supervision(
+            restart_policy=envfleet.RestartPolicy(
+                restart_on=(Exception,), max_restarts=100, window_s=60.0
+            )
         ),
     )
     space = fleet.single_observation_space
@@ -433,8 +434,10 @@ def test_observation_mode_different_survives_restarts(make_env, backend):
         **backend.options,
         num_workers=3,
         observation_mode="different",
-        restart_policy=envfleet.RestartPolicy(
-            restart_on=(Exception,), max_restarts=10, window_s=60.0
+        supervision=envfleet.Supervision(
+            restart_policy=envfleet.RestartPolicy(
+                restart_on=(Exception,), max_restarts=10, window_s=60.0
+            )
         ),
     )
     fleet.reset(seed=0)

@@ -85,7 +85,11 @@ def test_start_timeout_bounds_a_hanging_constructor(
     start = time.monotonic()
     with pytest.raises(envfleet.StartTimeoutError) as info:
         make_env(
-            start_factory(hang_index=2), 4, **backend.options, num_workers=4, start_timeout=2.0
+            start_factory(hang_index=2),
+            4,
+            **backend.options,
+            num_workers=4,
+            supervision=envfleet.Supervision(start_timeout=2.0),
         )
     assert time.monotonic() - start < 15.0
     assert info.value.env_indices == [2] and info.value.timeout == 2.0
@@ -104,11 +108,17 @@ def test_start_timeout_bounds_a_hanging_constructor(
 def test_start_timeout_on_ray(make_env: Any) -> None:
     """Issue 17 item 5 on Ray: the actor building env 1 is killed after start_timeout."""
     with pytest.raises(envfleet.StartTimeoutError) as info:
-        make_env(start_factory(hang_index=1), 2, backend="ray", num_workers=2, start_timeout=20.0)
+        make_env(
+            start_factory(hang_index=1),
+            2,
+            backend="ray",
+            num_workers=2,
+            supervision=envfleet.Supervision(start_timeout=20.0),
+        )
     assert info.value.env_indices == [1]
 
 
-def _replacing(make_env: Any, tmp_path: Path, hang_s: float, **options: Any) -> Any:
+def _replacing(make_env: Any, tmp_path: Path, hang_s: float, **supervision: Any) -> Any:
     """Two envs, one a worker, under a restart policy, reset and stepped once: env 1's worker
     exits in the next step, and its replacement's constructor sleeps ``hang_s``."""
     factory = start_factory(
@@ -119,7 +129,11 @@ def _replacing(make_env: Any, tmp_path: Path, hang_s: float, **options: Any) -> 
     )
     policy = envfleet.RestartPolicy(restart_on=(Exception,), max_restarts=1, window_s=600.0)
     envs = make_env(
-        factory, 2, backend="processes", num_workers=2, restart_policy=policy, **options
+        factory,
+        2,
+        backend="processes",
+        num_workers=2,
+        supervision=envfleet.Supervision(restart_policy=policy, **supervision),
     )
     envs.reset(seed=0)
     envs.step(np.zeros(2, dtype=np.int64))
@@ -161,7 +175,12 @@ def test_a_replacement_past_start_timeout_raises_and_closes(
 @pytest.mark.parametrize("value", [0, -1.0, "5", float("nan")])
 def test_start_timeout_is_checked(value: Any) -> None:
     with pytest.raises(envfleet.ConfigError, match="start_timeout"):
-        envfleet.make("CartPole-v1", 2, backend="serial", start_timeout=value)
+        envfleet.make(
+            "CartPole-v1",
+            2,
+            backend="serial",
+            supervision=envfleet.Supervision(start_timeout=value),
+        )
 
 
 SMALL_DEFAULT_S = 0.2  # make()'s default start_timeout in the test below
@@ -171,14 +190,14 @@ def test_start_timeout_none_waits_for_a_slow_constructor(
     make_env: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     """``start_timeout=None`` is no bound, not make()'s default one. The default is made
-    SMALL_DEFAULT_S here (make()'s signature and the module constant a fallback would read;
-    the bound is the driver's, so no worker needs to see it), and env 1's constructor waits
-    on a file lock the test holds. With the default, make() gives up on that constructor;
-    with None, make() returns once the test lets the constructor go, which it does a second
-    after the driver began waiting for its workers: past any deadline the default set."""
+    SMALL_DEFAULT_S here (make()'s default ``supervision``; the bound is the driver's, so no
+    worker needs to see it), and env 1's constructor waits on a file lock the test holds.
+    With the default, make() gives up on that constructor; with None, make() returns once
+    the test lets the constructor go, which it does a second after the driver began waiting
+    for its workers: past any deadline the default set."""
     make_module = importlib.import_module("envfleet._front.make")
-    monkeypatch.setattr(make_module, "DEFAULT_START_TIMEOUT", SMALL_DEFAULT_S)
-    monkeypatch.setitem(make_module.make.__kwdefaults__, "start_timeout", SMALL_DEFAULT_S)
+    small = envfleet.Supervision(start_timeout=SMALL_DEFAULT_S)
+    monkeypatch.setitem(make_module.make.__kwdefaults__, "supervision", small)
     lock_path = tmp_path / "constructor.lock"
     lock_path.touch()
     factory = start_factory(hang_index=1, held_by=str(lock_path))
@@ -208,7 +227,13 @@ def test_start_timeout_none_waits_for_a_slow_constructor(
         releaser = threading.Thread(target=let_go, daemon=True)
         releaser.start()
         try:
-            envs = make_env(factory, 2, backend="processes", num_workers=2, start_timeout=None)
+            envs = make_env(
+                factory,
+                2,
+                backend="processes",
+                num_workers=2,
+                supervision=envfleet.Supervision(start_timeout=None),
+            )
         finally:
             made.set()
             waiting.set()

@@ -42,7 +42,9 @@ def test_pool_reports_a_dead_worker(how: str, backend: Any, make_env: Any, snaps
         **backend.options,
         batch_size=2,
         num_workers=4,
-        restart_policy=None,  # fail fast: the report itself is under test
+        supervision=envfleet.Supervision(
+            restart_policy=None
+        ),  # fail fast: the report itself is under test
     )
     with pytest.raises(envfleet.EnvCrashedError) as info:
         _drive_pool(envs, max_rounds=2000, seconds=30)
@@ -70,8 +72,9 @@ def test_pool_reports_a_hung_worker_within_step_timeout(
         **backend.options,
         batch_size=2,
         num_workers=num_workers,
-        step_timeout=3.0,
-        restart_policy=None,  # fail fast: the report itself is under test
+        supervision=envfleet.Supervision(
+            step_timeout=3.0, restart_policy=None
+        ),  # fail fast: the report itself is under test
     )
     start = time.monotonic()
     with pytest.raises(envfleet.StepTimeoutError) as info:
@@ -93,7 +96,9 @@ def test_crash_is_reported_while_a_sibling_sleeps(mode: str, make_env: Any, snap
         backend="processes",
         num_workers=4,
         batch_size=4 if mode == "step" else 2,
-        restart_policy=None,  # fail fast: the report itself is under test
+        supervision=envfleet.Supervision(
+            restart_policy=None
+        ),  # fail fast: the report itself is under test
     )
     if mode == "step":
         envs.reset(seed=0)
@@ -119,7 +124,9 @@ def test_crash_is_reported_while_a_sibling_sleeps_with_restarts(make_env: Any) -
         4,
         backend="processes",
         num_workers=4,
-        restart_policy=envfleet.RestartPolicy(restart_on=(Exception,), max_restarts=2),
+        supervision=envfleet.Supervision(
+            restart_policy=envfleet.RestartPolicy(restart_on=(Exception,), max_restarts=2)
+        ),
     )
     envs.reset(seed=0)
     for _ in range(4):
@@ -186,8 +193,8 @@ def test_every_backend_counts_each_env_error_once(
         if mode == "pool":
             kwargs["batch_size"] = 2
         if mode == "sync-restarts":
-            kwargs["restart_policy"] = envfleet.RestartPolicy(
-                restart_on=(Exception,), max_restarts=10
+            kwargs["supervision"] = envfleet.Supervision(
+                restart_policy=envfleet.RestartPolicy(restart_on=(Exception,), max_restarts=10)
             )
         envs = make_env(fault_factory(faults), 4, **options, **kwargs)
         _fault_script(envs, "pool" if mode == "pool" else "sync")

@@ -152,8 +152,7 @@ def test_a_hang_in_a_block_stepped_at_once_names_the_envs_frame(
         fault_factory({3: ("sleep:60", 10)}, wait_s=0.002),
         4,
         num_workers=2,
-        step_timeout=2.0,
-        restart_policy=None,
+        supervision=envfleet.Supervision(step_timeout=2.0, restart_policy=None),
     )
     _step_into_fault(envs, 9)
     with pytest.raises(envfleet.StepTimeoutError) as info:
@@ -177,8 +176,7 @@ def test_a_hang_among_hundreds_of_envs_stepped_at_once_names_the_envs_frame(
         fault_factory({7: ("sleep:60", 4)}, wait_s=0.002),
         240,
         num_workers=1,
-        step_timeout=3.0,
-        restart_policy=None,
+        supervision=envfleet.Supervision(step_timeout=3.0, restart_policy=None),
     )
     envs.reset(seed=0)
     for _ in range(3):
@@ -199,7 +197,10 @@ def test_a_segfault_in_a_block_stepped_at_once_is_an_env_crashed_error(
     stepped at once: EnvCrashedError for worker 1 (envs 2 and 3) with the fault's stack,
     whose innermost frame is env 3's."""
     envs = make_env(
-        fault_factory({3: ("null-write", 10)}, wait_s=0.002), 4, num_workers=2, restart_policy=None
+        fault_factory({3: ("null-write", 10)}, wait_s=0.002),
+        4,
+        num_workers=2,
+        supervision=envfleet.Supervision(restart_policy=None),
     )
     _step_into_fault(envs, 9)
     with pytest.raises(envfleet.EnvCrashedError) as info:

@@ -332,7 +332,7 @@ FAULTS: dict[str, tuple[Any, dict[str, Any], str]] = {  # factory, make() option
     "exit": (fault_factory({FAULTY: ("exit", FAULT_AT)}, WAIT_S), {}, "exit code 3"),
     "hang": (
         fault_factory({FAULTY: ("sleep:60", FAULT_AT)}, WAIT_S),
-        {"step_timeout": 2.0},
+        {"supervision": envfleet.Supervision(step_timeout=2.0)},
         "did not answer within 2.0 s",
     ),
     "connection": (

@@ -325,18 +325,17 @@ def test_bad_actions_and_ids_send_nothing(
 
 
 def test_refused_modes_and_options() -> None:
-    for mode in (AutoresetMode.SAME_STEP, AutoresetMode.DISABLED):
-        with pytest.raises(ConfigError, match=mode.name):
+    for mode, match in ((AutoresetMode.SAME_STEP, "next_step"), (AutoresetMode.DISABLED, "pool")):
+        with pytest.raises(ConfigError, match=match):
             envfleet.make("CartPole-v1", 4, backend="envpool", batch_size=2, autoreset_mode=mode)
     for option, value in [
         ("num_workers", 2),
-        ("step_timeout", 1.0),
-        ("restart_policy", envfleet.RestartPolicy()),
-        ("context", "spawn"),
-        ("driver_envs", 1),
-        ("spin_s", 0.0),
+        ("supervision", envfleet.Supervision(step_timeout=1.0)),
+        ("supervision", envfleet.Supervision(restart_policy=envfleet.RestartPolicy())),
+        ("supervision", envfleet.Supervision(recycle=envfleet.Recycle(max_steps=10))),
+        ("observation_mode", "different"),
     ]:
-        with pytest.raises(ConfigError, match=option):
+        with pytest.raises(ConfigError, match="envpool"):
             envfleet.make("CartPole-v1", 2, backend="envpool", **{option: value})
     with pytest.raises(ConfigError, match="Pong-v5"):
         envfleet.make("ALE/Pong-v5", 2, backend="envpool")

@@ -40,7 +40,10 @@ def test_a_killed_simulator_is_its_envs_error_and_the_others_stay_exact(
     rebuilt with a new simulator (its row: truncated, ``env_restarted``), and every other
     env's results stay SyncVectorEnv's bit for bit, then and after."""
     envs = make_env(
-        simulator_env, NUM_ENVS, num_workers=2, restart_policy=envfleet.RestartPolicy(1, 60.0)
+        simulator_env,
+        NUM_ENVS,
+        num_workers=2,
+        supervision=envfleet.Supervision(restart_policy=envfleet.RestartPolicy(1, 60.0)),
     )
     sync = SyncVectorEnv([simulator_env] * NUM_ENVS)
     try:
@@ -93,7 +96,12 @@ def _kill(pid: int) -> None:
 def test_without_a_restart_policy_the_dead_simulator_is_env_2s_error(make_env: Any) -> None:
     """The same kill with the fail-fast opt-out (``restart_policy=None``): the step raises env 2's
     EnvError, which is also a ConnectionError."""
-    envs = make_env(simulator_env, NUM_ENVS, num_workers=2, restart_policy=None)
+    envs = make_env(
+        simulator_env,
+        NUM_ENVS,
+        num_workers=2,
+        supervision=envfleet.Supervision(restart_policy=None),
+    )
     envs.reset(seed=0)
     for _ in range(10):
         envs.step(np.zeros(NUM_ENVS, dtype=np.int64))

@@ -31,7 +31,10 @@ def _slow(
 
 # Two envs, env 1 in a worker (process or thread) of its own, env 0 where the layout puts it.
 _WORKER_LAYOUTS = {
-    "processes": {"backend": "processes", "num_workers": 2, "driver_envs": 0},
+    "processes": {
+        "backend": envfleet.Processes(driver_envs=0),
+        "num_workers": 2,
+    },
     "threads": {"backend": "threads", "num_workers": 2},
 }
 
@@ -76,7 +79,10 @@ def test_wait_timeout_raises_timeout_error(make_env, snapshot, backend, method):
 CALLING_THREAD_LAYOUTS = pytest.mark.parametrize(
     "layout",
     [
-        {"backend": "processes", "num_workers": 1, "driver_envs": 1},
+        {
+            "backend": envfleet.Processes(driver_envs=1),
+            "num_workers": 1,
+        },
         {"backend": "threads", "num_workers": 2},
         {"backend": "serial"},
     ],

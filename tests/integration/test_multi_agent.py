@@ -291,7 +291,7 @@ def test_an_aec_env_through_aec_to_parallel(monkeypatch: pytest.MonkeyPatch) -> 
 
 def test_processes_without_driver_env_learns_the_agents_from_a_worker() -> None:
     """Env 0 built in a worker (driver_envs=0): its probe's metadata says multi-agent."""
-    run_differential("processes", "hetero", AutoresetMode.NEXT_STEP, driver_envs=0)
+    run_differential(envfleet.Processes(driver_envs=0), "hetero", AutoresetMode.NEXT_STEP)
 
 
 def test_layouts() -> None:
@@ -374,7 +374,9 @@ def test_a_crashing_env_is_restarted_under_a_restart_policy() -> None:
         functools.partial(make_faulty, "raise", 1),
         NUM_ENVS,
         backend="processes",
-        restart_policy=envfleet.RestartPolicy(restart_on=(Exception,), max_restarts=2),
+        supervision=envfleet.Supervision(
+            restart_policy=envfleet.RestartPolicy(restart_on=(Exception,), max_restarts=2)
+        ),
     )
     try:
         envs.reset(seed=0)

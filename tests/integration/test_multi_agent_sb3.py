@@ -28,6 +28,8 @@ from typing import Any
 import numpy as np
 import pytest
 
+import envfleet
+
 pytest.importorskip("stable_baselines3")
 pytest.importorskip("pettingzoo.butterfly")
 ss = pytest.importorskip("supersuit")
@@ -39,7 +41,6 @@ from stable_baselines3 import PPO  # noqa: E402
 from stable_baselines3.common.vec_env import VecCheckNan  # noqa: E402
 from stable_baselines3.common.vec_env.base_vec_env import tile_images  # noqa: E402
 
-import envfleet  # noqa: E402
 from envfleet.adapters.sb3 import SB3VecEnv  # noqa: E402
 from tests.multi_agent_envs import HeteroEnv  # noqa: E402
 
@@ -365,7 +366,9 @@ def test_a_restarted_env_ends_its_rows_episodes() -> None:
         crashing_pistonball,
         NUM_ENVS,
         backend="processes",
-        restart_policy=envfleet.RestartPolicy(restart_on=(Exception,), max_restarts=1),
+        supervision=envfleet.Supervision(
+            restart_policy=envfleet.RestartPolicy(restart_on=(Exception,), max_restarts=1)
+        ),
     )
     try:
         venv.seed(SEED)

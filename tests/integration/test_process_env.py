@@ -505,7 +505,7 @@ def test_start_with_an_unknown_id_or_a_bad_env_is_a_config_error(snapshot):
 @pytest.mark.parametrize(("how", "blocking"), [("segfault", True), ("exit", False)])
 def test_crash_in_step_raises_and_closes(snapshot, how, blocking):
     factory = functools.partial(CrashEnv, crash_index=0, crash_after=2, how=how)
-    penv = envfleet.ProcessEnv(factory, restart_policy=None)
+    penv = envfleet.ProcessEnv(factory, supervision=envfleet.Supervision(restart_policy=None))
     penv.reset(seed=0)
     penv.step(0)
     penv.step(1)
@@ -533,7 +533,10 @@ def test_crash_in_step_raises_and_closes(snapshot, how, blocking):
 
 def test_step_timeout_on_a_hanging_env(snapshot):
     factory = functools.partial(CrashEnv, crash_index=0, crash_after=1, how="hang")
-    penv = envfleet.ProcessEnv(factory, step_timeout=1.5, restart_policy=None)
+    penv = envfleet.ProcessEnv(
+        factory,
+        supervision=envfleet.Supervision(step_timeout=1.5, restart_policy=None),
+    )
     penv.reset(seed=0)
     penv.step(0)
     with pytest.raises(envfleet.StepTimeoutError) as info:
@@ -549,7 +552,10 @@ def test_step_timeout_on_a_hanging_env(snapshot):
 
 def test_step_timeout_from_a_future(snapshot):
     factory = functools.partial(CrashEnv, crash_index=0, crash_after=0, how="hang")
-    penv = envfleet.ProcessEnv(factory, step_timeout=1.5, restart_policy=None)
+    penv = envfleet.ProcessEnv(
+        factory,
+        supervision=envfleet.Supervision(step_timeout=1.5, restart_policy=None),
+    )
     penv.reset(seed=0)
     with pytest.raises(envfleet.StepTimeoutError):
         penv.step(0, blocking=False).result(timeout=HANG_GUARD_S)
@@ -562,7 +568,9 @@ def test_restart_policy_rebuilds_after_a_crash(snapshot):
     factory = functools.partial(CrashEnv, crash_index=0, crash_after=2, how="exit")
     want_env = CrashEnv(crash_index=0, crash_after=2, how="exit")
     policy = envfleet.RestartPolicy(restart_on=(Exception,), max_restarts=2, window_s=3600.0)
-    with envfleet.ProcessEnv(factory, restart_policy=policy) as penv:
+    with envfleet.ProcessEnv(
+        factory, supervision=envfleet.Supervision(restart_policy=policy)
+    ) as penv:
         first_pid = penv.pid
         assert_same(penv.reset(seed=6), want_env.reset(seed=6))
         for action in [0, 1]:

@@ -301,12 +301,13 @@ def test_every_failure_is_reported_from_another_node_as_from_the_drivers(
     envs = make_env(
         factory,
         2,
-        backend="ray",
+        backend=envfleet.Ray(actor_options=SLOT),
         num_workers=2,
-        ray_options=SLOT,
-        hang_report_delay=0.4,
-        restart_policy=envfleet.RestartPolicy(
-            restart_on=(Exception,), max_restarts=4, window_s=600.0
+        supervision=envfleet.Supervision(
+            hang_report_delay=0.4,
+            restart_policy=envfleet.RestartPolicy(
+                restart_on=(Exception,), max_restarts=4, window_s=600.0
+            ),
         ),
     )
     nodes = _nodes(envs)
@@ -413,7 +414,13 @@ def test_a_leaking_actor_is_recycled_on_every_node(make_env: Any, cluster: Nodes
     leaky = functools.partial(LeakyEnv, leak_kb=1024, episode_steps=5, step_s=0.0)
     starts = ray.get(cluster.resident, timeout=WAIT)
     recycle = envfleet.Recycle(max_rss_mb=max(starts) / 2**20 + 64)
-    envs = make_env(leaky, 2, backend="ray", num_workers=2, ray_options=SLOT, recycle=recycle)
+    envs = make_env(
+        leaky,
+        2,
+        backend=envfleet.Ray(actor_options=SLOT),
+        num_workers=2,
+        supervision=envfleet.Supervision(recycle=recycle),
+    )
     before = envs._backend.transport.placement()
     assert sorted(node for node, _ in before) == sorted([cluster.head, cluster.far])
     got = _steps(envs, 160)
@@ -457,11 +464,12 @@ def test_a_lost_helper_or_node_costs_only_its_envs(make_env: Any, cluster: Nodes
     envs = make_env(
         FlakyEnv,
         4,
-        backend="ray",
+        backend=envfleet.Ray(actor_options={"num_cpus": 0.1, "resources": {"lossy": 1}}),
         num_workers=2,
-        ray_options={"num_cpus": 0.1, "resources": {"lossy": 1}},
-        restart_policy=envfleet.RestartPolicy(
-            restart_on=(Exception,), max_restarts=10, window_s=600.0
+        supervision=envfleet.Supervision(
+            restart_policy=envfleet.RestartPolicy(
+                restart_on=(Exception,), max_restarts=10, window_s=600.0
+            )
         ),
     )
     nodes = _nodes(envs)

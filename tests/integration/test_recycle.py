@@ -9,6 +9,7 @@ and ``max_rss_mb`` keeps its worker's memory bounded. Real workers, real memory.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import logging
@@ -36,7 +37,15 @@ def _run(
 ) -> tuple[list[tuple[np.ndarray, ...]], Any]:
     """Every result of ``steps`` steps after ``reset(seed=3)`` (the observations as digests,
     so that a run of Atari frames holds little memory), and the stats at the end."""
-    envs = make_env(env, num_envs, backend=backend, num_workers=2, recycle=recycle, **kwargs)
+    base = kwargs.pop("supervision", envfleet.Supervision())
+    envs = make_env(
+        env,
+        num_envs,
+        backend=backend,
+        num_workers=2,
+        supervision=dataclasses.replace(base, recycle=recycle),
+        **kwargs,
+    )
     obs, _ = envs.reset(seed=3)
     rng = np.random.default_rng(0)
     seen = [(_digest(obs),)]
@@ -86,7 +95,7 @@ def _assert_same(plain: list[tuple[np.ndarray, ...]], recycled: list[tuple[np.nd
             envfleet.Recycle(max_steps=200),
             2400,  # Pong's episodes with random actions last about 900 steps
             _discrete(6),
-            {"replay_steps": 2000},
+            {"supervision": envfleet.Supervision(replay_steps=2000)},
             marks=pytest.mark.atari,
         ),
     ],
@@ -127,7 +136,12 @@ def test_a_leaking_worker_is_named_and_recycled_under_max_rss(
     monkeypatch.setattr(workers, "RSS_PERIOD_S", 0.02)
     leaky = functools.partial(LeakyEnv, leak_kb=256, episode_steps=5, step_s=0.001)
     with caplog.at_level(logging.WARNING, logger="envfleet"):
-        envs = make_env(leaky, 2, backend="processes", num_workers=2, context="forkserver")
+        envs = make_env(
+            leaky,
+            2,
+            backend=envfleet.Processes(context="forkserver"),
+            num_workers=2,
+        )
         envs.reset(seed=0)
         for _ in range(800):
             envs.step(np.zeros(2, np.int64))
@@ -143,7 +157,11 @@ def test_a_leaking_worker_is_named_and_recycled_under_max_rss(
     limit_mb = (base + 64 * 2**20) / 2**20
     recycle = envfleet.Recycle(max_rss_mb=limit_mb)
     envs = make_env(
-        leaky, 2, backend="processes", num_workers=2, context="forkserver", recycle=recycle
+        leaky,
+        2,
+        backend=envfleet.Processes(context="forkserver"),
+        num_workers=2,
+        supervision=envfleet.Supervision(recycle=recycle),
     )
     envs.reset(seed=0)
     peak = 0
@@ -174,8 +192,9 @@ def test_bringing_a_recycled_workers_envs_up_to_date_is_bounded_by_start_timeout
         2,
         backend="processes",
         num_workers=1,
-        step_timeout=1.0,
-        recycle=envfleet.Recycle(max_episodes=2),
+        supervision=envfleet.Supervision(
+            step_timeout=1.0, recycle=envfleet.Recycle(max_episodes=2)
+        ),
     )
     envs.reset(seed=0)
     for _ in range(100):
@@ -194,7 +213,7 @@ def test_a_recycled_worker_late_bringing_its_envs_up_to_date_is_a_start_timeout(
         2,
         backend="processes",
         num_workers=1,
-        recycle=envfleet.Recycle(max_episodes=2),
+        supervision=envfleet.Supervision(recycle=envfleet.Recycle(max_episodes=2)),
     )
     envs._backend._start_timeout = 1.0
     envs.reset(seed=0)
@@ -208,17 +227,25 @@ def test_a_recycled_worker_late_bringing_its_envs_up_to_date_is_a_start_timeout(
 
 
 @pytest.mark.parametrize(
-    "kwargs, match",
+    "kwargs, fields, match",
     [
-        ({"backend": "threads"}, "backend='processes' or 'ray'"),
-        ({"backend": "processes", "batch_size": 2}, "first-ready pool"),
-        ({"backend": "processes", "replay_steps": 0}, "replay_steps > 0"),
-        ({"backend": "processes", "driver_envs": 1}, "driver_envs"),
+        ({"backend": "threads"}, {}, "backend 'processes' or 'ray'"),
+        ({"backend": "processes", "batch_size": 2}, {}, "first-ready pool"),
+        ({"backend": "processes"}, {"replay_steps": 0}, "replay_steps > 0"),
+        ({"backend": envfleet.Processes(driver_envs=1)}, {}, "driver_envs"),
     ],
 )
-def test_recycle_where_it_cannot_apply_is_a_config_error(kwargs: Any, match: str) -> None:
+def test_recycle_where_it_cannot_apply_is_a_config_error(
+    kwargs: Any, fields: Any, match: str
+) -> None:
+    recycle = envfleet.Recycle(max_steps=10)
     with pytest.raises(envfleet.ConfigError, match=match):
-        envfleet.make("CartPole-v1", 4, recycle=envfleet.Recycle(max_steps=10), **kwargs)
+        envfleet.make(
+            "CartPole-v1",
+            4,
+            supervision=envfleet.Supervision(recycle=recycle, **fields),
+            **kwargs,
+        )
 
 
 @pytest.mark.parametrize(
@@ -244,7 +271,7 @@ def test_a_samplers_worker_inference_refuses_recycle() -> None:
             2,
             inference="worker",
             backend="processes",
-            recycle=envfleet.Recycle(max_steps=10),
+            supervision=envfleet.Supervision(recycle=envfleet.Recycle(max_steps=10)),
         )
 
 
@@ -259,7 +286,12 @@ def test_the_default_recycles_a_worker_past_its_share_of_the_memory(
 
     monkeypatch.setattr(workers, "RSS_PERIOD_S", 0.02)
     leaky = functools.partial(LeakyEnv, leak_kb=512, episode_steps=5, step_s=0.001)
-    probe = make_env(leaky, 2, backend="processes", num_workers=2, context="forkserver")
+    probe = make_env(
+        leaky,
+        2,
+        backend=envfleet.Processes(context="forkserver"),
+        num_workers=2,
+    )
     probe.reset(seed=0)
     probe.step(np.zeros(2, np.int64))
     base = max(m.rss_bytes or 0 for m in probe.stats.memory)
@@ -269,8 +301,12 @@ def test_the_default_recycles_a_worker_past_its_share_of_the_memory(
     memory = (base + 48 * 2**20) * 2 / recycle_module.MEMORY_SHARE
     monkeypatch.setattr(recycle_module, "usable_memory", lambda: memory)
     zeros = _zeros_actions
-    got, stats = _run(make_env, leaky, "auto", 600, zeros, 2, context="forkserver")
-    want, _ = _run(make_env, leaky, None, 600, zeros, 2, context="forkserver")
+    got, stats = _run(
+        make_env, leaky, "auto", 600, zeros, 2, backend=envfleet.Processes(context="forkserver")
+    )
+    want, _ = _run(
+        make_env, leaky, None, 600, zeros, 2, backend=envfleet.Processes(context="forkserver")
+    )
     assert stats.recycled >= 2
     _assert_same_runs(got, want)
 
@@ -280,11 +316,14 @@ def test_the_default_recycling_is_off_where_it_cannot_apply(make_env: Any) -> No
     the driver's own share, and on serial and threads; ``recycle=None`` turns it off."""
     for options in (
         {"batch_size": 2},
-        {"replay_steps": 0},
-        {"driver_envs": 1, "restart_policy": None},
+        {"supervision": envfleet.Supervision(replay_steps=0)},
+        {
+            "supervision": envfleet.Supervision(restart_policy=None),
+            "backend": envfleet.Processes(driver_envs=1),
+        },
         {"backend": "serial"},
         {"backend": "threads"},
-        {"recycle": None},
+        {"supervision": envfleet.Supervision(recycle=None)},
     ):
         envs = make_env("CartPole-v1", 4, **{"backend": "processes", **options})
         assert envs._backend._recycler is None, options

@@ -246,7 +246,11 @@ def test_a_server_that_stops_answering_is_a_hang_report_naming_the_envs_read(
     restarted (``step_timeout`` is only the guard that ends the test if no report came)."""
     num_envs = 64
     server, port = servers()
-    envs = make_env(remote_env(port), num_envs, hang_report_delay=1.0, step_timeout=STEP_TIMEOUT)
+    envs = make_env(
+        remote_env(port),
+        num_envs,
+        supervision=envfleet.Supervision(hang_report_delay=1.0, step_timeout=STEP_TIMEOUT),
+    )
     reference = twins(num_envs)
     rng = np.random.default_rng(2)
     reports: list[tuple[float, str]] = []

@@ -524,7 +524,7 @@ def test_worker_crash_is_reported_and_nothing_is_left(snapshot: Any) -> None:
         inference="worker",
         num_workers=2,
         seed=0,
-        restart_policy=None,  # fail fast
+        supervision=envfleet.Supervision(restart_policy=None),  # fail fast
     )
     sampler.sample(20)
     pid = sampler.vector_env.apply(lambda env: os.getpid())[2]  # env 2's worker: worker 1
@@ -547,7 +547,12 @@ def test_worker_timeout() -> None:
     factory = lambda: Slow(gym.make("CartPole-v1"))  # noqa: E731
     with (
         Sampler(
-            factory, PolePolicy(), 2, inference="worker", num_workers=1, timeout=0.5
+            factory,
+            PolePolicy(),
+            2,
+            inference="worker",
+            num_workers=1,
+            supervision=envfleet.Supervision(step_timeout=0.5),
         ) as sampler,
         pytest.raises(envfleet.StepTimeoutError),
     ):
@@ -576,7 +581,9 @@ def test_close_leaves_nothing(snapshot: Any) -> None:
         (dict(autoreset_mode="next_step"), "SAME_STEP"),
         (dict(num_envs=5, batch_size=2, backend="serial"), "multiple of batch_size"),
         (dict(inference="worker", num_workers=9), "num_workers"),
-        (dict(timeout=-1), "timeout"),
+        (dict(supervision=None), "supervision"),
+        (dict(backend="envpool", inference="worker"), "backend='envpool' has no Python workers"),
+        (dict(output="torch"), "numpy observations"),
     ],
 )
 def test_bad_arguments(kwargs: dict, match: str, snapshot: Any) -> None:
@@ -711,7 +718,13 @@ def test_worker_inference_reports_a_hung_env_while_other_workers_run(snapshot: A
     names the hung env's worker, and leaves nothing behind."""
     factory = lambda env_index: HangsAfter(env_index, hang_index=3, steps=40)  # noqa: E731
     sampler = Sampler(
-        factory, PolePolicy(), 4, inference="worker", num_workers=2, seed=0, timeout=2.0
+        factory,
+        PolePolicy(),
+        4,
+        inference="worker",
+        num_workers=2,
+        seed=0,
+        supervision=envfleet.Supervision(step_timeout=2.0),
     )
     with pytest.raises(envfleet.StepTimeoutError) as info:
         for _ in range(100):
@@ -735,7 +748,14 @@ class HangsInWorkers(gym.Wrapper):
 def test_worker_inference_honours_the_start_timeout(snapshot: Any) -> None:
     factory = functools.partial(HangsInWorkers, os.getpid())
     with pytest.raises(envfleet.StartTimeoutError):
-        Sampler(factory, PolePolicy(), 2, inference="worker", num_workers=2, start_timeout=1.0)
+        Sampler(
+            factory,
+            PolePolicy(),
+            2,
+            inference="worker",
+            num_workers=2,
+            supervision=envfleet.Supervision(start_timeout=1.0),
+        )
     snapshot.assert_nothing_left()
 
 
@@ -823,8 +843,10 @@ def run_with_fault(marker: str, how: str, fault_index: int, **kwargs: Any) -> tu
         num_workers=2,
         seed=3,
         segment_length=8,
-        restart_policy=envfleet.RestartPolicy(
-            restart_on=(Exception,), max_restarts=2, window_s=600.0
+        supervision=envfleet.Supervision(
+            restart_policy=envfleet.RestartPolicy(
+                restart_on=(Exception,), max_restarts=2, window_s=600.0
+            )
         ),
         **kwargs,
     ) as sampler:

@@ -127,7 +127,12 @@ def test_infos_of_every_kind_match_dummy_vec_env(backend):
 def test_restarted_env_ends_its_episode_truncated():
     policy = envfleet.RestartPolicy(restart_on=(Exception,), max_restarts=5, window_s=60)
     factory = functools.partial(FlakyEnv, faults={1: "raise"}, fault_after=3)
-    venv = SB3VecEnv(factory, NUM_ENVS, backend="processes", restart_policy=policy)
+    venv = SB3VecEnv(
+        factory,
+        NUM_ENVS,
+        backend="processes",
+        supervision=envfleet.Supervision(restart_policy=policy),
+    )
     try:
         venv.seed(0)
         venv.reset()
@@ -355,6 +360,6 @@ def test_start_method_as_subproc_vec_env_takes_it():
     with pytest.raises(ValueError, match=r"cannot find context for 'illegal_method'"):
         SB3VecEnv(fns, start_method="illegal_method")
     with pytest.raises(ValueError, match=r"cannot find context for 'illegal_method'"):
-        envfleet.make(fns, context="illegal_method")
+        envfleet.make(fns, backend=envfleet.Processes(context="illegal_method"))
     with pytest.raises(envfleet.ConfigError, match="same argument"):
-        SB3VecEnv(fns, start_method="spawn", context="fork")
+        SB3VecEnv(fns, start_method="spawn", backend=envfleet.Processes(context="fork"))

@@ -62,7 +62,7 @@ CASES = [
         6,
         AutoresetMode.NEXT_STEP,
         300,
-        {"replay_steps": 4000},
+        {"supervision": envfleet.Supervision(replay_steps=4000)},
         marks=pytest.mark.atari,
     ),
     # MuJoCo: episodes cut at 200 steps, so that autoresets (whose start is the generator's
@@ -126,13 +126,17 @@ def test_a_snapshot_file_resumes_in_a_fresh_process(make_env: Any, tmp_path: Any
 
 def test_what_cannot_be_snapshotted_or_resumed_says_why(make_env: Any, tmp_path: Any) -> None:
     # Box2D's world does not pickle: LunarLander cannot be checkpointed past replay_steps
-    long = make_env("LunarLander-v3", 2, backend="serial", replay_steps=3)
+    long = make_env(
+        "LunarLander-v3", 2, backend="serial", supervision=envfleet.Supervision(replay_steps=3)
+    )
     long.reset(seed=0)
     for _ in range(5):
         long.step(np.zeros(2, np.int64))
     with pytest.raises(envfleet.UnsupportedError, match="longer than replay_steps=3"):
         long.snapshot()
-    none = make_env("CartPole-v1", 2, backend="serial", replay_steps=0)
+    none = make_env(
+        "CartPole-v1", 2, backend="serial", supervision=envfleet.Supervision(replay_steps=0)
+    )
     none.reset(seed=0)
     with pytest.raises(envfleet.UnsupportedError, match="replay_steps > 0"):
         none.snapshot()
@@ -471,7 +475,7 @@ def _snapshot_past_replay_steps(
     """``at`` steps (far past ``replay_steps`` into an episode), a snapshot, ``more`` steps;
     the same ``more`` steps from ``make(..., resume=snapshot)`` give the same results, bit
     for bit. Returns the snapshot."""
-    envs = make_env(env_id, num_envs, replay_steps=replay_steps)
+    envs = make_env(env_id, num_envs, supervision=envfleet.Supervision(replay_steps=replay_steps))
     space = envs.single_action_space
     space.seed(0)
     actions = [np.stack([space.sample() for _ in range(num_envs)]) for _ in range(at + more)]
@@ -481,7 +485,9 @@ def _snapshot_past_replay_steps(
     state = envs.snapshot()
     want = [envs.step(actions[t])[:4] for t in range(at, at + more)]
     envs.close()
-    again = make_env(env_id, num_envs, replay_steps=replay_steps, resume=state)
+    again = make_env(
+        env_id, num_envs, supervision=envfleet.Supervision(replay_steps=replay_steps), resume=state
+    )
     got = [again.step(actions[t])[:4] for t in range(at, at + more)]
     for k, (a, b) in enumerate(zip(got, want, strict=True)):
         for x, y in zip(a, b, strict=True):

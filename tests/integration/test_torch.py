@@ -106,7 +106,12 @@ def test_wrapping_a_view_env_with_copy_true_clones(make_env):
 
 
 def test_explicit_cpu_device_is_zero_copy(make_env):
-    tenvs = make_env("CartPole-v1", NUM_ENVS, backend="serial", output="torch", device="cpu")
+    tenvs = make_env(
+        "CartPole-v1",
+        NUM_ENVS,
+        backend="serial",
+        output=envfleet.TorchOutput(device="cpu"),
+    )
     assert tenvs.device == torch.device("cpu") and tenvs.copy is True
     obs, _ = tenvs.reset(seed=0)
     assert obs.device.type == "cpu"
@@ -175,17 +180,29 @@ def test_step_async_wait_call_and_attributes(make_env):
 def test_output_errors_before_any_worker_starts(snapshot):
     with pytest.raises(envfleet.ConfigError, match="output must be one of"):
         envfleet.make("CartPole-v1", 2, output="jax")
-    with pytest.raises(envfleet.ConfigError, match="options of output='torch'"):
-        envfleet.make("CartPole-v1", 2, device="cpu")
-    with pytest.raises(envfleet.ConfigError, match="options of output='torch'"):
-        envfleet.make("CartPole-v1", 2, pin_memory=True)
+    with pytest.raises(envfleet.ConfigError, match="pin_memory must be a bool"):
+        envfleet.make("CartPole-v1", 2, output=envfleet.TorchOutput(pin_memory="yes"))
+    with pytest.raises(envfleet.ConfigError, match="not a first-ready pool's send/recv"):
+        envfleet.make("CartPole-v1", 4, batch_size=2, output="torch")
     with pytest.raises(envfleet.ConfigError, match="not available"):
-        envfleet.make("CartPole-v1", 2, output="torch", device="no-such-device")
+        envfleet.make(
+            "CartPole-v1",
+            2,
+            output=envfleet.TorchOutput(device="no-such-device"),
+        )
     if not torch.cuda.is_available():
         with pytest.raises(envfleet.ConfigError, match="not available"):
-            envfleet.make("CartPole-v1", 2, output="torch", device="cuda")
+            envfleet.make(
+                "CartPole-v1",
+                2,
+                output=envfleet.TorchOutput(device="cuda"),
+            )
         with pytest.raises(envfleet.ConfigError, match="pin_memory=True needs an accelerator"):
-            envfleet.make("CartPole-v1", 2, output="torch", pin_memory=True)
+            envfleet.make(
+                "CartPole-v1",
+                2,
+                output=envfleet.TorchOutput(pin_memory=True),
+            )
     snapshot.assert_nothing_left()
 
 
@@ -200,7 +217,11 @@ def test_missing_torch_names_the_extra(monkeypatch):
 def test_cuda_transfer(make_env, pin_memory):
     actions = cartpole_actions(20)
     want = reference_cartpole(actions)
-    tenvs = make_env("CartPole-v1", NUM_ENVS, output="torch", device="cuda", pin_memory=pin_memory)
+    tenvs = make_env(
+        "CartPole-v1",
+        NUM_ENVS,
+        output=envfleet.TorchOutput(device="cuda", pin_memory=pin_memory),
+    )
     obs, _ = tenvs.reset(seed=0)
     kept = [obs]
     for a in actions:
@@ -215,7 +236,9 @@ def test_cuda_transfer(make_env, pin_memory):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_pinned_cpu_buffers(make_env):
-    tenvs = make_env("CartPole-v1", NUM_ENVS, output="torch", pin_memory=True, copy=False)
+    tenvs = make_env(
+        "CartPole-v1", NUM_ENVS, output=envfleet.TorchOutput(pin_memory=True), copy=False
+    )
     obs, _ = tenvs.reset(seed=0)
     assert obs.is_pinned()
     obs2 = tenvs.step(np.zeros(NUM_ENVS, dtype=np.int64))[0]

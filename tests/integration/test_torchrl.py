@@ -64,7 +64,9 @@ def encoder(env_id: str):
 
 
 def fleet_env(env_id: str, backend: str = "processes", **kwargs) -> FleetTorchRLEnv:
-    return make_torchrl_env(env_id, NUM_ENVS, backend=backend, context="fork", **kwargs)
+    if backend == "processes":
+        backend = envfleet.Processes(context="fork")
+    return make_torchrl_env(env_id, NUM_ENVS, backend=backend, **kwargs)
 
 
 def gym_vector(env_id: str) -> SyncVectorEnv:
@@ -301,8 +303,7 @@ def test_torchrl_gymwrapper_still_wraps_a_same_step_fleet_env():
     fleet = envfleet.make(
         "CartPole-v1",
         NUM_ENVS,
-        backend="processes",
-        context="fork",
+        backend=envfleet.Processes(context="fork"),
         autoreset_mode=AutoresetMode.SAME_STEP,
     )
     gym_env = SyncVectorEnv(
@@ -343,8 +344,7 @@ def test_wraps_gymnasium_vector_envs_and_a_copying_fleet_env(make_env):
             make_env(
                 "CartPole-v1",
                 NUM_ENVS,
-                backend="processes",
-                context="fork",
+                backend=envfleet.Processes(context="fork"),
                 copy=True,
                 autoreset_mode=AutoresetMode.DISABLED,
             )

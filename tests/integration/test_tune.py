@@ -171,7 +171,7 @@ def test_grid_on_one_core_has_no_parallel_duplicates():
 def test_candidate_call_text():
     c = TuneCandidate("make", "processes", num_workers=2, driver_envs=0)
     assert c.call('"CartPole-v1"', 16) == (
-        'envfleet.make("CartPole-v1", 16, backend="processes", num_workers=2, driver_envs=0)'
+        'envfleet.make("CartPole-v1", 16, backend=envfleet.Processes(driver_envs=0), num_workers=2)'
     )
     assert SAMPLER_WORKER.call('"CartPole-v1"', 8) == (
         'envfleet.Sampler("CartPole-v1", policy, 8, inference="worker", backend="processes", '

@@ -37,7 +37,9 @@ ENVS_FILE = "envs.py"
 # (num_envs, num_workers, failing env index, its worker)
 FAILING = [(4, 2, 1, 0), (4, 2, 3, 1), (5, 3, 4, 2)]
 
-FAIL_FAST: dict[str, Any] = {"restart_policy": None}  # the opt-out of make()'s restarts
+FAIL_FAST: dict[str, Any] = {
+    "supervision": envfleet.Supervision(restart_policy=None)
+}  # the opt-out of make()'s restarts
 
 
 def _raising(fail_index, fail_in, fail_after=4):
@@ -193,7 +195,9 @@ def _assert_closed_after_crash(envs, snapshot, num_envs):
 )
 def test_worker_dies_in_step(make_env, snapshot, context, how, exitcode, signum):
     factory = functools.partial(CrashEnv, crash_index=3, crash_after=4, how=how)
-    envs = make_env(factory, 5, backend="processes", num_workers=2, context=context, **FAIL_FAST)
+    envs = make_env(
+        factory, 5, backend=envfleet.Processes(context=context), num_workers=2, **FAIL_FAST
+    )
     pids = _worker_pids(envs, snapshot, 5)
     assert pids[0] == pids[2] != pids[3] == pids[4]
     envs.reset(seed=0)
@@ -221,7 +225,9 @@ def test_worker_dies_in_step(make_env, snapshot, context, how, exitcode, signum)
 )
 def test_worker_killed_between_steps(make_env, snapshot, context, worker):
     """A worker SIGKILLed while idle (OOM killer, kill -9): the next step names it."""
-    envs = make_env(IndexedEnv, 4, backend="processes", num_workers=2, context=context, **FAIL_FAST)
+    envs = make_env(
+        IndexedEnv, 4, backend=envfleet.Processes(context=context), num_workers=2, **FAIL_FAST
+    )
     pids = _worker_pids(envs, snapshot, 4)
     envs.reset(seed=0)
     for _ in range(2):
@@ -265,7 +271,9 @@ def test_worker_killed_before_other_calls(make_env, snapshot, call):
 def test_worker_killed_while_busy(make_env, snapshot, context):
     """SIGKILL to a worker stuck in a step: step_wait raises instead of waiting forever."""
     factory = functools.partial(CrashEnv, crash_index=1, crash_after=1, how="hang")
-    envs = make_env(factory, 3, backend="processes", num_workers=3, context=context, **FAIL_FAST)
+    envs = make_env(
+        factory, 3, backend=envfleet.Processes(context=context), num_workers=3, **FAIL_FAST
+    )
     pids = _worker_pids(envs, snapshot, 3)
     envs.reset(seed=0)
     envs.step(_zeros(3))
@@ -302,11 +310,9 @@ def test_step_timeout(make_env, snapshot, context):
     envs = make_env(
         factory,
         6,
-        backend="processes",
+        backend=envfleet.Processes(context=context),
         num_workers=3,
-        step_timeout=1.0,
-        context=context,
-        **FAIL_FAST,
+        supervision=envfleet.Supervision(step_timeout=1.0, restart_policy=None),
     )
     assert envs.step_timeout == 1.0
     envs.reset(seed=0)
@@ -338,7 +344,13 @@ def test_step_wait_timeout_argument(make_env, snapshot):
 
 @pytest.mark.timeout(60)
 def test_step_timeout_bounds_calls(make_env, snapshot):
-    envs = make_env(IndexedEnv, 3, backend="processes", num_workers=3, step_timeout=1.0)
+    envs = make_env(
+        IndexedEnv,
+        3,
+        backend="processes",
+        num_workers=3,
+        supervision=envfleet.Supervision(step_timeout=1.0),
+    )
     assert envs.call("add", 1) == (1, 2, 3)
     with pytest.raises(envfleet.StepTimeoutError) as info:
         envs.call("hang")
@@ -347,7 +359,13 @@ def test_step_timeout_bounds_calls(make_env, snapshot):
 
 
 def test_step_timeout_not_hit_by_normal_steps(make_env):
-    envs = make_env("CartPole-v1", 4, backend="processes", num_workers=2, step_timeout=30.0)
+    envs = make_env(
+        "CartPole-v1",
+        4,
+        backend="processes",
+        num_workers=2,
+        supervision=envfleet.Supervision(step_timeout=30.0),
+    )
     sync = SyncVectorEnv([lambda: gym.make("CartPole-v1")] * 4)
     assert_same(envs.reset(seed=0), sync.reset(seed=0), "reset")
     for t in range(50):
@@ -364,7 +382,10 @@ def test_step_timeout_not_hit_by_normal_steps(make_env):
 @pytest.mark.parametrize("num_workers", [1, 3])
 def test_close_leaves_nothing(snapshot, context, num_workers):
     envs = envfleet.make(
-        IndexedEnv, 3, backend="processes", num_workers=num_workers, context=context
+        IndexedEnv,
+        3,
+        backend=envfleet.Processes(context=context),
+        num_workers=num_workers,
     )
     pids = _worker_pids(envs, snapshot, 3)
     assert len(set(pids)) == num_workers
@@ -439,7 +460,11 @@ def test_close_after_env_error_and_garbage_collection(snapshot):
     envs.close()
     snapshot.assert_nothing_left()
     # An env that is dropped without close() is closed when collected.
-    dropped = envfleet.make(IndexedEnv, 2, backend="processes", driver_envs=0)
+    dropped = envfleet.make(
+        IndexedEnv,
+        2,
+        backend=envfleet.Processes(driver_envs=0),
+    )
     pids = list(set(dropped.get_attr("pid")))
     del dropped
     gc.collect()
@@ -483,7 +508,12 @@ def test_a_base_exception_out_of_full_round_closes_the_backend(
     The vector env is closed, every worker process is gone and reaped, its reply region
     unmapped, nothing left in /dev/shm."""
     factory = functools.partial(AbortingEnv, abort_index=0, abort_at=3)
-    envs = make_env(factory, 3, backend="processes", num_workers=2, driver_envs=1)
+    envs = make_env(
+        factory,
+        3,
+        backend=envfleet.Processes(driver_envs=1),
+        num_workers=2,
+    )
     backend = envs._backend
     workers = backend.transport.workers
     has_c = step_path == "c"
@@ -542,7 +572,7 @@ def ignoring_sigterm(env_index=0):
     return IndexedEnv(env_index)
 
 factory = ignoring_sigterm if sys.argv[2].endswith("sigterm-ignored") else IndexedEnv
-envs = envfleet.make(factory, 2, backend="processes", num_workers=2, context=sys.argv[1])
+envs = envfleet.make(factory, 2, backend=envfleet.Processes(context=sys.argv[1]), num_workers=2)
 envs.reset(seed=0)
 print(" ".join(str(pid) for pid in envs.get_attr("pid")), flush=True)
 if sys.argv[2].startswith("idle"):
@@ -667,7 +697,7 @@ def test_replies_in_the_mailbox_or_on_the_pipe(make_env):
     from envfleet._backends.processes import worker as processes
 
     assert processes.MAILBOX_BYTES < 100_000
-    fleet = make_env(InfoSizeEnv, 4, num_workers=2, driver_envs=0)
+    fleet = make_env(InfoSizeEnv, 4, num_workers=2, backend=envfleet.Processes(driver_envs=0))
     sync = SyncVectorEnv(sync_factories(InfoSizeEnv, 4))
     where = fleet._backend.transport.workers.control[:, processes.REPLY_PAYLOAD]
     try:
@@ -740,7 +770,9 @@ def test_a_restarted_worker_sends_a_reply_region_of_its_own(snapshot):
     from envfleet._backends.processes import worker as processes
 
     policy = envfleet.RestartPolicy(restart_on=(Exception,), max_restarts=5, window_s=60)
-    fleet = envfleet.make("CartPole-v1", 4, num_workers=2, restart_policy=policy)
+    fleet = envfleet.make(
+        "CartPole-v1", 4, num_workers=2, supervision=envfleet.Supervision(restart_policy=policy)
+    )
     where = fleet._backend.transport.workers.control[:, processes.REPLY_PAYLOAD]
     groups = {0: 1 << 17, 1: 1 << 17}
     try:
@@ -835,8 +867,8 @@ signal.signal(signal.SIGSEGV, signal.SIG_DFL)  # then another library takes SIGS
 import envfleet
 from tests.envs import fault_factory
 envs = envfleet.make(
-    fault_factory({1: ("null-write", 3)}), 2, backend="processes", num_workers=2,
-    context=sys.argv[1], restart_policy=None,
+    fault_factory({1: ("null-write", 3)}), 2, backend=envfleet.Processes(context=sys.argv[1]),
+    num_workers=2, supervision=envfleet.Supervision(restart_policy=None),
 )
 envs.reset(seed=0)
 try:
@@ -873,7 +905,13 @@ def test_a_closed_vector_env_is_freed_without_the_garbage_collector(recycle):
     gc.collect()
     gc.disable()
     try:
-        envs = envfleet.make("CartPole-v1", 2, backend="processes", num_workers=2, recycle=recycle)
+        envs = envfleet.make(
+            "CartPole-v1",
+            2,
+            backend="processes",
+            num_workers=2,
+            supervision=envfleet.Supervision(recycle=recycle),
+        )
         envs.reset(seed=0)
         envs.step(np.zeros(2, dtype=np.int64))
         workers = weakref.ref(envs._backend.transport.workers)

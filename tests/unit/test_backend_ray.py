@@ -150,20 +150,17 @@ def test_more_workers_than_cpus_share_them(make_env, ray_cluster):
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"backend": "processes", "ray_options": {"num_cpus": 1}}, "options of backend='ray'"),
-        ({"backend": "serial", "ray_address": "auto"}, "options of backend='ray'"),
-        ({"backend": "ray", "ray_options": ["num_cpus"]}, "must be None or a dict"),
-        ({"backend": "ray", "ray_options": {"max_restarts": 3}}, "envfleet's to set"),
-        ({"backend": "ray", "ray_options": {"num_cpus": 2}}, "nodes hold 0 of them"),
-        ({"backend": "ray", "ray_options": {"resources": {"gizmo": 1}}}, "0 gizmo"),
-        ({"backend": "ray", "ray_options": {"no_such_option": 1}}, "rejected by Ray"),
-        ({"backend": "ray", "driver_envs": 1}, "options of backend='processes'"),
-        ({"backend": "ray", "ray_address": 5}, "ray_address must be"),
+        (lambda: {"backend": envfleet.Ray(actor_options=["num_cpus"])}, "must be None or a dict"),
+        (lambda: {"backend": envfleet.Ray(actor_options={"max_restarts": 3})}, "envfleet's to set"),
+        (lambda: {"backend": envfleet.Ray(actor_options={"num_cpus": 2})}, "nodes hold 0 of them"),
+        (lambda: {"backend": envfleet.Ray(actor_options={"resources": {"gizmo": 1}})}, "0 gizmo"),
+        (lambda: {"backend": envfleet.Ray(actor_options={"no_such_option": 1})}, "rejected by Ray"),
+        (lambda: {"backend": envfleet.Ray(address=5)}, "address must be"),
     ],
 )
 def test_config_errors(ray_cluster, kwargs, match):
     with pytest.raises(envfleet.ConfigError, match=match):
-        envfleet.make(IndexedEnv, 4, num_workers=2, **kwargs)
+        envfleet.make(IndexedEnv, 4, num_workers=2, **kwargs())
 
 
 def test_unpicklable_factory(ray_cluster):
@@ -228,7 +225,9 @@ def test_env_raises_in_make(ray_cluster):
 
 def test_actor_segfaults_in_step(make_env, ray_cluster):
     factory = functools.partial(CrashEnv, crash_index=3, how="segfault")
-    envs = make_env(factory, 4, backend="ray", restart_policy=None)  # fail fast
+    envs = make_env(
+        factory, 4, backend="ray", supervision=envfleet.Supervision(restart_policy=None)
+    )  # fail fast
     envs.reset(seed=0)
     pids = _actor_pids(envs)
     for _ in range(3):
@@ -245,7 +244,13 @@ def test_actor_segfaults_in_step(make_env, ray_cluster):
 
 
 def test_actor_killed_from_outside(make_env, ray_cluster):
-    envs = make_env(IndexedEnv, 4, backend="ray", num_workers=2, restart_policy=None)
+    envs = make_env(
+        IndexedEnv,
+        4,
+        backend="ray",
+        num_workers=2,
+        supervision=envfleet.Supervision(restart_policy=None),
+    )
     envs.reset(seed=0)
     pids = _actor_pids(envs)
     killed = envs._backend.transport.placement()[0][1]
@@ -290,8 +295,9 @@ def test_hang_past_the_timeout_kills_the_actors(make_env, ray_cluster, via):
         4,
         backend="ray",
         num_workers=2,
-        step_timeout=timeout if via == "step_timeout" else None,
-        restart_policy=None,  # fail fast
+        supervision=envfleet.Supervision(
+            step_timeout=timeout if via == "step_timeout" else None, restart_policy=None
+        ),  # fail fast
     )
     envs.reset(seed=0)
     pids = _actor_pids(envs)
@@ -369,7 +375,12 @@ def test_errors_in_calls_are_not_restarted(make_env, ray_cluster):
 def test_dead_actor_is_replaced(make_env, ray_cluster, tmp_path, how, mode, index, rows):
     factory = _flaky({index: how}, fault_after=4, marker=_marker(tmp_path))
     envs = make_env(
-        factory, 6, backend="ray", num_workers=2, autoreset_mode=mode, restart_policy=POLICY
+        factory,
+        6,
+        backend="ray",
+        num_workers=2,
+        autoreset_mode=mode,
+        supervision=envfleet.Supervision(restart_policy=POLICY),
     )
     model = Model(6, mode, faults={index: rows}, fault_after=4)
     _assert_result(envs.reset(seed=5), *model.reset(seed=5), "reset")
@@ -387,7 +398,11 @@ def test_dead_actor_is_replaced(make_env, ray_cluster, tmp_path, how, mode, inde
 def test_hung_actor_is_replaced(make_env, ray_cluster, tmp_path):
     factory = _flaky({3: "hang"}, fault_after=3, marker=_marker(tmp_path))
     envs = make_env(
-        factory, 4, backend="ray", num_workers=2, step_timeout=2.0, restart_policy=POLICY
+        factory,
+        4,
+        backend="ray",
+        num_workers=2,
+        supervision=envfleet.Supervision(step_timeout=2.0, restart_policy=POLICY),
     )
     model = Model(4, faults={3: [2, 3]}, fault_after=3)
     _assert_result(envs.reset(seed=4), *model.reset(seed=4), "reset")
@@ -401,7 +416,13 @@ def test_hung_actor_is_replaced(make_env, ray_cluster, tmp_path):
 
 
 def test_actor_killed_between_steps_is_replaced(make_env, ray_cluster):
-    envs = make_env(FlakyEnv, 4, backend="ray", num_workers=2, restart_policy=POLICY)
+    envs = make_env(
+        FlakyEnv,
+        4,
+        backend="ray",
+        num_workers=2,
+        supervision=envfleet.Supervision(restart_policy=POLICY),
+    )
     model = Model(4)
     _assert_result(envs.reset(seed=2), *model.reset(seed=2), "reset")
     _play(envs, model, 3)
@@ -422,7 +443,7 @@ def test_budget_exhausted_crash_fails_fast(make_env, ray_cluster):
         4,
         backend="ray",
         num_workers=2,
-        restart_policy=policy,
+        supervision=envfleet.Supervision(restart_policy=policy),
     )
     envs.reset(seed=0)
     for t in range(2):
@@ -456,7 +477,7 @@ def test_pool_recv_timeout_kills_the_actors(make_env, ray_cluster, tmp_path):
         2,
         knobs={"gate": gate, "gated": (0, 1, 2, 3)},
         num_workers=2,
-        restart_policy=None,
+        supervision=envfleet.Supervision(restart_policy=None),
     )
     envs.async_reset(seed=0)
     with pytest.raises(envfleet.StepTimeoutError):
@@ -470,7 +491,12 @@ def test_pool_recv_timeout_kills_the_actors(make_env, ray_cluster, tmp_path):
 def test_custom_resource_places_actors_on_its_node(ray_cluster, cluster):
     _, simulator_node = cluster
     options = {"resources": {"simulator": 1}}
-    envs = envfleet.make(NodeEnv, 4, backend="ray", num_workers=2, ray_options=options)
+    envs = envfleet.make(
+        NodeEnv,
+        4,
+        backend=envfleet.Ray(actor_options=options),
+        num_workers=2,
+    )
     try:
         # The simulator node has one CPU: each actor gets half of it at most.
         assert envs._backend.transport._options["num_cpus"] <= 0.5
@@ -480,7 +506,12 @@ def test_custom_resource_places_actors_on_its_node(ray_cluster, cluster):
         envs.close()
     # Three actors needing one simulator each do not fit the cluster's two.
     with pytest.raises(envfleet.ConfigError, match="simulator"):
-        envfleet.make(NodeEnv, 3, backend="ray", num_workers=3, ray_options=options)
+        envfleet.make(
+            NodeEnv,
+            3,
+            backend=envfleet.Ray(actor_options=options),
+            num_workers=3,
+        )
 
 
 def _wait_for_free_cpus(timeout: float = GONE) -> None:
@@ -497,7 +528,11 @@ def test_joins_a_running_cluster_by_address(cluster):
     if ray.is_initialized():
         _wait_for_free_cpus()  # the tests before closed their actors; Ray frees them after
         ray.shutdown()  # this process leaves the cluster, which keeps running
-    envs = envfleet.make(NodeEnv, 4, backend="ray", ray_address=cluster[0].address)
+    envs = envfleet.make(
+        NodeEnv,
+        4,
+        backend=envfleet.Ray(address=cluster[0].address),
+    )
     assert ray.is_initialized()
     nodes = {node["NodeID"] for node in ray.nodes() if node["Alive"]}
     assert len(nodes) == 2 and cluster[1] in nodes

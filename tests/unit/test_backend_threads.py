@@ -68,7 +68,13 @@ def test_threads_stop_on_close():
 @pytest.mark.timeout(60)
 def test_step_timeout_closes_and_names_the_late_envs():
     factory = functools.partial(SlowEnv, slow_index=3, sleep_s=3.0)
-    envs = envfleet.make(factory, 4, backend="threads", num_workers=2, step_timeout=0.5)
+    envs = envfleet.make(
+        factory,
+        4,
+        backend="threads",
+        num_workers=2,
+        supervision=envfleet.Supervision(step_timeout=0.5),
+    )
     envs.reset(seed=0)
     with pytest.raises(envfleet.StepTimeoutError) as info:
         envs.step(np.zeros(4, np.int64))
@@ -93,7 +99,13 @@ def test_env_error_leaves_it_usable_and_restart_policy_rebuilds(make_env):
     assert not envs.closed
 
     policy = envfleet.RestartPolicy(restart_on=(Exception,), max_restarts=5, window_s=60)
-    fleet = make_env(factory, 4, backend="threads", num_workers=2, restart_policy=policy)
+    fleet = make_env(
+        factory,
+        4,
+        backend="threads",
+        num_workers=2,
+        supervision=envfleet.Supervision(restart_policy=policy),
+    )
     sync = SyncVectorEnv(sync_factories(functools.partial(RaisingEnv, fail_index=-1), 4))
     assert_same(fleet.reset(seed=0), sync.reset(seed=0))
     for t in range(4):

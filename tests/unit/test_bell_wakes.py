@@ -161,10 +161,8 @@ def test_a_worker_killed_asleep_leaves_no_ring_a_system_call(make_env: Any, tmp_
     fleet = make_env(
         lambda: _SlowToReplace(str(gate)),
         2,
-        backend="processes",
+        backend=envfleet.Processes(spin_s=0.0, context="fork"),
         num_workers=2,
-        spin_s=0.0,
-        context="fork",
     )
     workers = fleet._backend.transport.workers
     assert workers.bell is not None, "the round bell is not in use"

@@ -25,13 +25,14 @@ from tests.envs import CrashEnv, RaisingEnv
 
 ROOT = Path(__file__).resolve().parents[2]
 GUARD = 'if __name__ == "__main__":'
-FORK = 'context="fork"'
+FORK = 'backend=envfleet.Processes(context="fork")'
 
 # The README's usage block, as a user runs it: no main guard.
 UNGUARDED = """
 import sys
 import envfleet
-envs = envfleet.make("CartPole-v1", num_envs=4, num_workers=2, context=sys.argv[1])
+backend = envfleet.Processes(context=sys.argv[1])
+envs = envfleet.make("CartPole-v1", num_envs=4, num_workers=2, backend=backend)
 envs.reset(seed=0)
 envs.close()
 print("ok")
@@ -41,7 +42,8 @@ GUARDED = """
 import sys
 import envfleet
 if __name__ == "__main__":
-    envs = envfleet.make("CartPole-v1", num_envs=4, num_workers=2, context=sys.argv[1])
+    backend = envfleet.Processes(context=sys.argv[1])
+    envs = envfleet.make("CartPole-v1", num_envs=4, num_workers=2, backend=backend)
     envs.reset(seed=0)
     envs.close()
     print("ok")
@@ -55,7 +57,8 @@ import envfleet
 if __name__ != "__main__":
     raise ImportError("only the workers meet this")
 if __name__ == "__main__":
-    envs = envfleet.make("CartPole-v1", num_envs=4, num_workers=2, context=sys.argv[1])
+    backend = envfleet.Processes(context=sys.argv[1])
+    envs = envfleet.make("CartPole-v1", num_envs=4, num_workers=2, backend=backend)
     envs.close()
 """
 
@@ -95,7 +98,7 @@ def test_a_script_that_starts_workers_on_import_is_told_the_fix(tmp_path, contex
     error = _last_line(done.stderr)
     assert error.startswith("envfleet._core.errors.EnvCrashedError: worker "), done.stderr
     assert "while starting, because the main module starts worker processes" in error
-    assert f"({tmp_path / 'train.py'}, line 4)" in error  # where the script starts them
+    assert f"({tmp_path / 'train.py'}, line 5)" in error  # where the script starts them
     assert f"under the {context!r} start method" in error
     assert GUARD in error and FORK in error
     # The worker's stack, with multiprocessing's own error, is the cause; the workers
@@ -133,7 +136,12 @@ def test_workers_that_cannot_import_the_main_module_otherwise_are_not_told_so(tm
 def test_a_worker_that_exits_in_an_envs_init_under_spawn_is_not_told_so(snapshot):
     factory = functools.partial(CrashEnv, crash_index=2, how="exit", crash_in="init")
     with pytest.raises(envfleet.EnvCrashedError) as info:
-        envfleet.make(factory, 4, backend="processes", num_workers=2, context="spawn")
+        envfleet.make(
+            factory,
+            4,
+            backend=envfleet.Processes(context="spawn"),
+            num_workers=2,
+        )
     err = info.value
     assert (err.worker_index, err.exitcode) == (1, 3)
     message = str(err)
@@ -147,7 +155,12 @@ def test_a_worker_that_exits_in_an_envs_init_under_spawn_is_not_told_so(snapshot
 def test_a_factory_that_raises_under_spawn_is_not_told_so(snapshot):
     factory = functools.partial(RaisingEnv, fail_index=3, fail_in="init")
     with pytest.raises(envfleet.EnvError) as info:
-        envfleet.make(factory, 4, backend="processes", num_workers=2, context="spawn")
+        envfleet.make(
+            factory,
+            4,
+            backend=envfleet.Processes(context="spawn"),
+            num_workers=2,
+        )
     assert info.value.env_index == 3
     assert "main module" not in str(info.value) and GUARD not in str(info.value)
     snapshot.assert_nothing_left()
@@ -174,5 +187,10 @@ class ProcessNameEnv(gym.Env):
 @pytest.mark.parametrize("context", ["spawn", "forkserver"])
 def test_a_started_worker_has_its_plain_name(make_env, context):
     """The report path a worker's name carries through its bootstrap is gone once it runs."""
-    envs = make_env(ProcessNameEnv, 2, backend="processes", num_workers=2, context=context)
+    envs = make_env(
+        ProcessNameEnv,
+        2,
+        backend=envfleet.Processes(context=context),
+        num_workers=2,
+    )
     assert list(envs.get_attr("process_name")) == ["envfleet-worker-0", "envfleet-worker-1"]

@@ -29,7 +29,7 @@ BACKENDS = ["serial", "threads", "processes"]
 LAYOUTS = {
     "serial": {},
     "threads": {"num_workers": 2},
-    "processes": {"num_workers": 2, "driver_envs": 1},
+    "processes": {"num_workers": 2, "backend": envfleet.Processes(driver_envs=1)},
 }
 NUM_ENVS = 4
 
@@ -84,12 +84,15 @@ def as_numpy(kept: Any) -> Any:
 def pair(case: str, backend: str, mode: AutoresetMode) -> tuple[Any, SyncVectorEnv]:
     if case == "CartPole-v1":
         fleet = envfleet.make(
-            "CartPole-v1", NUM_ENVS, backend=backend, autoreset_mode=mode, **LAYOUTS[backend]
+            "CartPole-v1", NUM_ENVS, autoreset_mode=mode, **{"backend": backend, **LAYOUTS[backend]}
         )
         sync = SyncVectorEnv([lambda: gym.make("CartPole-v1")] * NUM_ENVS, autoreset_mode=mode)
     else:
         fleet = envfleet.make(
-            NestedSpaceEnv, NUM_ENVS, backend=backend, autoreset_mode=mode, **LAYOUTS[backend]
+            NestedSpaceEnv,
+            NUM_ENVS,
+            autoreset_mode=mode,
+            **{"backend": backend, **LAYOUTS[backend]},
         )
         sync = SyncVectorEnv(sync_factories(NestedSpaceEnv, NUM_ENVS), autoreset_mode=mode)
     return fleet, sync
@@ -158,7 +161,7 @@ def slab_of(envs: Any, obs: np.ndarray) -> int | None:
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_results_are_handed_out_not_copied(make_env, backend):
-    envs = make_env("CartPole-v1", NUM_ENVS, backend=backend, **LAYOUTS[backend])
+    envs = make_env("CartPole-v1", NUM_ENVS, **{"backend": backend, **LAYOUTS[backend]})
     actions = np.zeros(NUM_ENVS, np.int64)
     assert len(envs._backend.batch.observation_slabs) == 1 + envfleet._front.results.SPARE_SLABS
     first, _ = envs.reset(seed=0)
@@ -190,7 +193,7 @@ def test_slabs_only_where_they_pay(make_env, backend, monkeypatch):
     small = make_env("CartPole-v1", NUM_ENVS, backend=backend)
     assert small._backend.batch.slab is None
     # Frames (3 KiB an env, 12 KiB a batch) are handed out.
-    frames = make_env(FrameEnv, NUM_ENVS, backend=backend, **LAYOUTS[backend])
+    frames = make_env(FrameEnv, NUM_ENVS, **{"backend": backend, **LAYOUTS[backend]})
     assert frames._backend.batch.slab is not None
     sync = SyncVectorEnv([FrameEnv] * NUM_ENVS)
     want, _ = sync.reset(seed=1)
@@ -240,7 +243,7 @@ def started_pair(make_env: Any, backend: str) -> tuple[Any, SyncVectorEnv, Any, 
     """envfleet and SyncVectorEnv over NestedSpaceEnv, reset and stepped 3 times in lockstep:
     (envfleet's, SyncVectorEnv, the action space, the first step's results held). The latest
     result is in a spare slab, and no result holds it."""
-    fleet = make_env(NestedSpaceEnv, NUM_ENVS, backend=backend, **LAYOUTS[backend])
+    fleet = make_env(NestedSpaceEnv, NUM_ENVS, **{"backend": backend, **LAYOUTS[backend]})
     sync = SyncVectorEnv(sync_factories(NestedSpaceEnv, NUM_ENVS))
     try:
         space = batch_space(sync.single_action_space, NUM_ENVS)

@@ -448,7 +448,7 @@ def test_a_slow_env_never_holds_up_the_others(make_env, backend, tmp_path):
             "threads", {"batch_size": 2, "autoreset_mode": AutoresetMode.DISABLED}, id="disabled"
         ),
         pytest.param("serial", {"batch_size": 3, "autoreset_mode": "Disabled"}, id="disabled-str"),
-        pytest.param("processes", {"batch_size": 2, "driver_envs": 1}, id="driver-envs"),
+        pytest.param(envfleet.Processes(driver_envs=1), {"batch_size": 2}, id="driver-envs"),
     ],
 )
 def test_pool_config_errors(make_env, snapshot, backend, kwargs):
@@ -461,7 +461,12 @@ def test_pool_config_accepted(make_env):
     """The boundaries of batch_size: 1 and N (N: synchronous, send/recv still work)."""
     assert make_env(RouteEnv, 4, backend="serial", batch_size=1).is_pool
     assert not make_env(RouteEnv, 4, backend="serial", batch_size=4).is_pool
-    envs = make_env(RouteEnv, 4, backend="processes", batch_size=2, driver_envs=0)
+    envs = make_env(
+        RouteEnv,
+        4,
+        backend=envfleet.Processes(driver_envs=0),
+        batch_size=2,
+    )
     # A worker process per usable core (each env a group of its own, hosted by them).
     assert envs.is_pool and envs.num_workers == min(4, usable_cores())
 
@@ -671,7 +676,9 @@ def test_sync_mode_send_recv_and_step_mix(make_env, backend):
 def test_recv_timeout_closes_the_pool(make_env, snapshot, backend, how):
     knobs = {"sleep_s": 2.0, "slow": (0, 1, 2)}  # nothing finishes within the timeout
     if how == "step_timeout":
-        envs = pool(make_env, backend, 3, 2, knobs=knobs, step_timeout=0.3)
+        envs = pool(
+            make_env, backend, 3, 2, knobs=knobs, supervision=envfleet.Supervision(step_timeout=0.3)
+        )
     else:
         envs = pool(make_env, backend, 3, 2, knobs=knobs)
     envs.async_reset()
@@ -890,7 +897,7 @@ def test_same_step_infos_are_sized_batch_size(make_env, backend):
 def test_routing_with_forkserver_workers(make_env):
     """Worker processes that import this module (the factory is pickled by reference)."""
     num_envs, batch_size = 4, 3
-    envs = pool(make_env, "processes", num_envs, batch_size, context="forkserver")
+    envs = pool(make_env, envfleet.Processes(context="forkserver"), num_envs, batch_size)
     model = Model(num_envs)
     envs.async_reset()
     model.reset_all()

@@ -80,7 +80,12 @@ def test_a_full_round_costs_the_driver_constant_system_calls(make_env):
     one wait per worker."""
     seen = {}
     for workers in WORKER_COUNTS:
-        fleet = make_env(IndexedEnv, 4, backend="processes", num_workers=workers, spin_s=0.0)
+        fleet = make_env(
+            IndexedEnv,
+            4,
+            backend=envfleet.Processes(spin_s=0.0),
+            num_workers=workers,
+        )
         transport = _transport(fleet)
         assert transport.workers.bell is not None, "the round bell is not in use"
         assert transport.full_round is not None, "no full round: each worker is rung alone"
@@ -115,7 +120,12 @@ def test_workers_sleep_on_the_bell_and_step_in_the_c_loop(make_env):
     speedups = envfleet._core.native.speedups
     if speedups is None:
         pytest.skip("envfleet._core._speedups is not built here")
-    fleet = make_env(IndexedEnv, 4, backend="processes", num_workers=2, spin_s=0.0)
+    fleet = make_env(
+        IndexedEnv,
+        4,
+        backend=envfleet.Processes(spin_s=0.0),
+        num_workers=2,
+    )
     fleet.reset(seed=0)
     before_workers = dict(fleet.apply(_worker_calls))
     before = speedups.counters()["full_round"]
@@ -142,7 +152,12 @@ def test_results_match_sync_with_and_without_the_bell(
     every command goes on the semaphores."""
     monkeypatch.setattr(doorbell, "USE_ROUND_BELL", bell)
     n = 5
-    fleet = make_env(IndexedEnv, n, backend="processes", num_workers=3, context=context)
+    fleet = make_env(
+        IndexedEnv,
+        n,
+        backend=envfleet.Processes(context=context),
+        num_workers=3,
+    )
     assert (_transport(fleet).workers.bell is not None) == (bell and step_path == "c")
     sync = SyncVectorEnv(sync_factories(IndexedEnv, n))
     try:
@@ -180,10 +195,11 @@ def test_a_worker_dying_mid_round_is_restarted_and_the_bell_goes_on(make_env):
     fleet = make_env(
         factory,
         n,
-        backend="processes",
+        backend=envfleet.Processes(spin_s=0.0),
         num_workers=2,
-        spin_s=0.0,
-        restart_policy=envfleet.RestartPolicy(restart_on=(Exception,), max_restarts=5),
+        supervision=envfleet.Supervision(
+            restart_policy=envfleet.RestartPolicy(restart_on=(Exception,), max_restarts=5)
+        ),
     )
     transport = _transport(fleet)
     assert transport.workers.bell is not None

@@ -202,7 +202,12 @@ def test_a_vector_env_on_aarch64_rings_the_semaphores(make_env: Any, monkeypatch
     """A processes vector env made while the machine reports aarch64 has no round bell:
     its workers are rung on their own semaphores, and it steps."""
     monkeypatch.setattr(doorbell, "machine", lambda: "aarch64")
-    fleet = make_env(IndexedEnv, 3, backend="processes", num_workers=2, driver_envs=1)
+    fleet = make_env(
+        IndexedEnv,
+        3,
+        backend=envfleet.Processes(driver_envs=1),
+        num_workers=2,
+    )
     assert fleet._backend.transport.workers.bell is None
     fleet.reset(seed=0)
     for t in range(5):

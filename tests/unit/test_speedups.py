@@ -165,7 +165,9 @@ def test_worker_loop_matches_sync_vector_env(make_env, step_path, spin_s, driver
     env = SparseInfoEnv
     sync = SyncVectorEnv(sync_factories(env, 4), autoreset_mode=AutoresetMode.NEXT_STEP)
     layout = {"num_workers": 2} if driver_envs == 0 else {"num_workers": 1}
-    fleet = make_env(env, 4, backend="processes", driver_envs=driver_envs, spin_s=spin_s, **layout)
+    fleet = make_env(
+        env, 4, backend=envfleet.Processes(driver_envs=driver_envs, spin_s=spin_s), **layout
+    )
     assert_same(fleet.reset(seed=1), sync.reset(seed=1))
     space = gym.vector.utils.batch_space(sync.single_action_space, 4)
     space.seed(2)
@@ -190,7 +192,7 @@ def test_step_rounds_report_env_errors_and_go_on(make_env, step_path, driver_env
     one, is the step's EnvError; the vector env stays usable."""
     factory = functools.partial(RaisingEnv, fail_index=fail_index, fail_after=3)
     layout = {"num_workers": 2} if driver_envs == 0 else {"num_workers": 1}
-    fleet = make_env(factory, 4, backend="processes", driver_envs=driver_envs, **layout)
+    fleet = make_env(factory, 4, backend=envfleet.Processes(driver_envs=driver_envs), **layout)
     fleet.reset(seed=0)
     actions = np.zeros(4, dtype=np.int64)
     for _ in range(3):
@@ -212,7 +214,8 @@ def test_without_speedups_in_spawned_workers():
         """
         import importlib, numpy as np, envfleet, envfleet._core.native
         assert envfleet._core.native.speedups is None
-        envs = envfleet.make("CartPole-v1", 4, context="spawn", num_workers=2, driver_envs=0)
+        backend = envfleet.Processes(context="spawn", driver_envs=0)
+        envs = envfleet.make("CartPole-v1", 4, backend=backend, num_workers=2)
         envs.reset(seed=0)
         for _ in range(20):
             envs.step(np.zeros(4, dtype=np.int64))
@@ -284,9 +287,9 @@ def test_step_wait_finishes_the_step_in_the_c_round(make_env):
     again), as step() does: its counter advances once a step, and the results are step()'s."""
     if envfleet._core.native.speedups is None:
         pytest.skip("envfleet._core._speedups is not built here")
-    layout = {"driver_envs": 8, "num_workers": 1}
-    fleet = make_env("CartPole-v1", 16, backend="processes", **layout)
-    ref = make_env("CartPole-v1", 16, backend="processes", **layout)
+    layout = {"backend": envfleet.Processes(driver_envs=8), "num_workers": 1}
+    fleet = make_env("CartPole-v1", 16, **layout)
+    ref = make_env("CartPole-v1", 16, **layout)
     fleet.reset(seed=0)
     ref.reset(seed=0)
     before = c_counters()["full_round"]
@@ -308,7 +311,12 @@ def test_spawned_workers_run_the_c_writes(make_env, context):
     is an equal but distinct object, and the step path compares dtypes by identity."""
     if envfleet._core.native.speedups is None:
         pytest.skip("envfleet._core._speedups is not built here")
-    fleet = make_env("CartPole-v1", 4, backend="processes", num_workers=2, context=context)
+    fleet = make_env(
+        "CartPole-v1",
+        4,
+        backend=envfleet.Processes(context=context),
+        num_workers=2,
+    )
     fleet.reset(seed=0)
     workers = worker_counters(fleet)
     step_cartpole(fleet)

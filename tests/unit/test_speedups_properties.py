@@ -167,12 +167,15 @@ scripts = st.one_of(script_of(plain_entries), script_of(entries))
 def pair() -> Iterator[tuple[Any, Any]]:
     """(C path, Python path): processes, the driver's block and one worker, spinning long
     enough that workers catch their requests in the C loop."""
-    kwargs: dict[str, Any] = {"backend": "processes", "num_workers": 1, "driver_envs": 2}
-    fast = envfleet.make(ScriptedEnv, NUM_ENVS, spin_s=0.01, **kwargs)
+    kwargs: dict[str, Any] = {
+        "backend": envfleet.Processes(driver_envs=2, spin_s=0.01),
+        "num_workers": 1,
+    }
+    fast = envfleet.make(ScriptedEnv, NUM_ENVS, **kwargs)
     saved = envfleet._core.native.speedups
     envfleet._core.native.speedups = None
     try:
-        slow = envfleet.make(ScriptedEnv, NUM_ENVS, spin_s=0.01, **kwargs)
+        slow = envfleet.make(ScriptedEnv, NUM_ENVS, **kwargs)
     finally:
         envfleet._core.native.speedups = saved
     yield fast, slow

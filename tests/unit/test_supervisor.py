@@ -247,7 +247,7 @@ def _assert_stats(envs, model, restarts, *, crashes=0, timeouts=0, env_errors=0)
 
 
 def _make(make_env, factory, num_envs, num_workers, mode=NEXT, backend="processes", **kwargs):
-    kwargs.setdefault("restart_policy", POLICY)
+    kwargs.setdefault("supervision", envfleet.Supervision(restart_policy=POLICY))
     return make_env(
         factory,
         num_envs,
@@ -278,9 +278,16 @@ def test_config_errors():
         restart_on=(Exception,), max_restarts=0, window_s=0.001
     )  # the bounds themselves are fine
     with pytest.raises(envfleet.ConfigError, match="restart_policy"):
-        envfleet.make(FlakyEnv, 2, backend="serial", restart_policy="x")
-    with pytest.raises(envfleet.ConfigError, match="restart_policy"):
-        envfleet.make(FlakyEnv, 4, backend="processes", restart_policy=POLICY, driver_envs=2)
+        envfleet.make(
+            FlakyEnv, 2, backend="serial", supervision=envfleet.Supervision(restart_policy="x")
+        )
+    with pytest.raises(envfleet.ConfigError, match="a restart policy cannot rebuild"):
+        envfleet.make(
+            FlakyEnv,
+            4,
+            backend=envfleet.Processes(driver_envs=2),
+            supervision=envfleet.Supervision(restart_policy=POLICY),
+        )
 
 
 def test_restart_seed():
@@ -382,7 +389,9 @@ def test_worker_dies_in_step(
     make_env, snapshot, tmp_path, how, mode, context, num_envs, num_workers, index, rows
 ):
     factory = _flaky({index: how}, fault_after=4, marker=_marker(tmp_path))
-    envs = _make(make_env, factory, num_envs, num_workers, mode, context=context)
+    envs = _make(
+        make_env, factory, num_envs, num_workers, mode, backend=envfleet.Processes(context=context)
+    )
     model = Model(num_envs, mode, faults={index: [index]}, fault_after=4)
     _assert_result(envs.reset(seed=5), *model.reset(seed=5), "reset")
     pids = envs.get_attr("pid")
@@ -428,7 +437,9 @@ def test_worker_killed_between_steps(
     make_env, snapshot, call, context, num_envs, num_workers, rows
 ):
     """SIGKILL from outside while the worker idles: the next step or reset respawns it."""
-    envs = _make(make_env, FlakyEnv, num_envs, num_workers, context=context)
+    envs = _make(
+        make_env, FlakyEnv, num_envs, num_workers, backend=envfleet.Processes(context=context)
+    )
     model = Model(num_envs)
     _assert_result(envs.reset(seed=2), *model.reset(seed=2), "reset")
     _play(envs, model, 3)
@@ -462,7 +473,13 @@ def test_worker_hangs(
 ):
     factory = _flaky({index: "hang"}, fault_after=3, marker=_marker(tmp_path))
     step_timeout = HANG_TIMEOUT if timeout_via == "step_timeout" else None
-    envs = _make(make_env, factory, num_envs, num_workers, step_timeout=step_timeout)
+    envs = _make(
+        make_env,
+        factory,
+        num_envs,
+        num_workers,
+        supervision=envfleet.Supervision(step_timeout=step_timeout),
+    )
     model = Model(num_envs, faults={index: [index]}, fault_after=3)  # its block: rows
 
     def step_wait_with_timeout(actions):
@@ -532,7 +549,12 @@ def test_budget_exhausted_env_error(make_env, backend, worker, max_restarts):
         restart_on=(Exception,), max_restarts=max_restarts, window_s=600.0
     )
     envs = _make(
-        make_env, _flaky({2: "raise"}, fault_after=2), 4, 2, backend=backend, restart_policy=policy
+        make_env,
+        _flaky({2: "raise"}, fault_after=2),
+        4,
+        2,
+        backend=backend,
+        supervision=envfleet.Supervision(restart_policy=policy),
     )
     model = Model(4, faults={2: [2]}, fault_after=2, once=False)
     _assert_result(envs.reset(seed=0), *model.reset(seed=0), "reset")
@@ -568,7 +590,7 @@ def test_one_steps_failures_are_one_restart(make_env):
     step is past the budget."""
     policy = envfleet.RestartPolicy(restart_on=(Exception,), max_restarts=1, window_s=600.0)
     factory = _flaky({1: "raise", 2: "raise"}, fault_after=2)  # both fail on step 2
-    envs = _make(make_env, factory, 4, 2, restart_policy=policy)
+    envs = _make(make_env, factory, 4, 2, supervision=envfleet.Supervision(restart_policy=policy))
     model = Model(4, faults={1: [1], 2: [2]}, fault_after=2, once=False)
     _assert_result(envs.reset(seed=0), *model.reset(seed=0), "reset")
     _play(envs, model, 3)  # the 3rd step() call raises in envs 1 and 2
@@ -586,7 +608,12 @@ def test_budget_window_slides(make_env):
     """A restart more than ``window_s`` seconds after the last one fits the budget again."""
     policy = envfleet.RestartPolicy(restart_on=(Exception,), max_restarts=1, window_s=0.3)
     envs = _make(
-        make_env, _flaky({1: "raise"}, fault_after=2), 2, 1, backend="serial", restart_policy=policy
+        make_env,
+        _flaky({1: "raise"}, fault_after=2),
+        2,
+        1,
+        backend="serial",
+        supervision=envfleet.Supervision(restart_policy=policy),
     )
     model = Model(2, faults={1: [1]}, fault_after=2, once=False)
     _assert_result(envs.reset(seed=0), *model.reset(seed=0), "reset")
@@ -614,7 +641,13 @@ def test_env_0_is_rebuilt_in_the_driver(make_env, tmp_path, backend):
 @pytest.mark.timeout(60)
 def test_budget_exhausted_crash(make_env, snapshot):
     policy = envfleet.RestartPolicy(restart_on=(Exception,), max_restarts=1, window_s=600.0)
-    envs = _make(make_env, _flaky({3: "segfault"}, fault_after=2), 4, 2, restart_policy=policy)
+    envs = _make(
+        make_env,
+        _flaky({3: "segfault"}, fault_after=2),
+        4,
+        2,
+        supervision=envfleet.Supervision(restart_policy=policy),
+    )
     model = Model(4, faults={3: [3]}, fault_after=2, once=False)
     _assert_result(envs.reset(seed=0), *model.reset(seed=0), "reset")
     _play(envs, model, 6)
@@ -639,8 +672,7 @@ def test_budget_exhausted_timeout(make_env, snapshot):
         _flaky({1: "hang"}, fault_after=1),
         4,
         2,
-        restart_policy=policy,
-        step_timeout=HANG_TIMEOUT,
+        supervision=envfleet.Supervision(restart_policy=policy, step_timeout=HANG_TIMEOUT),
     )
     model = Model(4)
     envs.reset(seed=0)
@@ -771,8 +803,8 @@ import envfleet
 from tests.envs import FlakyEnv
 from tests.helpers import wait_gone
 policy = envfleet.RestartPolicy(restart_on=(Exception,), max_restarts=5, window_s=600)
-envs = envfleet.make(FlakyEnv, 4, backend="processes", num_workers=2, context=sys.argv[1],
-                     restart_policy=policy)
+envs = envfleet.make(FlakyEnv, 4, backend=envfleet.Processes(context=sys.argv[1]),
+                     num_workers=2, supervision=envfleet.Supervision(restart_policy=policy))
 envs.reset(seed=0)
 victim = envs.get_attr("pid")[0]
 os.kill(victim, signal.SIGKILL)

@@ -92,8 +92,6 @@ def test_a_backend_is_one_registered_module(monkeypatch):
     # Only "inline" is undone after the test: the built-in backends registered meanwhile stay.
     monkeypatch.setitem(registry._REGISTRY, "inline", None)
     assert registry.register(spec) is spec
-    with pytest.raises(envfleet.ConfigError, match="options of backend='processes'"):
-        envfleet.make(IndexedEnv, 4, backend="inline", driver_envs=1)
     envs = envfleet.make(IndexedEnv, 4, backend="inline", num_workers=2)
     try:
         assert envs.backend == "inline" and envs.worker_ranges == ((0, 2), (2, 4))
@@ -153,13 +151,22 @@ def test_batch_size_none_or_num_envs(make_env, backend, batch_size):
 @pytest.mark.parametrize("policy", [object(), {"max_restarts": 3}, 0])
 def test_restart_policy_not_available(backend, policy):
     with pytest.raises(envfleet.ConfigError, match="restart_policy"):
-        envfleet.make("CartPole-v1", 2, backend=backend, restart_policy=policy)
+        envfleet.make(
+            "CartPole-v1",
+            2,
+            backend=backend,
+            supervision=envfleet.Supervision(restart_policy=policy),
+        )
 
 
 @pytest.mark.parametrize("context", ["bogus", "Fork", "thread"])
 def test_bad_context(context):
     with pytest.raises(envfleet.ConfigError, match="context"):
-        envfleet.make("CartPole-v1", 2, backend="processes", context=context)
+        envfleet.make(
+            "CartPole-v1",
+            2,
+            backend=envfleet.Processes(context=context),
+        )
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -197,7 +204,12 @@ def test_list_length_differs_from_num_envs(backend):
 @pytest.mark.parametrize("step_timeout", [0, -1.0, "1"])
 def test_bad_step_timeout(backend, step_timeout):
     with pytest.raises(envfleet.ConfigError, match="step_timeout"):
-        envfleet.make("CartPole-v1", 2, backend=backend, step_timeout=step_timeout)
+        envfleet.make(
+            "CartPole-v1",
+            2,
+            backend=backend,
+            supervision=envfleet.Supervision(step_timeout=step_timeout),
+        )
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -269,7 +281,7 @@ def test_default_layout_isolates_every_env_in_a_worker_per_core(make_env):
     assert os.getpid() not in pids
     assert len(set(pids)) == min(4, cores)
     if cores > 1:
-        shared = make_env(IndexedEnv, 4, driver_envs=2)
+        shared = make_env(IndexedEnv, 4, backend=envfleet.Processes(driver_envs=2))
         assert shared.num_workers == min(2, cores - 1)
         assert shared.get_attr("pid")[:2] == (os.getpid(),) * 2
     assert make_env("CartPole-v1", 4, backend="serial").num_workers == 1
@@ -277,13 +289,13 @@ def test_default_layout_isolates_every_env_in_a_worker_per_core(make_env):
 
 def test_driver_envs_zero_isolates_every_env(make_env):
     cores = len(psutil.Process().cpu_affinity())
-    envs = make_env(IndexedEnv, 4, driver_envs=0)
+    envs = make_env(IndexedEnv, 4, backend=envfleet.Processes(driver_envs=0))
     assert envs.num_workers == min(4, cores)
     assert os.getpid() not in envs.get_attr("pid")
     # Given num_workers alone, or a step_timeout, the driver steps nothing either.
     envs = make_env(IndexedEnv, 3, num_workers=3)
     assert os.getpid() not in envs.get_attr("pid")
-    envs = make_env(IndexedEnv, 3, step_timeout=10.0)
+    envs = make_env(IndexedEnv, 3, supervision=envfleet.Supervision(step_timeout=10.0))
     assert os.getpid() not in envs.get_attr("pid")
 
 
@@ -315,19 +327,30 @@ def test_plan_processes(num_envs, num_workers, driver_envs, cores, ranges):
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"driver_envs": 4}, "driver_envs"),
-        ({"driver_envs": -1}, "driver_envs"),
-        ({"driver_envs": 1.5}, "driver_envs"),
-        ({"num_workers": 3, "driver_envs": 2}, "workers cannot share"),
-        ({"spin_s": -0.1}, "spin_s"),
-        ({"backend": "serial", "driver_envs": 1}, "processes"),
-        ({"backend": "serial", "spin_s": 0.0}, "processes"),
-        ({"step_timeout": 1.0, "driver_envs": 2}, "driver_envs=0"),
+        (lambda: {"backend": envfleet.Processes(driver_envs=4)}, "driver_envs"),
+        (lambda: {"backend": envfleet.Processes(driver_envs=-1)}, "driver_envs"),
+        (lambda: {"backend": envfleet.Processes(driver_envs=1.5)}, "driver_envs"),
+        (
+            lambda: {"num_workers": 3, "backend": envfleet.Processes(driver_envs=2)},
+            "workers cannot share",
+        ),
+        (lambda: {"backend": envfleet.Processes(spin_s=-0.1)}, "spin_s"),
+        (lambda: {"backend": envfleet.Processes(pool_layout="rows")}, "pool_layout"),
+        (lambda: {"backend": envfleet.Processes(context="nope")}, "cannot find context"),
+        (lambda: {"backend": 3}, "backend must be a name"),
+        (
+            lambda: {
+                "supervision": envfleet.Supervision(step_timeout=1.0),
+                "backend": envfleet.Processes(driver_envs=2),
+            },
+            "driver_envs=0",
+        ),
     ],
 )
 def test_bad_processes_options(kwargs, match):
+    """Bad options raise ConfigError when the option object is built or when make() reads it."""
     with pytest.raises(envfleet.ConfigError, match=match):
-        envfleet.make("CartPole-v1", 4, **kwargs)
+        envfleet.make("CartPole-v1", 4, **kwargs())
 
 
 def test_num_envs_defaults_to_list_length(make_env):

@@ -60,9 +60,8 @@ class AsyncVectorEnv(metaclass=_ShimMeta):
         if worker is not None:
             raise TypeError("the envfleet shim does not support AsyncVectorEnv(worker=...)")
         kwargs: dict[str, Any] = {
-            "backend": "processes",
+            "backend": envfleet.Processes(context=context),
             "copy": copy,
-            "context": context,
             "autoreset_mode": autoreset_mode,
         }
         if not (isinstance(observation_mode, str) and observation_mode == "same"):

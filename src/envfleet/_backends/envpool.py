@@ -200,15 +200,6 @@ def _as_int(value: Any, low: int, high: int) -> bool:
     )
 
 
-def _refusal(names: Sequence[str]) -> ConfigError:
-    """make()'s options given that EnvPool cannot honour (the registry's ``refusal``)."""
-    return ConfigError(
-        f"{', '.join(names)}: not an option of backend='envpool' (EnvPool runs its envs on "
-        "its own native threads: set env_kwargs={'num_threads': ...}; it cannot bound, "
-        "restart or isolate them)"
-    )
-
-
 def open_envpool(request: NativeRequest) -> EnvPoolBackend:
     """The backend of ``make(task_id, num_envs, backend="envpool", ...)`` over an EnvPool pool
     (see :func:`envfleet.make` and this module's docstring for the mapping).
@@ -238,17 +229,7 @@ def open_envpool(request: NativeRequest) -> EnvPoolBackend:
     if batch_size is not None and not _as_int(batch_size, 1, num_envs):
         raise ConfigError(f"batch_size must be None or an integer in [1, {num_envs}]")
     batch = num_envs if batch_size is None else int(batch_size)
-    pool = batch < num_envs
-    try:
-        mode = AutoresetMode(request.autoreset_mode)
-    except ValueError as exc:
-        raise ConfigError(f"unknown autoreset_mode {request.autoreset_mode!r}") from exc
-    if pool and mode is not AutoresetMode.NEXT_STEP:
-        raise ConfigError(
-            f"autoreset_mode={mode.name}: a first-ready pool on backend='envpool' takes only "
-            "AutoresetMode.NEXT_STEP, EnvPool's own autoreset (its fixed-size native batch "
-            "cannot wait for the extra step SAME_STEP needs, and a pool always autoresets)"
-        )
+    mode = AutoresetMode(request.autoreset_mode)  # make() parsed it (options table checked)
     kwargs = dict(request.env_kwargs or {})
     reserved = sorted(set(kwargs) & set(_RESERVED_KWARGS))
     if reserved:
@@ -673,7 +654,5 @@ register(
     BackendSpec(
         "envpool",
         native=open_envpool,
-        refuses=("num_workers", "step_timeout", "restart_policy", "context", "observation_mode"),
-        refusal=_refusal,
     )
 )

@@ -31,7 +31,7 @@ MEMORY_SHARE = 0.8
 
 @dataclass(frozen=True)
 class Recycle:
-    """Replace a worker process before it leaks: ``make(..., recycle=Recycle(...))``.
+    """Replace a worker process before it leaks: ``Supervision(recycle=Recycle(...))``.
 
     Per worker, as gunicorn's ``max_requests`` and Celery's ``max_tasks_per_child``: a worker
     past any limit is replaced once each of its envs has finished the episode it was in (the
@@ -53,7 +53,8 @@ class Recycle:
 
     Example::
 
-        envs = envfleet.make("LunarLander-v3", 16, recycle=envfleet.Recycle(max_rss_mb=2048))
+        bounds = envfleet.Supervision(recycle=envfleet.Recycle(max_rss_mb=2048))
+        envs = envfleet.make("LunarLander-v3", 16, supervision=bounds)
 
     Only ``backend="processes"`` or ``"ray"`` (on every node: each node's envfleet helper
     reads its actors' records and memory), synchronous (no ``batch_size``), with every env in a

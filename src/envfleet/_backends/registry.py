@@ -1,12 +1,12 @@
-"""The backend registry: each backend module registers its name, its options, its plan and its
-constructor; :func:`envfleet.make` looks a backend up here and knows none by name.
+"""The backend registry: each backend module registers its name, its plan and its constructor;
+:func:`envfleet.make` looks a backend up here.
 
 A backend module ends with one :func:`register` call. The registry imports a backend's module
 the first time that backend is asked for (:func:`lookup`), so ``import envfleet`` imports
-neither ray nor envpool. Options every backend shares (``num_workers``, ``batch_size``,
-``step_timeout``, ``start_timeout``, ``restart_policy``, ``context``, ``copy``,
-``observation_mode``, ...) stay :func:`envfleet.make`'s; a backend declares only the options
-it alone takes and those shared ones it refuses.
+neither ray nor envpool. Which of make()'s options a backend takes is decided in one table,
+:data:`envfleet._front.options.RULES`, before the backend is asked anything; a backend with
+options of its own has an options object there (:class:`envfleet.Processes`,
+:class:`envfleet.Ray`) whose fields reach its plan as ``request.options``.
 
 Adding a backend is one new module, ``envfleet/_backends/inline.py``, plus its line in
 :data:`BUILTIN`: a transport (the primitives of :class:`envfleet._backends.rounds.Transport`)
@@ -34,14 +34,13 @@ under the one round driver::
 
 ``make(env, 8, backend="inline")`` then plans its workers with the default plan (one worker
 unless ``num_workers`` says otherwise), builds env 0 to learn the spaces, and calls ``_build``.
-A backend with options of its own names them (``options=("driver_envs", "spin_s")``) and reads
-them in its plan (``request.options``), raising :class:`~envfleet.ConfigError` for bad values.
+A backend's plan raises :class:`~envfleet.ConfigError` for values it cannot lay out.
 """
 
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -217,17 +216,6 @@ def default_plan(request: PlanRequest) -> Plan:
     return Plan(worker_ranges(request.num_envs, request.num_workers or 1))
 
 
-def _refusal(spec: BackendSpec, names: Sequence[str]) -> ConfigError:
-    """The default error for ``names`` given to backend ``spec``: the options of the backend
-    that owns the first of them, or that they are not options of ``spec``."""
-    for other in list(_REGISTRY.values()) + [_load(n) for n in BUILTIN if n not in _REGISTRY]:
-        if other is not None and names[0] in other.options:
-            return ConfigError(
-                f"{' and '.join(other.options)} are options of backend={other.name!r}"
-            )
-    return ConfigError(f"{', '.join(names)}: not an option of backend={spec.name!r}")
-
-
 @dataclass(frozen=True)
 class BackendSpec:
     """A backend as :func:`envfleet.make` sees it.
@@ -238,10 +226,6 @@ class BackendSpec:
             :class:`~envfleet._backends.base.Backend`.
         plan: make()'s checked arguments (:class:`PlanRequest`) to a :class:`Plan`; raises
             :class:`~envfleet.ConfigError` for bad options. Default :func:`default_plan`.
-        options: the make() keyword arguments only this backend takes.
-        refuses: make()'s shared options this backend does not take.
-        refusal: the error for options given that the backend does not take (its own words);
-            default: they are another backend's.
         pickles_factories: the envs are built in other processes from cloudpickled factories.
         spare_slabs: the envs write into the block the front reads, so ``copy=True`` results
             can be handed out without a copy (:class:`envfleet._core.buffers.ObservationSlabs`).
@@ -254,34 +238,9 @@ class BackendSpec:
     name: str
     build: Callable[[BuildRequest], Backend] | None = None
     plan: Callable[[PlanRequest], Plan] = default_plan
-    options: tuple[str, ...] = ()
-    refuses: tuple[str, ...] = ()
-    refusal: Callable[[Sequence[str]], ConfigError] | None = None
     pickles_factories: bool = False
     spare_slabs: bool = True
     native: Callable[[NativeRequest], Any] | None = field(default=None)
-
-    def own_options(
-        self, backend_options: Mapping[str, Any], shared: Mapping[str, Any]
-    ) -> dict[str, Any]:
-        """This backend's options out of make()'s ``backend_options`` (every backend's own
-        options, ``None`` where not given), after checking ``shared`` (make()'s shared options
-        a backend may refuse, ``None`` where not given).
-
-        Raises:
-            ConfigError: another backend's option or a refused one was given.
-        """
-        given = {**backend_options, **shared}
-        bad = sorted(
-            name
-            for name, value in given.items()
-            if value is not None
-            and name not in self.options
-            and (name in self.refuses or name in backend_options)
-        )
-        if bad:
-            raise self.refusal(bad) if self.refusal is not None else _refusal(self, bad)
-        return {name: backend_options.get(name) for name in self.options}
 
 
 def register(spec: BackendSpec) -> BackendSpec:

@@ -136,7 +136,7 @@ class RestartPolicy:
     policy, and a thread cannot be killed, so on ``threads`` a step past ``step_timeout``
     fails fast; only ``restart_on`` exceptions are restarted there.
 
-    ``make(..., restart_policy=None)`` is the opt-out: every failure fails fast with its typed
+    ``Supervision(restart_policy=None)`` is the opt-out: every failure fails fast with its typed
     error (:class:`envfleet.EnvCrashedError`, :class:`envfleet.StepTimeoutError`).
 
     Args:
@@ -152,9 +152,12 @@ class RestartPolicy:
     Example::
 
         envs = envfleet.make("CartPole-v1", 8)  # RestartPolicy(): crashes restart
-        strict = envfleet.make("CartPole-v1", 8, restart_policy=None)  # fail fast
+        strict = envfleet.make(  # fail fast
+            "CartPole-v1", 8, supervision=envfleet.Supervision(restart_policy=None)
+        )
+        everything = envfleet.RestartPolicy(restart_on=(Exception,))
         lenient = envfleet.make(
-            "CartPole-v1", 8, restart_policy=envfleet.RestartPolicy(restart_on=(Exception,))
+            "CartPole-v1", 8, supervision=envfleet.Supervision(restart_policy=everything)
         )
     """
 

@@ -147,7 +147,7 @@ _REPORT_TAG = " reports-to "
 _BOOTSTRAP_MARK = "envfleet: the main module started worker processes on import\n"
 BOOTSTRAP_FIX = (
     'put the code that makes and uses the vector env under `if __name__ == "__main__":`, '
-    'or pass context="fork" (Linux only)'
+    'or pass backend=envfleet.Processes(context="fork") (Linux only)'
 )
 
 

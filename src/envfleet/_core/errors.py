@@ -257,8 +257,8 @@ class EnvCrashedError(EnvfleetError):
     because the main module, which it imports first, starts worker processes when imported
     (the script lacks ``if __name__ == "__main__":``; multiprocessing's "bootstrapping phase"
     error) is reported with this error too: its message says so and names the fix (that
-    guard, or ``context="fork"`` on Linux), and the worker's stack is chained as
-    ``__cause__`` (a :class:`RemoteTraceback`).
+    guard, or ``backend=envfleet.Processes(context="fork")`` on Linux), and the worker's stack
+    is chained as ``__cause__`` (a :class:`RemoteTraceback`).
 
     Attributes:
         env_index: the first sub-environment the dead worker held.
@@ -436,12 +436,13 @@ class HangWarning(UserWarning):
     Example::
 
         warnings.simplefilter("ignore", envfleet.HangWarning)  # no report at all
-        envs = envfleet.make("CartPole-v1", 8, hang_report_delay=None)  # or none for this one
+        quiet = envfleet.Supervision(hang_report_delay=None)  # or none for one vector env
+        envs = envfleet.make("CartPole-v1", 8, supervision=quiet)
     """
 
 
 class EnvRestartedWarning(UserWarning):
-    """A sub-environment was rebuilt by the restart policy (``make(restart_policy=...)``,
+    """A sub-environment was rebuilt by the restart policy (``Supervision(restart_policy=...)``,
     on by default) instead of failing the call.
 
     Warned (:mod:`warnings`) once per restart, at the call that found the failure. Its message
@@ -454,5 +455,6 @@ class EnvRestartedWarning(UserWarning):
     Example::
 
         warnings.simplefilter("error", envfleet.EnvRestartedWarning)  # a restart raises
-        envs = envfleet.make("CartPole-v1", 8, restart_policy=None)  # or: fail fast
+        fail_fast = envfleet.Supervision(restart_policy=None)  # or: fail fast
+        envs = envfleet.make("CartPole-v1", 8, supervision=fail_fast)
     """

@@ -15,7 +15,7 @@ from envfleet._core.errors import InvalidActionError, InvalidArgumentError
 
 __all__ = [
     "check_actions",
-    "check_env_ids",
+    "check_gymnasium_ids",
     "check_name",
     "check_reset_mask",
     "is_seed",
@@ -85,7 +85,7 @@ def check_reset_mask(mask: Any, num_envs: int) -> np.ndarray:
     return mask.copy()
 
 
-def check_env_ids(env_ids: Any, num_envs: int) -> np.ndarray:
+def check_gymnasium_ids(env_ids: Any, num_envs: int) -> np.ndarray:
     """``env_ids`` as an ``intp`` array of distinct env indices (``None``: every env)."""
     if env_ids is None:
         return np.arange(num_envs)

@@ -19,7 +19,7 @@ __all__ = [
     "EnvFactory",
     "GymMake",
     "build_env",
-    "check_env_id",
+    "check_gymnasium_id",
     "env_factories",
     "pickle_factories",
     "register_namespace",
@@ -71,24 +71,24 @@ def register_namespace(env_id: str) -> str:
     return env_id
 
 
-def check_env_id(env_id: str) -> None:
-    """Check that ``env_id`` is a registered gymnasium id, importing its namespace (ALE) or
-    its module (``"module:EnvId"``, gymnasium's form) first, as :func:`envfleet.make` does
-    before it builds anything; afterwards ``gymnasium.make(env_id)`` finds it.
+def check_gymnasium_id(gymnasium_id: str) -> None:
+    """Check that ``gymnasium_id`` is a registered gymnasium id, importing its namespace (ALE)
+    or its module (``"module:EnvId"``, gymnasium's form) first, as :func:`envfleet.make` does
+    before it builds anything; afterwards ``gymnasium.make(gymnasium_id)`` finds it.
 
     Example::
 
-        envfleet.check_env_id("ALE/Pong-v5")   # imports ale_py, which registers ALE/
-        envfleet.check_env_id("CartPole-v2")   # ConfigError: unknown environment id ...
+        envfleet.check_gymnasium_id("ALE/Pong-v5")   # imports ale_py, which registers ALE/
+        envfleet.check_gymnasium_id("CartPole-v2")   # ConfigError: unknown environment id ...
 
     Raises:
         ConfigError: the id is unknown, or it needs a package that is missing (``ALE/`` ids
             need ale-py: ``pip install 'envfleet[atari]'``).
     """
     try:
-        gymnasium.spec(register_namespace(env_id))
+        gymnasium.spec(register_namespace(gymnasium_id))
     except gymnasium.error.Error as exc:
-        raise ConfigError(f"unknown environment id {env_id!r}: {exc}") from exc
+        raise ConfigError(f"unknown environment id {gymnasium_id!r}: {exc}") from exc
 
 
 def env_factories(
@@ -101,7 +101,7 @@ def env_factories(
         ConfigError: an unknown id, ``env_kwargs`` without an id, or anything else as ``env``.
     """
     if isinstance(env, str):
-        check_env_id(env)
+        check_gymnasium_id(env)
         return [GymMake(env, env_kwargs)], 1
     if env_kwargs is not None:
         raise ConfigError("env_kwargs is only for a gymnasium id; bind arguments in your factory")

@@ -28,7 +28,7 @@ from envfleet._core.errors import (
 from envfleet._core.infos import batch_infos
 from envfleet._core.protocol import Command, ResetRequest
 from envfleet._core.trees import tree_scatter, tree_slice, tree_take
-from envfleet._front.checks import check_actions, check_env_ids, seeds_per_env
+from envfleet._front.checks import check_actions, check_gymnasium_ids, seeds_per_env
 from envfleet._front.results import ResultBuffers
 
 __all__ = ["IDLE", "READY", "RUNNING", "FirstReadyPool", "NativePool", "PoolState"]
@@ -122,7 +122,7 @@ class FirstReadyPool:
         self, seed: int | Sequence[int | None] | None, env_ids: Any, submit: Submit
     ) -> None:
         """See :meth:`envfleet.FleetVectorEnv.async_reset` (``submit``: the vector env's)."""
-        ids = check_env_ids(env_ids, self.num_envs)
+        ids = check_gymnasium_ids(env_ids, self.num_envs)
         self.outputs.drop_slabs()
         mask = np.zeros(self.num_envs, dtype=np.bool_)
         mask[ids] = True
@@ -172,7 +172,7 @@ class FirstReadyPool:
         """See :meth:`envfleet.FleetVectorEnv.send` (``submit``: the vector env's)."""
         if not self.started:
             raise PoolStateError("call async_reset() before send()")
-        ids = check_env_ids(env_ids, self.num_envs)
+        ids = check_gymnasium_ids(env_ids, self.num_envs)
         state = self.env_state[ids]
         if np.count_nonzero(state) or np.count_nonzero(self._has_action[ids]):
             bad = [int(e) for e in ids[(state != 0) | self._has_action[ids]]]
@@ -472,7 +472,7 @@ class NativePool(FirstReadyPool):
             except IndexError:
                 pass
         if ids is None:
-            ids = check_env_ids(env_ids, n).astype(np.int32)
+            ids = check_gymnasium_ids(env_ids, n).astype(np.int32)
             if np.count_nonzero(state[ids]):
                 super().send(actions, ids, submit)  # raises its PoolStateError
                 raise AssertionError("unreachable: an env not awaiting an action was sent")
@@ -481,8 +481,8 @@ class NativePool(FirstReadyPool):
         # Envs are idle (0) or running (1) here: a repeated id counts once.
         if np.count_nonzero(state) != self._running + count:
             state.put(ids, IDLE)
-            check_env_ids(ids, n)  # raises its InvalidArgumentError
-            raise AssertionError("unreachable: repeated env ids passed check_env_ids")
+            check_gymnasium_ids(ids, n)  # raises its InvalidArgumentError
+            raise AssertionError("unreachable: repeated env ids passed check_gymnasium_ids")
         if not (
             self._fast_actions
             and type(actions) is np.ndarray

@@ -18,7 +18,6 @@ import gymnasium
 import numpy as np
 from gymnasium.vector import AutoresetMode
 
-from envfleet._backends.supervisor import DEFAULT_RESTART_POLICY
 from envfleet._core.buffers import is_leaf
 from envfleet._core.errors import (
     AlreadyPendingCallError,
@@ -28,8 +27,8 @@ from envfleet._core.errors import (
     EnvfleetError,
     ResetNeededError,
 )
-from envfleet._core.hangs import DEFAULT_HANG_REPORT_DELAY, check_hang_report_delay
 from envfleet._front.make import make
+from envfleet._front.options import DEFAULT_SUPERVISION, Processes, Supervision
 from envfleet._front.vector_env import FleetVectorEnv
 
 __all__ = ["ProcessEnv"]
@@ -72,18 +71,11 @@ class ProcessEnv:
         env: a gymnasium id, or a zero-argument picklable factory returning a
             ``gymnasium.Env`` (cloudpickle: lambdas work).
         env_kwargs: keyword arguments for ``gymnasium.make``, with an id.
-        step_timeout: seconds a step, reset or call may take before the process is killed
-            and :class:`envfleet.StepTimeoutError` is raised; ``None``: no bound.
-        hang_report_delay: seconds a step, reset or call may wait on the env before an
-            :class:`envfleet.HangWarning` names it, its worker and its stacks, then again
-            after twice that, four times, ... while the call keeps waiting (default 60;
-            ``None``: no reports). It kills nothing (``step_timeout`` does). With
-            ``blocking=False`` the warning comes from the future's thread. To silence
-            them: ``warnings.simplefilter("ignore", envfleet.HangWarning)``.
-        restart_policy: as :func:`envfleet.make`'s (default ``RestartPolicy()``): the env's
-            process is rebuilt after a crash or a lost connection, the step then returns
-            ``truncated=True`` and ``info["env_restarted"]`` and warns
-            :class:`envfleet.EnvRestartedWarning`; ``None``: fail fast.
+        supervision: an :class:`envfleet.Supervision`, as :func:`envfleet.make`'s (default
+            ``Supervision()``): no step timeout, a :class:`envfleet.HangWarning` after 60 s
+            (from the future's thread with ``blocking=False``), the env's process rebuilt after
+            a crash or a lost connection (the step then returns ``truncated=True`` and
+            ``info["env_restarted"]`` and warns :class:`envfleet.EnvRestartedWarning`).
         context: ``multiprocessing`` start method.
         start: start the process now (default); else call :meth:`start`.
 
@@ -97,20 +89,18 @@ class ProcessEnv:
         env: str | EnvFactory,
         *,
         env_kwargs: dict[str, Any] | None = None,
-        step_timeout: float | None = None,
-        hang_report_delay: float | None = DEFAULT_HANG_REPORT_DELAY,
-        restart_policy: Any = DEFAULT_RESTART_POLICY,
+        supervision: Supervision = DEFAULT_SUPERVISION,
         context: str | None = None,
         start: bool = True,
     ):
         if not (isinstance(env, str) or callable(env)):
             raise ConfigError(f"ProcessEnv needs a gymnasium id or an env factory, got {env!r}")
+        if not isinstance(supervision, Supervision):
+            raise ConfigError(f"supervision must be an envfleet.Supervision, got {supervision!r}")
         self._make_args: dict[str, Any] = {
             "env_kwargs": env_kwargs,
-            "step_timeout": step_timeout,
-            "hang_report_delay": check_hang_report_delay(hang_report_delay),
-            "restart_policy": restart_policy,
-            "context": context,
+            "supervision": supervision,
+            "backend": Processes(context=context),
         }
         self._env = env
         self._venv: FleetVectorEnv | None = None
@@ -135,9 +125,7 @@ class ProcessEnv:
         venv = make(
             self._env,
             1,
-            backend="processes",
             num_workers=1,
-            driver_envs=0,
             autoreset_mode=AutoresetMode.DISABLED,
             **self._make_args,
         )

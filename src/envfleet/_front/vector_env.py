@@ -509,7 +509,7 @@ class FleetVectorEnv(VectorEnv[Any, Any, np.ndarray]):
         Args:
             timeout: seconds each env may take from the :meth:`send` (or
                 :meth:`async_reset`) that started it. ``None`` (the default) takes the vector
-                env's ``step_timeout`` (``make(step_timeout=...)``), so the wait is unbounded
+                env's ``step_timeout`` (``Supervision(step_timeout=...)``), so the wait is unbounded
                 only when ``step_timeout`` is ``None`` too (``make``'s default); with a
                 ``step_timeout`` set, ``recv`` has no unbounded form, and a longer wait passes
                 a larger number. An env past it raises :class:`StepTimeoutError` even while
@@ -588,7 +588,7 @@ class FleetVectorEnv(VectorEnv[Any, Any, np.ndarray]):
         continues exactly from it (see :class:`envfleet.Snapshot`). An envfleet addition, as
         asked of gymnasium since 2022 (Gymnasium #94).
 
-        Each env's episode so far comes from its action log (``make(replay_steps=)``), read
+        Each env's episode so far comes from its action log (``Supervision(replay_steps=)``), read
         in its worker. A first-ready pool first lets every env sent an action finish: the
         snapshot holds the results waiting for ``recv`` (in the order ``recv`` returns
         them) and the actions sent to envs whose worker has not stepped yet; a pool resumed

@@ -30,7 +30,6 @@ import copy
 import dataclasses
 import logging
 import math
-import numbers
 import os
 import random
 import sys
@@ -51,11 +50,11 @@ from envfleet._core.errors import (
     InvalidArgumentError,
     UnsupportedError,
 )
-from envfleet._core.hangs import DEFAULT_HANG_REPORT_DELAY, check_hang_report_delay
 from envfleet._core.replay import Snapshot
 from envfleet._core.trees import tree_copy, tree_slice
 from envfleet._front.make import make
 from envfleet._front.multi_agent_vector_env import MultiAgentVectorEnv
+from envfleet._front.options import DEFAULT_SUPERVISION, Settings, Supervision, backend_of, check
 from envfleet._front.vector_env import FleetVectorEnv
 from envfleet._sampler.auto_inference import (
     AutoInference,
@@ -238,87 +237,35 @@ class Sampler:
     :attr:`single_action_space` are an agent's, :attr:`possible_agents` the env's agents
     (``None`` for a single-agent env).
 
-    Args:
-        env: a gymnasium id, a zero-argument factory, or a list of factories (as
-            :func:`envfleet.make`).
-        policy: the policy (see above). With ``inference="worker"`` it must pickle
-            (cloudpickle); each worker gets its own copy, and a policy with a ``seed(seed)``
-            method is seeded per worker (from ``seed``) so that their randomness differs.
-        num_envs: number of sub-environments.
-        inference: ``"auto"`` (default): driver or worker inference, whichever is faster on
-            this machine, measured: the first ``6 * num_envs * segment_length`` steps sampled
-            are a warm-up and two timed rounds of each (all of them returned as usual), then the
-            faster one runs (:meth:`report` gives the figures). Worker inference is a
-            candidate only for a policy that pickles and has no parameters on a GPU, and not
-            with a first-ready pool (``batch_size``); otherwise ``"auto"`` is ``"driver"``.
-            ``"driver"``: the policy runs here, on every env's observations.
-            ``"worker"``: each worker of the vector env runs its own copy of the policy on its
-            envs, next to them, for ``segment_length`` steps per round, and hands the rollout
-            back (no round trip to the driver per step). Either way the envs live in an
-            envfleet vector env (:func:`envfleet.make`; ``backend``, ``num_workers``... via
-            ``make_kwargs``), with its supervision: timeouts, crash reports, restarts.
-        num_workers: the vector env's workers (:func:`envfleet.make`).
-        seed: env ``i`` is reset with ``seed + i`` at the start (``None``: random).
-        keep_stale: ``False``: steps of an older policy version are dropped and counted in
-            :attr:`stats`. ``True``: they are returned with their ``policy_version`` tag (they
-            do not count towards ``num_steps``).
-        segment_length: ``"worker"``: steps per env a worker gathers before sending them.
-        background: ``"worker"`` only: keep stepping between :meth:`sample` calls (one round of
-            ``segment_length`` steps ahead), as asynchronous actors do; default ``False``: the
-            workers step only during sampling.
-        prefetch: collect the next batch while the learner updates (Sample Factory's and
-            IMPALA's way; APPO learns from it): once :meth:`sample` returns, a thread of this
-            process samples as many steps again with a copy of the policy as it is then
-            (``copy.deepcopy``, sharing the random generators it holds, numpy's, torch's or
-            ``random``'s, so that its random stream goes on; its version), which the next
-            :meth:`sample` returns, then tops up with the current policy if it asked for
-            more. Every step keeps the version
-            that chose it (``policy_version``) and its agent infos (log-probabilities), so the
-            learner uses it or drops it: steps one version behind are returned (counted in
-            :attr:`stats` ``stale_steps_kept``), older ones as ``keep_stale`` says. Driver or
-            worker inference over a synchronous vector env (``"auto"``: once calibrated);
-            not with ``background`` or a first-ready pool. What it buys depends on a free
-            core during the update (torch on one thread, or the update on a GPU).
-        progress: a progress bar (rich) on :meth:`sample`: ``None``: when stderr is a
-            terminal and ``num_steps >= 10_000``; ``True``/``False``: always/never.
-        env_kwargs, context: as :func:`envfleet.make`.
-        timeout: seconds before :class:`envfleet.StepTimeoutError`, for the Sampler's own
-            unit of work: a step of driver inference (one ``step`` of every env), a round of
-            worker inference (``segment_length`` steps of a worker's envs with its policy
-            calls). It is passed to :func:`envfleet.make` as ``step_timeout`` unless
-            ``make_kwargs`` has a ``step_timeout`` of its own, so it also bounds every reset
-            and call of the vector env, and, as any ``step_timeout`` does, refuses the
-            opt-in ``driver_envs`` share (every env in a worker). The two apart: with
-            ``make_kwargs={"step_timeout": S}``, ``S`` bounds the vector env's steps, resets
-            and calls (driver inference) and ``timeout`` bounds worker-inference rounds; with
-            ``timeout=None`` and such an ``S``, a worker-inference round is bounded by ``S``
-            too, a whole round (not one step) in ``S`` seconds. ``None`` with no
-            ``step_timeout``: no bound.
-        hang_report_delay: seconds a step of driver inference or a round of worker
-            inference may wait on busy envs before an :class:`envfleet.HangWarning` names
-            each busy env, its worker and its stacks, then again after twice that, four
-            times, ... while it keeps waiting (default 60; ``None``: no reports; as
-            :func:`envfleet.make`'s). It kills nothing (``timeout`` does). To silence them:
-            ``warnings.simplefilter("ignore", envfleet.HangWarning)``.
-        resume: a :meth:`snapshot` of a sampler of the same env, ``num_envs`` and policy:
-            this one continues it exactly (no reset), with the inference the snapshot was
-            taken with (``inference`` that one, or ``"auto"``, which then does not
-            calibrate again); worker inference on the same worker layout (``num_workers``,
-            ``driver_envs``), driver inference on any. ``seed`` is the snapshot's.
-        make_kwargs: more arguments for :func:`envfleet.make` (``backend``, ``batch_size``,
-            ``start_timeout``, ``restart_policy``, ``copy``...). The sampler uses
-            ``AutoresetMode.SAME_STEP``. A first-ready pool (``batch_size``, driver inference
-            only) needs ``num_envs`` to be a multiple of ``batch_size``. With a
-            ``restart_policy``, worker inference goes on past what the policy rebuilds: an env
-            that raised ends its episode on that step (``truncated``, its ``env_infos`` entry
-            ``{"env_restarted": True}``, its last observation the one it acted on) and its
-            worker's other envs lose nothing; a worker that died or hung loses the steps of
-            its round, and its envs start new episodes. Every other worker's data is what it
-            would have been; :attr:`stats` counts the rebuilt envs (``env_restarts``).
+    ==================  ============================================================================
+    ``env``             a gymnasium id, a factory or a list of factories (as :func:`envfleet.make`)
+    ``policy``          the policy (above); worker inference needs one that pickles (cloudpickle)
+    ``num_envs``        sub-environments (default 1)
+    ``inference``       ``"auto"`` (default: the faster here, measured), ``"driver"``, ``"worker"``
+    ``seed``            env ``i`` is reset with ``seed + i`` at the start (``None``: random)
+    ``keep_stale``      return steps of older policy versions (tagged) instead of dropping them
+    ``segment_length``  worker inference: steps per env a worker gathers before sending them
+    ``background``      worker inference: keep stepping between :meth:`sample` calls
+    ``prefetch``        collect the next batch while the learner updates (Sample Factory's way)
+    ``progress``        a progress bar on :meth:`sample` (``None``: when stderr is a terminal)
+    ``resume``          a :meth:`snapshot` to continue exactly
+    ``**make_kwargs``   :func:`envfleet.make`'s: ``backend``, ``num_workers``, ``supervision``...
+    ==================  ============================================================================
+
+    Driver inference runs the policy here on every env's observations; worker inference runs a
+    copy beside each worker's envs (one with a ``seed(seed)`` method is seeded per worker) for
+    ``segment_length`` steps per round.
+    The Sampler uses ``AutoresetMode.SAME_STEP``. ``supervision.step_timeout`` bounds a step
+    of driver inference and a round of worker inference (``segment_length`` steps of a
+    worker's envs with its policy calls); ``supervision.hang_report_delay`` reports either.
+    With a restart policy, worker inference goes on past what it rebuilds: an env that raised
+    ends its episode on that step (``truncated``, ``env_infos`` ``{"env_restarted": True}``)
+    and a worker that died or hung loses the steps of its round. docs/concepts/sampler.md
+    explains inference, prefetch, stale steps and snapshots.
 
     Raises:
         ConfigError: bad arguments, an unpicklable policy or factory for ``"worker"``.
-        StartTimeoutError: the envs were not built within ``start_timeout``.
+        StartTimeoutError: the envs were not built within ``supervision.start_timeout``.
 
     Example::
 
@@ -333,17 +280,12 @@ class Sampler:
         num_envs: int = 1,
         *,
         inference: str = "auto",
-        num_workers: int | None = None,
         seed: int | None = None,
         keep_stale: bool = False,
         segment_length: int = 64,
         background: bool = False,
         prefetch: bool = False,
         progress: bool | None = None,
-        env_kwargs: dict[str, Any] | None = None,
-        context: str | None = None,
-        timeout: float | None = None,
-        hang_report_delay: float | None = DEFAULT_HANG_REPORT_DELAY,
         resume: SamplerSnapshot | None = None,
         **make_kwargs: Any,
     ):
@@ -355,11 +297,24 @@ class Sampler:
         segment_length = _integer(segment_length, "segment_length", ConfigError)
         if seed is not None:
             seed = _integer(seed, "seed", ConfigError, low=None)
-        if timeout is not None and not (isinstance(timeout, numbers.Real) and timeout > 0):
-            raise ConfigError(f"timeout must be None or seconds > 0, got {timeout!r}")
-        hang_report_delay = check_hang_report_delay(hang_report_delay)
-        if "autoreset_mode" in make_kwargs:
-            raise ConfigError("the Sampler sets autoreset_mode itself (SAME_STEP)")
+        supervision = make_kwargs.get("supervision", DEFAULT_SUPERVISION)
+        if not isinstance(supervision, Supervision):
+            raise ConfigError(f"supervision must be an envfleet.Supervision, got {supervision!r}")
+        batch_size = make_kwargs.get("batch_size")
+        check(
+            Settings(
+                backend=backend_of(make_kwargs.get("backend", "processes"))[0],
+                pool=batch_size not in (None, num_envs),
+                autoreset_mode=AutoresetMode.SAME_STEP,  # the Sampler's
+                autoreset_mode_given="autoreset_mode" in make_kwargs,
+                output="numpy" if make_kwargs.get("output", "numpy") == "numpy" else "torch",
+                supervision=supervision,
+                sampler=True,
+                inference=inference,
+                prefetch=bool(prefetch),
+                background=bool(background),
+            )
+        )
         if resume is not None:
             if not isinstance(resume, SamplerSnapshot):
                 raise ConfigError(f"resume must be a Sampler.snapshot(), got {resume!r}")
@@ -382,20 +337,12 @@ class Sampler:
         self._owner_pid = os.getpid()  # a forked copy of the sampler closes nothing (close)
         self._sample_s = 0.0  # seconds spent in sample() (the report's steps/s)
         self._sampled = 0  # steps sample() returned
-        if inference != "worker" and background:
-            raise ConfigError("background is an option of inference='worker'")
         self._prefetch = bool(prefetch)
         self._ahead: concurrent.futures.Future[EpisodeBatch] | None = None  # collecting ahead
         self._ahead_of: Inference | None = None  # the inference collecting it
         self._pending: EpisodeBatch | None = None  # collected ahead, for the next sample()
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         if prefetch:
-            if background:
-                raise ConfigError("prefetch collects ahead itself: leave background False")
-            if make_kwargs.get("batch_size") not in (None, self.num_envs):
-                raise ConfigError(
-                    "prefetch is for a synchronous vector env, not a first-ready pool"
-                )
             try:
                 copy.deepcopy(policy)
             except Exception as exc:
@@ -403,41 +350,23 @@ class Sampler:
                     f"prefetch samples with a copy of the policy (copy.deepcopy): {exc}"
                 ) from exc
         why_not_worker = ""
-        recycle = make_kwargs.get("recycle") is not None
-        if inference == "worker" and recycle:
-            raise ConfigError(
-                "recycle= replaces workers between the vector env's steps: it needs "
-                "inference='driver' (worker inference steps the envs in the workers)"
-            )
+        recycle = supervision.explicit_recycle
         if inference == "auto" and resume is not None and resume.inference == "driver":
             why_not_worker = f"resumed a snapshot of driver inference ({resume.reason})"
         if inference == "auto" and not why_not_worker:
             why_not_worker = self._why_not_worker(policy, make_kwargs.get("batch_size"))
             if not why_not_worker and recycle:
-                why_not_worker = "recycle= replaces workers between the vector env's steps"
+                why_not_worker = "recycle replaces workers between the vector env's steps"
             if not why_not_worker:
                 make_kwargs["copy"] = False  # as worker inference needs, below
         if inference == "worker":
-            if make_kwargs.get("batch_size") not in (None, self.num_envs):
-                raise ConfigError("batch_size (a first-ready pool) is for inference='driver'")
             try:
                 cloudpickle.dumps(policy)
             except Exception as exc:
                 raise ConfigError(f"inference='worker' needs a picklable policy: {exc}") from exc
             # The task reads its envs' observations from the buffers: no spare slabs.
             make_kwargs["copy"] = False
-        if timeout is not None and "step_timeout" not in make_kwargs:
-            make_kwargs["step_timeout"] = timeout
-        venv = make(
-            env,
-            self.num_envs,
-            num_workers=num_workers,
-            autoreset_mode=AutoresetMode.SAME_STEP,
-            env_kwargs=env_kwargs,
-            context=context,
-            hang_report_delay=hang_report_delay,
-            **make_kwargs,
-        )
+        venv = make(env, self.num_envs, autoreset_mode=AutoresetMode.SAME_STEP, **make_kwargs)
         # A PettingZoo env: the Sampler steps the packed vector env under the
         # MultiAgentVectorEnv, with the policy on agent rows
         # (envfleet._sampler.multi_agent_rollout).
@@ -477,7 +406,7 @@ class Sampler:
             if not why_not_worker:
                 worker = WorkerInference(
                     venv, self.stats, self._timers, self.keep_stale, self.seed,
-                    int(segment_length), False, None if timeout is None else float(timeout),
+                    int(segment_length), False, None,
                 )  # fmt: skip
             self._inference = AutoInference(
                 venv, self.stats, self._timers, self.keep_stale, self.seed,
@@ -492,7 +421,7 @@ class Sampler:
                 self.seed,
                 int(segment_length),
                 bool(background),
-                None if timeout is None else float(timeout),
+                None,  # a round is bounded by the vector env's step_timeout
             )
         if resume is not None:
             try:

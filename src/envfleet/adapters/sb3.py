@@ -25,6 +25,7 @@ A factory that returns a PettingZoo ``ParallelEnv`` gives agents as envs, SuperS
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing
 import operator
 import warnings
@@ -39,9 +40,10 @@ from gymnasium.vector import AutoresetMode
 from envfleet._core.buffers import is_leaf
 from envfleet._core.errors import ConfigError, InvalidActionError
 from envfleet._core.trees import tree_copy, tree_row
-from envfleet._front.factories import GymMake, check_env_id
+from envfleet._front.factories import GymMake, check_gymnasium_id
 from envfleet._front.make import make
 from envfleet._front.multi_agent_vector_env import MultiAgentVectorEnv
+from envfleet._front.options import Processes, Ray
 from envfleet._front.vector_env import FleetVectorEnv
 from envfleet.adapters._sb3_agents import AgentRows
 from envfleet.adapters._sb3_shim import SHIM_METHOD, ShimFactory
@@ -62,7 +64,7 @@ except ImportError as _exc:  # pragma: no cover - depends on the installed extra
 
 __all__ = ["SB3VecEnv"]
 
-_FIXED = ("autoreset_mode", "batch_size", "copy", "output", "device", "pin_memory")
+_FIXED = ("autoreset_mode", "batch_size", "copy", "output")
 
 
 class SB3VecEnv(VecEnv):
@@ -139,15 +141,15 @@ class SB3VecEnv(VecEnv):
             of factories (one per env), as :func:`envfleet.make` takes it.
         num_envs: number of sub-environments (default 1, or ``len(env)``); with agents as
             envs, ``N``, and the SB3 ``num_envs`` is ``N * A``.
-        backend: ``"serial"``, ``"threads"``, ``"processes"`` (default) or ``"ray"``.
+        backend: ``"serial"``, ``"threads"``, ``"processes"`` (default) or ``"ray"``, or
+            :class:`envfleet.Processes` / :class:`envfleet.Ray` with options.
         env_kwargs: keyword arguments of ``gymnasium.make`` (with an id only).
-        start_method: SB3's ``SubprocVecEnv`` argument, envfleet's ``context``: the
+        start_method: SB3's ``SubprocVecEnv`` argument, envfleet's ``Processes(context=)``: the
             ``multiprocessing`` start method of the worker processes (``None``: envfleet's
             default). Also taken positionally, as ``SubprocVecEnv(env_fns, start_method)``.
         **make_kwargs: other :func:`envfleet.make` arguments (``num_workers``,
-            ``step_timeout``, ``restart_policy``, ``context``, ...), except those this class
-            fixes: ``autoreset_mode``, ``batch_size``, ``copy``, ``output``, ``device``,
-            ``pin_memory``.
+            ``supervision``, ...), except those this class fixes: ``autoreset_mode``,
+            ``batch_size``, ``copy``, ``output``.
 
     Attributes:
         fleet: the underlying :class:`envfleet.FleetVectorEnv` (``fleet.stats``, ...).
@@ -169,7 +171,7 @@ class SB3VecEnv(VecEnv):
         env: str | Callable[..., gymnasium.Env[Any, Any]] | Sequence[Callable[..., Any]],
         num_envs: int | None = None,
         *,
-        backend: str = "processes",
+        backend: str | Processes | Ray = "processes",
         env_kwargs: dict[str, Any] | None = None,
         start_method: str | None = None,
         **make_kwargs: Any,
@@ -177,14 +179,22 @@ class SB3VecEnv(VecEnv):
         if isinstance(num_envs, str):  # SubprocVecEnv(env_fns, start_method), positionally
             num_envs, start_method = None, num_envs
         if start_method is not None:
-            if make_kwargs.get("context") is not None:
-                raise ConfigError(
-                    "start_method (SB3's name) and context (envfleet's) are the same "
-                    "argument; pass one"
-                )
             # multiprocessing's own check and ValueError, as SubprocVecEnv's get_context.
             multiprocessing.get_context(start_method)
-            make_kwargs["context"] = start_method
+            if isinstance(backend, Processes) and backend.context not in (None, start_method):
+                raise ConfigError(
+                    "start_method (SB3's name) and Processes(context=...) (envfleet's) are the "
+                    "same argument; pass one"
+                )
+            if isinstance(backend, Processes):
+                backend = dataclasses.replace(backend, context=start_method)
+            elif backend == "processes":
+                backend = Processes(context=start_method)
+            else:
+                raise ConfigError(
+                    f"start_method is a worker process's start method: backend={backend!r} "
+                    "starts no processes"
+                )
         fixed = sorted(set(make_kwargs) & set(_FIXED))
         if fixed:
             raise ConfigError(f"SB3VecEnv sets {', '.join(fixed)} itself; leave them out")
@@ -494,7 +504,7 @@ def _shim_factories(
     env_kwargs: dict[str, Any] | None,
 ) -> ShimFactory | list[ShimFactory]:
     if isinstance(env, str):
-        check_env_id(env)
+        check_gymnasium_id(env)
         return ShimFactory(GymMake(env, env_kwargs))
     if env_kwargs is not None:
         raise ConfigError("env_kwargs is only for a gymnasium id; bind arguments in your factory")

@@ -45,7 +45,7 @@ their raw index (``Categorical``; ``GymWrapper`` one-hot encodes them).
 
 Importing torchrl sets multiprocessing's start method to ``"spawn"`` (TorchRL's default):
 envfleet's ``processes`` backend then starts its workers with spawn unless you pass
-``context="fork"``. Needs ``pip install 'envfleet[torchrl]'``.
+``backend=envfleet.Processes(context="fork")``. Needs ``pip install 'envfleet[torchrl]'``.
 """
 
 from __future__ import annotations
@@ -337,15 +337,16 @@ def make_torchrl_env(
 
     Raises:
         ConfigError: as :func:`envfleet.make` and :class:`FleetTorchRLEnv`;
-            ``autoreset_mode``, ``batch_size``, ``output`` or ``pin_memory`` given (the
-            adapter sets or does not use them).
+            ``autoreset_mode``, ``batch_size`` or ``output`` given (the adapter sets or does
+            not use them).
 
     Example::
 
-        >>> env = make_torchrl_env("CartPole-v1", 8, backend="processes", context="fork")
+        >>> fork = envfleet.Processes(context="fork")
+        >>> env = make_torchrl_env("CartPole-v1", 8, backend=fork)
         >>> env.rollout(10).batch_size                       # torch.Size([8, 10])
     """
-    fixed = sorted({"autoreset_mode", "batch_size", "output", "pin_memory"} & set(make_kwargs))
+    fixed = sorted({"autoreset_mode", "batch_size", "output"} & set(make_kwargs))
     if fixed:
         raise ConfigError(
             f"make_torchrl_env sets {', '.join(fixed)} itself: TorchRL resets finished envs "

@@ -54,7 +54,7 @@ env whatever happens. Throughput counts env steps summed over all sub-environmen
 
 from __future__ import annotations
 
-from envfleet import check_env_id, usable_cores
+from envfleet import check_gymnasium_id, usable_cores
 from envfleet.bench._core import (
     ACTION_BANK,
     BASELINES,
@@ -171,7 +171,7 @@ __all__ = [
     "Workload",
     "baseline_ratios",
     "bench_rows",
-    "check_env_id",
+    "check_gymnasium_id",
     "check_workload",
     "describe_machine",
     "envpool_task",

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import envfleet
-from envfleet import ConfigError, EnvfleetError, check_env_id
+from envfleet import ConfigError, EnvfleetError, check_gymnasium_id
 from envfleet.bench._peers import (
     PEERS,
     Stepper,
@@ -160,7 +160,7 @@ def measure(
     """
     check_args(num_envs, seconds, warmup_s)
     check_systems(systems)
-    check_env_id(env_id)
+    check_gymnasium_id(env_id)
     return [
         measure_system(
             env_id, num_envs, system, seconds, seed=seed, warmup_s=warmup_s, progress=progress
@@ -189,7 +189,7 @@ def measure_system(
     """
     check_args(num_envs, seconds, warmup_s)
     _check_system(system)
-    check_env_id(env_id)
+    check_gymnasium_id(env_id)
     warmup_s = min(warmup_s, seconds / 2)
 
     def report(phase: Any, elapsed: float = 0.0, steps: int = 0) -> None:

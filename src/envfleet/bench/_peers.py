@@ -19,7 +19,7 @@ import gymnasium
 import numpy as np
 from gymnasium.vector.utils import batch_space
 
-from envfleet import check_env_id, usable_cores
+from envfleet import check_gymnasium_id, usable_cores
 
 __all__ = [
     "EnvPoolVector",
@@ -106,7 +106,7 @@ class Stepper:
 def make_gym_env(env_id: str) -> gymnasium.Env[Any, Any]:
     """``gymnasium.make(env_id)`` after registering the id's namespace (ALE) in this process,
     which may be a freshly started worker; picklable through :func:`functools.partial`."""
-    check_env_id(env_id)  # imports what registers it (ALE, "module:EnvId")
+    check_gymnasium_id(env_id)  # imports what registers it (ALE, "module:EnvId")
     return gymnasium.make(env_id)
 
 

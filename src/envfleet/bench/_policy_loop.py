@@ -18,7 +18,7 @@ import gymnasium
 import numpy as np
 
 import envfleet
-from envfleet import ConfigError, check_env_id, usable_cores
+from envfleet import ConfigError, check_gymnasium_id, usable_cores
 from envfleet.bench._core import ACTION_BANK, bench_error, check_args, json_ready
 from envfleet.bench._peers import PEER_INSTALL, PUFFER_INSTALL, EnvPoolVector, envpool_task
 from envfleet.bench._policies import (
@@ -264,7 +264,7 @@ def measure_policy_loop(
         BenchError: a system failed while being built or run.
     """
     require_torch()
-    check_env_id(workload.env_id)
+    check_gymnasium_id(workload.env_id)
     check_workload(workload)
     check_args(workload.num_envs, seconds, warmup_s)
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:

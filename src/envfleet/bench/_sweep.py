@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import envfleet
-from envfleet import ConfigError, check_env_id, usable_cores
+from envfleet import ConfigError, check_gymnasium_id, usable_cores
 from envfleet.bench._core import (
     ACTION_BANK,
     LIMIT,
@@ -156,7 +156,7 @@ def measure_limit(
         measure_limit("CartPole-v1", 1.0).steps_per_s  # e.g. 2 cores x 150k = 300k steps/s
     """
     check_args(1, seconds, warmup_s)
-    check_env_id(env_id)
+    check_gymnasium_id(env_id)
     cores = usable_cores() if cores is None else cores
     if isinstance(cores, bool) or not isinstance(cores, int) or cores < 1:
         raise ConfigError(f"cores must be an integer >= 1, got {cores!r}")
@@ -257,7 +257,7 @@ def run_bench(
         raise ConfigError(f"repeats must be an integer >= 1, got {repeats!r}")
     check_systems(systems)
     for env_id in env_ids:
-        check_env_id(env_id)
+        check_gymnasium_id(env_id)
     skipped = unavailable(env_ids, systems)
     left_out = {(s.env_id, s.system) for s in skipped}
     active = {e: [s for s in systems if (e, s) not in left_out] for e in env_ids}

@@ -26,7 +26,7 @@ import numpy as np
 from gymnasium.vector.utils import concatenate, create_empty_array
 
 import envfleet
-from envfleet import ConfigError, check_env_id, usable_cores
+from envfleet import ConfigError, check_gymnasium_id, usable_cores
 from envfleet.bench._core import BenchError, bench_error, check_args, json_ready
 from envfleet.bench._policies import POLICY_KINDS, TorchPolicy, Workload, check_workload, make_env
 from envfleet.bench._policy_loop import (
@@ -118,6 +118,15 @@ class TuneCandidate:
                 out[name] = value
         return out
 
+    def arguments(self) -> dict[str, Any]:
+        """The keyword arguments of its call: :attr:`kwargs` with ``driver_envs`` given as
+        ``backend=envfleet.Processes(driver_envs=...)``."""
+        out = dict(self.kwargs)
+        driver_envs = out.pop("driver_envs", None)
+        if driver_envs is not None:
+            out["backend"] = envfleet.Processes(driver_envs=driver_envs)
+        return out
+
     @property
     def name(self) -> str:
         """A short name: the loop (``pool``, ``sampler driver``...), the backend, then the
@@ -134,9 +143,10 @@ class TuneCandidate:
         Example::
 
             TuneCandidate("make", "processes", 2, 0).call('"CartPole-v1"', 16)
-            # 'envfleet.make("CartPole-v1", 16, backend="processes", num_workers=2, driver_envs=0)'
+            # 'envfleet.make("CartPole-v1", 16, backend=envfleet.Processes(driver_envs=0),
+            #  num_workers=2)'
         """
-        args = ", ".join(f"{k}={_literal(v)}" for k, v in self.kwargs.items())
+        args = ", ".join(f"{k}={_literal(v)}" for k, v in self.arguments().items())
         if self.loop == "sampler":
             return f"envfleet.Sampler({env}, policy, {num_envs}, {args})"
         return f"envfleet.make({env}, {num_envs}, {args})"
@@ -607,7 +617,7 @@ def _resolve_env(env: Any, atari: bool | None) -> _Target:
             f"env must be a gymnasium id, 'module:factory' or a zero-argument callable, got {env!r}"
         )
     try:
-        check_env_id(env)
+        check_gymnasium_id(env)
     except ConfigError as not_an_id:
         factory = _factory(env) if ":" in env else None
         if factory is None:
@@ -677,7 +687,9 @@ def _expression(obj: Any) -> tuple[str, tuple[str, ...]] | None:
 
 
 def _literal(value: Any) -> str:
-    """Python text of a literal, strings in double quotes."""
+    """Python text of a literal, strings in double quotes, a Processes with the fields set."""
+    if isinstance(value, envfleet.Processes):
+        return f"envfleet.Processes(driver_envs={value.driver_envs})"
     return json.dumps(value) if isinstance(value, str) else repr(value)
 
 
@@ -867,12 +879,12 @@ def _loop(
         stats = []
     given, policy = policies
     if c.loop == "sampler":
-        sampler = envfleet.Sampler(env, given, num_envs, seed=seed, progress=False, **c.kwargs)
+        sampler = envfleet.Sampler(env, given, num_envs, seed=seed, progress=False, **c.arguments())
         closers.append(sampler.close)
         stats.append(lambda: sampler.vector_env.stats)
         chunk = _SAMPLE_STEPS_PER_ENV * num_envs
         return lambda: int(sampler.sample(chunk).num_steps)
-    envs = envfleet.make(env, num_envs, **c.kwargs)
+    envs = envfleet.make(env, num_envs, **c.arguments())
     stats.append(lambda: envs.stats)
     if c.loop == "pool":
         return _PoolStoringLoop(envs, num_envs, policy, seed, closers)

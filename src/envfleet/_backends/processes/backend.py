@@ -87,7 +87,7 @@ from envfleet._core.buffers import Batch
 from envfleet._core.cores import usable_cores
 from envfleet._core.crash_note import driver_crash_note, note_base
 from envfleet._core.envgroup import EnvFailure, EnvGroup
-from envfleet._core.errors import ConfigError, EnvCrashedError, EnvError
+from envfleet._core.errors import EnvCrashedError, EnvError
 from envfleet._core.failures import CLOSED, failure_error, mismatch_error, remote_env_error
 from envfleet._core.protocol import Command, Failure, RoundOutcome, Status
 from envfleet._core.replay import EnvRecording, new_log
@@ -610,16 +610,9 @@ atexit.register(_close_at_exit)
 
 
 def _plan(request: PlanRequest) -> Plan:
-    """:func:`plan_processes` for make()'s arguments: a first-ready pool, a timeout and a
-    restart policy refuse the opt-in share (only a worker can be stopped or rebuilt)."""
+    """:func:`plan_processes` for make()'s arguments (the options table,
+    :data:`envfleet._front.options.RULES`, has refused what cannot go with a driver share)."""
     driver_envs = request.options["driver_envs"]
-    if request.pool and driver_envs:
-        raise ConfigError("a first-ready pool steps every env in a worker (driver_envs=0)")
-    if driver_envs and (request.step_timeout is not None or request.restart_policy is not None):
-        raise ConfigError(
-            "step_timeout and restart_policy cannot cover envs the driver steps "
-            "itself; use driver_envs=0 (the default)"
-        )
     cores = usable_cores()
     num_workers = request.num_workers
     if request.pool and num_workers is None:
@@ -648,7 +641,6 @@ register(
         "processes",
         build=_build,
         plan=_plan,
-        options=("driver_envs", "spin_s"),
         pickles_factories=True,
     )
 )

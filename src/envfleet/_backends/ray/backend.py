@@ -7,8 +7,9 @@ EnvGroup code as every backend) and returns its rows (observations, rewards, ter
 truncations), the non-empty infos and the step's duration, through Ray's object store; the
 driver writes the rows into its own batch. Actors are placed by Ray's scheduler: by default
 ``"SPREAD"`` across the cluster's nodes, each asking for one CPU (or an even share of the
-cluster's CPUs when there are more workers than CPUs); ``ray_options`` changes that (custom
-resources for nodes that have a simulator, GPUs, placement groups, node affinity).
+cluster's CPUs when there are more workers than CPUs); ``envfleet.Ray(actor_options=...)``
+changes that (custom resources for nodes that have a simulator, GPUs, placement groups, node
+affinity).
 
 Failures map to the same typed errors as the other backends: an env that raises is an
 :class:`envfleet.EnvError` (its exception and the actor's traceback chained); an actor that
@@ -54,7 +55,6 @@ from envfleet._backends.supervisor import Round
 from envfleet._backends.workers import STACKS_WAIT_S
 from envfleet._core.buffers import allocate_batch
 from envfleet._core.errors import (
-    ConfigError,
     EnvCrashedError,
     EnvError,
 )
@@ -443,15 +443,14 @@ from envfleet._backends.registry import (  # noqa: E402
 
 
 def _plan(request: PlanRequest) -> Plan:
-    """Connect to Ray (``ray_address``) and plan the actors (:func:`plan_ray`).
+    """Connect to Ray (``envfleet.Ray(address=...)``) and plan the actors (:func:`plan_ray`).
 
     Raises:
-        ConfigError: ``ray_address`` is not a string, or :func:`plan_ray`'s errors.
+        ConfigError: :func:`plan_ray`'s errors.
     """
-    address = request.options["ray_address"]
-    if address is not None and not isinstance(address, str):
-        raise ConfigError(f"ray_address must be None or a string, got {address!r}")
-    plan = plan_ray(request.num_envs, request.num_workers, address, request.options["ray_options"])
+    address = request.options.get("ray_address")
+    options = request.options.get("ray_options")
+    plan = plan_ray(request.num_envs, request.num_workers, address, options)
     # Every env in an actor: make() builds none in the driver (env 0's spaces come from it).
     return Plan(worker_ranges(request.num_envs, plan.num_workers), plan, driver_free=True)
 
@@ -467,7 +466,6 @@ register(
         "ray",
         build=_build,
         plan=_plan,
-        options=("ray_address", "ray_options"),
         pickles_factories=True,
         spare_slabs=False,  # the actors' results are copied into the block, not written there
     )

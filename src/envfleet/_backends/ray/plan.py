@@ -49,7 +49,7 @@ def connect(address: str | None) -> bool:
     """
     if ray.is_initialized():
         if address is not None:
-            logger.debug("ray is already initialized; ignoring ray_address=%r", address)
+            logger.debug("ray is already initialized; ignoring address=%r", address)
         return False
     logger.info(
         "starting a local Ray cluster" if address is None else "connecting to Ray at %s", address
@@ -103,12 +103,12 @@ def plan_ray(
             not connect.
     """
     if options is not None and not isinstance(options, Mapping):
-        raise ConfigError(f"ray_options must be None or a dict, got {type(options).__name__}")
+        raise ConfigError(f"actor_options must be None or a dict, got {type(options).__name__}")
     options = dict(options or {})
     reserved = sorted(set(options) & set(_RESERVED_OPTIONS))
     if reserved:
         raise ConfigError(
-            f"ray_options {reserved} are envfleet's to set: it restarts actors itself "
+            f"actor_options {reserved} are envfleet's to set: it restarts actors itself "
             "(restart_policy) and runs one command at a time in each"
         )
     started = connect(address)
@@ -123,7 +123,7 @@ def plan_ray(
             **{str(k): float(v) for k, v in (actor_options.get("resources") or {}).items()},
         }
     except (TypeError, ValueError, AttributeError) as exc:
-        raise ConfigError(f"ray_options: bad resource amounts ({exc})") from exc
+        raise ConfigError(f"actor_options: bad resource amounts ({exc})") from exc
     if "num_cpus" in options:
         asked["CPU"] = float(options["num_cpus"] or 0.0)
     else:
@@ -132,7 +132,8 @@ def plan_ray(
         if share == 0.0:
             logger.warning(
                 "the Ray cluster has no CPU free for %d actors (other actors hold them): "
-                "they ask for none (pass ray_options={'num_cpus': ...} to wait instead)",
+                "they ask for none (pass envfleet.Ray(actor_options={'num_cpus': ...}) to wait "
+                "instead)",
                 num_workers,
             )
         actor_options["num_cpus"] = asked["CPU"] = share
@@ -142,13 +143,13 @@ def plan_ray(
         raise ConfigError(
             f"{num_workers} Ray actors asking for {wanted} each cannot all be placed: the "
             f"cluster's {len(nodes)} nodes hold {fit} of them (they have "
-            f"{_describe(nodes, asked)}); lower num_workers or the amounts in ray_options "
+            f"{_describe(nodes, asked)}); lower num_workers or the amounts in actor_options "
             "(fractions work, e.g. num_cpus=0.5), or add nodes"
         )
     try:
         RemoteWorker.options(**actor_options)
     except (ValueError, TypeError) as exc:
-        raise ConfigError(f"ray_options rejected by Ray: {exc}") from exc
+        raise ConfigError(f"actor_options rejected by Ray: {exc}") from exc
     return RayPlan(num_workers, actor_options, started)
 
 
