@@ -28,7 +28,8 @@ from gymnasium.vector import AutoresetMode, SyncVectorEnv
 
 import envfleet
 import envfleet._core.native
-from tests.envs import RaisingEnv, SparseInfoEnv, ValuesEnv, sync_factories
+from envfleet._core.protocol import Command
+from tests.envs import RaisingEnv, SideActionEnv, SparseInfoEnv, ValuesEnv, sync_factories
 from tests.helpers import assert_same
 
 NUM_ENVS = 3
@@ -279,6 +280,33 @@ def test_processes_runs_the_c_round_and_worker_loop(make_env):
         assert calls["serve_steps"] > workers[pid]["serve_steps"], f"worker {pid}"
         for name in ("write_results", "write_rows"):
             assert calls[name] - workers[pid][name] >= COUNTED_STEPS, f"worker {pid}: {name}"
+
+
+def test_a_round_with_per_leaf_actions_is_not_the_c_rounds(make_env):
+    """``round(STEP, payloads)`` whose payloads carry per-leaf actions (a Text action space:
+    the actions travel with the command, not in the shared buffers) takes the Python round,
+    whoever calls it: the C round reads only the buffers and would drop them. The backend's
+    round is called directly, as any caller may; its results are SyncVectorEnv's."""
+    if envfleet._core.native.speedups is None:
+        pytest.skip("envfleet._core._speedups is not built here")
+    factory = functools.partial(SideActionEnv, "text")
+    fleet = make_env(factory, 4, backend="processes", num_workers=2)
+    sync = SyncVectorEnv(sync_factories(factory, 4))
+    assert fleet._backend._full_round is not None  # the C round is there to be taken
+    fleet.reset(seed=3)
+    sync.reset(seed=3)
+    words = ("a", "bb", "ccc", "dddd")
+    for t in range(6):
+        actions = tuple(words[(t + i) % 4] for i in range(4))
+        fleet._prepare_step(actions, "step")
+        payloads = fleet._step_payloads
+        assert all(p is not None for p in payloads.values())
+        results = fleet._backend.round(Command.STEP, payloads, None, fleet._steps)
+        got = fleet._step_outputs(results)
+        want = sync.step(actions)
+        for g, w in zip(got[:4], want[:4], strict=True):
+            np.testing.assert_array_equal(g, w)
+    sync.close()
 
 
 def test_step_wait_finishes_the_step_in_the_c_round(make_env):

@@ -341,12 +341,15 @@ class RoundDriver(Backend):
     def _round_of(
         self, command: Command, payloads: Mapping[int, Any], timeout: float | None, step: int
     ) -> dict[int, Any]:
-        """:meth:`round`'s round: the C one for a plain step where it applies, else Python's."""
+        """:meth:`round`'s round: the C one for a plain step where it applies (a step of every
+        group with no payload: the C round reads the actions from the shared buffers only, so
+        a step that carries per-leaf actions goes the Python way), else Python's."""
         if (
             command is _STEP
             and self._full_round is not None
             and not self._pending
             and len(payloads) == self._num_workers
+            and all(payload is None for payload in payloads.values())
         ):
             results = self._fast_round(timeout, step, True)
             return {} if results is None else results

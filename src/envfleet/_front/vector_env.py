@@ -309,16 +309,13 @@ class FleetVectorEnv(VectorEnv[Any, Any, np.ndarray]):
                     self._interrupted_step(exc)
                     raise
                 return self._step_outputs(results)
-        # step_async then step_wait, with the submit and the wait in one backend call.
+        # step_async then step_wait, with the submit and the wait in one backend call (the
+        # round itself picks its fast path).
         self._prepare_step(actions, "step_async")
         try:
-            if self._step_payloads is not self._every_group:  # no shortcut round
-                self._backend.submit(_STEP, self._step_payloads, self._steps)
-                results = self._backend.collect(self.step_timeout, self._steps)
-            else:
-                results = self._backend.round(
-                    _STEP, self._every_group, self.step_timeout, self._steps
-                )
+            results = self._backend.round(
+                _STEP, self._step_payloads, self.step_timeout, self._steps
+            )
         except BaseException as exc:
             # A crash, a timeout or an interrupt may have shut the backend down.
             self._interrupted_step(exc)
