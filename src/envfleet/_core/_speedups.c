@@ -1,8 +1,9 @@
 /* envfleet._core._speedups: the few hot loops of the step path in C.
  *
  * Optional: envfleet runs the same logic in Python when this module is missing (it failed to
- * build, or ENVFLEET_NO_SPEEDUPS=1 is set). Every function here has a Python twin beside its
- * caller, and the differential tests run both. Nothing here changes what an env sees or what
+ * build, or ENVFLEET_NO_SPEEDUPS=1 is set). Every function here but the round bell's (bell_ring,
+ * bell_sleep, bell_arrive, gather_sleep: without C, rounds signal through the doorbell's
+ * semaphores instead) has a Python twin beside its caller, and the differential tests run both. Nothing here changes what an env sees or what
  * the caller gets; it only removes interpreter overhead around the env calls:
  *
  *   write_results   EnvGroup's per-env result lists into its float64/bool buffers, and the

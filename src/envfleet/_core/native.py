@@ -1,8 +1,10 @@
 """The optional C step path (``envfleet._core._speedups``, built from ``_core/_speedups.c``).
 
 :data:`speedups` is the loaded module, or ``None`` when it was not built (no C compiler at
-install time) or ``ENVFLEET_NO_SPEEDUPS=1`` is set in the environment. Every C function has a
-Python twin next to its caller that is the reference: the C code only removes interpreter
+install time) or ``ENVFLEET_NO_SPEEDUPS=1`` is set in the environment. Every C function but
+the round bell's (``bell_ring``, ``bell_sleep``, ``bell_arrive``, ``gather_sleep``: without C,
+rounds signal through the doorbell's semaphores instead) has a Python twin next to its caller
+that is the reference: the C code only removes interpreter
 overhead around the env calls of the step path, it never changes what an env sees or what the
 caller gets (``tests/unit/test_speedups_properties.py`` compares the two on random inputs).
 

@@ -2,13 +2,16 @@
 
 Each worker holds a contiguous block of envs. Observations, actions, rewards, terminations
 and truncations live in one shared :class:`envfleet._core.buffers.Block`; per worker, a few shared
-control words carry the :class:`Command` and the reply status, and a
-:class:`~envfleet._backends.processes.doorbell.Doorbell` (two semaphores, spin-then-block)
-carries the "go" and the "done". Only what does not fit the buffers is pickled: reset options, call
-arguments and results, non-empty infos, errors. Requests travel on the worker's pipe, after
-its doorbell rang; a reply goes in the worker's shared mailbox (:data:`MAILBOX_BYTES`) when
-it fits, else on the pipe, so the infos an env returns every step (Atari's) cost no system
-call.
+control words carry the :class:`Command` and the reply status. A full step round (every
+worker, a plain step) is signalled by the
+:class:`~envfleet._backends.processes.doorbell.RoundBell` (C, x86-64 Linux); every other
+command, and every round where the bell is absent, by the worker's
+:class:`~envfleet._backends.processes.doorbell.Doorbell` (two semaphores, spin-then-block),
+which then carries the request and the reply's wake-up. Only what does not fit the buffers is
+pickled: reset options, call arguments and results, non-empty infos, errors. Requests travel
+on the worker's pipe, after its doorbell rang; a reply goes in the worker's shared mailbox
+(:data:`MAILBOX_BYTES`) when it fits, else on the pipe, so the infos an env returns every step
+(Atari's) cost no system call.
 
 Optionally the driver steps the first block of envs itself while the workers step theirs
 (``driver_envs``), so that on a machine with few cores no core idles while the driver waits.

@@ -90,7 +90,6 @@ __all__ = [
     "machine",
     "round_bell_available",
     "shared_semaphore",
-    "spin",
 ]
 
 BLOCK_SLICE_S = 0.02  # seconds a blocked waiter sleeps before checking liveness again
@@ -399,27 +398,6 @@ class RoundBell:
         """A worker's arrival on a full round (before its ``ACK``: R6); the last wakes the
         driver (R7)."""
         self._native.bell_arrive(self.address)
-
-
-def spin(poll: Callable[[], bool], budget: SpinBudget) -> bool:
-    """Poll for at most ``budget.budget_s`` seconds (back to back for :data:`TIGHT_SPIN_S`,
-    then yielding the core), as :meth:`Doorbell.wait` spins: whether ``poll()`` came true."""
-    if poll():
-        return True
-    clock = time.perf_counter
-    start = now = clock()
-    spin_until = start + budget.budget_s
-    tight_until = min(spin_until, start + TIGHT_SPIN_S)
-    while now < tight_until:
-        if poll():
-            return True
-        now = clock()
-    while now < spin_until:
-        _yield()
-        if poll():
-            return True
-        now = clock()
-    return False
 
 
 _BELL_FUNCTIONS = frozenset({"bell_ring", "bell_sleep", "bell_arrive", "gather_sleep"})
