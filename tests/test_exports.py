@@ -14,6 +14,7 @@ import pkgutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -220,3 +221,11 @@ def test_the_all_extra_is_every_extra() -> None:
     assert match is not None, spec
     named = set(match.group(1).split(","))
     assert named == set(extras) - {"all", "test", "dev", "docs"}
+
+
+@pytest.mark.parametrize("call", [envfleet.make, envfleet.Sampler], ids=["make", "Sampler"])
+def test_the_signature_holds_at_most_twelve_parameters(call: Any) -> None:
+    """make() and the Sampler stay small: options that go together are one object each
+    (``Supervision``, ``Processes``, ``Ray``, ``TorchOutput``), not more keywords."""
+    parameters = inspect.signature(call).parameters
+    assert len(parameters) <= 12, list(parameters)
