@@ -28,6 +28,7 @@ import importlib
 import inspect
 import re
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -105,11 +106,9 @@ def parse(docstring: str | None) -> Doc:
     return doc
 
 
-def _paragraphs(lines: list[str]) -> list[str]:
-    """The prose paragraphs of ``lines``, each joined into one line; literal blocks (after a
-    paragraph ending in ``::``) are dropped."""
-    found: list[str] = []
-    current: list[str] = []
+def _outside_literal_blocks(lines: list[str]) -> Iterator[str]:
+    """``lines`` without the literal blocks (the lines after one ending in ``::`` that are
+    blank or indented deeper than it)."""
     literal_at: int | None = None
     for line in lines:
         indent = len(line) - len(line.lstrip())
@@ -117,6 +116,17 @@ def _paragraphs(lines: list[str]) -> list[str]:
             if not line.strip() or indent > literal_at:
                 continue
             literal_at = None
+        yield line
+        if line.rstrip().endswith("::"):
+            literal_at = indent
+
+
+def _paragraphs(lines: list[str]) -> list[str]:
+    """The prose paragraphs of ``lines``, each joined into one line; literal blocks (after a
+    paragraph ending in ``::``) are dropped."""
+    found: list[str] = []
+    current: list[str] = []
+    for line in _outside_literal_blocks(lines):
         if not line.strip():
             if current:
                 found.append(" ".join(current))
@@ -124,7 +134,6 @@ def _paragraphs(lines: list[str]) -> list[str]:
             continue
         current.append(line.strip())
         if line.rstrip().endswith("::"):
-            literal_at = indent
             found.append(" ".join(current))
             current = []
     if current:
@@ -142,20 +151,15 @@ def _entries(body: list[str]) -> dict[str, str]:
     base = min(indents)
     names: list[str] = []
     text: list[str] = []
-    literal_at: int | None = None
 
     def flush() -> None:
         for name in names:
             found[name] = " ".join(text)
 
-    for line in body:
-        indent = len(line) - len(line.lstrip())
-        if literal_at is not None:
-            if not line.strip() or indent > literal_at:
-                continue
-            literal_at = None
+    for line in _outside_literal_blocks(body):
         if not line.strip():
             continue
+        indent = len(line) - len(line.lstrip())
         match = ENTRY.match(line) if indent == base else None
         if match:
             flush()
@@ -163,8 +167,6 @@ def _entries(body: list[str]) -> dict[str, str]:
             text = [match.group(2).strip()]
         elif names:
             text.append(line.strip())
-        if line.rstrip().endswith("::"):
-            literal_at = indent
     flush()
     return found
 
