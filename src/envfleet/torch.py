@@ -110,14 +110,9 @@ def check_output(output: Any, copy: bool) -> bool:
         ConfigError: another ``output``; torch missing; a device this machine lacks;
             ``pin_memory=True`` without an accelerator (CUDA) to pin memory for.
     """
-    if isinstance(output, str) and output in OUTPUTS:
-        if output == "numpy":
-            return copy
-        output = TorchOutput()
-    if not isinstance(output, TorchOutput):
-        raise ConfigError(
-            f"output must be one of {OUTPUTS} or an envfleet.TorchOutput, got {output!r}"
-        )
+    output = _torch_output(output)
+    if output is None:
+        return copy
     torch = import_torch()
     device = output.device
     dev = torch.device("cpu") if device is None else _check_device(torch, device)
@@ -127,6 +122,19 @@ def check_output(output: Any, copy: bool) -> bool:
             "build or machine has none (torch.cuda.is_available() is False)"
         )
     return copy and not output.pin_memory and dev.type == "cpu"
+
+
+def _torch_output(output: Any) -> TorchOutput | None:
+    """make()'s ``output`` as a :class:`envfleet.TorchOutput`, ``None`` for numpy.
+
+    Raises:
+        ConfigError: neither ``"numpy"``, ``"torch"`` nor a TorchOutput.
+    """
+    if isinstance(output, TorchOutput):
+        return output
+    if isinstance(output, str) and output in OUTPUTS:
+        return None if output == "numpy" else TorchOutput()
+    raise ConfigError(f"output must be one of {OUTPUTS} or an envfleet.TorchOutput, got {output!r}")
 
 
 def make_with_output(make: Callable[..., Any], arguments: dict[str, Any]) -> Any:
@@ -143,9 +151,9 @@ def make_with_output(make: Callable[..., Any], arguments: dict[str, Any]) -> Any
     output, copy = arguments.pop("output"), bool(arguments["copy"])
     arguments["copy"] = check_output(output, copy)
     env = make(**arguments)
-    if output == "numpy":
+    torch_output = _torch_output(output)
+    if torch_output is None:
         return env
-    torch_output = output if isinstance(output, TorchOutput) else TorchOutput()
     try:
         return TorchVectorEnv(
             env, device=torch_output.device, pin_memory=torch_output.pin_memory, copy=copy

@@ -161,6 +161,7 @@ def make(  # type: ignore[misc]  # the overloads stand for its keyword arguments
     if not isinstance(supervision, Supervision):
         raise ConfigError(f"supervision must be an envfleet.Supervision, got {supervision!r}")
     name, backend_options, processes = backend_of(backend)
+    driver_envs = 0 if processes is None else processes.driver_envs
     mode = autoreset_mode_of(autoreset_mode)
     pool = batch_size is not None and batch_size != _given_num_envs(env, num_envs)
     explicit = _check_observation_mode(observation_mode)
@@ -169,7 +170,7 @@ def make(  # type: ignore[misc]  # the overloads stand for its keyword arguments
             backend=name,
             pool=pool,
             num_workers=num_workers is not None,
-            driver_envs=0 if processes is None else processes.driver_envs,
+            driver_envs=driver_envs,
             autoreset_mode=mode,
             observation_mode_given=observation_mode != "same",
             output="numpy" if output == "numpy" else "torch",
@@ -186,7 +187,6 @@ def make(  # type: ignore[misc]  # the overloads stand for its keyword arguments
         return _native_vector_env(spec, native, copy)
     step_timeout = supervision.step_timeout
     restart_policy = supervision.restart_policy
-    driver_envs = 0 if processes is None else processes.driver_envs
     if not supervision.explicit_restarts and driver_envs:
         restart_policy = None  # envs the driver runs (an opt-in share): none rebuilt
     context = None if processes is None else processes.context
