@@ -24,7 +24,7 @@ import pytest
 
 import envfleet
 import envfleet._core.native
-from envfleet._backends.processes import doorbell
+from envfleet._backends.processes import doorbell, lifecycle
 from tests.envs import IndexedEnv, sync_factories
 from tests.helpers import assert_same
 
@@ -162,18 +162,16 @@ def test_the_scan_catches_the_forms_of_a_store() -> None:
 
 
 @pytest.mark.parametrize("cpu", ["aarch64", "ppc64le", "riscv64", "s390x", "armv7l", ""])
-def test_the_round_bell_is_off_on_weakly_ordered_cpus(monkeypatch: Any, cpu: str) -> None:
+def test_the_round_bell_is_off_on_weakly_ordered_cpus(cpu: str) -> None:
     """Reported as another CPU than x86-64, the machine has no round bell."""
-    monkeypatch.setattr(doorbell, "machine", lambda: cpu)
-    assert doorbell.round_bell_available() is False
+    assert doorbell.round_bell_available(cpu) is False
 
 
-def test_the_round_bell_is_on_on_x86_64_linux(monkeypatch: Any) -> None:
+def test_the_round_bell_is_on_on_x86_64_linux() -> None:
     """On x86-64 the bell runs wherever futexes are (Linux) and the C module's bell
     functions run (R9: they are its one implementation)."""
-    monkeypatch.setattr(doorbell, "machine", lambda: "x86_64")
     has_c = envfleet._core.native.speedups is not None
-    assert doorbell.round_bell_available() is (sys.platform.startswith("linux") and has_c)
+    assert doorbell.round_bell_available("x86_64") is (sys.platform.startswith("linux") and has_c)
     assert frozenset({"x86_64"}) == doorbell.ROUND_BELL_MACHINES
 
 
@@ -201,7 +199,9 @@ def test_without_the_c_module_there_is_no_round_bell(make_env: Any, monkeypatch:
 def test_a_vector_env_on_aarch64_rings_the_semaphores(make_env: Any, monkeypatch: Any) -> None:
     """A processes vector env made while the machine reports aarch64 has no round bell:
     its workers are rung on their own semaphores, and it steps."""
-    monkeypatch.setattr(doorbell, "machine", lambda: "aarch64")
+    monkeypatch.setattr(
+        lifecycle, "round_bell_available", lambda: doorbell.round_bell_available("aarch64")
+    )
     fleet = make_env(
         IndexedEnv,
         3,

@@ -87,7 +87,6 @@ __all__ = [
     "RoundBell",
     "SharedSem",
     "SpinBudget",
-    "machine",
     "round_bell_available",
     "shared_semaphore",
 ]
@@ -303,32 +302,27 @@ BELL_BYTES = 64  # the round bell's words, on a cache line of their own
 _REMAINING = 4
 
 
-def machine() -> str:
-    """This machine's CPU architecture as the kernel names it (``os.uname().machine``:
-    ``x86_64``, ``aarch64``...; ``""`` where there is no ``uname``). A function, read by
-    :func:`round_bell_available` each time, so that a test can report another CPU."""
-    return os.uname().machine if hasattr(os, "uname") else ""
-
-
 ROUND_BELL_MACHINES = frozenset({"x86_64"})
 """The CPUs on which the round bell runs (round protocol R9); everywhere else
 :func:`round_bell_available` is False and every command is rung on the worker's POSIX
 semaphores (full barriers)."""
 
-USE_ROUND_BELL = True
-"""Whether a new processes backend rings its workers with a :class:`RoundBell` where it can
-(Linux on x86-64); the tests turn it off to run the per-worker semaphores there too."""
 
-
-def round_bell_available() -> bool:
+def round_bell_available(machine: str | None = None) -> bool:
     """A :class:`RoundBell` works here: Linux (futexes), on a CPU of
     :data:`ROUND_BELL_MACHINES` (x86-64), with the C module's bell functions, the one
     implementation of the bell (without them every command goes on the workers' POSIX
-    semaphores, as on other CPUs)."""
+    semaphores, as on other CPUs).
+
+    Args:
+        machine: the CPU architecture as the kernel names it (``x86_64``, ``aarch64``...);
+            default this machine's, ``os.uname().machine``.
+    """
+    if machine is None:
+        machine = os.uname().machine if hasattr(os, "uname") else ""
     return (
-        USE_ROUND_BELL
-        and sys.platform.startswith("linux")
-        and machine() in ROUND_BELL_MACHINES
+        sys.platform.startswith("linux")
+        and machine in ROUND_BELL_MACHINES
         and _native_bell() is not None
     )
 
