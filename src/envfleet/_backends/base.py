@@ -28,11 +28,13 @@ from envfleet._core.stats import StepTimer, StepTimeStats, WorkerMemory
 __all__ = [
     "Backend",
     "EnvProbe",
+    "NativeBackend",
     "Prebuilt",
     "WorkerLayout",
     "accepts_env_index",
     "bind_env_index",
     "build_group_envs",
+    "native_of",
     "none_if_empty",
     "run_command",
     "worker_ranges",
@@ -214,21 +216,6 @@ class Backend(abc.ABC):
     late_fate = "they were killed"  # what became of them
     # Per env index, its zero-argument factory (set by make()): what a replay rebuilds it from.
     factories: Sequence[Callable[[], gymnasium.Env[Any, Any]]] | None = None
-    # A backend whose native library steps the whole batch (envpool) and implements
-    # native_step / native_send / native_recv: the front hands its arrays through.
-    native = False
-
-    def native_step(self, actions: Any, copy: bool) -> tuple[Any, Any, Any, Any, dict[str, Any]]:
-        """A synchronous step of every env in the native library (where ``native``)."""
-        raise NotImplementedError
-
-    def native_send(self, actions: Any, env_ids: Any) -> None:
-        """A first-ready pool's send in the native library (where ``native``)."""
-        raise NotImplementedError
-
-    def native_recv(self, copy: bool) -> tuple[Any, Any, Any, Any, dict[str, Any]]:
-        """A first-ready pool's recv in the native library (where ``native``)."""
-        raise NotImplementedError
 
     @property
     def num_workers(self) -> int:
@@ -364,3 +351,28 @@ class DisownedBackend:
             f"process {os.getpid()}, forked from it: make one in this process instead",
             self.owner_pid,
         )
+
+
+class NativeBackend(Backend):
+    """A backend whose native library steps the whole batch itself (``envpool``): where
+    :attr:`native` holds, the front hands its arrays through :meth:`native_step`,
+    :meth:`native_send` and :meth:`native_recv` instead of rounds."""
+
+    native: bool  # the library's own path runs (set by the backend when it is built)
+
+    @abc.abstractmethod
+    def native_step(self, actions: Any, copy: bool) -> tuple[Any, Any, Any, Any, dict[str, Any]]:
+        """A synchronous step of every env in the native library."""
+
+    @abc.abstractmethod
+    def native_send(self, actions: Any, env_ids: Any) -> None:
+        """A first-ready pool's send in the native library."""
+
+    @abc.abstractmethod
+    def native_recv(self, copy: bool) -> tuple[Any, Any, Any, Any, dict[str, Any]]:
+        """A first-ready pool's recv in the native library."""
+
+
+def native_of(backend: Backend) -> NativeBackend | None:
+    """``backend`` where its native library's own path runs, else None."""
+    return backend if isinstance(backend, NativeBackend) and backend.native else None

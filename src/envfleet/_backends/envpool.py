@@ -62,7 +62,7 @@ import gymnasium
 import numpy as np
 from gymnasium.vector import AutoresetMode
 
-from envfleet._backends.base import Backend
+from envfleet._backends.base import NativeBackend
 from envfleet._backends.registry import BackendSpec, NativeRequest, register
 from envfleet._backends.supervisor import Ledger
 from envfleet._core.buffers import (
@@ -240,7 +240,7 @@ def open_envpool(request: NativeRequest) -> EnvPoolBackend:
     return EnvPoolBackend(envpool, task_id, num_envs, batch, mode, kwargs)
 
 
-class EnvPoolBackend(Backend):
+class EnvPoolBackend(NativeBackend):
     """Drives one ``envpool.make(task_id, env_type="gymnasium", ...)`` pool (module docstring).
 
     Synchronous mode: ``ranges == [(0, num_envs)]``; a step is ``send(all actions)`` in

@@ -11,13 +11,13 @@ from __future__ import annotations
 import collections
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import gymnasium
 import numpy as np
 from gymnasium.vector.utils import create_empty_array
 
-from envfleet._backends.base import Backend
+from envfleet._backends.base import Backend, NativeBackend
 from envfleet._core.buffers import fixed_leaf_flags, fixed_part, is_leaf, side_leaves
 from envfleet._core.errors import (
     EnvError,
@@ -426,16 +426,17 @@ class FirstReadyPool:
 
 
 class NativePool(FirstReadyPool):
-    """The first-ready pool of a backend whose native library runs it (``backend.native``:
-    EnvPool's asynchronous mode): :meth:`send` and :meth:`recv` check what
-    :class:`FirstReadyPool`'s do, then call the library at once. Every env is its own
+    """The first-ready pool of a backend whose native library runs it
+    (:class:`envfleet._backends.base.NativeBackend`: EnvPool's asynchronous mode):
+    :meth:`send` and :meth:`recv` check what :class:`FirstReadyPool`'s do, then call the
+    library at once. Every env is its own
     "worker" there and the library's ``recv`` returns exactly ``batch_size`` envs, so no env
     waits in a ready queue: an env is idle (awaiting an action) or running.
     """
 
     def __init__(
         self,
-        backend: Backend,
+        backend: NativeBackend,
         outputs: ResultBuffers,
         single_action_space: gymnasium.Space[Any],
         batch_size: int | None,
@@ -496,7 +497,7 @@ class NativePool(FirstReadyPool):
                 state.put(ids, IDLE)
                 raise
         self._running += count
-        self.backend.native_send(actions, ids)
+        cast(NativeBackend, self.backend).native_send(actions, ids)
 
     def _staged(self, actions: Any, count: int) -> Any:
         """``actions`` for ``count`` envs checked and converted to the space's dtype.
@@ -524,7 +525,7 @@ class NativePool(FirstReadyPool):
                 f"recv() returns {need} envs but only {self._running} are running or ready; "
                 "send() actions to more envs first"
             )
-        results = self.backend.native_recv(self.copy)
+        results = cast(NativeBackend, self.backend).native_recv(self.copy)
         self.env_state.put(results[4]["env_id"], IDLE)
         self._running -= need
         return results

@@ -27,7 +27,7 @@ from gymnasium.vector import AutoresetMode, VectorEnv
 from gymnasium.vector.async_vector_env import AsyncState
 from gymnasium.vector.utils import batch_space
 
-from envfleet._backends.base import Backend, DisownedBackend
+from envfleet._backends.base import Backend, DisownedBackend, native_of
 from envfleet._core.buffers import caller_leaves, is_leaf, side_leaves
 from envfleet._core.errors import (
     AlreadyPendingCallError,
@@ -132,8 +132,12 @@ class FleetVectorEnv(VectorEnv[Any, Any, np.ndarray]):
             backend.batch, single_observation_space, slabs=copy and not is_pool
         )
         # The first-ready pool's env states and calls (async_reset, send, recv).
-        pool_type = NativePool if backend.native and is_pool else FirstReadyPool
-        self._pool = pool_type(backend, self._outputs, single_action_space, batch_size, copy)
+        native = native_of(backend)
+        self._pool = (
+            NativePool(native, self._outputs, single_action_space, batch_size, copy)
+            if native is not None and is_pool
+            else FirstReadyPool(backend, self._outputs, single_action_space, batch_size, copy)
+        )
         self.batch_size = self._pool.batch_size
         self.is_pool = self._pool.is_pool
         # Action leaves without a fixed size, and leaves of another dtype than the space's:
@@ -240,9 +244,10 @@ class FleetVectorEnv(VectorEnv[Any, Any, np.ndarray]):
         """
         backend = self._backend
         mode, pool = self.autoreset_mode, self._pool.is_pool
+        native = native_of(backend)
         self._native_step = (
-            backend.native_step
-            if backend.native and not pool and mode is AutoresetMode.NEXT_STEP
+            native.native_step
+            if native is not None and not pool and mode is AutoresetMode.NEXT_STEP
             else None
         )
         self._step_round = (
