@@ -26,11 +26,10 @@ answers ``None`` when the round is complete, else a
 what it leaves (a reply to read, a worker still running, a failure) goes through the same Python
 round.
 
-No wait is silent (:meth:`RoundDriver.report_hangs`): a Python wait is capped at the next
-hang report's time, and past it warns :class:`envfleet.HangWarning` with the stacks of the
-workers still to reply, then waits on; the groups run in the calling thread mark an
-:class:`~envfleet._core.hangs.InlineRun` that a reporter thread watches. A
-``KeyboardInterrupt`` in a wait carries a note naming the busy envs and their stacks.
+No wait is silent: a Python wait is capped at the next hang report's time
+(:class:`_HangReports`, one call's schedule), and past it reports and waits on; a
+``KeyboardInterrupt`` in a wait carries a note naming the busy envs and their stacks (the
+report and the note: :class:`~envfleet._backends.hang_reports.HangReporter`).
 
 Ctrl-C keeps the run. A ``KeyboardInterrupt`` in a synchronous round's wait (``gather``: a
 step, a reset, ``step_wait``, a call or a task; the C step round's too) is *deferred*: the
@@ -55,13 +54,13 @@ token is lost there is found by no later wait on it, which then ends at ``step_t
 from __future__ import annotations
 
 import logging
-import sys
 import time
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NoReturn, Protocol, cast
 
 from envfleet._backends.base import Backend
+from envfleet._backends.hang_reports import HangReporter
 from envfleet._backends.recycle import Recycle, Recycler
 from envfleet._backends.supervisor import (
     RESTARTABLE,
@@ -83,14 +82,9 @@ from envfleet._core.hangs import (
     DEFAULT_HANG_REPORT_DELAY,
     InlineRun,
     add_note,
-    busy_blocks,
-    describe_inline,
     env_in_frames,
-    hang_message,
     runs_envs_here,
     traceback_frames,
-    warn_hang,
-    watch_inline,
 )
 from envfleet._core.protocol import Command, RoundOutcome, TaskRequest
 from envfleet._core.replay import (
@@ -232,8 +226,9 @@ class Transport(Protocol):
     def disown(self) -> None: ...
 
 
-class RoundDriver(Backend):
-    """The one :class:`~envfleet._backends.base.Backend`: every round over ``transport``.
+class RoundDriver(HangReporter, Backend):
+    """The one :class:`~envfleet._backends.base.Backend`: every round over ``transport``
+    (its hang reports and Ctrl-C notes :class:`HangReporter`'s).
 
     Args:
         transport: its workers, spawned (their ``READY`` replies not yet read).
@@ -248,6 +243,8 @@ class RoundDriver(Backend):
         EnvCrashedError: a worker died while starting.
         StartTimeoutError: the workers did not build their envs within ``start_timeout``.
     """
+
+    transport: Transport
 
     def __init__(
         self,
@@ -304,18 +301,6 @@ class RoundDriver(Backend):
     @property
     def closed(self) -> bool:
         return self.transport.closed
-
-    def report_hangs(self, delay: float | None) -> None:
-        """Warn :class:`envfleet.HangWarning` when a call waits on busy envs past ``delay``
-        seconds, then after twice that, four times, ... (``None``: never). The Python waits
-        report the workers still to reply; the envs this transport runs in the calling
-        thread are watched by the reporter thread (:func:`envfleet._core.hangs.watch_inline`).
-        """
-        self._hang_delay = delay
-        if delay is not None:
-            self._busy.delay = delay
-            if any(self.transport.inline(c) for c in Command):
-                watch_inline(self._busy)
 
     # -- the front's calls ----------------------------------------------------------------
 
@@ -780,84 +765,7 @@ class RoundDriver(Backend):
                 add_note(exc, "envfleet: the wait was undone; the vector env is usable")
             raise
 
-    # -- hang reports and Ctrl-C ----------------------------------------------------------------
-
-    def _noun(self) -> str:
-        """How a report names one worker: ``"thread"`` (threads) or ``"worker"``."""
-        return "thread" if self.late_what == "threads" else "worker"
-
-    def _report_hang(
-        self, workers: list[int], waited_s: float, next_s: float, starting: bool
-    ) -> None:
-        """Warn :class:`envfleet.HangWarning` that ``workers`` have not replied for
-        ``waited_s`` seconds, with their stacks (none for workers still starting: a worker
-        asked for its stacks before it watches the signal would die of it)."""
-        stacks = {} if starting else self.stacks(list(workers))
-        missing = (
-            "stack not taken while its worker starts"
-            if starting
-            else "stack not available (the worker did not write it in time, or this backend "
-            "takes none here: serial, or a Ray actor whose node's helper is gone)"
-        )
-        what = "start" if starting else self._command.name.lower()
-        message = hang_message(
-            what, waited_s, next_s, self.ranges, workers, stacks, self._noun(), missing
-        )
-        warn_hang(message, sys._getframe(1))
-
-    def _still_busy(self, workers: Sequence[int]) -> list[int]:
-        """The workers of ``workers`` that have not replied (nor died): the transport's
-        ``busy`` where it has one (it takes nothing: processes, whose waits take a reply's
-        token), else each asked with a wait whose deadline has passed (the in-process
-        transports and Ray: their waits take nothing a later wait would miss)."""
-        probe = getattr(self.transport, "busy", None)
-        if probe is not None:
-            return cast(list[int], probe(list(workers)))
-        busy = []
-        for w in workers:
-            seen = self.transport.wait([w], 0.0, False)
-            if not seen.ready and not seen.dead:
-                busy.append(w)
-        return busy
-
-    def _interrupted(
-        self, exc: BaseException, workers: Sequence[int], what: str | None = None
-    ) -> None:
-        """Note on ``exc``, a ``KeyboardInterrupt`` (anything else is left as it is), where
-        it came: the env run in this thread whose frame its traceback holds, else the busy
-        ``workers`` with their stacks, taken now (before the round is completed or closed). Once
-        per exception; never raises but a second interrupt."""
-        if not isinstance(exc, KeyboardInterrupt) or getattr(exc, "_envfleet_noted", False):
-            return
-        try:
-            exc._envfleet_noted = True  # type: ignore[attr-defined]
-            what = what or self._command.name.lower()
-            group, env_index = env_in_frames(traceback_frames(exc.__traceback__))
-            if group is not None:
-                tb = exc.__traceback__
-                while tb is not None and tb.tb_next is not None:
-                    tb = tb.tb_next
-                at = ""
-                if tb is not None:
-                    code = tb.tb_frame.f_code
-                    at = f" at {code.co_filename}:{tb.tb_lineno} in {code.co_name}"
-                where = describe_inline(self.ranges, group, env_index)
-                add_note(exc, f"envfleet: Ctrl-C interrupted {where}{at}, busy in {what}")
-                return
-            busy = self._still_busy(workers)
-            if not busy:
-                return
-            noun = self._noun()
-            stacks = self.stacks(busy) if what != "start" else {}
-            envs = [e for w in busy for e in range(*self.ranges[w])]
-            add_note(
-                exc,
-                f"envfleet: Ctrl-C interrupted the wait on {noun}s {busy} (sub-environments "
-                f"{envs}){first_at(stacks, busy, noun)}, busy in {what}; their "
-                "stacks, taken at the interrupt:\n" + busy_blocks(self.ranges, busy, stacks, noun),
-            )
-        except Exception:  # the note is a help: never mask the interrupt
-            logger.debug("could not note where the interrupt came", exc_info=True)
+    # -- a Ctrl-C's round: kept, completed, then raised -----------------------------------------
 
     def _defer(self, exc: KeyboardInterrupt) -> bool:
         """Keep ``exc`` to raise once the interrupted round is complete; ``False`` (and a
