@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import envfleet
-from envfleet._backends.rounds import RoundDriver
+from envfleet._backends.replacement import WorkerReplacement
 from envfleet._core.stacks import innermost
 from tests.envs import FaultEnv
 
@@ -210,14 +210,14 @@ def test_start_timeout_none_waits_for_a_slow_constructor(
 
         waiting, made = threading.Event(), threading.Event()
         began: list[float] = []
-        start = RoundDriver._start
+        start = WorkerReplacement._start
 
-        def watched_start(self: RoundDriver, *args: Any, **kwargs: Any) -> None:
+        def watched_start(self: WorkerReplacement, *args: Any, **kwargs: Any) -> None:
             began.append(time.monotonic())
             waiting.set()  # the driver begins waiting for its workers (its deadline, if any)
             start(self, *args, **kwargs)
 
-        monkeypatch.setattr(RoundDriver, "_start", watched_start)
+        monkeypatch.setattr(WorkerReplacement, "_start", watched_start)
 
         def let_go() -> None:
             waiting.wait(60)

@@ -5,7 +5,8 @@ and replies back; it implements the few primitives of :class:`Transport` and hol
 over pending workers. :class:`RoundDriver` is the one :class:`~envfleet._backends.base.Backend`
 the front talks to: it runs every round over any transport (the synchronous round, the
 first-ready pool's, ``call``/``get_attr``/tasks, the Sampler's worker rounds, ProcessEnv's
-calls, the start and the replacement of workers):
+calls, the start and the replacement of workers, whose side of the driver is
+:class:`~envfleet._backends.replacement.WorkerReplacement`):
 
 1. **command out**: :meth:`Transport.send` to each worker of the round (the groups a transport
    runs in the calling thread, :meth:`Transport.inline`, last, so the others run meanwhile);
@@ -53,31 +54,18 @@ token is lost there is found by no later wait on it, which then ends at ``step_t
 
 from __future__ import annotations
 
-import logging
 import time
-import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NoReturn, Protocol, cast
 
 from envfleet._backends.base import Backend
 from envfleet._backends.hang_reports import HangReporter
-from envfleet._backends.recycle import Recycle, Recycler
-from envfleet._backends.supervisor import (
-    RESTARTABLE,
-    Ledger,
-    Round,
-    Supervisor,
-    timeout_error,
-)
+from envfleet._backends.recycle import Recycler
+from envfleet._backends.replacement import WorkerReplacement
+from envfleet._backends.supervisor import RESTARTABLE, Ledger, Round, Supervisor
 from envfleet._core.buffers import Batch
-from envfleet._core.errors import (
-    EnvCrashedError,
-    EnvError,
-    EnvfleetError,
-    StartTimeoutError,
-    StepTimeoutError,
-)
-from envfleet._core.failures import CLOSED, mismatch_error, start_error
+from envfleet._core.errors import EnvCrashedError, EnvError, EnvfleetError
+from envfleet._core.failures import CLOSED
 from envfleet._core.hangs import (
     DEFAULT_HANG_REPORT_DELAY,
     InlineRun,
@@ -86,22 +74,13 @@ from envfleet._core.hangs import (
     runs_envs_here,
     traceback_frames,
 )
-from envfleet._core.protocol import Command, RoundOutcome, TaskRequest
-from envfleet._core.replay import (
-    EnvRecording,
-    catch_up_envs,
-    recording_of,
-    replays_of,
-    restore_envs,
-)
-from envfleet._core.stacks import at, first_at
-from envfleet._core.stats import StepTimeStats, WorkerMemory
+from envfleet._core.protocol import Command, RoundOutcome
+from envfleet._core.replay import recording_of, replays_of
+from envfleet._core.stats import StepTimeStats
 
 __all__ = ["RoundDriver", "Seen", "Transport"]
 
-logger = logging.getLogger("envfleet")
-
-_STEP, _RESTART, _TASK = Command.STEP, Command.RESTART, Command.TASK
+_STEP, _RESTART = Command.STEP, Command.RESTART
 
 # Seconds a round interrupted by Ctrl-C may take to complete when the call has no
 # step_timeout (with one, the step_timeout bounds it). An env's step is milliseconds, a slow
@@ -226,9 +205,10 @@ class Transport(Protocol):
     def disown(self) -> None: ...
 
 
-class RoundDriver(HangReporter, Backend):
+class RoundDriver(HangReporter, WorkerReplacement, Backend):
     """The one :class:`~envfleet._backends.base.Backend`: every round over ``transport``
-    (its hang reports and Ctrl-C notes :class:`HangReporter`'s).
+    (its hang reports and Ctrl-C notes :class:`HangReporter`'s, its workers' start and
+    replacement :class:`WorkerReplacement`'s).
 
     Args:
         transport: its workers, spawned (their ``READY`` replies not yet read).
@@ -839,50 +819,6 @@ class RoundDriver(HangReporter, Backend):
         )
         return kept
 
-    # -- starting and replacing workers ---------------------------------------------------------
-
-    def _start(self, workers: list[int], timeout: float | None, step: int, at_start: bool) -> None:
-        """Wait for ``workers``, just spawned, to build their envs (within ``timeout``
-        seconds in all: ``start_timeout``, also for a replacement), lay them out
-        (:meth:`Transport.lay_out`: at the start with env 0's probe) and check them; raise for
-        the first that could not.
-
-        Raises:
-            StartTimeoutError: past ``timeout`` (a replacement's: the vector env closed).
-            EnvError, ConfigError, SpaceMismatchError, EnvCrashedError: as :class:`RoundDriver`.
-        """
-        transport = self.transport
-        deadline = None if timeout is None else time.monotonic() + timeout
-        try:
-            done = self.gather(workers, deadline, timeout, step, True, starting=True)
-            _check_built(done)
-            probe = done.results.get(0) if at_start else None
-            if transport.lay_out(workers, probe):
-                done = self.gather(workers, deadline, timeout, step, True, starting=True)
-        except StepTimeoutError as exc:
-            raise self._late_start(exc, timeout, "built" if at_start else "rebuilt") from None
-        _check_built(done)
-        for w in sorted(done.results):
-            if done.results[w] is not None:
-                raise mismatch_error(done.results[w])
-
-    def _late_start(
-        self, exc: StepTimeoutError, timeout: float | None, what: str
-    ) -> StartTimeoutError:
-        """``exc``, a wait past ``start_timeout`` while workers were ``what`` ("built" at the
-        start; later the vector env closed), as the :class:`StartTimeoutError` it is."""
-        envs = set(exc.env_indices)
-        late = [w for w, (a, b) in enumerate(self.ranges) if envs.intersection(range(a, b))]
-        fate = "" if what == "built" else " and the vector env closed"
-        return StartTimeoutError(
-            f"sub-environments {exc.env_indices} were not {what} within {timeout} s "
-            f"(start_timeout){first_at(exc.stacks, late)}; their {self.late_what} {late} "
-            f"were killed{fate}",
-            exc.env_indices,
-            float(timeout if timeout is not None else 0.0),
-            exc.stacks,
-        )
-
     # -- the mechanics the supervisor uses (Supervised) ---------------------------------------
 
     def env_error(self, w: int, failure: Any, note: str) -> EnvError:
@@ -898,302 +834,6 @@ class RoundDriver(HangReporter, Backend):
         error = self.transport.crash_error(w, step, note, reason, starting, fate)
         error.replay = replays_of("crash", str(error), self.recordings(w), self.factories)
         return error
-
-    def recordings(self, w: int) -> list[EnvRecording]:
-        """Worker ``w``'s envs' episodes so far (for a replay), read where its record
-        outlives it (the transport's ``recordings``: in-process, processes, Ray); else
-        none."""
-        read = getattr(self.transport, "recordings", None)
-        return read(w) if read is not None else []
-
-    def stacks(self, workers: list[int]) -> dict[int, str]:
-        """Each of ``workers``' stacks, taken now (the transport's ``stacks``, where it has
-        one: processes, threads and Ray), worker -> text."""
-        take = getattr(self.transport, "stacks", None)
-        return take(workers) if take is not None else {}
-
-    # -- recycling (envfleet.Recycle) ----------------------------------------------------------
-
-    def recycle_with(self, policy: Recycle) -> None:
-        """Recycle the workers past ``policy``'s limits from now on (the transport gives
-        ``log_head`` and ``rss``, and may give ``counters``: processes, Ray)."""
-        # A proxy, as the supervisor's: no reference cycle keeps the workers past close.
-        self._recycler = Recycler(policy, cast(Any, weakref.proxy(self)))
-
-    def log_head(self, w: int) -> tuple[int, int, Any] | None:
-        """Worker ``w``'s action-log counters (:func:`envfleet._core.replay.read_head`)."""
-        return cast(Any, self.transport).log_head(w)
-
-    def counters(self) -> list[tuple[tuple[int, int, Any] | None, int | None]]:
-        """Per worker: its action-log counters and its resident memory (the recycler's look):
-        the transport's ``counters`` where it has one (Ray: one question to each node's
-        helper), else the transport's ``log_head`` and ``rss`` of each worker."""
-        transport = cast(Any, self.transport)
-        read = getattr(transport, "counters", None)
-        if read is not None:
-            return cast(list[tuple[tuple[int, int, Any] | None, int | None]], read())
-        return [(transport.log_head(w), transport.rss(w)) for w in range(len(self.ranges))]
-
-    def memory(self) -> list[int | None] | None:
-        """Per worker its resident memory as last sampled (the transport's ``rss``: processes),
-        for the recycler's look without the logs; ``None`` where the transport has none
-        (Ray: its nodes' helpers answer :meth:`counters`)."""
-        rss = getattr(self.transport, "rss", None)
-        if rss is None or getattr(self.transport, "counters", None) is not None:
-            return None
-        return [rss(w) for w in range(len(self.ranges))]
-
-    def worker_memory(self) -> tuple[WorkerMemory, ...]:
-        read = getattr(self.transport, "worker_memory", None)
-        return read() if read is not None else ()
-
-    def _recycle_due(self, step: int) -> None:
-        for w in cast(Recycler, self._recycler).due():
-            self._recycle(w, step)
-
-    def _recycle(self, w: int, step: int) -> None:
-        """Replace idle worker ``w`` with a new one whose envs continue its envs' episodes:
-        building them and bringing them up to date, each within ``start_timeout``."""
-        recycler = cast(Recycler, self._recycler)
-        recordings = self.recordings(w)
-        if not recycler.replayable(w, recordings):
-            return
-        self.transport.respawn(w, "recycle")
-        try:
-            self._start([w], self._start_timeout, step, at_start=False)
-        except EnvfleetError:  # a new worker could not start: give up
-            self.close(timeout=0, terminate=True)
-            raise
-        request = TaskRequest(restore_envs, (recordings, self._ended_episodes(w)))
-        self._bring_up(w, request, step, "recycling its worker")
-        self.ledger.recycled += 1
-        recycler.recycled(w, self.log_head(w))
-
-    def replace_workers(
-        self, workers: list[int], done: Round, timeout: float | None, step: int
-    ) -> dict[int, StepTimeoutError]:
-        others = [w for w in self._pending if w not in workers]  # a pool's, still running
-        late = [w for w in workers if w in done.late]
-        # Taken by spare() before a host was killed, else now.
-        stacks, self._late_stacks = self._late_stacks or self.stacks(late), None
-        for w, text in stacks.items():
-            logger.warning(
-                "worker %d did not answer in time%s; its stacks before it was killed:\n%s",
-                w,
-                at(text),
-                text,
-            )
-        hung = {}
-        for w in late:  # what it would have raised
-            fate = "killed and restarted by the restart policy"
-            mine = {w: stacks[w]} if w in stacks else {}
-            hung[w] = timeout_error(self, [w], timeout, mine, fate)
-        reasons = {w: done.crashed.get(w, "late" if w in done.late else "host") for w in workers}
-        respawn_all = getattr(self.transport, "respawn_all", None)
-        if respawn_all is not None:
-            respawn_all(reasons)  # a host process once for all its groups
-        else:
-            for w in workers:
-                self.transport.respawn(w, reasons[w])
-        try:
-            self._start(workers, self._start_timeout, step, at_start=False)
-        except EnvfleetError:  # a new worker could not start: give up
-            self.close(timeout=0, terminate=True)
-            raise
-        self._pending = others
-        return hung
-
-    def spare(
-        self, done: Round, after: dict[int, Command]
-    ) -> tuple[dict[int, tuple[TaskRequest, bool]], list[int]]:
-        """Before the dead and hung workers of ``done`` are replaced: where one is a group
-        hosted with others in one process (a first-ready pool's default), the groups that go
-        down with its process without being at fault, and how each is brought back in the
-        new one. Their process is killed here (the hung groups' stacks taken first).
-
-        At fault: a hung group; of a process that died, the group whose env a fatal signal
-        hit (its handler's note), or, where not known (SIGKILL, ``os._exit``), each group
-        that was inside its env. Every other group of the process is *spared*: one that had
-        replied has its reply read; one sent a plain step takes it again from its record
-        (:func:`~envfleet._core.replay.catch_up_envs`); one idle, or whose reply was read,
-        is brought to where it was (:func:`~envfleet._core.replay.restore_envs`). A group
-        that cannot be (no complete record, a reset or call in flight) is at fault too: it is
-        added to ``done.crashed`` (and ``after``, its command).
-
-        Returns:
-            spared: group -> (its bring-up task, whether it was sent a command: the task's
-                result is then its result);
-            dropped: idle groups whose envs are rebuilt (restarted after ``RESET``) whose
-                restart result must not reach the front (it sent them nothing).
-        """
-        transport = cast(Any, self.transport)
-        hosted = getattr(transport, "hosted", None)
-        down = [*done.crashed, *done.late]
-        if hosted is None or not any(hosted(w) for w in down):
-            return {}, []
-        self._late_stacks = self.stacks(list(done.late))  # before their process goes
-        everyone = sorted({*down, *transport.host_mates(down)})
-        transport.kill(everyone)
-        culprits = set(done.late)
-        for w in done.crashed:
-            fault = transport.fault_group(w)
-            if fault is not None:
-                culprits.add(fault)
-            elif transport.running_env(w) is not None:
-                culprits.add(w)  # inside its env when its process died: it may be the one
-        pending = {*self._pending, *done.crashed, *done.late}
-        commands = self.supervisor.commands
-        spared: dict[int, tuple[TaskRequest, bool]] = {}
-        dropped: list[int] = []
-        for w in everyone:
-            if w in culprits:
-                continue
-            request = None
-            if w in pending:
-                command = after.get(w, commands.get(w, _STEP))
-                if transport.replied(w):
-                    done.crashed.pop(w, None)
-                    transport.read(w, done)  # its reply, read as any other
-                    if w in done.results:
-                        request = self._restore_request(w)
-                        pending.discard(w)  # answered: brought back, its result kept
-                    else:  # it failed, or its reply was cut short: as at fault
-                        done.failures.pop(w, None)
-                elif command is _STEP:
-                    caught = transport.pending_step(w)
-                    if caught is not None and all(r.complete for r in caught[0]):
-                        recordings, actions = caught
-                        ended = self._ended_episodes(w)
-                        request = TaskRequest(catch_up_envs, (recordings, actions, ended, []))
-                if request is None:
-                    done.crashed.setdefault(w, "")
-                    after.setdefault(w, command)
-                    continue
-                done.crashed.pop(w, None)
-                spared[w] = (request, w in pending)
-                continue
-            request = self._restore_request(w)
-            if request is None:  # idle, no complete record: rebuilt, its result dropped
-                done.crashed.setdefault(w, "")
-                after[w] = Command.RESET
-                dropped.append(w)
-                continue
-            spared[w] = (request, False)
-        for w in culprits:  # at fault though it was not found dead yet
-            if w in everyone and w not in done.crashed and w not in done.late:
-                done.crashed[w] = ""
-                if w not in pending:
-                    after[w] = Command.RESET
-                    dropped.append(w)
-                else:
-                    after.setdefault(w, commands.get(w, _STEP))
-        self._pending = [w for w in self._pending if w not in spared]
-        return spared, dropped
-
-    def _restore_request(self, w: int) -> TaskRequest | None:
-        """The task that brings worker ``w``'s envs in a new worker to where its record says
-        they are (:func:`~envfleet._core.replay.restore_envs`); ``None`` without a complete
-        record."""
-        recordings = self.recordings(w)
-        start, stop = self.ranges[w]
-        if len(recordings) != stop - start or not all(r.complete for r in recordings):
-            return None
-        return TaskRequest(restore_envs, (recordings, self._ended_episodes(w)))
-
-    def first_crashed(self, crashed: Mapping[int, str]) -> int:
-        """Of the dead workers ``crashed``, the one to name: the group whose env a fatal
-        signal hit where a host process tells (its other groups died with it), else the
-        first found."""
-        fault_group = getattr(self.transport, "fault_group", None)
-        if fault_group is not None:
-            for w in crashed:
-                fault = fault_group(w)
-                if fault in crashed:
-                    return cast(int, fault)
-            running = getattr(self.transport, "running_env", None)
-            for w in crashed:
-                if running is not None and running(w) is not None:
-                    return w
-        return next(iter(crashed))
-
-    def lost_envs(self, w: int, command: Command) -> tuple[list[int], TaskRequest | None]:
-        """Before worker ``w``, dead or hung in ``command``, is replaced: the envs (global
-        indices) that lose their episode, and the catch-up that brings its other envs back
-        (:func:`~envfleet._core.replay.catch_up_envs`; ``None``: every env of ``w`` loses
-        its episode).
-
-        Only the env the worker was inside loses it, where the transport tells which
-        (``running_env``: processes) and the others' records before the step are whole
-        (``before_step``), in a step; everywhere else (a reset, a worker that ran no env code
-        or several envs at once, a record past ``replay_steps``, Ray) every env of ``w``."""
-        start, stop = self.ranges[w]
-        everything = list(range(start, stop))
-        transport = cast(Any, self.transport)
-        running = getattr(transport, "running_env", None)
-        if command is not _STEP or running is None:
-            return everything, None
-        env = running(w)
-        if env is None or not start <= env < stop:  # no env, or several at once
-            return everything, None
-        recordings, actions = transport.before_step(w)
-        if len(recordings) != stop - start or not all(
-            r.complete for r in recordings if r.env_index != env
-        ):
-            return everything, None
-        done = self._ended_episodes(w)
-        return [env], TaskRequest(catch_up_envs, (recordings, actions, done, [env - start]))
-
-    def catch_up(self, w: int, request: TaskRequest, step: int) -> list[Any] | None:
-        """Run ``request`` (:meth:`lost_envs`) on ``w``'s new worker, within ``start_timeout``
-        (part of building the replacement): its envs' info events of the step taken again.
-
-        Raises:
-            StartTimeoutError: past ``start_timeout`` (the vector env closed).
-            EnvError: an env raised in it (the vector env closed).
-        """
-        return cast(list[Any] | None, self._bring_up(w, request, step, "bringing its envs back"))
-
-    def _bring_up(self, w: int, request: TaskRequest, step: int, doing: str) -> Any:
-        """Run ``request`` (a task that brings a new worker's envs up to date: a recycled
-        worker's, a replacement's catch-up) on worker ``w`` within ``start_timeout``, part of
-        building it; its result. ``doing``: what the error says was under way.
-
-        Raises:
-            StartTimeoutError: past ``start_timeout`` (the vector env closed).
-            EnvError: an env raised in it (the vector env closed).
-        """
-        try:
-            done = self._side_round(_TASK, {w: request}, self._start_timeout, step)
-        except StepTimeoutError as exc:
-            raise self._late_start(exc, self._start_timeout, "brought up to date") from None
-        if done.failures:
-            self.supervisor.broken(self.env_error(w, done.failures[w], doing))
-        return done.results.get(w)
-
-    def _ended_episodes(self, w: int) -> list[bool]:
-        """Per env of worker ``w``, whether its last step ended its episode (its rows' flags:
-        a step in which a worker died or hung wrote none of them)."""
-        start, stop = self.ranges[w]
-        batch = self.batch
-        return (batch.terminations[start:stop] | batch.truncations[start:stop]).tolist()
-
-    def restart_envs(self, requests: dict[int, Any], timeout: float | None, step: int) -> Round:
-        return self._side_round(_RESTART, requests, timeout, step)
-
-    def _side_round(
-        self, command: Command, payloads: dict[int, Any], timeout: float | None, step: int
-    ) -> Round:
-        """Run ``command`` on the workers of ``payloads`` only and wait for them (a restart,
-        a recycled worker's restore), leaving the round in progress as it was: a pool's
-        other workers still running, the command they run."""
-        running = self._command
-        others = [w for w in self._pending if w not in payloads]  # a pool's, still running
-        self._pending = []
-        self._submit(command, payloads, step)
-        self._command = running
-        pending, self._pending = self._pending, others
-        deadline = None if timeout is None else time.monotonic() + timeout
-        return self.gather(pending, deadline, timeout, step, fail_fast=True)
 
 
 class _HangReports:
@@ -1230,10 +870,3 @@ class _HangReports:
         waited = self.at - self.started
         self.at += self.gap
         return waited, self.gap
-
-
-def _check_built(done: Round) -> None:
-    """Raise for the first worker that could not build its envs."""
-    if done.failures:
-        w = min(done.failures)
-        raise start_error(done.failures[w].errors[0], w)
