@@ -471,7 +471,7 @@ def test_the_c_path_reads_the_control_words_layout_from_python(tmp_path):
         "tests/unit/test_speedups.py::test_worker_loop_matches_sync_vector_env",
     ]
     out = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", *tests]
+        [sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", "-x", *tests]
         # The C round and worker loop on CartPole in every autoreset mode and worker layout
         # (the Python step path's and the other envs' cases read no layout of their own).
         + [
