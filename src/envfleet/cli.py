@@ -35,7 +35,7 @@ from typing import Any, TypeVar
 
 import envfleet
 from envfleet import ConfigError, ReplayFileError
-from envfleet._core.replay import ReplayOutcome, watch_replay
+from envfleet._core.replay_runner import ReplayOutcome, watch_replay
 from envfleet.bench import (
     BASELINES,
     LIMIT,

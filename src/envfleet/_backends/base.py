@@ -16,13 +16,13 @@ import gymnasium
 from gymnasium.vector import AutoresetMode
 
 from envfleet._backends.supervisor import Ledger
+from envfleet._core.action_log import REPLAY_STEPS
 from envfleet._core.buffers import Batch
 from envfleet._core.envgroup import EnvFailure, EnvGroup, not_an_env_error
 from envfleet._core.errors import (
     WrongProcessError,
 )
 from envfleet._core.protocol import Command
-from envfleet._core.replay import REPLAY_STEPS
 from envfleet._core.stats import StepTimer, StepTimeStats, WorkerMemory
 
 __all__ = [

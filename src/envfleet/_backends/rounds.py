@@ -70,6 +70,7 @@ from envfleet._backends.supervisor import (
     Supervisor,
     timeout_error,
 )
+from envfleet._core.action_log import catch_up_envs, restore_envs
 from envfleet._core.buffers import Batch
 from envfleet._core.errors import (
     EnvCrashedError,
@@ -93,13 +94,7 @@ from envfleet._core.hangs import (
     watch_inline,
 )
 from envfleet._core.protocol import Command, RoundOutcome, TaskRequest
-from envfleet._core.replay import (
-    EnvRecording,
-    catch_up_envs,
-    recording_of,
-    replays_of,
-    restore_envs,
-)
+from envfleet._core.replay import EnvRecording, recording_of, replays_of
 from envfleet._core.stacks import at, first_at
 from envfleet._core.stats import StepTimeStats, WorkerMemory
 

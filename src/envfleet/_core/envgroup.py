@@ -22,8 +22,10 @@ from gymnasium.vector import AutoresetMode
 from gymnasium.vector.utils import batch_space, concatenate, create_empty_array, iterate
 
 from envfleet._core import native as _speedups
+from envfleet._core.action_log import SLOT_BYTES, ActionLog
 from envfleet._core.buffers import Batch, fill_side, is_leaf, side_leaves, side_values
 from envfleet._core.crash_note import NOTE_CLEAR, NOTE_SEVERAL
+from envfleet._core.env_state import StartReader, env_state
 from envfleet._core.errors import ConfigError
 from envfleet._core.protocol import (
     CallRequest,
@@ -34,7 +36,6 @@ from envfleet._core.protocol import (
     SetAttrRequest,
     SideValues,
 )
-from envfleet._core.replay import SLOT_BYTES, ActionLog, StartReader, env_state
 from envfleet._core.rows import RowWriter
 from envfleet._core.stepping import AdaptiveStepping, stepping_mode
 

@@ -82,6 +82,7 @@ from envfleet._backends.workers import (
     read_text,
     spawn,
 )
+from envfleet._core.action_log import ActionLog, log_before_step, log_recordings, read_head
 from envfleet._core.buffers import Batch, Block, allocate_batch
 from envfleet._core.crash_note import NOTE_CLEAR
 from envfleet._core.errors import (
@@ -91,13 +92,7 @@ from envfleet._core.errors import (
 )
 from envfleet._core.failures import CLOSED
 from envfleet._core.protocol import Command
-from envfleet._core.replay import (
-    ActionLog,
-    EnvRecording,
-    log_before_step,
-    log_recordings,
-    read_head,
-)
+from envfleet._core.replay import EnvRecording
 from envfleet._core.stacks import at
 from envfleet._core.stats import STATS_WORDS, WorkerMemory
 

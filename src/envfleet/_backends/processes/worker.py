@@ -58,10 +58,10 @@ from envfleet._backends.workers import (
     watch_stacks,
 )
 from envfleet._core import native as _speedups
+from envfleet._core.action_log import file_log
 from envfleet._core.buffers import Block, allocate_batch
 from envfleet._core.envgroup import EnvFailure, EnvGroup, PartialFailure
 from envfleet._core.protocol import Command, Failure, Status
-from envfleet._core.replay import file_log
 from envfleet._core.stats import (
     BUCKETS_PER_OCTAVE,
     KIND,

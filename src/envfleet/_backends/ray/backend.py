@@ -53,6 +53,7 @@ from envfleet._backends.ray.plan import RayPlan, plan_ray
 from envfleet._backends.rounds import FullRound, RoundDriver, Seen
 from envfleet._backends.supervisor import Round
 from envfleet._backends.workers import STACKS_WAIT_S
+from envfleet._core.action_log import log_recordings, read_head
 from envfleet._core.buffers import allocate_batch
 from envfleet._core.errors import (
     EnvCrashedError,
@@ -60,7 +61,7 @@ from envfleet._core.errors import (
 )
 from envfleet._core.failures import CLOSED, remote_env_error
 from envfleet._core.protocol import Command, Failure, RemoteError, Status
-from envfleet._core.replay import EnvRecording, log_recordings, read_head
+from envfleet._core.replay import EnvRecording
 from envfleet._core.stacks import at
 from envfleet._core.stats import (
     KIND,

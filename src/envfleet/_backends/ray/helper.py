@@ -37,7 +37,7 @@ import psutil
 import ray
 
 from envfleet._backends.workers import MemoryWatch, ask_stacks, read_bytes, read_text
-from envfleet._core.replay import ActionLog, read_head
+from envfleet._core.action_log import ActionLog, read_head
 
 __all__ = ["GONE", "Adopted", "NodeHelper", "NodeHelpers", "RemoteHelper", "cause", "reason"]
 
