@@ -491,7 +491,7 @@ def test_the_c_path_reads_the_control_words_layout_from_python(tmp_path):
 
 
 def test_pcg64_raw_is_pcg64_bytes_and_runs_at_autoresets():
-    """_speedups.pcg64_raw (the C copy of a PCG64 state) gives replay.pcg64_bytes's 40 bytes
+    """_speedups.pcg64_raw (the C copy of a PCG64 state) gives env_state.pcg64_bytes's 40 bytes
     for generators in many states, a buffered half draw among them; and an EnvGroup's record
     reads every autoreset's start with it (the counter of the fast path)."""
     from envfleet._core import env_state

@@ -91,7 +91,7 @@ class WorkerLayout:
         ranges: ``[start, stop)`` per worker, contiguous, in order.
         same_observation_space: ``observation_mode == "same"`` (see EnvGroup).
         replay_steps: the steps each env keeps for a replay (0: none; see
-            :mod:`envfleet._core.replay`).
+            :mod:`envfleet._core.action_log`).
     """
 
     env_fns: Sequence[EnvFn]

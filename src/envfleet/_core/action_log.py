@@ -211,7 +211,7 @@ class ActionLog:
 
     def began(self, j: int, start: tuple[Any, ...] | bytes) -> None:
         """Env ``j`` (local) begins an episode at the next action, as ``start`` says (or as
-        its bytes, :meth:`StartReader.packed`, say)."""
+        its bytes, :meth:`~envfleet._core.env_state.StartReader.packed`, say)."""
         if type(start) is bytes:
             blob = start
         else:
@@ -236,9 +236,9 @@ class ActionLog:
 
     def rebase(self, j: int, start: tuple[Any, ...]) -> bool:
         """Env ``j`` (local) checkpointed (``start``: ``("state", blob)``,
-        :func:`env_state`): its record starts anew at the next action, no episode begun, so
-        that it never needs more than ``capacity`` actions. ``False`` (nothing changed) when
-        the checkpoint does not fit its slot."""
+        :func:`~envfleet._core.env_state.env_state`): its record starts anew at the next
+        action, no episode begun, so that it never needs more than ``capacity`` actions.
+        ``False`` (nothing changed) when the checkpoint does not fit its slot."""
         blob = pickle.dumps(start, pickle.HIGHEST_PROTOCOL)
         if len(blob) > SLOT_BYTES:
             return False

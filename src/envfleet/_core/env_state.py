@@ -205,7 +205,7 @@ def _pcg64_read() -> tuple[Callable[[Any], bytes], bool]:
 
 
 def unpack_start(blob: bytes) -> tuple[Any, ...]:
-    """An episode start as :class:`ActionLog` keeps it (a pickle, or
+    """An episode start as :class:`~envfleet._core.action_log.ActionLog` keeps it (a pickle, or
     :meth:`StartReader.packed`'s form) as :func:`reset_start` gives it.
 
     Raises:
@@ -274,7 +274,8 @@ class StartReader:
         return _start(self._unwrapped, _read_generators(self._slots), options)
 
     def packed(self, options: Any = None) -> bytes:
-        """The start as :class:`ActionLog` keeps it (:func:`unpack_start` reads it back).
+        """The start as :class:`~envfleet._core.action_log.ActionLog` keeps it
+        (:func:`unpack_start` reads it back).
 
         Where every generator is a PCG64 (gymnasium's), the env keeps no ALE state and there
         are no options (an autoreset's start), it is each generator's :func:`pcg64_bytes`

@@ -50,7 +50,8 @@ class EnvRecording:
         env_index: the env's index in its vector env.
         start: how the episode began: ``("seed", seed, options)`` (a ``reset``) or
             ``("rng", generator_states, native, options)`` (an autoreset, or a reset
-            without a seed: see :func:`reset_start`); ``None`` when not ``complete``.
+            without a seed: see :func:`~envfleet._core.env_state.reset_start`); ``None``
+            when not ``complete``.
         actions: every action of the episode, in order, the failing one last.
         complete: whether the record holds the whole episode (``why`` says what is missing).
         steps: the episode's actions up to the failure.

@@ -53,7 +53,8 @@ def run_replay(
         The env calls made, when none failed (the failure did not reproduce).
 
     Raises:
-        ReplayFileError: a path that is not a replay file (see :func:`load_replay`).
+        ReplayFileError: a path that is not a replay file (see
+            :func:`~envfleet._core.replay.load_replay`).
         ValueError: an env's record is not whole (``EnvRecording.why``).
         Exception: what an env raised.
     """

@@ -233,7 +233,7 @@ class WorkerSpec:
     parent_pid: int
     start_method: str
     stacks_path: str | None = None  # where faulthandler writes this worker's stacks
-    replay_path: str | None = None  # the file of its action log (envfleet._core.replay)
+    replay_path: str | None = None  # the file of its action log (envfleet._core.action_log)
     bell: RoundBell | None = None  # the vector env's round bell (Linux; not in a pool)
     hosted: bool = False  # served by a thread of a host process (host_main), with others
 

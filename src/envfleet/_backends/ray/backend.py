@@ -217,7 +217,7 @@ class RayTransport:
     # -- what the recycler, replays and reports read: through each node's helper -------------
 
     def counters(self) -> list[tuple[tuple[int, int, Any] | None, int | None]]:
-        """Per worker: its action-log counters (:func:`envfleet._core.replay.read_head`) and
+        """Per worker: its action-log counters (:func:`envfleet._core.action_log.read_head`) and
         its actor's resident memory now in bytes (``None`` each where unknown): one call to
         each node's helper, all at once (the recycler's look)."""
         found = self._helpers.counters(range(len(self.ranges)))
@@ -228,7 +228,7 @@ class RayTransport:
         return looks
 
     def log_head(self, w: int) -> tuple[int, int, Any] | None:
-        """Worker ``w``'s action-log counters (:func:`envfleet._core.replay.read_head`),
+        """Worker ``w``'s action-log counters (:func:`envfleet._core.action_log.read_head`),
         ``None`` where unknown."""
         start, stop = self.ranges[w]
         head, _ = self._helpers.counters([w]).get(w, (b"", None))
