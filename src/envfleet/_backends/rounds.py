@@ -70,6 +70,7 @@ from envfleet._backends.supervisor import (
     Supervisor,
     timeout_error,
 )
+from envfleet._core.action_log import catch_up_envs, restore_envs
 from envfleet._core.buffers import Batch
 from envfleet._core.errors import (
     EnvCrashedError,
@@ -93,13 +94,7 @@ from envfleet._core.hangs import (
     watch_inline,
 )
 from envfleet._core.protocol import Command, RoundOutcome, TaskRequest
-from envfleet._core.replay import (
-    EnvRecording,
-    catch_up_envs,
-    recording_of,
-    replays_of,
-    restore_envs,
-)
+from envfleet._core.replay import EnvRecording, recording_of, replays_of
 from envfleet._core.stacks import at, first_at
 from envfleet._core.stats import StepTimeStats, WorkerMemory
 
@@ -1013,7 +1008,7 @@ class RoundDriver(Backend):
         self._recycler = Recycler(policy, cast(Any, weakref.proxy(self)))
 
     def log_head(self, w: int) -> tuple[int, int, Any] | None:
-        """Worker ``w``'s action-log counters (:func:`envfleet._core.replay.read_head`)."""
+        """Worker ``w``'s action-log counters (:func:`envfleet._core.action_log.read_head`)."""
         return cast(Any, self.transport).log_head(w)
 
     def counters(self) -> list[tuple[tuple[int, int, Any] | None, int | None]]:
@@ -1107,8 +1102,8 @@ class RoundDriver(Backend):
         hit (its handler's note), or, where not known (SIGKILL, ``os._exit``), each group
         that was inside its env. Every other group of the process is *spared*: one that had
         replied has its reply read; one sent a plain step takes it again from its record
-        (:func:`~envfleet._core.replay.catch_up_envs`); one idle, or whose reply was read,
-        is brought to where it was (:func:`~envfleet._core.replay.restore_envs`). A group
+        (:func:`~envfleet._core.action_log.catch_up_envs`); one idle, or whose reply was read,
+        is brought to where it was (:func:`~envfleet._core.action_log.restore_envs`). A group
         that cannot be (no complete record, a reset or call in flight) is at fault too: it is
         added to ``done.crashed`` (and ``after``, its command).
 
@@ -1184,7 +1179,7 @@ class RoundDriver(Backend):
 
     def _restore_request(self, w: int) -> TaskRequest | None:
         """The task that brings worker ``w``'s envs in a new worker to where its record says
-        they are (:func:`~envfleet._core.replay.restore_envs`); ``None`` without a complete
+        they are (:func:`~envfleet._core.action_log.restore_envs`); ``None`` without a complete
         record."""
         recordings = self.recordings(w)
         start, stop = self.ranges[w]
@@ -1211,7 +1206,7 @@ class RoundDriver(Backend):
     def lost_envs(self, w: int, command: Command) -> tuple[list[int], TaskRequest | None]:
         """Before worker ``w``, dead or hung in ``command``, is replaced: the envs (global
         indices) that lose their episode, and the catch-up that brings its other envs back
-        (:func:`~envfleet._core.replay.catch_up_envs`; ``None``: every env of ``w`` loses
+        (:func:`~envfleet._core.action_log.catch_up_envs`; ``None``: every env of ``w`` loses
         its episode).
 
         Only the env the worker was inside loses it, where the transport tells which
