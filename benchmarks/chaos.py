@@ -58,7 +58,7 @@ import numpy as np
 import psutil
 
 import envfleet
-from envfleet._core.replay import watch_replay
+from envfleet._core.replay_runner import watch_replay
 
 if __name__ != "__main__" and __name__ in sys.modules:
     # Loaded from a file by a test: the factories must travel by value to a replay's child.

@@ -10,8 +10,11 @@ Ray fails.
 
 from __future__ import annotations
 
+import shutil
 import sys
+import tempfile
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -53,6 +56,16 @@ def step_path(request: Any, monkeypatch: pytest.MonkeyPatch) -> str:
 
 
 @pytest.fixture
+def short_tmp_path() -> Iterator[Path]:
+    """A new empty folder right under the system's temporary directory, removed after the
+    test: a TMPDIR or RAY_TMPDIR whose sockets' paths stay under AF_UNIX's 107 bytes
+    (pytest's ``tmp_path`` is longer under pytest-xdist, ``.../popen-gw0/...``)."""
+    path = Path(tempfile.mkdtemp(prefix="ef-"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
 def snapshot() -> Snapshot:
     """Child processes and /dev/shm entries before the test; call ``assert_nothing_left()``."""
     return Snapshot.take()
@@ -74,7 +87,8 @@ def ensure_ray() -> None:
 
 @pytest.fixture
 def ray_cluster(request: pytest.FixtureRequest) -> Any:
-    """A real local Ray cluster (started once per test module); yields the ``ray`` module."""
+    """A real local Ray cluster (one for all the Ray tests, which run first); yields the
+    ``ray`` module."""
     _require_ray_marker(request.node)
     ensure_ray()
     import ray
@@ -93,11 +107,15 @@ def _sb3_logs_in_pytests_temp(tmp_path_factory: pytest.TempPathFactory) -> Itera
     patch.undo()
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _shutdown_ray_after_module() -> Iterator[None]:
-    """Shut down a Ray cluster a test module started, so that no Ray process outlives it
-    (the leak checks of the other modules count every child process)."""
+@pytest.fixture(scope="session", autouse=True)
+def _shutdown_ray_at_the_end() -> Iterator[None]:
+    """Shut down the tests' Ray cluster when the session ends, so that no Ray process outlives
+    it."""
     yield
+    _shutdown_ray()
+
+
+def _shutdown_ray() -> None:
     ray = sys.modules.get("ray")
     if ray is not None and ray.is_initialized():
         ray.shutdown()
@@ -113,15 +131,39 @@ def _require_ray_marker(node: pytest.Item) -> None:
         pytest.fail(f"{node.nodeid} starts Ray without the ray marker (@pytest.mark.ray)")
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Mark ``ray`` every test that asks for the ``ray_cluster`` fixture or runs on the ray
-    backend by a parameter (the contract's backends carry their marks themselves)."""
+    backend by a parameter (the contract's backends carry their marks themselves), and run the
+    Ray tests first, one after another, so that one Ray cluster serves them all (started by
+    the first, shut down before any other test: the leak checks count every child process).
+
+    Under pytest-xdist (``-n``, ``--dist loadgroup``), the Ray tests are one group, run by one
+    worker while the other takes the rest, and the tests of a module whose fixtures last the
+    module are one group each, so that no fixture runs twice."""
     for item in items:
         callspec = getattr(item, "callspec", None)
         params = callspec.params.values() if callspec is not None else ()
         uses_fixture = "ray_cluster" in getattr(item, "fixturenames", ())
         if uses_fixture or any(isinstance(v, str) and v == "ray" for v in params):
             item.add_marker(pytest.mark.ray)
+    items.sort(key=lambda item: item.get_closest_marker("ray") is None)  # stable
+    if config.pluginmanager.hasplugin("xdist"):
+        for item in items:
+            if item.get_closest_marker("ray") is not None:
+                item.add_marker(pytest.mark.xdist_group("ray"))
+            elif _has_module_fixture(item):
+                item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+
+
+def _has_module_fixture(item: pytest.Item) -> bool:
+    info = getattr(item, "_fixtureinfo", None)
+    if info is None:
+        return False
+    return any(
+        d.scope in ("module", "class", "package")
+        for defs in info.name2fixturedefs.values()
+        for d in defs
+    )
 
 
 @pytest.fixture(autouse=True)
@@ -131,6 +173,7 @@ def _ray_only_where_marked(request: pytest.FixtureRequest) -> Iterator[None]:
     if request.node.get_closest_marker("ray") is not None:
         yield
         return
+    _shutdown_ray()  # the Ray tests before it are done: their cluster goes
     before = _ray_running()
     yield
     if not before and _ray_running():

@@ -1052,7 +1052,7 @@ class BuggyEnv(gym.Env):
     ):
         self.env_index, self.how, self.bug = env_index, how, env_index == bug_index
         self.p, self.end_p = p, end_p
-        if not checkpoint:  # a state that does not pickle: no checkpoint (replay.env_state)
+        if not checkpoint:  # a state that does not pickle: no checkpoint (env_state.env_state)
             self.lock = threading.Lock()
         self.observation_space = spaces.Box(0.0, 1.0, (2,), np.float64)
         self.action_space = spaces.Discrete(2)

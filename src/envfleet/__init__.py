@@ -30,7 +30,7 @@ from envfleet._core.errors import (
     WrongProcessError,
 )
 from envfleet._core.replay import Replay, ReplayFileError, Snapshot
-from envfleet._core.replay import run_replay as replay
+from envfleet._core.replay_runner import run_replay as replay
 from envfleet._core.stats import FleetStats, StepTimeStats, WorkerMemory
 from envfleet._front.factories import check_gymnasium_id
 from envfleet._front.make import BACKENDS, make

@@ -17,8 +17,8 @@ this machine (:func:`envfleet.bench.tune`): every candidate's steps/s with the p
 loop, then the ``envfleet.make(...)`` or ``envfleet.Sampler(...)`` call to use.
 
 ``envfleet replay PATH`` reproduces a failure saved with ``err.replay.save(PATH)``
-(:mod:`envfleet._core.replay`): exit status 0 when it happened again, 1 when not, 2 for a file
-that is not a replay.
+(:mod:`envfleet._core.replay_runner`): exit status 0 when it happened again, 1 when not, 2 for
+a file that is not a replay.
 
 Exit status: 0 on success, 1 when a system failed while being measured, 2 for bad arguments
 (argparse's convention; also an unknown env id or a missing ale-py), 130 on Ctrl-C.
@@ -35,7 +35,7 @@ from typing import Any, TypeVar
 
 import envfleet
 from envfleet import ConfigError, ReplayFileError
-from envfleet._core.replay import ReplayOutcome, watch_replay
+from envfleet._core.replay_runner import ReplayOutcome, watch_replay
 from envfleet.bench import (
     BASELINES,
     LIMIT,

@@ -113,11 +113,12 @@ def run_lockstep(fleet, sync, *, steps: int, seed: int, mid_episode_resets=None)
     return seen
 
 
-# Every case in every mode with several worker counts on the backends whose workers start
-# fast, and the processes backend also with its defaults (a worker per core, no env in the
-# driver) and the opt-in share (the driver steps the first envs). The others (spawned
-# interpreters, Ray actors: each worker a new process, slow to start on the 2-core machine)
-# run a representative subset, LIGHT_CASES.
+# Every case in every mode with several worker counts on serial (the reference's own loop) and
+# processes (the default backend), the latter also with its defaults (a worker per core, no
+# env in the driver) and the opt-in share (the driver steps the first envs). The others run a
+# representative subset, LIGHT_CASES: threads and the toy transport share the round driver
+# that processes runs the whole matrix through, and spawned interpreters and Ray actors start
+# each worker as a new process, slow on the 2-core machine.
 def worker_layouts(backend) -> list[dict[str, Any]]:
     extra = [{}, {"num_workers": 2, "driver_envs": 2}] if backend.id == "processes" else []
     return [{"num_workers": w} for w in WORKERS] + extra
@@ -138,8 +139,11 @@ LIGHT_CASES += [
 ]
 
 
+FULL_MATRIX = ("serial", "processes")
+
+
 def differential_cases(backend) -> list[tuple[str, AutoresetMode, dict[str, Any]]]:
-    if not backend.cheap:
+    if backend.id not in FULL_MATRIX:
         return LIGHT_CASES
     return [(c, m, lay) for c in ENV_CASES for m in MODES for lay in worker_layouts(backend)]
 

@@ -22,7 +22,8 @@ from gymnasium.vector import AutoresetMode
 
 import envfleet
 from envfleet import cli
-from envfleet._core.replay import MAGIC, load_replay, watch_replay
+from envfleet._core.replay import MAGIC, load_replay
+from envfleet._core.replay_runner import watch_replay
 from tests.envs import BuggyEnv
 
 SEED = 7
@@ -261,16 +262,16 @@ def test_each_envs_generators_are_looked_for_along_its_wrappers_once(monkeypatch
     ``StartReader``) and kept, and the
     states are still those of the generators the env has at each reset: after a seeded reset
     (a new generator object in each env) and autoresets, a snapshot resumes exactly."""
-    from envfleet._core import replay
+    from envfleet._core import env_state
 
     calls: list[Any] = []
-    real = replay.generator_holders
+    real = env_state.generator_holders
 
     def counted(env: Any) -> Any:
         calls.append(env)
         return real(env)
 
-    monkeypatch.setattr(replay, "generator_holders", counted)  # StartReader's look-up
+    monkeypatch.setattr(env_state, "generator_holders", counted)  # StartReader's look-up
     zeros = np.zeros(2, dtype=np.int64)
     envs = envfleet.make("CartPole-v1", 2, backend="serial")
     resumed = None
@@ -331,7 +332,7 @@ def test_a_start_reader_reads_what_reset_start_reads(make_env: Any) -> None:
     """StartReader, kept per env on the step path, reads the same start as reset_start at
     every episode start: before the first seeded reset, after it (a new generator), after a
     wrapper made one of its own, and with an ALE state."""
-    from envfleet._core.replay import StartReader, reset_start
+    from envfleet._core.env_state import StartReader, reset_start
 
     env = make_env()
     read = StartReader(env)
@@ -376,7 +377,7 @@ def test_a_packed_start_reads_back_as_reset_start(make_env: Any) -> None:
     40 bytes where every generator is one, the env keeps no ALE state and there are no
     options; else the pickled start) reads back (unpack_start) as reset_start's start, with
     a draw's buffered half (has_uint32) too; the packed form is taken where it applies."""
-    from envfleet._core.replay import StartReader, reset_start, unpack_start
+    from envfleet._core.env_state import StartReader, reset_start, unpack_start
 
     env = make_env()
     read = StartReader(env)
@@ -400,7 +401,7 @@ def test_a_packed_start_reads_back_as_reset_start(make_env: Any) -> None:
 
 
 def replay_generators(env: Any) -> list[np.random.Generator]:
-    from envfleet._core.replay import _generators
+    from envfleet._core.env_state import _generators
 
     return list(_generators(env).values())
 
@@ -409,7 +410,7 @@ def test_the_action_log_copies_a_groups_action_rows_as_bytes() -> None:
     """A group hands its log the same action buffer every step: after the first step the log
     copies its bytes (and keeps exactly what numpy's assignment would); another array, or
     one of another dtype, goes through numpy."""
-    from envfleet._core.replay import ActionLog
+    from envfleet._core.action_log import ActionLog
 
     log = ActionLog(gym.spaces.Box(-1.0, 1.0, (3,), np.float32), 4, 5)
     log.open()

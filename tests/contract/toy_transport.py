@@ -18,12 +18,12 @@ from envfleet._backends.base import run_command
 from envfleet._backends.registry import BackendSpec, BuildRequest, register
 from envfleet._backends.rounds import RoundDriver, Seen
 from envfleet._backends.supervisor import Round
+from envfleet._core.action_log import new_log
 from envfleet._core.buffers import allocate_batch
 from envfleet._core.envgroup import EnvFailure, EnvGroup
 from envfleet._core.errors import EnvCrashedError, EnvError
 from envfleet._core.failures import CLOSED, failure_error, mismatch_error
 from envfleet._core.protocol import Command
-from envfleet._core.replay import new_log
 from envfleet._core.stats import STATS_WORDS, StepTimer, StepTimeStats, step_time_table
 
 

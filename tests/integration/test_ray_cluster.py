@@ -44,7 +44,8 @@ import pytest
 
 import envfleet
 from envfleet._backends import workers
-from envfleet._core.replay import load_replay, watch_replay
+from envfleet._core.replay import load_replay
+from envfleet._core.replay_runner import watch_replay
 from envfleet._core.stacks import innermost
 from tests.envs import FaultSeriesEnv, FlakyEnv, LeakyEnv
 from tests.helpers import wait_gone

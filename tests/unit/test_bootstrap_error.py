@@ -63,13 +63,12 @@ if __name__ == "__main__":
 """
 
 
-def _run(tmp_path: Path, source: str, context: str) -> subprocess.CompletedProcess[str]:
-    """Run ``source`` as the main module (a file) with ``context``; TMPDIR is a folder of
-    its own, so that the test sees what the run left there."""
+def _run(tmp_path: Path, source: str, context: str, temp: Path) -> subprocess.CompletedProcess[str]:
+    """Run ``source`` as the main module (a file) with ``context``; TMPDIR is ``temp``, a
+    folder of its own (short: the fork server's socket is made there), so that the test sees
+    what the run left there."""
     script = tmp_path / "train.py"
     script.write_text(source)
-    temp = tmp_path / "tmp"
-    temp.mkdir()
     env = dict(os.environ, TMPDIR=str(temp))
     env["PYTHONPATH"] = os.pathsep.join(
         [str(ROOT / "src"), *filter(None, [os.environ.get("PYTHONPATH")])]
@@ -91,8 +90,8 @@ def _last_line(stderr: str) -> str:
 
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("context", ["spawn", "forkserver"])
-def test_a_script_that_starts_workers_on_import_is_told_the_fix(tmp_path, context):
-    done = _run(tmp_path, UNGUARDED, context)
+def test_a_script_that_starts_workers_on_import_is_told_the_fix(tmp_path, short_tmp_path, context):
+    done = _run(tmp_path, UNGUARDED, context, short_tmp_path)
     assert done.returncode == 1, done.stderr
     assert "ok" not in done.stdout
     error = _last_line(done.stderr)
@@ -107,20 +106,22 @@ def test_a_script_that_starts_workers_on_import_is_told_the_fix(tmp_path, contex
     assert "RemoteTraceback" in done.stderr
     assert done.stderr.count("Traceback (most recent call last)") == 2, done.stderr
     # No worker file left behind (one that bootstrapped late must not recreate its file).
-    assert [p.name for p in (tmp_path / "tmp").iterdir() if p.name.startswith("envfleet")] == []
+    assert [p.name for p in short_tmp_path.iterdir() if p.name.startswith("envfleet")] == []
 
 
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("context", ["spawn", "forkserver"])
-def test_the_same_script_with_the_main_guard_runs(tmp_path, context):
-    done = _run(tmp_path, GUARDED, context)
+def test_the_same_script_with_the_main_guard_runs(tmp_path, short_tmp_path, context):
+    done = _run(tmp_path, GUARDED, context, short_tmp_path)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["ok"]
 
 
 @pytest.mark.timeout(90)
-def test_workers_that_cannot_import_the_main_module_otherwise_are_not_told_so(tmp_path):
-    done = _run(tmp_path, FAILS_IN_THE_WORKERS, "spawn")
+def test_workers_that_cannot_import_the_main_module_otherwise_are_not_told_so(
+    tmp_path, short_tmp_path
+):
+    done = _run(tmp_path, FAILS_IN_THE_WORKERS, "spawn", short_tmp_path)
     assert done.returncode == 1
     error = _last_line(done.stderr)
     assert error.startswith("envfleet._core.errors.EnvCrashedError: worker "), done.stderr

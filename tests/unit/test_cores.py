@@ -214,7 +214,7 @@ print(json.dumps(out))
 @pytest.mark.ray
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs sched_setaffinity")
 def test_a_local_ray_cluster_has_the_usable_cores(
-    monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathFactory
+    monkeypatch: pytest.MonkeyPatch, short_tmp_path: Path
 ) -> None:
     """Ray counts the host's CPUs (or its cgroup quota), not the affinity mask: make() starts
     its local cluster with the usable cores. RAY_TMPDIR of its own: ``ray.init()`` would join
@@ -223,7 +223,7 @@ def test_a_local_ray_cluster_has_the_usable_cores(
     if envfleet.usable_cores() < 2:
         pytest.skip("needs two usable cores to tell one core's cluster from the machine's")
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    monkeypatch.setenv("RAY_TMPDIR", str(tmp_path_factory.mktemp("ray")))
+    monkeypatch.setenv("RAY_TMPDIR", str(short_tmp_path))
     got = _plan_in_subprocess(RAY_ONE_CORE)
     assert got == {"cpus": 1.0, "ray_workers": 1}
 
@@ -252,9 +252,9 @@ print(json.dumps(out))
 @pytest.mark.ray
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs sched_setaffinity")
 def test_joining_a_cluster_keeps_its_cpus(
-    monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathFactory
+    monkeypatch: pytest.MonkeyPatch, short_tmp_path: Path
 ) -> None:
     pytest.importorskip("ray")
-    monkeypatch.setenv("RAY_TMPDIR", str(tmp_path_factory.mktemp("ray")))
+    monkeypatch.setenv("RAY_TMPDIR", str(short_tmp_path))
     got = _plan_in_subprocess(RAY_JOIN)
     assert got == {"cpus": 3.0, "ray_workers": 3}

@@ -471,7 +471,7 @@ def test_the_c_path_reads_the_control_words_layout_from_python(tmp_path):
         "tests/unit/test_speedups.py::test_worker_loop_matches_sync_vector_env",
     ]
     out = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", *tests]
+        [sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", "-x", *tests]
         # The C round and worker loop on CartPole in every autoreset mode and worker layout
         # (the Python step path's and the other envs' cases read no layout of their own).
         + [
@@ -491,16 +491,16 @@ def test_the_c_path_reads_the_control_words_layout_from_python(tmp_path):
 
 
 def test_pcg64_raw_is_pcg64_bytes_and_runs_at_autoresets():
-    """_speedups.pcg64_raw (the C copy of a PCG64 state) gives replay.pcg64_bytes's 40 bytes
+    """_speedups.pcg64_raw (the C copy of a PCG64 state) gives env_state.pcg64_bytes's 40 bytes
     for generators in many states, a buffered half draw among them; and an EnvGroup's record
     reads every autoreset's start with it (the counter of the fast path)."""
-    from envfleet._core import replay
-    from envfleet._core.replay import pcg64_bytes
+    from envfleet._core import env_state
+    from envfleet._core.env_state import pcg64_bytes
 
     speedups = envfleet._core.native.speedups
     if speedups is None:
         pytest.skip("envfleet._core._speedups is not built here")
-    if not replay._NUMPY_PCG64_LAYOUT:
+    if not env_state._NUMPY_PCG64_LAYOUT:
         pytest.skip("a numpy whose PCG64 layout the C copy does not know: the twin runs")
     rng = np.random.default_rng(0)
     for seed in rng.integers(0, 2**63, size=50):
@@ -529,7 +529,7 @@ def test_log_row_records_as_its_twin_and_runs_every_step():
     """ActionLog.recorder's C copy (_speedups.log_row) leaves the ring, the step count, the
     episode starts and the recordings exactly as ActionLog.record (its twin) does, past a
     wrap of the ring; and an EnvGroup's record runs it once per step (its counter)."""
-    from envfleet._core.replay import ActionLog
+    from envfleet._core.action_log import ActionLog
 
     speedups = envfleet._core.native.speedups
     if speedups is None:

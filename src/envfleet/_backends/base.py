@@ -16,13 +16,13 @@ import gymnasium
 from gymnasium.vector import AutoresetMode
 
 from envfleet._backends.supervisor import Ledger
+from envfleet._core.action_log import REPLAY_STEPS
 from envfleet._core.buffers import Batch
 from envfleet._core.envgroup import EnvFailure, EnvGroup, not_an_env_error
 from envfleet._core.errors import (
     WrongProcessError,
 )
 from envfleet._core.protocol import Command
-from envfleet._core.replay import REPLAY_STEPS
 from envfleet._core.stats import StepTimer, StepTimeStats, WorkerMemory
 
 __all__ = [
@@ -91,7 +91,7 @@ class WorkerLayout:
         ranges: ``[start, stop)`` per worker, contiguous, in order.
         same_observation_space: ``observation_mode == "same"`` (see EnvGroup).
         replay_steps: the steps each env keeps for a replay (0: none; see
-            :mod:`envfleet._core.replay`).
+            :mod:`envfleet._core.action_log`).
     """
 
     env_fns: Sequence[EnvFn]

@@ -15,12 +15,13 @@ import numpy as np
 from envfleet._backends.base import WorkerLayout, run_command
 from envfleet._backends.rounds import FullRound, Seen
 from envfleet._backends.supervisor import Ledger, Round
+from envfleet._core.action_log import group_recordings, new_log
 from envfleet._core.buffers import Block, allocate_batch
 from envfleet._core.envgroup import EnvFailure, EnvGroup
 from envfleet._core.errors import EnvCrashedError, EnvError
 from envfleet._core.failures import CLOSED, failure_error, mismatch_error
 from envfleet._core.protocol import Command
-from envfleet._core.replay import EnvRecording, group_recordings, new_log
+from envfleet._core.replay import EnvRecording
 from envfleet._core.stats import STATS_WORDS, StepTimer, StepTimeStats, step_time_table
 
 __all__ = ["InProcessTransport"]

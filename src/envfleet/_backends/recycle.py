@@ -4,7 +4,7 @@
 A worker past a limit (episodes its envs began, env steps, resident memory) is replaced once
 each of its envs has begun a new episode since: the new worker builds its envs from their
 factories and brings each to where the old one's was by running its episode from its start
-(the action log of :mod:`envfleet._core.replay`: the ``np_random`` state at its autoreset, or
+(the action log of :mod:`envfleet._core.action_log`: the ``np_random`` state at its autoreset, or
 its seed, and its actions since), so no episode is cut and no step is lost or repeated.
 """
 

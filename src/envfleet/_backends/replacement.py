@@ -10,7 +10,7 @@ driver's rounds:
   whenever a worker is replaced;
 - **recycling** (``envfleet.Recycle``): after step rounds, the idle workers past a limit are
   replaced by new ones whose envs continue their episodes
-  (:func:`~envfleet._core.replay.restore_envs`);
+  (:func:`~envfleet._core.action_log.restore_envs`);
 - **replacing** for the :class:`~envfleet._backends.supervisor.Supervisor` (which decides, and
   never calls a transport): :meth:`WorkerReplacement.replace_workers` (the transport's
   :meth:`~envfleet._backends.rounds.Transport.respawn`, then the start),
@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from envfleet._backends.recycle import Recycle, Recycler
 from envfleet._backends.supervisor import Ledger, Round, Supervisor, timeout_error
+from envfleet._core.action_log import catch_up_envs, restore_envs
 from envfleet._core.buffers import Batch
 from envfleet._core.errors import (
     EnvCrashedError,
@@ -43,7 +44,7 @@ from envfleet._core.errors import (
 )
 from envfleet._core.failures import CLOSED, mismatch_error, start_error
 from envfleet._core.protocol import Command, TaskRequest
-from envfleet._core.replay import EnvRecording, catch_up_envs, restore_envs
+from envfleet._core.replay import EnvRecording
 from envfleet._core.stacks import at, first_at
 from envfleet._core.stats import WorkerMemory
 
@@ -163,7 +164,7 @@ class WorkerReplacement:
         self._recycler = Recycler(policy, cast(Any, weakref.proxy(self)))
 
     def log_head(self, w: int) -> tuple[int, int, Any] | None:
-        """Worker ``w``'s action-log counters (:func:`envfleet._core.replay.read_head`)."""
+        """Worker ``w``'s action-log counters (:func:`envfleet._core.action_log.read_head`)."""
         return cast(Any, self.transport).log_head(w)
 
     def counters(self) -> list[tuple[tuple[int, int, Any] | None, int | None]]:
@@ -259,8 +260,8 @@ class WorkerReplacement:
         hit (its handler's note), or, where not known (SIGKILL, ``os._exit``), each group
         that was inside its env. Every other group of the process is *spared*: one that had
         replied has its reply read; one sent a plain step takes it again from its record
-        (:func:`~envfleet._core.replay.catch_up_envs`); one idle, or whose reply was read,
-        is brought to where it was (:func:`~envfleet._core.replay.restore_envs`). A group
+        (:func:`~envfleet._core.action_log.catch_up_envs`); one idle, or whose reply was read,
+        is brought to where it was (:func:`~envfleet._core.action_log.restore_envs`). A group
         that cannot be (no complete record, a reset or call in flight) is at fault too: it is
         added to ``done.crashed`` (and ``after``, its command).
 
@@ -336,7 +337,7 @@ class WorkerReplacement:
 
     def _restore_request(self, w: int) -> TaskRequest | None:
         """The task that brings worker ``w``'s envs in a new worker to where its record says
-        they are (:func:`~envfleet._core.replay.restore_envs`); ``None`` without a complete
+        they are (:func:`~envfleet._core.action_log.restore_envs`); ``None`` without a complete
         record."""
         recordings = self.recordings(w)
         start, stop = self.ranges[w]
@@ -363,7 +364,7 @@ class WorkerReplacement:
     def lost_envs(self, w: int, command: Command) -> tuple[list[int], TaskRequest | None]:
         """Before worker ``w``, dead or hung in ``command``, is replaced: the envs (global
         indices) that lose their episode, and the catch-up that brings its other envs back
-        (:func:`~envfleet._core.replay.catch_up_envs`; ``None``: every env of ``w`` loses
+        (:func:`~envfleet._core.action_log.catch_up_envs`; ``None``: every env of ``w`` loses
         its episode).
 
         Only the env the worker was inside loses it, where the transport tells which

@@ -15,10 +15,10 @@
  *                   (_backends/processes/backend.py)
  *   timed_call      StepTimer.call: a group's step timed into its stats row, where a backend
  *                   steps the group itself (serial, threads, Ray actors, the driver's block)
- *   pcg64_raw       replay.pcg64_bytes: a PCG64 generator's state as bytes, for the replay
- *                   record's episode start at every autoreset (_core/replay.py)
+ *   pcg64_raw       env_state.pcg64_bytes: a PCG64 generator's state as bytes, for the
+ *                   replay record's episode start at every autoreset (_core/env_state.py)
  *   log_row         ActionLog.record of a group's action rows: the replay record's copy at
- *                   every step (same)
+ *                   every step (_core/action_log.py)
  *   bell_ring, bell_sleep, bell_arrive, gather_sleep
  *                   the processes backend's round bell on Linux futexes (RoundBell,
  *                   _backends/processes/doorbell.py): one ring and one count of arrivals per
@@ -1250,11 +1250,11 @@ sp_register_types(PyObject *self, PyObject *args)
     Py_RETURN_NONE;
 }
 
-/* -- the replay record's episode start (replay.StartReader.packed) ------------------------ */
+/* -- the replay record's episode start (env_state.StartReader.packed) --------------------- */
 
 /* numpy's pcg64_state (numpy/random/src/pcg64/pcg64.h), what a PCG64 bit generator's
  * ``ctypes.state_address`` points at: its 32-byte pcg64_random_t (the 128-bit state, then the
- * increment), and the buffered 32-bit half of a draw. Not a public layout: replay.py checks
+ * increment), and the buffered 32-bit half of a draw. Not a public layout: env_state.py checks
  * this copy against bit_generator.state once per process, and uses its Python twin if they
  * differ. */
 typedef struct {
@@ -1263,7 +1263,7 @@ typedef struct {
     uint32_t uinteger;
 } pcg64_state_view;
 
-/* pcg64_raw(state_address) -> bytes: the 40 bytes of replay.pcg64_bytes (state, increment,
+/* pcg64_raw(state_address) -> bytes: the 40 bytes of env_state.pcg64_bytes (state, increment,
  * has_uint32, uinteger, as they lie in memory), read without building the state dict. */
 static PyObject *
 sp_pcg64_raw(PyObject *self, PyObject *arg)
@@ -1280,7 +1280,7 @@ sp_pcg64_raw(PyObject *self, PyObject *arg)
     return PyBytes_FromStringAndSize(raw, 40);
 }
 
-/* log_row(header, ring, source, row_bytes, capacity): ActionLog.record (replay.py) of a group's
+/* log_row(header, ring, source, row_bytes, capacity): ActionLog.record (action_log.py) of a group's
  * action rows: the row_bytes at ``source`` copied to row header[0] % capacity of the ring at
  * ``ring``, then header[0] (the rows written so far, an int64) counted up. */
 static PyObject *
@@ -1505,7 +1505,7 @@ static PyMethodDef methods[] = {
     {"timed_call", (PyCFunction)(void (*)(void))sp_timed_call, METH_FASTCALL, "StepTimer.call."},
     {"bell_ring", sp_bell_ring, METH_VARARGS, "bell_ring(bell, controls): RoundBell.ring."},
     {"pcg64_raw", sp_pcg64_raw, METH_O,
-     "pcg64_raw(state_address) -> bytes: replay.pcg64_bytes of a PCG64 bit generator."},
+     "pcg64_raw(state_address) -> bytes: env_state.pcg64_bytes of a PCG64 bit generator."},
     {"log_row", (PyCFunction)(void (*)(void))sp_log_row, METH_FASTCALL,
      "log_row(header, ring, source, row_bytes, capacity): ActionLog.record's row copy."},
     {"bell_arrive", sp_bell_arrive, METH_O, "bell_arrive(bell): RoundBell.arrive."},

@@ -22,8 +22,10 @@ from gymnasium.vector import AutoresetMode
 from gymnasium.vector.utils import batch_space, concatenate, create_empty_array, iterate
 
 from envfleet._core import native as _speedups
+from envfleet._core.action_log import SLOT_BYTES, ActionLog
 from envfleet._core.buffers import Batch, fill_side, is_leaf, side_leaves, side_values
 from envfleet._core.crash_note import NOTE_CLEAR, NOTE_SEVERAL
+from envfleet._core.env_state import StartReader, env_state
 from envfleet._core.errors import ConfigError
 from envfleet._core.protocol import (
     CallRequest,
@@ -34,7 +36,6 @@ from envfleet._core.protocol import (
     SetAttrRequest,
     SideValues,
 )
-from envfleet._core.replay import SLOT_BYTES, ActionLog, StartReader, env_state
 from envfleet._core.rows import RowWriter
 from envfleet._core.stepping import AdaptiveStepping, stepping_mode
 
@@ -156,7 +157,7 @@ class EnvGroup:
             must equal ``single_observation_space``; else only share its shape and dtype (see
             :func:`spaces_mismatch`).
         action_log: where the group records its actions and each env's episode start for a
-            replay (:class:`~envfleet._core.replay.ActionLog`, opened here), or ``None``.
+            replay (:class:`~envfleet._core.action_log.ActionLog`, opened here), or ``None``.
     """
 
     def __init__(
@@ -181,7 +182,7 @@ class EnvGroup:
         if action_log is not None:
             action_log.open()
             self._checkpoint_at = max(1, action_log.capacity // 2)
-        # Per env: how its episode starts are read (replay.StartReader), made at its first
+        # Per env: how its episode starts are read (env_state.StartReader), made at its first
         # episode start and kept while it is the same env object.
         self._start_readers: dict[int, StartReader] = {}
         self.same_observation_space = same_observation_space
@@ -428,7 +429,7 @@ class EnvGroup:
 
     def _checkpoint(self, log: ActionLog) -> None:
         """Checkpoint each env whose record holds half its capacity since its start
-        (:func:`~envfleet._core.replay.env_state`, :meth:`ActionLog.rebase`), so that no
+        (:func:`~envfleet._core.env_state.env_state`, :meth:`ActionLog.rebase`), so that no
         record ever needs more than ``replay_steps`` actions: a snapshot, a recycled worker
         and a restart's catch-up work at any step of any episode. An env whose state cannot
         be taken (or does not fit its slot) is not asked again; its record past
@@ -454,7 +455,7 @@ class EnvGroup:
         """Step the envs ``indices`` (local, in order) with ``actions`` (one per env of the
         group, as the record keeps them), recording the step, as :meth:`step` steps every env:
         a worker's catch-up after its predecessor died inside that step
-        (:func:`envfleet._core.replay.catch_up_envs`). The other envs' slots are left as they
+        (:func:`envfleet._core.action_log.catch_up_envs`). The other envs' slots are left as they
         are; with every env stepped, the observations are written too (else the restart of
         the others writes them: ``Command.RESTART``).
 
@@ -543,8 +544,8 @@ class EnvGroup:
         return failures
 
     def _reset_start(self, j: int, env: Any, options: Any = None) -> bytes:
-        """:func:`envfleet._core.replay.reset_start` of env ``j`` (local) as the record keeps
-        it, through its :class:`~envfleet._core.replay.StartReader` (``packed``), made once
+        """:func:`envfleet._core.env_state.reset_start` of env ``j`` (local) as the record keeps
+        it, through its :class:`~envfleet._core.env_state.StartReader` (``packed``), made once
         per env object."""
         read = self._start_readers.get(j)
         if read is None or read.env is not env:

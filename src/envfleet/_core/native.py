@@ -17,7 +17,7 @@ processes backend (driver or worker) is built, so setting ``envfleet._core.nativ
 vector env (and, under ``fork``, for its workers).
 
 ``pcg64_raw`` copies a PCG64 generator's state for the replay record's episode start at
-each autoreset (``_core/replay.py``: ``StartReader.packed``; its twin ``pcg64_bytes``), and
+each autoreset (``_core/env_state.py``: ``StartReader.packed``; its twin ``pcg64_bytes``), and
 ``log_row`` each step's action rows into the record's ring (``ActionLog.recorder``; its twin
 ``ActionLog.record``).
 

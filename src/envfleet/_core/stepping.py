@@ -231,7 +231,7 @@ class Crew:
 
 
 class _LockedLog:
-    """An :class:`~envfleet._core.replay.ActionLog`'s ``began`` under a lock: the envs of a
+    """An :class:`~envfleet._core.action_log.ActionLog`'s ``began`` under a lock: the envs of a
     concurrent round record their episode starts from several threads, and ``began`` counts
     episodes in a shared word."""
 

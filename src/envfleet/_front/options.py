@@ -27,9 +27,9 @@ from gymnasium.vector import AutoresetMode
 
 from envfleet._backends.recycle import Recycle
 from envfleet._backends.supervisor import DEFAULT_RESTART_POLICY, RestartPolicy
+from envfleet._core.action_log import REPLAY_STEPS
 from envfleet._core.errors import ConfigError
 from envfleet._core.hangs import DEFAULT_HANG_REPORT_DELAY, check_hang_report_delay
-from envfleet._core.replay import REPLAY_STEPS
 
 __all__ = [
     "DEFAULT_START_TIMEOUT",

@@ -28,6 +28,7 @@ from gymnasium.vector.async_vector_env import AsyncState
 from gymnasium.vector.utils import batch_space
 
 from envfleet._backends.base import Backend, DisownedBackend, native_of
+from envfleet._core.action_log import group_recordings, restore_envs
 from envfleet._core.buffers import caller_leaves, is_leaf, side_leaves
 from envfleet._core.errors import (
     AlreadyPendingCallError,
@@ -42,7 +43,7 @@ from envfleet._core.errors import (
 )
 from envfleet._core.infos import one_env_info, vector_infos
 from envfleet._core.protocol import CallRequest, Command, ResetRequest, SetAttrRequest, TaskRequest
-from envfleet._core.replay import EnvRecording, Snapshot, group_recordings, restore_envs
+from envfleet._core.replay import EnvRecording, Snapshot
 from envfleet._core.stats import FleetStats
 from envfleet._front.checks import check_actions, check_name, check_reset_mask, seeds_per_env
 from envfleet._front.pool import FirstReadyPool, NativePool

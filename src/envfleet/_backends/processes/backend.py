@@ -86,6 +86,7 @@ from envfleet._backends.rounds import NOTHING, FullRound, RoundDriver, Seen
 from envfleet._backends.supervisor import Round
 from envfleet._backends.workers import watch
 from envfleet._core import native as _speedups
+from envfleet._core.action_log import new_log
 from envfleet._core.buffers import Batch
 from envfleet._core.cores import usable_cores
 from envfleet._core.crash_note import driver_crash_note, note_base
@@ -93,7 +94,7 @@ from envfleet._core.envgroup import EnvFailure, EnvGroup
 from envfleet._core.errors import EnvCrashedError, EnvError
 from envfleet._core.failures import CLOSED, failure_error, mismatch_error, remote_env_error
 from envfleet._core.protocol import Command, Failure, RoundOutcome, Status
-from envfleet._core.replay import EnvRecording, new_log
+from envfleet._core.replay import EnvRecording
 from envfleet._core.stats import StepTimer, StepTimeStats, WorkerMemory, step_time_table
 
 __all__ = ["DEFAULT_CLOSE_TIMEOUT", "DEFAULT_SPIN_S", "ProcessesTransport"]

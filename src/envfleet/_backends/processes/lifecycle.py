@@ -82,6 +82,7 @@ from envfleet._backends.workers import (
     read_text,
     spawn,
 )
+from envfleet._core.action_log import ActionLog, log_before_step, log_recordings, read_head
 from envfleet._core.buffers import Batch, Block, allocate_batch
 from envfleet._core.crash_note import NOTE_CLEAR
 from envfleet._core.errors import (
@@ -91,13 +92,7 @@ from envfleet._core.errors import (
 )
 from envfleet._core.failures import CLOSED
 from envfleet._core.protocol import Command
-from envfleet._core.replay import (
-    ActionLog,
-    EnvRecording,
-    log_before_step,
-    log_recordings,
-    read_head,
-)
+from envfleet._core.replay import EnvRecording
 from envfleet._core.stacks import at
 from envfleet._core.stats import STATS_WORDS, WorkerMemory
 
@@ -202,7 +197,7 @@ class WorkerProcesses:
         self.regions: list[mmap.mmap | None] = [None] * groups
         self.doorbells: list[Doorbell | None] = [None] * groups
         # Per worker, the file its faulthandler writes its stacks to and the file of its
-        # action log (envfleet._core.replay), each held by the driver's descriptor.
+        # action log (envfleet._core.action_log), each held by the driver's descriptor.
         self._stack_files = DriverFiles(groups, f"envfleet-stacks-{os.getpid()}", ".txt")
         self._log_files = DriverFiles(groups, f"envfleet-replay-{os.getpid()}", ".log")
         # Each worker's resident memory, for a SIGKILL's report, and its growth per episode
@@ -458,7 +453,7 @@ class WorkerProcesses:
 
     def log_head(self, g: int) -> tuple[int, int, Any] | None:
         """Worker ``g``'s action-log counters: its group steps, the episodes its envs began and
-        each env's episode start (:func:`envfleet._core.replay.read_head`); ``None`` before it
+        each env's episode start (:func:`envfleet._core.action_log.read_head`); ``None`` before it
         opened its log."""
         return _log_head(self._log_files, self.ranges, g)
 
@@ -493,7 +488,7 @@ class WorkerProcesses:
 
     def before_step(self, g: int) -> tuple[list[EnvRecording], list[Any]]:
         """Worker ``g``'s envs' episodes before its last step began and their actions of that
-        step (:meth:`~envfleet._core.replay.ActionLog.before_step`), from its log's file;
+        step (:meth:`~envfleet._core.action_log.ActionLog.before_step`), from its log's file;
         nothing without a log."""
         layout = getattr(self, "layout", None)
         if layout is None:

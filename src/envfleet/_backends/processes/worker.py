@@ -58,10 +58,10 @@ from envfleet._backends.workers import (
     watch_stacks,
 )
 from envfleet._core import native as _speedups
+from envfleet._core.action_log import file_log
 from envfleet._core.buffers import Block, allocate_batch
 from envfleet._core.envgroup import EnvFailure, EnvGroup, PartialFailure
 from envfleet._core.protocol import Command, Failure, Status
-from envfleet._core.replay import file_log
 from envfleet._core.stats import (
     BUCKETS_PER_OCTAVE,
     KIND,
@@ -233,7 +233,7 @@ class WorkerSpec:
     parent_pid: int
     start_method: str
     stacks_path: str | None = None  # where faulthandler writes this worker's stacks
-    replay_path: str | None = None  # the file of its action log (envfleet._core.replay)
+    replay_path: str | None = None  # the file of its action log (envfleet._core.action_log)
     bell: RoundBell | None = None  # the vector env's round bell (Linux; not in a pool)
     hosted: bool = False  # served by a thread of a host process (host_main), with others
 

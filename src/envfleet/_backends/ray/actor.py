@@ -31,10 +31,10 @@ from envfleet._backends.base import (
     run_command,
 )
 from envfleet._backends.workers import die_with, remote_error, watch_stacks
+from envfleet._core.action_log import REPLAY_STEPS, fd_log
 from envfleet._core.buffers import Block, allocate_batch, batch_nbytes
 from envfleet._core.envgroup import EnvFailure, EnvGroup, PartialFailure
 from envfleet._core.protocol import Command, Failure, Status
-from envfleet._core.replay import REPLAY_STEPS, fd_log
 from envfleet._core.stats import STATS_WORDS, STEPPING_WORDS, StepTimer
 from envfleet._core.trees import tree_write
 

@@ -53,6 +53,7 @@ from envfleet._backends.ray.plan import RayPlan, plan_ray
 from envfleet._backends.rounds import FullRound, RoundDriver, Seen
 from envfleet._backends.supervisor import Round
 from envfleet._backends.workers import STACKS_WAIT_S
+from envfleet._core.action_log import log_recordings, read_head
 from envfleet._core.buffers import allocate_batch
 from envfleet._core.errors import (
     EnvCrashedError,
@@ -60,7 +61,7 @@ from envfleet._core.errors import (
 )
 from envfleet._core.failures import CLOSED, remote_env_error
 from envfleet._core.protocol import Command, Failure, RemoteError, Status
-from envfleet._core.replay import EnvRecording, log_recordings, read_head
+from envfleet._core.replay import EnvRecording
 from envfleet._core.stacks import at
 from envfleet._core.stats import (
     KIND,
@@ -216,7 +217,7 @@ class RayTransport:
     # -- what the recycler, replays and reports read: through each node's helper -------------
 
     def counters(self) -> list[tuple[tuple[int, int, Any] | None, int | None]]:
-        """Per worker: its action-log counters (:func:`envfleet._core.replay.read_head`) and
+        """Per worker: its action-log counters (:func:`envfleet._core.action_log.read_head`) and
         its actor's resident memory now in bytes (``None`` each where unknown): one call to
         each node's helper, all at once (the recycler's look)."""
         found = self._helpers.counters(range(len(self.ranges)))
@@ -227,7 +228,7 @@ class RayTransport:
         return looks
 
     def log_head(self, w: int) -> tuple[int, int, Any] | None:
-        """Worker ``w``'s action-log counters (:func:`envfleet._core.replay.read_head`),
+        """Worker ``w``'s action-log counters (:func:`envfleet._core.action_log.read_head`),
         ``None`` where unknown."""
         start, stop = self.ranges[w]
         head, _ = self._helpers.counters([w]).get(w, (b"", None))

@@ -37,7 +37,7 @@ import psutil
 import ray
 
 from envfleet._backends.workers import MemoryWatch, ask_stacks, read_bytes, read_text
-from envfleet._core.replay import ActionLog, read_head
+from envfleet._core.action_log import ActionLog, read_head
 
 __all__ = ["GONE", "Adopted", "NodeHelper", "NodeHelpers", "RemoteHelper", "cause", "reason"]
 
@@ -126,7 +126,7 @@ class NodeHelper:
 
     def counters(self, workers: Sequence[int]) -> dict[int, tuple[bytes, int | None]]:
         """Per worker of ``workers``: its action log's head (the bytes
-        :func:`envfleet._core.replay.read_head` reads: group steps, episodes, each env's
+        :func:`envfleet._core.action_log.read_head` reads: group steps, episodes, each env's
         episode start) and its actor's resident memory now in bytes (``None``: gone)."""
         found = {}
         for w in workers:
