@@ -16,8 +16,9 @@ import numpy as np
 
 from envfleet._backends.base import run_command
 from envfleet._backends.registry import BackendSpec, BuildRequest, register
-from envfleet._backends.rounds import RoundDriver, Seen
+from envfleet._backends.rounds import RoundDriver
 from envfleet._backends.supervisor import Round
+from envfleet._backends.transport import Seen
 from envfleet._core.action_log import new_log
 from envfleet._core.buffers import allocate_batch
 from envfleet._core.envgroup import EnvFailure, EnvGroup

@@ -18,8 +18,9 @@ from __future__ import annotations
 import logging
 import sys
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Protocol, cast
+from typing import TYPE_CHECKING, cast
 
+from envfleet._backends.transport import Transport
 from envfleet._core.hangs import (
     InlineRun,
     add_note,
@@ -39,27 +40,11 @@ __all__ = ["HangReporter"]
 logger = logging.getLogger("envfleet")
 
 
-class _Seen(Protocol):
-    """What a wait found (:class:`~envfleet._backends.rounds.Seen`)."""
-
-    ready: list[int]
-    dead: dict[int, str]
-
-
-class _Transport(Protocol):
-    """What the reports ask of the driver's transport by name (of the primitives of
-    :class:`~envfleet._backends.rounds.Transport`)."""
-
-    def inline(self, command: Command) -> frozenset[int]: ...
-
-    def wait(self, workers: list[int], deadline: float | None, first: bool) -> _Seen: ...
-
-
 class HangReporter:
     """The round driver's hang reports and Ctrl-C notes (a mixin: the state it reads is the
     driver's, declared here)."""
 
-    transport: _Transport
+    transport: Transport
     ranges: Sequence[tuple[int, int]]
     late_what: str
     _command: Command  # the command the round runs

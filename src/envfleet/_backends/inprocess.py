@@ -13,8 +13,8 @@ import gymnasium
 import numpy as np
 
 from envfleet._backends.base import WorkerLayout, run_command
-from envfleet._backends.rounds import FullRound, Seen
 from envfleet._backends.supervisor import Ledger, Round
+from envfleet._backends.transport import FullRound, Seen
 from envfleet._core.action_log import group_recordings, new_log
 from envfleet._core.buffers import Block, allocate_batch
 from envfleet._core.envgroup import EnvFailure, EnvGroup
@@ -31,7 +31,7 @@ logger = logging.getLogger("envfleet")
 
 class InProcessTransport:
     """EnvGroups in this process, one per block of ``layout.ranges`` (a
-    :class:`~envfleet._backends.rounds.Transport`).
+    :class:`~envfleet._backends.transport.Transport`).
 
     Envs are created at construction (as gymnasium's SyncVectorEnv does) and their spaces are
     checked against ``layout``'s. ``first_env``, when given, is used as env 0 instead of

@@ -9,7 +9,7 @@ options of its own has an options object there (:class:`envfleet.Processes`,
 :class:`envfleet.Ray`) whose fields reach its plan as ``request.options``.
 
 Adding a backend is one new module, ``envfleet/_backends/inline.py``, plus its line in
-:data:`BUILTIN`: a transport (the primitives of :class:`envfleet._backends.rounds.Transport`)
+:data:`BUILTIN`: a transport (the primitives of :class:`envfleet._backends.transport.Transport`)
 under the one round driver::
 
     from envfleet._backends.inprocess import InProcessTransport
@@ -18,7 +18,7 @@ under the one round driver::
 
 
     class InlineTransport(InProcessTransport):
-        ...  # send / wait / read (see envfleet._backends.rounds.Transport)
+        ...  # send / wait / read (see envfleet._backends.transport.Transport)
 
 
     def _build(request: BuildRequest) -> RoundDriver:

@@ -6,14 +6,14 @@ driver's rounds:
 
 - **starting**: :meth:`WorkerReplacement._start` waits for just spawned workers' ``READY``
   replies (within ``start_timeout``), has the transport lay them out
-  (:meth:`~envfleet._backends.rounds.Transport.lay_out`) and checks their envs; at the start and
+  (:meth:`~envfleet._backends.transport.Transport.lay_out`) and checks their envs; at the start and
   whenever a worker is replaced;
 - **recycling** (``envfleet.Recycle``): after step rounds, the idle workers past a limit are
   replaced by new ones whose envs continue their episodes
   (:func:`~envfleet._core.action_log.restore_envs`);
 - **replacing** for the :class:`~envfleet._backends.supervisor.Supervisor` (which decides, and
   never calls a transport): :meth:`WorkerReplacement.replace_workers` (the transport's
-  :meth:`~envfleet._backends.rounds.Transport.respawn`, then the start),
+  :meth:`~envfleet._backends.transport.Transport.respawn`, then the start),
   :meth:`WorkerReplacement.spare` (the groups that go down with a host process without being
   at fault), :meth:`WorkerReplacement.lost_envs` and :meth:`WorkerReplacement.catch_up`
   (bringing the envs that did not lose their episode back), and
@@ -29,10 +29,11 @@ import logging
 import time
 import weakref
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Protocol, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from envfleet._backends.recycle import Recycle, Recycler
 from envfleet._backends.supervisor import Ledger, Round, Supervisor, timeout_error
+from envfleet._backends.transport import Transport
 from envfleet._core.action_log import catch_up_envs, restore_envs
 from envfleet._core.buffers import Batch
 from envfleet._core.errors import (
@@ -55,21 +56,11 @@ logger = logging.getLogger("envfleet")
 _STEP, _RESTART, _TASK = Command.STEP, Command.RESTART, Command.TASK
 
 
-class _Transport(Protocol):
-    """What starting and replacing workers ask of the driver's transport by name (of the
-    primitives of :class:`~envfleet._backends.rounds.Transport`; the rest is asked for where
-    a transport offers it)."""
-
-    def lay_out(self, workers: list[int], probe: Any) -> bool: ...
-
-    def respawn(self, w: int, reason: str) -> None: ...
-
-
 class WorkerReplacement:
     """The round driver's starting, recycling and replacing of workers (a mixin: the state
     and the rounds it uses are the driver's, declared here)."""
 
-    transport: _Transport
+    transport: Transport
     ranges: Sequence[tuple[int, int]]
     ledger: Ledger
     batch: Batch

@@ -33,8 +33,9 @@ import gymnasium
 
 from envfleet._backends.base import WorkerLayout
 from envfleet._backends.inprocess import InProcessTransport
-from envfleet._backends.rounds import NOTHING, RoundDriver, Seen
+from envfleet._backends.rounds import RoundDriver
 from envfleet._backends.supervisor import Ledger
+from envfleet._backends.transport import NOTHING, Seen
 from envfleet._core.buffers import Block
 from envfleet._core.cores import usable_cores
 from envfleet._core.envgroup import EnvFailure, EnvGroup
@@ -85,7 +86,7 @@ def serialize_gfxdraw() -> None:
 
 class ThreadsTransport(InProcessTransport):
     """One thread per EnvGroup (the calling thread runs group 0 when ``inline_first``); a
-    :class:`~envfleet._backends.rounds.Transport`.
+    :class:`~envfleet._backends.transport.Transport`.
 
     Steps and resets run in the groups' threads; ``call``, ``set_attr``, ``render`` and
     restarts run one group at a time in the calling thread (renderers such as pygame keep

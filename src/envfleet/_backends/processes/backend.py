@@ -82,8 +82,9 @@ from envfleet._backends.registry import (
     PlanRequest,
     register,
 )
-from envfleet._backends.rounds import NOTHING, FullRound, RoundDriver, Seen
+from envfleet._backends.rounds import RoundDriver
 from envfleet._backends.supervisor import Round
+from envfleet._backends.transport import NOTHING, FullRound, Seen
 from envfleet._backends.workers import watch
 from envfleet._core import native as _speedups
 from envfleet._core.action_log import new_log
@@ -112,7 +113,7 @@ RECOVER_S = 1.0
 
 class ProcessesTransport:
     """Worker processes holding contiguous blocks of envs over one shared block (a
-    :class:`~envfleet._backends.rounds.Transport`: the rounds are the round driver's).
+    :class:`~envfleet._backends.transport.Transport`: the rounds are the round driver's).
 
     Args:
         request: make()'s :class:`BuildRequest`: the factories (cloudpickled), the start

@@ -50,8 +50,9 @@ from envfleet._backends.base import EnvProbe
 from envfleet._backends.ray.actor import ActorLayout, ActorSpec, RemoteWorker, Reply
 from envfleet._backends.ray.helper import GONE, NodeHelpers, reason
 from envfleet._backends.ray.plan import RayPlan, plan_ray
-from envfleet._backends.rounds import FullRound, RoundDriver, Seen
+from envfleet._backends.rounds import RoundDriver
 from envfleet._backends.supervisor import Round
+from envfleet._backends.transport import FullRound, Seen
 from envfleet._backends.workers import STACKS_WAIT_S
 from envfleet._core.action_log import log_recordings, read_head
 from envfleet._core.buffers import allocate_batch
@@ -87,7 +88,7 @@ _START_WARN_S = 30.0  # seconds between warnings while actors wait to be placed
 
 class RayTransport:
     """One Ray actor per block of envs; results come back through Ray's object store (a
-    :class:`~envfleet._backends.rounds.Transport`: the rounds are the round driver's).
+    :class:`~envfleet._backends.transport.Transport`: the rounds are the round driver's).
 
     Args:
         request: make()'s :class:`BuildRequest`: the factories (cloudpickled), the ledger
