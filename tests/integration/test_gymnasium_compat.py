@@ -113,7 +113,9 @@ def test_async_returns_at_once_and_wait_times_out(make_env, snapshot, layout, me
         (envs.step_wait if method == "step" else envs.reset_wait)(timeout=0.2)
     assert isinstance(raised.value, envfleet.StepTimeoutError)
     assert 0 in raised.value.env_indices
+    assert "cannot be interrupted" in str(raised.value)
     assert envs.closed
+    assert envs.stats.timeouts == 1  # counted once, by the supervisor's broken path
     envs.close(terminate=True)
     snapshot.assert_nothing_left()
 

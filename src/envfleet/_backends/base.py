@@ -269,13 +269,21 @@ class Backend(abc.ABC):
         return frozenset()
 
     def finish(
-        self, command: Command, inline: Mapping[int, Any], timeout: float | None, step: int
+        self,
+        command: Command,
+        inline: Mapping[int, Any],
+        timeout: float | None,
+        step: int,
+        late_after: float | None = None,
     ) -> dict[int, Any]:
         """Finish an asynchronous call (``step_wait`` and friends): :meth:`submit` the groups
         that :meth:`inline_groups` left for the wait (``inline``), which run here to the end,
         then :meth:`collect` with what is left of ``timeout`` (seconds).
 
-        A backend may override it with a shorter path; errors are those of the two calls.
+        ``late_after``: the wait's own timeout (``*_wait(timeout=)``); the round driver,
+        whose groups run here, raises :class:`StepTimeoutError` through its supervisor when
+        the call took longer. A backend may override it with a shorter path; errors are those
+        of the two calls.
         """
         started = time.monotonic()
         self.submit(command, inline, step)

@@ -276,8 +276,14 @@ class RoundDriver(HangReporter, WorkerReplacement, Backend):
         return self.supervisor.guarded(self._round, command, payloads, timeout, step)
 
     def finish(
-        self, command: Command, inline: Mapping[int, Any], timeout: float | None, step: int
+        self,
+        command: Command,
+        inline: Mapping[int, Any],
+        timeout: float | None,
+        step: int,
+        late_after: float | None = None,
     ) -> dict[int, Any]:
+        started = time.monotonic()
         # step_wait of a plain step: step_async sent every other worker its command and left
         # the driver's own block: the C round runs it and waits for the replies.
         if (
@@ -292,6 +298,9 @@ class RoundDriver(HangReporter, WorkerReplacement, Backend):
                 results = {}
         else:
             results = super().finish(command, inline, timeout, step)
+        elapsed = time.monotonic() - started
+        if late_after is not None and elapsed > late_after:
+            self.supervisor.ran_late_here(inline, late_after, elapsed)
         if command is _STEP and self._recycler is not None:
             self._recycle_due(step)
         return results

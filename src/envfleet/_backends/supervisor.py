@@ -688,6 +688,23 @@ class Supervisor:
         self.ledger.crashes += 1
         self.broken(self.backend.crash_error(w, step, note, reason, starting))
 
+    def ran_late_here(self, late: Iterable[int], timeout: float, elapsed: float) -> NoReturn:
+        """A wait whose ``late`` groups ran in the calling thread took ``elapsed`` seconds,
+        past its ``timeout``: they could not be interrupted, so it is known once they are done.
+        Count the timeout, shut down and raise :class:`StepTimeoutError` (the results are
+        dropped, as after any timeout)."""
+        self.ledger.timeouts += 1
+        envs = [e for w in sorted(late) for e in range(*self.backend.ranges[w])]
+        self.broken(
+            StepTimeoutError(
+                f"the call did not finish within {timeout} s (it took {elapsed:.3f} s); "
+                f"sub-environments {envs} run in the calling thread and cannot be interrupted, "
+                "so it is reported once they are done; the vector env is closed",
+                envs,
+                float(timeout),
+            )
+        )
+
     def timed_out(
         self, late: list[int], timeout: float | None, note: str = "", counted: bool = False
     ) -> NoReturn:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import time
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, cast
@@ -38,7 +37,6 @@ from envfleet._core.errors import (
     NoAsyncCallError,
     PoolStateError,
     ResetNeededError,
-    StepTimeoutError,
     UnsupportedError,
 )
 from envfleet._core.infos import one_env_info, vector_infos
@@ -922,18 +920,15 @@ class FleetVectorEnv(VectorEnv[Any, Any, np.ndarray]):
         explicit = timeout
         if timeout is None:
             timeout = self.step_timeout
-        started = time.monotonic()
         deferred, self._deferred = self._deferred, None
         ledger = self._backend.ledger
         ledger.wait_bound = explicit is not None  # its timeout raises, as gymnasium's
         try:
             if deferred is None:
                 return self._backend.collect(timeout, self._steps)
-            # The groups left for the wait run here, to the end: no timeout can stop them.
-            results = self._backend.finish(*deferred, timeout, self._steps)
-            if explicit is not None:
-                self._raise_late(deferred[1], explicit, time.monotonic() - started)
-            return results
+            # The groups left for the wait run here, to the end: no timeout can stop them (one
+            # that ran past the wait's own timeout is raised once they are done).
+            return self._backend.finish(*deferred, timeout, self._steps, explicit)
         except BaseException:
             # A crash, a timeout or an interrupt may have shut the backend down.
             self.closed = self._backend.closed
@@ -941,23 +936,6 @@ class FleetVectorEnv(VectorEnv[Any, Any, np.ndarray]):
         finally:
             ledger.wait_bound = False
             self._state = AsyncState.DEFAULT
-
-    def _raise_late(self, groups: dict[int, Any], timeout: float, elapsed: float) -> None:
-        """A ``*_wait(timeout=)`` whose envs stepped in this thread ran past ``timeout``: they
-        could not be interrupted, so it is reported once they are done, as a timeout (the
-        results are dropped and the vector env closed, as after any timeout)."""
-        if elapsed <= timeout:
-            return
-        envs = [e for w in sorted(groups) for e in range(*self._backend.ranges[w])]
-        self._backend.ledger.timeouts += 1
-        self._backend.close(0, True)
-        raise StepTimeoutError(
-            f"the call did not finish within {timeout} s (it took {elapsed:.3f} s); "
-            f"sub-environments {envs} run in the calling thread and cannot be interrupted, "
-            "so it is reported once they are done; the vector env is closed",
-            envs,
-            float(timeout),
-        )
 
     def _infos(self, results: dict[int, Any]) -> dict[str, Any]:
         if self._outputs.side_spaces:
