@@ -77,7 +77,7 @@ class WorkerReplacement:
 
     if TYPE_CHECKING:
 
-        def close(self, timeout: float | None, terminate: bool) -> None: ...
+        def close(self, timeout: float | None, terminate: bool) -> None: ...  # Supervised's
 
         def _submit(self, command: Command, payloads: Mapping[int, Any], step: int) -> None: ...
 
@@ -195,9 +195,8 @@ class WorkerReplacement:
         self.transport.respawn(w, "recycle")
         try:
             self._start([w], self._start_timeout, step, at_start=False)
-        except EnvfleetError:  # a new worker could not start: give up
-            self.close(timeout=0, terminate=True)
-            raise
+        except EnvfleetError as error:  # a new worker could not start: the broken path
+            self.supervisor.broken(error)
         request = TaskRequest(restore_envs, (recordings, self._ended_episodes(w)))
         self._bring_up(w, request, step, "recycling its worker")
         self.ledger.recycled += 1
@@ -233,9 +232,8 @@ class WorkerReplacement:
                 self.transport.respawn(w, reasons[w])
         try:
             self._start(workers, self._start_timeout, step, at_start=False)
-        except EnvfleetError:  # a new worker could not start: give up
-            self.close(timeout=0, terminate=True)
-            raise
+        except EnvfleetError as error:  # a new worker could not start: the broken path
+            self.supervisor.broken(error)
         self._pending = others
         return hung
 
