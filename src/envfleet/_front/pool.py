@@ -429,9 +429,9 @@ class NativePool(FirstReadyPool):
     """The first-ready pool of a backend whose native library runs it
     (:class:`envfleet._backends.base.NativeBackend`: EnvPool's asynchronous mode):
     :meth:`send` and :meth:`recv` check what :class:`FirstReadyPool`'s do, then call the
-    library at once. Every env is its own
-    "worker" there and the library's ``recv`` returns exactly ``batch_size`` envs, so no env
-    waits in a ready queue: an env is idle (awaiting an action) or running.
+    library at once. Every env is its own "worker" there and the library's ``recv`` returns
+    exactly ``batch_size`` envs, so no env waits in a ready queue: an env is idle (awaiting an
+    action) or running.
     """
 
     def __init__(
