@@ -955,9 +955,9 @@ class FaultEnv(gym.Env):
 
 class FaultSeriesEnv(gym.Env):
     """Env ``env_index`` does a series of faults, each once per env index: fault ``k`` of
-    ``series`` (``(how, at_step)``; ``how``: ``"raise"``, ``"sleep:S"`` or ``"null-write"``,
-    as :class:`FaultEnv`'s) comes in the env's ``at_step``-th step since it was built,
-    unless the file ``f"{marker}-{env_index}-{k}"`` exists (made just before). So an env
+    ``series`` (``(how, at_step)``; ``how``: ``"raise"``, ``"sleep:S"``, ``"null-write"`` or
+    ``"sigkill"``, as :class:`FaultEnv`'s) comes in the env's ``at_step``-th step since it
+    was built, unless the file ``f"{marker}-{env_index}-{k}"`` exists (made just before). So an env
     rebuilt after a fault (in its worker, or in a new one) goes on to the next faults of the
     series, and a test can spare an env a fault by making its file. Faults due in the same
     step come one after the other. Episodes never end."""
@@ -987,6 +987,9 @@ class FaultSeriesEnv(gym.Env):
                 time.sleep(float(how.split(":")[1]))
             elif how == "null-write":  # a real SIGSEGV in C
                 ctypes.memset(0, 0, 1)
+            elif how == "sigkill":
+                os.kill(os.getpid(), signal.SIGKILL)
+                time.sleep(60)  # the signal is delivered before this returns
         obs = self.np_random.uniform(-1.0, 1.0, 2).astype(np.float32)
         return obs, 1.0, False, False, {}
 

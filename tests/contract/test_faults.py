@@ -15,6 +15,7 @@ import inspect
 import multiprocessing
 import pickle
 import signal
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -26,6 +27,7 @@ from envfleet._core.stacks import innermost
 from tests.envs import (
     CustomEnvException,
     FaultEnv,
+    FaultSeriesEnv,
     MemoryHogEnv,
     TypedRaisingEnv,
     fault_factory,
@@ -148,12 +150,12 @@ def test_hung_env_is_a_step_timeout_error_naming_it(
         snapshot.assert_nothing_left()
 
 
-def _fault_lines(marker: str, count: int = 1) -> list[str]:
-    """``tests/envs.py:LINE`` of the line of FaultEnv.step that holds ``marker`` and of the
+def _fault_lines(marker: str, count: int = 1, env: type = FaultEnv) -> list[str]:
+    """``tests/envs.py:LINE`` of the line of ``env.step`` that holds ``marker`` and of the
     ``count - 1`` lines after it."""
-    lines, first = inspect.getsourcelines(FaultEnv.step)
+    lines, first = inspect.getsourcelines(env.step)
     offset = next(i for i, line in enumerate(lines) if marker in line)
-    path = inspect.getsourcefile(FaultEnv)
+    path = inspect.getsourcefile(env)
     return [f"{path}:{first + offset + k}" for k in range(count)]
 
 
@@ -223,6 +225,45 @@ def test_a_segfaults_stack_comes_with_its_crash_error(
     assert "Segmentation fault" in err.stacks, seen
     assert innermost(err.stacks) == f"{where} in step", seen
     assert f"at {where} in step)" in str(err), seen
+    if backend.owns_processes:
+        snapshot.assert_nothing_left()
+
+
+@pytest.mark.backends(isolated=True)
+def test_a_hang_reports_stacks_are_not_a_later_deaths(
+    make_env: Any, snapshot: Any, backend: Any, tmp_path: Path
+) -> None:
+    """Env 1 hangs 0.8 s in its 2nd step, and is reported (``hang_report_delay=0.3``: its
+    worker writes its stacks to its stack file when asked by a signal); then it is SIGKILLed
+    in its 4th. A SIGKILL leaves no stacks: the EnvCrashedError carries none and names no
+    frame, though the file still holds the hang report's answer (once read as the crash's)."""
+    marker = str(tmp_path / "fired")
+    for k in (0, 1):
+        Path(f"{marker}-0-{k}").touch()  # env 0 is spared both faults
+    series = (("sleep:0.8", 2), ("sigkill", 4))
+    envs = make_env(
+        functools.partial(FaultSeriesEnv, series=series, marker=marker),
+        2,
+        **backend.options,
+        num_workers=2,
+        supervision=envfleet.Supervision(restart_policy=None, hang_report_delay=0.3),
+    )
+    envs.reset(seed=0)
+    [hung] = _fault_lines("time.sleep(float(", env=FaultSeriesEnv)
+    with pytest.warns(envfleet.HangWarning) as reports:
+        for _ in range(2):
+            envs.step(_zeros(2))
+    assert any(hung in str(r.message) for r in reports), [str(r.message) for r in reports]
+    envs.step(_zeros(2))
+    with pytest.raises(envfleet.EnvCrashedError) as info:
+        envs.step(_zeros(2))
+    err = info.value
+    seen = f"{err}\n{err.stacks}"
+    assert err.worker_index == 1, seen
+    if backend.owns_processes:
+        assert err.signal == signal.SIGKILL, seen
+    assert err.stacks == "", seen
+    assert hung not in str(err), seen
     if backend.owns_processes:
         snapshot.assert_nothing_left()
 

@@ -921,3 +921,54 @@ def test_a_closed_vector_env_is_freed_without_the_garbage_collector(recycle):
         assert workers() is None and driver() is None
     finally:
         gc.enable()
+
+
+ASKED_THEN_FAULTS = """
+import ctypes, sys
+from envfleet._backends.workers import watch_stacks
+out = watch_stacks(sys.argv[1])
+print("ready", flush=True)
+sys.stdin.readline()
+ctypes.memset(0, 0, 1)  # a real SIGSEGV, when told
+"""
+
+
+@pytest.mark.timeout(60)
+def test_an_ask_for_stacks_keeps_a_fatal_dump_in_the_file():
+    """A worker asked for its stacks (a hang report) writes them after what its file holds;
+    asked again just as it dies of a segfault (before its death is seen), its fatal dump is
+    still in the file, and :func:`~envfleet._backends.workers.fatal_stacks` gives that dump
+    alone. The ask used to empty the file first, and so lost the crash's stacks (the Ray
+    cluster test saw it once under load)."""
+    from envfleet._backends.workers import ask_stacks, fatal_stacks, read_text
+
+    fd, path = tempfile.mkstemp(prefix="envfleet-test-stacks-")
+    child = subprocess.Popen(
+        [sys.executable, "-c", ASKED_THEN_FAULTS, path],
+        cwd=ROOT,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert child.stdout.readline() == "ready\n"
+        answers = ask_stacks({0: (child.pid, fd)}, lambda w: child.poll() is None)
+        assert "most recent call first" in answers[0], answers
+        assert fatal_stacks(answers[0]) == ""  # an answer is not a fatal dump
+        child.stdin.write("go\n")
+        child.stdin.flush()
+        os.waitid(os.P_PID, child.pid, os.WEXITED | os.WNOWAIT)  # dead, not yet reaped
+        assert ask_stacks({0: (child.pid, fd)}, lambda w: False, wait_s=0.5) == {}
+        text = read_text(fd)
+        fatal = fatal_stacks(text)
+        assert text.startswith(answers[0]), text
+        assert fatal.startswith("Fatal Python error: Segmentation fault"), text
+        assert answers[0] not in fatal and "in <module>" in fatal, fatal
+    finally:
+        child.kill()
+        child.communicate()
+        os.close(fd)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+    assert child.returncode == -signal.SIGSEGV

@@ -36,6 +36,7 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import pickle
+import re
 import select
 import signal
 import sys
@@ -72,6 +73,7 @@ __all__ = [
     "BOOTSTRAP_FIX",
     "BootstrapReport",
     "ask_stacks",
+    "fatal_stacks",
     "bootstrap_report",
     "read_bytes",
     "read_text",
@@ -418,22 +420,24 @@ def ask_stacks(
     file) and read them: worker -> text, for those that wrote within ``wait_s`` seconds (a
     dump still growing is read again until it stops). ``alive(w)``: whether it still runs.
     A worker not yet watching the signal (one still starting) dies of it: it was about to be
-    killed."""
-    asked: dict[int, int] = {}
+    killed. The file keeps what it held: each answer is read from where the file ended when
+    asked, so that a fatal signal's dump, written as the worker was asked, is still there for
+    :func:`fatal_stacks`."""
+    asked: dict[int, tuple[int, int]] = {}  # worker -> (fd, where its answer starts)
     for w, (pid, fd) in targets.items():
         with contextlib.suppress(OSError):
-            os.ftruncate(fd, 0)  # the worker appends: its dump starts at 0
+            start = os.fstat(fd).st_size  # the worker appends
             os.kill(pid, STACKS_SIGNAL)
-            asked[w] = fd
+            asked[w] = (fd, start)
     found: dict[int, str] = {}
     sizes: dict[int, int] = {}
     deadline = time.monotonic() + wait_s
     while asked and time.monotonic() < deadline:
-        for w, fd in list(asked.items()):
+        for w, (fd, start) in list(asked.items()):
             with contextlib.suppress(OSError):
                 size = os.fstat(fd).st_size
-                if size and sizes.get(w) == size:  # written, and no longer growing
-                    found[w] = read_text(fd)
+                if size > start and sizes.get(w) == size:  # written, and no longer growing
+                    found[w] = read_text(fd, start)
                     del asked[w]
                 sizes[w] = size
             if not alive(w):
@@ -442,20 +446,36 @@ def ask_stacks(
     return found
 
 
-def read_bytes(fd: int | None, nbytes: int | None = None) -> bytes:
-    """All of the file ``fd``, or its first ``nbytes`` bytes (``b""`` when none or
-    unreadable): what a worker wrote for the driver, even after it died."""
+# The line faulthandler starts its dump with at a fatal signal (SIGSEGV, SIGBUS, SIGFPE,
+# SIGILL, SIGABRT), and not when asked for stacks by STACKS_SIGNAL.
+_FATAL_LINE = re.compile(r"^Fatal Python error: ", re.MULTILINE)
+
+
+def fatal_stacks(text: str) -> str:
+    """Of a stack file's ``text``, what faulthandler wrote when its worker died of a fatal
+    signal: every thread's stack, from the last ``Fatal Python error:`` line on; ``""`` when
+    it died of none (SIGKILL, ``os._exit``). The answers to :func:`ask_stacks` before it are
+    left out: they are not where it died."""
+    starts = [found.start() for found in _FATAL_LINE.finditer(text)]
+    return text[starts[-1] :] if starts else ""
+
+
+def read_bytes(fd: int | None, nbytes: int | None = None, start: int = 0) -> bytes:
+    """The file ``fd`` from byte ``start``: to its end, or ``nbytes`` bytes (``b""`` when
+    none or unreadable): what a worker wrote for the driver, even after it died."""
     if fd is None:
         return b""
     try:
-        return os.pread(fd, os.fstat(fd).st_size if nbytes is None else nbytes, 0)
+        size = os.fstat(fd).st_size - start if nbytes is None else nbytes
+        return os.pread(fd, max(0, size), start)
     except OSError:
         return b""
 
 
-def read_text(fd: int | None) -> str:
-    """All of the file ``fd`` as text (``""`` when none or unreadable)."""
-    return read_bytes(fd).decode("utf-8", errors="replace")
+def read_text(fd: int | None, start: int = 0) -> str:
+    """The file ``fd`` from byte ``start`` to its end, as text (``""`` when none or
+    unreadable)."""
+    return read_bytes(fd, start=start).decode("utf-8", errors="replace")
 
 
 GROWTH_SAMPLES = 120  # the samples a worker's memory growth is fitted over

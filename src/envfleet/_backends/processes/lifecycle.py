@@ -78,6 +78,7 @@ from envfleet._backends.workers import (
     MemoryWatch,
     ask_stacks,
     bootstrap_report,
+    fatal_stacks,
     join_all,
     read_text,
     spawn,
@@ -394,11 +395,6 @@ class WorkerProcesses:
             return read_region(self.regions[g], blob)
         return pickle.loads(blob)
 
-    def _read_stacks(self, g: int) -> str:
-        """All worker ``g``'s faulthandler has written to its stack file so far (a hosted
-        group's: its own thread's stack, from its host's file)."""
-        return self.group_stacks(g, read_text(self._stack_files.fds[self.lead(g)]))
-
     def group_stacks(self, g: int, text: str) -> str:
         """Of ``text``, what its host process's faulthandler wrote, group ``g``'s part: the
         stack of the thread serving it (as the ``Current thread``: the one that ran its env),
@@ -576,7 +572,7 @@ class WorkerProcesses:
         boot = bootstrap_report(written)
         if boot is not None:
             return self._bootstrap_error(w, exitcode, step, note, fate, boot)
-        stacks = self.group_stacks(w, written)
+        stacks = self.group_stacks(w, fatal_stacks(written))
         where = at(stacks)
         seen = self.memory.last(self.lead(w))
         rss = seen[0] if seen is not None else None
@@ -632,7 +628,7 @@ class WorkerProcesses:
         text = read_text(self._stack_files.fds[self.lead(g)])
         if bootstrap_report(text) is not None:
             return ""
-        return self.group_stacks(g, text)
+        return self.group_stacks(g, fatal_stacks(text))
 
     def disown(self) -> None:
         # multiprocessing's exit handler terminates the daemonic processes it counts as this

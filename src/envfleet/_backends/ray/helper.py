@@ -36,7 +36,13 @@ from typing import Any
 import psutil
 import ray
 
-from envfleet._backends.workers import MemoryWatch, ask_stacks, read_bytes, read_text
+from envfleet._backends.workers import (
+    MemoryWatch,
+    ask_stacks,
+    fatal_stacks,
+    read_bytes,
+    read_text,
+)
 from envfleet._core.action_log import ActionLog, read_head
 
 __all__ = ["GONE", "Adopted", "NodeHelper", "NodeHelpers", "RemoteHelper", "cause", "reason"]
@@ -113,7 +119,7 @@ class NodeHelper:
         for a death that leaves none: SIGKILL, ``os._exit``) and its resident memory when
         last seen, ``(bytes, seconds before now)`` (``None`` before the first sample)."""
         adopted = self._adopted.get(w)
-        stacks = read_text(adopted.stacks) if adopted is not None else ""
+        stacks = fatal_stacks(read_text(adopted.stacks)) if adopted is not None else ""
         seen = self._memory.last(w)
         ago = None if seen is None else (seen[0], max(0.0, time.monotonic() - seen[1]))
         return stacks, ago
