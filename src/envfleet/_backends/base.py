@@ -260,7 +260,7 @@ class Backend(abc.ABC):
         """In a process forked from the one that made this backend: forget what is the
         maker's (workers, threads) without touching it; the backend is not used again."""
 
-    def inline_groups(self, command: Command) -> frozenset[int]:
+    def inline(self, command: Command) -> frozenset[int]:
         """The groups :meth:`submit` runs in the calling thread, to the end, for ``command``.
 
         No timeout can interrupt them; the front's asynchronous calls (``step_async`` and
@@ -277,7 +277,7 @@ class Backend(abc.ABC):
         late_after: float | None = None,
     ) -> dict[int, Any]:
         """Finish an asynchronous call (``step_wait`` and friends): :meth:`submit` the groups
-        that :meth:`inline_groups` left for the wait (``inline``), which run here to the end,
+        that :meth:`inline` left for the wait (``inline``), which run here to the end,
         then :meth:`collect` with what is left of ``timeout`` (seconds).
 
         ``late_after``: the wait's own timeout (``*_wait(timeout=)``); the round driver,

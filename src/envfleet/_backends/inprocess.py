@@ -143,7 +143,7 @@ class InProcessTransport:
             self._replies[w] = (None, failure)
         return True
 
-    def run_here(
+    def run_inline(
         self, command: Command, payloads: Mapping[int, Any]
     ) -> tuple[dict[int, Any], dict[int, EnvFailure]]:
         """:meth:`send` then :meth:`read` each group of ``payloads``, in one call (the round

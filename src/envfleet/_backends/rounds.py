@@ -130,7 +130,7 @@ class RoundDriver(HangReporter, WorkerReplacement, Backend):
         self._full_round = transport.full_round
         # The transport's, or None: a bound method of self here would be a reference cycle,
         # which keeps the workers' shared memory past close until the garbage collector runs.
-        self._run_here = getattr(transport, "run_here", None)
+        self._run_inline = getattr(transport, "run_inline", None)
         # The transport's, or None: after each round's sends (processes: ring the hosts).
         self._flush = getattr(transport, "flush", None)
         self._late_stacks: dict[int, str] | None = None  # spare()'s, for replace_workers
@@ -151,7 +151,7 @@ class RoundDriver(HangReporter, WorkerReplacement, Backend):
         self._hang_delay: float | None = None
         self._busy = InlineRun(self, self.ranges, DEFAULT_HANG_REPORT_DELAY)
         # The C step round steps the driver's own block (processes, driver_envs > 0).
-        self._local_busy = self._busy if self._num_remote < self._num_workers else None
+        self._driver_block_busy = self._busy if self._num_remote < self._num_workers else None
         if start:
             try:
                 self._start(start, start_timeout, 0, at_start=True)
@@ -170,7 +170,7 @@ class RoundDriver(HangReporter, WorkerReplacement, Backend):
 
     # -- the front's calls ----------------------------------------------------------------
 
-    def inline_groups(self, command: Command) -> frozenset[int]:
+    def inline(self, command: Command) -> frozenset[int]:
         return self.transport.inline(command)
 
     def submit(self, command: Command, payloads: Mapping[int, Any], step: int) -> None:
@@ -252,11 +252,11 @@ class RoundDriver(HangReporter, WorkerReplacement, Backend):
             # there to read at once (gather's wait would report each one ready), and
             # nothing is left in flight to guard.
             self._command = command
-            run_here = self._run_here or self._send_and_read
+            run_inline = self._run_inline or self._send_and_read
             busy = self._busy  # the reporter thread watches this run (report_hangs)
             busy.runs = (busy.runs + 1) & 255
             try:
-                results, failures = run_here(command, payloads)
+                results, failures = run_inline(command, payloads)
             except KeyboardInterrupt as exc:
                 # Inside an env's step, reset or task here: its group stopped half way (the
                 # envs after it not run, the buffers half written), which cannot be
@@ -394,7 +394,7 @@ class RoundDriver(HangReporter, WorkerReplacement, Backend):
         self, command: Command, payloads: Mapping[int, Any]
     ) -> tuple[dict[int, Any], dict[int, Any]]:
         """Send each group run here its command and read its reply at once (what a
-        transport's ``run_here`` does in one call): the round's results and failures."""
+        transport's ``run_inline`` does in one call): the round's results and failures."""
         transport = self.transport
         done = Round()
         for w, payload in payloads.items():
@@ -434,7 +434,7 @@ class RoundDriver(HangReporter, WorkerReplacement, Backend):
         completes the round there (:meth:`gather`)."""
         self._command = _STEP
         started = 0.0 if ring else time.monotonic()  # step_wait's timeout counts from here
-        busy = self._local_busy  # the driver's own block runs in this thread: its mark
+        busy = self._driver_block_busy  # the driver's own block runs in this thread: its mark
         try:
             if busy is not None:
                 busy.runs = (busy.runs + 1) & 255
@@ -483,10 +483,10 @@ class RoundDriver(HangReporter, WorkerReplacement, Backend):
         remote = self._remote
         transport = self.transport
         done = Round()
-        if outcome.local_failure is not None:
-            done.failures[0] = outcome.local_failure
-        elif outcome.local_result is not None:
-            done.results[0] = outcome.local_result
+        if outcome.driver_block_failure is not None:
+            done.failures[0] = outcome.driver_block_failure
+        elif outcome.driver_block_result is not None:
+            done.results[0] = outcome.driver_block_result
         taken, unread = outcome.taken, outcome.unread
         for i in range(taken):
             if i in unread:

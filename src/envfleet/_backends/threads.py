@@ -130,7 +130,7 @@ class ThreadsTransport(InProcessTransport):
             )
             self._threads[w] = thread
             thread.start()
-        self._here = frozenset(w for w in range(len(self.ranges)) if w not in self._inboxes)
+        self._inline = frozenset(w for w in range(len(self.ranges)) if w not in self._inboxes)
 
     def _build_groups(
         self, layout: WorkerLayout, first_env: gymnasium.Env[Any, Any] | None
@@ -211,7 +211,7 @@ class ThreadsTransport(InProcessTransport):
     # -- Transport ------------------------------------------------------------------------------
 
     def inline(self, command: Command) -> frozenset[int]:
-        return self._here if command in _PARALLEL else self._every_group
+        return self._inline if command in _PARALLEL else self._every_group
 
     def send(self, w: int, command: Command, payload: Any) -> bool:
         if command in _PARALLEL and w in self._inboxes:

@@ -60,7 +60,7 @@ class Transport(Protocol):
     A transport may also offer ``stacks(workers)``: each worker's threads' stacks, taken
     now, before a hung worker is killed (worker -> text in faulthandler's format; processes
     and threads do). A transport whose groups run here may offer
-    ``run_here(command, payloads)``:
+    ``run_inline(command, payloads)``:
     :meth:`send` then :meth:`read` of each group in one call, returning ``(results,
     failures)`` (the in-process transports do: one call a group instead of two).
     """

@@ -810,17 +810,18 @@ fail:
  * their replies to read, the driver's own block neither failed nor had an event: the rows are
  * the whole answer, the common case, so it allocates nothing), else an instance of
  * ``outcome_type`` (protocol.RoundOutcome, a NamedTuple: a tuple subclass, allocated and filled
- * here in its fields' order: local_result, local_failure, taken, unread, spun_s). Steals the
- * three references; NULL on error. */
+ * here in its fields' order: driver_block_result, driver_block_failure, taken, unread,
+ * spun_s). Steals the three references; NULL on error. */
 static PyObject *
-round_outcome(PyObject *outcome_type, PyObject *local_result, PyObject *local_failure,
-              Py_ssize_t taken, Py_ssize_t workers, PyObject *unread, double spun_s)
+round_outcome(PyObject *outcome_type, PyObject *driver_block_result,
+              PyObject *driver_block_failure, Py_ssize_t taken, Py_ssize_t workers,
+              PyObject *unread, double spun_s)
 {
-    if (taken == workers && PyList_GET_SIZE(unread) == 0 && local_failure == Py_None) {
-        int events = local_result == Py_None ? 0 : PyObject_IsTrue(local_result);
+    if (taken == workers && PyList_GET_SIZE(unread) == 0 && driver_block_failure == Py_None) {
+        int events = driver_block_result == Py_None ? 0 : PyObject_IsTrue(driver_block_result);
         if (events <= 0) { /* complete (0), or the truth test raised (-1) */
-            Py_DECREF(local_result);
-            Py_DECREF(local_failure);
+            Py_DECREF(driver_block_result);
+            Py_DECREF(driver_block_failure);
             Py_DECREF(unread);
             if (events < 0)
                 return NULL;
@@ -836,13 +837,13 @@ round_outcome(PyObject *outcome_type, PyObject *local_result, PyObject *local_fa
     if (outcome == NULL) {
         Py_XDECREF(taken_obj);
         Py_XDECREF(spun_obj);
-        Py_DECREF(local_result);
-        Py_DECREF(local_failure);
+        Py_DECREF(driver_block_result);
+        Py_DECREF(driver_block_failure);
         Py_DECREF(unread);
         return NULL;
     }
-    PyTuple_SET_ITEM(outcome, 0, local_result);
-    PyTuple_SET_ITEM(outcome, 1, local_failure);
+    PyTuple_SET_ITEM(outcome, 0, driver_block_result);
+    PyTuple_SET_ITEM(outcome, 1, driver_block_failure);
     PyTuple_SET_ITEM(outcome, 2, taken_obj);
     PyTuple_SET_ITEM(outcome, 3, unread);
     PyTuple_SET_ITEM(outcome, 4, spun_obj);
@@ -854,7 +855,7 @@ round_outcome(PyObject *outcome_type, PyObject *local_result, PyObject *local_fa
  * within ``round_budget`` until ``remaining`` is 0, and one blocking slice (R7). Taken: all the
  * workers, or none (the caller blocks on the bell, RoundBell.gather_sleep, for all of them). */
 static PyObject *
-gather_round(PyObject *controls, PyObject *local, PyObject *env_failure, double tight_s,
+gather_round(PyObject *controls, PyObject *driver_block, PyObject *env_failure, double tight_s,
              long long step_code, long long ok_code, PyObject *bell_address,
              PyObject *round_budget, double sleep_s, PyObject *outcome_type)
 {
@@ -885,18 +886,18 @@ gather_round(PyObject *controls, PyObject *local, PyObject *env_failure, double 
         bits |= bell_sleeping((volatile int64_t *)control);
     }
     bell_wake(bell, bits);
-    PyObject *local_result = Py_None, *local_failure = Py_None;
-    Py_INCREF(local_result);
-    Py_INCREF(local_failure);
-    if (local != Py_None) {
-        PyObject *result = PyObject_CallNoArgs(local);
+    PyObject *driver_block_result = Py_None, *driver_block_failure = Py_None;
+    Py_INCREF(driver_block_result);
+    Py_INCREF(driver_block_failure);
+    if (driver_block != Py_None) {
+        PyObject *result = PyObject_CallNoArgs(driver_block);
         if (result == NULL) {
             PyObject *failure = catch_exception(env_failure);
             if (failure == NULL)
                 goto fail;
-            Py_SETREF(local_failure, failure);
+            Py_SETREF(driver_block_failure, failure);
         } else {
-            Py_SETREF(local_result, result);
+            Py_SETREF(driver_block_result, result);
         }
     }
     int ok = 1;
@@ -922,7 +923,7 @@ gather_round(PyObject *controls, PyObject *local, PyObject *env_failure, double 
         PyObject *unread = PyList_New(0);
         if (unread == NULL)
             goto fail;
-        return round_outcome(outcome_type, local_result, local_failure, 0, n, unread,
+        return round_outcome(outcome_type, driver_block_result, driver_block_failure, 0, n, unread,
                              budget_s + (slept_s > 0 ? slept_s : 0.0));
     }
     if ((slept_s < 0 ? budget_caught(round_budget, budget_s)
@@ -931,17 +932,18 @@ gather_round(PyObject *controls, PyObject *local, PyObject *env_failure, double 
     PyObject *unread = unread_replies(controls, ok_code);
     if (unread == NULL)
         goto fail;
-    return round_outcome(outcome_type, local_result, local_failure, n, n, unread, 0.0);
+    return round_outcome(outcome_type, driver_block_result, driver_block_failure, n, n, unread,
+                         0.0);
 fail:
-    Py_DECREF(local_result);
-    Py_DECREF(local_failure);
+    Py_DECREF(driver_block_result);
+    Py_DECREF(driver_block_failure);
     return NULL;
 }
 
-/* full_round(requests, dones, controls, budgets, local, env_failure, tight_s, step_code,
+/* full_round(requests, dones, controls, budgets, driver_block, env_failure, tight_s, step_code,
  *            ok_code, bell, round_budget, sleep_s, outcome_type[, ring])
- *     -> None (the round complete) or outcome_type(local_result, local_failure, taken, unread,
- *        spun_s)
+ *     -> None (the round complete) or outcome_type(driver_block_result, driver_block_failure,
+ *        taken, unread, spun_s)
  *
  * With ``bell`` (the round bell's address, Linux x86-64; else None) and ``ring``, the round is
  * gather_round's: one ring and one count of arrivals for all the workers (spinning within the
@@ -953,7 +955,7 @@ fail:
  * to reading the replies. For each worker w (the tuples hold the addresses of its request and done semaphores and of its int64
  * control words): command word = step_code, payload word = 0, post its request (unless
  * ``ring`` is 0: step_async already did, and step_wait finishes the round). Then call
- * ``local()`` (the driver's own block, timed; None when it has none): its result, or the
+ * ``driver_block()`` (the driver's own block, timed; None when it has none): its result, or the
  * ``env_failure`` instance it raised (any other exception propagates at once, as from _submit).
  * Then take each worker's done semaphore in order, spinning within its SpinBudget (adapted as
  * SpinBudget.caught does): ``taken`` workers were, and ``unread`` lists the indexes (into the
@@ -978,7 +980,7 @@ sp_full_round(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     if (nargs == 14 && (ring = PyObject_IsTrue(args[13])) < 0)
         return NULL;
     PyObject *requests = args[0], *dones = args[1], *controls = args[2], *budgets = args[3];
-    PyObject *local = args[4], *env_failure = args[5], *bell_address = args[9];
+    PyObject *driver_block = args[4], *env_failure = args[5], *bell_address = args[9];
     PyObject *round_budget = args[10], *outcome_type = args[12];
     if (!PyType_Check(outcome_type) ||
         !PyType_IsSubtype((PyTypeObject *)outcome_type, &PyTuple_Type)) {
@@ -994,7 +996,7 @@ sp_full_round(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     if (ring && bell_address != Py_None)
-        return gather_round(controls, local, env_failure, tight_s, step_code, ok_code,
+        return gather_round(controls, driver_block, env_failure, tight_s, step_code, ok_code,
                             bell_address, round_budget, sleep_s, outcome_type);
     for (Py_ssize_t w = 0; ring && w < n; w++) {
         void *request, *control;
@@ -1006,18 +1008,18 @@ sp_full_round(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         if (sem_post((sem_t *)request) != 0)
             return PyErr_SetFromErrno(PyExc_OSError);
     }
-    PyObject *local_result = Py_None, *local_failure = Py_None;
-    Py_INCREF(local_result);
-    Py_INCREF(local_failure);
-    if (local != Py_None) {
-        PyObject *result = PyObject_CallNoArgs(local);
+    PyObject *driver_block_result = Py_None, *driver_block_failure = Py_None;
+    Py_INCREF(driver_block_result);
+    Py_INCREF(driver_block_failure);
+    if (driver_block != Py_None) {
+        PyObject *result = PyObject_CallNoArgs(driver_block);
         if (result == NULL) {
             PyObject *failure = catch_exception(env_failure);
             if (failure == NULL)
                 goto fail;
-            Py_SETREF(local_failure, failure);
+            Py_SETREF(driver_block_failure, failure);
         } else {
-            Py_SETREF(local_result, result);
+            Py_SETREF(driver_block_result, result);
         }
     }
     PyObject *unread = PyList_New(0);
@@ -1057,12 +1059,13 @@ sp_full_round(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
             Py_DECREF(index);
         }
     }
-    return round_outcome(outcome_type, local_result, local_failure, taken, n, unread, spun_s);
+    return round_outcome(outcome_type, driver_block_result, driver_block_failure, taken, n,
+                         unread, spun_s);
 fail_unread:
     Py_DECREF(unread);
 fail:
-    Py_DECREF(local_result);
-    Py_DECREF(local_failure);
+    Py_DECREF(driver_block_result);
+    Py_DECREF(driver_block_failure);
     return NULL;
 }
 

@@ -50,9 +50,9 @@ class RoundOutcome(NamedTuple):
     read, the driver's own block neither failed nor had an event) answers ``None`` instead.
 
     Attributes:
-        local_result: the driver's own block's events (its step's return), or ``None``
+        driver_block_result: the driver's own block's events (its step's return), or ``None``
             (no block, or it failed).
-        local_failure: the ``EnvFailure`` the driver's own block raised, or ``None``.
+        driver_block_failure: the ``EnvFailure`` the driver's own block raised, or ``None``.
         taken: the workers whose replies the round took, counted from the first of the
             transport's ``remote`` workers (all of them, or the first that were caught up
             when a spin ran out; 0 or all on the round bell).
@@ -62,8 +62,8 @@ class RoundOutcome(NamedTuple):
             take (the driver's next wait on it counts them), or ``None``.
     """
 
-    local_result: Any
-    local_failure: Any
+    driver_block_result: Any
+    driver_block_failure: Any
     taken: int
     unread: list[int]
     spun_s: float | None

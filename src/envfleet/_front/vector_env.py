@@ -118,7 +118,7 @@ class FleetVectorEnv(VectorEnv[Any, Any, np.ndarray]):
         self.step_timeout = step_timeout
         self.copy = copy
         self._state = AsyncState.DEFAULT
-        # What an asynchronous call left for its wait to run in this thread (inline_groups).
+        # What an asynchronous call left for its wait to run in this thread (inline).
         self._deferred: tuple[Command, dict[int, Any]] | None = None
         self._unbatched_infos = False
         self._needs_reset = np.zeros(self.num_envs, dtype=np.bool_)
@@ -900,10 +900,10 @@ class FleetVectorEnv(VectorEnv[Any, Any, np.ndarray]):
 
     def _submit_async(self, command: Command, payloads: dict[int, Any]) -> None:
         """Submit what runs elsewhere now; what the backend would run here, in the calling
-        thread (its ``inline_groups``), waits for :meth:`_wait`, so ``*_async`` returns at once
+        thread (its ``inline``), waits for :meth:`_wait`, so ``*_async`` returns at once
         and the wait's timeout counts it (as gymnasium's AsyncVectorEnv, whose ``*_async``
         only sends)."""
-        inline = self._backend.inline_groups(command)
+        inline = self._backend.inline(command)
         later = {w: p for w, p in payloads.items() if w in inline}
         now = {w: p for w, p in payloads.items() if w not in inline}
         if now or not later:

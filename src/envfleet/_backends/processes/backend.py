@@ -153,9 +153,9 @@ class ProcessesTransport:
         self.workers = workers = WorkerProcesses(request, plan.worker_spin_s, plan.hosts)
         self._owner_pid = os.getpid()
         _OPEN.add(self)  # closed at interpreter exit, if still open (_close_at_exit)
-        self._local_timer = StepTimer(workers.stats[0])
-        self._local: EnvGroup | None = None
-        self._local_reply: tuple[Any, EnvFailure | None] | None = None  # until read
+        self._driver_block_timer = StepTimer(workers.stats[0])
+        self._driver_block: EnvGroup | None = None
+        self._driver_block_reply: tuple[Any, EnvFailure | None] | None = None  # until read
         groups = len(self.ranges)
         self._budgets = [SpinBudget(plan.driver_spin_s) for _ in range(groups)]
         self._any_budget = SpinBudget(plan.driver_spin_s)
@@ -165,7 +165,7 @@ class ProcessesTransport:
         timeout = request.step_timeout
         self._round_sleep_s = BLOCK_SLICE_S if timeout is None else min(BLOCK_SLICE_S, timeout)
         self.remote = list(range(1 if driver_group else 0, groups))
-        self._here = frozenset((0,)) if driver_group else frozenset()
+        self._inline = frozenset((0,)) if driver_group else frozenset()
         self.full_round: FullRound | None = None
         # After a full round whose outcome a Ctrl-C lost, every remote worker can be waited
         # for again (RoundDriver._fast_round): on the round bell, arrivals and ACKs are in
@@ -186,7 +186,7 @@ class ProcessesTransport:
                 # Built while the workers build theirs; env 0 is the one make() already built.
                 env0, first_env = first_env, None  # the group owns it now
                 layout = workers.layout
-                self._local = EnvGroup(
+                self._driver_block = EnvGroup(
                     layout.bound_fns(*self.ranges[0]),
                     0,
                     cast(Batch, workers.batch),
@@ -199,11 +199,11 @@ class ProcessesTransport:
                         layout.single_action_space, self.ranges[0][1], layout.replay_steps
                     ),
                 )
-                mismatch = self._local.check_spaces()
+                mismatch = self._driver_block.check_spaces()
                 if mismatch is not None:
                     raise mismatch_error(mismatch)
                 # A fatal signal in one of these envs kills the learner: it names the env first.
-                self._local.note_crashes(
+                self._driver_block.note_crashes(
                     driver_crash_note(), note_base(plan.driver_envs, self.ranges[0][0])
                 )
             if first_env is not None:
@@ -238,18 +238,23 @@ class ProcessesTransport:
     # -- Transport ------------------------------------------------------------------------------
 
     def inline(self, command: Command) -> frozenset[int]:
-        return self._here
+        return self._inline
 
     def send(self, g: int, command: Command, payload: Any) -> bool:
-        if g in self._here:
+        if g in self._inline:
             # The driver's own block, stepped while the workers step theirs.
             try:
-                self._local_reply = (
-                    run_command(cast(EnvGroup, self._local), command, payload, self._local_timer),
+                self._driver_block_reply = (
+                    run_command(
+                        cast(EnvGroup, self._driver_block),
+                        command,
+                        payload,
+                        self._driver_block_timer,
+                    ),
                     None,
                 )
             except EnvFailure as failure:
-                self._local_reply = (None, failure)
+                self._driver_block_reply = (None, failure)
             return True
         self.workers.request(g, command, payload is not None)
         if payload is not None:
@@ -278,7 +283,7 @@ class ProcessesTransport:
         ``workers`` for a death between blocking slices."""
         procs, doorbells = self.workers.procs, self.workers.doorbells
         g = workers[0]
-        if g in self._here:
+        if g in self._inline:
             return Seen([g])
 
         def alive() -> bool:
@@ -321,7 +326,7 @@ class ProcessesTransport:
         words, procs, doorbells = self.workers.words, self.workers.procs, self.workers.doorbells
         busy = []
         for g in workers:
-            if g in self._here or not procs[g].is_alive():
+            if g in self._inline or not procs[g].is_alive():
                 continue
             if self.workers.bell is not None:
                 if words[g][REQ] != words[g][ACK]:
@@ -348,7 +353,7 @@ class ProcessesTransport:
         replied = []
         for g in workers:
             w = words[g]
-            if g in self._here or w[REQ] != w[ACK]:
+            if g in self._inline or w[REQ] != w[ACK]:
                 continue
             if not w[GATHER]:
                 done = cast(Doorbell, doorbells[g]).done
@@ -389,9 +394,9 @@ class ProcessesTransport:
 
     def read(self, g: int, done: Round) -> None:
         """Read the reply of worker ``g``, whose done semaphore was just taken, into ``done``."""
-        if g in self._here:
-            result, failure = cast(tuple[Any, Any], self._local_reply)
-            self._local_reply = None
+        if g in self._inline:
+            result, failure = cast(tuple[Any, Any], self._driver_block_reply)
+            self._driver_block_reply = None
             if failure is None:
                 done.results[g] = result
             else:
@@ -434,16 +439,16 @@ class ProcessesTransport:
         ):
             return None
         native_layout()
-        local = None
-        if self._local is not None:
-            local = functools.partial(self._local_timer.call, self._local.step)
+        driver_block = None
+        if self._driver_block is not None:
+            driver_block = functools.partial(self._driver_block_timer.call, self._driver_block.step)
         return functools.partial(
             full_round,
             tuple(cast(Doorbell, d).request.address for d in doorbells),
             tuple(cast(Doorbell, d).done.address for d in doorbells),
             tuple(int(self.workers.control[g].ctypes.data) for g in self.remote),
             [self._budgets[g] for g in self.remote],
-            local,
+            driver_block,
             EnvFailure,
             TIGHT_SPIN_S,
             int(Command.STEP),
@@ -540,8 +545,8 @@ class ProcessesTransport:
         ask, terminate, kill, within ``timeout``)."""
         if self.workers.closed:
             return
-        if self._local is not None:
-            self._local.close()
+        if self._driver_block is not None:
+            self._driver_block.close()
         self.workers.close(timeout, terminate, busy)
 
     def env_error(self, w: int, failure: Any, note: str) -> EnvError:
