@@ -110,8 +110,16 @@ def test_a_crash_replays_the_same_segfault_in_a_watched_child(
     """Env 1 writes at address 0 (a real SIGSEGV) after many autoresets: the EnvCrashedError's
     replay holds both envs of the dead worker (read from the file its process wrote: a Ray
     actor's too, through its node's helper), and ``envfleet replay`` sees the child die of
-    SIGSEGV in env 1's step where the worker did."""
-    envs = make_env(_buggy("null-write"), 4, **backend.options, num_workers=2)
+    SIGSEGV in env 1's step where the worker did. Fail-fast (``restart_policy=None``): the
+    first crash is the one replayed, not the last of the default policy's restarts (a new
+    Ray actor each, minutes on a loaded host)."""
+    envs = make_env(
+        _buggy("null-write"),
+        4,
+        **backend.options,
+        num_workers=2,
+        supervision=envfleet.Supervision(restart_policy=None),
+    )
     err, sent = _run_to_failure(envs, 4, envfleet.EnvCrashedError)
     assert err.signal == (None if backend.name == "ray" else signal.SIGSEGV)  # Ray: no exit code
     replay = err.replay

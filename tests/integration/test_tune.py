@@ -98,7 +98,7 @@ class SlowInTheMainThread(gymnasium.Wrapper):
         if os.environ.get(SLOW_PID) == str(os.getpid()) and (
             threading.current_thread() is threading.main_thread()
         ):
-            time.sleep(0.002)
+            time.sleep(0.02)  # serial: 50 rounds a second at most
         return self.env.step(action)
 
 
