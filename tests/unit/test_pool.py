@@ -1002,3 +1002,49 @@ def test_send_names_bad_env_ids_and_sends_nothing(env_ids: list[int], message: s
         assert len(envs.recv()[4]["env_id"]) == 4
     finally:
         envs.close()
+
+
+def test_a_ctrl_c_just_after_the_wait_took_replies_loses_none(monkeypatch):
+    """A Ctrl-C raised just after a pool's wait took the replies' tokens (an interrupt comes
+    at any bytecode; the wait's account of who replied is then lost) undoes the recv, and
+    the replies it had taken come back in the next recvs: every env once, none lost (they
+    used to be: their tokens gone, those envs were never seen again, here a
+    StepTimeoutError). The workers' REQ/ACK words tell who replied, on the semaphores a
+    pool runs on as on the round bell."""
+    from envfleet._backends.processes.worker import ACK, REQ
+
+    envs = envfleet.make(
+        "CartPole-v1",
+        4,
+        batch_size=2,
+        num_workers=4,
+        supervision=envfleet.Supervision(step_timeout=GUARD, restart_policy=None),
+    )
+    try:
+        transport = envs._backend.transport
+        envs.async_reset(seed=0)
+        words = transport.workers.words
+        end = time.monotonic() + GUARD
+        while not all(w[REQ] == w[ACK] for w in words):  # every worker replied
+            assert time.monotonic() < end, "the resets never replied"
+            time.sleep(0.001)
+        real_wait = transport.wait
+
+        def wait_then_interrupted(*args: Any, **kwargs: Any) -> Any:
+            real_wait(*args, **kwargs)  # takes the tokens of every reply
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr(transport, "wait", wait_then_interrupted)
+        with pytest.raises(KeyboardInterrupt) as info:
+            envs.recv()
+        assert "the wait was undone" in "\n".join(getattr(info.value, "__notes__", []))
+        monkeypatch.undo()
+        assert not envs.closed
+        seen = [envs.recv()[4]["env_id"].tolist() for _ in range(2)]
+        assert sorted(e for ids in seen for e in ids) == [0, 1, 2, 3], seen
+        for _ in range(3):  # each env sent an action comes back once per send
+            envs.send(np.zeros(4, np.int64), np.arange(4))
+            ids = [e for _ in range(2) for e in envs.recv()[4]["env_id"].tolist()]
+            assert sorted(ids) == [0, 1, 2, 3], ids
+    finally:
+        envs.close()

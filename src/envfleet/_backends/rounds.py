@@ -590,7 +590,7 @@ class RoundDriver(HangReporter, WorkerReplacement, Backend):
     def _collect_ready(self, timeout: float | None, step: int) -> dict[int, Any]:
         supervisor = self.supervisor
         if supervisor.has_kept():
-            return supervisor.take_kept()
+            return supervisor.take_kept(timeout, step)
         if not self._pool:  # synchronous send/recv: every env is pending, wait for them all
             return self._collect(timeout, step)
         transport = self.transport
@@ -636,6 +636,18 @@ class RoundDriver(HangReporter, WorkerReplacement, Backend):
                 rewake = getattr(transport, "rewake", None)
                 if rewake is not None:
                     rewake()
+                # The interrupt may have come just after the wait took a reply's token: the
+                # transport's account of who replied (processes: REQ/ACK) stands, and their
+                # replies are read now, kept for the next call (else they were lost: those
+                # envs would never come back).
+                recover = getattr(transport, "recover", None)
+                replied = recover(self._pending) if recover is not None else []
+                if replied:
+                    done = Round()
+                    for w in replied:
+                        self._pending.remove(w)
+                        transport.read(w, done)
+                    supervisor.keep_round(done)
                 exc._envfleet_kept = True  # type: ignore[attr-defined]  # undone, not closed
                 add_note(exc, "envfleet: the wait was undone; the vector env is usable")
             raise

@@ -625,6 +625,7 @@ class Supervisor:
         self.commands: dict[int, Command] = {}  # a pool's: worker -> the command it runs
         self._kept: dict[int, Any] = {}
         self._kept_failures: dict[int, Any] = {}
+        self._unsettled: Round | None = None  # keep_round's
 
     # -- deadlines --------------------------------------------------------------------------
 
@@ -844,13 +845,22 @@ class Supervisor:
         Ctrl-C, whose call raised the interrupt instead of returning them."""
         self._kept.update(results)
 
-    def has_kept(self) -> bool:
-        """Whether earlier pool rounds kept results or errors for the next calls."""
-        return bool(self._kept or self._kept_failures)
+    def keep_round(self, done: Round) -> None:
+        """Keep ``done`` for the next call to settle (:meth:`ready`): the replies a first-ready
+        pool's wait had taken when a Ctrl-C undid it (read after the interrupt)."""
+        self._unsettled = done
 
-    def take_kept(self) -> dict[int, Any]:
-        """Raise the next kept env error (:class:`EnvError`, in worker order), else return
-        the kept results (worker -> result) and forget them."""
+    def has_kept(self) -> bool:
+        """Whether earlier pool rounds kept results, errors or a round for the next calls."""
+        return bool(self._kept or self._kept_failures or self._unsettled is not None)
+
+    def take_kept(self, timeout: float | None = None, step: int = 0) -> dict[int, Any]:
+        """Settle the round :meth:`keep_round` kept, as :meth:`ready` (``timeout``, ``step``:
+        as there); then raise the next kept env error (:class:`EnvError`, in worker order),
+        else return the kept results (worker -> result) and forget them."""
+        if self._unsettled is not None:
+            done, self._unsettled = self._unsettled, None
+            return self.ready(done, timeout, step)
         if self._kept_failures:
             w = min(self._kept_failures)
             raise self.backend.env_error(w, self._kept_failures.pop(w), "")
@@ -858,5 +868,5 @@ class Supervisor:
         return kept
 
     def drop_kept(self) -> None:
-        """Forget what :meth:`ready` kept."""
-        self._kept, self._kept_failures = {}, {}
+        """Forget what :meth:`ready` and :meth:`keep_round` kept."""
+        self._kept, self._kept_failures, self._unsettled = {}, {}, None

@@ -374,7 +374,8 @@ gather_arrive(bell_t *bell)
 /* A worker's reply is written (R6): for a full round's command, its arrival on ``remaining``,
  * then its ACK; else its ACK, then its done semaphore. REQ and GATHER are read first (once the
  * arrival lands the driver may write the next command), and the ACK written is that REQ, so a
- * command the driver sent since stays due. */
+ * command the driver sent since stays due. Without a bell (``bell`` NULL) GATHER is never set:
+ * the ACK, then the done semaphore, which tells the driver who replied after a Ctrl-C too. */
 static void
 bell_arrive(bell_t *bell, volatile int64_t *control, sem_t *done, sem_t *any_done)
 {
@@ -610,7 +611,7 @@ get_double(PyObject *obj, PyObject *name, int *ok)
  * SpinBudget.caught does); when the command word is a step without payload, call ``step()``
  * (EnvGroup.step), record its time in the StepTimer words (count, total seconds, quarter-octave
  * histogram), and when it returned no events, reply OK with no payload: status word, payload
- * word 0, post ``done`` (and ``any_done`` unless 0). Returns to the caller:
+ * word 0, ACK, post ``done`` (and ``any_done`` unless 0). Returns to the caller:
  *   (0, spun_s, None)    the wait spun out after spun_s seconds; nothing taken: block on it
  *   (1, 0.0, None)       a request other than a plain step was taken: dispatch it
  *   (2, 0.0, events)     a step returned events: reply OK with them
@@ -690,13 +691,7 @@ sp_serve_steps(PyObject *self, PyObject *args)
         Py_DECREF(result);
         control[w_status] = ok_code;
         control[w_reply_payload] = 0;
-        if (bell != NULL) {
-            bell_arrive(bell, control, done, any_done);
-        } else {
-            sem_post(done);
-            if (any_done != NULL)
-                sem_post(any_done);
-        }
+        bell_arrive(bell, control, done, any_done); /* GATHER is 0 without a bell */
     }
     /* The adapted budget goes back to the SpinBudget, also when step() raised. */
     PyObject *type, *value, *tb;
@@ -1005,6 +1000,7 @@ sp_full_round(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
             return NULL;
         ((volatile int64_t *)control)[w_cmd] = step_code;
         ((volatile int64_t *)control)[w_cmd_payload] = 0;
+        ((volatile int64_t *)control)[w_req] += 1; /* the count the worker's ACK copies */
         if (sem_post((sem_t *)request) != 0)
             return PyErr_SetFromErrno(PyExc_OSError);
     }

@@ -106,8 +106,9 @@ logger = logging.getLogger("envfleet")
 _STEP, _ERROR = Command.STEP, int(Status.ERROR)
 
 
-# The most seconds recover() waits for a worker that replied to sleep on its next command
-# (it does once its spin budget, DEFAULT_SPIN_S, runs out: within milliseconds).
+# The most seconds recover() waits, for all the workers that replied, for each one's token: on
+# the round bell, until it sleeps on its next command (it does once its spin budget,
+# DEFAULT_SPIN_S, runs out: within milliseconds); on the semaphores it comes just after the ACK.
 RECOVER_S = 1.0
 
 
@@ -342,22 +343,20 @@ class ProcessesTransport:
     def recover(self, workers: list[int]) -> list[int]:
         """After a Ctrl-C in a wait on ``workers``: those that replied, each one's done token
         taken now unless the interrupted wait took it (and lost the news: an interrupt is
-        raised at any bytecode, also just after a take). On the round bell only (else
-        ``[]``: the wait's own account stands): ``ACK`` caught up with ``REQ`` is a reply;
-        its token is posted after the ``ACK`` (R6), so once the worker sleeps on its next
-        command (``SLEEP`` set) or is dead, the token is either there (taken here) or was
-        taken. A full round's replies (``GATHER``) have no token."""
-        if self.workers.bell is None:
-            return []
+        raised at any bytecode, also just after a take). ``ACK`` caught up with ``REQ`` is a
+        reply; its token is posted after the ``ACK`` (R6), so once the worker sleeps on its
+        next command (``SLEEP`` set, on the round bell), is dead or had :data:`RECOVER_S`
+        seconds, the token is either there (taken here) or was taken. A full round's replies
+        (``GATHER``) have no token."""
         words, procs, doorbells = self.workers.words, self.workers.procs, self.workers.doorbells
         replied = []
+        end = time.monotonic() + RECOVER_S
         for g in workers:
             w = words[g]
             if g in self._inline or w[REQ] != w[ACK]:
                 continue
             if not w[GATHER]:
                 done = cast(Doorbell, doorbells[g]).done
-                end = time.monotonic() + RECOVER_S
                 while not done.acquire(False):
                     if w[SLEEP] or not procs[g].is_alive() or time.monotonic() > end:
                         done.acquire(False)  # posted before it slept, or taken before

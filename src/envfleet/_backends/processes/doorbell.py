@@ -54,6 +54,10 @@ that keeps one cites it by number (``round protocol R4``):
   slices, sees it dead between two and takes the survivors' replies by ``ACK == REQ``. A new
   or restarted worker starts with ``ACK = REQ``, ``GATHER = 0`` and ``SLEEP = 0`` (its
   predecessor's commands are answered or lost with it, and it holds no bit on the bell).
+  After a Ctrl-C in a wait, ``ProcessesTransport.recover`` takes replies by ``ACK == REQ``
+  too, also where commands go on the semaphores (a first-ready pool, no bell): there the
+  driver counts ``REQ`` before it posts the request semaphore, and R6's ``ACK`` comes before
+  the done semaphore's post, each ordered by the semaphore.
 - **R9, the CPUs and the C module.** The bell's own words and system calls are the C
   module's alone (``_speedups.c``: ``bell_ring``, ``bell_sleep``, ``bell_arrive``,
   ``gather_sleep``, ``full_round``, ``serve_steps``), which keeps R2-R7's orders with atomic

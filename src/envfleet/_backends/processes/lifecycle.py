@@ -328,6 +328,7 @@ class WorkerProcesses:
         words[CMD_PAYLOAD] = has_payload
         bell = self.bell
         if bell is None:
+            words[REQ] += 1  # the count of commands sent, for the ACK (recover), then the post
             cast(Doorbell, self.doorbells[g]).request.release()
             ring = self._host_ring[g]
             if ring is not None and not ring[2][SERVED] and ring not in self._to_ring:

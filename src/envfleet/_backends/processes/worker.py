@@ -423,17 +423,16 @@ class _Worker:
     def ring_done(self) -> None:
         if self.log_words is not None:
             self.control[LOGN] = self.log_words[0]
-        bell = self.bell
-        if bell is not None:
-            # Round protocol R6: the REQ read first, the arrival before the ACK (the C twin:
-            # _speedups.c's bell_arrive).
-            control = self.control
-            req = control[REQ]
-            if control[GATHER]:
-                bell.arrive()
-                control[ACK] = req
-                return
+        # Round protocol R6: the REQ read first, the arrival before the ACK (the C twin:
+        # _speedups.c's bell_arrive). On the semaphores too, the ACK tells who replied: the
+        # driver's account after a Ctrl-C (WorkerProcesses... recover).
+        control = self.control
+        req = control[REQ]
+        if control[GATHER]:  # a full round's command, on the round bell only
+            cast(RoundBell, self.bell).arrive()
             control[ACK] = req
+            return
+        control[ACK] = req
         self.done.release()
         if self.any_done is not None:
             self.any_done.release()
