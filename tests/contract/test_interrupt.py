@@ -92,9 +92,17 @@ SCRIPT = textwrap.dedent(
     # The driver's waits on its envs, and (serial) the napping env's own frame.
     WAITS = {"gather", "_fast_round", "_collect_ready", "_nap"}
 
+    ENV_CODE = {NapEnv.step.__code__, NapEnv.reset.__code__}
+
     def waiting():
+        # Innermost frame first: an env stepping in this thread (the driver's block, under
+        # _fast_round) is not a wait, unless it is the napping env (serial).
         frame = sys._current_frames().get(MAIN)
         while frame is not None:
+            if frame.f_code.co_name == "_nap":
+                return True
+            if frame.f_code in ENV_CODE:
+                return False
             if frame.f_code.co_name in WAITS:
                 return True
             frame = frame.f_back
@@ -114,7 +122,12 @@ SCRIPT = textwrap.dedent(
         threading.Thread(target=run, daemon=True).start()
 
     def napping(marker, count):
-        return lambda: sum(os.path.exists(f"{marker}-{e}") for e in range(NUM_ENVS)) >= count
+        # ``count`` envs napping for 50 ms: the driver's block (env 0, stepped in this thread
+        # just after the workers were rung) has stepped by then; the wait is what is left.
+        def started(path):
+            return os.path.exists(path) and os.path.getmtime(path) < time.time() - 0.05
+
+        return lambda: sum(started(f"{marker}-{e}") for e in range(NUM_ENVS)) >= count
 
     def out(result):
         return [np.asarray(x).tolist() for x in result[:4]] + [sorted(result[4])]
