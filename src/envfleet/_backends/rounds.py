@@ -38,19 +38,17 @@ step, a reset, ``step_wait``, a call or a task; the C step round's too) is *defe
 round is completed (the wait goes on for the workers still running the command, their
 replies are read and settled as if the call had returned), within ``step_timeout`` when set,
 else :data:`INTERRUPT_GRACE_S`, then the interrupt is raised (its ``_envfleet_completed``
-set: the front counts the step). A first-ready pool's wait is *undone* instead: nothing it
-had not read is taken, every pending worker stays pending. A second Ctrl-C during the
-completion wait, the grace running out, an interrupt while a reply is being read, one in a
-submit (``send``: a command half sent), or one inside an env run in this thread (its step
-half done) closes the vector env as before.
+set: the front counts the step). A first-ready pool's wait is *undone* instead: every
+pending worker that had not replied stays pending, and the replies that came are kept for
+the next call. A second Ctrl-C during the completion wait, the grace running out, an
+interrupt while a reply is being read, one in a submit (``send``: a command half sent), or
+one inside an env run in this thread (its step half done) closes the vector env as before.
 
 An interrupt is raised at any bytecode, also just after a wait took a reply's token and
-before it said so: the processes transport's ``recover`` then tells, from the round bell's
-``REQ``/``ACK`` words, who replied; a first-ready wait gives back the shared token it may
-have taken (``rewake``: a spare one only wakes a later wait for nothing). Without the bell
-(a pool's per-worker tokens, other platforms) a microsecond window remains: a reply whose
-token is lost there is found by no later wait on it, which then ends at ``step_timeout``
-(or, completing a round, the grace).
+before it said so: the processes transport's ``recover`` then tells, from the workers'
+``REQ``/``ACK`` words (kept on the round bell and on the semaphores alike), who replied; a
+first-ready wait gives back the shared token it may have taken (``rewake``: a spare one
+only wakes a later wait for nothing).
 """
 
 from __future__ import annotations
@@ -562,14 +560,7 @@ class RoundDriver(HangReporter, WorkerReplacement, Backend):
                 if starting or reading or not self._defer(exc):
                     self._pending = waiting  # still running: close() treats them as busy
                     raise
-                # The interrupt may have come just after the wait took a reply's token:
-                # the transport's account of who replied (processes: REQ/ACK) stands.
-                recover = getattr(transport, "recover", None)
-                if recover is not None:
-                    reading = True
-                    for w in recover(waiting):
-                        waiting.remove(w)
-                        transport.read(w, done)
+                self._recover(waiting, done)
                 if deadline is None:
                     deadline, graced = time.monotonic() + INTERRUPT_GRACE_S, True
         if waiting:  # left by the grace's end
@@ -578,6 +569,16 @@ class RoundDriver(HangReporter, WorkerReplacement, Backend):
             self._pending = done.late  # still running: close() treats them as busy
             self.supervisor.timed_out(done.late, timeout)
         return done
+
+    def _recover(self, waiting: list[int], done: Round) -> None:
+        """After a Ctrl-C in a wait on ``waiting``, which may have come just after the wait
+        took a reply's token: read into ``done`` the replies the transport's account of who
+        replied (processes: ``recover``, from REQ/ACK) names; they leave ``waiting``."""
+        recover = getattr(self.transport, "recover", None)
+        if recover is not None:
+            for w in recover(waiting):
+                waiting.remove(w)
+                self.transport.read(w, done)
 
     def _check_crashed(
         self, done: Round, step: int, fail_fast: bool, starting: bool = False
@@ -636,17 +637,9 @@ class RoundDriver(HangReporter, WorkerReplacement, Backend):
                 rewake = getattr(transport, "rewake", None)
                 if rewake is not None:
                     rewake()
-                # The interrupt may have come just after the wait took a reply's token: the
-                # transport's account of who replied (processes: REQ/ACK) stands, and their
-                # replies are read now, kept for the next call (else they were lost: those
-                # envs would never come back).
-                recover = getattr(transport, "recover", None)
-                replied = recover(self._pending) if recover is not None else []
-                if replied:
-                    done = Round()
-                    for w in replied:
-                        self._pending.remove(w)
-                        transport.read(w, done)
+                done = Round()
+                self._recover(self._pending, done)
+                if done.results or done.failures:  # for the next call (else lost for good)
                     supervisor.keep_round(done)
                 exc._envfleet_kept = True  # type: ignore[attr-defined]  # undone, not closed
                 add_note(exc, "envfleet: the wait was undone; the vector env is usable")

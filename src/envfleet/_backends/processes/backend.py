@@ -322,23 +322,13 @@ class ProcessesTransport:
     def busy(self, workers: list[int]) -> list[int]:
         """The workers of ``workers`` alive and still running their command: a look that
         leaves every reply's token where it is (a Ctrl-C's note asks it, and the round goes
-        on after). On the round bell ``REQ`` ahead of ``ACK``; else no token on its done
-        semaphore (one taken is given back: only this thread takes them)."""
-        words, procs, doorbells = self.workers.words, self.workers.procs, self.workers.doorbells
-        busy = []
-        for g in workers:
-            if g in self._inline or not procs[g].is_alive():
-                continue
-            if self.workers.bell is not None:
-                if words[g][REQ] != words[g][ACK]:
-                    busy.append(g)
-                continue
-            done = cast(Doorbell, doorbells[g]).done
-            if done.acquire(False):
-                done.release()
-            else:
-                busy.append(g)
-        return busy
+        on after): ``REQ`` ahead of ``ACK``, on the round bell as on the semaphores."""
+        words, procs = self.workers.words, self.workers.procs
+        return [
+            g
+            for g in workers
+            if g not in self._inline and procs[g].is_alive() and words[g][REQ] != words[g][ACK]
+        ]
 
     def recover(self, workers: list[int]) -> list[int]:
         """After a Ctrl-C in a wait on ``workers``: those that replied, each one's done token

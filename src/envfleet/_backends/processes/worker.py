@@ -425,7 +425,7 @@ class _Worker:
             self.control[LOGN] = self.log_words[0]
         # Round protocol R6: the REQ read first, the arrival before the ACK (the C twin:
         # _speedups.c's bell_arrive). On the semaphores too, the ACK tells who replied: the
-        # driver's account after a Ctrl-C (WorkerProcesses... recover).
+        # driver's account after a Ctrl-C (ProcessesTransport.recover).
         control = self.control
         req = control[REQ]
         if control[GATHER]:  # a full round's command, on the round bell only
