@@ -527,9 +527,9 @@ def test_a_base_exception_out_of_full_round_closes_the_backend(
     escaped = []
     full_round = backend._full_round
 
-    def watched_full_round(ring):
+    def watched_full_round(ring, wait_s):
         try:
-            return full_round(ring)
+            return full_round(ring, wait_s)
         except BaseException as exc:
             escaped.append(exc)
             raise

@@ -36,8 +36,15 @@ PUBLISHING_WORDS = frozenset({"REQ", "ACK", "GATHER", "SLEEP", "_GEN", "_REMAINI
 ALLOWED = {
     # The driver's command to one worker: its words, then REQ, then the ring.
     ("_backends/processes/lifecycle.py", "WorkerProcesses.request"): {"GATHER", "REQ"},
-    # A new worker's words, before its process starts (nothing reads them yet).
-    ("_backends/processes/lifecycle.py", "WorkerProcesses._spec"): {"GATHER", "ACK", "SLEEP"},
+    # A new worker's words, before its process starts (nothing reads them yet), its READY due.
+    ("_backends/processes/lifecycle.py", "WorkerProcesses._spec"): {
+        "GATHER",
+        "ACK",
+        "REQ",
+        "SLEEP",
+    },
+    # A second READY due, before the layout goes on the pipe (the worker reads it from there).
+    ("_backends/processes/lifecycle.py", "WorkerProcesses.lay_out"): {"REQ"},
     # A worker's reply: its arrival, then its ACK (R6; the C twin: bell_arrive).
     ("_backends/processes/worker.py", "_Worker.ring_done"): {"ACK"},
 }

@@ -407,11 +407,13 @@ def test_the_c_module_holds_what_pays():
         "timed_call",
         "write_results",
         "write_rows",
-        # The processes round bell's (Linux futexes): a full round's one ring and one sleep.
+        # The processes round bell's (Linux futexes): a full round's one ring and one sleep,
+        # and the death watch's alarm that ends that sleep (it needs a store-load fence).
         "bell_ring",
         "bell_sleep",
         "bell_arrive",
         "gather_sleep",
+        "bell_alarm",
         # The replay record's episode start at each autoreset: a PCG64 state as bytes (half
         # of the record's cost on CartPole, benchmarks/README.md).
         "pcg64_raw",

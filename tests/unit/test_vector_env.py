@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import threading
+import warnings
 
 import gymnasium as gym
 import numpy as np
@@ -606,9 +607,10 @@ def test_a_plain_step_takes_the_backends_step_round(make_env, monkeypatch, num_w
     step() straight to the backend's step_round (the C full round), never
     through the general round(), and its answer to _step_outputs (None: every group stepped,
     no env had an info, answered with the rows copied). A round whose workers do not reply
-    within the step round's spin and blocking slice (held here: every env's step waits on a
-    file lock that the test lets go only once the driver waits for the replies the general
-    way) is finished by that wait, and its results go through _step_outputs. The results
+    within the step round's one wait, which ends at the first hang report (held here: every
+    env's step waits on a file lock that the test lets go only once the driver waits for the
+    replies the general way, after the report) is finished by that wait, and its results go
+    through _step_outputs. The results
     stay SyncVectorEnv's, episode ends and autoresets included. (Without the C module there
     is no full round, and a plain step goes through round(): the differential suite's Python
     step path covers it.)"""
@@ -617,7 +619,13 @@ def test_a_plain_step_takes_the_backends_step_round(make_env, monkeypatch, num_w
     lock_path = tmp_path / "step.lock"
     lock_path.touch()
     factory = functools.partial(HeldCartPole, str(lock_path))
-    envs = make_env(factory, 3, backend="processes", num_workers=num_workers)
+    envs = make_env(
+        factory,
+        3,
+        backend="processes",
+        num_workers=num_workers,
+        supervision=envfleet.Supervision(hang_report_delay=0.05),
+    )
     sync = SyncVectorEnv([cartpole] * 3)
     assert_same(envs.reset(seed=4), sync.reset(seed=4), "reset")
 
@@ -654,7 +662,8 @@ def test_a_plain_step_takes_the_backends_step_round(make_env, monkeypatch, num_w
     held_steps = set(range(3, 60, 8))
     rng = np.random.default_rng(0)
     ended = 0
-    with open(lock_path) as held:  # opened after make(): no worker inherits it
+    with open(lock_path) as held, warnings.catch_warnings():  # no worker inherits it
+        warnings.simplefilter("ignore", envfleet.HangWarning)  # the held steps' reports
         for t in range(60):
             if t in held_steps:
                 fcntl.flock(held, fcntl.LOCK_EX)  # no worker holds it: each replied

@@ -406,9 +406,10 @@ class RoundDriver(HangReporter, WorkerReplacement, Backend):
         step: int,
         done: Round | None = None,
         spun_s: float | None = None,
+        waited_s: float = 0.0,
     ) -> dict[int, Any]:
         pending, self._pending = self._pending, []
-        deadline = None if timeout is None else time.monotonic() + timeout
+        deadline = None if timeout is None else time.monotonic() + timeout - waited_s
         fail_fast = not self.ledger.restarts_on(self._command)
         done = self.gather(pending, deadline, timeout, step, fail_fast, done, spun_s=spun_s)
         return self.supervisor.settle(done, timeout, step, self._command)
@@ -433,11 +434,16 @@ class RoundDriver(HangReporter, WorkerReplacement, Backend):
         self._command = _STEP
         started = 0.0 if ring else time.monotonic()  # step_wait's timeout counts from here
         busy = self._driver_block_busy  # the driver's own block runs in this thread: its mark
+        hang = self._hang_delay  # the wait ends at the first of the timeout and the report
+        if timeout is None:
+            wait_s = -1.0 if hang is None else hang
+        else:
+            wait_s = timeout if hang is None or timeout < hang else hang
         try:
             if busy is not None:
                 busy.runs = (busy.runs + 1) & 255
             try:
-                outcome = self._full_round(ring)  # type: ignore[misc]
+                outcome = self._full_round(ring, wait_s)  # type: ignore[misc]
             except KeyboardInterrupt as exc:
                 self._interrupted(exc, self._remote)
                 if not (ring and self._regathers(exc)):
@@ -496,10 +502,11 @@ class RoundDriver(HangReporter, WorkerReplacement, Backend):
             return done.results  # every reply read: nothing to wait for or settle
         self._check_crashed(done, step, not self.ledger.restarts_on(_STEP))
         self._pending = remote[taken:]
-        if timeout is not None and not ring:
-            timeout = max(0.0, timeout - (time.monotonic() - started))
-        # The wait on the first worker not taken counts what the round spun on it.
-        return self._collect(timeout, step, done, outcome.spun_s if self._pending else None)
+        # What the round waited counts against the timeout (from step_async's send where it
+        # rang), and the wait on the first worker not taken counts what it spun on it.
+        waited = (outcome.spun_s or 0.0) if ring else time.monotonic() - started
+        spun_s = outcome.spun_s if self._pending else None
+        return self._collect(timeout, step, done, spun_s, waited)
 
     def gather(
         self,
@@ -528,7 +535,7 @@ class RoundDriver(HangReporter, WorkerReplacement, Backend):
         transport = self.transport
         done = Round() if done is None else done
         waiting = list(workers)
-        reports = _HangReports(self._hang_delay)
+        reports = _HangReports(self._hang_delay, spun_s or 0.0)
         graced = False  # the deadline is the grace of a Ctrl-C's completion
         if self._interrupt is not None and deadline is None:  # completing an interrupted round
             deadline, graced = time.monotonic() + INTERRUPT_GRACE_S, True
@@ -741,10 +748,11 @@ class _HangReports:
     the first after ``delay`` seconds from the first wait, then after twice that, four
     times, ...; ``delay`` ``None``: none. One clock read for the first wait, none after."""
 
-    __slots__ = ("at", "delay", "gap", "started")
+    __slots__ = ("at", "delay", "gap", "started", "waited_s")
 
-    def __init__(self, delay: float | None):
+    def __init__(self, delay: float | None, waited_s: float = 0.0):
         self.delay = delay
+        self.waited_s = waited_s  # what a wait before the first one (the C round's) waited
         self.started = self.at = self.gap = 0.0
 
     def cap(self, deadline: float | None) -> tuple[float | None, bool]:
@@ -753,7 +761,7 @@ class _HangReports:
         if self.delay is None:
             return deadline, False
         if not self.gap:  # the first wait: its one clock read
-            self.gap, self.started = self.delay, time.monotonic()
+            self.gap, self.started = self.delay, time.monotonic() - self.waited_s
             self.at = self.started + self.delay
         if deadline is None or self.at < deadline:
             return self.at, True

@@ -21,8 +21,10 @@ from envfleet._core.stats import StepTimeStats
 __all__ = ["NOTHING", "FullRound", "Seen", "Transport"]
 
 # Transport.full_round: called with ``ring`` (send every worker its command; false: step_async
-# did), it answers ``None`` when the round is complete, else what it took.
-FullRound = Callable[[bool], RoundOutcome | None]
+# did) and ``wait_s`` (the most seconds its wait may block: the step timeout or the next hang
+# report, whichever comes first; below 0, no bound), it answers ``None`` when the round is
+# complete, else what it took.
+FullRound = Callable[[bool, float], RoundOutcome | None]
 
 
 class Seen:

@@ -18,7 +18,10 @@ Every worker process envfleet starts goes through these few functions:
   reports which processes died, with their exit codes (:func:`join_all` joins them all within
   one timeout);
 - :class:`MemoryWatch` samples the workers' resident memory in the background, so that a
-  worker SIGKILLed (the OOM killer's way) is reported with the last memory seen.
+  worker SIGKILLed (the OOM killer's way) is reported with the last memory seen;
+- :class:`DeathWatch` blocks on the worker processes in the background and calls back at
+  once when one exits, so that the driver's waits block in one piece (the callback rings the
+  wait) instead of polling ``is_alive`` between slices.
 """
 
 from __future__ import annotations
@@ -60,6 +63,7 @@ logger = logging.getLogger("envfleet")
 
 __all__ = [
     "STACKS_SIGNAL",
+    "DeathWatch",
     "DriverFiles",
     "Exit",
     "MemoryWatch",
@@ -674,3 +678,119 @@ class MemoryWatch:
     def _run(self) -> None:
         while not self._stopped.wait(RSS_PERIOD_S):
             self.sample()
+
+
+# Seconds between the death watch's waitpid polls where a process has no pidfd (not Linux 5.3+).
+DEATH_POLL_S = 0.02
+
+
+class DeathWatch:
+    """A daemon thread that blocks on every watched process and calls ``on_death(proc)`` (in
+    that thread) once per process, as soon as it exits, as CPython's
+    ``concurrent.futures.ProcessPoolExecutor`` wakes its manager on a process sentinel.
+
+    It blocks on each process's pidfd (Linux 5.3+: readable once the process exits, whoever
+    else holds its pipes: a worker that forked keeps its sentinel open in the child), else on
+    its sentinel with a ``waitpid`` poll every :data:`DEATH_POLL_S` seconds. Call :meth:`add`
+    with each process as it starts (the thread starts with the first) and :meth:`stop` at
+    close.
+
+    Args:
+        on_death: called with each process that exited (from the watch's thread; it must not
+            block).
+    """
+
+    def __init__(self, on_death: Callable[[Any], None]) -> None:
+        self._on_death = on_death
+        self._lock = threading.Lock()
+        self._watched: dict[int, tuple[Any, int | None]] = {}  # id(proc) -> (proc, pidfd)
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_w, False)  # a full pipe has a wake-up in it already
+        self._stopped = False
+        self._thread: threading.Thread | None = None
+
+    def add(self, proc: Any) -> None:
+        """Watch ``proc`` (started) from now on; one that exited already is reported at once."""
+        pidfd = None
+        with contextlib.suppress(AttributeError, OSError):  # no pidfds here, or reaped already
+            pidfd = os.pidfd_open(proc.pid)
+        with self._lock:
+            if self._stopped:
+                if pidfd is not None:
+                    os.close(pidfd)
+                return
+            self._watched[id(proc)] = (proc, pidfd)
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name="envfleet-deaths", daemon=True
+                )
+                self._thread.start()
+            self._wake()  # under the lock: the thread closes the pipe under it, once stopped
+
+    def stop(self) -> None:
+        """End the watch: nothing is reported after this, and its thread has closed its
+        descriptors when this returns (bounded: it wakes at once)."""
+        if sys.is_finalizing():
+            # A close from a __del__ at interpreter finalization: the daemon thread is frozen
+            # for good, maybe holding the lock.
+            return
+        with self._lock:
+            if self._stopped:
+                return
+            self._stopped = True
+            thread = self._thread
+            if thread is not None:
+                self._wake()  # the thread closes the pipe and the pidfds
+            else:
+                self._close_fds()
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(5.0)
+
+    def _wake(self) -> None:
+        with contextlib.suppress(BlockingIOError):
+            os.write(self._wake_w, b"x")
+
+    def _close_fds(self) -> None:
+        for _, pidfd in self._watched.values():
+            if pidfd is not None:
+                with contextlib.suppress(OSError):
+                    os.close(pidfd)
+        self._watched.clear()
+        for fd in (self._wake_r, self._wake_w):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                if self._stopped:
+                    self._close_fds()
+                    return
+                watched = list(self._watched.items())
+            polled = any(pidfd is None for _, (_, pidfd) in watched)
+            objects: list[Any] = [self._wake_r]
+            for _, (proc, pidfd) in watched:
+                objects.append(proc.sentinel if pidfd is None else pidfd)
+            ready: set[Any] = set()
+            with contextlib.suppress(OSError, ValueError):  # a process closed meanwhile
+                ready = set(
+                    multiprocessing.connection.wait(objects, DEATH_POLL_S if polled else None)
+                )
+                if self._wake_r in ready:
+                    os.read(self._wake_r, 4096)
+            for key, (proc, pidfd) in watched:
+                if pidfd is not None:
+                    gone = pidfd in ready
+                else:
+                    try:
+                        gone = not proc.is_alive()
+                    except ValueError:  # closed: dropped by its owner
+                        gone = True
+                if not gone:
+                    continue
+                with self._lock:
+                    if self._stopped or self._watched.pop(key, None) is None:
+                        continue
+                if pidfd is not None:
+                    os.close(pidfd)
+                self._on_death(proc)

@@ -2,8 +2,8 @@
  *
  * Optional: envfleet runs the same logic in Python when this module is missing (it failed to
  * build, or ENVFLEET_NO_SPEEDUPS=1 is set). Every function here but the round bell's (bell_ring,
- * bell_sleep, bell_arrive, gather_sleep: without C, rounds signal through the doorbell's
- * semaphores instead) has a Python twin beside its caller, and the differential tests run both. Nothing here changes what an env sees or what
+ * bell_sleep, bell_arrive, gather_sleep, bell_alarm: without C, rounds signal through the
+ * doorbell's semaphores instead) has a Python twin beside its caller, and the differential tests run both. Nothing here changes what an env sees or what
  * the caller gets; it only removes interpreter overhead around the env calls:
  *
  *   write_results   EnvGroup's per-env result lists into its float64/bool buffers, and the
@@ -19,7 +19,7 @@
  *                   replay record's episode start at every autoreset (_core/env_state.py)
  *   log_row         ActionLog.record of a group's action rows: the replay record's copy at
  *                   every step (_core/action_log.py)
- *   bell_ring, bell_sleep, bell_arrive, gather_sleep
+ *   bell_ring, bell_sleep, bell_arrive, gather_sleep, bell_alarm
  *                   the processes backend's round bell on Linux futexes (RoundBell,
  *                   _backends/processes/doorbell.py): one ring and one count of arrivals per
  *                   full step round, whatever the worker count
@@ -81,6 +81,7 @@ enum {
     F_BELL_SLEEP,
     F_BELL_ARRIVE,
     F_GATHER_SLEEP,
+    F_BELL_ALARM,
     F_PCG64_RAW,
     F_LOG_ROW,
     S_FUTEX_WAKE, /* not functions: the futex system calls this process's C code issued */
@@ -89,8 +90,8 @@ enum {
 };
 static const char *const function_names[F_COUNT] = {
     "serve_steps", "full_round", "timed_call", "write_results", "write_rows",
-    "bell_ring",   "bell_sleep", "bell_arrive",  "gather_sleep", "pcg64_raw",
-    "log_row",     "futex_wake", "futex_wait",
+    "bell_ring",   "bell_sleep", "bell_arrive",  "gather_sleep", "bell_alarm",
+    "pcg64_raw",   "log_row",    "futex_wake",   "futex_wait",
 };
 static unsigned long long calls[F_COUNT];
 
@@ -298,6 +299,7 @@ typedef struct {
     uint32_t gen;
     int32_t remaining;
     int32_t dwait;
+    int32_t dead; /* R8: 1 while a worker's death is not yet answered (the driver's death watch) */
 } bell_t;
 
 static void
@@ -309,18 +311,16 @@ futex_wake_n(void *addr, int n)
 #endif
 }
 
-/* FUTEX_WAIT on ``addr`` while it holds ``expected``, at most timeout_s seconds. Counted by the
- * caller (with the GIL held); called without it. */
+/* FUTEX_WAIT on ``addr`` while it holds ``expected``, at most timeout_s seconds (below 0: no
+ * bound; a signal ends it too). Counted by the caller (with the GIL held); called without it. */
 static void
 futex_wait_s(void *addr, uint32_t expected, double timeout_s)
 {
 #if HAVE_FUTEX
-    if (timeout_s < 0)
-        timeout_s = 0;
     struct timespec ts;
     ts.tv_sec = (time_t)timeout_s;
     ts.tv_nsec = (long)((timeout_s - (double)ts.tv_sec) * 1e9);
-    syscall(SYS_futex, addr, FUTEX_WAIT, expected, &ts, NULL, 0);
+    syscall(SYS_futex, addr, FUTEX_WAIT, expected, timeout_s < 0 ? NULL : &ts, NULL, 0);
 #endif
 }
 
@@ -360,6 +360,14 @@ bell_pending(volatile int64_t *control)
 {
     return __atomic_load_n((int64_t *)&control[w_req], __ATOMIC_ACQUIRE) !=
            __atomic_load_n((int64_t *)&control[w_ack], __ATOMIC_ACQUIRE);
+}
+
+/* A worker's reply to its last command is in: ACK caught up with REQ (a done token taken
+ * without it is the death watch's, R8). */
+static int
+bell_acked(volatile int64_t *control)
+{
+    return !bell_pending(control);
 }
 
 /* A full round's arrival: the last one wakes the driver if it sleeps (R7). */
@@ -480,15 +488,16 @@ sp_bell_sleep(PyObject *self, PyObject *args)
     return PyBool_FromLong(bell_pending(control));
 }
 
-/* gather_sleep(bell, timeout_s) -> bool: the driver's blocking wait for a full round's last
- * arrival (no spinning: the caller spun): True when ``remaining`` is 0. */
-/* The driver's one blocking wait for a full round's last arrival (R7; at most timeout_s; called
- * with the GIL, which it releases while asleep): 1 when every worker arrived. */
+/* The driver's one blocking wait for a full round's last arrival (R7; at most timeout_s, below
+ * 0: no bound; called with the GIL, which it releases while asleep): 1 when every worker
+ * arrived. It does not sleep while a death is unanswered (R8: ``dead``; the death watch stores
+ * it, then swaps ``dwait`` as the last arrival does). */
 static int
 gather_block(bell_t *bell, double timeout_s)
 {
     __atomic_store_n(&bell->dwait, 1, __ATOMIC_SEQ_CST);
-    if (__atomic_load_n(&bell->remaining, __ATOMIC_SEQ_CST) != 0) {
+    if (__atomic_load_n(&bell->remaining, __ATOMIC_SEQ_CST) != 0 &&
+        __atomic_load_n(&bell->dead, __ATOMIC_SEQ_CST) == 0) {
         calls[S_FUTEX_WAIT]++;
         Py_BEGIN_ALLOW_THREADS
         futex_wait_s(&bell->dwait, 1, timeout_s);
@@ -498,6 +507,8 @@ gather_block(bell_t *bell, double timeout_s)
     return __atomic_load_n(&bell->remaining, __ATOMIC_SEQ_CST) == 0;
 }
 
+/* gather_sleep(bell, timeout_s) -> bool: RoundBell.gather_sleep, gather_block for Python (no
+ * spinning: the caller spun): True when ``remaining`` is 0. */
 static PyObject *
 sp_gather_sleep(PyObject *self, PyObject *args)
 {
@@ -510,6 +521,27 @@ sp_gather_sleep(PyObject *self, PyObject *args)
         return NULL;
     calls[F_GATHER_SLEEP]++;
     return PyBool_FromLong(gather_block((bell_t *)b, timeout_s));
+}
+
+/* bell_alarm(bell, on): RoundBell.alarm, the death watch's side of R8. On: ``dead`` = 1, then
+ * the driver woken if it sleeps on a full round (a dead worker never arrives); off (a death
+ * answered): ``dead`` = 0. */
+static PyObject *
+sp_bell_alarm(PyObject *self, PyObject *args)
+{
+    PyObject *ba;
+    int on;
+    void *b;
+    if (!PyArg_ParseTuple(args, "Op", &ba, &on))
+        return NULL;
+    if (!as_address(ba, &b))
+        return NULL;
+    calls[F_BELL_ALARM]++;
+    bell_t *bell = (bell_t *)b;
+    __atomic_store_n(&bell->dead, on ? 1 : 0, __ATOMIC_SEQ_CST);
+    if (on && __atomic_exchange_n(&bell->dwait, 0, __ATOMIC_SEQ_CST) != 0)
+        futex_wake_n(&bell->dwait, 1);
+    Py_RETURN_NONE;
 }
 
 static int
@@ -847,12 +879,14 @@ round_outcome(PyObject *outcome_type, PyObject *driver_block_result,
 
 /* full_round's round on the round bell (Linux): ``remaining`` = the worker count (R5), every
  * worker's command words, then its REQ (R2), one ring (R3); the driver's own block; then a spin
- * within ``round_budget`` until ``remaining`` is 0, and one blocking slice (R7). Taken: all the
- * workers, or none (the caller blocks on the bell, RoundBell.gather_sleep, for all of them). */
+ * within ``round_budget`` until ``remaining`` is 0, and the round's one blocking wait (R7) until
+ * the first of: every arrival, a death (R8's ``dead``), ``wait_s`` seconds (below 0: no bound)
+ * or a signal whose handler raised (a Ctrl-C: NULL, the KeyboardInterrupt set). Taken: all the
+ * workers, or none (the caller then answers the death or the time: RoundBell.gather_sleep). */
 static PyObject *
 gather_round(PyObject *controls, PyObject *driver_block, PyObject *env_failure, double tight_s,
              long long step_code, long long ok_code, PyObject *bell_address,
-             PyObject *round_budget, double sleep_s, PyObject *outcome_type)
+             PyObject *round_budget, double wait_s, PyObject *outcome_type)
 {
     void *b;
     if (!as_address(bell_address, &b))
@@ -906,12 +940,16 @@ gather_round(PyObject *controls, PyObject *driver_block, PyObject *env_failure, 
         Py_END_ALLOW_THREADS
     }
     double slept_s = -1.0;
-    if (!got && sleep_s > 0) {
-        /* One blocking slice here, as SpinBudget.blocked counts it: most rounds end within
-         * it, and the caller's wait (which watches for a dead worker between slices) takes
-         * the rest. */
-        double start = monotonic_s();
-        got = gather_block(bell, sleep_s);
+    if (!got && wait_s != 0) {
+        double start = monotonic_s(), left = wait_s;
+        while (!(got = gather_block(bell, left)) &&
+               !__atomic_load_n(&bell->dead, __ATOMIC_SEQ_CST)) {
+            /* Woken early: a signal (its Python handler runs here), or a spurious wake-up. */
+            if (PyErr_CheckSignals() < 0)
+                goto fail;
+            if (wait_s > 0 && (left = wait_s - (monotonic_s() - start)) <= 0)
+                break;
+        }
         slept_s = monotonic_s() - start;
     }
     if (!got) {
@@ -936,15 +974,15 @@ fail:
 }
 
 /* full_round(requests, dones, controls, budgets, driver_block, env_failure, tight_s, step_code,
- *            ok_code, bell, round_budget, sleep_s, outcome_type[, ring])
+ *            ok_code, bell, round_budget, outcome_type, ring, wait_s)
  *     -> None (the round complete) or outcome_type(driver_block_result, driver_block_failure,
  *        taken, unread, spun_s)
  *
  * With ``bell`` (the round bell's address, Linux x86-64; else None) and ``ring``, the round is
  * gather_round's: one ring and one count of arrivals for all the workers (spinning within the
- * SpinBudget ``round_budget``, then one blocking slice of at most ``sleep_s`` seconds, 0:
- * none) instead of one semaphore each; ``taken`` is then all or none, and ``spun_s`` the
- * seconds spun and slept.
+ * SpinBudget ``round_budget``, then one blocking wait until every arrival, a death or
+ * ``wait_s`` seconds: 0, none; below 0, no bound) instead of one semaphore each; ``taken`` is
+ * then all or none, and ``spun_s`` the seconds spun and slept.
  *
  * The processes transport's full_round: the round driver's send and gather of a plain step, up
  * to reading the replies. For each worker w (the tuples hold the addresses of its request and done semaphores and of its int64
@@ -963,20 +1001,20 @@ sp_full_round(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     calls[F_FULL_ROUND]++;
     double tight_s;
     long long step_code, ok_code;
-    int ring = 1;
+    int ring;
     const char *fname = "full_round";
-    double sleep_s;
-    if (!arg_count(fname, nargs, 13, 14) || !arg_of_type(fname, args, 0, &PyTuple_Type) ||
+    double wait_s;
+    if (!arg_count(fname, nargs, 14, 14) || !arg_of_type(fname, args, 0, &PyTuple_Type) ||
         !arg_of_type(fname, args, 1, &PyTuple_Type) ||
         !arg_of_type(fname, args, 2, &PyTuple_Type) || !arg_of_type(fname, args, 3, &PyList_Type) ||
         !arg_double(args[6], &tight_s) || !arg_long_long(args[7], &step_code) ||
-        !arg_long_long(args[8], &ok_code) || !arg_double(args[11], &sleep_s))
+        !arg_long_long(args[8], &ok_code) || !arg_double(args[13], &wait_s))
         return NULL;
-    if (nargs == 14 && (ring = PyObject_IsTrue(args[13])) < 0)
+    if ((ring = PyObject_IsTrue(args[12])) < 0)
         return NULL;
     PyObject *requests = args[0], *dones = args[1], *controls = args[2], *budgets = args[3];
     PyObject *driver_block = args[4], *env_failure = args[5], *bell_address = args[9];
-    PyObject *round_budget = args[10], *outcome_type = args[12];
+    PyObject *round_budget = args[10], *outcome_type = args[11];
     if (!PyType_Check(outcome_type) ||
         !PyType_IsSubtype((PyTypeObject *)outcome_type, &PyTuple_Type)) {
         PyErr_SetString(PyExc_TypeError, "full_round: outcome_type must be a tuple subclass");
@@ -992,7 +1030,7 @@ sp_full_round(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     }
     if (ring && bell_address != Py_None)
         return gather_round(controls, driver_block, env_failure, tight_s, step_code, ok_code,
-                            bell_address, round_budget, sleep_s, outcome_type);
+                            bell_address, round_budget, wait_s, outcome_type);
     for (Py_ssize_t w = 0; ring && w < n; w++) {
         void *request, *control;
         if (!as_address(PyTuple_GET_ITEM(requests, w), &request) ||
@@ -1046,6 +1084,8 @@ sp_full_round(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         if (budget_caught(budget, budget_s) < 0)
             goto fail_unread;
         volatile int64_t *words = (volatile int64_t *)control;
+        if (!bell_acked(words))
+            break; /* the death watch's token (R8): the caller finds the worker dead */
         if (words[w_status] != ok_code || words[w_reply_payload] != 0) {
             PyObject *index = PyLong_FromSsize_t(taken);
             if (index == NULL || PyList_Append(unread, index) < 0) {
@@ -1512,6 +1552,7 @@ static PyMethodDef methods[] = {
      "bell_sleep(bell, control, bit, timeout_s) -> bool: RoundBell.sleep."},
     {"gather_sleep", sp_gather_sleep, METH_VARARGS,
      "gather_sleep(bell, timeout_s) -> bool: RoundBell.gather_sleep."},
+    {"bell_alarm", sp_bell_alarm, METH_VARARGS, "bell_alarm(bell, on): RoundBell.alarm."},
     {"set_layout", sp_set_layout, METH_VARARGS,
      "set_layout(cmd, cmd_payload, status, reply_payload, req, gather, ack, sleep, words): the "
      "control words."},

@@ -2,9 +2,9 @@
 
 :data:`speedups` is the loaded module, or ``None`` when it was not built (no C compiler at
 install time) or ``ENVFLEET_NO_SPEEDUPS=1`` is set in the environment. Every C function but
-the round bell's (``bell_ring``, ``bell_sleep``, ``bell_arrive``, ``gather_sleep``: without C,
-rounds signal through the doorbell's semaphores instead) has a Python twin next to its caller
-that is the reference: the C code only removes interpreter
+the round bell's (``bell_ring``, ``bell_sleep``, ``bell_arrive``, ``gather_sleep``,
+``bell_alarm``: without C, rounds signal through the doorbell's semaphores instead) has a
+Python twin next to its caller that is the reference: the C code only removes interpreter
 overhead around the env calls of the step path, it never changes what an env sees or what the
 caller gets (``tests/unit/test_speedups_properties.py`` compares the two on random inputs).
 
@@ -22,7 +22,8 @@ each autoreset (``_core/env_state.py``: ``StartReader.packed``; its twin ``pcg64
 ``ActionLog.record``).
 
 The processes backend's round bell (Linux futexes, ``_backends/processes/doorbell.py``) has
-its C side here too: ``bell_ring``, ``bell_sleep``, ``bell_arrive`` and ``gather_sleep``, and
+its C side here too: ``bell_ring``, ``bell_sleep``, ``bell_arrive``, ``gather_sleep`` and
+``bell_alarm``, and
 ``full_round`` / ``serve_steps`` given the bell's address.
 
 ``crash_note`` is no step-path function: it installs the fatal-signal handler that names the

@@ -20,9 +20,11 @@ a native crash in them takes the driver down with it, after writing to stderr th
 and its faulting Python frame (:mod:`envfleet._core.crash_note`).
 
 Every wait also watches the workers: a worker that dies (segfault, ``os._exit``, SIGKILL)
-raises :class:`envfleet.EnvCrashedError` within one blocking slice instead of hanging. Workers
-exit when the driver dies: Linux SIGKILLs them (``PR_SET_PDEATHSIG``), and a blocked worker
-also checks between slices that the driver is still there.
+wakes the driver's wait at once (the death watch rings it:
+:meth:`~envfleet._backends.processes.lifecycle.WorkerProcesses.died`), which raises
+:class:`envfleet.EnvCrashedError` or restarts it instead of hanging. Workers exit when the
+driver dies: Linux SIGKILLs them (``PR_SET_PDEATHSIG``), and a blocked worker also checks
+between slices that the driver is still there.
 
 This module holds the driver's side (:class:`ProcessesTransport`: the primitives the round
 driver, :class:`envfleet._backends.rounds.RoundDriver`, runs every round over, and the C step
@@ -50,7 +52,6 @@ from typing import Any, cast
 
 from envfleet._backends.base import run_command
 from envfleet._backends.processes.doorbell import (
-    BLOCK_SLICE_S,
     TIGHT_SPIN_S,
     Doorbell,
     RoundBell,
@@ -85,7 +86,6 @@ from envfleet._backends.registry import (
 from envfleet._backends.rounds import RoundDriver
 from envfleet._backends.supervisor import Round
 from envfleet._backends.transport import NOTHING, FullRound, Seen
-from envfleet._backends.workers import watch
 from envfleet._core import native as _speedups
 from envfleet._core.action_log import new_log
 from envfleet._core.buffers import Batch
@@ -161,10 +161,6 @@ class ProcessesTransport:
         self._budgets = [SpinBudget(plan.driver_spin_s) for _ in range(groups)]
         self._any_budget = SpinBudget(plan.driver_spin_s)
         self._round_budget = SpinBudget(plan.driver_spin_s)  # a full round's, on the bell
-        # Then the C round's one blocking slice, within which most rounds end (the caller's
-        # wait takes the rest, watching for deaths and the deadline between its slices).
-        timeout = request.step_timeout
-        self._round_sleep_s = BLOCK_SLICE_S if timeout is None else min(BLOCK_SLICE_S, timeout)
         self.remote = list(range(1 if driver_group else 0, groups))
         self._inline = frozenset((0,)) if driver_group else frozenset()
         self.full_round: FullRound | None = None
@@ -280,44 +276,48 @@ class ProcessesTransport:
     ) -> Seen:
         """A first-ready pool's wait: on the pool's shared doorbell, then every worker's
         reply taken; else on the first worker's doorbell (``spun_s``: the full round
-        already spun and slept that long on it). Either watches every worker of
-        ``workers`` for a death between blocking slices."""
-        procs, doorbells = self.workers.procs, self.workers.doorbells
+        already spun and slept that long on it). Either blocks in one piece until a reply,
+        a death of a worker of ``workers`` (the death watch rings the wait:
+        :meth:`WorkerProcesses.died`) or ``deadline``."""
+        workers_ = self.workers
+        doorbells, words, dead = workers_.doorbells, workers_.words, workers_.dead
         g = workers[0]
         if g in self._inline:
             return Seen([g])
 
         def alive() -> bool:
-            return all(procs[h].is_alive() for h in workers)
+            return not dead or dead.isdisjoint(workers)
+
+        def took_reply(h: int) -> bool:  # a done token with ACK behind REQ: a death's (R8)
+            return bool(cast(Doorbell, doorbells[h]).done.acquire(False)) and (
+                words[h][REQ] == words[h][ACK]
+            )
 
         if first:
             # A token per reply; a reply may be found before its token is taken (then a
             # later wait wakes with nothing new, and waits again).
-            Doorbell.wait(self.workers.any_done, self._any_budget, deadline, alive)
-            ready = [h for h in workers if cast(Doorbell, doorbells[h]).done.acquire(False)]
-            unread = [h for h in workers if h not in ready]
-            if not self.workers.hosted:
-                dead = {unread[e.index]: "" for e in watch([procs[h] for h in unread]).dead}
-                return Seen(ready, dead)
-            # A host's groups share its process: each process looked at once.
-            hosts = list({id(procs[h]): procs[h] for h in unread}.values())
-            gone = {id(hosts[e.index]) for e in watch(hosts).dead}
-            return Seen(ready, {h: "" for h in unread if id(procs[h]) in gone})
-        words = self.workers.words
-        if self.workers.bell is not None and words[g][GATHER]:
+            Doorbell.wait(workers_.any_done, self._any_budget, deadline, alive)
+            ready = [h for h in workers if took_reply(h)]
+            if not dead:
+                return Seen(ready)
+            return Seen(ready, {h: "" for h in workers if h in dead and h not in ready})
+        if workers_.bell is not None and words[g][GATHER]:
             return self._gather_wait(workers, deadline, alive, spun_s)
-        if Doorbell.wait(
+        got = Doorbell.wait(
             cast(Doorbell, doorbells[g]).done, self._budgets[g], deadline, alive, spun_s
-        ):
+        )
+        if got and words[g][REQ] == words[g][ACK]:
             return Seen([g])
-        ready, dead = [], {}
-        for exit_ in watch([procs[h] for h in workers]).dead:
-            h = workers[exit_.index]
-            if h != g and cast(Doorbell, doorbells[h]).done.acquire(False):
-                ready.append(h)  # it replied, then exited
-            else:
-                dead[h] = ""
-        return Seen(ready, dead) if ready or dead else NOTHING
+        ready, found = [], {}
+        for h in workers:
+            if h == g and got:  # the death watch's token
+                found[h] = ""
+            elif h in dead:
+                if took_reply(h):
+                    ready.append(h)  # it replied, then exited
+                else:
+                    found[h] = ""
+        return Seen(ready, found) if ready or found else NOTHING
 
     def busy(self, workers: list[int]) -> list[int]:
         """The workers of ``workers`` alive and still running their command: a look that
@@ -371,15 +371,15 @@ class ProcessesTransport:
     ) -> Seen:
         """Wait for a full round's workers (their commands were rung on the round bell,
         GATHER): until every one arrived (the bell's count at 0, or each one's ACK caught up
-        with its REQ), one died, or the deadline; report the ones that replied by then."""
-        words, procs = self.workers.words, self.workers.procs
+        with its REQ), one died (the bell's alarm wakes the wait: R8), or the deadline;
+        report the ones that replied by then."""
+        words, dead = self.workers.words, self.workers.dead
         gate = _Gathered(cast(RoundBell, self.workers.bell), [words[h] for h in workers])
         if Doorbell.wait(gate, self._round_budget, deadline, alive, spun_s):
             return Seen(list(workers))
         ready = [h for h in workers if words[h][REQ] == words[h][ACK]]
-        unread = [h for h in workers if h not in ready]
-        dead = {unread[e.index]: "" for e in watch([procs[h] for h in unread]).dead}
-        return Seen(ready, dead) if ready or dead else NOTHING
+        found = {h: "" for h in workers if h in dead and h not in ready}
+        return Seen(ready, found) if ready or found else NOTHING
 
     def read(self, g: int, done: Round) -> None:
         """Read the reply of worker ``g``, whose done semaphore was just taken, into ``done``."""
@@ -411,7 +411,9 @@ class ProcessesTransport:
         ``None`` where it does not apply (no C step path: the driver's Python round rings and
         waits for each worker; not the shared POSIX semaphores; a first-ready pool). It rings
         every worker (unless told that step_async did), steps the driver's own block, and
-        spins on the replies; it answers ``None`` when the round is complete, else a
+        spins on the replies, then on the round bell waits for them until ``wait_s`` (the
+        round's one wait: a death's alarm or a Ctrl-C ends it too); it answers ``None``
+        when the round is complete, else a
         :class:`~envfleet._core.protocol.RoundOutcome` of what it left. (No reference to self
         in it: a cycle would keep the shared memory past close until the garbage collector
         runs.)"""
@@ -444,7 +446,6 @@ class ProcessesTransport:
             int(Status.OK),
             None if bell is None else bell.address,
             self._round_budget,
-            self._round_sleep_s,
             RoundOutcome,
         )
 
@@ -573,9 +574,9 @@ class _Gathered:
             return True
         if not block:
             return False
-        # A worker that died never arrives: the count stays above 0, and the caller checks
-        # who is alive between slices; the survivors' ACKs tell who replied.
-        return bell.gather_sleep(cast(float, timeout)) or self._all_acked()
+        # A worker that died never arrives: the count stays above 0, the death watch's alarm
+        # ends the sleep, and the survivors' ACKs tell who replied.
+        return bell.gather_sleep(timeout) or self._all_acked()
 
 
 # -- interpreter exit -----------------------------------------------------------------------

@@ -3,8 +3,9 @@
 A :class:`Doorbell` is a pair of semaphores (``request``: driver to worker, ``done``: worker to
 driver). Ringing is one ``sem_post``, a user-space atomic when nobody sleeps on the semaphore.
 Waiting first polls with ``sem_trywait`` for a bounded, adaptive budget (:class:`SpinBudget`),
-then sleeps on the semaphore in short slices, between which it checks a liveness callback, so
-a dead peer is noticed within one slice. Semaphore operations are full memory barriers: what
+then sleeps on the semaphore: the driver in one piece until its deadline (a worker's death
+posts the semaphore: the death watch, R8), a worker in short slices, between which it checks
+that its driver lives. Semaphore operations are full memory barriers: what
 one side wrote to shared memory before ringing is visible to the other once its wait returns.
 
 On Linux the semaphores are unnamed POSIX semaphores (``sem_init`` with ``pshared=1``) placed
@@ -24,8 +25,9 @@ that keeps one cites it by number (``round protocol R4``):
 - **R1, the words.** Each worker has a control row of ``worker.WORDS`` int64 words on cache
   lines of its own. The driver writes ``CMD``, ``CMD_PAYLOAD``, ``GATHER`` and ``REQ``; the
   worker writes ``STATUS``, ``REPLY_PAYLOAD``, ``REPLY_BYTES``, ``ACK`` and ``SLEEP``. The
-  bell holds ``gen`` (the generation), ``remaining`` (a full round's arrivals still due) and
-  ``dwait`` (1 while the driver sleeps on them).
+  bell holds ``gen`` (the generation), ``remaining`` (a full round's arrivals still due),
+  ``dwait`` (1 while the driver sleeps on them) and ``dead`` (1 while a worker's death is
+  unanswered: R8).
 - **R2, a command.** A command is due while ``REQ != ACK``. The driver writes the command's
   words, then ``REQ + 1`` (a release store); a worker reads ``REQ`` (an acquire load) before
   the command's words.
@@ -50,21 +52,28 @@ that keeps one cites it by number (``round protocol R4``):
   reads ``remaining`` again and sleeps on ``dwait`` while it is not 0; the arrival that brings
   ``remaining`` to 0 swaps ``dwait`` to 0 and, if it was 1, wakes the driver (the other
   arrivals wake no one).
-- **R8, deaths and new workers.** A worker that dies never arrives: the driver, asleep in
-  slices, sees it dead between two and takes the survivors' replies by ``ACK == REQ``. A new
-  or restarted worker starts with ``ACK = REQ``, ``GATHER = 0`` and ``SLEEP = 0`` (its
-  predecessor's commands are answered or lost with it, and it holds no bit on the bell).
+- **R8, deaths and new workers.** A worker that dies never arrives: the driver's death watch
+  (``WorkerProcesses.died``, a thread blocked on the workers' pidfds) marks its groups dead,
+  then stores the bell's ``dead`` word and swaps ``dwait`` to 0 (``bell_alarm``: the driver's
+  sleep ends, and R7's sleep does not begin while ``dead`` is set), then posts the done
+  semaphore of each of its groups whose ``ACK`` is behind ``REQ``, and the pool's shared one.
+  The driver takes the survivors' replies by ``ACK == REQ``; a done token taken with ``ACK``
+  behind ``REQ`` is the watch's. A new or restarted worker starts with ``ACK = REQ - 1`` (its
+  ``READY`` due: a death while it builds wakes the start's wait), ``GATHER = 0`` and
+  ``SLEEP = 0`` (its predecessor's commands are answered or lost with it, and it holds no bit
+  on the bell); ``dead`` is cleared once no dead worker is left unreplaced.
   After a Ctrl-C in a wait, ``ProcessesTransport.recover`` takes replies by ``ACK == REQ``
   too, also where commands go on the semaphores (a first-ready pool, no bell): there the
   driver counts ``REQ`` before it posts the request semaphore, and R6's ``ACK`` comes before
   the done semaphore's post, each ordered by the semaphore.
 - **R9, the CPUs and the C module.** The bell's own words and system calls are the C
   module's alone (``_speedups.c``: ``bell_ring``, ``bell_sleep``, ``bell_arrive``,
-  ``gather_sleep``, ``full_round``, ``serve_steps``), which keeps R2-R7's orders with atomic
-  instructions, correct on any CPU; without the C module there is no bell, and every command
-  goes on the workers' semaphores. The Python side still stores a command's words and
-  ``REQ`` (``WorkerProcesses.request``), a new worker's words (``WorkerProcesses.start``) and a
-  reply's ``ACK`` (``_Worker.ring_done``) with plain stores, in order only under x86-64's
+  ``gather_sleep``, ``bell_alarm``, ``full_round``, ``serve_steps``), which keeps R2-R8's
+  orders with atomic instructions, correct on any CPU; without the C module there is no bell,
+  and every command goes on the workers' semaphores. The Python side still stores a
+  command's words and ``REQ`` (``WorkerProcesses.request``), a new worker's words and its
+  ``READY`` due (``WorkerProcesses._spec``, ``WorkerProcesses.lay_out``) and a reply's ``ACK``
+  (``_Worker.ring_done``) with plain stores, in order only under x86-64's
   total store order: so the bell runs on :data:`ROUND_BELL_MACHINES` only, and
   tests/unit/test_round_protocol_structure.py keeps those stores inside those functions.
 """
@@ -150,7 +159,14 @@ def _load_libc() -> Any:
         return None
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        for name in ("sem_init", "sem_post", "sem_trywait", "sem_timedwait", "sem_getvalue"):
+        for name in (
+            "sem_init",
+            "sem_post",
+            "sem_trywait",
+            "sem_timedwait",
+            "sem_wait",
+            "sem_getvalue",
+        ):
             getattr(libc, name).restype = ctypes.c_int
         libc.syscall.restype = ctypes.c_long
         return libc
@@ -179,7 +195,7 @@ class SharedSem:
     def _bind(self) -> None:
         self.address = address = ctypes.addressof(self.region) + self.offset
         self.ptr = ctypes.c_void_p(address)
-        self._timedwait = _libc.sem_timedwait
+        self._timedwait, self._wait = _libc.sem_timedwait, _libc.sem_wait
         ptr, trywait = self.ptr, _libc.sem_trywait
         self._post = functools.partial(_libc.sem_post, ptr)
         self._getvalue = _libc.sem_getvalue
@@ -202,9 +218,12 @@ class SharedSem:
         return count.value
 
     def acquire(self, block: bool = True, timeout: float | None = None) -> bool:
+        """Take the semaphore: ``False`` when not posted within ``timeout`` seconds (``None``:
+        no bound) or a signal ended the wait (its Python handler runs once this returns)."""
         if not block:
             return self._poll()
-        assert timeout is not None
+        if timeout is None:
+            return bool(self._wait(self.ptr) == 0)
         deadline = time.time() + timeout
         ts = _Timespec(int(deadline), int((deadline % 1.0) * 1e9))
         return bool(self._timedwait(self.ptr, ctypes.byref(ts)) == 0)
@@ -244,9 +263,15 @@ class Doorbell:
         deadline: float | None,
         alive: Callable[[], bool],
         spun_s: float | None = None,
-        max_slice_s: float = BLOCK_SLICE_S,
+        max_slice_s: float | None = None,
     ) -> bool:
         """Wait until ``sem`` is posted; ``False`` when ``deadline`` passed or ``alive()`` failed.
+
+        The driver's wait (``max_slice_s`` ``None``) blocks in one piece until ``deadline``:
+        a death posts ``sem`` (the driver's death watch:
+        :class:`~envfleet._backends.workers.DeathWatch`), and ``alive()`` is
+        asked before the block and after each wake-up (a signal's too). A worker's wait on
+        its driver, which no watch rings, blocks in slices with ``alive()`` between them.
 
         Args:
             sem: the semaphore to take (``request`` or ``done``).
@@ -256,7 +281,8 @@ class Doorbell:
             spun_s: the caller already spun this long on ``sem`` (the C worker loop did):
                 block at once, and count those seconds in the wait's length.
             max_slice_s: blocking slices double from :data:`BLOCK_SLICE_S` up to this
-                (seconds): how long a death may go unnoticed in a long wait.
+                (seconds): how long a death may go unnoticed in a long wait; ``None``: one
+                block (a death rings ``sem``).
         """
         acquire = sem.acquire
         clock = time.perf_counter
@@ -282,6 +308,15 @@ class Doorbell:
                     budget.caught()
                     return True
                 now = clock()
+        if max_slice_s is None:  # the driver's wait: one block, which a death rings too
+            while alive():  # asked first: a death before the block rang no one
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    break
+                if acquire(True, left):  # False: the deadline, or a signal (asked again)
+                    budget.blocked(time.perf_counter() - start)
+                    return True
+            return bool(acquire(False))
         block_s = BLOCK_SLICE_S
         while True:
             if deadline is None:
@@ -337,7 +372,7 @@ class RoundBell:
     the workers it wrote a command to with one generation bump and at most one
     ``FUTEX_WAKE_BITSET``, whatever their number, and a full round's last arrival wakes the
     driver. Its system calls are the C module's (``bell_ring``, ``bell_sleep``,
-    ``bell_arrive``, ``gather_sleep``): the bell exists only where they run
+    ``bell_arrive``, ``gather_sleep``, ``bell_alarm``): the bell exists only where they run
     (:func:`round_bell_available`).
 
     Args:
@@ -380,9 +415,18 @@ class RoundBell:
         """A full round's every worker arrived (``remaining`` is 0: R5, R6)."""
         return bool(self._words[_REMAINING // 4] == 0)
 
-    def gather_sleep(self, timeout_s: float) -> bool:
-        """The driver's blocking wait for the last arrival (at most ``timeout_s``): R7."""
-        return bool(self._native.gather_sleep(self.address, timeout_s))
+    def gather_sleep(self, timeout_s: float | None) -> bool:
+        """The driver's blocking wait for the last arrival (at most ``timeout_s``; ``None``:
+        no bound), ended at once by a death (:meth:`alarm`) or a signal: R7, R8."""
+        return bool(
+            self._native.gather_sleep(self.address, -1.0 if timeout_s is None else timeout_s)
+        )
+
+    def alarm(self, on: bool) -> None:
+        """The death watch's side (R8): ``on``, a worker died, and the driver's full-round wait
+        ends (and does not sleep again) until the death is answered (``alarm(False)``, once
+        every dead worker is replaced)."""
+        self._native.bell_alarm(self.address, on)
 
     # -- a worker's side --
 
@@ -398,7 +442,9 @@ class RoundBell:
         self._native.bell_arrive(self.address)
 
 
-_BELL_FUNCTIONS = frozenset({"bell_ring", "bell_sleep", "bell_arrive", "gather_sleep"})
+_BELL_FUNCTIONS = frozenset(
+    {"bell_ring", "bell_sleep", "bell_arrive", "gather_sleep", "bell_alarm"}
+)
 
 
 def _native_bell() -> Any:

@@ -21,7 +21,10 @@ import multiprocessing.sharedctypes
 import os
 import pickle
 import signal
+import sys
+import threading
 import time
+import weakref
 from collections.abc import Sequence
 from multiprocessing import reduction
 from multiprocessing.connection import Connection
@@ -74,6 +77,7 @@ from envfleet._backends.workers import (
     BOOTSTRAP_FIX,
     STACKS_WAIT_S,
     BootstrapReport,
+    DeathWatch,
     DriverFiles,
     MemoryWatch,
     ask_stacks,
@@ -206,6 +210,11 @@ class WorkerProcesses:
         # and its shared memory, past close until the garbage collector runs).
         episodes = functools.partial(_log_episodes, self._log_files, list(self.ranges))
         self.memory = MemoryWatch(episodes, self.ranges)
+        # The groups whose process the death watch saw exit, until replaced (start): the
+        # driver's waits ask it (alive) before they block and whenever they wake.
+        self.dead: set[int] = set()
+        self._dead_lock = threading.Lock()  # died() against start(): a group's proc and mark
+        self._deaths = DeathWatch(functools.partial(_ring_death, weakref.ref(self)))
         self.closed = False
 
     def _lay_out(self, layout: WorkerLayout, block: Block) -> None:
@@ -244,6 +253,9 @@ class WorkerProcesses:
         """Spawn the worker process of group ``g`` (its envs, doorbell and pipe): with hosts,
         the host process of ``g`` and every group it serves."""
         members = self.mates(g)
+        with self._dead_lock:  # the death watch rings none of their new doorbells for the old
+            for m in members:
+                self.procs[m] = None
         specs, parents, children = [], [], []
         for m in members:
             spec, parent_conn, child_conn = self._spec(m, len(members) > 1, m == members[0])
@@ -270,10 +282,42 @@ class WorkerProcesses:
             f"envfleet-worker-{lead}",
             report_path=specs[0].stacks_path,  # where it says it could not start (bootstrapping)
         )
-        for m, parent_conn, child_conn in zip(members, parents, children, strict=True):
-            child_conn.close()
-            self.procs[m], self.conns[m] = proc, parent_conn
+        with self._dead_lock:
+            for m, parent_conn, child_conn in zip(members, parents, children, strict=True):
+                child_conn.close()
+                self.procs[m], self.conns[m] = proc, parent_conn
+            if self.dead:
+                self.dead.difference_update(members)  # replaced: their deaths are answered
+                if not self.dead and self.bell is not None:
+                    self.bell.alarm(False)
         self.memory.watch(lead, proc.pid)
+        self._deaths.add(proc)
+
+    def died(self, proc: Any) -> None:
+        """The death watch's call (its thread) when ``proc`` exited: its groups are dead
+        (:attr:`dead`), and every wait that may wait on them is rung (round protocol R8):
+        each group with a command due gets a done token (the driver, taking it, finds ``ACK``
+        behind ``REQ``: no reply), the pool's shared doorbell one, and the round bell its
+        alarm. ``dead`` is written before ``REQ`` is read: a wait whose command was sent
+        after this read finds the group in ``dead`` before it blocks."""
+        self._ring_dead(proc)
+
+    def _ring_dead(self, proc: Any) -> None:
+        """:meth:`died`'s rings for the groups of ``proc`` (``None``: of every process, gone
+        at close); none for a group being replaced (its new doorbell is not the old one's)."""
+        with self._dead_lock:
+            groups = [g for g, p in enumerate(self.procs) if p is not None and proc in (None, p)]
+            if not groups:
+                return
+            self.dead.update(groups)
+            if self.bell is not None:
+                self.bell.alarm(True)
+            for g in groups:
+                words, doorbell = self.words[g], self.doorbells[g]
+                if doorbell is not None and words[REQ] != words[ACK]:
+                    doorbell.done.release()
+            if self.any_done is not None:
+                self.any_done.release()
 
     def _spec(self, g: int, hosted: bool, lead: bool) -> tuple[WorkerSpec, Connection, Connection]:
         """Group ``g``'s :class:`WorkerSpec` (its doorbell made, its words reset) and its
@@ -286,6 +330,7 @@ class WorkerProcesses:
         words = self.words[g]
         words[GATHER] = 0
         words[ACK] = words[REQ]
+        words[REQ] += 1  # its READY reply is due (R8): a death before it leaves ACK behind
         words[SLEEP] = 0  # round protocol R8: one killed asleep held its bit there
         words[ENV] = NOTE_CLEAR  # inside no env until its group says so
         words[THREAD] = 0
@@ -363,6 +408,7 @@ class WorkerProcesses:
             self._lay_out(sizing.layout, block)
         layout = self._group_layout()
         for g in workers:
+            self.words[g][REQ] += 1  # the second READY is due (R8); it reads no command
             with contextlib.suppress(OSError):  # a dead worker: the wait says so
                 conn = cast(Connection, self.conns[g])
                 send_block(conn, layout, cast(int, self._block_fd), self.procs[g].pid)
@@ -431,8 +477,11 @@ class WorkerProcesses:
     def replied(self, g: int) -> bool:
         """Whether group ``g`` (its process dead or killed) posted a reply not yet taken
         (its done token, taken now: read the reply next)."""
-        doorbell = self.doorbells[g]
-        return doorbell is not None and bool(doorbell.done.acquire(False))
+        doorbell, words = self.doorbells[g], self.words[g]
+        # A token with ACK behind REQ is the death watch's, not a reply (R8).
+        return (
+            doorbell is not None and bool(doorbell.done.acquire(False)) and words[REQ] == words[ACK]
+        )
 
     def kill(self, groups: Sequence[int]) -> None:
         """Kill the processes of ``groups`` (their hosts: every group of each) and wait for
@@ -687,6 +736,12 @@ class WorkerProcesses:
             if proc.is_alive():
                 proc.kill()
                 proc.join()
+        # A wait still running in another thread (a ProcessEnv future's) ends now: its
+        # workers are dead, whether or not the death watch saw them go. (Not at interpreter
+        # finalization: no other thread runs, and a frozen one may hold the lock.)
+        if not sys.is_finalizing():
+            self._ring_dead(None)
+            self._deaths.stop()
         for conn in self.conns:
             if conn is not None:
                 conn.close()
@@ -704,6 +759,14 @@ class WorkerProcesses:
         # sem_init), each is a named /dev/shm entry under spawn and forkserver, unlinked when
         # its last reference goes: drop ours now that no worker is left.
         self.doorbells = [None] * len(self.doorbells)
+
+
+def _ring_death(owner: weakref.ref[WorkerProcesses], proc: Any) -> None:
+    """The death watch's callback, holding its :class:`WorkerProcesses` weakly (the thread
+    must not keep the shared memory past the vector env's life)."""
+    workers = owner()
+    if workers is not None:
+        workers.died(proc)
 
 
 def _log_head(
