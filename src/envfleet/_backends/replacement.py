@@ -11,14 +11,15 @@ driver's rounds:
 - **recycling** (``envfleet.Recycle``): after step rounds, the idle workers past a limit are
   replaced by new ones whose envs continue their episodes
   (:func:`~envfleet._core.action_log.restore_envs`);
-- **replacing** for the :class:`~envfleet._backends.supervisor.Supervisor` (which decides, and
-  never calls a transport): :meth:`WorkerReplacement.replace_workers` (the transport's
-  :meth:`~envfleet._backends.transport.Transport.respawn`, then the start),
-  :meth:`WorkerReplacement.spare` (the groups that go down with a host process without being
-  at fault), :meth:`WorkerReplacement.lost_envs` and :meth:`WorkerReplacement.catch_up`
-  (bringing the envs that did not lose their episode back), and
-  :meth:`WorkerReplacement.restart_envs` (a round of ``Command.RESTART`` on those workers
-  only);
+- **settling** a round (:meth:`WorkerReplacement.settle`): the
+  :class:`~envfleet._backends.supervisor.Supervisor` decides (it raises, or answers a
+  :class:`~envfleet._backends.supervisor.Rebuild`; it calls no rebuilding), and
+  :meth:`WorkerReplacement._rebuild` carries it out: the groups that go down with a host
+  process without being at fault spared (``_spare``), the dead and hung workers replaced
+  (``_replace_workers``: the transport's
+  :meth:`~envfleet._backends.transport.Transport.respawn`, then the start), the envs that
+  did not lose their episode brought back (``_lost_envs``, ``_bring_up``), and a round of
+  ``Command.RESTART`` on those workers only (``_side_round``);
 - the **read-outs** these and the supervisor take of the transport: a worker's recordings,
   stacks, action-log counters and memory.
 """
@@ -32,7 +33,19 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
 from envfleet._backends.recycle import Recycle, Recycler
-from envfleet._backends.supervisor import Ledger, Round, Supervisor, timeout_error
+from envfleet._backends.supervisor import (
+    RESTARTED,
+    Ledger,
+    Rebuild,
+    Round,
+    Supervisor,
+    events_of,
+    failed_envs,
+    log_env_restart,
+    merge_events,
+    timeout_error,
+    warn_restarted,
+)
 from envfleet._backends.transport import Transport
 from envfleet._core.action_log import catch_up_envs, restore_envs
 from envfleet._core.buffers import Batch
@@ -202,11 +215,109 @@ class WorkerReplacement:
         self.ledger.recycled += 1
         recycler.recycled(w, self.log_head(w))
 
-    # -- replacing workers (the supervisor's) --------------------------------------------------
+    # -- settling a round: the supervisor decides, the driver rebuilds --------------------------
 
-    def replace_workers(
+    def settle(
+        self,
+        done: Round,
+        timeout: float | None,
+        step: int,
+        command: Command | None,
+        pool: bool = False,
+    ) -> dict[int, Any]:
+        """Every worker's result of ``done``, after what failed in it is rebuilt as the
+        supervisor decides (:meth:`Supervisor.decide`: it raises where the restart policy
+        does not cover the failure); the rebuilt envs' infos carry ``env_restarted`` (see
+        :class:`~envfleet.RestartPolicy`). ``command`` and ``pool``: as there.
+
+        Raises:
+            EnvError: an env raised and is not restarted (the backend stays usable), or a
+                rebuilt env failed again (the backend is shut down).
+            EnvCrashedError, StepTimeoutError: a worker died or ran late and is not
+                restarted; the backend is shut down.
+        """
+        plan = self.supervisor.decide(done, timeout, step, command, pool)
+        if plan is None:
+            return done.results
+        return self._rebuild(plan, done, timeout, step)
+
+    def _ready(self, done: Round, timeout: float | None, step: int) -> dict[int, Any]:
+        """A first-ready pool's round: settled with each worker's own command; then what is
+        ready, this round's and what earlier calls kept (:meth:`Supervisor.take_kept`).
+        Without a restart policy (or when it does not cover the failure) one env error is
+        raised per call and the rest is kept for the next calls."""
+        supervisor = self.supervisor
+        supervisor.keep(self.settle(done, timeout, step, None, pool=True))
+        return supervisor.take_kept()
+
+    def _rebuild(
+        self, plan: Rebuild, done: Round, timeout: float | None, step: int
+    ) -> dict[int, Any]:
+        """Carry out ``plan`` for ``done``: spare the groups hosted with a dead or hung one,
+        replace the dead and hung workers (their envs that did not lose their episode caught
+        up), restart the envs that raised; warn and count each restart."""
+        ledger, failed, respawn, after = self.ledger, plan.failed, plan.respawn, plan.after
+        # Groups hosted with a dead or hung one (their process goes too): those not at fault
+        # are brought back as they were; the others join the dead.
+        spared, dropped = self._spare(done, after) if respawn else ({}, [])
+        if respawn:
+            respawn = sorted([*done.crashed, *done.late])
+            failed = {w: envs for w, envs in failed.items() if w in done.failures}
+        ledger.crashes += len(done.crashed)
+        for w, f in sorted(done.failures.items()):
+            error = self.env_error(w, f, "")
+            log_env_restart(failed_envs(f))
+            ledger.survived(error)
+            warn_restarted(error, failed[w], list(range(*self.ranges[w])))
+        crashes = {  # before they are replaced
+            w: self.crash_error(w, step, "", reason, False, RESTARTED)
+            for w, reason in sorted(done.crashed.items())
+        }
+        caught: dict[int, list[Any] | None] = {}
+        if respawn:
+            lost = {w: self._lost_envs(w, after[w]) for w in respawn}  # before they go
+            hung = self._replace_workers(sorted({*respawn, *spared}), done, timeout, step)
+            for w, (request, sent) in sorted(spared.items()):
+                events = self._bring_up(w, request, step, "bringing its envs back")
+                if sent:  # its command taken again: its result
+                    done.results[w] = events
+            for w in respawn:
+                envs, catch_up = lost[w]
+                died: EnvfleetError = crashes[w] if w in crashes else hung[w]
+                ledger.survived(died)
+                if catch_up is not None:
+                    caught[w] = self._bring_up(w, catch_up, step, "bringing its envs back")
+                failed[w] = envs
+                warn_restarted(died, envs, list(range(*self.ranges[w])))
+        requests = {
+            w: ledger.restart_request(self.ranges[w][0], envs, after[w], w not in respawn)
+            for w, envs in failed.items()
+        }
+        restarted = self._side_round(_RESTART, requests, timeout, step)
+        if restarted.failures:
+            w = min(restarted.failures)
+            self.supervisor.broken(self.env_error(w, restarted.failures[w], ""))
+        results = done.results
+        for w, envs in failed.items():
+            if w in respawn:
+                ledger.restarted(envs)
+            else:
+                for e in envs:
+                    ledger.restarted([e])
+            results[w] = merge_events(
+                events_of(done.failures.get(w)), caught.get(w), restarted.results.get(w)
+            )
+        for w in dropped:  # rebuilt while idle: the front sent it nothing to answer
+            results.pop(w, None)
+        return dict(sorted(results.items()))
+
+    def _replace_workers(
         self, workers: list[int], done: Round, timeout: float | None, step: int
     ) -> dict[int, StepTimeoutError]:
+        """Kill ``workers`` (dead or hung) and start new ones with their envs, ready to serve;
+        leave every other worker's pending command as it is. Shut down and raise when one
+        cannot start. Returns the error each hung one would have raised (with its stacks,
+        taken before it was killed)."""
         others = [w for w in self._pending if w not in workers]  # a pool's, still running
         late = [w for w in workers if w in done.late]
         # Taken by spare() before a host was killed, else now.
@@ -237,7 +348,7 @@ class WorkerReplacement:
         self._pending = others
         return hung
 
-    def spare(
+    def _spare(
         self, done: Round, after: dict[int, Command]
     ) -> tuple[dict[int, tuple[TaskRequest, bool]], list[int]]:
         """Before the dead and hung workers of ``done`` are replaced: where one is a group
@@ -350,7 +461,7 @@ class WorkerReplacement:
                     return w
         return next(iter(crashed))
 
-    def lost_envs(self, w: int, command: Command) -> tuple[list[int], TaskRequest | None]:
+    def _lost_envs(self, w: int, command: Command) -> tuple[list[int], TaskRequest | None]:
         """Before worker ``w``, dead or hung in ``command``, is replaced: the envs (global
         indices) that lose their episode, and the catch-up that brings its other envs back
         (:func:`~envfleet._core.action_log.catch_up_envs`; ``None``: every env of ``w`` loses
@@ -377,16 +488,6 @@ class WorkerReplacement:
         done = self._ended_episodes(w)
         return [env], TaskRequest(catch_up_envs, (recordings, actions, done, [env - start]))
 
-    def catch_up(self, w: int, request: TaskRequest, step: int) -> list[Any] | None:
-        """Run ``request`` (:meth:`lost_envs`) on ``w``'s new worker, within ``start_timeout``
-        (part of building the replacement): its envs' info events of the step taken again.
-
-        Raises:
-            StartTimeoutError: past ``start_timeout`` (the vector env closed).
-            EnvError: an env raised in it (the vector env closed).
-        """
-        return cast(list[Any] | None, self._bring_up(w, request, step, "bringing its envs back"))
-
     def _bring_up(self, w: int, request: TaskRequest, step: int, doing: str) -> Any:
         """Run ``request`` (a task that brings a new worker's envs up to date: a recycled
         worker's, a replacement's catch-up) on worker ``w`` within ``start_timeout``, part of
@@ -410,9 +511,6 @@ class WorkerReplacement:
         start, stop = self.ranges[w]
         batch = self.batch
         return (batch.terminations[start:stop] | batch.truncations[start:stop]).tolist()
-
-    def restart_envs(self, requests: dict[int, Any], timeout: float | None, step: int) -> Round:
-        return self._side_round(_RESTART, requests, timeout, step)
 
     def _side_round(
         self, command: Command, payloads: dict[int, Any], timeout: float | None, step: int

@@ -15,11 +15,12 @@ calls, the start and the replacement of workers, whose side of the driver is
    until one replies, one dies or the deadline passes (one wait that watches all three, as
    CPython's ``concurrent.futures.ProcessPoolExecutor`` waits on result pipes and process
    sentinels at once); :meth:`Transport.read` takes a reply into the :class:`Round`;
-3. **settle**: the :class:`~envfleet._backends.supervisor.Supervisor` decides (rebuild within
-   the restart policy, or the one broken path), and rebuilds through this driver
-   (:meth:`RoundDriver.replace_workers`, :meth:`RoundDriver.restart_envs`: the transport's
-   :meth:`Transport.respawn` and a round of ``Command.RESTART``). The supervisor never calls
-   a transport.
+3. **settle** (:meth:`WorkerReplacement.settle`): the
+   :class:`~envfleet._backends.supervisor.Supervisor` decides (the one broken path, or a
+   :class:`~envfleet._backends.supervisor.Rebuild` within the restart policy), and this
+   driver rebuilds what it answers (the transport's :meth:`Transport.respawn`, the start,
+   the catch-ups and a round of ``Command.RESTART``). The supervisor calls neither this
+   driver's rounds nor a transport.
 
 A transport may lend one leaf accelerator, :attr:`Transport.full_round`: the synchronous step
 round where every worker is pending, in C (``processes``: ``_speedups.full_round``), which
@@ -131,7 +132,7 @@ class RoundDriver(HangReporter, WorkerReplacement, Backend):
         self._run_inline = getattr(transport, "run_inline", None)
         # The transport's, or None: after each round's sends (processes: ring the hosts).
         self._flush = getattr(transport, "flush", None)
-        self._late_stacks: dict[int, str] | None = None  # spare()'s, for replace_workers
+        self._late_stacks: dict[int, str] | None = None  # _spare()'s, for _replace_workers
         self._remote = transport.remote
         self._num_remote = len(self._remote)
         self._num_workers = len(self.ranges)
@@ -269,7 +270,7 @@ class RoundDriver(HangReporter, WorkerReplacement, Backend):
             if failures:
                 done = Round()
                 done.results, done.failures = results, failures
-                return self.supervisor.settle(done, timeout, step, command)
+                return self.settle(done, timeout, step, command)
             return results
         return self.supervisor.guarded(self._round, command, payloads, timeout, step)
 
@@ -412,7 +413,7 @@ class RoundDriver(HangReporter, WorkerReplacement, Backend):
         deadline = None if timeout is None else time.monotonic() + timeout - waited_s
         fail_fast = not self.ledger.restarts_on(self._command)
         done = self.gather(pending, deadline, timeout, step, fail_fast, done, spun_s=spun_s)
-        return self.supervisor.settle(done, timeout, step, self._command)
+        return self.settle(done, timeout, step, self._command)
 
     @runs_envs_here
     def _fast_round(self, timeout: float | None, step: int, ring: bool) -> dict[int, Any] | None:
@@ -598,7 +599,10 @@ class RoundDriver(HangReporter, WorkerReplacement, Backend):
     def _collect_ready(self, timeout: float | None, step: int) -> dict[int, Any]:
         supervisor = self.supervisor
         if supervisor.has_kept():
-            return supervisor.take_kept(timeout, step)
+            unsettled = supervisor.take_unsettled()
+            if unsettled is not None:
+                return self._ready(unsettled, timeout, step)
+            return supervisor.take_kept()
         if not self._pool:  # synchronous send/recv: every env is pending, wait for them all
             return self._collect(timeout, step)
         transport = self.transport
@@ -637,7 +641,7 @@ class RoundDriver(HangReporter, WorkerReplacement, Backend):
                 for w in seen.ready:
                     transport.read(w, done)
                 self._check_crashed(done, step, fail_fast)
-                return supervisor.ready(done, timeout, step)
+                return self._ready(done, timeout, step)
         except KeyboardInterrupt as exc:
             self._interrupted(exc, self._pending)
             if in_wait and self._interrupt is None:

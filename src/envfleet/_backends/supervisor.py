@@ -45,7 +45,7 @@ from envfleet._core.errors import (
 )
 from envfleet._core.failures import CLOSED
 from envfleet._core.hangs import warn_at
-from envfleet._core.protocol import Command, Failure, InfoEvent, RestartRequest, TaskRequest
+from envfleet._core.protocol import Command, Failure, InfoEvent, RestartRequest
 from envfleet._core.replay import replays_of
 from envfleet._core.stacks import first_at
 from envfleet._core.stats import FleetStats, StepTimeStats, WorkerMemory
@@ -62,12 +62,16 @@ _T = TypeVar("_T")
 __all__ = [
     "CONNECTION_ERRORS",
     "DEFAULT_RESTART_POLICY",
+    "RESTARTED",
     "Ledger",
+    "Rebuild",
     "RestartBudget",
     "RestartPolicy",
     "Round",
     "Supervised",
     "Supervisor",
+    "events_of",
+    "failed_envs",
     "log_env_restart",
     "merge_events",
     "restart_seed",
@@ -512,16 +516,35 @@ def _only_envs_failed(failure: Any) -> bool:
     return isinstance(failure, PartialFailure)
 
 
-def _events(failure: Any) -> list[InfoEvent] | None:
+def events_of(failure: Any) -> list[InfoEvent] | None:
     """The infos of the envs that completed beside the failed ones."""
     if isinstance(failure, (Failure, PartialFailure)):
         return failure.events
     return None
 
 
+class Rebuild:
+    """What :meth:`Supervisor.decide` answers for a round whose failures the restart policy
+    covers: the round driver rebuilds them (``WorkerReplacement.settle``).
+
+    Attributes:
+        failed: worker -> the envs (global indices) that raised, to restart.
+        respawn: the dead and late workers, to replace, in order.
+        after: worker -> the command its envs restart after.
+    """
+
+    __slots__ = ("after", "failed", "respawn")
+
+    def __init__(
+        self, failed: dict[int, list[int]], respawn: list[int], after: dict[int, Command]
+    ) -> None:
+        self.failed, self.respawn, self.after = failed, respawn, after
+
+
 class Supervised(Protocol):
-    """What the round driver lends its :class:`Supervisor` (rebuilding through its
-    transport's primitives); the decisions are the supervisor's.
+    """What the round driver lends its :class:`Supervisor`: the read-outs its errors are built
+    from, and ``close`` for the broken path. The supervisor calls nothing else: what it
+    decides to rebuild it answers (:class:`Rebuild`), and the round driver does it.
 
     Attributes:
         ranges: ``[start, stop)`` of envs per worker.
@@ -561,42 +584,8 @@ class Supervised(Protocol):
         where its record outlives it."""
         ...
 
-    def replace_workers(
-        self, workers: list[int], done: Round, timeout: float | None, step: int
-    ) -> dict[int, StepTimeoutError]:
-        """Kill ``workers`` (dead or hung) and start new ones with their envs, ready to serve;
-        leave every other worker's pending command as it is. Shut down and raise when one
-        cannot start. Returns the error each hung one would have raised (with its stacks,
-        taken before it was killed)."""
-        ...
-
-    def spare(
-        self, done: Round, after: dict[int, Command]
-    ) -> tuple[dict[int, tuple[TaskRequest, bool]], list[int]]:
-        """Before ``done``'s dead and hung workers are replaced: the groups that go down
-        with their process without being at fault (a host of several groups), each with the
-        task that brings it back and whether its result is the task's; and the idle groups
-        rebuilt whose restart result is dropped. Adds the groups that cannot be spared to
-        ``done.crashed`` (and ``after``)."""
-        ...
-
     def first_crashed(self, crashed: dict[int, str]) -> int:
         """Of the dead workers ``crashed``, the one a crash error names."""
-        ...
-
-    def lost_envs(self, w: int, command: Command) -> tuple[list[int], TaskRequest | None]:
-        """Before worker ``w`` (dead or hung in ``command``) is replaced: the envs that lose
-        their episode and the catch-up of the others (``None``: all lose it)."""
-        ...
-
-    def catch_up(self, w: int, request: TaskRequest, step: int) -> list[InfoEvent] | None:
-        """Run a :meth:`lost_envs` catch-up on ``w``'s new worker: its info events."""
-        ...
-
-    def restart_envs(
-        self, requests: dict[int, RestartRequest], timeout: float | None, step: int
-    ) -> Round:
-        """Run each worker's :class:`RestartRequest` and wait for those workers only."""
         ...
 
 
@@ -609,9 +598,10 @@ class Supervisor:
     - **The one broken path**: :meth:`crashed`, :meth:`timed_out`, :meth:`broken` shut the
       backend down and raise the typed error; :meth:`guarded` does so for anything but an
       envfleet error (an interrupt between sending and reading could leave a stale reply).
-    - **After a round** (:meth:`settle`, and :meth:`ready` for a pool): rebuild what failed
-      within the restart policy's budget, or raise. Env errors leave the backend usable; a
-      dead or hung worker shuts it down unless it is replaced.
+    - **After a round** (:meth:`decide`): raise, or answer what to rebuild within the
+      restart policy's budget (:class:`Rebuild`, which the round driver carries out: the
+      supervisor calls no rebuilding itself). Env errors leave the backend usable; a dead or
+      hung worker shuts it down unless it is replaced.
     - **A pool's kept results**: a pool reports one env error per call; what a round read
       beside it waits here for the next calls, so nothing finished is lost.
     """
@@ -722,32 +712,31 @@ class Supervisor:
 
     # -- after a round ------------------------------------------------------------------------
 
-    def settle(
+    def decide(
         self,
         done: Round,
         timeout: float | None,
         step: int,
         command: Command | None,
         pool: bool = False,
-    ) -> dict[int, Any]:
-        """Rebuild what failed in ``done`` when the restart policy allows it, else raise.
+    ) -> Rebuild | None:
+        """What to do about the failures in ``done``: ``None`` when there are none; else count
+        them and raise when the restart policy does not cover them (the one broken path for
+        a dead or late worker; an env error leaves the backend usable), or answer the
+        :class:`Rebuild` it allows, for the round driver to carry out.
 
         ``command``: what every worker ran; ``None``: each its own (:meth:`sent`, a pool).
         ``pool``: when env errors are not restarted, keep the round's other results and
         failures for the next calls (:meth:`take_kept`).
 
-        Returns every worker's result, the rebuilt envs' included: their infos carry
-        ``env_restarted`` (see :class:`RestartPolicy`).
-
         Raises:
-            EnvError: an env raised and is not restarted (the backend stays usable), or a
-                rebuilt env failed again (the backend is shut down).
+            EnvError: an env raised and is not restarted (the backend stays usable).
             EnvCrashedError, StepTimeoutError: a worker died or ran late and is not
                 restarted; the backend is shut down.
         """
         backend, ledger = self.backend, self.ledger
         if not done.failed:
-            return done.results
+            return None
         ledger.count_env_errors(done.failures.values())
         if done.late:
             ledger.timeouts += 1
@@ -773,72 +762,7 @@ class Supervisor:
                 self._kept.update(done.results)
                 self._kept_failures.update((v, f) for v, f in done.failures.items() if v != w)
             raise backend.env_error(w, done.failures[w], note)
-        # Groups hosted with a dead or hung one (their process goes too): those not at fault
-        # are brought back as they were; the others join the dead.
-        spared, dropped = backend.spare(done, after) if respawn else ({}, [])
-        if respawn:
-            respawn = sorted([*done.crashed, *done.late])
-            failed = {w: envs for w, envs in failed.items() if w in done.failures}
-        ledger.crashes += len(done.crashed)
-        for w, f in sorted(done.failures.items()):
-            error = backend.env_error(w, f, "")
-            log_env_restart(failed_envs(f))
-            ledger.survived(error)
-            warn_restarted(error, failed[w], list(range(*backend.ranges[w])))
-        crashes = {  # before they are replaced
-            w: backend.crash_error(w, step, "", reason, False, RESTARTED)
-            for w, reason in sorted(done.crashed.items())
-        }
-        caught: dict[int, list[InfoEvent] | None] = {}
-        if respawn:
-            lost = {w: backend.lost_envs(w, after[w]) for w in respawn}  # before they go
-            hung = backend.replace_workers(sorted({*respawn, *spared}), done, timeout, step)
-            for w, (request, sent) in sorted(spared.items()):
-                events = backend.catch_up(w, request, step)
-                if sent:  # its command taken again: its result
-                    done.results[w] = events
-            for w in respawn:
-                envs, catch_up = lost[w]
-                died: EnvfleetError = crashes[w] if w in crashes else hung[w]
-                ledger.survived(died)
-                if catch_up is not None:
-                    caught[w] = backend.catch_up(w, catch_up, step)
-                failed[w] = envs
-                warn_restarted(died, envs, list(range(*backend.ranges[w])))
-        requests = {
-            w: ledger.restart_request(backend.ranges[w][0], envs, after[w], w not in respawn)
-            for w, envs in failed.items()
-        }
-        restarted = backend.restart_envs(requests, timeout, step)
-        if restarted.failures:
-            w = min(restarted.failures)
-            self.broken(backend.env_error(w, restarted.failures[w], ""))
-        results = done.results
-        for w, envs in failed.items():
-            if w in respawn:
-                ledger.restarted(envs)
-            else:
-                for e in envs:
-                    ledger.restarted([e])
-            results[w] = merge_events(
-                _events(done.failures.get(w)), caught.get(w), restarted.results.get(w)
-            )
-        for w in dropped:  # rebuilt while idle: the front sent it nothing to answer
-            results.pop(w, None)
-        return dict(sorted(results.items()))
-
-    def ready(self, done: Round, timeout: float | None, step: int) -> dict[int, Any]:
-        """A first-ready pool's round: :meth:`settle` it with each worker's own command; then
-        return what is ready, this round's and what earlier calls kept (:meth:`take_kept`).
-
-        Without a restart policy (or when it does not cover the failure) one env error is
-        raised per call and the rest is kept for the next calls.
-        """
-        if done.failed:
-            self._kept.update(self.settle(done, timeout, step, None, pool=True))
-        else:
-            self._kept.update(done.results)
-        return self.take_kept()
+        return Rebuild(failed, respawn, after)
 
     def keep(self, results: dict[int, Any]) -> None:
         """Keep ``results`` (worker -> result) for the next calls: a round completed after a
@@ -846,21 +770,22 @@ class Supervisor:
         self._kept.update(results)
 
     def keep_round(self, done: Round) -> None:
-        """Keep ``done`` for the next call to settle (:meth:`ready`): the replies a first-ready
-        pool's wait had taken when a Ctrl-C undid it (read after the interrupt)."""
+        """Keep ``done`` for the next call to settle (:meth:`take_unsettled`): the replies a
+        first-ready pool's wait had taken when a Ctrl-C undid it (read after the interrupt)."""
         self._unsettled = done
+
+    def take_unsettled(self) -> Round | None:
+        """The round :meth:`keep_round` kept (forgotten here), ``None`` if none."""
+        done, self._unsettled = self._unsettled, None
+        return done
 
     def has_kept(self) -> bool:
         """Whether earlier pool rounds kept results, errors or a round for the next calls."""
         return bool(self._kept or self._kept_failures or self._unsettled is not None)
 
-    def take_kept(self, timeout: float | None = None, step: int = 0) -> dict[int, Any]:
-        """Settle the round :meth:`keep_round` kept, as :meth:`ready` (``timeout``, ``step``:
-        as there); then raise the next kept env error (:class:`EnvError`, in worker order),
-        else return the kept results (worker -> result) and forget them."""
-        if self._unsettled is not None:
-            done, self._unsettled = self._unsettled, None
-            return self.ready(done, timeout, step)
+    def take_kept(self) -> dict[int, Any]:
+        """Raise the next kept env error (:class:`EnvError`, in worker order), else return the
+        kept results (worker -> result) and forget them."""
         if self._kept_failures:
             w = min(self._kept_failures)
             raise self.backend.env_error(w, self._kept_failures.pop(w), "")
@@ -868,5 +793,5 @@ class Supervisor:
         return kept
 
     def drop_kept(self) -> None:
-        """Forget what :meth:`ready` and :meth:`keep_round` kept."""
+        """Forget what :meth:`keep`, :meth:`decide` and :meth:`keep_round` kept."""
         self._kept, self._kept_failures, self._unsettled = {}, {}, None
