@@ -3,8 +3,9 @@
  * Optional: envfleet runs the same logic in Python when this module is missing (it failed to
  * build, or ENVFLEET_NO_SPEEDUPS=1 is set). Every function here but the round bell's (bell_ring,
  * bell_sleep, bell_arrive, gather_sleep, bell_alarm: without C, rounds signal through the
- * doorbell's semaphores instead) has a Python twin beside its caller, and the differential tests run both. Nothing here changes what an env sees or what
- * the caller gets; it only removes interpreter overhead around the env calls:
+ * doorbell's semaphores instead) has a Python twin beside its caller, and the differential
+ * tests run both. Nothing here changes what an env sees or what the caller gets; it only
+ * removes interpreter overhead around the env calls:
  *
  *   write_results   EnvGroup's per-env result lists into its float64/bool buffers, and the
  *                   autoreset flags (_core/envgroup.py)
@@ -360,14 +361,6 @@ bell_pending(volatile int64_t *control)
 {
     return __atomic_load_n((int64_t *)&control[w_req], __ATOMIC_ACQUIRE) !=
            __atomic_load_n((int64_t *)&control[w_ack], __ATOMIC_ACQUIRE);
-}
-
-/* A worker's reply to its last command is in: ACK caught up with REQ (a done token taken
- * without it is the death watch's, R8). */
-static int
-bell_acked(volatile int64_t *control)
-{
-    return !bell_pending(control);
 }
 
 /* A full round's arrival: the last one wakes the driver if it sleeps (R7). */
@@ -1084,8 +1077,8 @@ sp_full_round(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         if (budget_caught(budget, budget_s) < 0)
             goto fail_unread;
         volatile int64_t *words = (volatile int64_t *)control;
-        if (!bell_acked(words))
-            break; /* the death watch's token (R8): the caller finds the worker dead */
+        if (bell_pending(words))
+            break; /* ACK behind REQ: the death watch's token (R8); the caller finds it dead */
         if (words[w_status] != ok_code || words[w_reply_payload] != 0) {
             PyObject *index = PyLong_FromSsize_t(taken);
             if (index == NULL || PyList_Append(unread, index) < 0) {

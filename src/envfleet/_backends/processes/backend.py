@@ -281,6 +281,7 @@ class ProcessesTransport:
         :meth:`WorkerProcesses.died`) or ``deadline``."""
         workers_ = self.workers
         doorbells, words, dead = workers_.doorbells, workers_.words, workers_.dead
+        replied = workers_.replied  # its done token taken, with ACK caught up (R8)
         g = workers[0]
         if g in self._inline:
             return Seen([g])
@@ -288,16 +289,11 @@ class ProcessesTransport:
         def alive() -> bool:
             return not dead or dead.isdisjoint(workers)
 
-        def took_reply(h: int) -> bool:  # a done token with ACK behind REQ: a death's (R8)
-            return bool(cast(Doorbell, doorbells[h]).done.acquire(False)) and (
-                words[h][REQ] == words[h][ACK]
-            )
-
         if first:
             # A token per reply; a reply may be found before its token is taken (then a
             # later wait wakes with nothing new, and waits again).
             Doorbell.wait(workers_.any_done, self._any_budget, deadline, alive)
-            ready = [h for h in workers if took_reply(h)]
+            ready = [h for h in workers if replied(h)]
             if not dead:
                 return Seen(ready)
             return Seen(ready, {h: "" for h in workers if h in dead and h not in ready})
@@ -313,7 +309,7 @@ class ProcessesTransport:
             if h == g and got:  # the death watch's token
                 found[h] = ""
             elif h in dead:
-                if took_reply(h):
+                if replied(h):
                     ready.append(h)  # it replied, then exited
                 else:
                     found[h] = ""

@@ -475,8 +475,8 @@ class WorkerProcesses:
         return head[0], int(self.words[g][LOGN])
 
     def replied(self, g: int) -> bool:
-        """Whether group ``g`` (its process dead or killed) posted a reply not yet taken
-        (its done token, taken now: read the reply next)."""
+        """Whether group ``g`` posted a reply not yet taken (its done token, taken now: read
+        the reply next); the waits ask it, and a replacement of a dead or killed group."""
         doorbell, words = self.doorbells[g], self.words[g]
         # A token with ACK behind REQ is the death watch's, not a reply (R8).
         return (
