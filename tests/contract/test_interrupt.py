@@ -90,7 +90,7 @@ SCRIPT = textwrap.dedent(
 
     MAIN = threading.get_ident()
     # The driver's waits on its envs, and (serial) the napping env's own frame.
-    WAITS = {"gather", "_fast_round", "_collect_ready", "_nap"}
+    WAITS = {"wait_replies", "_fast_round", "_collect_ready", "_nap"}
 
     ENV_CODE = {NapEnv.step.__code__, NapEnv.reset.__code__}
 

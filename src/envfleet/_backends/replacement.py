@@ -86,7 +86,7 @@ class WorkerReplacement:
     _start_timeout: float | None
     _late_stacks: dict[int, str] | None  # spare()'s, for replace_workers
     _recycler: Recycler | None
-    gather: Callable[..., Round]  # wait for workers' replies, read into a round
+    wait_replies: Callable[..., Round]  # wait for workers' replies, read into a round
 
     if TYPE_CHECKING:
 
@@ -115,11 +115,11 @@ class WorkerReplacement:
         transport = self.transport
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
-            done = self.gather(workers, deadline, timeout, step, True, starting=True)
+            done = self.wait_replies(workers, deadline, timeout, step, True, starting=True)
             _check_built(done)
             probe = done.results.get(0) if at_start else None
             if transport.lay_out(workers, probe):
-                done = self.gather(workers, deadline, timeout, step, True, starting=True)
+                done = self.wait_replies(workers, deadline, timeout, step, True, starting=True)
         except StepTimeoutError as exc:
             raise self._late_start(exc, timeout, "built" if at_start else "rebuilt") from None
         _check_built(done)
@@ -525,7 +525,7 @@ class WorkerReplacement:
         self._command = running
         pending, self._pending = self._pending, others
         deadline = None if timeout is None else time.monotonic() + timeout
-        return self.gather(pending, deadline, timeout, step, fail_fast=True)
+        return self.wait_replies(pending, deadline, timeout, step, fail_fast=True)
 
 
 def _check_built(done: Round) -> None:

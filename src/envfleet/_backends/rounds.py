@@ -34,7 +34,7 @@ No wait is silent: a Python wait is capped at the next hang report's time
 ``KeyboardInterrupt`` in a wait carries a note naming the busy envs and their stacks (the
 report and the note: :class:`~envfleet._backends.hang_reports.HangReporter`).
 
-Ctrl-C keeps the run. A ``KeyboardInterrupt`` in a synchronous round's wait (``gather``: a
+Ctrl-C keeps the run. A ``KeyboardInterrupt`` in a synchronous round's wait (``wait_replies``: a
 step, a reset, ``step_wait``, a call or a task; the C step round's too) is *deferred*: the
 round is completed (the wait goes on for the workers still running the command, their
 replies are read and settled as if the call had returned), within ``step_timeout`` when set,
@@ -241,14 +241,14 @@ class RoundDriver(HangReporter, WorkerReplacement, Backend):
         self, command: Command, payloads: Mapping[int, Any], timeout: float | None, step: int
     ) -> dict[int, Any]:
         """Every round :meth:`round` does not take through :attr:`Transport.full_round`: groups
-        run here to the end, or the commands sent and their replies gathered, guarded."""
+        run here to the end, or the commands sent and their replies waited for and read, guarded."""
         if (
             not self._pending
             and len(payloads) == self._num_workers
             and command in self._inline_every
         ):
             # Every group runs here as it is sent its command, to the end: each reply is
-            # there to read at once (gather's wait would report each one ready), and
+            # there to read at once (the wait would report each one ready), and
             # nothing is left in flight to guard.
             self._command = command
             run_inline = self._run_inline or self._send_and_read
@@ -412,7 +412,7 @@ class RoundDriver(HangReporter, WorkerReplacement, Backend):
         pending, self._pending = self._pending, []
         deadline = None if timeout is None else time.monotonic() + timeout - waited_s
         fail_fast = not self.ledger.restarts_on(self._command)
-        done = self.gather(pending, deadline, timeout, step, fail_fast, done, spun_s=spun_s)
+        done = self.wait_replies(pending, deadline, timeout, step, fail_fast, done, spun_s=spun_s)
         return self.settle(done, timeout, step, self._command)
 
     @runs_envs_here
@@ -431,7 +431,7 @@ class RoundDriver(HangReporter, WorkerReplacement, Backend):
         the round (then the interrupt is raised). Elsewhere (step_wait's semaphores, whose
         tokens the round may have taken; an env of the driver's own block interrupted in its
         step) the backend closes, as before. An interrupt in the Python wait that follows
-        completes the round there (:meth:`gather`)."""
+        completes the round there (:meth:`wait_replies`)."""
         self._command = _STEP
         started = 0.0 if ring else time.monotonic()  # step_wait's timeout counts from here
         busy = self._driver_block_busy  # the driver's own block runs in this thread: its mark
@@ -509,7 +509,7 @@ class RoundDriver(HangReporter, WorkerReplacement, Backend):
         spun_s = outcome.spun_s if self._pending else None
         return self._collect(timeout, step, done, spun_s, waited)
 
-    def gather(
+    def wait_replies(
         self,
         workers: list[int],
         deadline: float | None,

@@ -977,10 +977,11 @@ fail:
  * ``wait_s`` seconds: 0, none; below 0, no bound) instead of one semaphore each; ``taken`` is
  * then all or none, and ``spun_s`` the seconds spun and slept.
  *
- * The processes transport's full_round: the round driver's send and gather of a plain step, up
- * to reading the replies. For each worker w (the tuples hold the addresses of its request and done semaphores and of its int64
- * control words): command word = step_code, payload word = 0, post its request (unless
- * ``ring`` is 0: step_async already did, and step_wait finishes the round). Then call
+ * The processes transport's full_round: the round driver's send and wait of a plain step, up
+ * to reading the replies. For each worker w (the tuples hold the addresses of its request and
+ * done semaphores and of its int64 control words): command word = step_code, payload word = 0,
+ * post its request (unless ``ring`` is 0: step_async already did, and step_wait finishes the
+ * round). Then call
  * ``driver_block()`` (the driver's own block, timed; None when it has none): its result, or the
  * ``env_failure`` instance it raised (any other exception propagates at once, as from _submit).
  * Then take each worker's done semaphore in order, spinning within its SpinBudget (adapted as

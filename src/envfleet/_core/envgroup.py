@@ -497,7 +497,7 @@ class EnvGroup:
             BaseException: what is not an ``Exception`` (``KeyboardInterrupt``,
                 ``SystemExit``) leaves at once: no env is stepped after it.
         """
-        # Per-env results gather in Python lists and reach the buffers in one assignment
+        # Per-env results collect in Python lists and reach the buffers in one assignment
         # each: numpy converts every element exactly as SyncVectorEnv's scalar writes do.
         rewards, terms, truncs = self._rewards, self._terminations, self._truncations
         env_obs, envs, autoreset = self._env_obs, self.envs, self._autoreset

@@ -99,7 +99,7 @@ def tree_write(dst: Any, src: Any) -> None:
 
 
 def tree_take(tree: Any, ids: np.ndarray) -> Any:
-    """Rows ``ids`` of every leaf of a batched tree, gathered into new arrays (one copy)."""
+    """Rows ``ids`` of every leaf of a batched tree, taken into new arrays (one copy)."""
     if isinstance(tree, dict):
         return {key: tree_take(value, ids) for key, value in tree.items()}
     if isinstance(tree, tuple):

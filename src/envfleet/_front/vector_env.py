@@ -520,7 +520,7 @@ class FleetVectorEnv(VectorEnv[Any, Any, np.ndarray]):
             (observations ``[batch_size, *shape]``, rewards ``float64[batch_size]``,
             terminations ``bool[batch_size]``, truncations ``bool[batch_size]``, infos): infos
             in gymnasium's convention over the batch, plus ``info["env_id"]``
-            (``int32[batch_size]``), as EnvPool. Observations are one gather copy; with
+            (``int32[batch_size]``), as EnvPool. Observations are one indexed copy; with
             ``copy=False`` and envs that form one ascending run they are views of the shared
             buffer, valid until the next call.
 

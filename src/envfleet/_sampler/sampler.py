@@ -244,7 +244,7 @@ class Sampler:
     ``inference``       ``"auto"`` (default: the faster here, measured), ``"driver"``, ``"worker"``
     ``seed``            env ``i`` is reset with ``seed + i`` at the start (``None``: random)
     ``keep_stale``      return steps of older policy versions (tagged) instead of dropping them
-    ``segment_length``  worker inference: steps per env a worker gathers before sending them
+    ``segment_length``  worker inference: steps per env a worker collects before sending them
     ``background``      worker inference: keep stepping between :meth:`sample` calls
     ``prefetch``        collect the next batch while the learner updates (Sample Factory's way)
     ``progress``        a progress bar on :meth:`sample` (``None``: when stderr is a terminal)

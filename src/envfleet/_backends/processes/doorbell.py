@@ -41,7 +41,9 @@ that keeps one cites it by number (``round protocol R4``):
   ``REQ``: no wake-up is lost, and a ring wakes only the workers it rang (and those 32 groups
   apart, which share their bit, find nothing due and sleep again).
 - **R5, a full round.** A full step round's commands carry ``GATHER = 1``, and the driver sets
-  ``remaining`` to the worker count before any of their ``REQ`` moves.
+  ``remaining`` to the worker count before any of their ``REQ`` moves. *Gather* means this
+  and only this: the driver counting a full round's arrivals on the bell (``GATHER``,
+  ``gather_arrive``, ``gather_block``, ``gather_sleep``, ``gather_round``).
 - **R6, a reply.** A worker writes its ``STATUS`` and reply words, then, for a full round, its
   arrival (``remaining - 1``), then ``ACK`` = the ``REQ`` it read (a release store); for any
   other command, ``ACK`` then its done semaphore. Never ``ACK`` before the arrival: a driver

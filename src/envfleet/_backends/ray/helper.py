@@ -320,11 +320,11 @@ class NodeHelpers:
     def counters(self, workers: Sequence[int]) -> dict[int, tuple[bytes, int | None]]:
         """Per worker of ``workers`` whose helper answered: its log's head and its actor's
         resident memory now (:meth:`NodeHelper.counters`), all nodes at once."""
-        return self._gather(workers, "counters")
+        return self._ask_each(workers, "counters")
 
     def memory(self, workers: Sequence[int]) -> dict[int, tuple[int | None, int, float | None]]:
         """Per worker of ``workers`` whose helper answered: :meth:`NodeHelper.memory`."""
-        return self._gather(workers, "memory")
+        return self._ask_each(workers, "memory")
 
     def close(self) -> list[Any]:
         """Forget every helper; their handles, to kill (after the env actors)."""
@@ -361,7 +361,7 @@ class NodeHelpers:
             return "it was found dead earlier"
         return _answers({w: getattr(held.handle, method).remote(*args)}, HELPER_CALL_S)[w]
 
-    def _gather(self, workers: Sequence[int], method: str) -> dict[int, Any]:
+    def _ask_each(self, workers: Sequence[int], method: str) -> dict[int, Any]:
         asks = {
             node: getattr(self._nodes[node].handle, method).remote(ws)
             for node, ws in self._by_node(workers).items()
