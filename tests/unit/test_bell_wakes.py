@@ -35,7 +35,7 @@ from envfleet._backends.processes.worker import (
     REQ,
     SLEEP,
     WORDS,
-    native_layout,
+    check_control_row,
     sleep_bit,
 )
 
@@ -70,7 +70,7 @@ def _in_futex_wait(pid: int) -> bool:
 
 
 def _bell() -> RoundBell:
-    native_layout()  # the C functions read REQ, ACK and SLEEP at the worker module's indexes
+    check_control_row()  # the C functions read REQ, ACK and SLEEP at the worker module's indexes
     return RoundBell(
         multiprocessing.sharedctypes.RawArray(ctypes.c_uint8, BELL_BYTES), (REQ, ACK, SLEEP)
     )

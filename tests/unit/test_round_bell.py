@@ -226,7 +226,7 @@ def test_the_bell_wakes_a_sleeping_process_and_gathers_its_arrival():
     """The bell's primitives across two processes (fork): a worker asleep on the bell sees its
     REQ move, replies (arrival, then ACK: R6); the driver, asleep on the count, wakes at the
     last arrival (R7)."""
-    worker.native_layout()  # the C bell reads REQ, ACK and SLEEP at the worker module's
+    worker.check_control_row()  # the C bell reads control_t, the worker module's row
     region = multiprocessing.sharedctypes.RawArray(ctypes.c_uint8, BELL_BYTES)
     control = multiprocessing.sharedctypes.RawArray(ctypes.c_int64, worker.WORDS)
     req, ack, rounds = worker.REQ, worker.ACK, 50
@@ -275,17 +275,7 @@ def test_the_c_workers_arrival_lands_before_its_ack():
     written_first = (worker.CMD, worker.CMD_PAYLOAD, worker.STATUS, worker.REPLY_PAYLOAD)
     written_first += (worker.REQ, worker.GATHER)
     assert max(written_first) < worker.ACK < worker.WORDS  # ACK alone on the second page
-    speedups.set_layout(
-        worker.CMD,
-        worker.CMD_PAYLOAD,
-        worker.STATUS,
-        worker.REPLY_PAYLOAD,
-        worker.REQ,
-        worker.GATHER,
-        worker.ACK,
-        worker.SLEEP,
-        worker.WORDS,
-    )
+    worker.check_control_row()
     page = mmap.PAGESIZE
     rows = mmap.mmap(-1, 2 * page)  # anonymous and shared: the forked child writes here
     base = ctypes.addressof(ctypes.c_char.from_buffer(rows))

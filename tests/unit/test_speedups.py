@@ -13,12 +13,10 @@ from __future__ import annotations
 import functools
 import importlib
 import os
-import shutil
 import subprocess
 import sys
 import textwrap
 import time
-from pathlib import Path
 from typing import Any
 
 import gymnasium as gym
@@ -438,58 +436,36 @@ def test_disabled_functions_run_their_python_twin(make_env, monkeypatch):
     assert after["write_results"] - before["write_results"] >= COUNTED_STEPS
 
 
-# -- the protocol has one definition, in Python ----------------------------------------------
-
-LAYOUT_LINE = (
-    "CMD, CMD_PAYLOAD, STATUS, REPLY_PAYLOAD, REPLY_BYTES, REQ, GATHER, ACK"
-    " = 0, 1, 2, 3, 4, 5, 6, 7"
-)
+# -- the control row: one C struct, one Python mirror ------------------------------------------
 
 
-def test_the_c_path_reads_the_control_words_layout_from_python(tmp_path):
-    """Moving every control word in ``_backends/processes/worker.py`` is all a layout change
-    takes: a copy of the package (its built C module included) with the words at other
-    indexes passes the processes backend's differential contract tests, the C round and worker
-    loop running (their counters, in ``test_processes_runs_the_c_round_and_worker_loop``)."""
-    if envfleet._core.native.speedups is None:
-        pytest.skip("envfleet._core._speedups is not built here")
-    package = Path(envfleet.__file__).parent
-    source = (package / "_backends" / "processes" / "worker.py").read_text()
-    assert source.count(LAYOUT_LINE) == 1, "the layout's one definition moved: update this test"
-    shutil.copytree(package, tmp_path / "envfleet", ignore=shutil.ignore_patterns("__pycache__"))
-    moved = LAYOUT_LINE.replace("= 0, 1, 2, 3, 4, 5, 6, 7", "= 6, 3, 0, 5, 1, 7, 2, 4")
-    (tmp_path / "envfleet" / "_backends" / "processes" / "worker.py").write_text(
-        source.replace(LAYOUT_LINE, moved)
-    )
-    root = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(root)])}
-    env.pop("ENVFLEET_NO_SPEEDUPS", None)
-    check = "import envfleet, sys; print(envfleet.__file__)"
-    where = subprocess.run([sys.executable, "-c", check], env=env, capture_output=True, text=True)
-    assert where.stdout.startswith(str(tmp_path)), where  # the moved copy is the one tested
-    tests = [
-        "tests/contract/test_differential.py",
-        "tests/unit/test_speedups.py::test_processes_runs_the_c_round_and_worker_loop",
-        "tests/unit/test_speedups.py::test_worker_loop_matches_sync_vector_env",
-    ]
-    out = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", "-x", *tests]
-        # The C round and worker loop on CartPole in every autoreset mode and worker layout
-        # (the Python step path's and the other envs' cases read no layout of their own).
-        + [
-            "-k",
-            "(processes and not spawn and not python_step_path and CartPole)"
-            " or c_round_and_worker_loop or worker_loop_matches_sync",
-        ]
-        + ["-m", "not slow and not ray"],
-        cwd=root,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
-    assert " passed" in out.stdout and " failed" not in out.stdout
+def test_the_control_row_is_one_c_struct_mirrored_in_python():
+    """``_speedups.c``'s ``control_t`` is the worker module's row word for word: each field at
+    the index of its Python name, the struct within the row's ``WORDS``."""
+    speedups = pytest.importorskip("envfleet._core._speedups")
+    from envfleet._backends.processes import worker
+
+    row = speedups.control_row()
+    assert row.pop("USED") <= worker.WORDS
+    assert row == worker.CONTROL_ROW
+    assert sorted(row.values()) == list(range(len(row)))  # every word once, none skipped
+    for name, index in row.items():
+        assert getattr(worker, name) == index
+
+
+def test_a_c_module_with_another_control_row_is_refused(monkeypatch):
+    """A C module built from other sources (its control row not the Python mirror's) is
+    refused where the C step path binds, as :func:`check_control_row` documents, instead of
+    stepping on the wrong words."""
+    pytest.importorskip("envfleet._core._speedups")
+    from envfleet._backends.processes import worker
+
+    moved = dict(zip(worker.CONTROL_ROW, [6, 3, 0, 5, 1, 7, 2, 4, 8], strict=True))
+    monkeypatch.setattr(worker, "CONTROL_ROW", moved)
+    with pytest.raises(RuntimeError, match="built from other sources"):
+        worker.check_control_row()
+    monkeypatch.undo()
+    worker.check_control_row()  # the real mirror passes
 
 
 def test_pcg64_raw_is_pcg64_bytes_and_runs_at_autoresets():

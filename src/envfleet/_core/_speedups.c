@@ -29,9 +29,10 @@
  *                   chaining to faulthandler's (_core/crash_note.py): not a step-path
  *                   function, so not counted
  *
- * The protocol is defined in Python only: the control words' indexes come from set_layout
- * (_backends/processes/worker.py's native_layout), the command and status codes with each
- * call, the spin budget's step from SpinBudget.step_s.
+ * A worker's control row is one struct here (control_t), mirrored by the word indexes of
+ * _backends/processes/worker.py (CMD ... SLEEP), which check_control_row holds equal at the
+ * first bind; the command and status codes come with each call, the spin budget's step from
+ * SpinBudget.step_s.
  *
  * Only what measurably pays end to end is here (benchmarks/speedups.py measures each function
  * against its Python twin; the env step loop and the doorbell's post/poll/spin were measured
@@ -47,6 +48,7 @@
 #include <sched.h>
 #include <semaphore.h>
 #include <signal.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <string.h>
 #include <time.h>
@@ -96,53 +98,24 @@ static const char *const function_names[F_COUNT] = {
 };
 static unsigned long long calls[F_COUNT];
 
-/* The control words' layout, given by Python (set_layout, from _backends/processes/worker.py:
- * CMD, CMD_PAYLOAD, STATUS, REPLY_PAYLOAD, REQ, GATHER, ACK, SLEEP), the one place it is defined. -1:
- * not given yet, and serve_steps / full_round / bell_sleep refuse to run. */
-static Py_ssize_t w_cmd = -1, w_cmd_payload = -1, w_status = -1, w_reply_payload = -1;
-static Py_ssize_t w_req = -1, w_gather = -1, w_ack = -1, w_sleep = -1;
+/* A worker's control row (_backends/processes/doorbell.py R1; int64 words, on cache lines of its
+ * own): its one C definition. worker.py's CMD ... SLEEP are its Python mirror, the words' indexes
+ * in this order; control_row() answers them and worker.check_control_row compares. */
+typedef struct {
+    int64_t cmd, cmd_payload, status, reply_payload, reply_bytes, req, gather, ack, sleep;
+} control_t;
 
-/* set_layout(cmd, cmd_payload, status, reply_payload, req, gather, ack, sleep, words): the
- * indexes of the control words in a worker's int64[words] row. */
+/* control_row() -> dict: each control_t field's index in int64 words, by worker.py's name. */
 static PyObject *
-sp_set_layout(PyObject *self, PyObject *args)
+sp_control_row(PyObject *self, PyObject *unused)
 {
-    Py_ssize_t cmd, cmd_payload, status, reply_payload, req, gather, ack, sleep, words;
-    if (!PyArg_ParseTuple(args, "nnnnnnnnn", &cmd, &cmd_payload, &status, &reply_payload, &req,
-                          &gather, &ack, &sleep, &words))
-        return NULL;
-    Py_ssize_t all[8] = {cmd, cmd_payload, status, reply_payload, req, gather, ack, sleep};
-    for (int i = 0; i < 8; i++) {
-        for (int j = 0; j < i; j++) {
-            if (all[i] == all[j]) {
-                PyErr_SetString(PyExc_ValueError, "set_layout: two words at one index");
-                return NULL;
-            }
-        }
-        if (all[i] < 0 || all[i] >= words) {
-            PyErr_Format(PyExc_ValueError, "set_layout: index %zd outside [0, %zd)", all[i],
-                         words);
-            return NULL;
-        }
-    }
-    w_cmd = cmd;
-    w_cmd_payload = cmd_payload;
-    w_status = status;
-    w_reply_payload = reply_payload;
-    w_req = req;
-    w_gather = gather;
-    w_ack = ack;
-    w_sleep = sleep;
-    Py_RETURN_NONE;
-}
-
-static int
-layout_set(void)
-{
-    if (w_cmd >= 0)
-        return 1;
-    PyErr_SetString(PyExc_RuntimeError, "_speedups: set_layout() was not called");
-    return 0;
+#define WORD(field) (Py_ssize_t)(offsetof(control_t, field) / sizeof(int64_t))
+    return Py_BuildValue("{snsnsnsnsnsnsnsnsnsn}", "CMD", WORD(cmd), "CMD_PAYLOAD",
+                         WORD(cmd_payload), "STATUS", WORD(status), "REPLY_PAYLOAD",
+                         WORD(reply_payload), "REPLY_BYTES", WORD(reply_bytes), "REQ", WORD(req),
+                         "GATHER", WORD(gather), "ACK", WORD(ack), "SLEEP", WORD(sleep), "USED",
+                         (Py_ssize_t)(sizeof(control_t) / sizeof(int64_t)));
+#undef WORD
 }
 
 static PyObject *
@@ -335,9 +308,9 @@ bell_bump(bell_t *bell)
 
 /* A worker's SLEEP word, read after the bump: its bit while it may sleep on ``gen``, else 0. */
 static uint32_t
-bell_sleeping(volatile int64_t *control)
+bell_sleeping(volatile control_t *control)
 {
-    return (uint32_t)__atomic_load_n((int64_t *)&control[w_sleep], __ATOMIC_SEQ_CST);
+    return (uint32_t)__atomic_load_n((int64_t *)&control->sleep, __ATOMIC_SEQ_CST);
 }
 
 /* The ring's second half: wake the sleepers among ``bits`` (one system call; none when no
@@ -357,10 +330,10 @@ bell_wake(bell_t *bell, uint32_t bits)
 /* A worker's command is due: REQ (the driver's count of commands sent) differs from ACK (its
  * own count of replies). */
 static int
-bell_pending(volatile int64_t *control)
+bell_pending(volatile control_t *control)
 {
-    return __atomic_load_n((int64_t *)&control[w_req], __ATOMIC_ACQUIRE) !=
-           __atomic_load_n((int64_t *)&control[w_ack], __ATOMIC_ACQUIRE);
+    return __atomic_load_n((int64_t *)&control->req, __ATOMIC_ACQUIRE) !=
+           __atomic_load_n((int64_t *)&control->ack, __ATOMIC_ACQUIRE);
 }
 
 /* A full round's arrival: the last one wakes the driver if it sleeps (R7). */
@@ -378,16 +351,16 @@ gather_arrive(bell_t *bell)
  * command the driver sent since stays due. Without a bell (``bell`` NULL) GATHER is never set:
  * the ACK, then the done semaphore, which tells the driver who replied after a Ctrl-C too. */
 static void
-bell_arrive(bell_t *bell, volatile int64_t *control, sem_t *done, sem_t *any_done)
+bell_arrive(bell_t *bell, volatile control_t *control, sem_t *done, sem_t *any_done)
 {
-    int64_t req = __atomic_load_n((int64_t *)&control[w_req], __ATOMIC_ACQUIRE);
-    int gather = __atomic_load_n((int64_t *)&control[w_gather], __ATOMIC_RELAXED) != 0;
+    int64_t req = __atomic_load_n((int64_t *)&control->req, __ATOMIC_ACQUIRE);
+    int gather = __atomic_load_n((int64_t *)&control->gather, __ATOMIC_RELAXED) != 0;
     if (gather) {
         gather_arrive(bell);
-        __atomic_store_n((int64_t *)&control[w_ack], req, __ATOMIC_RELEASE);
+        __atomic_store_n((int64_t *)&control->ack, req, __ATOMIC_RELEASE);
         return;
     }
-    __atomic_store_n((int64_t *)&control[w_ack], req, __ATOMIC_RELEASE);
+    __atomic_store_n((int64_t *)&control->ack, req, __ATOMIC_RELEASE);
     sem_post(done);
     if (any_done != NULL)
         sem_post(any_done);
@@ -402,7 +375,7 @@ sp_bell_ring(PyObject *self, PyObject *args)
     void *b;
     if (!PyArg_ParseTuple(args, "OO!", &ba, &PyTuple_Type, &controls))
         return NULL;
-    if (!as_address(ba, &b) || !layout_set())
+    if (!as_address(ba, &b))
         return NULL;
     calls[F_BELL_RING]++;
     bell_t *bell = (bell_t *)b;
@@ -412,7 +385,7 @@ sp_bell_ring(PyObject *self, PyObject *args)
         void *control;
         if (!as_address(PyTuple_GET_ITEM(controls, w), &control))
             return NULL;
-        bits |= bell_sleeping((volatile int64_t *)control);
+        bits |= bell_sleeping((volatile control_t *)control);
     }
     bell_wake(bell, bits);
     Py_RETURN_NONE;
@@ -444,7 +417,7 @@ sp_bell_sleep(PyObject *self, PyObject *args)
     void *b, *c;
     if (!PyArg_ParseTuple(args, "OOId", &ba, &ca, &bit, &timeout_s))
         return NULL;
-    if (!as_address(ba, &b) || !as_address(ca, &c) || !layout_set())
+    if (!as_address(ba, &b) || !as_address(ca, &c))
         return NULL;
     if (bit == 0) {
         PyErr_SetString(PyExc_ValueError, "bell_sleep: bit must not be 0");
@@ -452,11 +425,11 @@ sp_bell_sleep(PyObject *self, PyObject *args)
     }
     calls[F_BELL_SLEEP]++;
     bell_t *bell = (bell_t *)b;
-    volatile int64_t *control = (volatile int64_t *)c;
+    volatile control_t *control = (volatile control_t *)c;
     if (bell_pending(control))
         Py_RETURN_TRUE;
     /* R4: SLEEP, then gen, then REQ (R3's ring: REQ, gen, then SLEEP). */
-    __atomic_store_n((int64_t *)&control[w_sleep], (int64_t)bit, __ATOMIC_SEQ_CST);
+    __atomic_store_n((int64_t *)&control->sleep, (int64_t)bit, __ATOMIC_SEQ_CST);
     uint32_t gen = __atomic_load_n(&bell->gen, __ATOMIC_SEQ_CST);
     if (!bell_pending(control)) {
         calls[S_FUTEX_WAIT]++;
@@ -477,7 +450,7 @@ sp_bell_sleep(PyObject *self, PyObject *args)
         Py_END_ALLOW_THREADS
 #endif
     }
-    __atomic_store_n((int64_t *)&control[w_sleep], 0, __ATOMIC_RELEASE);
+    __atomic_store_n((int64_t *)&control->sleep, 0, __ATOMIC_RELEASE);
     return PyBool_FromLong(bell_pending(control));
 }
 
@@ -540,13 +513,13 @@ sp_bell_alarm(PyObject *self, PyObject *args)
 static int
 poll_pending(void *control)
 {
-    return bell_pending((volatile int64_t *)control);
+    return bell_pending((volatile control_t *)control);
 }
 
 /* bell_pending, polled as spin_take polls a semaphore: 1 when a command is due, 0 when the
  * budget ran out. Called without the GIL. */
 static int
-spin_pending(volatile int64_t *control, double tight_s, double spin_s)
+spin_pending(volatile control_t *control, double tight_s, double spin_s)
 {
     return spin_poll(poll_pending, (void *)control, tight_s, spin_s);
 }
@@ -640,9 +613,8 @@ get_double(PyObject *obj, PyObject *name, int *ok)
  *   (0, spun_s, None)    the wait spun out after spun_s seconds; nothing taken: block on it
  *   (1, 0.0, None)       a request other than a plain step was taken: dispatch it
  *   (2, 0.0, events)     a step returned events: reply OK with them
- * An exception from step() propagates (nothing recorded, no reply sent). Control words are
- * int64, at the indexes set_layout gave (command, command has payload, status, reply
- * payload). */
+ * An exception from step() propagates (nothing recorded, no reply sent). ``control`` is the
+ * worker's control_t row. */
 static PyObject *
 sp_serve_steps(PyObject *self, PyObject *args)
 {
@@ -663,8 +635,6 @@ sp_serve_steps(PyObject *self, PyObject *args)
     if (ba != Py_None && !as_address(ba, &bp))
         return NULL;
     bell_t *bell = (bell_t *)bp;
-    if (!layout_set())
-        return NULL;
     int ok = 1;
     double budget_s = get_double(budget, s_budget_s, &ok);
     double max_s = get_double(budget, s_max_s, &ok);
@@ -672,7 +642,7 @@ sp_serve_steps(PyObject *self, PyObject *args)
     if (!ok)
         return NULL;
     sem_t *request = (sem_t *)rp, *done = (sem_t *)dp, *any_done = (sem_t *)ap;
-    volatile int64_t *control = (volatile int64_t *)cp;
+    volatile control_t *control = (volatile control_t *)cp;
     double *words = (double *)tp;
     PyObject *out = NULL;
     for (;;) {
@@ -695,7 +665,7 @@ sp_serve_steps(PyObject *self, PyObject *args)
             break;
         }
         budget_s = budget_s + step_s < max_s ? budget_s + step_s : max_s;
-        if (control[w_cmd] != step_code || control[w_cmd_payload] != 0) {
+        if (control->cmd != step_code || control->cmd_payload != 0) {
             out = Py_BuildValue("(idO)", 1, 0.0, Py_None);
             break;
         }
@@ -714,8 +684,8 @@ sp_serve_steps(PyObject *self, PyObject *args)
             break;
         }
         Py_DECREF(result);
-        control[w_status] = ok_code;
-        control[w_reply_payload] = 0;
+        control->status = ok_code;
+        control->reply_payload = 0;
         bell_arrive(bell, control, done, any_done); /* GATHER is 0 without a bell */
     }
     /* The adapted budget goes back to the SpinBudget, also when step() raised. */
@@ -810,8 +780,8 @@ unread_replies(PyObject *controls, long long ok_code)
         void *control;
         if (!as_address(PyTuple_GET_ITEM(controls, w), &control))
             goto fail;
-        volatile int64_t *words = (volatile int64_t *)control;
-        if (words[w_status] != ok_code || words[w_reply_payload] != 0) {
+        volatile control_t *words = (volatile control_t *)control;
+        if (words->status != ok_code || words->reply_payload != 0) {
             PyObject *index = PyLong_FromSsize_t(w);
             if (index == NULL || PyList_Append(unread, index) < 0) {
                 Py_XDECREF(index);
@@ -892,12 +862,12 @@ gather_round(PyObject *controls, PyObject *driver_block, PyObject *env_failure, 
         void *control;
         if (!as_address(PyTuple_GET_ITEM(controls, w), &control))
             return NULL;
-        volatile int64_t *words = (volatile int64_t *)control;
-        words[w_cmd] = step_code;
-        words[w_cmd_payload] = 0;
-        words[w_gather] = 1;
-        int64_t req = __atomic_load_n((int64_t *)&words[w_req], __ATOMIC_RELAXED);
-        __atomic_store_n((int64_t *)&words[w_req], req + 1, __ATOMIC_RELEASE);
+        volatile control_t *words = (volatile control_t *)control;
+        words->cmd = step_code;
+        words->cmd_payload = 0;
+        words->gather = 1;
+        int64_t req = __atomic_load_n((int64_t *)&words->req, __ATOMIC_RELAXED);
+        __atomic_store_n((int64_t *)&words->req, req + 1, __ATOMIC_RELEASE);
     }
     bell_bump(bell);
     uint32_t bits = 0;
@@ -905,7 +875,7 @@ gather_round(PyObject *controls, PyObject *driver_block, PyObject *env_failure, 
         void *control;
         if (!as_address(PyTuple_GET_ITEM(controls, w), &control))
             return NULL;
-        bits |= bell_sleeping((volatile int64_t *)control);
+        bits |= bell_sleeping((volatile control_t *)control);
     }
     bell_wake(bell, bits);
     PyObject *driver_block_result = Py_None, *driver_block_failure = Py_None;
@@ -1014,8 +984,6 @@ sp_full_round(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_TypeError, "full_round: outcome_type must be a tuple subclass");
         return NULL;
     }
-    if (!layout_set())
-        return NULL;
     Py_ssize_t n = PyTuple_GET_SIZE(requests);
     if (PyTuple_GET_SIZE(dones) != n || PyTuple_GET_SIZE(controls) != n ||
         PyList_GET_SIZE(budgets) != n) {
@@ -1030,9 +998,9 @@ sp_full_round(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         if (!as_address(PyTuple_GET_ITEM(requests, w), &request) ||
             !as_address(PyTuple_GET_ITEM(controls, w), &control))
             return NULL;
-        ((volatile int64_t *)control)[w_cmd] = step_code;
-        ((volatile int64_t *)control)[w_cmd_payload] = 0;
-        ((volatile int64_t *)control)[w_req] += 1; /* the count the worker's ACK copies */
+        ((volatile control_t *)control)->cmd = step_code;
+        ((volatile control_t *)control)->cmd_payload = 0;
+        ((volatile control_t *)control)->req += 1; /* the count the worker's ACK copies */
         if (sem_post((sem_t *)request) != 0)
             return PyErr_SetFromErrno(PyExc_OSError);
     }
@@ -1077,10 +1045,10 @@ sp_full_round(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         }
         if (budget_caught(budget, budget_s) < 0)
             goto fail_unread;
-        volatile int64_t *words = (volatile int64_t *)control;
+        volatile control_t *words = (volatile control_t *)control;
         if (bell_pending(words))
             break; /* ACK behind REQ: the death watch's token (R8); the caller finds it dead */
-        if (words[w_status] != ok_code || words[w_reply_payload] != 0) {
+        if (words->status != ok_code || words->reply_payload != 0) {
             PyObject *index = PyLong_FromSsize_t(taken);
             if (index == NULL || PyList_Append(unread, index) < 0) {
                 Py_XDECREF(index);
@@ -1547,9 +1515,8 @@ static PyMethodDef methods[] = {
     {"gather_sleep", sp_gather_sleep, METH_VARARGS,
      "gather_sleep(bell, timeout_s) -> bool: RoundBell.gather_sleep."},
     {"bell_alarm", sp_bell_alarm, METH_VARARGS, "bell_alarm(bell, on): RoundBell.alarm."},
-    {"set_layout", sp_set_layout, METH_VARARGS,
-     "set_layout(cmd, cmd_payload, status, reply_payload, req, gather, ack, sleep, words): the "
-     "control words."},
+    {"control_row", sp_control_row, METH_NOARGS,
+     "control_row() -> {word name: index}: control_t's fields (USED: its size in words)."},
     {"crash_note", sp_crash_note, METH_NOARGS,
      "crash_note() -> address: the learner's crash note, its fatal-signal handler installed."},
     {"counters", sp_counters, METH_NOARGS, "counters() -> {name: calls in this process}."},

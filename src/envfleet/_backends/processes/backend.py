@@ -74,7 +74,7 @@ from envfleet._backends.processes.worker import (
     REQ,
     SLEEP,
     STATUS,
-    native_layout,
+    check_control_row,
 )
 from envfleet._backends.registry import (
     BackendSpec,
@@ -425,7 +425,7 @@ class ProcessesTransport:
             )
         ):
             return None
-        native_layout()
+        check_control_row()
         driver_block = None
         if self._driver_block is not None:
             driver_block = functools.partial(self._driver_block_timer.call, self._driver_block.step)

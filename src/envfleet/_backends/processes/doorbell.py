@@ -23,11 +23,11 @@ Where it runs (Linux on x86-64, not a first-ready pool), the driver rings its wo
 that keeps one cites it by number (``round protocol R4``):
 
 - **R1, the words.** Each worker has a control row of ``worker.WORDS`` int64 words on cache
-  lines of its own. The driver writes ``CMD``, ``CMD_PAYLOAD``, ``GATHER`` and ``REQ``; the
-  worker writes ``STATUS``, ``REPLY_PAYLOAD``, ``REPLY_BYTES``, ``ACK`` and ``SLEEP``. The
-  bell holds ``gen`` (the generation), ``remaining`` (a full round's arrivals still due),
-  ``dwait`` (1 while the driver sleeps on them) and ``dead`` (1 while a worker's death is
-  unanswered: R8).
+  lines of its own (C: ``control_t``; ``worker.CONTROL_ROW`` its mirror). The driver writes
+  ``CMD``, ``CMD_PAYLOAD``, ``GATHER`` and ``REQ``; the worker writes ``STATUS``,
+  ``REPLY_PAYLOAD``, ``REPLY_BYTES``, ``ACK`` and ``SLEEP``. The bell holds ``gen`` (the
+  generation), ``remaining`` (a full round's arrivals still due), ``dwait`` (1 while the
+  driver sleeps on them) and ``dead`` (1 while a worker's death is unanswered: R8).
 - **R2, a command.** A command is due while ``REQ != ACK``. The driver writes the command's
   words, then ``REQ + 1`` (a release store); a worker reads ``REQ`` (an acquire load) before
   the command's words.

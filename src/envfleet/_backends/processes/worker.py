@@ -99,8 +99,8 @@ __all__ = [
     "WORDS",
     "WorkerSpec",
     "attach_block",
+    "check_control_row",
     "control_words",
-    "native_layout",
     "mailbox",
     "mapped_block",
     "read_region",
@@ -119,12 +119,24 @@ MAILBOX_BYTES = 64 << 10  # per worker: a pickled reply up to this size skips th
 REGION_MIN_BYTES = 256 << 10
 
 # Per group in the control region: 16 int64 control words (two whole cache lines, so workers
-# never share a line), then the doorbell's two semaphores. REQ, GATHER, ACK and SLEEP are the
-# round bell's (doorbell's round protocol, R1).
+# never share a line), then the doorbell's two semaphores. The words' indexes mirror the C
+# step path's control row (_speedups.c's control_t, in this order; check_control_row); REQ,
+# GATHER, ACK and SLEEP are the round bell's (doorbell's round protocol, R1).
 WORDS = 16
 GROUP_BYTES = 8 * WORDS + 2 * SEM_SLOT
 CMD, CMD_PAYLOAD, STATUS, REPLY_PAYLOAD, REPLY_BYTES, REQ, GATHER, ACK = 0, 1, 2, 3, 4, 5, 6, 7
 SLEEP = 8
+CONTROL_ROW = {
+    "CMD": CMD,
+    "CMD_PAYLOAD": CMD_PAYLOAD,
+    "STATUS": STATUS,
+    "REPLY_PAYLOAD": REPLY_PAYLOAD,
+    "REPLY_BYTES": REPLY_BYTES,
+    "REQ": REQ,
+    "GATHER": GATHER,
+    "ACK": ACK,
+    "SLEEP": SLEEP,
+}
 # The env (global index) the worker is inside now: written before each call into env code
 # (EnvGroup.note_crashes; crash_note.NOTE_CLEAR between, NOTE_SEVERAL while several envs step
 # at once), read by the driver when the worker died or hung: the env that loses its episode.
@@ -153,14 +165,25 @@ _STEP, _CLOSE = Command.STEP, Command.CLOSE
 _SPUN_OUT, _TAKEN, _STEPPED = 0, 1, 2  # why _speedups.serve_steps returned
 
 
-def native_layout() -> None:
-    """Hand the C step path (``_speedups.serve_steps`` and ``full_round``) the control words'
-    layout: its one definition is ``CMD``, ``CMD_PAYLOAD``, ``STATUS``, ``REPLY_PAYLOAD``,
-    ``REQ``, ``GATHER``, ``ACK``, ``SLEEP`` and ``WORDS`` above, read when a worker or a driver
-    binds a C function (or a round bell binds to the C module)."""
-    set_layout = _speedups.function("set_layout")
-    if set_layout is not None:
-        set_layout(CMD, CMD_PAYLOAD, STATUS, REPLY_PAYLOAD, REQ, GATHER, ACK, SLEEP, WORDS)
+def check_control_row() -> None:
+    """Check that the C step path's control row (``_speedups.c``'s ``control_t``, which
+    ``serve_steps``, ``full_round`` and the bell's functions read) is :data:`CONTROL_ROW`, its
+    Python mirror, word for word; called when a worker or a driver binds a C function (or a
+    round bell binds to the C module).
+
+    Raises:
+        RuntimeError: the C module was built from other sources (rebuild it:
+            ``python setup.py build_ext --inplace``, or reinstall envfleet).
+    """
+    control_row = _speedups.function("control_row")
+    if control_row is None:
+        return
+    row = control_row()
+    if row.pop("USED") > WORDS or row != CONTROL_ROW:
+        raise RuntimeError(
+            f"envfleet._core._speedups' control row {row} is not worker.py's {CONTROL_ROW}: "
+            "the C module was built from other sources; rebuild it (pip install . again)"
+        )
 
 
 def sleep_bit(g: int) -> int:
@@ -390,7 +413,7 @@ class _Worker:
         # A hosted group's action-log header words (LOGN is written from it on every reply).
         self.log_words: Any = None
         if self.bell is not None:
-            native_layout()  # the bell's C functions read REQ and ACK
+            check_control_row()  # the bell's C functions read REQ and ACK
 
     def acquire(self, block: bool = True, timeout: float | None = None) -> bool:
         """With a round bell, the request "semaphore" Doorbell.wait takes: poll, or sleep on
@@ -549,7 +572,7 @@ class _Worker:
             or not all(s is None or type(s) is SharedSem for s in sems)
         ):
             return None
-        native_layout()
+        check_control_row()
         any_done = None if self.any_done is None else self.any_done.address
         bell = None if self.bell is None else self.bell.address
         return functools.partial(
