@@ -542,3 +542,27 @@ def test_log_row_records_as_its_twin_and_runs_every_step():
         assert speedups.counters()["log_row"] - before == 50
     finally:
         envs.close()
+
+
+def test_full_round_takes_the_plan_its_transport_built_once():
+    """``full_round(plan, ring, wait_s)``: ``round_plan`` checks the workers' entries once (one
+    per worker in each, a tuple subclass for the outcome), and ``full_round`` refuses anything
+    but a plan. A plan of no workers and no driver's block is a complete round: ``None``."""
+    speedups = pytest.importorskip("envfleet._core._speedups")
+    from envfleet._backends.processes.doorbell import SpinBudget
+    from envfleet._core.failures import EnvFailure
+    from envfleet._core.protocol import RoundOutcome
+
+    budget = SpinBudget(0.0)
+    common = (None, EnvFailure, 0.0, 0, 0, None, budget)
+    with pytest.raises(ValueError, match="one entry per worker"):
+        speedups.round_plan((), (1,), (), [], *common, RoundOutcome)
+    with pytest.raises(TypeError, match="tuple subclass"):
+        speedups.round_plan((), (), (), [], *common, dict)
+    with pytest.raises(TypeError):
+        speedups.round_plan([], (), (), [], *common, RoundOutcome)
+    with pytest.raises(ValueError):
+        speedups.full_round(object(), True, -1.0)
+    plan = speedups.round_plan((), (), (), [], *common, RoundOutcome)
+    assert speedups.full_round(plan, True, 0.0) is None
+    assert speedups.full_round(plan, False, 0.0) is None

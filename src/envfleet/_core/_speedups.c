@@ -12,8 +12,8 @@
  *   write_rows      the observations into a group's rows of one observation slab, or the
  *                   slab's numpy write called when they do not fit (_core/rows.py)
  *   serve_steps     the processes worker's loop of plain steps (_backends/processes/worker.py)
- *   full_round      the processes driver's ring, own block and spin of a step
- *                   (_backends/processes/backend.py)
+ *   full_round      the processes driver's ring, own block and spin of a step, given the
+ *                   round_plan its transport built once (_backends/processes/backend.py)
  *   timed_call      StepTimer.call: a group's step timed into its stats row, where a backend
  *                   steps the group itself (serial, threads, Ray actors, the driver's block)
  *   pcg64_raw       env_state.pcg64_bytes: a PCG64 generator's state as bytes, for the
@@ -194,13 +194,6 @@ arg_double(PyObject *arg, double *out)
 {
     *out = PyFloat_AsDouble(arg);
     return !(*out == -1.0 && PyErr_Occurred());
-}
-
-static int
-arg_long_long(PyObject *arg, long long *out)
-{
-    *out = PyLong_AsLongLong(arg);
-    return !(*out == -1 && PyErr_Occurred());
 }
 
 static int
@@ -768,32 +761,140 @@ budget_blocked(PyObject *budget, double wait_s)
     return budget_set(budget, budget_s / 2);
 }
 
+/* -- the processes driver's full step round ------------------------------------------------- */
+
+/* A full round's plan, the one handle full_round takes (round_plan() builds it when the
+ * processes transport binds its round): each worker's semaphores and control row, parsed
+ * once, and what every round calls or reads. The references are owned. */
+typedef struct {
+    Py_ssize_t n;
+    sem_t **requests, **dones;
+    volatile control_t **controls;
+    PyObject *budgets;      /* list: each worker's SpinBudget (the semaphore round's) */
+    PyObject *round_budget; /* the SpinBudget of a round on the bell */
+    PyObject *driver_block; /* the driver's own block, timed; None: it has none */
+    PyObject *env_failure, *outcome_type;
+    double tight_s;
+    long long step_code, ok_code;
+    bell_t *bell; /* NULL: no round bell */
+} round_plan_t;
+
+static const char round_plan_name[] = "envfleet._speedups.round_plan";
+
+static void
+round_plan_free(PyObject *capsule)
+{
+    round_plan_t *plan = PyCapsule_GetPointer(capsule, round_plan_name);
+    if (plan == NULL)
+        return;
+    PyMem_Free(plan->requests);
+    PyMem_Free(plan->dones);
+    PyMem_Free((void *)plan->controls);
+    Py_XDECREF(plan->budgets);
+    Py_XDECREF(plan->round_budget);
+    Py_XDECREF(plan->driver_block);
+    Py_XDECREF(plan->env_failure);
+    Py_XDECREF(plan->outcome_type);
+    PyMem_Free(plan);
+}
+
+/* round_plan(requests, dones, controls, budgets, driver_block, env_failure, tight_s, step_code,
+ *            ok_code, bell, round_budget, outcome_type) -> plan
+ *
+ * The tuples hold the addresses of each worker's request and done semaphores and of its
+ * control row; ``budgets`` one SpinBudget per worker; ``bell`` the round bell's address (Linux
+ * x86-64) or None; ``outcome_type`` protocol.RoundOutcome (a tuple subclass). */
+static PyObject *
+sp_round_plan(PyObject *self, PyObject *args)
+{
+    PyObject *requests, *dones, *controls, *budgets, *driver_block, *env_failure, *bell;
+    PyObject *round_budget, *outcome_type;
+    double tight_s;
+    long long step_code, ok_code;
+    if (!PyArg_ParseTuple(args, "O!O!O!O!OOdLLOOO:round_plan", &PyTuple_Type, &requests,
+                          &PyTuple_Type, &dones, &PyTuple_Type, &controls, &PyList_Type, &budgets,
+                          &driver_block, &env_failure, &tight_s, &step_code, &ok_code, &bell,
+                          &round_budget, &outcome_type))
+        return NULL;
+    if (!PyType_Check(outcome_type) ||
+        !PyType_IsSubtype((PyTypeObject *)outcome_type, &PyTuple_Type)) {
+        PyErr_SetString(PyExc_TypeError, "round_plan: outcome_type must be a tuple subclass");
+        return NULL;
+    }
+    Py_ssize_t n = PyTuple_GET_SIZE(requests);
+    if (PyTuple_GET_SIZE(dones) != n || PyTuple_GET_SIZE(controls) != n ||
+        PyList_GET_SIZE(budgets) != n) {
+        PyErr_SetString(PyExc_ValueError, "round_plan: one entry per worker in each");
+        return NULL;
+    }
+    round_plan_t *plan = PyMem_Calloc(1, sizeof(round_plan_t));
+    if (plan == NULL)
+        return PyErr_NoMemory();
+    plan->n = n;
+    plan->requests = PyMem_Calloc(n ? n : 1, sizeof(sem_t *));
+    plan->dones = PyMem_Calloc(n ? n : 1, sizeof(sem_t *));
+    plan->controls = PyMem_Calloc(n ? n : 1, sizeof(control_t *));
+    void *b = NULL;
+    int ok = plan->requests != NULL && plan->dones != NULL && plan->controls != NULL;
+    if (!ok)
+        PyErr_NoMemory();
+    for (Py_ssize_t w = 0; ok && w < n; w++) {
+        void *request, *done, *control;
+        ok = as_address(PyTuple_GET_ITEM(requests, w), &request) &&
+             as_address(PyTuple_GET_ITEM(dones, w), &done) &&
+             as_address(PyTuple_GET_ITEM(controls, w), &control);
+        if (ok) {
+            plan->requests[w] = (sem_t *)request;
+            plan->dones[w] = (sem_t *)done;
+            plan->controls[w] = (volatile control_t *)control;
+        }
+    }
+    ok = ok && (bell == Py_None || as_address(bell, &b));
+    plan->bell = (bell_t *)b;
+    plan->tight_s = tight_s;
+    plan->step_code = step_code;
+    plan->ok_code = ok_code;
+    PyObject *owned[5] = {budgets, round_budget, driver_block, env_failure, outcome_type};
+    for (int i = 0; i < 5; i++)
+        Py_INCREF(owned[i]);
+    plan->budgets = budgets;
+    plan->round_budget = round_budget;
+    plan->driver_block = driver_block;
+    plan->env_failure = env_failure;
+    plan->outcome_type = outcome_type;
+    PyObject *capsule = ok ? PyCapsule_New(plan, round_plan_name, round_plan_free) : NULL;
+    if (capsule == NULL) {
+        PyMem_Free(plan->requests);
+        PyMem_Free(plan->dones);
+        PyMem_Free((void *)plan->controls);
+        for (int i = 0; i < 5; i++)
+            Py_DECREF(owned[i]);
+        PyMem_Free(plan);
+    }
+    return capsule;
+}
+
 /* The unread list of a full round: the indexes of the workers whose reply is not "OK, no
  * payload". */
 static PyObject *
-unread_replies(PyObject *controls, long long ok_code)
+unread_replies(round_plan_t *plan)
 {
     PyObject *unread = PyList_New(0);
     if (unread == NULL)
         return NULL;
-    for (Py_ssize_t w = 0; w < PyTuple_GET_SIZE(controls); w++) {
-        void *control;
-        if (!as_address(PyTuple_GET_ITEM(controls, w), &control))
-            goto fail;
-        volatile control_t *words = (volatile control_t *)control;
-        if (words->status != ok_code || words->reply_payload != 0) {
+    for (Py_ssize_t w = 0; w < plan->n; w++) {
+        volatile control_t *words = plan->controls[w];
+        if (words->status != plan->ok_code || words->reply_payload != 0) {
             PyObject *index = PyLong_FromSsize_t(w);
             if (index == NULL || PyList_Append(unread, index) < 0) {
                 Py_XDECREF(index);
-                goto fail;
+                Py_DECREF(unread);
+                return NULL;
             }
             Py_DECREF(index);
         }
     }
     return unread;
-fail:
-    Py_DECREF(unread);
-    return NULL;
 }
 
 /* A full round's outcome: None when the round is complete (all ``workers`` taken, none of
@@ -840,30 +941,49 @@ round_outcome(PyObject *outcome_type, PyObject *driver_block_result,
     return outcome;
 }
 
+/* The driver's own block's step (``plan->driver_block``; None: it has none): its result in
+ * ``*result``, or the ``env_failure`` instance it raised in ``*failure`` (new references, None
+ * where there is nothing); -1 when it raised anything else, which propagates (as from
+ * _submit). */
+static int
+call_driver_block(round_plan_t *plan, PyObject **result, PyObject **failure)
+{
+    *result = Py_NewRef(Py_None);
+    *failure = Py_NewRef(Py_None);
+    if (plan->driver_block == Py_None)
+        return 0;
+    PyObject *returned = PyObject_CallNoArgs(plan->driver_block);
+    if (returned != NULL) {
+        Py_SETREF(*result, returned);
+        return 0;
+    }
+    PyObject *caught = catch_exception(plan->env_failure);
+    if (caught == NULL) {
+        Py_DECREF(*result);
+        Py_DECREF(*failure);
+        return -1;
+    }
+    Py_SETREF(*failure, caught);
+    return 0;
+}
+
 /* full_round's round on the round bell (Linux): ``remaining`` = the worker count (R5), every
  * worker's command words, then its REQ (R2), one ring (R3); the driver's own block; then a spin
- * within ``round_budget`` until ``remaining`` is 0, and the round's one blocking wait (R7) until
- * the first of: every arrival, a death (R8's ``dead``), ``wait_s`` seconds (below 0: no bound)
- * or a signal whose handler raised (a Ctrl-C: NULL, the KeyboardInterrupt set). Taken: all the
- * workers, or none (the caller then answers the death or the time: RoundBell.gather_sleep). */
+ * within the round's SpinBudget until ``remaining`` is 0, and the round's one blocking wait
+ * (R7) until the first of: every arrival, a death (R8's ``dead``), ``wait_s`` seconds (below 0:
+ * no bound) or a signal whose handler raised (a Ctrl-C: NULL, the KeyboardInterrupt set).
+ * Taken: all the workers, or none (the caller then answers the death or the time:
+ * RoundBell.gather_sleep). */
 static PyObject *
-gather_round(PyObject *controls, PyObject *driver_block, PyObject *env_failure, double tight_s,
-             long long step_code, long long ok_code, PyObject *bell_address,
-             PyObject *round_budget, double wait_s, PyObject *outcome_type)
+gather_round(round_plan_t *plan, double wait_s)
 {
-    void *b;
-    if (!as_address(bell_address, &b))
-        return NULL;
-    bell_t *bell = (bell_t *)b;
-    Py_ssize_t n = PyTuple_GET_SIZE(controls);
+    bell_t *bell = plan->bell;
+    Py_ssize_t n = plan->n;
     /* Before any REQ: a worker arrives once it sees its REQ. */
     __atomic_store_n(&bell->remaining, (int32_t)n, __ATOMIC_SEQ_CST);
     for (Py_ssize_t w = 0; w < n; w++) {
-        void *control;
-        if (!as_address(PyTuple_GET_ITEM(controls, w), &control))
-            return NULL;
-        volatile control_t *words = (volatile control_t *)control;
-        words->cmd = step_code;
+        volatile control_t *words = plan->controls[w];
+        words->cmd = plan->step_code;
         words->cmd_payload = 0;
         words->gather = 1;
         int64_t req = __atomic_load_n((int64_t *)&words->req, __ATOMIC_RELAXED);
@@ -871,35 +991,20 @@ gather_round(PyObject *controls, PyObject *driver_block, PyObject *env_failure, 
     }
     bell_bump(bell);
     uint32_t bits = 0;
-    for (Py_ssize_t w = 0; w < n; w++) {
-        void *control;
-        if (!as_address(PyTuple_GET_ITEM(controls, w), &control))
-            return NULL;
-        bits |= bell_sleeping((volatile control_t *)control);
-    }
+    for (Py_ssize_t w = 0; w < n; w++)
+        bits |= bell_sleeping(plan->controls[w]);
     bell_wake(bell, bits);
-    PyObject *driver_block_result = Py_None, *driver_block_failure = Py_None;
-    Py_INCREF(driver_block_result);
-    Py_INCREF(driver_block_failure);
-    if (driver_block != Py_None) {
-        PyObject *result = PyObject_CallNoArgs(driver_block);
-        if (result == NULL) {
-            PyObject *failure = catch_exception(env_failure);
-            if (failure == NULL)
-                goto fail;
-            Py_SETREF(driver_block_failure, failure);
-        } else {
-            Py_SETREF(driver_block_result, result);
-        }
-    }
+    PyObject *driver_block_result, *driver_block_failure;
+    if (call_driver_block(plan, &driver_block_result, &driver_block_failure) < 0)
+        return NULL;
     int ok = 1;
-    double budget_s = get_double(round_budget, s_budget_s, &ok);
+    double budget_s = get_double(plan->round_budget, s_budget_s, &ok);
     if (!ok)
         goto fail;
     int got = __atomic_load_n(&bell->remaining, __ATOMIC_ACQUIRE) == 0;
     if (!got) {
         Py_BEGIN_ALLOW_THREADS
-        got = spin_gathered(bell, tight_s, budget_s);
+        got = spin_gathered(bell, plan->tight_s, budget_s);
         Py_END_ALLOW_THREADS
     }
     double slept_s = -1.0;
@@ -919,124 +1024,82 @@ gather_round(PyObject *controls, PyObject *driver_block, PyObject *env_failure, 
         PyObject *unread = PyList_New(0);
         if (unread == NULL)
             goto fail;
-        return round_outcome(outcome_type, driver_block_result, driver_block_failure, 0, n, unread,
-                             budget_s + (slept_s > 0 ? slept_s : 0.0));
+        return round_outcome(plan->outcome_type, driver_block_result, driver_block_failure, 0, n,
+                             unread, budget_s + (slept_s > 0 ? slept_s : 0.0));
     }
-    if ((slept_s < 0 ? budget_caught(round_budget, budget_s)
-                     : budget_blocked(round_budget, budget_s + slept_s)) < 0)
+    if ((slept_s < 0 ? budget_caught(plan->round_budget, budget_s)
+                     : budget_blocked(plan->round_budget, budget_s + slept_s)) < 0)
         goto fail;
-    PyObject *unread = unread_replies(controls, ok_code);
+    PyObject *unread = unread_replies(plan);
     if (unread == NULL)
         goto fail;
-    return round_outcome(outcome_type, driver_block_result, driver_block_failure, n, n, unread,
-                         0.0);
+    return round_outcome(plan->outcome_type, driver_block_result, driver_block_failure, n, n,
+                         unread, 0.0);
 fail:
     Py_DECREF(driver_block_result);
     Py_DECREF(driver_block_failure);
     return NULL;
 }
 
-/* full_round(requests, dones, controls, budgets, driver_block, env_failure, tight_s, step_code,
- *            ok_code, bell, round_budget, outcome_type, ring, wait_s)
+/* full_round(plan, ring, wait_s)
  *     -> None (the round complete) or outcome_type(driver_block_result, driver_block_failure,
  *        taken, unread, spun_s)
  *
- * With ``bell`` (the round bell's address, Linux x86-64; else None) and ``ring``, the round is
- * gather_round's: one ring and one count of arrivals for all the workers (spinning within the
- * SpinBudget ``round_budget``, then one blocking wait until every arrival, a death or
- * ``wait_s`` seconds: 0, none; below 0, no bound) instead of one semaphore each; ``taken`` is
- * then all or none, and ``spun_s`` the seconds spun and slept.
+ * The processes transport's full_round (``plan``: its round_plan): the round driver's send and
+ * wait of a plain step, up to reading the replies. With the plan's round bell (Linux x86-64)
+ * and ``ring``, the round is gather_round's: one ring and one count of arrivals for all the
+ * workers (spinning within the round's SpinBudget, then one blocking wait until every arrival,
+ * a death or ``wait_s`` seconds: 0, none; below 0, no bound) instead of one semaphore each;
+ * ``taken`` is then all or none, and ``spun_s`` the seconds spun and slept.
  *
- * The processes transport's full_round: the round driver's send and wait of a plain step, up
- * to reading the replies. For each worker w (the tuples hold the addresses of its request and
- * done semaphores and of its int64 control words): command word = step_code, payload word = 0,
- * post its request (unless ``ring`` is 0: step_async already did, and step_wait finishes the
- * round). Then call
- * ``driver_block()`` (the driver's own block, timed; None when it has none): its result, or the
- * ``env_failure`` instance it raised (any other exception propagates at once, as from _submit).
- * Then take each worker's done semaphore in order, spinning within its SpinBudget (adapted as
- * SpinBudget.caught does): ``taken`` workers were, and ``unread`` lists the indexes (into the
- * tuples) of those whose reply is not "OK, no payload" (the caller reads those). When a spin
- * runs out the round stops there: the caller waits for workers ``taken`` on, blocking at once
- * for the first (it already spun ``spun_s`` seconds). */
+ * Else, for each worker: command word = step_code, payload word = 0, post its request (unless
+ * ``ring`` is 0: step_async already did, and step_wait finishes the round). Then the driver's
+ * own block (call_driver_block). Then take each worker's done semaphore in order, spinning
+ * within its SpinBudget (adapted as SpinBudget.caught does): ``taken`` workers were, and
+ * ``unread`` lists the indexes of those whose reply is not "OK, no payload" (the caller reads
+ * those). When a spin runs out the round stops there: the caller waits for workers ``taken``
+ * on, blocking at once for the first (it already spun ``spun_s`` seconds). */
 static PyObject *
 sp_full_round(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     calls[F_FULL_ROUND]++;
-    double tight_s;
-    long long step_code, ok_code;
-    int ring;
-    const char *fname = "full_round";
     double wait_s;
-    if (!arg_count(fname, nargs, 14, 14) || !arg_of_type(fname, args, 0, &PyTuple_Type) ||
-        !arg_of_type(fname, args, 1, &PyTuple_Type) ||
-        !arg_of_type(fname, args, 2, &PyTuple_Type) || !arg_of_type(fname, args, 3, &PyList_Type) ||
-        !arg_double(args[6], &tight_s) || !arg_long_long(args[7], &step_code) ||
-        !arg_long_long(args[8], &ok_code) || !arg_double(args[13], &wait_s))
+    int ring;
+    if (!arg_count("full_round", nargs, 3, 3) || !arg_double(args[2], &wait_s))
         return NULL;
-    if ((ring = PyObject_IsTrue(args[12])) < 0)
+    round_plan_t *plan = PyCapsule_GetPointer(args[0], round_plan_name);
+    if (plan == NULL || (ring = PyObject_IsTrue(args[1])) < 0)
         return NULL;
-    PyObject *requests = args[0], *dones = args[1], *controls = args[2], *budgets = args[3];
-    PyObject *driver_block = args[4], *env_failure = args[5], *bell_address = args[9];
-    PyObject *round_budget = args[10], *outcome_type = args[11];
-    if (!PyType_Check(outcome_type) ||
-        !PyType_IsSubtype((PyTypeObject *)outcome_type, &PyTuple_Type)) {
-        PyErr_SetString(PyExc_TypeError, "full_round: outcome_type must be a tuple subclass");
-        return NULL;
-    }
-    Py_ssize_t n = PyTuple_GET_SIZE(requests);
-    if (PyTuple_GET_SIZE(dones) != n || PyTuple_GET_SIZE(controls) != n ||
-        PyList_GET_SIZE(budgets) != n) {
-        PyErr_SetString(PyExc_ValueError, "full_round: one entry per worker in each");
-        return NULL;
-    }
-    if (ring && bell_address != Py_None)
-        return gather_round(controls, driver_block, env_failure, tight_s, step_code, ok_code,
-                            bell_address, round_budget, wait_s, outcome_type);
+    if (ring && plan->bell != NULL)
+        return gather_round(plan, wait_s);
+    Py_ssize_t n = plan->n;
     for (Py_ssize_t w = 0; ring && w < n; w++) {
-        void *request, *control;
-        if (!as_address(PyTuple_GET_ITEM(requests, w), &request) ||
-            !as_address(PyTuple_GET_ITEM(controls, w), &control))
-            return NULL;
-        ((volatile control_t *)control)->cmd = step_code;
-        ((volatile control_t *)control)->cmd_payload = 0;
-        ((volatile control_t *)control)->req += 1; /* the count the worker's ACK copies */
-        if (sem_post((sem_t *)request) != 0)
+        volatile control_t *words = plan->controls[w];
+        words->cmd = plan->step_code;
+        words->cmd_payload = 0;
+        words->req += 1; /* the count the worker's ACK copies */
+        if (sem_post(plan->requests[w]) != 0)
             return PyErr_SetFromErrno(PyExc_OSError);
     }
-    PyObject *driver_block_result = Py_None, *driver_block_failure = Py_None;
-    Py_INCREF(driver_block_result);
-    Py_INCREF(driver_block_failure);
-    if (driver_block != Py_None) {
-        PyObject *result = PyObject_CallNoArgs(driver_block);
-        if (result == NULL) {
-            PyObject *failure = catch_exception(env_failure);
-            if (failure == NULL)
-                goto fail;
-            Py_SETREF(driver_block_failure, failure);
-        } else {
-            Py_SETREF(driver_block_result, result);
-        }
-    }
+    PyObject *driver_block_result, *driver_block_failure;
+    if (call_driver_block(plan, &driver_block_result, &driver_block_failure) < 0)
+        return NULL;
     PyObject *unread = PyList_New(0);
     if (unread == NULL)
         goto fail;
     Py_ssize_t taken = 0;
     double spun_s = 0.0;
     for (; taken < n; taken++) {
-        void *done, *control;
-        if (!as_address(PyTuple_GET_ITEM(dones, taken), &done) ||
-            !as_address(PyTuple_GET_ITEM(controls, taken), &control))
-            goto fail_unread;
-        PyObject *budget = PyList_GET_ITEM(budgets, taken);
+        sem_t *done = plan->dones[taken];
+        PyObject *budget = PyList_GET_ITEM(plan->budgets, taken);
         int ok = 1;
         double budget_s = get_double(budget, s_budget_s, &ok);
         if (!ok)
             goto fail_unread;
-        int got = sem_trywait((sem_t *)done) == 0;
+        int got = sem_trywait(done) == 0;
         if (!got) {
             Py_BEGIN_ALLOW_THREADS
-            got = spin_take((sem_t *)done, tight_s, budget_s);
+            got = spin_take(done, plan->tight_s, budget_s);
             Py_END_ALLOW_THREADS
         }
         if (!got) {
@@ -1045,10 +1108,10 @@ sp_full_round(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         }
         if (budget_caught(budget, budget_s) < 0)
             goto fail_unread;
-        volatile control_t *words = (volatile control_t *)control;
+        volatile control_t *words = plan->controls[taken];
         if (bell_pending(words))
             break; /* ACK behind REQ: the death watch's token (R8); the caller finds it dead */
-        if (words->status != ok_code || words->reply_payload != 0) {
+        if (words->status != plan->ok_code || words->reply_payload != 0) {
             PyObject *index = PyLong_FromSsize_t(taken);
             if (index == NULL || PyList_Append(unread, index) < 0) {
                 Py_XDECREF(index);
@@ -1057,7 +1120,7 @@ sp_full_round(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
             Py_DECREF(index);
         }
     }
-    return round_outcome(outcome_type, driver_block_result, driver_block_failure, taken, n,
+    return round_outcome(plan->outcome_type, driver_block_result, driver_block_failure, taken, n,
                          unread, spun_s);
 fail_unread:
     Py_DECREF(unread);
@@ -1501,8 +1564,11 @@ static PyMethodDef methods[] = {
     {"write_results", (PyCFunction)(void (*)(void))sp_write_results, METH_FASTCALL, "EnvGroup._write_results."},
     {"write_rows", (PyCFunction)(void (*)(void))sp_write_rows, METH_FASTCALL, "An observation slab's rows, memcpy'd (or its fallback called)."},
     {"serve_steps", sp_serve_steps, METH_VARARGS, "_Worker.serve's loop for plain steps."},
+    {"round_plan", sp_round_plan, METH_VARARGS,
+     "round_plan(requests, dones, controls, budgets, driver_block, env_failure, tight_s, "
+     "step_code, ok_code, bell, round_budget, outcome_type) -> plan: full_round's handle."},
     {"full_round", (PyCFunction)(void (*)(void))sp_full_round, METH_FASTCALL,
-     "The processes transport's full step round (full_round)."},
+     "full_round(plan, ring, wait_s): the processes transport's full step round."},
     {"timed_call", (PyCFunction)(void (*)(void))sp_timed_call, METH_FASTCALL, "StepTimer.call."},
     {"bell_ring", sp_bell_ring, METH_VARARGS, "bell_ring(bell, controls): RoundBell.ring."},
     {"pcg64_raw", sp_pcg64_raw, METH_O,

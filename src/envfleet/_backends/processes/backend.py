@@ -414,10 +414,12 @@ class ProcessesTransport:
         in it: a cycle would keep the shared memory past close until the garbage collector
         runs.)"""
         full_round = _speedups.function("full_round")
+        round_plan = _speedups.function("round_plan")
         doorbells = [self.workers.doorbells[g] for g in self.remote]
         bell = self.workers.bell
         if (
             full_round is None
+            or round_plan is None
             or self.workers.any_done is not None
             or not all(
                 type(d.request) is SharedSem and type(d.done) is SharedSem
@@ -429,8 +431,7 @@ class ProcessesTransport:
         driver_block = None
         if self._driver_block is not None:
             driver_block = functools.partial(self._driver_block_timer.call, self._driver_block.step)
-        return functools.partial(
-            full_round,
+        plan = round_plan(  # full_round's one handle: what each round reads, parsed once
             tuple(cast(Doorbell, d).request.address for d in doorbells),
             tuple(cast(Doorbell, d).done.address for d in doorbells),
             tuple(int(self.workers.control[g].ctypes.data) for g in self.remote),
@@ -444,6 +445,7 @@ class ProcessesTransport:
             self._round_budget,
             RoundOutcome,
         )
+        return functools.partial(full_round, plan)
 
     def step_times(self) -> tuple[StepTimeStats, ...]:
         return step_time_table(self.workers.stats)
