@@ -330,6 +330,32 @@ def test_step_wait_finishes_the_step_in_the_c_round(make_env):
     assert c_counters()["full_round"] - before == 2 * COUNTED_STEPS
 
 
+def test_step_wait_of_per_leaf_actions_is_not_the_c_rounds(make_env):
+    """step_async/step_wait with per-leaf actions (a Text action space) and the driver's
+    share: the driver's own block's payload carries its actions, so step_wait finishes the
+    step the Python way (the C round would drop them); the results are SyncVectorEnv's."""
+    if envfleet._core.native.speedups is None:
+        pytest.skip("envfleet._core._speedups is not built here")
+    factory = functools.partial(SideActionEnv, "text")
+    layout = {"backend": envfleet.Processes(driver_envs=2), "num_workers": 1}
+    fleet = make_env(factory, 4, **layout)
+    sync = SyncVectorEnv(sync_factories(factory, 4))
+    assert fleet._backend._full_round is not None  # the C round is there to be taken
+    fleet.reset(seed=5)
+    sync.reset(seed=5)
+    words = ("a", "bb", "ccc", "dddd")
+    before = c_counters()["full_round"]
+    for t in range(6):
+        actions = tuple(words[(t + i) % 4] for i in range(4))
+        fleet.step_async(actions)
+        got = fleet.step_wait()
+        want = sync.step(actions)
+        for g, w in zip(got[:4], want[:4], strict=True):
+            np.testing.assert_array_equal(g, w)
+    assert c_counters()["full_round"] == before
+    sync.close()
+
+
 @pytest.mark.parametrize("context", ["spawn", "forkserver"])
 def test_spawned_workers_run_the_c_writes(make_env, context):
     """Workers that unpickle the spaces (spawn, forkserver; also the default once a library

@@ -191,19 +191,31 @@ class RoundDriver(HangReporter, WorkerReplacement, Backend):
     def _round_of(
         self, command: Command, payloads: Mapping[int, Any], timeout: float | None, step: int
     ) -> dict[int, Any]:
-        """:meth:`round`'s round: the C one for a plain step where it applies (a step of every
-        group with no payload: the C round reads the actions from the shared buffers only, so
-        a step that carries per-leaf actions goes the Python way), else Python's."""
-        if (
-            command is _STEP
-            and self._full_round is not None
-            and not self._pending
-            and len(payloads) == self._num_workers
-            and all(payload is None for payload in payloads.values())
-        ):
-            results = self._fast_round(timeout, step, True)
+        """:meth:`round`'s round: the C one where :meth:`_c_round` says it applies, else
+        Python's."""
+        ring = self._c_round(command, payloads)
+        if ring is not None:
+            results = self._fast_round(timeout, step, ring)
             return {} if results is None else results
         return self._any_round(command, payloads, timeout, step)
+
+    def _c_round(self, command: Command, payloads: Mapping[int, Any]) -> bool | None:
+        """Whether the round of ``command`` with ``payloads`` (worker -> payload) is the
+        transport's :attr:`Transport.full_round`, asked by every round that may take it (the
+        plain step, :meth:`step_round`, asks the same inline): ``True`` to ring every worker
+        (a step of every group, none pending), ``False`` to finish the step that step_async
+        rang (every remote worker pending, ``payloads`` the driver's own block's), ``None``
+        for the Python round. Never for a payload: the C round reads the actions from the
+        shared buffers only, so a step that carries per-leaf actions goes the Python way."""
+        if command is not _STEP or self._full_round is None:
+            return None
+        if any(payload is not None for payload in payloads.values()):
+            return None
+        if not self._pending and len(payloads) == self._num_workers:
+            return True
+        if self._pending == self._remote and list(payloads) == [0]:
+            return False
+        return None
 
     def _completed(self, run: Callable[..., dict[int, Any]], args: tuple, stepped: bool) -> Any:
         """``run(*args)`` (a round, or its collection; its last argument the step count), then
@@ -222,8 +234,9 @@ class RoundDriver(HangReporter, WorkerReplacement, Backend):
     def step_round(self, timeout: float | None, step: int) -> dict[int, Any] | None:
         """The plain synchronous step (``round(STEP, every group's None, ...)``): ``None`` when
         every group stepped and no env had an info, else the round's results. Through the
-        transport's :attr:`Transport.full_round` where it has one (nothing pending; recycling
-        looked at after it), else through :meth:`round`."""
+        transport's :attr:`Transport.full_round` where it has one (nothing pending:
+        :meth:`_c_round`'s ``True`` for every group's ``None``, inline here; recycling looked
+        at after it), else through :meth:`round`."""
         if self._full_round is not None and not self._pending:
             fast = self._fast_round(timeout, step, True)
             recycler = self._recycler
@@ -285,14 +298,9 @@ class RoundDriver(HangReporter, WorkerReplacement, Backend):
         started = time.monotonic()
         # step_wait of a plain step: step_async sent every other worker its command and left
         # the driver's own block: the C round runs it and waits for the replies.
-        if (
-            command is _STEP
-            and self._full_round is not None
-            and self._pending == self._remote
-            and list(inline) == [0]
-            and inline[0] is None
-        ):
-            results = self._fast_round(timeout, step, False)
+        ring = self._c_round(command, inline)
+        if ring is not None:
+            results = self._fast_round(timeout, step, ring)
             if results is None:
                 results = {}
         else:
