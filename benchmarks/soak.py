@@ -11,10 +11,11 @@ Two phases run one after the other in one driver process, sampling its resource 
    64 pre-drawn batches, sampled every ~2% of the run.
 
 Each sample records the driver's open file descriptors (``psutil`` ``num_fds``), its RSS and
-Python thread count (``threading.active_count()``: the OS thread of a thread joined at
-``close()`` can outlive the join by a moment, so the OS count taken right after ``close()`` is
-sometimes one high; envfleet starts only Python threads), the summed RSS and the number of
-the live worker processes below it (the fork server and resource tracker that
+its envfleet threads (the live Python threads named ``envfleet-*``, as envfleet names every
+thread it starts: the OS thread of a thread joined at ``close()`` can outlive the join by a
+moment, so the OS count taken right after ``close()`` is sometimes one high, and in a shared
+process, as the test suite's, other libraries' threads come and go), the summed RSS and the
+number of the live worker processes below it (the fork server and resource tracker that
 ``multiprocessing`` keeps under ``forkserver``/``spawn`` are left out and counted apart as
 helpers; zombies are counted apart too), and the number of entries in /dev/shm.
 
@@ -85,7 +86,7 @@ class Sample:
     elapsed_s: float  # since the soak started
     fds: int  # open file descriptors of the driver
     driver_rss_mib: float
-    threads: int  # Python threads of the driver
+    threads: int  # envfleet's threads in the driver
     shm: int  # entries in /dev/shm (machine-wide)
     children: int  # live worker processes below the driver (helpers, zombies left out)
     worker_rss_mib: float  # summed RSS of the live worker processes (cycles: before close)
@@ -108,7 +109,7 @@ METRICS: tuple[Metric, ...] = (
     Metric("shm", "/dev/shm entries", "exact"),
     Metric("children", "worker processes", "expected"),
     Metric("zombies", "zombie processes", "exact"),
-    Metric("threads", "Python threads (driver)", "exact"),
+    Metric("threads", "envfleet threads (driver)", "exact"),
     Metric("driver_rss_mib", "RSS driver", "rss", "MiB"),
     Metric("worker_rss_mib", "RSS workers", "rss", "MiB"),
 )
@@ -175,7 +176,7 @@ def take_sample(
         elapsed_s=time.perf_counter() - t0,
         fds=fds,
         driver_rss_mib=rss,
-        threads=threading.active_count(),
+        threads=sum(t.name.startswith("envfleet") for t in threading.enumerate()),
         shm=len(os.listdir("/dev/shm")),
         children=workers.live,
         worker_rss_mib=workers.rss_mib if workers_rss_mib is None else workers_rss_mib,

@@ -73,6 +73,34 @@ def test_soak_is_flat(context: str | None) -> None:
     assert not bad, f"not flat: {bad}"
 
 
+@pytest.mark.parametrize("backend", ["processes", "threads"])
+def test_every_thread_envfleet_starts_is_named_so(backend: str) -> None:
+    """The soak counts the driver's threads by their ``envfleet-`` name: a thread envfleet
+    started under another name would leak unseen. A vector env with hang reports on (the
+    reporter thread) starts, steps and closes; every thread that appeared is envfleet's."""
+    import threading
+
+    import numpy as np
+
+    import envfleet
+
+    before = set(threading.enumerate())
+    envs = envfleet.make(
+        "CartPole-v1",
+        2,
+        backend=backend,
+        supervision=envfleet.Supervision(hang_report_delay=30.0),
+    )
+    try:
+        envs.reset(seed=0)
+        envs.step(np.zeros(2, dtype=np.int64))
+        started = [t.name for t in threading.enumerate() if t not in before]
+    finally:
+        envs.close()
+    assert started, "no thread started: the check saw nothing"
+    assert all(name.startswith("envfleet-") for name in started), started
+
+
 def test_judge_rules() -> None:
     def samples(key: str, values: list[float]) -> list[object]:
         base = dict.fromkeys(
