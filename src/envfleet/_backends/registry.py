@@ -227,6 +227,9 @@ class BackendSpec:
         plan: make()'s checked arguments (:class:`PlanRequest`) to a :class:`Plan`; raises
             :class:`~envfleet.ConfigError` for bad options. Default :func:`default_plan`.
         pickles_factories: the envs are built in other processes from cloudpickled factories.
+        recycles_by_default: ``Supervision(recycle="auto")``, the default, recycles its
+            workers (a synchronous vector env with the replay record and every env in a
+            worker): :func:`envfleet._backends.recycle.default_recycle`.
         spare_slabs: the envs write into the block the front reads, so ``copy=True`` results
             can be handed out without a copy (:class:`envfleet._core.buffers.ObservationSlabs`).
         native: for a backend that builds its own envs from ``env`` (EnvPool's task ids): a
@@ -239,6 +242,7 @@ class BackendSpec:
     build: Callable[[BuildRequest], Backend] | None = None
     plan: Callable[[PlanRequest], Plan] = default_plan
     pickles_factories: bool = False
+    recycles_by_default: bool = False
     spare_slabs: bool = True
     native: Callable[[NativeRequest], Any] | None = field(default=None)
 

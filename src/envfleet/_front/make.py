@@ -203,7 +203,7 @@ def make(  # type: ignore[misc]  # the overloads stand for its keyword arguments
     replay_steps = supervision.replay_steps
     recycle = supervision.recycle if supervision.explicit_recycle else None
     auto_recycle = supervision.recycle == "auto"
-    if auto_recycle and name == "processes" and not pool and replay_steps and not driver_envs:
+    if auto_recycle and spec.recycles_by_default and not pool and replay_steps and not driver_envs:
         recycle = default_recycle(len(plan.ranges))
     accepts = [accepts_env_index(fn) for fn in env_fns]
     # A factory that returns a PettingZoo ParallelEnv gets it adapted, in whichever process

@@ -640,5 +640,6 @@ register(
         build=_build,
         plan=_plan,
         pickles_factories=True,
+        recycles_by_default=True,
     )
 )
