@@ -288,6 +288,7 @@ def test_the_c_workers_arrival_lands_before_its_ack():
     _expect(bell, 1)
     sems = (ctypes.c_uint8 * 64)()  # the semaphores a bell's full round leaves alone
     timer = np.zeros(STATS_WORDS)
+    budget = SpinBudget(0.0)
     libc = ctypes.CDLL(None, use_errno=True)
     libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 
@@ -312,7 +313,7 @@ def test_the_c_workers_arrival_lands_before_its_ack():
             address,
             step,
             timer.ctypes.data,
-            SpinBudget(0.0),
+            budget.address,
             TIGHT_SPIN_S,
             int(Command.STEP),
             int(Status.OK),

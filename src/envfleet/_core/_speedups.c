@@ -31,8 +31,8 @@
  *
  * A worker's control row is one struct here (control_t), mirrored by the word indexes of
  * _backends/processes/worker.py (CMD ... SLEEP), which check_control_row holds equal at the
- * first bind; the command and status codes come with each call, the spin budget's step from
- * SpinBudget.step_s.
+ * first bind; the command and status codes come with each call; a SpinBudget's numbers are
+ * read and adapted in place (spin_budget_t, at the SpinBudget's address).
  *
  * Only what measurably pays end to end is here (benchmarks/speedups.py measures each function
  * against its Python twin; the env step loop and the doorbell's post/poll/spin were measured
@@ -570,23 +570,40 @@ sp_timed_call(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 
 /* -- the processes worker's loop ----------------------------------------------------------- */
 
-/* A SpinBudget's attribute names, interned once (PyInit__speedups): the driver reads them
- * every round, and a lookup by C string would build a str each time. */
-static PyObject *s_budget_s, *s_max_s, *s_step_s;
+/* A SpinBudget's numbers, where doorbell.SpinBudget keeps them (its ``words``, three doubles in
+ * this order, at its ``address``): read and adapted here in place, as its Python methods do. */
+typedef struct {
+    double budget_s, max_s, step_s;
+} spin_budget_t;
 
-static double
-get_double(PyObject *obj, PyObject *name, int *ok)
+/* SpinBudget.caught: a wait ended while spinning; the budget grows by step_s, up to max_s. */
+static void
+budget_caught(spin_budget_t *b)
 {
-    PyObject *v = PyObject_GetAttr(obj, name);
-    if (v == NULL) {
-        *ok = 0;
-        return 0;
-    }
-    double d = PyFloat_AsDouble(v);
-    Py_DECREF(v);
-    if (d == -1.0 && PyErr_Occurred())
-        *ok = 0;
-    return d;
+    b->budget_s = b->budget_s + b->step_s < b->max_s ? b->budget_s + b->step_s : b->max_s;
+}
+
+/* SpinBudget.blocked: a wait that spun out and blocked, wait_s seconds in all. */
+static void
+budget_blocked(spin_budget_t *b, double wait_s)
+{
+    if (wait_s <= b->max_s / 2) /* a longer spin would have caught it */
+        budget_caught(b);
+    else
+        b->budget_s /= 2;
+}
+
+/* A SpinBudget's numbers: its ``address`` attribute, read once when a function is bound. */
+static spin_budget_t *
+spin_budget_of(PyObject *budget)
+{
+    PyObject *address = PyObject_GetAttrString(budget, "address");
+    if (address == NULL)
+        return NULL;
+    void *p = NULL;
+    int ok = as_address(address, &p);
+    Py_DECREF(address);
+    return ok ? (spin_budget_t *)p : NULL;
 }
 
 /* serve_steps(request, done, any_done, control, step, timer_words, budget, tight_s,
@@ -598,8 +615,8 @@ get_double(PyObject *obj, PyObject *name, int *ok)
  * a reply ends with bell_arrive (ACK, then ``remaining`` or the done semaphore).
  *
  * _Worker.serve's loop for plain steps. Repeatedly: take the request semaphore (spinning, as
- * Doorbell.wait does, within the SpinBudget ``budget``, whose budget_s it adapts as
- * SpinBudget.caught does); when the command word is a step without payload, call ``step()``
+ * Doorbell.wait does, within the SpinBudget at the address ``budget``, whose budget_s it
+ * adapts as SpinBudget.caught does); when the command word is a step without payload, call ``step()``
  * (EnvGroup.step), record its time in the StepTimer words (count, total seconds, quarter-octave
  * histogram), and when it returned no events, reply OK with no payload: status word, payload
  * word 0, ACK, post ``done`` (and ``any_done`` unless 0). Returns to the caller:
@@ -612,28 +629,23 @@ static PyObject *
 sp_serve_steps(PyObject *self, PyObject *args)
 {
     calls[F_SERVE_STEPS]++;
-    PyObject *ra, *da, *aa, *ca, *step, *ta, *budget, *ba = Py_None;
+    PyObject *ra, *da, *aa, *ca, *step, *ta, *ga, *ba = Py_None;
     double tight_s;
     long long step_code, ok_code;
     int per_octave, num_buckets;
-    void *rp, *dp, *cp, *tp, *ap = NULL, *bp = NULL;
-    if (!PyArg_ParseTuple(args, "OOOOOOOdLLii|O", &ra, &da, &aa, &ca, &step, &ta, &budget,
-                          &tight_s, &step_code, &ok_code, &per_octave, &num_buckets, &ba))
+    void *rp, *dp, *cp, *tp, *gp, *ap = NULL, *bp = NULL;
+    if (!PyArg_ParseTuple(args, "OOOOOOOdLLii|O", &ra, &da, &aa, &ca, &step, &ta, &ga, &tight_s,
+                          &step_code, &ok_code, &per_octave, &num_buckets, &ba))
         return NULL;
     if (!as_address(ra, &rp) || !as_address(da, &dp) || !as_address(ca, &cp) ||
-        !as_address(ta, &tp))
+        !as_address(ta, &tp) || !as_address(ga, &gp))
         return NULL;
     if (aa != Py_None && !as_address(aa, &ap))
         return NULL;
     if (ba != Py_None && !as_address(ba, &bp))
         return NULL;
     bell_t *bell = (bell_t *)bp;
-    int ok = 1;
-    double budget_s = get_double(budget, s_budget_s, &ok);
-    double max_s = get_double(budget, s_max_s, &ok);
-    double step_s = get_double(budget, s_step_s, &ok); /* SpinBudget's additive step */
-    if (!ok)
-        return NULL;
+    spin_budget_t *budget = (spin_budget_t *)gp; /* adapted in place, as SpinBudget.caught */
     sem_t *request = (sem_t *)rp, *done = (sem_t *)dp, *any_done = (sem_t *)ap;
     volatile control_t *control = (volatile control_t *)cp;
     double *words = (double *)tp;
@@ -647,9 +659,9 @@ sp_serve_steps(PyObject *self, PyObject *args)
             Py_BEGIN_ALLOW_THREADS
             t_wait = monotonic_s();
             if (bell != NULL)
-                taken = spin_pending(control, tight_s, budget_s);
+                taken = spin_pending(control, tight_s, budget->budget_s);
             else
-                taken = spin_take(request, tight_s, budget_s);
+                taken = spin_take(request, tight_s, budget->budget_s);
             t_wait = monotonic_s() - t_wait;
             Py_END_ALLOW_THREADS
         }
@@ -657,7 +669,7 @@ sp_serve_steps(PyObject *self, PyObject *args)
             out = Py_BuildValue("(idO)", 0, t_wait, Py_None);
             break;
         }
-        budget_s = budget_s + step_s < max_s ? budget_s + step_s : max_s;
+        budget_caught(budget);
         if (control->cmd != step_code || control->cmd_payload != 0) {
             out = Py_BuildValue("(idO)", 1, 0.0, Py_None);
             break;
@@ -681,20 +693,6 @@ sp_serve_steps(PyObject *self, PyObject *args)
         control->reply_payload = 0;
         bell_arrive(bell, control, done, any_done); /* GATHER is 0 without a bell */
     }
-    /* The adapted budget goes back to the SpinBudget, also when step() raised. */
-    PyObject *type, *value, *tb;
-    PyErr_Fetch(&type, &value, &tb);
-    PyObject *b = PyFloat_FromDouble(budget_s);
-    int set = b != NULL && PyObject_SetAttr(budget, s_budget_s, b) == 0;
-    Py_XDECREF(b);
-    if (!set) {
-        Py_XDECREF(type);
-        Py_XDECREF(value);
-        Py_XDECREF(tb);
-        Py_XDECREF(out);
-        return NULL;
-    }
-    PyErr_Restore(type, value, tb);
     return out;
 }
 
@@ -716,51 +714,6 @@ catch_exception(PyObject *kind)
     return value;
 }
 
-/* -- the processes driver's step round -------------------------------------------------------- */
-
-/* Set a SpinBudget's budget_s (seconds): 0, or -1 with an exception set. */
-static int
-budget_set(PyObject *budget, double budget_s)
-{
-    PyObject *b = PyFloat_FromDouble(budget_s);
-    if (b == NULL)
-        return -1;
-    int rc = PyObject_SetAttr(budget, s_budget_s, b);
-    Py_DECREF(b);
-    return rc;
-}
-
-/* A SpinBudget's ``caught``, given its budget_s: that grows by its step_s, up to max_s. */
-static int
-budget_caught(PyObject *budget, double budget_s)
-{
-    int ok = 1;
-    double max_s = get_double(budget, s_max_s, &ok);
-    double step_s = get_double(budget, s_step_s, &ok);
-    if (!ok)
-        return -1;
-    if (budget_s >= max_s)
-        return 0;
-    return budget_set(budget, budget_s + step_s < max_s ? budget_s + step_s : max_s);
-}
-
-/* SpinBudget.blocked: a wait that spun out and blocked, wait_s seconds in all. */
-static int
-budget_blocked(PyObject *budget, double wait_s)
-{
-    int ok = 1;
-    double max_s = get_double(budget, s_max_s, &ok);
-    double step_s = get_double(budget, s_step_s, &ok);
-    double budget_s = get_double(budget, s_budget_s, &ok);
-    if (!ok)
-        return -1;
-    if (max_s <= 0)
-        return 0;
-    if (wait_s <= max_s / 2)
-        return budget_set(budget, budget_s + step_s < max_s ? budget_s + step_s : max_s);
-    return budget_set(budget, budget_s / 2);
-}
-
 /* -- the processes driver's full step round ------------------------------------------------- */
 
 /* A full round's plan, the one handle full_round takes (round_plan() builds it when the
@@ -770,8 +723,9 @@ typedef struct {
     Py_ssize_t n;
     sem_t **requests, **dones;
     volatile control_t **controls;
-    PyObject *budgets;      /* list: each worker's SpinBudget (the semaphore round's) */
-    PyObject *round_budget; /* the SpinBudget of a round on the bell */
+    spin_budget_t **budgets;    /* each worker's SpinBudget (the semaphore round's) */
+    spin_budget_t *round_budget; /* the SpinBudget of a round on the bell */
+    PyObject *budget_owners;     /* (the budgets list, the round's SpinBudget): kept alive */
     PyObject *driver_block; /* the driver's own block, timed; None: it has none */
     PyObject *env_failure, *outcome_type;
     double tight_s;
@@ -790,8 +744,8 @@ round_plan_free(PyObject *capsule)
     PyMem_Free(plan->requests);
     PyMem_Free(plan->dones);
     PyMem_Free((void *)plan->controls);
-    Py_XDECREF(plan->budgets);
-    Py_XDECREF(plan->round_budget);
+    PyMem_Free(plan->budgets);
+    Py_XDECREF(plan->budget_owners);
     Py_XDECREF(plan->driver_block);
     Py_XDECREF(plan->env_failure);
     Py_XDECREF(plan->outcome_type);
@@ -802,8 +756,9 @@ round_plan_free(PyObject *capsule)
  *            ok_code, bell, round_budget, outcome_type) -> plan
  *
  * The tuples hold the addresses of each worker's request and done semaphores and of its
- * control row; ``budgets`` one SpinBudget per worker; ``bell`` the round bell's address (Linux
- * x86-64) or None; ``outcome_type`` protocol.RoundOutcome (a tuple subclass). */
+ * control row; ``budgets`` one SpinBudget per worker and ``round_budget`` the round's (the
+ * plan keeps them alive and reads their numbers in place); ``bell`` the round bell's address
+ * (Linux x86-64) or None; ``outcome_type`` protocol.RoundOutcome (a tuple subclass). */
 static PyObject *
 sp_round_plan(PyObject *self, PyObject *args)
 {
@@ -830,48 +785,50 @@ sp_round_plan(PyObject *self, PyObject *args)
     round_plan_t *plan = PyMem_Calloc(1, sizeof(round_plan_t));
     if (plan == NULL)
         return PyErr_NoMemory();
-    plan->n = n;
-    plan->requests = PyMem_Calloc(n ? n : 1, sizeof(sem_t *));
-    plan->dones = PyMem_Calloc(n ? n : 1, sizeof(sem_t *));
-    plan->controls = PyMem_Calloc(n ? n : 1, sizeof(control_t *));
-    void *b = NULL;
-    int ok = plan->requests != NULL && plan->dones != NULL && plan->controls != NULL;
-    if (!ok)
-        PyErr_NoMemory();
-    for (Py_ssize_t w = 0; ok && w < n; w++) {
-        void *request, *done, *control;
-        ok = as_address(PyTuple_GET_ITEM(requests, w), &request) &&
-             as_address(PyTuple_GET_ITEM(dones, w), &done) &&
-             as_address(PyTuple_GET_ITEM(controls, w), &control);
-        if (ok) {
-            plan->requests[w] = (sem_t *)request;
-            plan->dones[w] = (sem_t *)done;
-            plan->controls[w] = (volatile control_t *)control;
-        }
+    PyObject *capsule = PyCapsule_New(plan, round_plan_name, round_plan_free);
+    if (capsule == NULL) {
+        PyMem_Free(plan);
+        return NULL;
     }
-    ok = ok && (bell == Py_None || as_address(bell, &b));
-    plan->bell = (bell_t *)b;
+    /* From here the capsule owns the plan: its destructor frees what was filled in. */
+    plan->n = n;
     plan->tight_s = tight_s;
     plan->step_code = step_code;
     plan->ok_code = ok_code;
-    PyObject *owned[5] = {budgets, round_budget, driver_block, env_failure, outcome_type};
-    for (int i = 0; i < 5; i++)
-        Py_INCREF(owned[i]);
-    plan->budgets = budgets;
-    plan->round_budget = round_budget;
-    plan->driver_block = driver_block;
-    plan->env_failure = env_failure;
-    plan->outcome_type = outcome_type;
-    PyObject *capsule = ok ? PyCapsule_New(plan, round_plan_name, round_plan_free) : NULL;
-    if (capsule == NULL) {
-        PyMem_Free(plan->requests);
-        PyMem_Free(plan->dones);
-        PyMem_Free((void *)plan->controls);
-        for (int i = 0; i < 5; i++)
-            Py_DECREF(owned[i]);
-        PyMem_Free(plan);
+    plan->driver_block = Py_NewRef(driver_block);
+    plan->env_failure = Py_NewRef(env_failure);
+    plan->outcome_type = Py_NewRef(outcome_type);
+    plan->budget_owners = PyTuple_Pack(2, budgets, round_budget);
+    plan->requests = PyMem_Calloc(n ? n : 1, sizeof(sem_t *));
+    plan->dones = PyMem_Calloc(n ? n : 1, sizeof(sem_t *));
+    plan->controls = PyMem_Calloc(n ? n : 1, sizeof(control_t *));
+    plan->budgets = PyMem_Calloc(n ? n : 1, sizeof(spin_budget_t *));
+    if (plan->budget_owners == NULL || plan->requests == NULL || plan->dones == NULL ||
+        plan->controls == NULL || plan->budgets == NULL) {
+        if (!PyErr_Occurred())
+            PyErr_NoMemory();
+        goto fail;
     }
+    for (Py_ssize_t w = 0; w < n; w++) {
+        void *request, *done, *control;
+        if (!as_address(PyTuple_GET_ITEM(requests, w), &request) ||
+            !as_address(PyTuple_GET_ITEM(dones, w), &done) ||
+            !as_address(PyTuple_GET_ITEM(controls, w), &control) ||
+            (plan->budgets[w] = spin_budget_of(PyList_GET_ITEM(budgets, w))) == NULL)
+            goto fail;
+        plan->requests[w] = (sem_t *)request;
+        plan->dones[w] = (sem_t *)done;
+        plan->controls[w] = (volatile control_t *)control;
+    }
+    void *b = NULL;
+    if ((bell != Py_None && !as_address(bell, &b)) ||
+        (plan->round_budget = spin_budget_of(round_budget)) == NULL)
+        goto fail;
+    plan->bell = (bell_t *)b;
     return capsule;
+fail:
+    Py_DECREF(capsule);
+    return NULL;
 }
 
 /* The unread list of a full round: the indexes of the workers whose reply is not "OK, no
@@ -997,10 +954,7 @@ gather_round(round_plan_t *plan, double wait_s)
     PyObject *driver_block_result, *driver_block_failure;
     if (call_driver_block(plan, &driver_block_result, &driver_block_failure) < 0)
         return NULL;
-    int ok = 1;
-    double budget_s = get_double(plan->round_budget, s_budget_s, &ok);
-    if (!ok)
-        goto fail;
+    double budget_s = plan->round_budget->budget_s;
     int got = __atomic_load_n(&bell->remaining, __ATOMIC_ACQUIRE) == 0;
     if (!got) {
         Py_BEGIN_ALLOW_THREADS
@@ -1027,9 +981,10 @@ gather_round(round_plan_t *plan, double wait_s)
         return round_outcome(plan->outcome_type, driver_block_result, driver_block_failure, 0, n,
                              unread, budget_s + (slept_s > 0 ? slept_s : 0.0));
     }
-    if ((slept_s < 0 ? budget_caught(plan->round_budget, budget_s)
-                     : budget_blocked(plan->round_budget, budget_s + slept_s)) < 0)
-        goto fail;
+    if (slept_s < 0)
+        budget_caught(plan->round_budget);
+    else
+        budget_blocked(plan->round_budget, budget_s + slept_s);
     PyObject *unread = unread_replies(plan);
     if (unread == NULL)
         goto fail;
@@ -1091,11 +1046,8 @@ sp_full_round(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     double spun_s = 0.0;
     for (; taken < n; taken++) {
         sem_t *done = plan->dones[taken];
-        PyObject *budget = PyList_GET_ITEM(plan->budgets, taken);
-        int ok = 1;
-        double budget_s = get_double(budget, s_budget_s, &ok);
-        if (!ok)
-            goto fail_unread;
+        spin_budget_t *budget = plan->budgets[taken];
+        double budget_s = budget->budget_s;
         int got = sem_trywait(done) == 0;
         if (!got) {
             Py_BEGIN_ALLOW_THREADS
@@ -1106,8 +1058,7 @@ sp_full_round(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
             spun_s = budget_s;
             break;
         }
-        if (budget_caught(budget, budget_s) < 0)
-            goto fail_unread;
+        budget_caught(budget);
         volatile control_t *words = plan->controls[taken];
         if (bell_pending(words))
             break; /* ACK behind REQ: the death watch's token (R8); the caller finds it dead */
@@ -1599,10 +1550,5 @@ static struct PyModuleDef module = {
 PyMODINIT_FUNC
 PyInit__speedups(void)
 {
-    s_budget_s = PyUnicode_InternFromString("budget_s");
-    s_max_s = PyUnicode_InternFromString("max_s");
-    s_step_s = PyUnicode_InternFromString("step_s");
-    if (s_budget_s == NULL || s_max_s == NULL || s_step_s == NULL)
-        return NULL;
     return PyModule_Create(&module);
 }

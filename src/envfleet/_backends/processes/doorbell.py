@@ -124,32 +124,55 @@ class SpinBudget:
     is slow, or is not running at all because the cores are oversubscribed, and then spinning
     only takes the CPU the peer needs. A wait that is caught while spinning, or that blocked
     but ended soon enough for a spin to have caught it, adds ``step_s`` (``max_s / 16``; the
-    C step path reads it from here, the rule's one definition). On a quiet machine with short
-    waits the budget stays near ``max_s`` (wake-ups as fast as a spin sees them); with long
-    waits, or other processes competing for the cores, it falls to almost nothing and waiters
-    block at once. After its first :data:`TIGHT_SPIN_S` (far below a scheduler slice) the spin
-    loop yields the core (``sched_yield``) between polls, so a spinner never holds a core
-    another runnable process could use for long.
+    C step path's ``budget_caught`` and ``budget_blocked`` are the same rule on the same
+    numbers). On a quiet machine with short waits the budget stays near ``max_s`` (wake-ups
+    as fast as a spin sees them); with long waits, or other processes competing for the
+    cores, it falls to almost nothing and waiters block at once. After its first
+    :data:`TIGHT_SPIN_S` (far below a scheduler slice) the spin loop yields the core
+    (``sched_yield``) between polls, so a spinner never holds a core another runnable process
+    could use for long.
+
+    Its numbers (``budget_s``, ``max_s``, ``step_s``, seconds) live in :attr:`words`, three
+    C doubles at :attr:`address`, where the C step path (``_speedups.c``'s ``spin_budget_t``)
+    reads and adapts them in place, with no Python attribute in the way.
 
     Args:
         max_s: the most seconds one wait may spin; 0 disables spinning.
     """
 
+    __slots__ = ("address", "words")
+
     def __init__(self, max_s: float):
-        self.max_s = max(0.0, max_s)
-        self.budget_s = self.max_s
-        self.step_s = self.max_s / 16
+        max_s = max(0.0, max_s)
+        self.words = (ctypes.c_double * 3)(max_s, max_s, max_s / 16)
+        self.address = ctypes.addressof(self.words)
+
+    @property
+    def budget_s(self) -> float:
+        """Seconds the next wait may spin."""
+        return self.words[0]
+
+    @property
+    def max_s(self) -> float:
+        return self.words[1]
+
+    @property
+    def step_s(self) -> float:
+        """What a caught wait adds (``max_s / 16``)."""
+        return self.words[2]
 
     def caught(self) -> None:
         """A wait ended while spinning."""
-        self.budget_s = min(self.max_s, self.budget_s + self.step_s)
+        words = self.words
+        words[0] = min(words[1], words[0] + words[2])
 
     def blocked(self, wait_s: float) -> None:
         """A wait spun out and blocked; it lasted ``wait_s`` seconds in all."""
-        if wait_s <= self.max_s / 2:  # a longer spin would have caught it
-            self.budget_s = min(self.max_s, self.budget_s + self.step_s)
+        words = self.words
+        if wait_s <= words[1] / 2:  # a longer spin would have caught it
+            words[0] = min(words[1], words[0] + words[2])
         else:
-            self.budget_s /= 2
+            words[0] /= 2
 
 
 class _Timespec(ctypes.Structure):

@@ -583,7 +583,7 @@ class _Worker:
             control_words(self.spec.control)[self.g].ctypes.data,
             group.step,
             timer.row.ctypes.data,
-            self.budget,
+            self.budget.address,  # its numbers, adapted in place (self keeps it alive)
             TIGHT_SPIN_S,
             int(Command.STEP),
             int(Status.OK),
