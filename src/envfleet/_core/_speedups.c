@@ -616,10 +616,10 @@ spin_budget_of(PyObject *budget)
  *
  * _Worker.serve's loop for plain steps. Repeatedly: take the request semaphore (spinning, as
  * Doorbell.wait does, within the SpinBudget at the address ``budget``, whose budget_s it
- * adapts as SpinBudget.caught does); when the command word is a step without payload, call ``step()``
- * (EnvGroup.step), record its time in the StepTimer words (count, total seconds, quarter-octave
- * histogram), and when it returned no events, reply OK with no payload: status word, payload
- * word 0, ACK, post ``done`` (and ``any_done`` unless 0). Returns to the caller:
+ * adapts as SpinBudget.caught does); when the command word is a step without payload, call
+ * ``step()`` (EnvGroup.step), record its time in the StepTimer words (count, total seconds,
+ * quarter-octave histogram), and when it returned no events, reply OK with no payload: status
+ * word, payload word 0, ACK, post ``done`` (and ``any_done`` unless 0). Returns to the caller:
  *   (0, spun_s, None)    the wait spun out after spun_s seconds; nothing taken: block on it
  *   (1, 0.0, None)       a request other than a plain step was taken: dispatch it
  *   (2, 0.0, events)     a step returned events: reply OK with them
@@ -831,15 +831,15 @@ fail:
     return NULL;
 }
 
-/* The unread list of a full round: the indexes of the workers whose reply is not "OK, no
- * payload". */
+/* The unread list of a full round that took its first ``taken`` workers: the indexes of those
+ * whose reply is not "OK, no payload". */
 static PyObject *
-unread_replies(round_plan_t *plan)
+unread_replies(round_plan_t *plan, Py_ssize_t taken)
 {
     PyObject *unread = PyList_New(0);
     if (unread == NULL)
         return NULL;
-    for (Py_ssize_t w = 0; w < plan->n; w++) {
+    for (Py_ssize_t w = 0; w < taken; w++) {
         volatile control_t *words = plan->controls[w];
         if (words->status != plan->ok_code || words->reply_payload != 0) {
             PyObject *index = PyLong_FromSsize_t(w);
@@ -985,7 +985,7 @@ gather_round(round_plan_t *plan, double wait_s)
         budget_caught(plan->round_budget);
     else
         budget_blocked(plan->round_budget, budget_s + slept_s);
-    PyObject *unread = unread_replies(plan);
+    PyObject *unread = unread_replies(plan, n);
     if (unread == NULL)
         goto fail;
     return round_outcome(plan->outcome_type, driver_block_result, driver_block_failure, n, n,
@@ -1039,9 +1039,6 @@ sp_full_round(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     PyObject *driver_block_result, *driver_block_failure;
     if (call_driver_block(plan, &driver_block_result, &driver_block_failure) < 0)
         return NULL;
-    PyObject *unread = PyList_New(0);
-    if (unread == NULL)
-        goto fail;
     Py_ssize_t taken = 0;
     double spun_s = 0.0;
     for (; taken < n; taken++) {
@@ -1059,26 +1056,17 @@ sp_full_round(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
             break;
         }
         budget_caught(budget);
-        volatile control_t *words = plan->controls[taken];
-        if (bell_pending(words))
+        if (bell_pending(plan->controls[taken]))
             break; /* ACK behind REQ: the death watch's token (R8); the caller finds it dead */
-        if (words->status != plan->ok_code || words->reply_payload != 0) {
-            PyObject *index = PyLong_FromSsize_t(taken);
-            if (index == NULL || PyList_Append(unread, index) < 0) {
-                Py_XDECREF(index);
-                goto fail_unread;
-            }
-            Py_DECREF(index);
-        }
+    }
+    PyObject *unread = unread_replies(plan, taken);
+    if (unread == NULL) {
+        Py_DECREF(driver_block_result);
+        Py_DECREF(driver_block_failure);
+        return NULL;
     }
     return round_outcome(plan->outcome_type, driver_block_result, driver_block_failure, taken, n,
                          unread, spun_s);
-fail_unread:
-    Py_DECREF(unread);
-fail:
-    Py_DECREF(driver_block_result);
-    Py_DECREF(driver_block_failure);
-    return NULL;
 }
 
 /* -- EnvGroup's result and observation writes ------------------------------------------- */
