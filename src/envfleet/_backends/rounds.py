@@ -1,55 +1,42 @@
 """The round driver: every round of every transport, written once.
 
 A *transport* (``serial``, ``threads``, ``processes``, ``ray``) moves commands to its workers
-and replies back; it implements the few primitives of
-:class:`~envfleet._backends.transport.Transport` and holds no loop
-over pending workers. :class:`RoundDriver` is the one :class:`~envfleet._backends.base.Backend`
-the front talks to: it runs every round over any transport (the synchronous round, the
-first-ready pool's, ``call``/``get_attr``/tasks, the Sampler's worker rounds, ProcessEnv's
-calls, the start and the replacement of workers, whose side of the driver is
+and replies back through the few primitives of :class:`~envfleet._backends.transport.Transport`;
+:class:`RoundDriver`, the one :class:`~envfleet._backends.base.Backend` the front talks to,
+runs every round over it (the synchronous round, the first-ready pool's, calls and tasks,
+the Sampler's worker rounds, ProcessEnv's calls, the start and replacement of workers:
 :class:`~envfleet._backends.replacement.WorkerReplacement`):
 
-1. **command out**: :meth:`Transport.send` to each worker of the round (the groups a transport
-   runs in the calling thread, :meth:`Transport.inline`, last, so the others run meanwhile);
-2. **replies, deaths, deadline in**: :meth:`Transport.wait` over the workers still to reply
-   until one replies, one dies or the deadline passes (one wait that watches all three, as
-   CPython's ``concurrent.futures.ProcessPoolExecutor`` waits on result pipes and process
-   sentinels at once); :meth:`Transport.read` takes a reply into the :class:`Round`;
+1. **command out**: :meth:`Transport.send` to each worker of the round (the groups run in
+   the calling thread, :meth:`Transport.inline`, last, so the others run meanwhile);
+2. **replies, deaths, deadline in**: :meth:`RoundDriver.wait_replies`, the one wait, over
+   :meth:`Transport.wait` (it watches replies, deaths and the deadline at once, as CPython's
+   ``concurrent.futures.ProcessPoolExecutor`` waits on result pipes and process sentinels),
+   each reply read into the :class:`Round` by :meth:`Transport.read`;
 3. **settle** (:meth:`WorkerReplacement.settle`): the
    :class:`~envfleet._backends.supervisor.Supervisor` decides (the one broken path, or a
-   :class:`~envfleet._backends.supervisor.Rebuild` within the restart policy), and this
-   driver rebuilds what it answers (the transport's :meth:`Transport.respawn`, the start,
-   the catch-ups and a round of ``Command.RESTART``). The supervisor calls neither this
-   driver's rounds nor a transport.
+   :class:`~envfleet._backends.supervisor.Rebuild` within the restart policy) and this driver
+   rebuilds what it answers; the supervisor calls neither this driver's rounds nor a transport.
 
-A transport may lend one leaf accelerator, :attr:`Transport.full_round`: the synchronous step
-round where every worker is pending, in C (``processes``: ``_speedups.full_round``), which
-answers ``None`` when the round is complete, else a
-:class:`~envfleet._core.protocol.RoundOutcome`;
-what it leaves (a reply to read, a worker still running, a failure) goes through the same Python
-round.
+A transport may lend one accelerator, :attr:`Transport.full_round`: the synchronous step round
+in C (``processes``), which answers ``None`` when the round is complete, else a
+:class:`~envfleet._core.protocol.RoundOutcome` whose rest (a reply to read, a worker still
+running, a failure) goes through the same Python round.
 
-No wait is silent: a Python wait is capped at the next hang report's time
-(:class:`_HangReports`, one call's schedule), and past it reports and waits on; a
-``KeyboardInterrupt`` in a wait carries a note naming the busy envs and their stacks (the
-report and the note: :class:`~envfleet._backends.hang_reports.HangReporter`).
+No wait is silent: a wait is capped at the next hang report's time (:class:`_HangReports`),
+and a ``KeyboardInterrupt`` in a wait carries a note naming the busy envs and their stacks
+(:class:`~envfleet._backends.hang_reports.HangReporter`).
 
-Ctrl-C keeps the run. A ``KeyboardInterrupt`` in a synchronous round's wait (``wait_replies``: a
-step, a reset, ``step_wait``, a call or a task; the C step round's too) is *deferred*: the
-round is completed (the wait goes on for the workers still running the command, their
-replies are read and settled as if the call had returned), within ``step_timeout`` when set,
-else :data:`INTERRUPT_GRACE_S`, then the interrupt is raised (its ``_envfleet_completed``
-set: the front counts the step). A first-ready pool's wait is *undone* instead: every
-pending worker that had not replied stays pending, and the replies that came are kept for
-the next call. A second Ctrl-C during the completion wait, the grace running out, an
-interrupt while a reply is being read, one in a submit (``send``: a command half sent), or
-one inside an env run in this thread (its step half done) closes the vector env as before.
-
-An interrupt is raised at any bytecode, also just after a wait took a reply's token and
-before it said so: the processes transport's ``recover`` then tells, from the workers'
-``REQ``/``ACK`` words (kept on the round bell and on the semaphores alike), who replied; a
-first-ready wait gives back the shared token it may have taken (``rewake``: a spare one
-only wakes a later wait for nothing).
+Ctrl-C keeps the run. One in a synchronous round's wait (the C step round's too) is
+*deferred*: the round is completed and settled, within ``step_timeout`` when set, else
+:data:`INTERRUPT_GRACE_S`, then the interrupt is raised (``_envfleet_completed``: the front
+counts the step). A first-ready pool's wait is *undone*: the workers that had not replied stay
+pending, the replies that came are kept for the next call. A second Ctrl-C, the grace running
+out, an interrupt while a reply is read, in a submit (a command half sent) or inside an env
+run in this thread (its step half done) closes the vector env. An interrupt may come just
+after a wait took a reply's token and before it said so: the transport's ``recover`` (from the
+workers' ``REQ``/``ACK`` words) tells who replied, and a pool's wait gives back a shared token
+it may have taken (``rewake``).
 """
 
 from __future__ import annotations
@@ -200,13 +187,12 @@ class RoundDriver(HangReporter, WorkerReplacement, Backend):
         return self._any_round(command, payloads, timeout, step)
 
     def _c_round(self, command: Command, payloads: Mapping[int, Any]) -> bool | None:
-        """Whether the round of ``command`` with ``payloads`` (worker -> payload) is the
-        transport's :attr:`Transport.full_round`, asked by every round that may take it (the
-        plain step, :meth:`step_round`, asks the same inline): ``True`` to ring every worker
-        (a step of every group, none pending), ``False`` to finish the step that step_async
-        rang (every remote worker pending, ``payloads`` the driver's own block's), ``None``
-        for the Python round. Never for a payload: the C round reads the actions from the
-        shared buffers only, so a step that carries per-leaf actions goes the Python way."""
+        """Whether the round of ``command`` with ``payloads`` (worker -> payload) goes through
+        :attr:`Transport.full_round` (:meth:`step_round` asks the same inline): ``True`` to
+        ring every worker (a step of every group, none pending), ``False`` to finish what
+        step_async rang (every remote worker pending, ``payloads`` the driver's own block's),
+        ``None`` for the Python round, also for any payload (the C round reads the actions
+        from the shared buffers only)."""
         if command is not _STEP or self._full_round is None:
             return None
         if any(payload is not None for payload in payloads.values()):
@@ -218,9 +204,9 @@ class RoundDriver(HangReporter, WorkerReplacement, Backend):
         return None
 
     def _completed(self, run: Callable[..., dict[int, Any]], args: tuple, stepped: bool) -> Any:
-        """``run(*args)`` (a round, or its collection; its last argument the step count), then
-        the recycler's look after a step round; a Ctrl-C it completed is raised once it
-        returned (:meth:`_deliver`), and what ends it is raised as :meth:`_ended` says."""
+        """``run(*args)`` (its last argument the step count), then the recycler's look after a
+        step round; a completed Ctrl-C is raised after it (:meth:`_deliver`), what ends it as
+        :meth:`_ended` says."""
         try:
             results = run(*args)
             if stepped and self._recycler is not None and self._interrupt is None:
@@ -233,10 +219,8 @@ class RoundDriver(HangReporter, WorkerReplacement, Backend):
 
     def step_round(self, timeout: float | None, step: int) -> dict[int, Any] | None:
         """The plain synchronous step (``round(STEP, every group's None, ...)``): ``None`` when
-        every group stepped and no env had an info, else the round's results. Through the
-        transport's :attr:`Transport.full_round` where it has one (nothing pending:
-        :meth:`_c_round`'s ``True`` for every group's ``None``, inline here; recycling looked
-        at after it), else through :meth:`round`."""
+        every group stepped and no env had an info, else the round's results; through
+        :attr:`Transport.full_round` where there is one and nothing is pending."""
         if self._full_round is not None and not self._pending:
             fast = self._fast_round(timeout, step, True)
             recycler = self._recycler
@@ -425,21 +409,16 @@ class RoundDriver(HangReporter, WorkerReplacement, Backend):
 
     @runs_envs_here
     def _fast_round(self, timeout: float | None, step: int, ring: bool) -> dict[int, Any] | None:
-        """The synchronous step round through the transport's :attr:`Transport.full_round`
-        (``ring``: send every worker its command; false: step_async did), for both the plain
-        step (:meth:`step_round`) and :meth:`round` / :meth:`finish`: ``None`` when it took
-        every reply, each "OK, no payload", and the driver's own block had no event (the rows
-        are the whole answer); else the round's results, finished the Python way (with what
-        is left of ``timeout`` after the driver's own block). Guarded by the supervisor's
-        rule (:meth:`Supervisor.abandon`), itself: the plain step's one frame in this layer.
+        """The synchronous step round through :attr:`Transport.full_round` (``ring``: send
+        every worker its command; false: step_async did): ``None`` when it took every reply,
+        each "OK, no payload", and the driver's own block had no event (the rows are the whole
+        answer); else the round's results, finished the Python way. Guarded by the
+        supervisor's rule (:meth:`Supervisor.abandon`) itself: the plain step's one frame here.
 
-        Ctrl-C: the interrupt is raised when the C call returns, its outcome lost; on the
-        round bell (the transport's ``regathers``: arrivals and ``ACK`` words in shared memory,
-        no token taken) every remote worker is waited for again and read, which *completes*
-        the round (then the interrupt is raised). Elsewhere (step_wait's semaphores, whose
-        tokens the round may have taken; an env of the driver's own block interrupted in its
-        step) the backend closes, as before. An interrupt in the Python wait that follows
-        completes the round there (:meth:`wait_replies`)."""
+        Ctrl-C: raised when the C call returns, its outcome lost. On the round bell (the
+        transport's ``regathers``: no token taken) every remote worker is waited for again,
+        which completes the round; elsewhere (step_wait's semaphores, an env of the driver's
+        own block interrupted in its step) the backend closes."""
         self._command = _STEP
         started = 0.0 if ring else time.monotonic()  # step_wait's timeout counts from here
         busy = self._driver_block_busy  # the driver's own block runs in this thread: its mark
@@ -527,41 +506,55 @@ class RoundDriver(HangReporter, WorkerReplacement, Backend):
         done: Round | None = None,
         starting: bool = False,
         spun_s: float | None = None,
+        pool: bool = False,
     ) -> Round:
-        """Wait for the reply of every worker of ``workers`` and read it into a round.
+        """The one wait of every round: wait for the replies of ``workers`` and read them into
+        a round (``done``: the round so far), until every one replied or, ``pool``, until any
+        did (a first-ready pool's round: ``workers`` is the pending list, each worker's
+        deadline ``timeout`` seconds from its own send, and the workers that replied, died or
+        ran late leave it).
 
         ``fail_fast``: a dead worker or the deadline raises at once (and shuts down);
-        otherwise they are noted in the round for the supervisor. ``done``: the round so far.
-        ``spun_s``: seconds a full round already spun on the first of ``workers`` (its wait
-        counts them).
+        otherwise they are noted in the round for the supervisor. ``spun_s``: seconds a full
+        round already spun on the first of ``workers`` (its wait counts them).
 
-        Ctrl-C (not ``starting``) completes the round: the wait goes on, until ``deadline``
-        or, without one, :data:`INTERRUPT_GRACE_S` seconds (past it the backend closes and
-        the interrupt is raised); the interrupt is kept for the front's call to raise once the
-        round is settled (:meth:`_deliver`). A second one, or one while a reply is read, is
-        raised at once (the caller's guard closes the backend).
+        Ctrl-C (not ``starting``, not ``pool``) completes the round: the wait goes on, until
+        ``deadline`` or, without one, :data:`INTERRUPT_GRACE_S` seconds (past it the backend
+        closes and the interrupt is raised); the interrupt is kept for the front's call to
+        raise once the round is settled (:meth:`_deliver`). A second one, or one while a reply
+        is read, is raised at once (the caller's guard closes the backend). A pool's wait is
+        undone instead: every worker that had not replied stays pending, the replies the wait
+        had taken are kept for the next call (:meth:`Supervisor.keep_round`).
         """
-        transport = self.transport
+        transport, supervisor = self.transport, self.supervisor
         done = Round() if done is None else done
-        waiting = list(workers)
+        waiting = workers if pool else list(workers)
         reports = _HangReports(self._hang_delay, spun_s or 0.0)
         graced = False  # the deadline is the grace of a Ctrl-C's completion
-        if self._interrupt is not None and deadline is None:  # completing an interrupted round
+        if self._interrupt is not None and deadline is None and not pool:
             deadline, graced = time.monotonic() + INTERRUPT_GRACE_S, True
         while waiting:
+            in_wait = True  # a pool's Ctrl-C here undoes the call: nothing was taken
             reading = False
             try:
+                if pool:
+                    deadline = supervisor.deadline(waiting, timeout)
                 limit, capped = reports.cap(deadline)
-                seen = transport.wait(waiting, limit, False, spun_s)
-                spun_s = None
-                if not seen.ready and not seen.dead:
-                    if capped:  # the report time passed, not the deadline: report, wait on
+                seen = transport.wait(waiting, limit, pool, spun_s)
+                in_wait, spun_s = False, None
+                late: list[int] = []
+                if pool and deadline is not None and time.monotonic() >= deadline:
+                    # A worker past its own deadline is late whatever the others replied.
+                    rest = [w for w in waiting if w not in seen.ready and w not in seen.dead]
+                    late = supervisor.late(rest, timeout)
+                if not seen.ready and not seen.dead and not late:
+                    if capped and (not pool or reports.due()):  # report, wait on
                         self._report_hang(waiting, *reports.advance(), starting)
-                        continue
-                    if graced:
+                    elif graced:
                         break  # the grace ran out: give up (out of this try)
-                    done.late.append(waiting.pop(0))  # the deadline passed
-                    continue
+                    elif not pool:
+                        done.late.append(waiting.pop(0))  # the deadline passed
+                    continue  # (a pool: a wake-up with nothing new)
                 reading = True
                 for w in seen.ready:
                     waiting.remove(w)
@@ -570,21 +563,44 @@ class RoundDriver(HangReporter, WorkerReplacement, Backend):
                 for w, reason in seen.dead.items():
                     waiting.remove(w)
                     done.crashed[w] = reason
+                for w in late:
+                    waiting.remove(w)
+                done.late += late
                 self._check_crashed(done, step, fail_fast, starting)
+                if pool:
+                    break
             except KeyboardInterrupt as exc:
                 self._interrupted(exc, waiting, "start" if starting else None)
+                if pool:
+                    if in_wait and self._interrupt is None:
+                        self._undo_wait(exc, waiting)
+                    raise
                 if starting or reading or not self._defer(exc):
                     self._pending = waiting  # still running: close() treats them as busy
                     raise
                 self._recover(waiting, done)
                 if deadline is None:
                     deadline, graced = time.monotonic() + INTERRUPT_GRACE_S, True
-        if waiting:  # left by the grace's end
+        if waiting and not pool:  # left by the grace's end
             self._give_up(waiting)
-        if done.late and (fail_fast or not transport.replaceable or self.ledger.wait_bound):
-            self._pending = done.late  # still running: close() treats them as busy
-            self.supervisor.timed_out(done.late, timeout)
+        wait_bound = self.ledger.wait_bound and not pool
+        if done.late and (fail_fast or not transport.replaceable or wait_bound):
+            self._pending = sorted({*waiting, *done.late})  # close() treats them as busy
+            supervisor.timed_out(done.late, timeout)
         return done
+
+    def _undo_wait(self, exc: KeyboardInterrupt, waiting: list[int]) -> None:
+        """Undo a first-ready pool's wait that ``exc`` interrupted: give back the shared token
+        it may have taken (``rewake``), keep for the next call the replies it had taken."""
+        rewake = getattr(self.transport, "rewake", None)
+        if rewake is not None:
+            rewake()
+        kept = Round()
+        self._recover(waiting, kept)
+        if kept.results or kept.failures:  # for the next call (else lost for good)
+            self.supervisor.keep_round(kept)
+        exc._envfleet_kept = True  # type: ignore[attr-defined]  # undone, not closed
+        add_note(exc, "envfleet: the wait was undone; the vector env is usable")
 
     def _recover(self, waiting: list[int], done: Round) -> None:
         """After a Ctrl-C in a wait on ``waiting``, which may have come just after the wait
@@ -613,56 +629,11 @@ class RoundDriver(HangReporter, WorkerReplacement, Backend):
             return supervisor.take_kept()
         if not self._pool:  # synchronous send/recv: every env is pending, wait for them all
             return self._collect(timeout, step)
-        transport = self.transport
         # Without a restart policy a dead or late worker raises at once; with one, it is
         # noted in the round and the supervisor rebuilds it.
         fail_fast = self.ledger.policy is None
-        reports = _HangReports(self._hang_delay)
-        in_wait = True  # in the wait, where a Ctrl-C undoes the call: nothing was taken
-        try:
-            while True:
-                # Each pending worker has ``timeout`` seconds from its own send: the wait
-                # ends at the first of those deadlines, and a worker past its own is late
-                # whatever the others reply meanwhile.
-                deadline = supervisor.deadline(self._pending, timeout)
-                limit, capped = reports.cap(deadline)
-                in_wait = True
-                seen = transport.wait(self._pending, limit, True)
-                in_wait = False
-                done = Round()
-                for w, reason in seen.dead.items():
-                    done.crashed[w] = reason
-                self._check_crashed(done, step, fail_fast)
-                if deadline is not None and time.monotonic() >= deadline:
-                    waiting = [
-                        w for w in self._pending if w not in seen.ready and w not in seen.dead
-                    ]
-                    done.late = supervisor.late(waiting, timeout)
-                    if done.late and (fail_fast or not transport.replaceable):
-                        supervisor.timed_out(done.late, timeout)
-                if not seen.ready and not done.failed:  # a wake-up with nothing new
-                    if capped and reports.due():
-                        self._report_hang(self._pending, *reports.advance(), False)
-                    continue
-                gone = {*seen.ready, *done.crashed, *done.late}
-                self._pending = [w for w in self._pending if w not in gone]
-                for w in seen.ready:
-                    transport.read(w, done)
-                self._check_crashed(done, step, fail_fast)
-                return self._ready(done, timeout, step)
-        except KeyboardInterrupt as exc:
-            self._interrupted(exc, self._pending)
-            if in_wait and self._interrupt is None:
-                rewake = getattr(transport, "rewake", None)
-                if rewake is not None:
-                    rewake()
-                done = Round()
-                self._recover(self._pending, done)
-                if done.results or done.failures:  # for the next call (else lost for good)
-                    supervisor.keep_round(done)
-                exc._envfleet_kept = True  # type: ignore[attr-defined]  # undone, not closed
-                add_note(exc, "envfleet: the wait was undone; the vector env is usable")
-            raise
+        done = self.wait_replies(self._pending, None, timeout, step, fail_fast, pool=True)
+        return self._ready(done, timeout, step)
 
     # -- a Ctrl-C's round: kept, completed, then raised -----------------------------------------
 
