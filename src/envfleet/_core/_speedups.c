@@ -143,17 +143,23 @@ sp_reset_counters(PyObject *self, PyObject *unused)
 static PyTypeObject *np_bool_type = NULL;
 static PyTypeObject *np_float32_type = NULL;
 
+/* An address (a nonzero int) into the void * at ``out``: 1, or 0 with the error set. Also
+ * PyArg_ParseTuple's "O&" converter; as_address_or_none's None gives NULL. */
 static int
-as_address(PyObject *obj, void **out)
+as_address(PyObject *obj, void *out)
 {
     void *p = PyLong_AsVoidPtr(obj);
-    if (p == NULL) {
-        if (!PyErr_Occurred())
-            PyErr_SetString(PyExc_ValueError, "null address");
-        return 0;
-    }
-    *out = p;
-    return 1;
+    if (p == NULL && !PyErr_Occurred())
+        PyErr_SetString(PyExc_ValueError, "null address");
+    *(void **)out = p;
+    return p != NULL;
+}
+
+static int
+as_address_or_none(PyObject *obj, void *out)
+{
+    *(void **)out = NULL;
+    return obj == Py_None || as_address(obj, out);
 }
 
 static double
@@ -190,13 +196,6 @@ arg_of_type(const char *fname, PyObject *const *args, Py_ssize_t i, PyTypeObject
 }
 
 static int
-arg_double(PyObject *arg, double *out)
-{
-    *out = PyFloat_AsDouble(arg);
-    return !(*out == -1.0 && PyErr_Occurred());
-}
-
-static int
 arg_int(PyObject *arg, int *out)
 {
     long v = PyLong_AsLong(arg);
@@ -212,47 +211,43 @@ arg_int(PyObject *arg, int *out)
 
 /* -- spinning (on a semaphore, a worker's control words, a round's arrivals) --------------- */
 
-/* Poll ``poll(arg)`` until it returns nonzero, for at most spin_s seconds: back to back for the
- * first tight_s, then yielding the core between polls. 1 when it came true, 0 when the budget
- * ran out. Called without the GIL. */
+/* Poll ``poll(arg)`` until it returns nonzero, for at most spin_s seconds: once with the GIL
+ * held (a poll that comes true at once does not release it), then without it, back to back for
+ * the first tight_s, then yielding the core between polls. 1 when it came true, 0 when the
+ * budget ran out; the seconds spun in ``*spun_s`` unless it is NULL. */
 static int
-spin_poll(int (*poll)(void *), void *arg, double tight_s, double spin_s)
+spin_poll(int (*poll)(void *), void *arg, double tight_s, double spin_s, double *spun_s)
 {
-    if (poll(arg))
-        return 1;
-    if (spin_s <= 0)
-        return 0;
-    double start = monotonic_s();
-    double tight_until = start + (tight_s < spin_s ? tight_s : spin_s);
-    double spin_until = start + spin_s;
-    int yielding = 0;
-    for (;;) {
-        for (int k = 0; k < 16; k++) {
-            if (poll(arg))
-                return 1;
-            if (yielding)
-                sched_yield();
-            else
-                CPU_RELAX();
+    int got = poll(arg);
+    double start = 0.0, now = 0.0;
+    if (!got && spin_s > 0) {
+        Py_BEGIN_ALLOW_THREADS
+        start = now = monotonic_s();
+        double tight_until = start + (tight_s < spin_s ? tight_s : spin_s);
+        int yielding = 0;
+        while (!got && now < start + spin_s) {
+            for (int k = 0; k < 16 && !(got = poll(arg)); k++) {
+                if (yielding)
+                    sched_yield();
+                else
+                    CPU_RELAX();
+            }
+            now = monotonic_s();
+            yielding = now >= tight_until;
         }
-        double now = monotonic_s();
-        if (now >= spin_until)
-            return 0;
-        yielding = now >= tight_until;
+        Py_END_ALLOW_THREADS
     }
+    if (spun_s != NULL)
+        *spun_s = now - start;
+    return got;
 }
 
+/* spin_poll's polls: a semaphore taken; below, a command due (poll_pending) and a full round's
+ * arrivals all in (poll_gathered). */
 static int
 poll_sem(void *sem)
 {
     return sem_trywait((sem_t *)sem) == 0;
-}
-
-/* Take the semaphore, polling as spin_poll does. */
-static int
-spin_take(sem_t *sem, double tight_s, double spin_s)
-{
-    return spin_poll(poll_sem, sem, tight_s, spin_s);
 }
 
 /* -- the round bell (Linux: _backends/processes/doorbell.py's RoundBell) -------------------- */
@@ -364,14 +359,11 @@ bell_arrive(bell_t *bell, volatile control_t *control, sem_t *done, sem_t *any_d
 static PyObject *
 sp_bell_ring(PyObject *self, PyObject *args)
 {
-    PyObject *ba, *controls;
-    void *b;
-    if (!PyArg_ParseTuple(args, "OO!", &ba, &PyTuple_Type, &controls))
-        return NULL;
-    if (!as_address(ba, &b))
+    PyObject *controls;
+    bell_t *bell;
+    if (!PyArg_ParseTuple(args, "O&O!", as_address, &bell, &PyTuple_Type, &controls))
         return NULL;
     calls[F_BELL_RING]++;
-    bell_t *bell = (bell_t *)b;
     bell_bump(bell);
     uint32_t bits = 0;
     for (Py_ssize_t w = 0; w < PyTuple_GET_SIZE(controls); w++) {
@@ -389,11 +381,11 @@ sp_bell_ring(PyObject *self, PyObject *args)
 static PyObject *
 sp_bell_arrive(PyObject *self, PyObject *arg)
 {
-    void *b;
-    if (!as_address(arg, &b))
+    bell_t *bell;
+    if (!as_address(arg, &bell))
         return NULL;
     calls[F_BELL_ARRIVE]++;
-    gather_arrive((bell_t *)b);
+    gather_arrive(bell);
     Py_RETURN_NONE;
 }
 
@@ -404,21 +396,18 @@ sp_bell_arrive(PyObject *self, PyObject *arg)
 static PyObject *
 sp_bell_sleep(PyObject *self, PyObject *args)
 {
-    PyObject *ba, *ca;
+    bell_t *bell;
+    volatile control_t *control;
     unsigned int bit;
     double timeout_s;
-    void *b, *c;
-    if (!PyArg_ParseTuple(args, "OOId", &ba, &ca, &bit, &timeout_s))
-        return NULL;
-    if (!as_address(ba, &b) || !as_address(ca, &c))
+    if (!PyArg_ParseTuple(args, "O&O&Id", as_address, &bell, as_address, &control, &bit,
+                          &timeout_s))
         return NULL;
     if (bit == 0) {
         PyErr_SetString(PyExc_ValueError, "bell_sleep: bit must not be 0");
         return NULL;
     }
     calls[F_BELL_SLEEP]++;
-    bell_t *bell = (bell_t *)b;
-    volatile control_t *control = (volatile control_t *)c;
     if (bell_pending(control))
         Py_RETURN_TRUE;
     /* R4: SLEEP, then gen, then REQ (R3's ring: REQ, gen, then SLEEP). */
@@ -471,15 +460,12 @@ gather_block(bell_t *bell, double timeout_s)
 static PyObject *
 sp_gather_sleep(PyObject *self, PyObject *args)
 {
-    PyObject *ba;
+    bell_t *bell;
     double timeout_s;
-    void *b;
-    if (!PyArg_ParseTuple(args, "Od", &ba, &timeout_s))
-        return NULL;
-    if (!as_address(ba, &b))
+    if (!PyArg_ParseTuple(args, "O&d", as_address, &bell, &timeout_s))
         return NULL;
     calls[F_GATHER_SLEEP]++;
-    return PyBool_FromLong(gather_block((bell_t *)b, timeout_s));
+    return PyBool_FromLong(gather_block(bell, timeout_s));
 }
 
 /* bell_alarm(bell, on): RoundBell.alarm, the death watch's side of R8. On: ``dead`` = 1, then
@@ -488,15 +474,11 @@ sp_gather_sleep(PyObject *self, PyObject *args)
 static PyObject *
 sp_bell_alarm(PyObject *self, PyObject *args)
 {
-    PyObject *ba;
+    bell_t *bell;
     int on;
-    void *b;
-    if (!PyArg_ParseTuple(args, "Op", &ba, &on))
-        return NULL;
-    if (!as_address(ba, &b))
+    if (!PyArg_ParseTuple(args, "O&p", as_address, &bell, &on))
         return NULL;
     calls[F_BELL_ALARM]++;
-    bell_t *bell = (bell_t *)b;
     __atomic_store_n(&bell->dead, on ? 1 : 0, __ATOMIC_SEQ_CST);
     if (on && __atomic_exchange_n(&bell->dwait, 0, __ATOMIC_SEQ_CST) != 0)
         futex_wake_n(&bell->dwait, 1);
@@ -509,34 +491,25 @@ poll_pending(void *control)
     return bell_pending((volatile control_t *)control);
 }
 
-/* bell_pending, polled as spin_take polls a semaphore: 1 when a command is due, 0 when the
- * budget ran out. Called without the GIL. */
-static int
-spin_pending(volatile control_t *control, double tight_s, double spin_s)
-{
-    return spin_poll(poll_pending, (void *)control, tight_s, spin_s);
-}
-
 static int
 poll_gathered(void *bell)
 {
     return __atomic_load_n(&((bell_t *)bell)->remaining, __ATOMIC_ACQUIRE) == 0;
 }
 
-/* remaining == 0, polled the same way (the driver's spin on a full round's arrivals). */
-static int
-spin_gathered(bell_t *bell, double tight_s, double spin_s)
-{
-    return spin_poll(poll_gathered, bell, tight_s, spin_s);
-}
-
 /* -- step times (StepTimer.record, _core/stats.py) ----------------------------------------- */
 
-/* StepTimer.record: count, total seconds, and the quarter-octave histogram bucket (bucket 0
- * holds everything up to 1 µs) of a float64 stats row. */
-static void
-record_time(double *words, double seconds, int per_octave, int num_buckets)
+/* fn(), and StepTimer.record of the time of a call that returns: count, total seconds, and the
+ * quarter-octave histogram bucket (bucket 0 holds everything up to 1 µs) of a float64 stats
+ * row. */
+static PyObject *
+call_timed(PyObject *fn, double *words, int per_octave, int num_buckets)
 {
+    double t0 = monotonic_s();
+    PyObject *result = PyObject_CallNoArgs(fn);
+    if (result == NULL)
+        return NULL;
+    double seconds = monotonic_s() - t0;
     words[0] += 1.0;
     words[1] += seconds;
     double us = seconds * 1e6;
@@ -546,6 +519,7 @@ record_time(double *words, double seconds, int per_octave, int num_buckets)
         b = f >= num_buckets - 1 ? num_buckets - 1 : (int)f;
     }
     words[2 + b] += 1.0;
+    return result;
 }
 
 /* timed_call(words, per_octave, num_buckets, fn) -> fn(): StepTimer.call (_core/stats.py), for the
@@ -559,13 +533,8 @@ sp_timed_call(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     if (!arg_count("timed_call", nargs, 4, 4) || !arg_int(args[1], &per_octave) ||
         !arg_int(args[2], &num_buckets) || !as_address(args[0], &words))
         return NULL;
-    PyObject *fn = args[3];
     calls[F_TIMED_CALL]++;
-    double t0 = monotonic_s();
-    PyObject *result = PyObject_CallNoArgs(fn);
-    if (result != NULL)
-        record_time((double *)words, monotonic_s() - t0, per_octave, num_buckets);
-    return result;
+    return call_timed(args[3], (double *)words, per_octave, num_buckets);
 }
 
 /* -- the processes worker's loop ----------------------------------------------------------- */
@@ -591,6 +560,22 @@ budget_blocked(spin_budget_t *b, double wait_s)
         budget_caught(b);
     else
         b->budget_s /= 2;
+}
+
+/* budget_adapt(address, wait_s): SpinBudget.caught (wait_s < 0) or .blocked(wait_s), the rule
+ * written once: the SpinBudget's numbers at ``address`` adapted in place. */
+static PyObject *
+sp_budget_adapt(PyObject *self, PyObject *args)
+{
+    spin_budget_t *budget;
+    double wait_s;
+    if (!PyArg_ParseTuple(args, "O&d", as_address, &budget, &wait_s))
+        return NULL;
+    if (wait_s < 0)
+        budget_caught(budget);
+    else
+        budget_blocked(budget, wait_s);
+    Py_RETURN_NONE;
 }
 
 /* A SpinBudget's numbers: its ``address`` attribute, read once when a function is bound. */
@@ -629,43 +614,26 @@ static PyObject *
 sp_serve_steps(PyObject *self, PyObject *args)
 {
     calls[F_SERVE_STEPS]++;
-    PyObject *ra, *da, *aa, *ca, *step, *ta, *ga, *ba = Py_None;
+    PyObject *step;
     double tight_s;
     long long step_code, ok_code;
     int per_octave, num_buckets;
-    void *rp, *dp, *cp, *tp, *gp, *ap = NULL, *bp = NULL;
-    if (!PyArg_ParseTuple(args, "OOOOOOOdLLii|O", &ra, &da, &aa, &ca, &step, &ta, &ga, &tight_s,
-                          &step_code, &ok_code, &per_octave, &num_buckets, &ba))
+    sem_t *request, *done, *any_done;
+    volatile control_t *control;
+    double *words;
+    spin_budget_t *budget; /* adapted in place, as SpinBudget.caught */
+    bell_t *bell = NULL;
+    if (!PyArg_ParseTuple(args, "O&O&O&O&OO&O&dLLii|O&", as_address, &request, as_address, &done,
+                          as_address_or_none, &any_done, as_address, &control, &step, as_address,
+                          &words, as_address, &budget, &tight_s, &step_code, &ok_code,
+                          &per_octave, &num_buckets, as_address_or_none, &bell))
         return NULL;
-    if (!as_address(ra, &rp) || !as_address(da, &dp) || !as_address(ca, &cp) ||
-        !as_address(ta, &tp) || !as_address(ga, &gp))
-        return NULL;
-    if (aa != Py_None && !as_address(aa, &ap))
-        return NULL;
-    if (ba != Py_None && !as_address(ba, &bp))
-        return NULL;
-    bell_t *bell = (bell_t *)bp;
-    spin_budget_t *budget = (spin_budget_t *)gp; /* adapted in place, as SpinBudget.caught */
-    sem_t *request = (sem_t *)rp, *done = (sem_t *)dp, *any_done = (sem_t *)ap;
-    volatile control_t *control = (volatile control_t *)cp;
-    double *words = (double *)tp;
+    int (*poll)(void *) = bell != NULL ? poll_pending : poll_sem;
+    void *polled = bell != NULL ? (void *)control : (void *)request;
     PyObject *out = NULL;
     for (;;) {
-        int taken;
-        double t_wait = 0.0;
-        if (bell != NULL ? bell_pending(control) : sem_trywait(request) == 0) {
-            taken = 1;
-        } else {
-            Py_BEGIN_ALLOW_THREADS
-            t_wait = monotonic_s();
-            if (bell != NULL)
-                taken = spin_pending(control, tight_s, budget->budget_s);
-            else
-                taken = spin_take(request, tight_s, budget->budget_s);
-            t_wait = monotonic_s() - t_wait;
-            Py_END_ALLOW_THREADS
-        }
-        if (!taken) {
+        double t_wait;
+        if (!spin_poll(poll, polled, tight_s, budget->budget_s, &t_wait)) {
             out = Py_BuildValue("(idO)", 0, t_wait, Py_None);
             break;
         }
@@ -674,11 +642,9 @@ sp_serve_steps(PyObject *self, PyObject *args)
             out = Py_BuildValue("(idO)", 1, 0.0, Py_None);
             break;
         }
-        double t0 = monotonic_s();
-        PyObject *result = PyObject_CallNoArgs(step);
+        PyObject *result = call_timed(step, words, per_octave, num_buckets);
         if (result == NULL)
             break;
-        record_time(words, monotonic_s() - t0, per_octave, num_buckets);
         int events = result == Py_None ? 0 : PyObject_IsTrue(result);
         if (events < 0) {
             Py_DECREF(result);
@@ -720,10 +686,14 @@ catch_exception(PyObject *kind)
  * processes transport binds its round): each worker's semaphores and control row, parsed
  * once, and what every round calls or reads. The references are owned. */
 typedef struct {
+    sem_t *request, *done;
+    volatile control_t *control;
+    spin_budget_t *budget; /* the worker's SpinBudget (the semaphore round's) */
+} round_worker_t;
+
+typedef struct {
     Py_ssize_t n;
-    sem_t **requests, **dones;
-    volatile control_t **controls;
-    spin_budget_t **budgets;    /* each worker's SpinBudget (the semaphore round's) */
+    round_worker_t *workers;
     spin_budget_t *round_budget; /* the SpinBudget of a round on the bell */
     PyObject *budget_owners;     /* (the budgets list, the round's SpinBudget): kept alive */
     PyObject *driver_block; /* the driver's own block, timed; None: it has none */
@@ -741,10 +711,7 @@ round_plan_free(PyObject *capsule)
     round_plan_t *plan = PyCapsule_GetPointer(capsule, round_plan_name);
     if (plan == NULL)
         return;
-    PyMem_Free(plan->requests);
-    PyMem_Free(plan->dones);
-    PyMem_Free((void *)plan->controls);
-    PyMem_Free(plan->budgets);
+    PyMem_Free(plan->workers);
     Py_XDECREF(plan->budget_owners);
     Py_XDECREF(plan->driver_block);
     Py_XDECREF(plan->env_failure);
@@ -799,32 +766,23 @@ sp_round_plan(PyObject *self, PyObject *args)
     plan->env_failure = Py_NewRef(env_failure);
     plan->outcome_type = Py_NewRef(outcome_type);
     plan->budget_owners = PyTuple_Pack(2, budgets, round_budget);
-    plan->requests = PyMem_Calloc(n ? n : 1, sizeof(sem_t *));
-    plan->dones = PyMem_Calloc(n ? n : 1, sizeof(sem_t *));
-    plan->controls = PyMem_Calloc(n ? n : 1, sizeof(control_t *));
-    plan->budgets = PyMem_Calloc(n ? n : 1, sizeof(spin_budget_t *));
-    if (plan->budget_owners == NULL || plan->requests == NULL || plan->dones == NULL ||
-        plan->controls == NULL || plan->budgets == NULL) {
+    plan->workers = PyMem_Calloc(n ? n : 1, sizeof(round_worker_t));
+    if (plan->budget_owners == NULL || plan->workers == NULL) {
         if (!PyErr_Occurred())
             PyErr_NoMemory();
         goto fail;
     }
     for (Py_ssize_t w = 0; w < n; w++) {
-        void *request, *done, *control;
-        if (!as_address(PyTuple_GET_ITEM(requests, w), &request) ||
-            !as_address(PyTuple_GET_ITEM(dones, w), &done) ||
-            !as_address(PyTuple_GET_ITEM(controls, w), &control) ||
-            (plan->budgets[w] = spin_budget_of(PyList_GET_ITEM(budgets, w))) == NULL)
+        round_worker_t *worker = &plan->workers[w];
+        if (!as_address(PyTuple_GET_ITEM(requests, w), &worker->request) ||
+            !as_address(PyTuple_GET_ITEM(dones, w), &worker->done) ||
+            !as_address(PyTuple_GET_ITEM(controls, w), &worker->control) ||
+            (worker->budget = spin_budget_of(PyList_GET_ITEM(budgets, w))) == NULL)
             goto fail;
-        plan->requests[w] = (sem_t *)request;
-        plan->dones[w] = (sem_t *)done;
-        plan->controls[w] = (volatile control_t *)control;
     }
-    void *b = NULL;
-    if ((bell != Py_None && !as_address(bell, &b)) ||
+    if (!as_address_or_none(bell, &plan->bell) ||
         (plan->round_budget = spin_budget_of(round_budget)) == NULL)
         goto fail;
-    plan->bell = (bell_t *)b;
     return capsule;
 fail:
     Py_DECREF(capsule);
@@ -837,64 +795,48 @@ static PyObject *
 unread_replies(round_plan_t *plan, Py_ssize_t taken)
 {
     PyObject *unread = PyList_New(0);
-    if (unread == NULL)
-        return NULL;
-    for (Py_ssize_t w = 0; w < taken; w++) {
-        volatile control_t *words = plan->controls[w];
-        if (words->status != plan->ok_code || words->reply_payload != 0) {
-            PyObject *index = PyLong_FromSsize_t(w);
-            if (index == NULL || PyList_Append(unread, index) < 0) {
-                Py_XDECREF(index);
-                Py_DECREF(unread);
-                return NULL;
-            }
-            Py_DECREF(index);
-        }
+    for (Py_ssize_t w = 0; unread != NULL && w < taken; w++) {
+        volatile control_t *words = plan->workers[w].control;
+        if (words->status == plan->ok_code && words->reply_payload == 0)
+            continue;
+        PyObject *index = PyLong_FromSsize_t(w);
+        if (index == NULL || PyList_Append(unread, index) < 0)
+            Py_CLEAR(unread);
+        Py_XDECREF(index);
     }
     return unread;
 }
 
-/* A full round's outcome: None when the round is complete (all ``workers`` taken, none of
- * their replies to read, the driver's own block neither failed nor had an event: the rows are
- * the whole answer, the common case, so it allocates nothing), else an instance of
+/* A full round's outcome: None when the round is complete (all the plan's workers taken, none
+ * of their replies to read, the driver's own block neither failed nor had an event: the rows
+ * are the whole answer, the common case, so it allocates nothing), else an instance of
  * ``outcome_type`` (protocol.RoundOutcome, a NamedTuple: a tuple subclass, allocated and filled
  * here in its fields' order: driver_block_result, driver_block_failure, taken, unread,
- * spun_s). Steals the three references; NULL on error. */
+ * spun_s). Steals the three references; NULL on error, or when ``unread`` is NULL (its
+ * error set). */
 static PyObject *
-round_outcome(PyObject *outcome_type, PyObject *driver_block_result,
-              PyObject *driver_block_failure, Py_ssize_t taken, Py_ssize_t workers,
-              PyObject *unread, double spun_s)
+round_outcome(round_plan_t *plan, PyObject *driver_block_result, PyObject *driver_block_failure,
+              Py_ssize_t taken, PyObject *unread, double spun_s)
 {
-    if (taken == workers && PyList_GET_SIZE(unread) == 0 && driver_block_failure == Py_None) {
-        int events = driver_block_result == Py_None ? 0 : PyObject_IsTrue(driver_block_result);
-        if (events <= 0) { /* complete (0), or the truth test raised (-1) */
-            Py_DECREF(driver_block_result);
-            Py_DECREF(driver_block_failure);
-            Py_DECREF(unread);
-            if (events < 0)
-                return NULL;
-            Py_RETURN_NONE;
-        }
-    }
-    PyTypeObject *type = (PyTypeObject *)outcome_type;
-    PyObject *taken_obj = PyLong_FromSsize_t(taken);
-    PyObject *spun_obj = PyFloat_FromDouble(spun_s);
-    PyObject *outcome = NULL;
-    if (taken_obj != NULL && spun_obj != NULL)
-        outcome = type->tp_alloc(type, 5);
+    int events = unread == NULL ? -1 : 1; /* 0: complete; -1: unread's or the truth test's error */
+    if (unread != NULL && taken == plan->n && PyList_GET_SIZE(unread) == 0 &&
+        driver_block_failure == Py_None)
+        events = driver_block_result == Py_None ? 0 : PyObject_IsTrue(driver_block_result);
+    PyTypeObject *type = (PyTypeObject *)plan->outcome_type;
+    PyObject *outcome = events > 0 ? type->tp_alloc(type, 5) : NULL;
     if (outcome == NULL) {
-        Py_XDECREF(taken_obj);
-        Py_XDECREF(spun_obj);
         Py_DECREF(driver_block_result);
         Py_DECREF(driver_block_failure);
-        Py_DECREF(unread);
-        return NULL;
+        Py_XDECREF(unread);
+        return events == 0 ? Py_NewRef(Py_None) : NULL;
     }
     PyTuple_SET_ITEM(outcome, 0, driver_block_result);
     PyTuple_SET_ITEM(outcome, 1, driver_block_failure);
-    PyTuple_SET_ITEM(outcome, 2, taken_obj);
+    PyTuple_SET_ITEM(outcome, 2, PyLong_FromSsize_t(taken));
     PyTuple_SET_ITEM(outcome, 3, unread);
-    PyTuple_SET_ITEM(outcome, 4, spun_obj);
+    PyTuple_SET_ITEM(outcome, 4, PyFloat_FromDouble(spun_s));
+    if (PyTuple_GET_ITEM(outcome, 2) == NULL || PyTuple_GET_ITEM(outcome, 4) == NULL)
+        Py_CLEAR(outcome); /* the tuple's dealloc drops the items set */
     return outcome;
 }
 
@@ -905,23 +847,25 @@ round_outcome(PyObject *outcome_type, PyObject *driver_block_result,
 static int
 call_driver_block(round_plan_t *plan, PyObject **result, PyObject **failure)
 {
-    *result = Py_NewRef(Py_None);
-    *failure = Py_NewRef(Py_None);
-    if (plan->driver_block == Py_None)
-        return 0;
-    PyObject *returned = PyObject_CallNoArgs(plan->driver_block);
-    if (returned != NULL) {
-        Py_SETREF(*result, returned);
-        return 0;
-    }
-    PyObject *caught = catch_exception(plan->env_failure);
-    if (caught == NULL) {
-        Py_DECREF(*result);
-        Py_DECREF(*failure);
+    *result = plan->driver_block == Py_None ? Py_NewRef(Py_None)
+                                            : PyObject_CallNoArgs(plan->driver_block);
+    *failure = *result != NULL ? Py_NewRef(Py_None) : catch_exception(plan->env_failure);
+    if (*failure == NULL)
         return -1;
-    }
-    Py_SETREF(*failure, caught);
+    if (*result == NULL)
+        *result = Py_NewRef(Py_None);
     return 0;
+}
+
+/* A plain step's command words for a worker, then its REQ counted up (R2: the release store
+ * publishes them; the count the worker's ACK copies). */
+static void
+send_step(round_plan_t *plan, volatile control_t *words)
+{
+    words->cmd = plan->step_code;
+    words->cmd_payload = 0;
+    int64_t req = __atomic_load_n((int64_t *)&words->req, __ATOMIC_RELAXED);
+    __atomic_store_n((int64_t *)&words->req, req + 1, __ATOMIC_RELEASE);
 }
 
 /* full_round's round on the round bell (Linux): ``remaining`` = the worker count (R5), every
@@ -939,61 +883,44 @@ gather_round(round_plan_t *plan, double wait_s)
     /* Before any REQ: a worker arrives once it sees its REQ. */
     __atomic_store_n(&bell->remaining, (int32_t)n, __ATOMIC_SEQ_CST);
     for (Py_ssize_t w = 0; w < n; w++) {
-        volatile control_t *words = plan->controls[w];
-        words->cmd = plan->step_code;
-        words->cmd_payload = 0;
-        words->gather = 1;
-        int64_t req = __atomic_load_n((int64_t *)&words->req, __ATOMIC_RELAXED);
-        __atomic_store_n((int64_t *)&words->req, req + 1, __ATOMIC_RELEASE);
+        plan->workers[w].control->gather = 1;
+        send_step(plan, plan->workers[w].control);
     }
     bell_bump(bell);
     uint32_t bits = 0;
     for (Py_ssize_t w = 0; w < n; w++)
-        bits |= bell_sleeping(plan->controls[w]);
+        bits |= bell_sleeping(plan->workers[w].control);
     bell_wake(bell, bits);
     PyObject *driver_block_result, *driver_block_failure;
     if (call_driver_block(plan, &driver_block_result, &driver_block_failure) < 0)
         return NULL;
     double budget_s = plan->round_budget->budget_s;
-    int got = __atomic_load_n(&bell->remaining, __ATOMIC_ACQUIRE) == 0;
-    if (!got) {
-        Py_BEGIN_ALLOW_THREADS
-        got = spin_gathered(bell, plan->tight_s, budget_s);
-        Py_END_ALLOW_THREADS
-    }
+    int got = spin_poll(poll_gathered, bell, plan->tight_s, budget_s, NULL);
     double slept_s = -1.0;
     if (!got && wait_s != 0) {
         double start = monotonic_s(), left = wait_s;
         while (!(got = gather_block(bell, left)) &&
                !__atomic_load_n(&bell->dead, __ATOMIC_SEQ_CST)) {
             /* Woken early: a signal (its Python handler runs here), or a spurious wake-up. */
-            if (PyErr_CheckSignals() < 0)
-                goto fail;
+            if (PyErr_CheckSignals() < 0) {
+                Py_DECREF(driver_block_result);
+                Py_DECREF(driver_block_failure);
+                return NULL;
+            }
             if (wait_s > 0 && (left = wait_s - (monotonic_s() - start)) <= 0)
                 break;
         }
         slept_s = monotonic_s() - start;
     }
-    if (!got) {
-        PyObject *unread = PyList_New(0);
-        if (unread == NULL)
-            goto fail;
-        return round_outcome(plan->outcome_type, driver_block_result, driver_block_failure, 0, n,
-                             unread, budget_s + (slept_s > 0 ? slept_s : 0.0));
-    }
+    if (!got)
+        return round_outcome(plan, driver_block_result, driver_block_failure, 0, PyList_New(0),
+                             budget_s + (slept_s > 0 ? slept_s : 0.0));
     if (slept_s < 0)
         budget_caught(plan->round_budget);
     else
         budget_blocked(plan->round_budget, budget_s + slept_s);
-    PyObject *unread = unread_replies(plan, n);
-    if (unread == NULL)
-        goto fail;
-    return round_outcome(plan->outcome_type, driver_block_result, driver_block_failure, n, n,
-                         unread, 0.0);
-fail:
-    Py_DECREF(driver_block_result);
-    Py_DECREF(driver_block_failure);
-    return NULL;
+    return round_outcome(plan, driver_block_result, driver_block_failure, n,
+                         unread_replies(plan, n), 0.0);
 }
 
 /* full_round(plan, ring, wait_s)
@@ -1018,9 +945,11 @@ static PyObject *
 sp_full_round(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     calls[F_FULL_ROUND]++;
-    double wait_s;
     int ring;
-    if (!arg_count("full_round", nargs, 3, 3) || !arg_double(args[2], &wait_s))
+    if (!arg_count("full_round", nargs, 3, 3))
+        return NULL;
+    double wait_s = PyFloat_AsDouble(args[2]);
+    if (wait_s == -1.0 && PyErr_Occurred())
         return NULL;
     round_plan_t *plan = PyCapsule_GetPointer(args[0], round_plan_name);
     if (plan == NULL || (ring = PyObject_IsTrue(args[1])) < 0)
@@ -1029,11 +958,8 @@ sp_full_round(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         return gather_round(plan, wait_s);
     Py_ssize_t n = plan->n;
     for (Py_ssize_t w = 0; ring && w < n; w++) {
-        volatile control_t *words = plan->controls[w];
-        words->cmd = plan->step_code;
-        words->cmd_payload = 0;
-        words->req += 1; /* the count the worker's ACK copies */
-        if (sem_post(plan->requests[w]) != 0)
+        send_step(plan, plan->workers[w].control);
+        if (sem_post(plan->workers[w].request) != 0)
             return PyErr_SetFromErrno(PyExc_OSError);
     }
     PyObject *driver_block_result, *driver_block_failure;
@@ -1042,31 +968,18 @@ sp_full_round(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     Py_ssize_t taken = 0;
     double spun_s = 0.0;
     for (; taken < n; taken++) {
-        sem_t *done = plan->dones[taken];
-        spin_budget_t *budget = plan->budgets[taken];
-        double budget_s = budget->budget_s;
-        int got = sem_trywait(done) == 0;
-        if (!got) {
-            Py_BEGIN_ALLOW_THREADS
-            got = spin_take(done, plan->tight_s, budget_s);
-            Py_END_ALLOW_THREADS
-        }
-        if (!got) {
+        round_worker_t *worker = &plan->workers[taken];
+        double budget_s = worker->budget->budget_s;
+        if (!spin_poll(poll_sem, worker->done, plan->tight_s, budget_s, NULL)) {
             spun_s = budget_s;
             break;
         }
-        budget_caught(budget);
-        if (bell_pending(plan->controls[taken]))
+        budget_caught(worker->budget);
+        if (bell_pending(worker->control))
             break; /* ACK behind REQ: the death watch's token (R8); the caller finds it dead */
     }
-    PyObject *unread = unread_replies(plan, taken);
-    if (unread == NULL) {
-        Py_DECREF(driver_block_result);
-        Py_DECREF(driver_block_failure);
-        return NULL;
-    }
-    return round_outcome(plan->outcome_type, driver_block_result, driver_block_failure, taken, n,
-                         unread, spun_s);
+    return round_outcome(plan, driver_block_result, driver_block_failure, taken,
+                         unread_replies(plan, taken), spun_s);
 }
 
 /* -- EnvGroup's result and observation writes ------------------------------------------- */
@@ -1087,25 +1000,15 @@ reward_value(PyObject *r, double *out)
         *out = PyFloat_AS_DOUBLE(r);
         return 1;
     }
-    if (PyLong_Check(r)) { /* int and bool */
-        double d = PyLong_AsDouble(r);
-        if (d == -1.0 && PyErr_Occurred()) {
-            PyErr_Clear();
-            return 0;
-        }
-        *out = d;
-        return 1;
+    int is_long = PyLong_Check(r); /* int and bool */
+    if (!is_long && (np_float32_type == NULL || !Py_IS_TYPE(r, np_float32_type)))
+        return 0;
+    *out = is_long ? PyLong_AsDouble(r) : PyFloat_AsDouble(r);
+    if (*out == -1.0 && PyErr_Occurred()) {
+        PyErr_Clear();
+        return 0;
     }
-    if (np_float32_type != NULL && Py_IS_TYPE(r, np_float32_type)) {
-        double d = PyFloat_AsDouble(r);
-        if (d == -1.0 && PyErr_Occurred()) {
-            PyErr_Clear();
-            return 0;
-        }
-        *out = d;
-        return 1;
-    }
-    return 0;
+    return 1;
 }
 
 /* One done flag as numpy writes it into a bool buffer, for bool and numpy.bool_. */
@@ -1246,10 +1149,8 @@ sp_register_types(PyObject *self, PyObject *args)
     PyObject *b, *f;
     if (!PyArg_ParseTuple(args, "O!O!", &PyType_Type, &b, &PyType_Type, &f))
         return NULL;
-    Py_INCREF(b);
-    Py_INCREF(f);
-    Py_XSETREF(np_bool_type, (PyTypeObject *)b);
-    Py_XSETREF(np_float32_type, (PyTypeObject *)f);
+    Py_XSETREF(np_bool_type, (PyTypeObject *)Py_NewRef(b));
+    Py_XSETREF(np_float32_type, (PyTypeObject *)Py_NewRef(f));
     Py_RETURN_NONE;
 }
 
@@ -1509,6 +1410,8 @@ static PyMethodDef methods[] = {
     {"full_round", (PyCFunction)(void (*)(void))sp_full_round, METH_FASTCALL,
      "full_round(plan, ring, wait_s): the processes transport's full step round."},
     {"timed_call", (PyCFunction)(void (*)(void))sp_timed_call, METH_FASTCALL, "StepTimer.call."},
+    {"budget_adapt", sp_budget_adapt, METH_VARARGS,
+     "budget_adapt(address, wait_s): SpinBudget.caught (wait_s < 0) or SpinBudget.blocked."},
     {"bell_ring", sp_bell_ring, METH_VARARGS, "bell_ring(bell, controls): RoundBell.ring."},
     {"pcg64_raw", sp_pcg64_raw, METH_O,
      "pcg64_raw(state_address) -> bytes: env_state.pcg64_bytes of a PCG64 bit generator."},
