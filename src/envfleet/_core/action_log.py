@@ -2,15 +2,11 @@
 
 An :class:`EnvGroup <envfleet._core.envgroup.EnvGroup>` writes every step's actions into an
 :class:`ActionLog` (a ring of its last ``replay_steps`` steps) and, at each reset of an env,
-how that reset began (:func:`~envfleet._core.env_state.reset_start`). The log lives in memory
-the driver can read after the worker is gone (a processes worker's is a file the driver holds:
-a segfault or a SIGKILL leaves it readable); its recordings
-(:class:`~envfleet._core.replay.EnvRecording`) make the :class:`~envfleet._core.replay.Replay`
-a failure carries.
-
-The same record brings envs back to where they were in a new worker: a recycled worker's
-(:func:`restore_envs`, ``envfleet.Recycle``) and a resumed vector env's
-(:class:`~envfleet._core.replay.Snapshot`).
+how that reset began (:func:`~envfleet._core.env_state.reset_start`). A processes worker's log
+is a file the driver holds, readable after a segfault or a SIGKILL; its recordings
+(:class:`~envfleet._core.replay.EnvRecording`) make a failure's
+:class:`~envfleet._core.replay.Replay`, and bring envs back in a new worker (a recycled
+worker's: :func:`restore_envs`; a resumed vector env's: :class:`~envfleet._core.replay.Snapshot`).
 
 The record costs one copy of the group's action rows per step; its memory is
 ``replay_steps`` times one step's action rows per worker (plus ``SLOT_BYTES`` per env).
@@ -35,7 +31,7 @@ from envfleet._core import native as _native
 from envfleet._core.buffers import Carver, side_leaves
 from envfleet._core.env_state import begin, unpack_start
 from envfleet._core.replay import EnvRecording
-from envfleet._core.trees import tree_row
+from envfleet._core.trees import tree_row, tree_rows, tree_scatter
 
 __all__ = [
     "REPLAY_STEPS",
@@ -87,16 +83,14 @@ class ActionLog:
         self._list: list[Any] = []
         parts = _lay_out(Carver(memory), self._batched_space, size, capacity, self._listed)
         self.header, self.starts, self.start_bytes, self.slots, self.ring = parts[:5]
-        # Each env's episode before its last (its start index, start bytes and slot): what a
-        # worker that died in the very step an env began a new episode brings that env back
-        # from (before_step).
+        # Each env's episode before its last (start index, start bytes, slot), for before_step:
+        # a worker that died in the very step an env began a new episode.
         self.prev_starts, self.prev_start_bytes, self.prev_slots = parts[5:]
         # The same words as memoryviews: a step's and an episode start's writes go through
         # these (an item write of a memoryview costs a fraction of a numpy one's).
-        self._header = self.header.data
-        # The header's words as a memoryview: ``words[0]`` is the group steps recorded (what
-        # a group reads after each step to see whether a checkpoint is due).
-        self.words = self._header
+        # ``words[0]`` is the group steps recorded (a group reads it to see whether a
+        # checkpoint is due).
+        self.words = self.header.data
         self._starts = self.starts.data
         self._start_bytes = self.start_bytes.data
         self._slots = self.slots.data.cast("B")
@@ -160,21 +154,11 @@ class ActionLog:
         the count) where a row of the ring is that buffer's bytes (the same dtype and shape,
         both C-contiguous), else :meth:`record`. ``actions`` must outlive the call."""
         log_row = _native.function("log_row")
-        ring = self.ring
-        if (
-            log_row is not None
-            and not self._listed
-            and type(actions) is np.ndarray
-            and isinstance(ring, np.ndarray)
-            and actions.dtype == ring.dtype
-            and actions.shape == ring.shape[1:]
-            and actions.flags.c_contiguous
-            and ring.flags.c_contiguous
-        ):
+        if log_row is not None and type(actions) is np.ndarray and self._row_is(actions):
             return functools.partial(
                 log_row,
                 self.header.ctypes.data,
-                ring.ctypes.data,
+                self.ring.ctypes.data,
                 actions.ctypes.data,
                 actions.nbytes,
                 self.capacity,
@@ -183,7 +167,7 @@ class ActionLog:
 
     def record(self, actions: Any) -> None:
         """Keep one step's action rows (the group's batched action)."""
-        n = self._header[_N]
+        n = self.words[_N]
         if self._listed:
             if len(self._list) < self.capacity:
                 self._list.append(None)
@@ -196,18 +180,24 @@ class ActionLog:
             self._ring_bytes[at : at + self._row_bytes] = self._source_bytes
         elif isinstance(actions, np.ndarray):
             self.ring[n % self.capacity] = actions
-            ring = self.ring
-            if (
-                actions.dtype == ring.dtype
-                and actions.shape == ring.shape[1:]
-                and actions.flags.c_contiguous
-                and ring.flags.c_contiguous
-            ):
+            if self._row_is(actions):
                 self._source, self._source_bytes = actions, actions.data.cast("B")
-                self._ring_bytes, self._row_bytes = ring.data.cast("B"), actions.nbytes
+                self._ring_bytes, self._row_bytes = self.ring.data.cast("B"), actions.nbytes
         else:
-            _write_row(self.ring, n % self.capacity, actions)
-        self._header[_N] = n + 1
+            tree_scatter(self.ring, n % self.capacity, actions)
+        self.words[_N] = n + 1
+
+    def _row_is(self, actions: np.ndarray) -> bool:
+        """Whether a row of the ring is ``actions``' bytes (the same dtype and shape, both
+        C-contiguous)."""
+        ring = self.ring
+        return (
+            isinstance(ring, np.ndarray)
+            and actions.dtype == ring.dtype
+            and actions.shape == ring.shape[1:]
+            and actions.flags.c_contiguous
+            and ring.flags.c_contiguous
+        )
 
     def began(self, j: int, start: tuple[Any, ...] | bytes) -> None:
         """Env ``j`` (local) begins an episode at the next action, as ``start`` says (or as
@@ -219,14 +209,14 @@ class ActionLog:
                 blob = pickle.dumps(start, pickle.HIGHEST_PROTOCOL)
             except Exception:
                 blob = b""
-        self._header[_EPISODES] += 1
+        self.words[_EPISODES] += 1
         kept = self._start_bytes[j]  # the episode before this one, kept (before_step)
         self._prev_starts[j] = self._starts[j]
         self._prev_start_bytes[j] = kept
         at = j * SLOT_BYTES
         if kept > 0:
             self._prev_slots[at : at + kept] = self._slots[at : at + kept]
-        self._starts[j] = self._header[_N]
+        self._starts[j] = self.words[_N]
         size = len(blob)
         if 0 < size <= SLOT_BYTES:
             self._slots[at : at + size] = blob
@@ -244,7 +234,7 @@ class ActionLog:
             return False
         episodes = int(self.header[_EPISODES])
         self.began(j, blob)
-        self._header[_EPISODES] = episodes  # a checkpoint begins no episode (the recycler's count)
+        self.words[_EPISODES] = episodes  # a checkpoint begins no episode (the recycler's count)
         return True
 
     def recording(self, j: int, env_index: int) -> EnvRecording:
@@ -291,7 +281,7 @@ class ActionLog:
     def _row(self, i: int, j: int) -> Any:
         if self._listed:
             return self._list[i][j]
-        return tree_row(_take(self.ring, i), j)
+        return tree_row(tree_rows(self.ring, i), j)
 
 
 def _lay_out_head(carve: Carver, size: int) -> tuple[np.ndarray, np.ndarray]:
@@ -357,9 +347,7 @@ def read_log(data: bytes, action_space: gymnasium.Space[Any], size: int) -> Acti
     if len(data) < 8 * _HEADER_WORDS:
         return None
     memory = np.frombuffer(data, dtype=np.uint8)
-    _n, capacity, envs, slot, _episodes = (
-        int(v) for v in memory[: 8 * _HEADER_WORDS].view(np.int64)
-    )
+    _n, capacity, envs, slot, _episodes = memory[: 8 * _HEADER_WORDS].view(np.int64).tolist()
     if envs != size or slot != SLOT_BYTES or capacity <= 0:
         return None
     if len(data) < ActionLog.nbytes(action_space, size, capacity):
@@ -389,12 +377,11 @@ def catch_up_envs(
     group: Any, argument: tuple[list[EnvRecording], list[Any], list[bool], list[int]]
 ) -> Any:
     """A task (``Command.TASK``) run in the group of a worker started in place of one that
-    died or hung inside a step: bring every env but the ``lost`` ones (local indices: the env
-    the old worker was inside, restarted after this) to where it was before that step, from
-    its record (``recordings``: :meth:`ActionLog.before_step`), with its autoreset flag
-    (``done``: whether its step before ended its episode), then take the step again with the
-    same ``actions`` (one per env), as the old worker would have. Returns the step's info
-    events (the group's :meth:`~envfleet._core.envgroup.EnvGroup.step_only`)."""
+    died or hung inside a step: bring every env but the ``lost`` ones (local indices,
+    restarted after this) to where it was before that step (``recordings``:
+    :meth:`ActionLog.before_step`; ``done``: its autoreset flag), then take the step again with
+    the same ``actions`` (one per env). Returns the step's info events
+    (:meth:`~envfleet._core.envgroup.EnvGroup.step_only`)."""
     recordings, actions, done, lost = argument
     _bring_back(group, recordings, done, lost)
     return group.step_only(actions, [j for j in range(group.size) if j not in lost])
@@ -414,10 +401,9 @@ def read_head(data: bytes, size: int) -> tuple[int, int, np.ndarray] | None:
 
 def restore_envs(group: Any, argument: tuple[list[EnvRecording], list[bool]]) -> None:
     """A task (``Command.TASK``) run in a new group (a recycled worker's, a resumed vector
-    env's): bring each env to where it was, by running its episode (``recordings``, one per
+    env's): bring each env to where it was by running its episode (``recordings``, one per
     env) from its start, and continue its record; ``done``: per env, whether its last step
-    ended its episode (with NEXT_STEP its next step resets it). Nothing is written to the
-    batch's rows."""
+    ended its episode. Nothing is written to the batch's rows."""
     recordings, done = argument
     _bring_back(group, recordings, done, ())
 
@@ -442,22 +428,3 @@ def group_recordings(group: Any, argument: Any = None) -> list[EnvRecording]:
     """A task: each env of ``group``'s episode so far (none without an action log)."""
     log = group.action_log
     return [] if log is None else log.recordings(group.start)
-
-
-def _write_row(ring: Any, i: int, actions: Any) -> None:
-    if isinstance(ring, dict):
-        for key, leaf in ring.items():
-            _write_row(leaf, i, actions[key])
-    elif isinstance(ring, tuple):
-        for k, leaf in enumerate(ring):
-            _write_row(leaf, i, actions[k])
-    else:
-        ring[i] = actions
-
-
-def _take(ring: Any, i: int) -> Any:
-    if isinstance(ring, dict):
-        return {key: _take(leaf, i) for key, leaf in ring.items()}
-    if isinstance(ring, tuple):
-        return tuple(_take(leaf, i) for leaf in ring)
-    return ring[i]

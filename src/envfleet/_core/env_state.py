@@ -79,18 +79,15 @@ def _static_attribute(cls: type, name: str) -> tuple[bool, Any]:
 def _generator_slots(holders: list[tuple[Any, str]]) -> list[tuple[Any, str, str, bool]]:
     """Where :func:`_generators` looks, per holder and name in :data:`_GENERATORS`:
     ``(holder, path, name, by_dict)``, skipping the names a holder's class makes a data
-    descriptor (a property: gymnasium's ``np_random``, a wrapper's ``_np_random``), which no
-    instance attribute can stand behind.
+    descriptor (a property: gymnasium's ``np_random``), which no instance attribute can
+    stand behind.
 
-    An instance attribute is read with ``getattr`` (it comes before the class's plain
-    attribute or method of that name, which is not a generator), never through the instance's
-    ``__dict__``: on CPython 3.11 reading ``obj.__dict__`` turns the object's inline attribute
-    values into a dict for good, and every attribute load in its methods (an env's
-    ``self.state``, a wrapper's ``self.env``) then takes the slow, unspecialized path, a cost
-    that shows on a CartPole step (benchmarks/README.md, the replay record's cost). Only a
-    class that computes attributes (``__getattr__`` or its own ``__getattribute__``:
-    PettingZoo's wrappers) is read through ``__dict__`` (``by_dict``), so that nothing of it
-    runs."""
+    An instance attribute is read with ``getattr``, never through ``__dict__``: on CPython
+    3.11 reading ``obj.__dict__`` turns the object's inline attribute values into a dict for
+    good, and every attribute load in its methods then takes the slow path, a cost that shows
+    on a CartPole step (benchmarks/README.md). Only a class that computes attributes
+    (``__getattr__`` or its own ``__getattribute__``: PettingZoo's wrappers) is read through
+    ``__dict__`` (``by_dict``), so that nothing of it runs."""
     slots = []
     for obj, prefix in holders:
         cls = type(obj)
@@ -129,13 +126,10 @@ def _generators(
     env: Any, holders: list[tuple[Any, str]] | None = None
 ) -> dict[str, np.random.Generator]:
     """Every ``numpy`` generator an env keeps in an ``np_random`` (or ``_np_random``)
-    attribute of itself or of what it wraps (:data:`_LINKS`), by its path from the env
-    (``"unwrapped._np_random"``; a PettingZoo env's ``"unwrapped.par_env.aec_env.unwrapped
-    .np_random"``); each generator once, at the first path found; an instance attribute,
-    never a property's value (:func:`_generator_slots`). ``holders``: the env's
-    :func:`generator_holders`, found before (an env's wrappers stay the same objects for its
-    life, while its generators are replaced: a seeded reset makes a new one), else found
-    now."""
+    instance attribute (:func:`_generator_slots`) of itself or of what it wraps
+    (:data:`_LINKS`), each once, by its first path from the env (``"unwrapped._np_random"``).
+    ``holders``: the env's :func:`generator_holders` found before (its wrappers stay the same
+    objects for its life; a seeded reset replaces its generators), else found now."""
     if holders is None:
         holders = generator_holders(env)
     return _read_generators(_generator_slots(holders))
@@ -167,7 +161,7 @@ def pcg64_bytes(bit_generator: np.random.PCG64) -> bytes:
 
 
 def _pcg64_state(raw: bytes) -> dict[str, Any]:
-    """The ``bit_generator.state`` dict of :func:`pcg64_bytes`'s 40 bytes."""
+    """The ``bit_generator.state`` dict of :func:`pcg64_bytes`'s 40 bytes (``raw``'s first)."""
     has_uint32, uinteger = struct.unpack_from("<iI", raw, 32)
     return {
         "bit_generator": "PCG64",
@@ -186,10 +180,9 @@ _NUMPY_PCG64_LAYOUT = np.lib.NumpyVersion(np.__version__) < "3.0.0"
 
 def _pcg64_read() -> tuple[Callable[[Any], bytes], bool]:
     """How to read :func:`pcg64_bytes`: ``(read, by_address)``: the C copy
-    (``_speedups.pcg64_raw``, given the bit generator's ``ctypes.state_address``) where it runs
-    here and gives the twin's bytes (checked once per process, on a generator with half a
-    64-bit draw buffered), else the twin (given the bit generator). Looked up when a
-    :class:`StartReader` is made."""
+    (``_speedups.pcg64_raw``, given ``ctypes.state_address``) where it gives the twin's bytes
+    (checked once per process, with half a 64-bit draw buffered), else the twin (given the
+    bit generator)."""
     global _pcg64_c_agrees
     raw = _native.function("pcg64_raw")
     # The C copy follows numpy's pcg64_state as numpy 1.17 to 2.x lay it out: a numpy of
@@ -213,25 +206,19 @@ def unpack_start(blob: bytes) -> tuple[Any, ...]:
     """
     if not blob.startswith(_PACKED):
         return cast(tuple[Any, ...], pickle.loads(blob))
-    at = len(_PACKED)
-    (size,) = struct.unpack_from("<I", blob, at)
-    at += 4
-    paths = pickle.loads(blob[at : at + size])
-    at += size
-    states = {}
-    for path in paths:
-        states[path] = _pcg64_state(blob[at : at + _PCG64_BYTES])
-        at += _PCG64_BYTES
+    (size,) = struct.unpack_from("<I", blob, len(_PACKED))
+    at = len(_PACKED) + 4 + size
+    paths = pickle.loads(blob[at - size : at])
+    states = {path: _pcg64_state(blob[at + k * _PCG64_BYTES :]) for k, path in enumerate(paths)}
     return ("rng", states, None, None)
 
 
 class StartReader:
-    """:func:`reset_start` of one env, what stays the same over the env's life found once:
-    where its generators may be (:func:`_generator_slots`, read again at every call, since a
-    seeded reset replaces the generator) and its ``unwrapped`` env. An EnvGroup keeps one per
-    env and calls :meth:`packed` at every episode start, so it is on the step path (an
-    episode of CartPole is about 20 steps): the same start as :func:`reset_start`'s, with
-    less work.
+    """:func:`reset_start` of one env, with what stays the same over the env's life found
+    once: where its generators may be (:func:`_generator_slots`; read at every call, since a
+    seeded reset replaces them) and its ``unwrapped`` env. An EnvGroup calls :meth:`packed`
+    at every episode start of its env, so it is on the step path (a CartPole episode is
+    about 20 steps).
 
     Example::
 
@@ -258,14 +245,13 @@ class StartReader:
         self._slots = _generator_slots(generator_holders(env))
         self._unwrapped: Any = env.unwrapped
         self._read, self._by_address = _pcg64_read()
-        # packed()'s plan for the generators it last found (their paths and objects: a
-        # seeded reset replaces them, an autoreset does not): the paths' prefix and what
-        # _read is given per generator, or None where one is not a PCG64.
+        # packed()'s plan (_planned) for the generators it last found (_key: a seeded reset
+        # replaces them, an autoreset does not).
         self._key: dict[str, np.random.Generator] | None = None
         self._plan: tuple[bytes, list[Any]] | None = None
         # Most envs have one place a generator may be (gymnasium's: the unwrapped env's
-        # _np_random): there packed() checks the planned generator is still the one there
-        # without building the dict of generators.
+        # _np_random): there packed() checks the planned generator is still there without
+        # building the dict of generators.
         slots = self._slots
         self._one = (slots[0][0], slots[0][2]) if len(slots) == 1 and not slots[0][3] else None
         self._one_generator: np.random.Generator | None = None
@@ -278,10 +264,9 @@ class StartReader:
         (:func:`unpack_start` reads it back).
 
         Where every generator is a PCG64 (gymnasium's), the env keeps no ALE state and there
-        are no options (an autoreset's start), it is each generator's :func:`pcg64_bytes`
-        behind the paths' pickle, both planned once per set of generators (the C copy reads
-        a state without building ``bit_generator.state``'s dict; ``benchmarks/README.md``
-        has its cost). Else the pickled start.
+        are no options (an autoreset's start): each generator's :func:`pcg64_bytes` behind
+        the paths' pickle, planned once per set of generators (``benchmarks/README.md`` has
+        its cost). Else the pickled start.
         """
         one, plan, generator = self._one, self._plan, self._one_generator
         if (
@@ -377,9 +362,8 @@ def _layers(env: Any) -> list[Any]:
 
 
 class _StatePickler(cloudpickle.Pickler):
-    """Pickles an env's layers' attributes, each layer itself and each native object by
-    reference (``persistent_id``): a checkpoint is loaded into another env of the same
-    factory, in place."""
+    """Pickles each layer and native object by reference: a checkpoint is loaded into
+    another env of the same factory, in place."""
 
     def __init__(self, out: Any, refs: dict[int, tuple[str, Any]]):
         super().__init__(out, protocol=pickle.HIGHEST_PROTOCOL)
@@ -443,10 +427,9 @@ def env_state(env: gymnasium.Env[Any, Any]) -> bytes | None:
     layers = _layers(env)
     unwrapped = layers[-1]
     refs = _refs(layers)
-    native_names = [n for n in _NATIVE if vars(unwrapped).get(n) is not None]
     try:
         native = _native_state(unwrapped)
-        if native_names and native is None:
+        if native is None and any(vars(unwrapped).get(n) is not None for n in _NATIVE):
             return None
         parts = [
             {k: v for k, v in vars(layer).items() if not (k == "env" and i < len(layers) - 1)}
@@ -490,9 +473,7 @@ def begin(env: gymnasium.Env[Any, Any], start: tuple[Any, ...]) -> Any:
         load_state(env, start[1])
         return None
     states, native, options = start[1], start[2], start[3]
-    unwrapped: Any = env.unwrapped
     for path, state in states.items():
         _set_generator(env, path, state)
-    if native is not None and native[0] == "ale":
-        unwrapped.ale.restoreState(pickle.loads(native[1]))
+    _set_native(env.unwrapped, native)  # an autoreset's start keeps ALE's state, or None
     return env.reset(options=options)

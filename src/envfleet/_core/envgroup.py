@@ -41,8 +41,8 @@ from envfleet._core.stepping import AdaptiveStepping, stepping_mode
 
 __all__ = ["EnvFailure", "EnvGroup", "PartialFailure", "spaces_mismatch"]
 
-# EnvGroup._quiet without an AdaptiveStepping: never asks it.
-_ALWAYS = 1 << 62
+# A group step no run reaches (EnvGroup._quiet without an AdaptiveStepping: never asks it).
+_NEVER = 1 << 62
 
 logger = logging.getLogger("envfleet")
 
@@ -54,8 +54,7 @@ class EnvFailure(Exception):
         super().__init__(f"sub-environment {env_index} raised in {method}")
         self.env_index = env_index
         self.method = method
-        # The env's episode so far (envfleet._core.replay.EnvRecording), for a replay.
-        self.recording: Any = None
+        self.recording: Any = None  # the env's episode so far (replay.EnvRecording)
 
 
 class PartialFailure(EnvFailure):
@@ -75,20 +74,16 @@ class PartialFailure(EnvFailure):
         self.events = events
 
 
-_NEVER = 1 << 62  # a group step no run reaches
-
-
 def info_as_now(info: dict[str, Any]) -> dict[str, Any]:
     """``info`` as gymnasium's ``VectorEnv._add_info`` would batch it now: nested dicts and
     array values copied (``_add_info`` builds new ones of each), other values shared."""
-    return {
-        key: info_as_now(value)
-        if isinstance(value, dict)
-        else value.copy()
-        if isinstance(value, np.ndarray)
-        else value
-        for key, value in info.items()
-    }
+    now = dict(info)
+    for key, value in info.items():
+        if isinstance(value, dict):
+            now[key] = info_as_now(value)
+        elif isinstance(value, np.ndarray):
+            now[key] = value.copy()
+    return now
 
 
 def not_an_env_error(returned: Any, env_index: int) -> ConfigError:
@@ -132,12 +127,6 @@ def spaces_mismatch(
     return None
 
 
-def _failure(env_index: int, method: str, exc: Exception) -> EnvFailure:
-    failure = EnvFailure(env_index, method)
-    failure.__cause__ = exc
-    return failure
-
-
 class EnvGroup:
     """Sub-environments ``[start, start + K)`` of a vector env and their buffer slices.
 
@@ -147,12 +136,10 @@ class EnvGroup:
         batch: the whole vector env's :class:`Batch`; the group uses rows ``[start, start+K)``.
         single_observation_space, single_action_space: the spaces of one sub-environment.
         autoreset_mode: as ``gymnasium.vector.AutoresetMode``.
-        first_env: an env already built by ``env_fns[0]`` (the one :func:`envfleet.make`
-            builds to learn the spaces), used instead of building it again; a restart builds
-            a new one from ``env_fns[0]``.
+        first_env: an env already built by ``env_fns[0]`` (:func:`envfleet.make`'s, to learn
+            the spaces), used instead of building it again.
         batch_offset: the env index of ``batch``'s row 0: 0 for the whole vector env's batch;
-            ``start`` for a batch of just this group's K rows (a worker without shared memory,
-            as a Ray actor).
+            ``start`` for a batch of just this group's K rows (a Ray actor's).
         same_observation_space: ``observation_mode == "same"``: every env's observation space
             must equal ``single_observation_space``; else only share its shape and dtype (see
             :func:`spaces_mismatch`).
@@ -182,8 +169,7 @@ class EnvGroup:
         if action_log is not None:
             action_log.open()
             self._checkpoint_at = max(1, action_log.capacity // 2)
-        # Per env: how its episode starts are read (env_state.StartReader), made at its first
-        # episode start and kept while it is the same env object.
+        # Per env, how its episode starts are read (_reset_start).
         self._start_readers: dict[int, StartReader] = {}
         self.same_observation_space = same_observation_space
         self.size = len(env_fns)
@@ -202,16 +188,14 @@ class EnvGroup:
             None if action_log is None else action_log.recorder(self.buffers.actions)
         )
         self._env_fns = list(env_fns)
-        # The learner's crash note (crash_note.py; note_crashes): None but in the block the
-        # processes driver steps itself.
+        # The crash note (crash_note.py; note_crashes) and the env index of its j = 0.
         self._crash_note: memoryview | None = None
         self._crash_base = 0
         # How a processes worker steps the envs, one after another or all at once
         # (adapt_stepping); None: one after another, in the calling thread.
         self._stepping: AdaptiveStepping | None = None
-        # Rounds step() runs one env after another without asking _stepping (every round
-        # without one).
-        self._quiet = _ALWAYS
+        # Rounds step() runs one env after another without asking _stepping.
+        self._quiet = _NEVER
         # What tasks (Command.TASK) keep here between commands, by their own keys; gone when
         # the group is rebuilt (a restarted worker).
         self.task_state: dict[str, Any] = {}
@@ -239,40 +223,35 @@ class EnvGroup:
         self._action_leaf = is_leaf(single_action_space)
         # Leaves without a fixed size have no buffer: their values go with the reply.
         self._side = bool(side_leaves(single_observation_space))
-        # One writer per observation slab (buffers.ObservationSlabs; rows.RowWriter), its
-        # strategy chosen here; the front picks the slab of each command in the shared word
-        # ``buffers.slab``.
+        # One writer per observation slab (rows.RowWriter); the front picks the slab of each
+        # command in the shared word ``buffers.slab``.
         write_rows = _speedups.function("write_rows")
         self._writers = [
             RowWriter(self._env_obs, out, single_observation_space, write_rows)
             for out in self.buffers.observation_slabs or [self.buffers.observations]
         ]
         self._slab = self.buffers.slab
-        # The C step path (envfleet._core.native; None where the Python twin runs): the results
-        # written straight into the reward and done-flag rows at these addresses.
-        self._c_write_results = _speedups.function("write_results")
-        self._result_addresses: tuple[int, int, int] | None = None
+        # The C write of a step's results (envfleet._core.native) straight into the reward
+        # and done-flag rows, bound once to the group's lists (only ever changed in place) and
+        # called with no Python frame around it; None where it does not apply.
+        write_results = _speedups.function("write_results")
         results = (self.buffers.rewards, self.buffers.terminations, self.buffers.truncations)
         dtypes = (np.dtype(np.float64), np.dtype(np.bool_), np.dtype(np.bool_))
+        self._c_results: Callable[[], bool] | None = None
         if (
-            all(
+            write_results is not None
+            and all(
                 isinstance(a, np.ndarray) and a.flags.c_contiguous and a.flags.writeable
                 for a in results
             )
             and tuple(a.dtype for a in results) == dtypes
         ):
-            self._result_addresses = tuple(a.ctypes.data for a in results)  # type: ignore[assignment]
-        # The C writes of a step bound once to the group's lists and rows, called with no
-        # Python frame around them (the lists are only ever changed in place): the results',
-        # and the observations' per slab (None where they do not apply).
-        self._c_results: Callable[[], bool] | None = None
-        if self._c_write_results is not None and self._result_addresses is not None:
             self._c_results = functools.partial(
-                self._c_write_results,
+                write_results,
                 self._rewards,
                 self._terminations,
                 self._truncations,
-                *self._result_addresses,
+                *(a.ctypes.data for a in results),
                 self._autoreset,
             )
 
@@ -284,13 +263,11 @@ class EnvGroup:
 
     def note_crashes(self, note: memoryview | None, base: int) -> None:
         """Write ``base + j`` into ``note[0]`` before stepping or resetting env ``j``, and
-        :data:`~envfleet._core.crash_note.NOTE_CLEAR` once done (one store per env step);
+        :data:`~envfleet._core.crash_note.NOTE_CLEAR` once done;
         :data:`~envfleet._core.crash_note.NOTE_SEVERAL` while several envs step at once
-        (:meth:`adapt_stepping`). The learner's own block (processes' ``driver_envs``), whose
-        fatal signal then names its env on stderr
-        (:func:`envfleet._core.crash_note.driver_crash_note`), and every processes worker,
-        whose note the driver reads when the worker died or hung (the env that loses its
-        episode)."""
+        (:meth:`adapt_stepping`). For the learner's own block (its fatal signal names the env:
+        :func:`envfleet._core.crash_note.driver_crash_note`) and every processes worker (the
+        driver reads the note when the worker died or hung)."""
         self._crash_note, self._crash_base = note, base
         if note is not None:
             note[0] = NOTE_CLEAR
@@ -300,18 +277,16 @@ class EnvGroup:
     def stepping_kind(self) -> str:
         """What :meth:`adapt_stepping` found its envs to be: ``"wait"``, ``"compute"`` or
         ``"unknown"`` (not timed enough yet, or not adapting)."""
-        stepping = self._stepping
-        return "unknown" if stepping is None else stepping.kind
+        return "unknown" if self._stepping is None else self._stepping.kind
 
     def adapt_stepping(self, words: np.ndarray | None = None, mode: str | None = None) -> None:
         """Let the group choose, from its envs' own steps, between stepping them one after
         another and all at once (envs that wait: a simulator, a server), as a processes
-        worker does (:class:`~envfleet._core.stepping.AdaptiveStepping`); ``words``: the
-        last :data:`~envfleet._core.stats.STEPPING_WORDS` float64 words of the worker's
-        step-time row, where it says what it found (``envs.stats.workers``); ``mode``:
-        ``"auto"``, ``"sequential"`` or ``"concurrent"``, default ``ENVFLEET_STEPPING`` from
-        the environment (``auto`` when unset). Not for a group with a crash note (the
-        learner's own block), whose envs must run in the learner's thread.
+        worker does (:class:`~envfleet._core.stepping.AdaptiveStepping`). ``words``: the last
+        :data:`~envfleet._core.stats.STEPPING_WORDS` float64 words of the worker's step-time
+        row, where it says what it found; ``mode``: ``"auto"``, ``"sequential"`` or
+        ``"concurrent"``, default ``ENVFLEET_STEPPING`` (``auto`` when unset). Not for the
+        learner's own block, whose envs must run in the learner's thread.
 
         Raises:
             ConfigError: ``mode`` (or ``ENVFLEET_STEPPING``) is none of the three.
@@ -323,24 +298,22 @@ class EnvGroup:
         """
         if self._stepping is not None:
             self._stepping.close()
-        self._stepping = AdaptiveStepping(
-            self.size, words, stepping_mode() if mode is None else mode
-        )
-        self._stepping.note = self._crash_note
+        stepping = AdaptiveStepping(self.size, words, stepping_mode() if mode is None else mode)
+        stepping.note = self._crash_note
+        self._stepping = stepping
         self._quiet = 0
 
     def check_spaces(self) -> tuple[int, str] | None:
         """(env_index, description) of the first env whose spaces differ, or ``None``."""
         for j, env in enumerate(self.envs):
-            problem = spaces_mismatch(
-                env,
-                self.single_observation_space,
-                self.single_action_space,
-                self.same_observation_space,
-            )
+            problem = self._spaces_mismatch(env)
             if problem is not None:
                 return self.start + j, problem
         return None
+
+    def _spaces_mismatch(self, env: gymnasium.Env[Any, Any]) -> str | None:
+        space, same = self.single_observation_space, self.same_observation_space
+        return spaces_mismatch(env, space, self.single_action_space, same)
 
     # -- commands -------------------------------------------------------------------------
 
@@ -375,24 +348,19 @@ class EnvGroup:
                 as gymnasium's batched action holds them; ``envfleet._core.buffers.side_leaves``)
                 and the caller's array where its dtype differs from the space's.
         """
-        buf = self.buffers
         # Like SyncVectorEnv, each env gets a view of its row of the batched actions; the
         # row is only rewritten by the next step, once this one has completed.
-        actions: Any
         log = self.action_log
+        batched = self.buffers.actions
         if leaf_actions is not None:
-            batched = fill_side(self.single_action_space, buf.actions, iter(leaf_actions), True)
+            batched = fill_side(self.single_action_space, batched, iter(leaf_actions), True)
             if log is not None:
                 log.record(batched)
-            actions = iter(batched) if self._action_leaf else iterate(self._action_space, batched)
         else:
             record = self._record_actions
             if record is not None:
                 record()  # before any env runs: a hang's action is kept
-            if self._action_leaf:
-                actions = iter(buf.actions)
-            else:
-                actions = iter(iterate(self._action_space, buf.actions))
+        actions = iter(batched if self._action_leaf else iterate(self._action_space, batched))
         # Whether any env resets this step, asked once: most steps reset none.
         resets = self._next_step and True in self._autoreset
         events: list[InfoEvent] = []
@@ -403,8 +371,7 @@ class EnvGroup:
         else:  # a processes worker times this round, or steps its envs all at once
             stepping = cast(AdaptiveStepping, self._stepping)
             failures, self._quiet = stepping.step(self._step_envs, actions, resets, events, log)
-        autoreset = self._autoreset
-        keep = [autoreset[f.env_index - self.start] for f in failures] if failures else []
+        keep = [self._autoreset[f.env_index - self.start] for f in failures] if failures else []
         write = self._c_results
         if write is None or not write():  # else plain floats and bools, written in C
             self._write_results()
@@ -413,8 +380,7 @@ class EnvGroup:
                 self._autoreset[f.env_index - self.start] = flag  # its state is unknown
             raise PartialFailure(failures, events)
         # _write_observations inline, so that no Python frame runs around the C copy; its
-        # write read as an attribute (a slot's load) rather than called as a method (whose
-        # lookup is not specialized for a slot).
+        # write read as a slot's load (a method call's lookup is not specialized for a slot).
         writer = self._writers[0 if self._slab is None else self._slab.item(0)]
         write_obs = writer.write
         try:
@@ -430,10 +396,9 @@ class EnvGroup:
     def _checkpoint(self, log: ActionLog) -> None:
         """Checkpoint each env whose record holds half its capacity since its start
         (:func:`~envfleet._core.env_state.env_state`, :meth:`ActionLog.rebase`), so that no
-        record ever needs more than ``replay_steps`` actions: a snapshot, a recycled worker
-        and a restart's catch-up work at any step of any episode. An env whose state cannot
-        be taken (or does not fit its slot) is not asked again; its record past
-        ``replay_steps`` is incomplete, as without checkpoints."""
+        record needs more than ``replay_steps`` actions (a snapshot, a recycled worker and a
+        restart's catch-up work at any step). An env whose state cannot be taken (or does not
+        fit its slot) is not asked again; its record past ``replay_steps`` is incomplete."""
         n, half = int(log.words[0]), max(1, log.capacity // 2)
         off = self._checkpoint_off
         for j, env in enumerate(self.envs):
@@ -453,11 +418,10 @@ class EnvGroup:
 
     def step_only(self, actions: list[Any], indices: list[int]) -> list[InfoEvent]:
         """Step the envs ``indices`` (local, in order) with ``actions`` (one per env of the
-        group, as the record keeps them), recording the step, as :meth:`step` steps every env:
-        a worker's catch-up after its predecessor died inside that step
-        (:func:`envfleet._core.action_log.catch_up_envs`). The other envs' slots are left as they
-        are; with every env stepped, the observations are written too (else the restart of
-        the others writes them: ``Command.RESTART``).
+        group), recording the step: a worker's catch-up after its predecessor died inside that
+        step (:func:`envfleet._core.action_log.catch_up_envs`). The other envs' slots are left
+        as they are; the observations are written only with every env stepped (else the
+        others' ``Command.RESTART`` writes them).
 
         Raises:
             PartialFailure: an env raised (the supervisor gives up then).
@@ -484,11 +448,9 @@ class EnvGroup:
         log: Any,
     ) -> list[EnvFailure] | None:
         """Step env ``j`` (local) with ``action`` for each ``(j, action)`` of ``pairs``, in
-        that order, autoresetting per mode: each env's results into its slots of the group's
-        lists, its infos appended to ``events``, its episode starts recorded in ``log`` (the
-        action log, or ``None``). The one body of an env's step: :meth:`step` runs it over
-        every env in turn, or (envs that wait, ``_core/stepping.py``) over one env per call,
-        several at once in a worker's threads.
+        order, autoresetting per mode: results into the env's slots of the group's lists, infos
+        appended to ``events``, episode starts recorded in ``log`` (or ``None``). The one body
+        of an env's step, also run one env per call from several threads (``stepping.py``).
 
         Returns the failures of the envs that raised (each with its env's recording), in
         order, or ``None``; their slots read reward 0, not terminated, not truncated.
@@ -530,7 +492,7 @@ class EnvGroup:
             except Exception as exc:
                 # The other envs still step: their data must not depend on this one's fault.
                 failures = failures or []
-                failures.append(self._recorded(_failure(self.start + j, "step", exc)))
+                failures.append(self._recorded(self.start + j, "step", exc))
                 rewards[j], terms[j], truncs[j] = 0.0, False, False
                 continue
             except BaseException:  # KeyboardInterrupt, SystemExit: no env is stepped now
@@ -543,20 +505,26 @@ class EnvGroup:
             note[0] = NOTE_CLEAR
         return failures
 
-    def _reset_start(self, j: int, env: Any, options: Any = None) -> bytes:
-        """:func:`envfleet._core.env_state.reset_start` of env ``j`` (local) as the record keeps
-        it, through its :class:`~envfleet._core.env_state.StartReader` (``packed``), made once
-        per env object."""
+    def _reset_start(
+        self, j: int, env: Any, options: Any = None, seed: int | None = None
+    ) -> tuple[Any, ...] | bytes:
+        """How env ``j``'s (local) reset begins, as the record keeps it: ``("seed", seed,
+        options)`` with a seed, else its :class:`~envfleet._core.env_state.StartReader`'s
+        ``packed`` start (a reader made once per env object)."""
+        if seed is not None:
+            return ("seed", seed, options)
         read = self._start_readers.get(j)
         if read is None or read.env is not env:
             read = self._start_readers[j] = StartReader(env)
         return read.packed(options)
 
-    def _recorded(self, failure: EnvFailure) -> EnvFailure:
-        """``failure`` with its env's episode so far (``failure.recording``), if recorded."""
+    def _recorded(self, env_index: int, method: str, cause: Exception | None = None) -> EnvFailure:
+        """The :class:`EnvFailure` of env ``env_index`` in ``method`` (``cause`` its
+        ``__cause__``), with the env's episode so far (``recording``) if recorded."""
+        failure = EnvFailure(env_index, method)
+        failure.__cause__ = cause
         if self.action_log is not None:
-            j = failure.env_index - self.start
-            failure.recording = self.action_log.recording(j, failure.env_index)
+            failure.recording = self.action_log.recording(env_index - self.start, env_index)
         return failure
 
     def _write_results(self) -> None:
@@ -575,18 +543,17 @@ class EnvGroup:
                     buf.terminations[j] = self._terminations[j]
                     buf.truncations[j] = self._truncations[j]
                 except Exception as exc:
-                    raise self._recorded(EnvFailure(self.start + j, "step (result)")) from exc
+                    raise self._recorded(self.start + j, "step (result)") from exc
             raise
         self._autoreset[:] = np.logical_or(buf.terminations, buf.truncations).tolist()
 
     def _write_observations(self, method: str, events: list[InfoEvent]) -> None:
         """Write every env's latest observation into the group's rows of the slab the front
-        picked (its :class:`~envfleet._core.rows.RowWriter`); with leaves without a fixed size,
-        append each env's values there to ``events``.
+        picked; with leaves without a fixed size, append each env's values there to ``events``.
 
         Raises:
-            EnvFailure: an observation does not fit the observation space's buffer (wrong
-                shape or structure, or a dtype numpy will not cast with ``same_kind``), as
+            EnvFailure: an observation does not fit the observation space's buffer (shape,
+                structure, or a dtype numpy will not cast with ``same_kind``), as
                 SyncVectorEnv's ``concatenate`` refuses it; names the first such env.
         """
         writer = self._writers[0 if self._slab is None else self._slab.item(0)]
@@ -599,7 +566,7 @@ class EnvGroup:
 
     def _misfit(self, writer: RowWriter, method: str) -> EnvFailure:
         """The failure of the first env whose observation ``writer`` could not write."""
-        return self._recorded(EnvFailure(self.start + writer.misfit(), f"{method} (observation)"))
+        return self._recorded(self.start + writer.misfit(), f"{method} (observation)")
 
     def _side_values(self, events: list[InfoEvent]) -> None:
         """Each env's values of the leaves without a fixed size, appended to ``events`` (as
@@ -613,23 +580,16 @@ class EnvGroup:
     def reset(self, request: ResetRequest) -> list[InfoEvent]:
         """Reset the envs (all, or those in ``request.mask``) with their seeds and options."""
         mask = request.mask
-        self._autoreset[:] = [
-            False if mask is None or mask[j] else a for j, a in enumerate(self._autoreset)
-        ]
         todo = [j for j in range(self.size) if mask is None or mask[j]]
+        for j in todo:
+            self._autoreset[j] = False
         per_env: list[list[InfoEvent]] = [[] for _ in range(self.size)]
         failed: list[EnvFailure | None] = [None] * self.size
 
         def reset_env(j: int, log: Any) -> None:
             env = self.envs[j]
             if log is not None:
-                seed = request.seeds[j]
-                log.began(
-                    j,
-                    ("seed", seed, request.options)
-                    if seed is not None
-                    else self._reset_start(j, env, request.options),
-                )
+                log.began(j, self._reset_start(j, env, request.options, request.seeds[j]))
             note = self._crash_note
             if note is not None and note[0] == NOTE_SEVERAL:
                 note = None  # several envs in flight at once (stepping.py): the note says so
@@ -640,7 +600,7 @@ class EnvGroup:
                     seed=request.seeds[j], options=request.options
                 )
             except Exception as exc:
-                failed[j] = self._recorded(_failure(self.start + j, "reset", exc))
+                failed[j] = self._recorded(self.start + j, "reset", exc)
                 return
             finally:
                 if note is not None:
@@ -662,10 +622,9 @@ class EnvGroup:
         # A reset's rows read reward 0, not terminated, not truncated, as an autoreset step's
         # (EnvPool's recv reports them for reset envs; gymnasium's reset does not return them).
         buf = self.buffers
-        for j in range(self.size):
-            if mask is None or mask[j]:
-                self._rewards[j], self._terminations[j], self._truncations[j] = 0.0, False, False
-                buf.rewards[j], buf.terminations[j], buf.truncations[j] = 0.0, False, False
+        for j in todo:
+            self._rewards[j], self._terminations[j], self._truncations[j] = 0.0, False, False
+            buf.rewards[j], buf.terminations[j], buf.truncations[j] = 0.0, False, False
         return events
 
     def restart(self, request: RestartRequest) -> list[InfoEvent]:
@@ -685,35 +644,24 @@ class EnvGroup:
         for j, seed in zip(request.indices, request.seeds, strict=True):
             index = self.start + j
             if request.rebuild:
-                old = self.envs[j]
                 try:
-                    old.close()
+                    self.envs[j].close()
                 except Exception:  # a failed env may not close cleanly; it is dropped anyway
                     logger.warning("sub-environment %d raised in close()", index, exc_info=True)
                 try:
                     self.envs[j] = self._env_fns[j]()
                 except Exception as exc:
                     raise EnvFailure(index, "restart (make)") from exc
-                problem = spaces_mismatch(
-                    self.envs[j],
-                    self.single_observation_space,
-                    self.single_action_space,
-                    self.same_observation_space,
-                )
+                problem = self._spaces_mismatch(self.envs[j])
                 if problem is not None:
                     raise EnvFailure(index, "restart (spaces)") from ValueError(problem)
             if self.action_log is not None:
-                start = (
-                    ("seed", seed, None) if seed is not None else self._reset_start(j, self.envs[j])
-                )
-                self.action_log.began(j, start)
+                self.action_log.began(j, self._reset_start(j, self.envs[j], None, seed))
             try:
                 self._env_obs[j], env_info = self.envs[j].reset(seed=seed)
             except Exception as exc:
                 raise EnvFailure(index, "restart (reset)") from exc
-            info = dict(env_info)
-            info["env_restarted"] = True
-            events.append((index, info))
+            events.append((index, {**env_info, "env_restarted": True}))
             if request.after is Command.STEP:
                 self._rewards[j], self._terminations[j], self._truncations[j] = 0.0, False, True
                 buf.rewards[j], buf.terminations[j], buf.truncations[j] = 0.0, False, True
@@ -764,7 +712,7 @@ class EnvGroup:
         if self._stepping is not None:
             self._stepping.close()
             self._stepping = None
-            self._quiet = _ALWAYS
+            self._quiet = _NEVER
         for env in self.envs:
             try:
                 env.close()

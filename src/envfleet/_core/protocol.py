@@ -34,20 +34,17 @@ InfoEvent = tuple[int, dict[str, Any]]
 class SideValues(dict[str, Any]):
     """One env's observation values at the leaves without a fixed size (Text, Graph, ...),
     which have no shared buffer: ``self["values"]``, in ``envfleet._core.buffers.side_leaves``
-    order.
-
-    They travel as the info of an extra :data:`InfoEvent` ``(env_index, SideValues(...))``
-    with the reply of the command that wrote the env's observation, pickled like the infos
-    (so restarts and merges carry them as they carry infos); the front takes such events out
-    (``type(info) is SideValues``) before it batches the infos.
+    order. They travel as the info of an extra :data:`InfoEvent` ``(env_index, SideValues(...))``
+    with the reply of the command that wrote the observation (so restarts and merges carry them
+    as infos); the front takes them out (``type(info) is SideValues``) before it batches infos.
     """
 
 
 class RoundOutcome(NamedTuple):
-    """What a full step round (a processes transport's ``full_round``: the C round of
-    ``_speedups.full_round``) left to the driver, which reads it by these names
-    (``RoundDriver._finish_full_round``). A complete round (every remote reply taken, none to
-    read, the driver's own block neither failed nor had an event) answers ``None`` instead.
+    """What a full step round (the C round of ``_speedups.full_round``) left to the driver,
+    which reads it by these names (``RoundDriver._finish_full_round``). A complete round
+    (every remote reply taken, none to read, the driver's own block neither failed nor had
+    an event) answers ``None`` instead.
 
     Attributes:
         driver_block_result: the driver's own block's events (its step's return), or ``None``

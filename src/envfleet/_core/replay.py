@@ -1,17 +1,15 @@
 """Replay: the record of a failure, and its file.
 
 An :class:`~envfleet.EnvError`, an :class:`~envfleet.EnvCrashedError` and a
-:class:`~envfleet.StepTimeoutError` carry a :class:`Replay`: the factory of each env
-concerned, its episode's start and its actions since, up to the failing one
-(:class:`EnvRecording`, read from the action log of :mod:`envfleet._core.action_log`). A
-replay is saved to one file (:data:`MAGIC`, the format :data:`VERSION`, checked before
-unpickling: :func:`load_replay`), as is a :class:`Snapshot`, the same record of every env
-that a resumed vector env continues from. :mod:`envfleet._core.replay_runner` runs a replay.
+:class:`~envfleet.StepTimeoutError` carry a :class:`Replay`: each env's factory, its episode's
+start and its actions up to the failing one (:class:`EnvRecording`, from the action log of
+:mod:`envfleet._core.action_log`). A replay is saved to one file (:data:`MAGIC`, the format
+:data:`VERSION`, checked before unpickling: :func:`load_replay`), as is a :class:`Snapshot`
+(every env's record, for a resumed vector env). :mod:`envfleet._core.replay_runner` runs it.
 """
 
 from __future__ import annotations
 
-import io
 import pickle
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -109,12 +107,9 @@ class Replay:
 
 
 def _save(obj: Any, path: str, magic: bytes) -> None:
-    out = io.BytesIO()
-    out.write(magic)
-    out.write(VERSION.to_bytes(2, "little"))
-    cloudpickle.dump(obj, out)
+    data = magic + VERSION.to_bytes(2, "little") + cloudpickle.dumps(obj)
     with open(path, "wb") as f:
-        f.write(out.getvalue())
+        f.write(data)
 
 
 def _load(path: str, magic: bytes, cls: type[Any], what: str) -> Any:
@@ -246,10 +241,5 @@ def replays_of(
     or ``None`` when there is nothing to replay."""
     if not recordings or factories is None:
         return None
-    return Replay(
-        kind,
-        failure,
-        list(recordings),
-        {r.env_index: factories[r.env_index] for r in recordings},
-        timeout_s,
-    )
+    factories_of = {r.env_index: factories[r.env_index] for r in recordings}
+    return Replay(kind, failure, list(recordings), factories_of, timeout_s)

@@ -67,7 +67,6 @@ def run_replay(
     calls = 0
     try:
         longest = max((len(r.actions) for r in replay.envs), default=0)
-        resets_last = [r for r in replay.envs if not r.actions]
         for t in range(longest):
             for r in replay.envs:
                 k = t - (longest - len(r.actions))
@@ -81,7 +80,7 @@ def run_replay(
                 _call(progress, stop_at, r.env_index, k + 1, "step")
                 env.step(r.actions[k])  # (pdb: `step` goes into the env's step)
                 calls += 1
-        for r in resets_last:  # a failure in the reset that began the episode
+        for r in [r for r in replay.envs if not r.actions]:  # a failure in the reset itself
             _call(progress, stop_at, r.env_index, 0, "reset")
             begin(envs[r.env_index], r.start)  # type: ignore[arg-type]
             calls += 1
@@ -155,8 +154,7 @@ def watch_replay(path: str, timeout_s: float | None = None, stderr: Any = None) 
     finally:
         os.close(write)
     last: tuple[int, int, str] | None = None
-    calls, how, detail = 0, "", ""
-    buffer = b""
+    calls, how, detail, buffer = 0, "", "", b""
     try:
         with os.fdopen(read, "rb", buffering=0) as pipe:
             while not how:
@@ -186,20 +184,11 @@ def watch_replay(path: str, timeout_s: float | None = None, stderr: Any = None) 
             child.kill()
         code = child.wait()
     if not how:
-        how = "died"
-        detail = describe_exitcode(code)
-    failed = None if how == "completed" else last
+        how, detail = "died", describe_exitcode(code)
+    failed: tuple[Any, Any, Any] = (None, None, None) if how == "completed" or not last else last
     # The same failure: for an env error, the same exception (type and message) too.
     same = _KINDS.get(replay.kind) == how and (how != "raised" or detail in replay.failure)
-    return ReplayOutcome(
-        how,
-        same,
-        failed[0] if failed else None,
-        failed[1] if failed else None,
-        failed[2] if failed else None,
-        detail,
-        calls,
-    )
+    return ReplayOutcome(how, same, *failed, detail, calls)
 
 
 def _child(path: str, fd: int) -> int:

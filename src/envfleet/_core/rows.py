@@ -1,28 +1,26 @@
 """RowWriter: a group's observations written into its rows of one observation slab.
 
 An :class:`~envfleet._core.envgroup.EnvGroup` builds one writer per observation slab
-(``Batch.observation_slabs``) when it is built, over its list of latest observations (which it
-only ever changes in place). The writer picks its strategy then, from the slab's layout and the
-observation space, and its one ``write()`` writes the rows as gymnasium's ``concatenate`` would
-(``SyncVectorEnv.step``), whatever the observations are: it tries its fastest strategy and, when
-the observations do not fit it, falls back within itself to the general one. Strategies
-(``RowWriter.strategy``), fastest first:
+(``Batch.observation_slabs``) over its list of latest observations (only ever changed in
+place). The writer picks its strategy from the slab's layout and the observation space; its
+``write()`` writes the rows as gymnasium's ``concatenate`` would (``SyncVectorEnv.step``),
+falling back within itself to a more general strategy for observations that do not fit.
+Strategies (``RowWriter.strategy``), fastest first:
 
-- ``"c"``: the C ``write_rows`` (``envfleet._core.native``) copies each observation's bytes
-  into its row, by memcpy, for the rows of a C-contiguous slab of an array space; it hands
-  observations that are not exact ndarrays of the slab's shape and dtype, C-contiguous, to
-  the ``"concatenate"`` write, which it calls itself: the common case runs no Python frame;
-- ``"joined"`` (where the C module is not used): the same observations' bytes joined and
-  written through a byte view of the rows; the join copies every byte twice, so only up to
+- ``"c"``: the C ``write_rows`` (``envfleet._core.native``) memcpy's each observation into its
+  row, for a C-contiguous slab of an array space; observations that are not exact
+  C-contiguous ndarrays of the slab's shape and dtype go to ``"concatenate"``, which it calls
+  itself: the common case runs no Python frame;
+- ``"joined"`` (without the C module): the observations' bytes joined and written through a
+  byte view of the rows; the join copies every byte twice, so only up to
   :data:`JOIN_MAX_BYTES` of rows (numpy copies larger ones faster), else ``"concatenate"``;
 - ``"concatenate"``: one ``np.concatenate`` of exact ndarrays of the slab's shape along the
-  rows' flattened first axis, for an array space of ``ndim >= 1`` (where ``np.stack`` costs
-  more for the same values, cast alike with ``same_kind``); other observations go to
-  ``"stack"``;
+  rows' flattened first axis (``np.stack`` costs more for the same values, cast alike with
+  ``same_kind``); other observations go to ``"stack"``;
 - ``"stack"``: ``np.stack(observations, out=rows)``, what gymnasium's ``concatenate`` does for an
   array space; ``"tree"``: gymnasium's ``concatenate`` itself (Dict and Tuple spaces), which
   leaves without a fixed size pass through (their values reach the front as
-  :class:`~envfleet._core.protocol.SideValues`, collected by the group).
+  :class:`~envfleet._core.protocol.SideValues`).
 
 Each write raises what numpy or gymnasium raise for observations that do not fit the space
 (another shape or structure, a dtype numpy does not cast with ``same_kind``);
@@ -107,9 +105,7 @@ class RowWriter:
         if not out.flags.c_contiguous:
             return
         if write_rows is not None:
-            # C-contiguous rows of the buffer's dtype are memcpy'd from each observation's
-            # data, whatever their size (each byte copied once, with fewer checks than numpy's);
-            # the rows it declines go to self._concatenate, called from C.
+            # Each byte copied once, with fewer checks than numpy's, whatever the rows' size.
             self.strategy = "c"
             self.write = functools.partial(
                 write_rows,
