@@ -26,12 +26,9 @@ wakes the driver's wait at once (the death watch rings it:
 driver dies: Linux SIGKILLs them (``PR_SET_PDEATHSIG``), and a blocked worker also checks
 between slices that the driver is still there.
 
-This module holds the driver's side (:class:`ProcessesTransport`: the primitives the round
-driver, :class:`envfleet._backends.rounds.RoundDriver`, runs every round over, and the C step
-round) and the registration; starting, restarting and closing the worker processes is
-:mod:`envfleet._backends.processes.lifecycle` (the transport's base class); the
-worker process and the shared-memory layout both sides read are
-:mod:`envfleet._backends.processes.worker`; the plan is :mod:`envfleet._backends.processes.plan`.
+This module holds the driver's side (:class:`ProcessesTransport`, the primitives
+:class:`envfleet._backends.rounds.RoundDriver` runs every round over, and the C step round)
+and the registration; the workers' lifecycle is :mod:`~envfleet._backends.processes.lifecycle`.
 """
 
 from __future__ import annotations
@@ -118,19 +115,13 @@ class ProcessesTransport:
 
     Args:
         request: make()'s :class:`BuildRequest`: the factories (cloudpickled), the start
-            method, the ledger (with a restart policy, failed envs and dead or hung workers
-            are rebuilt; the driver's own block must then be empty), a first-ready pool
-            (workers may be sent commands while others run, and a first-ready :meth:`wait`
-            reports whichever finish first; no driver block then), and env 0: built
-            in the driver (``request.first_env``: used as the driver's env 0 when the driver
-            steps a block, else closed), or, with every env in a worker (``driver_envs=0``),
-            built by the first worker, which sends its spaces back (``request.learn``): no
-            env is built in the driver then, and the shared block is allocated once they are
-            known and handed to the workers on their pipes.
+            method, the ledger (a restart policy needs an empty driver block), a first-ready
+            pool (no driver block then), and env 0: built in the driver
+            (``request.first_env``: the driver block's env 0, else closed), or, with every
+            env in a worker, by the first worker, whose spaces size the shared block
+            (``request.learn``), handed to the workers on their pipes.
         plan: the :class:`ProcessesPlan`: the driver's share (``driver_envs > 0``: the driver
-            steps the first block itself, no process for it) and the spin budgets (the most
-            seconds a wait polls before blocking, in the driver and in each worker; 0: always
-            block; the budget adapts to the waits seen).
+            steps the first block itself) and the spin budgets (seconds; 0: always block).
 
     Its workers are spawned here; the round driver waits for their ``READY`` replies
     (``start_timeout``) and checks them.
@@ -238,20 +229,14 @@ class ProcessesTransport:
         return self._inline
 
     def send(self, g: int, command: Command, payload: Any) -> bool:
-        if g in self._inline:
-            # The driver's own block, stepped while the workers step theirs.
+        if g in self._inline:  # the driver's own block, stepped while the workers step theirs
+            block = cast(EnvGroup, self._driver_block)
             try:
-                self._driver_block_reply = (
-                    run_command(
-                        cast(EnvGroup, self._driver_block),
-                        command,
-                        payload,
-                        self._driver_block_timer,
-                    ),
-                    None,
-                )
+                result = run_command(block, command, payload, self._driver_block_timer)
             except EnvFailure as failure:
                 self._driver_block_reply = (None, failure)
+            else:
+                self._driver_block_reply = (result, None)
             return True
         self.workers.request(g, command, payload is not None)
         if payload is not None:
@@ -294,8 +279,6 @@ class ProcessesTransport:
             # later wait wakes with nothing new, and waits again).
             Doorbell.wait(workers_.any_done, self._any_budget, deadline, alive)
             ready = [h for h in workers if replied(h)]
-            if not dead:
-                return Seen(ready)
             return Seen(ready, {h: "" for h in workers if h in dead and h not in ready})
         if workers_.bell is not None and words[g][GATHER]:
             return self._gather_wait(workers, deadline, alive, spun_s)
@@ -388,9 +371,7 @@ class ProcessesTransport:
                 done.failures[g] = failure
             return
         words = self.workers.words[g]  # its items are Python ints (a numpy int64 compares slowly)
-        status = words[STATUS]
-        payload = None
-        where = words[REPLY_PAYLOAD]
+        status, where, payload = words[STATUS], words[REPLY_PAYLOAD], None
         if where:
             try:
                 payload = self.workers.payload(g, where, words[REPLY_BYTES])
@@ -403,16 +384,14 @@ class ProcessesTransport:
             done.results[g] = payload
 
     def _bind_full_round(self) -> FullRound | None:
-        """:attr:`full_round`: ``_speedups.full_round`` bound to this transport's workers, or
-        ``None`` where it does not apply (no C step path: the driver's Python round rings and
-        waits for each worker; not the shared POSIX semaphores; a first-ready pool). It rings
-        every worker (unless told that step_async did), steps the driver's own block, and
-        spins on the replies, then on the round bell waits for them until ``wait_s`` (the
-        round's one wait: a death's alarm or a Ctrl-C ends it too); it answers ``None``
-        when the round is complete, else a
+        """:attr:`full_round`: ``_speedups.full_round`` bound to this transport's workers;
+        ``None`` without the C step path, the shared POSIX semaphores, or in a first-ready
+        pool (the Python round rings and waits for each worker then). It rings every worker
+        (unless step_async did), steps the driver's own block, spins on the replies, then
+        waits on the round bell until ``wait_s`` (a death's alarm or a Ctrl-C ends it too):
+        ``None`` when the round is complete, else a
         :class:`~envfleet._core.protocol.RoundOutcome` of what it left. (No reference to self
-        in it: a cycle would keep the shared memory past close until the garbage collector
-        runs.)"""
+        in it: a cycle would keep the shared memory past close until the GC runs.)"""
         full_round = _speedups.function("full_round")
         round_plan = _speedups.function("round_plan")
         doorbells = [self.workers.doorbells[g] for g in self.remote]
@@ -455,8 +434,7 @@ class ProcessesTransport:
     def host_mates(self, groups: Sequence[int]) -> list[int]:
         """The groups that share a worker process with one of ``groups``, not in it (they go
         down with it)."""
-        chosen = set(groups)
-        return sorted({m for g in groups for m in self.workers.mates(g)} - chosen)
+        return sorted({m for g in groups for m in self.workers.mates(g)} - set(groups))
 
     def hosted(self, g: int) -> bool:
         """Whether group ``g`` shares its worker process with other groups."""
@@ -610,21 +588,14 @@ atexit.register(_close_at_exit)
 def _plan(request: PlanRequest) -> Plan:
     """:func:`plan_processes` for make()'s arguments (the options table,
     :data:`envfleet._front.options.RULES`, has refused what cannot go with a driver share)."""
-    driver_envs = request.options["driver_envs"]
-    cores = usable_cores()
-    num_workers = request.num_workers
+    cores, spin_s, num_workers = usable_cores(), request.options["spin_s"], request.num_workers
     if request.pool and num_workers is None:
         # A first-ready pool's default (make() left the worker count to it): one env per
         # group, the groups hosted a core's worth to a process.
-        plan = hosted_pool_plan(request.num_envs, request.options["spin_s"], cores)
+        plan = hosted_pool_plan(request.num_envs, spin_s, cores)
         return Plan(plan.ranges, plan, driver_free=True)
-    plan = plan_processes(
-        request.num_envs,
-        num_workers,
-        driver_envs,
-        request.options["spin_s"],
-        cores,
-    )
+    driver_envs = request.options["driver_envs"]
+    plan = plan_processes(request.num_envs, num_workers, driver_envs, spin_s, cores)
     # Every env in a worker: make() builds none in the driver (env 0's spaces come from it).
     return Plan(plan.ranges, plan, driver_free=plan.driver_envs == 0)
 

@@ -152,15 +152,6 @@ class SpinBudget:
         """Seconds the next wait may spin."""
         return self.words[0]
 
-    @property
-    def max_s(self) -> float:
-        return self.words[1]
-
-    @property
-    def step_s(self) -> float:
-        """What a caught wait adds (``max_s / 16``)."""
-        return self.words[2]
-
     def caught(self) -> None:
         """A wait ended while spinning."""
         words = self.words
@@ -184,16 +175,8 @@ def _load_libc() -> Any:
         return None
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        for name in (
-            "sem_init",
-            "sem_post",
-            "sem_trywait",
-            "sem_timedwait",
-            "sem_wait",
-            "sem_getvalue",
-        ):
-            getattr(libc, name).restype = ctypes.c_int
-        libc.syscall.restype = ctypes.c_long
+        for name in ("init", "post", "trywait", "timedwait", "wait", "getvalue"):
+            getattr(libc, f"sem_{name}").restype = ctypes.c_int
         return libc
     except (OSError, AttributeError):
         return None
@@ -292,22 +275,19 @@ class Doorbell:
     ) -> bool:
         """Wait until ``sem`` is posted; ``False`` when ``deadline`` passed or ``alive()`` failed.
 
-        The driver's wait (``max_slice_s`` ``None``) blocks in one piece until ``deadline``:
-        a death posts ``sem`` (the driver's death watch:
-        :class:`~envfleet._backends.workers.DeathWatch`), and ``alive()`` is
-        asked before the block and after each wake-up (a signal's too). A worker's wait on
-        its driver, which no watch rings, blocks in slices with ``alive()`` between them.
-
         Args:
             sem: the semaphore to take (``request`` or ``done``).
             budget: spin budget, updated with this wait's length.
             deadline: ``time.monotonic()`` value after which to give up, or ``None``.
-            alive: checked between blocking slices; a ``False`` ends the wait.
+            alive: asked before blocking and after each wake-up (a signal's too) or slice;
+                a ``False`` ends the wait.
             spun_s: the caller already spun this long on ``sem`` (the C worker loop did):
                 block at once, and count those seconds in the wait's length.
-            max_slice_s: blocking slices double from :data:`BLOCK_SLICE_S` up to this
-                (seconds): how long a death may go unnoticed in a long wait; ``None``: one
-                block (a death rings ``sem``).
+            max_slice_s: a worker's wait on its driver, which no death watch rings: blocking
+                slices double from :data:`BLOCK_SLICE_S` up to this (seconds), how long a
+                death may go unnoticed. ``None``: the driver's wait, one block until
+                ``deadline``, which a death ends (the death watch posts ``sem``:
+                :class:`~envfleet._backends.workers.DeathWatch`).
         """
         acquire = sem.acquire
         clock = time.perf_counter
@@ -322,13 +302,9 @@ class Doorbell:
             # Poll back to back at first (a poll costs less than a yield, so a ring is seen
             # sooner: benchmarks/README.md), then yield the core between polls.
             tight_until = min(spin_until, start + TIGHT_SPIN_S)
-            while now < tight_until:
-                if acquire(False):
-                    budget.caught()
-                    return True
-                now = clock()
             while now < spin_until:
-                _yield()
+                if now >= tight_until:
+                    _yield()
                 if acquire(False):
                     budget.caught()
                     return True
@@ -339,19 +315,16 @@ class Doorbell:
                 if left is not None and left <= 0:
                     break
                 if acquire(True, left):  # False: the deadline, or a signal (asked again)
-                    budget.blocked(time.perf_counter() - start)
+                    budget.blocked(clock() - start)
                     return True
             return bool(acquire(False))
         block_s = BLOCK_SLICE_S
         while True:
-            if deadline is None:
-                slice_s = block_s
-            else:
-                slice_s = min(block_s, deadline - time.monotonic())
-                if slice_s <= 0:
-                    return bool(acquire(False))
+            slice_s = block_s if deadline is None else min(block_s, deadline - time.monotonic())
+            if slice_s <= 0:
+                return bool(acquire(False))
             if acquire(True, slice_s):
-                budget.blocked(time.perf_counter() - start)
+                budget.blocked(clock() - start)
                 return True
             if not alive():
                 return bool(acquire(False))
@@ -374,9 +347,7 @@ semaphores (full barriers)."""
 
 def round_bell_available(machine: str | None = None) -> bool:
     """A :class:`RoundBell` works here: Linux (futexes), on a CPU of
-    :data:`ROUND_BELL_MACHINES` (x86-64), with the C module's bell functions, the one
-    implementation of the bell (without them every command goes on the workers' POSIX
-    semaphores, as on other CPUs).
+    :data:`ROUND_BELL_MACHINES` (x86-64), with the C module's bell functions (R9).
 
     Args:
         machine: the CPU architecture as the kernel names it (``x86_64``, ``aarch64``...);
@@ -396,8 +367,7 @@ class RoundBell:
     and every worker, which keep the round protocol (the module's R1-R9): the driver rings
     the workers it wrote a command to with one generation bump and at most one
     ``FUTEX_WAKE_BITSET``, whatever their number, and a full round's last arrival wakes the
-    driver. Its system calls are the C module's (``bell_ring``, ``bell_sleep``,
-    ``bell_arrive``, ``gather_sleep``, ``bell_alarm``): the bell exists only where they run
+    driver. Its system calls are the C module's (R9): the bell exists only where they run
     (:func:`round_bell_available`).
 
     Args:

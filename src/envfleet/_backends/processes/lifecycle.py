@@ -1,12 +1,7 @@
-"""The worker processes of ``backend="processes"`` and the shared memory they read.
-
-:class:`WorkerProcesses` is a collaborator of
-:class:`envfleet._backends.processes.backend.ProcessesTransport`, which holds one: it owns the
-control words, mailboxes and step-time rows of every group and the shared block, spawns a
-group's worker (:func:`envfleet._backends.processes.worker.worker_main`), respawns a dead or
-hung one, lays out workers started without the spaces, reads a reply's payload (the mailbox,
-the pipe, the reply region), tells how a worker died, and closes them all in three bounded
-phases (ask, terminate, kill).
+"""The worker processes of ``backend="processes"`` and the shared memory they read:
+:class:`WorkerProcesses`, held by :class:`~envfleet._backends.processes.backend.ProcessesTransport`,
+spawns (:func:`~envfleet._backends.processes.worker.worker_main`), respawns, lays out and
+closes the workers, reads their replies' payloads and tells how one died.
 """
 
 from __future__ import annotations
@@ -76,7 +71,6 @@ from envfleet._backends.registry import BuildRequest
 from envfleet._backends.workers import (
     BOOTSTRAP_FIX,
     STACKS_WAIT_S,
-    BootstrapReport,
     DeathWatch,
     DriverFiles,
     MemoryWatch,
@@ -110,26 +104,22 @@ _KILL_GRACE = 1.0  # seconds between SIGTERM and SIGKILL
 
 
 class WorkerProcesses:
-    """The worker processes of the processes transport and the shared memory they read: the
-    control words, mailboxes and step-time rows of every group, the shared block once laid
-    out, each worker's process, pipe, doorbell and reply region. It starts, respawns,
-    diagnoses and closes them; the transport
-    (:class:`~envfleet._backends.processes.backend.ProcessesTransport`) holds it and moves
+    """The worker processes of the processes transport and the shared memory they read; it
+    starts, respawns, diagnoses and closes them for the transport
+    (:class:`~envfleet._backends.processes.backend.ProcessesTransport`), which moves
     commands and replies through what it exposes.
 
     Args:
-        request: make()'s :class:`BuildRequest` (the factories, the start method, the ranges,
-            env 0 built in the driver or not: without it, the block is laid out once env 0's
-            worker tells its spaces, :meth:`lay_out`).
+        request: make()'s :class:`BuildRequest` (without env 0 built in the driver, the
+            block is laid out once env 0's worker tells its spaces: :meth:`lay_out`).
         worker_spin_s: the most seconds a worker polls for a command before blocking.
         hosts: the groups each worker process serves (a first-ready pool's one-env groups,
-            several to a process, each served by a thread of its own: host_main); ``None``:
-            a process per group (of ``remote``).
+            a thread each: host_main); ``None``: a process per group.
 
     Attributes:
         control, words: per group, its control words (numpy rows; int64 memoryviews, cheaper
-            to write); mailboxes: per group, its reply mailbox; stats: per group, its
-            step-time row; any_done: a first-ready pool's shared doorbell (``None`` otherwise);
+            to write); mailboxes, stats: per group, its reply mailbox and step-time row;
+            any_done: a first-ready pool's shared doorbell (``None`` otherwise);
         procs, conns, doorbells, regions: per group, its process, pipe, doorbell and the
             driver's mapping of its reply region (``None`` for the driver's own group, and
             before a worker sent one); batch: the shared block's arrays, once laid out.
@@ -183,18 +173,15 @@ class WorkerProcesses:
         if round_bell_available() and not request.pool:
             self._bell_raw = multiprocessing.sharedctypes.RawArray(ctypes.c_uint8, BELL_BYTES)
             self.bell = RoundBell(self._bell_raw, (REQ, ACK, SLEEP))
-        # Per host process, its groups (the first one's stacks file is the host's); per
-        # group, its host. Without hosts every group is its own process.
+        # Per host process, its groups (the first one's stacks file is the host's); per group,
+        # its host.
         self.hosts: list[list[int]] = hosts if hosts is not None else [[g] for g in range(groups)]
         self.host_of = {g: h for h, members in enumerate(self.hosts) for g in members}
-        self.hosted = any(len(members) > 1 for members in self.hosts)
-        # Per host, its bell (rung while it serves its groups in turns: worker.SERVED), and
-        # per group, its host's bell and the words where the host says how it serves (None:
-        # a process of its own).
+        # Per host, its bell (rung while it serves its groups in turns: worker.SERVED); per
+        # group, its host's ring and SERVED words (None: a process of its own).
         self._host_raw: Any = multiprocessing.sharedctypes.RawArray(
             ctypes.c_uint8, max(1, len(self.hosts)) * SEM_SLOT
         )
-        self.host_bells: list[Any] = [None] * len(self.hosts)
         self._host_ring: list[tuple[Any, Any, memoryview] | None] = [None] * groups
         self._to_ring: list[tuple[Any, Any, memoryview]] = []  # until ring_hosts
         self.procs: list[Any] = [None] * groups
@@ -256,31 +243,23 @@ class WorkerProcesses:
         with self._dead_lock:  # the death watch rings none of their new doorbells for the old
             for m in members:
                 self.procs[m] = None
-        specs, parents, children = [], [], []
-        for m in members:
-            spec, parent_conn, child_conn = self._spec(m, len(members) > 1, m == members[0])
-            specs.append(spec)
-            parents.append(parent_conn)
-            children.append(child_conn)
         lead = members[0]
+        made = [self._spec(m, len(members) > 1, m == lead) for m in members]
+        specs, parents, children = map(list, zip(*made, strict=True))
         if len(members) == 1:
             target: Any = worker_main
             args: tuple[Any, ...] = (specs[0], children[0], parents[0])
         else:
             h = self.host_of[lead]
             bell = shared_semaphore(self._ctx, self._host_raw, h * SEM_SLOT)
-            self.host_bells[h] = bell
             self.words[lead][SERVED] = 0  # in turns, until the host says otherwise
             ring = (bell.release, getattr(bell, "value", None), self.words[lead])
             for m in members:
                 self._host_ring[m] = ring
             target, args = host_main, (specs, children, parents, bell)
+        # report_path: where it says it could not start (bootstrapping).
         proc = spawn(
-            self._ctx,
-            target,
-            args,
-            f"envfleet-worker-{lead}",
-            report_path=specs[0].stacks_path,  # where it says it could not start (bootstrapping)
+            self._ctx, target, args, f"envfleet-worker-{lead}", report_path=specs[0].stacks_path
         )
         with self._dead_lock:
             for m, parent_conn, child_conn in zip(members, parents, children, strict=True):
@@ -299,12 +278,9 @@ class WorkerProcesses:
         each group with a command due gets a done token (the driver, taking it, finds ``ACK``
         behind ``REQ``: no reply), the pool's shared doorbell one, and the round bell its
         alarm. ``dead`` is written before ``REQ`` is read: a wait whose command was sent
-        after this read finds the group in ``dead`` before it blocks."""
-        self._ring_dead(proc)
-
-    def _ring_dead(self, proc: Any) -> None:
-        """:meth:`died`'s rings for the groups of ``proc`` (``None``: of every process, gone
-        at close); none for a group being replaced (its new doorbell is not the old one's)."""
+        after this read finds the group in ``dead`` before it blocks. ``proc`` ``None``: every
+        process, gone at close. A group being replaced is not rung (its new doorbell is not
+        the old one's)."""
         with self._dead_lock:
             groups = [g for g, p in enumerate(self.procs) if p is not None and proc in (None, p)]
             if not groups:
@@ -429,14 +405,11 @@ class WorkerProcesses:
             except RuntimeError as exc:  # recvfds: no descriptor came
                 raise EOFError(str(exc)) from exc
             try:
-                old, self.regions[g] = (
-                    self.regions[g],
-                    mmap.mmap(fd, os.fstat(fd).st_size, prot=mmap.PROT_READ),
-                )
+                region = mmap.mmap(fd, os.fstat(fd).st_size, prot=mmap.PROT_READ)
             finally:
                 os.close(fd)
-            if old is not None:
-                old.close()
+            self._drop_region(g)
+            self.regions[g] = region
         blob = self.mailboxes[g][:size] if where & IN_MAILBOX else conn.recv_bytes()
         if where & IN_REGION:
             return read_region(self.regions[g], blob)
@@ -470,9 +443,7 @@ class WorkerProcesses:
         the first ahead of the second means the step it was sent began (its actions are
         recorded); ``None`` without a log."""
         head = self.log_head(g)
-        if head is None:
-            return None
-        return head[0], int(self.words[g][LOGN])
+        return None if head is None else (head[0], int(self.words[g][LOGN]))
 
     def replied(self, g: int) -> bool:
         """Whether group ``g`` posted a reply not yet taken (its done token, taken now: read
@@ -558,8 +529,7 @@ class WorkerProcesses:
 
     def respawn(self, g: int, reason: str) -> None:
         """Kill worker ``g`` (dead or hung: ``reason`` is ``"late"``) and start a new one for
-        the same envs (with hosts: ``g``'s host for every group it serves; see
-        :meth:`respawn_all`)."""
+        the same envs (with hosts, for every group of its host: :meth:`respawn_all`)."""
         self.respawn_all({g: reason})
 
     def respawn_all(self, reasons: dict[int, str]) -> None:
@@ -582,10 +552,9 @@ class WorkerProcesses:
                 late = any(reasons.get(m) == "late" for m in members)
                 why = "did not answer in time" if late else "died"
                 stacks = self.crash_stacks(lead) if why == "died" else ""
+                what = f"worker {g}"
                 if len(members) > 1:
                     what = f"worker process of groups {members[0]}..{members[-1]}"
-                else:
-                    what = f"worker {g}"
                 logger.warning(
                     "%s %s%s; restarting it and its envs%s",
                     what,
@@ -594,10 +563,7 @@ class WorkerProcesses:
                     f"; its stacks when it died:\n{stacks}" if stacks else "",
                 )
             proc = self.procs[g]
-            with contextlib.suppress(ValueError):
-                if proc.is_alive():
-                    proc.kill()
-                proc.join()
+            self.kill([g])
             for m in members:
                 cast(Connection, self.conns[m]).close()
                 self._drop_region(m)  # the new worker sends its own
@@ -620,22 +586,37 @@ class WorkerProcesses:
         start, stop = self.ranges[w]
         written = read_text(self._stack_files.fds[self.lead(w)])
         boot = bootstrap_report(written)
+        stacks, rss, cause = "", None, None
         if boot is not None:
-            return self._bootstrap_error(w, exitcode, step, note, fate, boot)
-        stacks = self.group_stacks(w, fatal_stacks(written))
-        where = at(stacks)
-        seen = self.memory.last(self.lead(w))
-        rss = seen[0] if seen is not None else None
-        if exitcode == -signal.SIGKILL and seen is not None:
-            # The OOM killer's way: say how much memory the worker held when last seen.
-            where = (
-                f" (its resident memory last seen: {seen[0] / 2**20:.1f} MiB, "
-                f"{max(0.0, time.monotonic() - seen[1]):.1f} s before)"
+            # It could not start: the main module, which every spawn and forkserver worker
+            # imports first, starts worker processes on import (no ``if __name__ ==
+            # "__main__":`` guard), which multiprocessing refuses in a process still starting.
+            # Its stack there is chained as ``__cause__``.
+            where = f" ({boot.where})" if boot.where else ""
+            how = (
+                "while starting, because the main module starts worker processes when it is "
+                f"imported{where}: under the {self._ctx.get_start_method()!r} start method "
+                "each worker imports the main module first, and multiprocessing refuses to "
+                "start a process from one still starting (its 'bootstrapping phase' error). "
+                f"To fix it, {BOOTSTRAP_FIX}"
             )
-        return EnvCrashedError(
+            if boot.traceback:
+                cause = RemoteTraceback(boot.traceback)
+        else:
+            stacks = self.group_stacks(w, fatal_stacks(written))
+            where = at(stacks)
+            seen = self.memory.last(self.lead(w))
+            rss = seen[0] if seen is not None else None
+            if exitcode == -signal.SIGKILL and seen is not None:
+                # The OOM killer's way: say how much memory the worker held when last seen.
+                where = (
+                    f" (its resident memory last seen: {seen[0] / 2**20:.1f} MiB, "
+                    f"{max(0.0, time.monotonic() - seen[1]):.1f} s before)"
+                )
+            how = f"after {step} steps{where}"
+        error = EnvCrashedError(
             f"worker {w} (sub-environments {start}..{stop - 1}) died with "
-            f"{describe_exitcode(exitcode)} after {step} steps{where}; "
-            f"{note + '; ' if note else ''}{fate}",
+            f"{describe_exitcode(exitcode)} {how}; {note + '; ' if note else ''}{fate}",
             env_indices=range(start, stop),
             worker_index=w,
             exitcode=exitcode,
@@ -643,38 +624,14 @@ class WorkerProcesses:
             stacks=stacks,
             rss_bytes=rss,
         )
-
-    def _bootstrap_error(
-        self, w: int, exitcode: int | None, step: int, note: str, fate: str, boot: BootstrapReport
-    ) -> EnvCrashedError:
-        """Worker ``w`` could not start: the main module, which every ``spawn`` and
-        ``forkserver`` worker imports first, starts worker processes on import (no
-        ``if __name__ == "__main__":`` guard), which multiprocessing refuses in a process still
-        starting. Its stack there is chained as ``__cause__``."""
-        start, stop = self.ranges[w]
-        where = f" ({boot.where})" if boot.where else ""
-        error = EnvCrashedError(
-            f"worker {w} (sub-environments {start}..{stop - 1}) died with "
-            f"{describe_exitcode(exitcode)} while starting, because the main module starts "
-            f"worker processes when it is imported{where}: under the "
-            f"{self._ctx.get_start_method()!r} start method each worker imports the main "
-            "module first, and multiprocessing refuses to start a process from one still "
-            "starting (its 'bootstrapping phase' error). To fix it, "
-            f"{BOOTSTRAP_FIX}; {note + '; ' if note else ''}{fate}",
-            env_indices=range(start, stop),
-            worker_index=w,
-            exitcode=exitcode,
-            step=step,
-        )
-        if boot.traceback:
-            error.__cause__ = RemoteTraceback(boot.traceback)
+        if cause is not None:
+            error.__cause__ = cause
         return error
 
     def crash_stacks(self, g: int) -> str:
-        """What worker ``g``'s faulthandler wrote when it died of a fatal signal (SIGSEGV,
-        SIGBUS, SIGFPE, SIGILL, SIGABRT): every thread's stack, innermost first; ``""`` for a
-        death that leaves none (SIGKILL, ``os._exit``) and for a worker that could not start
-        because the main module starts workers on import (its report is in the same file)."""
+        """What worker ``g``'s faulthandler wrote when it died of a fatal signal: every
+        thread's stack, innermost first; ``""`` for a death that leaves none (SIGKILL,
+        ``os._exit``) and for a worker that could not start (its report is in that file)."""
         text = read_text(self._stack_files.fds[self.lead(g)])
         if bootstrap_report(text) is not None:
             return ""
@@ -692,12 +649,10 @@ class WorkerProcesses:
     def close(self, timeout: float | None, terminate: bool, busy: Sequence[int]) -> None:
         """Close in three bounded phases: ask, terminate, kill.
 
-        Without ``terminate`` and with no call pending, each worker is asked to close its envs
-        and gets ``timeout`` seconds (default :data:`DEFAULT_CLOSE_TIMEOUT`) to exit. Workers
-        still alive then (or at once with ``terminate``) get SIGTERM and :data:`_KILL_GRACE`
-        seconds, then SIGKILL. Some envs catch SIGTERM (SDL does), hence the last phase. The
-        driver's own envs, if any, are closed in the driver.
-        """
+        Without ``terminate`` and with no call pending (``busy``), each worker is asked to
+        close its envs and gets ``timeout`` seconds (default :data:`DEFAULT_CLOSE_TIMEOUT`)
+        to exit. Workers still alive then (or at once with ``terminate``) get SIGTERM and
+        :data:`_KILL_GRACE` seconds, then SIGKILL (some envs catch SIGTERM: SDL does)."""
         if self.closed:
             return
         self.closed = True
@@ -711,7 +666,6 @@ class WorkerProcesses:
                 if proc is not None and proc.is_alive():
                     self.request(g, Command.CLOSE, False)
             self.ring_hosts()
-        if graceful:
             limit = DEFAULT_CLOSE_TIMEOUT if timeout is None else timeout
             join_all(procs, limit)
             hung = [
@@ -740,7 +694,7 @@ class WorkerProcesses:
         # workers are dead, whether or not the death watch saw them go. (Not at interpreter
         # finalization: no other thread runs, and a frozen one may hold the lock.)
         if not sys.is_finalizing():
-            self._ring_dead(None)
+            self.died(None)
             self._deaths.stop()
         for conn in self.conns:
             if conn is not None:

@@ -101,13 +101,11 @@ def plan_processes(
 
 
 def hosted_pool_plan(num_envs: int, spin_s: float | None, cores: int) -> ProcessesPlan:
-    """A first-ready pool's default layout: one env per group, so that each env's result is
-    handed back when that env finishes (a group's reply is its envs' together), and the
-    groups served by ``min(num_envs, cores)`` worker processes (contiguous runs of groups,
-    a thread per group in each: ``host_main``), so that the processes, their memory and
-    their wake-ups are those of a worker per core. Hosted groups never spin for their
-    command (their threads share their process's core); the driver spins as with one
-    worker per process.
+    """A first-ready pool's default layout: one env per group (each env's result handed back
+    when it finishes), the groups served by ``min(num_envs, cores)`` worker processes
+    (contiguous runs, a thread per group: ``host_main``), which cost what a worker per core
+    does. Hosted groups never spin for their command (their threads share a core); the
+    driver spins as with one worker per process.
 
     Example::
 

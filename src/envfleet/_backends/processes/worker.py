@@ -168,8 +168,7 @@ _SPUN_OUT, _TAKEN, _STEPPED = 0, 1, 2  # why _speedups.serve_steps returned
 def check_control_row() -> None:
     """Check that the C step path's control row (``_speedups.c``'s ``control_t``, which
     ``serve_steps``, ``full_round`` and the bell's functions read) is :data:`CONTROL_ROW`, its
-    Python mirror, word for word; called when a worker or a driver binds a C function (or a
-    round bell binds to the C module).
+    Python mirror, word for word, before a C function that reads it is bound.
 
     Raises:
         RuntimeError: the C module was built from other sources (rebuild it:
@@ -261,9 +260,10 @@ class WorkerSpec:
     hosted: bool = False  # served by a thread of a host process (host_main), with others
 
 
-def _anonymous_file(name: str, nbytes: int) -> int:
+def _anonymous_file(name: str, nbytes: int) -> tuple[int, mmap.mmap]:
     """A new anonymous shared-memory file of ``nbytes`` bytes (memfd; elsewhere an unlinked
-    temporary file): nothing to unlink, its memory goes with its last descriptor or mapping."""
+    temporary file) and its mapping here: nothing to unlink, its memory goes with its last
+    descriptor or mapping."""
     if hasattr(os, "memfd_create"):
         fd = os.memfd_create(name)
     else:  # no memfd (macOS)
@@ -271,10 +271,10 @@ def _anonymous_file(name: str, nbytes: int) -> int:
         os.unlink(path)
     try:
         os.ftruncate(fd, nbytes)
+        return fd, mmap.mmap(fd, nbytes)
     except BaseException:
         os.close(fd)
         raise
-    return fd
 
 
 def mapped_block(nbytes: int, spare_slabs: int) -> tuple[Block, int]:
@@ -282,17 +282,16 @@ def mapped_block(nbytes: int, spare_slabs: int) -> tuple[Block, int]:
     descriptor, for workers started before the block's size was known: each gets the
     descriptor on its pipe (:func:`send_block`) and maps the same memory (:func:`attach_block`).
     The caller closes the descriptor when no worker can need it any more."""
-    fd = _anonymous_file("envfleet-block", nbytes)
+    fd, memory = _anonymous_file("envfleet-block", nbytes)
     try:
-        return _block_over(fd, nbytes, spare_slabs), fd
+        return _block_over(memory, nbytes, spare_slabs), fd
     except BaseException:
         os.close(fd)
         raise
 
 
-def _block_over(fd: int, nbytes: int, spare_slabs: int) -> Block:
-    """A shared Block over the first ``nbytes`` of file ``fd``, mapped here."""
-    memory = mmap.mmap(fd, nbytes)
+def _block_over(memory: mmap.mmap, nbytes: int, spare_slabs: int) -> Block:
+    """A shared Block over the first ``nbytes`` of ``memory``, a file's mapping here."""
     block = Block.__new__(Block)
     # A Block's own unpickling: the same block, over memory mapped here rather than a RawArray.
     block.__setstate__(
@@ -317,7 +316,7 @@ def attach_block(conn: Connection) -> GroupLayout:
     layout: GroupLayout = pickle.loads(conn.recv_bytes())
     fd = reduction.recv_handle(conn)
     try:
-        layout.block = _block_over(fd, layout.nbytes, layout.spare_slabs)
+        layout.block = _block_over(mmap.mmap(fd, layout.nbytes), layout.nbytes, layout.spare_slabs)
     finally:
         os.close(fd)  # the mapping keeps the memory
     return layout
@@ -357,12 +356,7 @@ class ReplyRegion:
         need, flags, fd = sum(sizes), IN_REGION, None
         if self.memory is None or len(self.memory) < need:
             size = max(need, 2 * len(self.memory) if self.memory is not None else 0)
-            fd = _anonymous_file("envfleet-reply", size)
-            try:
-                memory = mmap.mmap(fd, size)
-            except BaseException:
-                os.close(fd)
-                raise
+            fd, memory = _anonymous_file("envfleet-reply", size)
             if self.memory is not None:
                 self.memory.close()
             self.memory = memory
@@ -399,6 +393,7 @@ class _Worker:
         self.g = spec.group_index
         self.control = word_view(control_words(spec.control)[self.g])
         self.mailbox = mailbox(spec.mailboxes, self.g)
+        self.stats = stats_rows(spec.stats)[self.g]  # its step-time row
         self.doorbell = spec.doorbell
         self.done, self.any_done = spec.doorbell.done, spec.any_done
         # A hosted group on its thread never spins (its host's other threads need the
@@ -425,8 +420,7 @@ class _Worker:
             return False
         bell, address, left = cast(RoundBell, self.bell), self.address, cast(float, timeout)
         end = time.monotonic() + left
-        bit = self.bit
-        while not bell.sleep(address, bit, left):
+        while not bell.sleep(address, self.bit, left):
             left = end - time.monotonic()
             if left <= 0:
                 return bool(control[REQ] != control[ACK])
@@ -442,6 +436,12 @@ class _Worker:
             return True
         value = getattr(self.doorbell.request, "value", None) if self.hosted else None
         return value is not None and value() > 0
+
+    def watch(self, group: EnvGroup) -> None:
+        """Have ``group`` note the env it is inside (``ENV``) and adapt its stepping, which
+        it tells in the last words of the step-time row (_core/stepping.py)."""
+        group.note_crashes(self.control[ENV : ENV + 1], self.spec.start)
+        group.adapt_stepping(self.stats[KIND:])
 
     def ring_done(self) -> None:
         if self.log_words is not None:
@@ -470,8 +470,7 @@ class _Worker:
         try:
             blob, flags, fd = self.region.dumps(payload)
         except Exception as exc:
-            status = Status.ERROR
-            self.control[STATUS] = status
+            self.control[STATUS] = Status.ERROR
             blob = pickle.dumps(
                 failure_reply(remote_error(exc, self.spec.start, "pickling the result")),
                 pickle.HIGHEST_PROTOCOL,
@@ -510,10 +509,9 @@ class _Worker:
         return True
 
     def serve(self, group: EnvGroup, timer: StepTimer | None = None) -> None:
-        control = self.control
         request: Any = self if self.bell is not None else self.doorbell.request
         if timer is None:
-            timer = StepTimer(stats_rows(self.spec.stats)[self.g])
+            timer = StepTimer(self.stats)
         serve_steps = self._serve_steps(group, timer)
         while True:
             spun_s: float | None = None
@@ -534,16 +532,8 @@ class _Worker:
                 request, self.budget, None, self.driver_alive, spun_s, IDLE_SLICE_MAX_S
             ):
                 return  # the driver is gone
-            command = _COMMANDS[control[CMD]]
-            if command is _CLOSE:
+            if not self.serve_one(group, timer):
                 return
-            payload = pickle.loads(self.conn.recv_bytes()) if control[CMD_PAYLOAD] else None
-            try:
-                result = run_command(group, command, payload, timer)
-            except BaseException as exc:  # an env's SystemExit too: report it
-                self.reply_failure(exc, group, command)
-                continue
-            self.reply(Status.OK, none_if_empty(result))
 
     def reply_failure(self, exc: BaseException, group: EnvGroup, command: Command) -> None:
         """Reply with what ``command`` raised: an env's failure, or a bug outside any env
@@ -551,11 +541,8 @@ class _Worker:
         if isinstance(exc, PartialFailure):
             errors = [remote_error(f, f.env_index, f.method) for f in exc.failures]
             self.reply(Status.ERROR, Failure(errors, exc.events or None, partial=True))
-        elif isinstance(exc, EnvFailure):
-            self.reply(Status.ERROR, failure_reply(remote_error(exc, exc.env_index, exc.method)))
         else:
-            error = remote_error(exc, group.start, command.name.lower())
-            self.reply(Status.ERROR, failure_reply(error))
+            self.reply(Status.ERROR, _error_reply(exc, group.start, command.name.lower()))
 
     def _serve_steps(
         self, group: EnvGroup, timer: StepTimer
@@ -580,7 +567,7 @@ class _Worker:
             self.doorbell.request.address,
             self.done.address,
             any_done,
-            control_words(self.spec.control)[self.g].ctypes.data,
+            self.address,
             group.step,
             timer.row.ctypes.data,
             self.budget.address,  # its numbers, adapted in place (self keeps it alive)
@@ -608,11 +595,10 @@ def host_main(
     bell: SharedSem,
 ) -> None:
     """A host process: several groups (one env each, in a first-ready pool), each with its
-    own doorbell, pipe, mailbox and reply, so that each env's result is handed back when that
-    env finishes. What is the process's is done once: the pipes' other ends closed, death
-    with the driver, Ctrl-C ignored, the fatal-signal note (``FAULT``: which group's env a
-    segfault hit) and the stacks' file (the first group's). Its groups' envs are built here,
-    one after another, then served (:class:`_Host`)."""
+    own doorbell, pipe, mailbox and reply. What is the process's is done once: the pipes'
+    other ends closed, death with the driver, Ctrl-C ignored, the fatal-signal note
+    (``FAULT``: which group's env a segfault hit), the stacks' file (the first group's).
+    Its groups' envs are built here, one after another, then served (:class:`_Host`)."""
     for parent_conn in parent_conns:
         parent_conn.close()  # inherited under fork; only the driver may hold them
     lead = specs[0]
@@ -656,20 +642,13 @@ def _build_hosted(workers: list[_Worker]) -> list[EnvGroup] | None:
     for worker in workers:
         spec = worker.spec
         try:
-            fns = [
-                bind_env_index(cloudpickle.loads(blob), spec.start + j, spec.accepts_index[j])
-                for j, blob in enumerate(spec.env_fns)
-            ]
+            fns = _factories(spec)
             built: list[gymnasium.Env[Any, Any]] = []
             if spec.layout is None:
                 built = build_group_envs(fns, spec.start)
-                probe = EnvProbe.of(built[0]) if spec.start == 0 else None
-                worker.reply(Status.READY, probe)
-        except EnvFailure as failure:
-            worker.reply(Status.ERROR, failure_reply(_failure_error(failure)))
-            return None
+                worker.reply(Status.READY, EnvProbe.of(built[0]) if spec.start == 0 else None)
         except Exception as exc:
-            worker.reply(Status.ERROR, failure_reply(remote_error(exc, spec.start, "make")))
+            worker.reply(Status.ERROR, _error_reply(exc, spec.start, "make"))
             return None
         fns_of.append(fns)
         built_of.append(built)
@@ -686,32 +665,39 @@ def _build_hosted(workers: list[_Worker]) -> list[EnvGroup] | None:
             if group.action_log is not None:
                 worker.log_words = group.action_log.words
             mismatch = group.check_spaces()
-        except EnvFailure as failure:
-            worker.reply(Status.ERROR, failure_reply(_failure_error(failure)))
-            return None
         except (EOFError, BrokenPipeError, ConnectionResetError):
             raise
         except Exception as exc:
-            worker.reply(Status.ERROR, failure_reply(remote_error(exc, spec.start, "make")))
+            worker.reply(Status.ERROR, _error_reply(exc, spec.start, "make"))
             return None
         worker.reply(Status.READY, mismatch)
     return groups
 
 
-def _failure_error(failure: EnvFailure) -> Any:
-    return remote_error(failure, failure.env_index, failure.method)
+def _factories(spec: WorkerSpec) -> list[Any]:
+    """``spec``'s env factories, unpickled, each bound to its env's global index."""
+    return [
+        bind_env_index(cloudpickle.loads(blob), spec.start + j, spec.accepts_index[j])
+        for j, blob in enumerate(spec.env_fns)
+    ]
+
+
+def _error_reply(exc: BaseException, start: int, method: str) -> Failure:
+    """The reply to ``exc``: an env's failure, else a bug outside any env, put on env
+    ``start`` and ``method``."""
+    if isinstance(exc, EnvFailure):
+        return failure_reply(remote_error(exc, exc.env_index, exc.method))
+    return failure_reply(remote_error(exc, start, method))
 
 
 class _Host:
     """How a host process serves its groups. At first in turns (``HOST_TURNS``): the driver
-    rings the host's ``bell`` (besides each group's request), and this thread runs every
-    group's command taken, one after another, each replied as it ends, the pool's shared
-    doorbell rung once after them: a wake-up on each side per host, not per env, as a
-    block of envs costs (envs that compute). Once a group's env is seen to wait
-    (:class:`~envfleet._core.stepping.AdaptiveStepping`'s kind, from its own steps), or with
-    ``ENVFLEET_STEPPING=concurrent``, for good on threads (``HOST_THREADS``): a thread per
-    group, blocking on its own doorbell, so that each env's result is handed back when it
-    finishes whatever the others wait for. ``ENVFLEET_STEPPING=sequential`` keeps turns."""
+    rings the host's ``bell`` too, and this thread runs each group's command taken in turn,
+    each replied as it ends, the pool's shared doorbell rung once after them: a wake-up per
+    host, not per env (envs that compute). Once a group's env is seen to wait
+    (:class:`~envfleet._core.stepping.AdaptiveStepping`), or with
+    ``ENVFLEET_STEPPING=concurrent``, for good on threads (``HOST_THREADS``): one per group,
+    on its own doorbell, each env handed back when it finishes. ``sequential`` keeps turns."""
 
     CHECK_EVERY = 8  # turns between looks at the groups' kinds
     # A command run in turns for this long (an env that waits, a hang) hands every other
@@ -723,14 +709,12 @@ class _Host:
         lead = workers[0]
         self.served = lead.control  # the SERVED word is the first group's
         self.any_done = lead.any_done
-        self.timers = [StepTimer(stats_rows(w.spec.stats)[w.g]) for w in workers]
+        self.timers = [StepTimer(w.stats) for w in workers]
         self.fault_group = _speedups.function("fault_group")
         ident = threading.get_ident()
         for w, group in zip(workers, groups, strict=True):
             w.control[THREAD] = ident
-            note = word_view(control_words(w.spec.control)[w.g])[ENV : ENV + 1]
-            group.note_crashes(note, w.spec.start)
-            group.adapt_stepping(stats_rows(w.spec.stats)[w.g][KIND:])
+            w.watch(group)
         # Taking a command in turns and going on threads exclude each other: after the
         # switch only each group's own thread takes its commands.
         self._lock = threading.Lock()
@@ -817,10 +801,9 @@ class _Host:
 
     def _switch(self, current: int | None) -> None:
         """Go on threads, for good (the lock held): every open group but ``current`` (whose
-        command this host's first thread runs now, and goes on serving) on a thread of its
-        own, blocking on its own doorbell; the driver rings each group's alone (``SERVED``).
-        Commands rung before are still there to take: each group's request count holds
-        them."""
+        command this thread runs now, and goes on serving) on a thread of its own, on its own
+        doorbell (``SERVED``: the driver rings it alone); its request count holds what was
+        rung before."""
         self._switched = True
         if self._unrung and self.any_done is not None:
             self.any_done.release()  # the replies of the turn cut short: found now
@@ -828,7 +811,7 @@ class _Host:
         for w in self.workers:
             w.any_done = self.any_done
         self.served[SERVED] = HOST_THREADS
-        for i in sorted(self._open - {current} if current is not None else self._open):
+        for i in sorted(self._open - {current}):
             w = self.workers[i]
             thread = threading.Thread(
                 target=_host_thread,
@@ -890,10 +873,7 @@ def _run_group(spec: WorkerSpec, conn: Connection) -> None:
     built: list[gymnasium.Env[Any, Any]] = []
     try:
         try:
-            fns = [
-                bind_env_index(cloudpickle.loads(blob), spec.start + j, spec.accepts_index[j])
-                for j, blob in enumerate(spec.env_fns)
-            ]
+            fns = _factories(spec)
             layout = spec.layout
             if layout is None:
                 # Driver-free: build the envs, tell env 0's spaces, then get the block.
@@ -903,20 +883,12 @@ def _run_group(spec: WorkerSpec, conn: Connection) -> None:
                 fns = [Prebuilt(env, fn) for env, fn in zip(built, fns, strict=True)]
             group = _new_group(spec, fns, layout)
             built = []  # the group's now
-            row = control_words(spec.control)[spec.group_index]
-            group.note_crashes(word_view(row)[ENV : ENV + 1], spec.start)
-            # One after another, or all at once for envs that wait (_core/stepping.py); what
-            # it finds goes into the last words of the worker's step-time row.
-            group.adapt_stepping(stats_rows(spec.stats)[spec.group_index][KIND:])
+            worker.watch(group)
             mismatch = group.check_spaces()
-        except EnvFailure as failure:
-            error = remote_error(failure, failure.env_index, failure.method)
-            worker.reply(Status.ERROR, failure_reply(error))
-            return
         except (EOFError, BrokenPipeError, ConnectionResetError):
             raise
         except Exception as exc:
-            worker.reply(Status.ERROR, failure_reply(remote_error(exc, spec.start, "make")))
+            worker.reply(Status.ERROR, _error_reply(exc, spec.start, "make"))
             return
         worker.reply(Status.READY, mismatch)
         worker.serve(group)
