@@ -19,7 +19,8 @@ vector env (and, under ``fork``, for its workers).
 ``pcg64_raw`` copies a PCG64 generator's state for the replay record's episode start at
 each autoreset (``_core/env_state.py``: ``StartReader.packed``; its twin ``pcg64_bytes``), and
 ``log_row`` each step's action rows into the record's ring (``ActionLog.recorder``; its twin
-``ActionLog.record``).
+``ActionLog.record``), and ``budget_adapt`` a spin budget after each wait (the rule the C
+waits adapt by; its twin ``SpinBudget.caught``/``blocked``, ``tests/unit/test_spin_budget.py``).
 
 The processes backend's round bell (Linux futexes, ``_backends/processes/doorbell.py``) has
 its C side here too: ``bell_ring``, ``bell_sleep``, ``bell_arrive``, ``gather_sleep`` and

@@ -91,6 +91,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from envfleet._core import native
+
 __all__ = [
     "BELL_BYTES",
     "BLOCK_SLICE_S",
@@ -123,11 +125,12 @@ class SpinBudget:
     A wait that spins out (its budget ran out and it had to block) halves the budget: the peer
     is slow, or is not running at all because the cores are oversubscribed, and then spinning
     only takes the CPU the peer needs. A wait that is caught while spinning, or that blocked
-    but ended soon enough for a spin to have caught it, adds ``step_s`` (``max_s / 16``; the
-    C step path's ``budget_caught`` and ``budget_blocked`` are the same rule on the same
-    numbers). On a quiet machine with short waits the budget stays near ``max_s`` (wake-ups
-    as fast as a spin sees them); with long waits, or other processes competing for the
-    cores, it falls to almost nothing and waiters block at once. After its first
+    but ended soon enough for a spin to have caught it, adds ``step_s`` (``max_s / 16``). The
+    rule is C's (``budget_caught``, ``budget_blocked``; here through ``budget_adapt``); the
+    Python twin below runs where the C module is absent (``tests/unit/test_spin_budget.py``
+    holds the two equal). On a quiet machine with short waits the budget stays near
+    ``max_s`` (wake-ups as fast as a spin sees them); with long waits, or other processes
+    competing for the cores, it falls to almost nothing and waiters block at once. After its first
     :data:`TIGHT_SPIN_S` (far below a scheduler slice) the spin loop yields the core
     (``sched_yield``) between polls, so a spinner never holds a core another runnable process
     could use for long.
@@ -140,12 +143,13 @@ class SpinBudget:
         max_s: the most seconds one wait may spin; 0 disables spinning.
     """
 
-    __slots__ = ("address", "words")
+    __slots__ = ("adapt", "address", "words")
 
     def __init__(self, max_s: float):
         max_s = max(0.0, max_s)
         self.words = (ctypes.c_double * 3)(max_s, max_s, max_s / 16)
         self.address = ctypes.addressof(self.words)
+        self.adapt = native.function("budget_adapt")  # (address, wait_s; < 0: caught)
 
     @property
     def budget_s(self) -> float:
@@ -154,11 +158,15 @@ class SpinBudget:
 
     def caught(self) -> None:
         """A wait ended while spinning."""
+        if self.adapt is not None:
+            return self.adapt(self.address, -1.0)
         words = self.words
         words[0] = min(words[1], words[0] + words[2])
 
     def blocked(self, wait_s: float) -> None:
         """A wait spun out and blocked; it lasted ``wait_s`` seconds in all."""
+        if self.adapt is not None:
+            return self.adapt(self.address, wait_s)
         words = self.words
         if wait_s <= words[1] / 2:  # a longer spin would have caught it
             words[0] = min(words[1], words[0] + words[2])
@@ -444,8 +452,6 @@ _BELL_FUNCTIONS = frozenset(
 
 def _native_bell() -> Any:
     """The C module when its round-bell functions run here, else ``None`` (no round bell)."""
-    from envfleet._core import native
-
     module = native.speedups
     if module is None or native.disabled & _BELL_FUNCTIONS:
         return None
