@@ -127,6 +127,13 @@ class WorkerReplacement:
             if done.results[w] is not None:
                 raise mismatch_error(done.results[w])
 
+    def _start_respawned(self, workers: list[int], step: int) -> None:
+        """:meth:`_start` of respawned ``workers``; one that cannot start is the broken path."""
+        try:
+            self._start(workers, self._start_timeout, step, at_start=False)
+        except EnvfleetError as error:
+            self.supervisor.broken(error)
+
     def _late_start(
         self, exc: StepTimeoutError, timeout: float | None, what: str
     ) -> StartTimeoutError:
@@ -147,9 +154,8 @@ class WorkerReplacement:
     # -- what the transport tells of a worker --------------------------------------------------
 
     def recordings(self, w: int) -> list[EnvRecording]:
-        """Worker ``w``'s envs' episodes so far (for a replay), read where its record
-        outlives it (the transport's ``recordings``: in-process, processes, Ray); else
-        none."""
+        """Worker ``w``'s envs' episodes so far (for a replay), where the transport's
+        ``recordings`` outlive it (in-process, processes, Ray); else none."""
         read = getattr(self.transport, "recordings", None)
         return read(w) if read is not None else []
 
@@ -206,10 +212,7 @@ class WorkerReplacement:
         if not recycler.replayable(w, recordings):
             return
         self.transport.respawn(w, "recycle")
-        try:
-            self._start([w], self._start_timeout, step, at_start=False)
-        except EnvfleetError as error:  # a new worker could not start: the broken path
-            self.supervisor.broken(error)
+        self._start_respawned([w], step)
         request = TaskRequest(restore_envs, (recordings, self._ended_episodes(w)))
         self._bring_up(w, request, step, "recycling its worker")
         self.ledger.recycled += 1
@@ -267,7 +270,7 @@ class WorkerReplacement:
         for w, f in sorted(done.failures.items()):
             error = self.env_error(w, f, "")
             log_env_restart(failed_envs(f))
-            ledger.survived(error)
+            ledger.failures.append(error)
             warn_restarted(error, failed[w], list(range(*self.ranges[w])))
         crashes = {  # before they are replaced
             w: self.crash_error(w, step, "", reason, False, RESTARTED)
@@ -284,7 +287,7 @@ class WorkerReplacement:
             for w in respawn:
                 envs, catch_up = lost[w]
                 died: EnvfleetError = crashes[w] if w in crashes else hung[w]
-                ledger.survived(died)
+                ledger.failures.append(died)
                 if catch_up is not None:
                     caught[w] = self._bring_up(w, catch_up, step, "bringing its envs back")
                 failed[w] = envs
@@ -322,18 +325,14 @@ class WorkerReplacement:
         late = [w for w in workers if w in done.late]
         # Taken by spare() before a host was killed, else now.
         stacks, self._late_stacks = self._late_stacks or self.stacks(late), None
+        message = "worker %d did not answer in time%s; its stacks before it was killed:\n%s"
         for w, text in stacks.items():
-            logger.warning(
-                "worker %d did not answer in time%s; its stacks before it was killed:\n%s",
-                w,
-                at(text),
-                text,
-            )
-        hung = {}
-        for w in late:  # what it would have raised
-            fate = "killed and restarted by the restart policy"
-            mine = {w: stacks[w]} if w in stacks else {}
-            hung[w] = timeout_error(self, [w], timeout, mine, fate)
+            logger.warning(message, w, at(text), text)
+        fate = "killed and restarted by the restart policy"
+        hung = {  # what each would have raised
+            w: timeout_error(self, [w], timeout, {w: stacks[w]} if w in stacks else {}, fate)
+            for w in late
+        }
         reasons = {w: done.crashed.get(w, "late" if w in done.late else "host") for w in workers}
         respawn_all = getattr(self.transport, "respawn_all", None)
         if respawn_all is not None:
@@ -341,10 +340,7 @@ class WorkerReplacement:
         else:
             for w in workers:
                 self.transport.respawn(w, reasons[w])
-        try:
-            self._start(workers, self._start_timeout, step, at_start=False)
-        except EnvfleetError as error:  # a new worker could not start: the broken path
-            self.supervisor.broken(error)
+        self._start_respawned(workers, step)
         self._pending = others
         return hung
 

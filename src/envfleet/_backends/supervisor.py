@@ -65,7 +65,6 @@ __all__ = [
     "RESTARTED",
     "Ledger",
     "Rebuild",
-    "RestartBudget",
     "RestartPolicy",
     "Round",
     "Supervised",
@@ -203,36 +202,12 @@ def restart_seed(seed: int | None, restarts: int) -> int | None:
     return int(state[0])
 
 
-class RestartBudget:
-    """Counts restarts in a sliding window of ``policy.window_s`` seconds."""
-
-    def __init__(self, policy: RestartPolicy):
-        self.policy = policy
-        self._times: collections.deque[float] = collections.deque()
-
-    def take(self, count: int = 1) -> bool:
-        """Spend ``count`` restarts now if the budget allows all of them; return whether it did."""
-        now = time.monotonic()
-        while self._times and now - self._times[0] > self.policy.window_s:
-            self._times.popleft()
-        if len(self._times) + count > self.policy.max_restarts:
-            return False
-        self._times.extend([now] * count)
-        return True
-
-    def describe(self) -> str:
-        return (
-            f"restart budget exhausted ({self.policy.max_restarts} restarts within "
-            f"{self.policy.window_s:g} s)"
-        )
-
-
 class Ledger:
     """The driver's record of failures and restarts, and of each env's last seed."""
 
     def __init__(self, num_envs: int, policy: RestartPolicy | None):
         self.policy = policy
-        self.budget = RestartBudget(policy) if policy is not None else None
+        self._restart_times: collections.deque[float] = collections.deque()  # the budget's
         self.seeds: list[int | None] = [None] * num_envs
         self.env_restarts = [0] * num_envs
         self.restarts = 0
@@ -250,20 +225,12 @@ class Ledger:
         # The last failures a restart policy survived, each the error it would have raised.
         self.failures: collections.deque[EnvfleetError] = collections.deque(maxlen=FAILURES_KEPT)
 
-    def survived(self, error: EnvfleetError) -> None:
-        """Keep ``error``, a failure the restart policy survived, for ``envs.stats.failures``."""
-        self.failures.append(error)
-
     def note_seeds(self, start: int, seeds: list[int | None], mask: Any) -> None:
         """Remember the seeds a reset gives envs ``start, start + 1, ...`` (``mask``: reset
         only where True; ``None``: all)."""
         for j, seed in enumerate(seeds):
             if seed is not None and (mask is None or mask[j]):
                 self.seeds[start + j] = int(seed)
-
-    def allow(self, count: int = 1) -> bool:
-        """Whether ``count`` more restarts fit the policy's budget (and spend them if so)."""
-        return self.budget is not None and self.budget.take(count)
 
     def restarts_on(self, command: Command) -> bool:
         """Whether a failure of ``command`` is restarted under the policy (:data:`RESTARTABLE`)."""
@@ -276,9 +243,10 @@ class Ledger:
         count: int,
         exceptions: Iterable[BaseException | None] = (),
     ) -> str | None:
-        """Grant ``count`` restarts after ``commands`` failed (``None``; the budget is spent),
-        or refuse them, returning the note for the fail-fast error: empty when nothing is
-        restarted at all, the budget's message when it is exhausted.
+        """Grant ``count`` restarts after ``commands`` failed (``None``; the budget, at most
+        ``max_restarts`` in a sliding window of ``window_s`` seconds, is spent), or refuse them,
+        returning the note for the fail-fast error: empty when nothing is restarted at all, the
+        budget's message when it is exhausted.
 
         ``commands``: the command, or each failed worker's (a first-ready pool's workers may
         run different ones). ``only_envs_failed``: every failure is an env's own, the rest of
@@ -293,8 +261,15 @@ class Ledger:
         policy = cast(RestartPolicy, self.policy)
         if not all(policy.restarts(exc) for exc in exceptions):
             return ""
-        if not self.allow(count):
-            return cast(RestartBudget, self.budget).describe()
+        now, times = time.monotonic(), self._restart_times
+        while times and now - times[0] > policy.window_s:
+            times.popleft()
+        if len(times) + count > policy.max_restarts:
+            return (
+                f"restart budget exhausted ({policy.max_restarts} restarts within "
+                f"{policy.window_s:g} s)"
+            )
+        times.extend([now] * count)
         return None
 
     def restarted(self, env_indices: Any) -> None:
@@ -364,16 +339,8 @@ def log_env_restart(failed: list[tuple[int, str, str, str]]) -> None:
     that a simulator lost by 512 envs of a worker is one line, not 512."""
     if not failed:
         return
-    env_index, method, type_name, message = failed[0]
     more = f" (and {len(failed) - 1} more of its worker's envs)" if len(failed) > 1 else ""
-    logger.warning(
-        "sub-environment %d raised in %s (%s: %s)%s; restarting it",
-        env_index,
-        method,
-        type_name,
-        message,
-        more,
-    )
+    logger.warning("sub-environment %d raised in %s (%s: %s)%s; restarting it", *failed[0], more)
 
 
 _REPLAYS_SAVED = itertools.count()
@@ -511,18 +478,15 @@ def _unpickled(blob: bytes | None) -> BaseException | None:
 
 def _only_envs_failed(failure: Any) -> bool:
     """Whether only some envs of the group failed, the others completed (see Ledger.refusal)."""
-    if isinstance(failure, Failure):
-        return failure.partial
-    return isinstance(failure, PartialFailure)
+    return failure.partial if isinstance(failure, Failure) else isinstance(failure, PartialFailure)
 
 
 def events_of(failure: Any) -> list[InfoEvent] | None:
     """The infos of the envs that completed beside the failed ones."""
-    if isinstance(failure, (Failure, PartialFailure)):
-        return failure.events
-    return None
+    return failure.events if isinstance(failure, (Failure, PartialFailure)) else None
 
 
+@dataclass(slots=True)
 class Rebuild:
     """What :meth:`Supervisor.decide` answers for a round whose failures the restart policy
     covers: the round driver rebuilds them (``WorkerReplacement.settle``).
@@ -533,12 +497,9 @@ class Rebuild:
         after: worker -> the command its envs restart after.
     """
 
-    __slots__ = ("after", "failed", "respawn")
-
-    def __init__(
-        self, failed: dict[int, list[int]], respawn: list[int], after: dict[int, Command]
-    ) -> None:
-        self.failed, self.respawn, self.after = failed, respawn, after
+    failed: dict[int, list[int]]
+    respawn: list[int]
+    after: dict[int, Command]
 
 
 class Supervised(Protocol):
@@ -632,9 +593,7 @@ class Supervisor:
         if timeout is None:
             return None
         sent = [self.sent_at[w] for w in workers]
-        if not sent:
-            return None
-        return min(sent) + timeout
+        return min(sent) + timeout if sent else None
 
     def late(self, workers: Iterable[int], timeout: float | None) -> list[int]:
         """The workers of ``workers`` past ``timeout`` seconds since their send, in order."""

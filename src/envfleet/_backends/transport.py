@@ -87,11 +87,9 @@ class Transport(Protocol):
 
     def inline(self, command: Command) -> frozenset[int]:
         """The workers whose :meth:`send` of ``command`` runs it here, to the end."""
-        ...
 
     def send(self, w: int, command: Command, payload: Any) -> bool:
         """Start ``command`` on worker ``w``; ``False`` when ``w`` was found dead."""
-        ...
 
     def wait(
         self, workers: list[int], deadline: float | None, first: bool, spun_s: float | None = None
@@ -101,38 +99,31 @@ class Transport(Protocol):
         pool's wait, which reports every worker ready by then; else the transport may report
         just the first to reply. ``spun_s``: seconds :attr:`full_round` already spun on the
         first of ``workers`` (a transport that spins before it blocks counts them)."""
-        ...
 
     def read(self, w: int, done: Round) -> None:
         """Take worker ``w``'s reply (reported ready) into ``done``: its result, its
         failure, or its death (a reply cut short)."""
-        ...
 
     def respawn(self, w: int, reason: str) -> None:
         """Kill worker ``w`` (dead or hung) and start a new one for the same envs; its
         ``READY`` reply comes through :meth:`wait` like any other."""
-        ...
 
     def lay_out(self, workers: list[int], probe: Any) -> bool:
         """After the workers' first ``READY`` replies (``probe``: env 0's, at the start; else
         ``None``): hand each worker its layout when it was started without one, and return
         whether a second ``READY`` reply is to be waited for."""
-        ...
 
     def env_error(self, w: int, failure: Any, note: str) -> EnvError:
         """The typed error of worker ``w``'s first failed env."""
-        ...
 
     def crash_error(
         self, w: int, step: int, note: str, reason: str, starting: bool, fate: str = CLOSED
     ) -> EnvCrashedError:
         """The typed error of worker ``w``, found dead after ``step`` steps."""
-        ...
 
     def step_times(self) -> tuple[StepTimeStats, ...]: ...
 
     def close(self, timeout: float | None, terminate: bool, busy: Sequence[int]) -> None:
         """Shut every worker down (``busy``: those with a command still running)."""
-        ...
 
     def disown(self) -> None: ...

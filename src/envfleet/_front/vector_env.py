@@ -192,10 +192,7 @@ class FleetVectorEnv(VectorEnv[Any, Any, np.ndarray]):
             self._backend.ledger.note_seeds(start, seeds[start:stop], local_mask)
         self._outputs.pick_slab(every_env=mask is None, copy=self.copy)
         self._submit_async(Command.RESET, payloads)  # a backend may refuse it: nothing changes
-        if mask is None:
-            self._needs_reset[:] = False
-        else:
-            self._needs_reset[mask] = False
+        self._needs_reset[slice(None) if mask is None else mask] = False
         self._state = AsyncState.WAITING_RESET
 
     def reset_wait(self, timeout: float | None = None) -> tuple[Any, dict[str, Any]]:
