@@ -351,15 +351,14 @@ class FleetVectorEnv(VectorEnv[Any, Any, np.ndarray]):
                 "reset them first, e.g. reset(options={'reset_mask': mask})",
                 pending,
             )
-        out = self._backend.batch.actions
-        if (
-            self._action_leaf
-            and type(actions) is np.ndarray
-            and actions.dtype == out.dtype
-            and actions.shape == out.shape
+        if (  # the common case, checked without the general walk (shape None: not one leaf)
+            type(actions) is np.ndarray
+            and actions.shape == self._action_shape
+            and actions.dtype == self._action_dtype
         ):
-            self._stage_actions(actions)  # the common case, checked without the general walk
+            self._stage_actions(actions)
             return
+        out = self._backend.batch.actions
         leaves: list[tuple[np.ndarray | None, Any]] = []
         check_actions(self.single_action_space, out, actions, "actions", leaves, self.num_envs)
         # Each env gets its row in the caller's dtype, as gymnasium's vector envs hand it
@@ -369,21 +368,20 @@ class FleetVectorEnv(VectorEnv[Any, Any, np.ndarray]):
         for target, value in leaves:
             if target is not None:
                 target[...] = value
+        self._stage_actions(None)
         travel = caller_leaves(self.single_action_space, out, actions)
-        self._step_payloads = self._every_group
         if travel is not None:
             self._step_payloads = {
                 w: [None if v is None else v[start:stop] for v in travel]
                 for w, (start, stop) in enumerate(self._backend.ranges)
             }
-        if self._outputs.slabs is not None:
-            self._outputs.pick_slab(True, self.copy)
 
-    def _stage_actions(self, actions: np.ndarray) -> None:
+    def _stage_actions(self, actions: np.ndarray | None) -> None:
         """Write ``actions``, an array of the action buffer's own shape and dtype (the one
-        leaf: the assignment casts nothing), for a step of every group with no payload, and
-        pick the step's observation slab."""
-        self._backend.batch.actions[...] = actions
+        leaf: the assignment casts nothing; ``None``: already written), for a step of every
+        group with no payload, and pick the step's observation slab."""
+        if actions is not None:
+            self._backend.batch.actions[...] = actions
         self._step_payloads = self._every_group
         if self._outputs.slabs is not None:
             self._outputs.pick_slab(True, self.copy)
