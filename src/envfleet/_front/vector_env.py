@@ -32,7 +32,6 @@ from envfleet._core.buffers import caller_leaves, is_leaf, side_leaves
 from envfleet._core.errors import (
     AlreadyPendingCallError,
     ClosedEnvironmentError,
-    EnvError,
     InvalidArgumentError,
     NoAsyncCallError,
     PoolStateError,
@@ -529,17 +528,21 @@ class FleetVectorEnv(VectorEnv[Any, Any, np.ndarray]):
         """
         if self.closed or self._state is not _NO_CALL:
             self._assert_pool_idle("recv")
-        try:
-            results = self._pool.recv(
-                self.step_timeout if timeout is None else timeout, self._steps
-            )
-        except EnvError:
-            raise
-        except BaseException:
-            self.closed = self._backend.closed
-            raise
+        results = self._from_pool(
+            self._pool.recv, self.step_timeout if timeout is None else timeout
+        )
         self._steps += 1
         return results
+
+    def _from_pool(self, call: Callable[[float | None, int], Any], timeout: float | None) -> Any:
+        """``call(timeout, steps)`` on the pool; the vector env is closed if the backend
+        is when it raises."""
+        try:
+            return call(timeout, self._steps)
+        except BaseException:
+            # A crash, a timeout or an interrupt may have shut the backend down.
+            self.closed = self._backend.closed
+            raise
 
     def _assert_pool_idle(self, name: str) -> None:
         self._assert_running()
@@ -608,13 +611,8 @@ class FleetVectorEnv(VectorEnv[Any, Any, np.ndarray]):
         pool = None
         if self.is_pool or self._pool.started:
             self._assert_pool_idle("snapshot")
-            try:  # every env sent an action finishes first: its result waits for recv()
-                pool = self._pool.take(self.step_timeout, self._steps)
-            except EnvError:
-                raise
-            except BaseException:
-                self.closed = self._backend.closed
-                raise
+            # Every env sent an action finishes first: its result waits for recv().
+            pool = self._from_pool(self._pool.take, self.step_timeout)
         else:
             self._assert_idle("snapshot")
         for _ in range(3):
